@@ -1,0 +1,48 @@
+"""Backends that run one forward step for the generation loop: PyTorch here, ONNX Runtime in runtime.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .choices import BackendKind, ProviderKind  # noqa: F401  (re-exported)
+from .model import GPT2, KVCache
+
+
+class TorchBackend:
+    """The PyTorch reference: our GPT2 module with its tensor KV cache kept on the model's device."""
+
+    name = "torch"
+
+    def __init__(self, model: GPT2, device: str = "cpu"):
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.provider = ProviderKind.cuda if self.device.type == "cuda" else ProviderKind.cpu
+        self.n_positions = model.config.n_positions
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    @torch.inference_mode()
+    def run(self, input_ids, attention_mask, position_ids, past: KVCache | None):
+        """All logits (B, T, V) as float32 numpy, and the new cache (tensors on the device)."""
+        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past)
+        return logits.float().cpu().numpy(), present
+
+    @torch.inference_mode()
+    def step(self, input_ids, attention_mask, position_ids, past: KVCache | None):
+        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past)
+        return logits[:, -1].float().cpu().numpy(), present
+
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> KVCache:
+        dtype = self.model.wte.weight.dtype
+        t = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype) for a in arrays]
+        return list(zip(t[0::2], t[1::2]))
+
+    @staticmethod
+    def present_to_numpy(present: KVCache) -> list[np.ndarray]:
+        return [t.float().cpu().numpy() for kv in present for t in kv]
+
+    def reorder(self, past: KVCache, rows: np.ndarray) -> KVCache:
+        idx = self._t(rows)
+        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]

@@ -1,0 +1,62 @@
+"""gpt2x's exceptions. Each carries the exit code the CLI maps it to (the one place that does)."""
+
+from __future__ import annotations
+
+
+class Gpt2xError(Exception):
+    """Base class: a failure with a one-line explanation for the user."""
+
+    exit_code = 1
+
+
+class UsageError(Gpt2xError):
+    """Invalid option values or combinations (prompt too long, empty prompts file, ...)."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(Gpt2xError):
+    """Unknown model name or repo id, or a local path that does not exist."""
+
+    exit_code = 3
+
+
+class WeightsError(Gpt2xError):
+    """Weights or config that cannot be loaded: missing/extra/mis-shaped tensors, not GPT-2, refused pickle."""
+
+    exit_code = 4
+
+
+class HubError(Gpt2xError):
+    """No network and nothing cached, or the hub answered with an error."""
+
+    exit_code = 5
+
+
+class ArtifactError(Gpt2xError):
+    """An ONNX export that is missing, corrupt, or does not match what was asked for."""
+
+    exit_code = 6
+
+
+class ParityError(Gpt2xError):
+    """A backend's outputs are outside the precision's tolerance."""
+
+    exit_code = 7
+
+
+class ProviderError(Gpt2xError):
+    """An execution provider that is unknown, unavailable or failed to load."""
+
+    exit_code = 8
+
+
+class OutputError(Gpt2xError):
+    """An output that exists and would be overwritten without --force, or that cannot be written
+    (permissions, disk full)."""
+
+    exit_code = 9
+
+
+# Ctrl-C: the shell convention, 128 + SIGINT.
+INTERRUPTED_EXIT_CODE = 130

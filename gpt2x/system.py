@@ -1,0 +1,79 @@
+"""What this machine is: CPU, GPU, package versions, providers that really load, cache locations.
+Recorded with every benchmark result and shown by `gpt2x info`."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import __version__
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> str | None:
+    """GPU name and driver from nvidia-smi, or None where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    result = {"gpt2x": __version__, "python": platform.python_version()}
+    for name in ("torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "numpy", "transformers", "tiktoken"):
+        try:
+            result[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return result
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def system_info() -> dict:
+    from huggingface_hub import constants
+
+    from .runtime import available_providers, physical_cores
+
+    providers = available_providers()
+    return {
+        "gpt2x": __version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cores": physical_cores(),
+        "gpu": gpu_info() or "none found",
+        "packages": package_versions(),
+        "providers listed": ", ".join(providers["listed"]),
+        "providers loadable": providers["loadable"],
+        "hub cache": constants.HF_HUB_CACHE,
+        "hub offline": bool(constants.HF_HUB_OFFLINE),
+        "exports": str(Path("exported").resolve()),
+        "git": git_revision() or "n/a",
+    }

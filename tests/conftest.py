@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny GPT-2s with random weights, saved by transformers in Hugging Face layout
+(so our loader is tested against files it did not write), and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data"
+TINY = dict(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+
+
+def make_hf_model(folder: Path, seed: int = 0, safe: bool = True, **overrides):
+    """A random-weight transformers GPT2LMHeadModel saved to `folder`; returns the HF model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(**{**TINY, **overrides}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights make differences visible in the logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+    if not safe:  # a pickled checkpoint, as older hub repos have (transformers 5 writes safetensors only)
+        from safetensors.torch import load_file
+
+        path = folder / "model.safetensors"
+        torch.save(load_file(path), folder / "pytorch_model.bin")
+        path.unlink()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    model = make_hf_model(folder)
+    return folder, model
+
+
+def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m gpt2x ARGS` in a subprocess, as a user runs it."""
+    full_env = {k: v for k, v in os.environ.items() if k != "GPT2X_DEBUG"}
+    full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, env=full_env,
+        input=stdin, timeout=timeout,
+    )

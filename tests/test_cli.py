@@ -1,0 +1,118 @@
+"""The command line as a user meets it: results on stdout, one-line errors with their exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from gpt2x.cli import main
+from gpt2x.errors import HubError, ModelNotFoundError, UsageError
+
+from .conftest import run_cli
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the console entry point in-process; returns (exit code, stdout, stderr)."""
+    old = sys.argv
+    sys.argv = ["gpt2x", *args]
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main()
+    finally:
+        sys.argv = old
+    captured = capsys.readouterr()
+    return exc.value.code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, expected_code: int, fragment: str) -> None:
+    assert code == expected_code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "export", "inspect", "train", "info"])
+def test_every_command_has_help_with_examples(capsys, command):
+    code, out, _ = cli(capsys, command, "--help")
+    assert code == 0 and "Example" in out
+
+
+def test_generate_json_and_seed(capsys):
+    args = ["generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "12", "--seed", "3", "--json"]
+    code, out, _ = cli(capsys, *args)
+    assert code == 0
+    first = json.loads(out)
+    assert first["prompt_tokens"] and len(first["tokens"]) <= 12 and first["seed"] == 3
+    from gpt2x.tokenizer import decode, encode
+
+    assert first["prompt_tokens"] == encode("ROMEO:") and first["text"] == decode(first["tokens"])
+    assert json.loads(cli(capsys, *args)[1]) == first  # same seed, same text
+
+
+def test_generate_streams_prompt_and_text(capsys):
+    code, out, _ = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "5", "--greedy")
+    assert code == 0 and out.startswith("ROMEO:") and len(out) > len("ROMEO:\n")
+
+
+def test_prompts_file_batch(capsys, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("ROMEO:\n\nJULIET:\nO\n", encoding="utf-8")
+    code, out, _ = cli(capsys, "generate", "--prompts-file", str(f), "--backend", "torch", "--greedy",
+                       "--max-new-tokens", "6", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["prompt"] for r in rows] == ["ROMEO:", "JULIET:", "O"]
+
+
+@pytest.mark.parametrize("content,fragment", [(None, "not found"), (b"\n  \n", "no prompts"), (b"\xff\xfe\x00bad", "not UTF-8")])
+def test_bad_prompts_file(capsys, tmp_path, content, fragment):
+    f = tmp_path / "p.txt"
+    if content is not None:
+        f.write_bytes(content)
+    code, _, err = cli(capsys, "generate", "--prompts-file", str(f), "--backend", "torch")
+    assert_one_line_error(code, err, UsageError.exit_code, fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--temperature", "0"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--num-beams", "0"], "--num-beams"),
+])
+def test_bad_sampling_values(capsys, args, fragment):
+    code, _, err = cli(capsys, "generate", "hi", "--backend", "torch", *args)
+    assert_one_line_error(code, err, UsageError.exit_code, fragment)
+
+
+def test_prompt_longer_than_context(capsys):
+    code, _, err = cli(capsys, "generate", "to be or not " * 100, "--backend", "torch")
+    assert_one_line_error(code, err, UsageError.exit_code, "context")
+    code, out, _ = cli(capsys, "generate", "to be or not " * 100, "--backend", "torch", "--truncate",
+                       "--max-new-tokens", "4", "--json")
+    assert code == 0 and len(json.loads(out)["prompt_tokens"]) == 256 - 4
+
+
+def test_unknown_local_path(capsys):
+    code, _, err = cli(capsys, "generate", "hi", "--backend", "torch", "--model", "./no/such/model")
+    assert_one_line_error(code, err, ModelNotFoundError.exit_code, "no such file")
+
+
+def test_inspect_json_total(capsys):
+    code, out, _ = cli(capsys, "inspect", "gpt2", "--json", "--seq-len", "5")
+    d = json.loads(out)
+    assert code == 0 and d["total_params"] == 124_439_808
+    assert d["activations"][-1]["shape"] == [5, 50257]
+
+
+def test_subprocess_offline_hub_error_and_debug_traceback(tmp_path):
+    env = {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    r = run_cli("generate", "Hello", "--model", "gpt2", "--backend", "torch", env=env)
+    assert_one_line_error(r.returncode, r.stderr, HubError.exit_code, "--model shakespeare")
+    r = run_cli("generate", "Hello", "--model", "gpt2", "--backend", "torch", env={**env, "GPT2X_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_subprocess_version():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("gpt2x ")

@@ -1,0 +1,294 @@
+"""The ONNX export and ONNX Runtime backend against the PyTorch model (a second, independent backend):
+random shapes with empty past and left padding, step-by-step decoding, the bundled model's greedy
+tokens, int8's gate, metadata, and what happens when things go wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2x import export as export_mod
+from gpt2x import onnx_io as io
+from gpt2x import parity
+from gpt2x.backends import TorchBackend
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.errors import ArtifactError, OutputError, ParityError, ProviderError
+from gpt2x.export import export, read_export
+from gpt2x.generation import SamplingSettings, generate
+from gpt2x.model import GPT2, GPT2Config
+from gpt2x.runtime import OrtBackend, available_providers
+from gpt2x.weights import ModelSource, load_model
+
+from .conftest import make_hf_model, run_cli
+
+REL_TOL = parity.TOLERANCES[Precision.fp32].max_rel
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_hf_model(folder, seed=11)
+    model, source = load_model(str(folder))
+    info = export(model, source, tmp_path_factory.mktemp("exp") / "tiny-fp32")
+    return model, source, info
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    model, source = load_model("shakespeare")
+    root = tmp_path_factory.mktemp("bundled")
+    return model, source, root
+
+
+def rel_err(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(np.abs(ref - got).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("batch,past,seq,pad", [(1, 0, 9, 0), (3, 0, 6, 2), (2, 5, 1, 0), (4, 7, 4, 3), (1, 20, 3, 0)])
+def test_ort_logits_and_presents_match_torch(tiny, batch, past, seq, pad):
+    model, _, info = tiny
+    ort_b = OrtBackend(info)
+    gen = torch.Generator().manual_seed(batch * 100 + past)
+    ids = torch.randint(0, 50257, (batch, past + seq), generator=gen)
+    mask = torch.ones(batch, past + seq, dtype=torch.long)
+    mask[0, :pad] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        _, torch_past = model(ids[:, :past], mask[:, :past], pos[:, :past]) if past else (None, None)
+        ref, ref_present = model(ids[:, past:], mask, pos[:, past:], torch_past)
+    ort_past = ort_b.past_from_numpy([t.numpy() for kv in torch_past for t in kv]) if past else None
+    got, present = ort_b.run(ids[:, past:].numpy(), mask.numpy(), pos[:, past:].numpy(), ort_past)
+    real = mask[:, past:].bool().numpy()
+    assert got.shape == (batch, seq, 50257)
+    assert rel_err(ref.numpy()[real], got[real]) <= REL_TOL
+    for (k, v), ok, ov in zip(ref_present, present[0::2], present[1::2]):
+        assert ok.numpy().shape == (batch, model.config.n_head, past + seq, model.config.head_dim)
+        rows = real.any(-1)
+        assert rel_err(k.numpy()[rows], ok.numpy()[rows]) <= REL_TOL
+        assert rel_err(v.numpy()[rows], ov.numpy()[rows]) <= REL_TOL
+
+
+def test_step_by_step_onnx_equals_full_torch_forward(tiny):
+    model, _, info = tiny
+    ort_b = OrtBackend(info)
+    ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :2] = 0  # second row left-padded
+    with torch.no_grad():
+        full, _ = model(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+    past = None
+    for t in range(12):
+        m = mask[:, : t + 1].numpy()
+        pos = np.maximum(m.cumsum(-1) - 1, 0)[:, -1:]
+        logits, past = ort_b.run(ids[:, t : t + 1].numpy(), m, pos, past)
+        real = mask[:, t].bool().numpy()
+        assert rel_err(full[:, t].numpy()[real], logits[:, 0][real]) <= REL_TOL
+
+
+def test_graph_io_names_and_fusions(tiny):
+    import onnx
+
+    _, _, info = tiny
+    proto = onnx.load(str(info.model_path), load_external_data=False)
+    n = info.config.n_layer
+    assert [i.name for i in proto.graph.input] == io.input_names(n)
+    assert [o.name for o in proto.graph.output] == io.output_names(n)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
+    assert dims[io.past_key(0)] == [io.BATCH, info.config.n_head, io.PAST, info.config.head_dim]
+    assert proto.ir_version == export_mod.IR_VERSION
+    counts = info.meta["fused_operators"]
+    assert counts["MultiHeadAttention"] == n and counts["FastGelu"] == n
+    assert counts["SkipLayerNormalization"] >= 2 * n
+
+
+def test_metadata_round_trip_and_checks(tiny, tmp_path):
+    _, _, info = tiny
+    again = read_export(info.folder)
+    assert again.meta == info.meta and again.config == info.config
+    assert info.meta["parity"]["status"] == "passed"
+    assert info.meta["versions"]["onnxruntime"]
+    folder = tmp_path / "copy"
+    shutil.copytree(info.folder, folder)
+    meta = json.loads((folder / "gpt2x.json").read_text())
+    (folder / "gpt2x.json").write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(ArtifactError, match="format version 99"):
+        read_export(folder)
+    (folder / "gpt2x.json").write_text(json.dumps({**meta, "tokenizer": {"vocab.bpe": "0"}}))
+    with pytest.raises(ArtifactError, match="tokenizer"):
+        read_export(folder)
+    (folder / "gpt2x.json").write_text(json.dumps(meta))
+    data = (folder / "model.onnx").read_bytes()
+    (folder / "model.onnx").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ArtifactError, match="corrupt"):
+        read_export(folder)
+    (folder / "model.onnx").unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        read_export(folder)
+
+
+def test_truncated_graph_is_refused_even_without_hashes(tiny, tmp_path):
+    from gpt2x.runtime import create_session
+
+    _, _, info = tiny
+    folder = tmp_path / "t"
+    shutil.copytree(info.folder, folder)
+    data = (folder / "model.onnx").read_bytes()
+    (folder / "model.onnx").write_bytes(data[:1000])
+    with pytest.raises(ArtifactError, match="not a readable ONNX file"):
+        read_export(folder, verify_hashes=False)
+    with pytest.raises(ArtifactError, match="cannot load"):
+        create_session(folder / "model.onnx", ProviderKind.cpu)
+
+
+def test_existing_output_needs_force(tiny):
+    model, source, info = tiny
+    with pytest.raises(OutputError):
+        export(model, source, info.folder)
+
+
+def test_interrupted_export_leaves_nothing(tiny, tmp_path, monkeypatch):
+    model, source, _ = tiny
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_mod, "fuse", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        export(model, source, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parity_gate_fails_a_perturbed_export(tiny, tmp_path, monkeypatch):
+    """An export whose graph differs from the model (one weight nudged after tracing) is refused."""
+    model, source, _ = tiny
+    real_fuse = export_mod.fuse
+
+    def fuse_then_perturb(raw, out, cfg, precision):
+        import onnx
+        from onnx import numpy_helper
+
+        proto = onnx.load(str(raw))
+        for init in proto.graph.initializer:
+            arr = numpy_helper.to_array(init)
+            if arr.ndim == 2 and arr.shape[0] == cfg.n_embd:  # a projection matrix
+                init.CopyFrom(numpy_helper.from_array(arr + 1e-2, init.name))
+                break
+        onnx.save(proto, str(raw))
+        return real_fuse(raw, out, cfg, precision)
+
+    monkeypatch.setattr(export_mod, "fuse", fuse_then_perturb)
+    with pytest.raises(ParityError, match="out of tolerance"):
+        export(model, source, tmp_path / "bad")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bundled_greedy_identical_on_torch_and_ort(bundled):
+    model, source, root = bundled
+    info = export(model, source, root / "shakespeare-fp32")
+    s = SamplingSettings(max_new_tokens=64, greedy=True)
+    prompts = ["ROMEO:", "KING HENRY VI:\nWhat"]
+    ref = generate(TorchBackend(model), prompts, s)
+    got = generate(OrtBackend(info), prompts, s)
+    assert [r.tokens for r in ref] == [r.tokens for r in got]
+    assert all(len(r.tokens) == 64 for r in ref)  # really 64 tokens, no early EOS
+    sampled = SamplingSettings(max_new_tokens=32, seed=7, top_k=0)
+    assert [r.tokens for r in generate(TorchBackend(model), prompts, sampled)] == \
+        [r.tokens for r in generate(OrtBackend(info), prompts, sampled)]
+
+
+def test_beam_search_on_ort_equals_torch(bundled):
+    model, source, root = bundled
+    info = read_export(root / "shakespeare-fp32")
+    s = SamplingSettings(max_new_tokens=12, num_beams=3)
+    assert [r.tokens for r in generate(TorchBackend(model), ["ROMEO:"], s)] == \
+        [r.tokens for r in generate(OrtBackend(info), ["ROMEO:"], s)]
+
+
+def test_int8_export_passes_its_gate(bundled):
+    model, source, root = bundled
+    info = export(model, source, root / "shakespeare-int8", Precision.int8)
+    p = info.meta["parity"]
+    assert p["status"] == "passed"
+    assert info.meta["fused_operators"].get("MatMulInteger", 0) >= 4 * model.config.n_layer + 1  # unembedding too
+    # The gate's own numbers, recomputed here from scratch on other inputs.
+    ort_b = OrtBackend(info)
+    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = model(ids)[0].numpy()
+    got, _ = ort_b.run(ids.numpy(), np.ones((2, 16), np.int64), np.tile(np.arange(16), (2, 1)), None)
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() >= parity.TOLERANCES[Precision.int8].min_top1
+
+
+def test_fp16_exports_on_cpu_but_refuses_to_run_there(tiny, tmp_path):
+    model, source, _ = tiny
+    info = export(model, source, tmp_path / "fp16", Precision.fp16)
+    proto_dtype = {i.name: i.type.tensor_type.elem_type for i in __import__("onnx").load(str(info.model_path)).graph.output}
+    assert proto_dtype[io.LOGITS] == 1 and proto_dtype[io.present_key(0)] == 10  # fp32 logits, fp16 cache
+    if available_providers()["loadable"]["cuda"] != "ok":
+        assert info.meta["parity"]["status"] == "skipped"
+    with pytest.raises(ProviderError, match="CUDA only"):
+        OrtBackend(info, ProviderKind.cpu)
+
+
+@pytest.mark.skipif(available_providers()["loadable"]["cuda"] == "ok", reason="this machine has a working CUDA provider")
+def test_cuda_request_without_cuda_is_one_line_error(tiny):
+    _, _, info = tiny
+    r = run_cli("generate", "hi", "--onnx", str(info.folder), "--provider", "cuda")
+    assert r.returncode == ProviderError.exit_code
+    assert r.stderr.strip().count("\n") == 0 and "CUDAExecutionProvider" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_full_size_124m_export_parity(tmp_path):
+    """GPT-2 124M architecture, random weights: export, gate, and an independent check."""
+    model = GPT2(GPT2Config()).init_weights(seed=0).eval()
+    info = export(model, ModelSource("random-124m", "local", tmp_path), tmp_path / "g124")
+    assert info.meta["parity"]["status"] == "passed"
+    ids = torch.randint(0, 50257, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)[0].numpy()
+    got, _ = OrtBackend(info).run(ids.numpy(), np.ones((1, 24), np.int64), np.arange(24)[None], None)
+    assert rel_err(ref, got) <= REL_TOL
+
+
+def test_external_data_export_and_its_checks(tiny, tmp_path, monkeypatch):
+    """Past the size limit the weights go to model.onnx.data; missing or escaping data is refused."""
+    import onnx
+
+    model, source, _ = tiny
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 10_000)
+    info = export(model, source, tmp_path / "ext")
+    assert (info.folder / export_mod.DATA_FILE).is_file() and export_mod.DATA_FILE in info.meta["files"]
+    assert info.meta["parity"]["status"] == "passed"
+    folder = tmp_path / "evil"
+    shutil.copytree(info.folder, folder)
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for t in proto.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../../etc/passwd"
+    onnx.save(proto, str(folder / "model.onnx"))
+    with pytest.raises(ArtifactError, match="outside the export folder"):
+        export_mod.check_external_data(folder / "model.onnx")
+    (info.folder / export_mod.DATA_FILE).unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        read_export(info.folder)
+
+
+def test_unwritable_output_and_disk_full(tiny, tmp_path, monkeypatch):
+    model, source, _ = tiny
+    with pytest.raises(OutputError, match="cannot write"):
+        export(model, source, __import__("pathlib").Path("/proc/gpt2x-test/out"))
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "save_onnx", disk_full)
+    with pytest.raises(OutputError, match="No space left"):
+        export(model, source, tmp_path / "full")
+    assert list(tmp_path.iterdir()) == []
