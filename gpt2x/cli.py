@@ -64,11 +64,41 @@ def version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
+class _Progress:
+    """Progress on stderr: a live spinner when stderr is a terminal and --quiet is not given,
+    plain lines with GPT2X_PROGRESS=lines, nothing otherwise."""
+
+    enabled = True
+
+    def __init__(self, message: str):
+        self.message = message
+        self._status = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled and err.is_terminal:
+            self._status = err.status(self.message)
+            self._status.__enter__()
+        elif self.enabled and os.environ.get("GPT2X_PROGRESS") == "lines":
+            err.print(self.message, markup=False)
+        return self
+
+    def update(self, message: str) -> None:
+        if self._status is not None:
+            self._status.update(escape(message))
+        elif self.enabled and os.environ.get("GPT2X_PROGRESS") == "lines":
+            err.print(message, markup=False)
+
+    def __exit__(self, *exc) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+
 @app.callback()
 def root(
     version: Annotated[
         bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")
     ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr (errors still show).")] = False,
 ) -> None:
     """GPT-2 from scratch in PyTorch, exported to ONNX with a KV cache, run on ONNX Runtime.
 
@@ -78,6 +108,7 @@ def root(
 
         gpt2x inspect gpt2 --seq-len 8
     """
+    _Progress.enabled = not quiet
 
 
 def read_prompts_file(path: Path) -> list[str]:
@@ -186,7 +217,7 @@ def make_backend(
             raise ProviderError("--provider cuda: this PyTorch build sees no CUDA device")
         if threads:
             torch.set_num_threads(threads)
-        with err.status(f"loading {model or DEFAULT_MODEL}"):
+        with _Progress(f"loading {model or DEFAULT_MODEL}"):
             m, _ = load_model(model or DEFAULT_MODEL, revision)
         return TorchBackend(m, "cuda" if provider is ProviderKind.cuda else "cpu")
 
@@ -221,7 +252,7 @@ def run_export(model: str, revision: str | None, precision: Precision, out_dir: 
     from .export import DEFAULT_OPSET, export
     from .weights import load_model
 
-    with err.status(f"loading {model}") as status:
+    with _Progress(f"loading {model}") as status:
         m, source = load_model(model, revision)
         return export(m, source, out_dir, precision, opset or DEFAULT_OPSET, force, check_parity,
                       progress=lambda msg: status.update(msg + " ..."))
@@ -384,7 +415,7 @@ def bench(
             raise ProviderError(status)
         if BackendKind.torch in settings.backends and not torch.cuda.is_available():
             raise ProviderError("--provider cuda with the torch backend: this PyTorch build sees no CUDA device")
-    with err.status("starting") as status_line:
+    with _Progress("starting") as status_line:
         m, source = load_model(model)
         result = run_bench(settings, m, source, system_info(), progress=lambda msg: status_line.update(msg + " ..."))
     if json_file:
@@ -429,9 +460,8 @@ def main() -> None:
     """Console entry point: runs the app and maps every failure to one line and an exit code."""
     debug = os.environ.get("GPT2X_DEBUG") == "1"
     try:
-        code = app(standalone_mode=False)
-    except click.exceptions.Abort:
-        err.print("interrupted")
+        code = app(standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
         code = INTERRUPTED_EXIT_CODE
     except click.ClickException as e:
         e.show()
@@ -441,8 +471,7 @@ def main() -> None:
             raise
         err.print(f"error: {e}", markup=False, soft_wrap=True)
         code = e.exit_code
-    except KeyboardInterrupt:
-        sys.stdout.flush()
-        err.print("\ninterrupted")
-        code = INTERRUPTED_EXIT_CODE
+    if code == INTERRUPTED_EXIT_CODE:
+        sys.stdout.flush()  # what was streamed so far stays
+        err.print("\ninterrupted", markup=False)
     sys.exit(code if isinstance(code, int) else 0)

@@ -125,10 +125,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.
     return pos[:, pos.shape[1] - seq_len :]  # (B, T)
 
 
+# Added to masked attention scores: exp(score - 1e4) is exactly 0 in fp32 and fp16, yet the sum stays
+# finite in fp16 (unlike the dtype's minimum), so fully masked rows of padded query slots stay NaN-free.
+MASK_VALUE = -1.0e4
+
+
 def attention_bias(attention_mask: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention bias (B, 1, T, P+T): 0 where query t may attend to key s (causal and not
-    padding), the dtype's most negative finite value elsewhere (finite so that fully masked rows
-    of padded query slots stay NaN-free)."""
+    padding), MASK_VALUE elsewhere."""
     total = attention_mask.shape[1]
     past_len = total - seq_len
     q_pos = torch.arange(seq_len, device=attention_mask.device) + past_len  # (T,)
@@ -136,7 +140,7 @@ def attention_bias(attention_mask: torch.Tensor, seq_len: int, dtype: torch.dtyp
     causal = k_pos[None, :] <= q_pos[:, None]  # (T, P+T)
     allowed = causal[None, None, :, :] & attention_mask[:, None, None, :].bool()  # (B, 1, T, P+T)
     zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=attention_mask.device)
+    neg = torch.full((), MASK_VALUE, dtype=dtype, device=attention_mask.device)
     return torch.where(allowed, zero, neg)
 
 
