@@ -45,7 +45,7 @@ DEFAULT_OPSET = 18
 IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads up to 10
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 FUSED_OPS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
-             "Gelu", "EmbedLayerNormalization", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat")
+             "Gelu", "EmbedLayerNormalization", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul")
 
 Progress = Callable[[str], None]
 
@@ -197,29 +197,28 @@ def fold_transposed_initializers(proto: onnx.ModelProto) -> None:
     proto.graph.node.extend(keep)
 
 
+INT8_BLOCK = 128  # weights per quantization scale along the input dimension
+
+
 def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
-    """Dynamic int8 quantization of every MatMul weight (per output channel), the tied unembedding
-    included: it is the largest matrix (V x C) and dominates decode time; the embedding lookup
-    (Gather on wte) stays fp32, costs one row per token and keeps the input exact."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    """int8 weights for every MatMul with ONNX Runtime's MatMulNBits quantizer: symmetric, one scale
+    per block of 128 input weights of each output column, computed with int8 activations
+    (accuracy_level 4). The tied unembedding is quantized too: it is the largest matrix (V x C)
+    and every decode step reads it whole; the embedding lookup (Gather on wte) stays fp32, costs
+    one row per token and keeps the model's input exact."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     proto = onnx.load(str(fused))
     fold_transposed_initializers(proto)
-    folded = fused.with_name("folded.onnx")
-    save_onnx(proto, folded)
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # the quantizer logs advice at WARNING on the root logger
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # it logs every node at INFO
     try:
-        quantize_dynamic(
-            str(folded), str(out), op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
-            use_external_data_format=not _fits(proto),
-            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
+        quantizer = MatMulNBitsQuantizer(proto, bits=8, block_size=INT8_BLOCK, is_symmetric=True, accuracy_level=4)
+        quantizer.process()
     finally:
-        root.setLevel(level)
-    folded.unlink()
-    q = onnx.load(str(out))
+        logger.setLevel(level)
+    q = quantizer.model.model
     q.ir_version = IR_VERSION
     save_onnx(q, out)
     return count_ops(q)

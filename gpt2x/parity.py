@@ -19,17 +19,21 @@ from .model import GPT2
 @dataclass(frozen=True)
 class Tolerance:
     max_rel: float  # max |Δlogit| / max |reference logit|
-    min_top1: float  # share of positions whose argmax agrees
+    max_kl: float  # mean KL(reference || backend) of next-token distributions, nats
+    min_top1: float | None  # share of positions whose argmax agrees (None: reported, not gated)
     min_greedy: float  # share of greedy tokens (identical prefix / N) that must agree
     why: str
 
 
-# The gates, justified in docs/parity.md. fp32 differs only by summation order; fp16 keeps ~3 decimal
-# digits; int8 quantizes every weight matrix, so it is judged on decisions (argmax, greedy) first.
+# The gates, justified in docs/export.md. fp32 differs only by summation order. fp16 and int8 are
+# lossy: they are gated on how close the next-token distributions stay (KL) and on greedy decoding;
+# top-1 agreement over random inputs is reported but not gated, because where the reference itself
+# has near-ties (random weights, random tokens) any rounding flips the argmax without changing what
+# the model says in any way that matters.
 TOLERANCES: dict[Precision, Tolerance] = {
-    Precision.fp32: Tolerance(1e-4, 1.0, 1.0, "same maths, different summation order"),
-    Precision.fp16: Tolerance(2e-2, 0.98, 0.5, "10-bit mantissa: relative error ~1e-3 per op, accumulated over layers"),
-    Precision.int8: Tolerance(0.25, 0.90, 0.25, "per-channel int8 weights, dynamic int8 activations"),
+    Precision.fp32: Tolerance(1e-4, 1e-6, 1.0, 1.0, "same maths, different summation order"),
+    Precision.fp16: Tolerance(2e-2, 1e-3, None, 0.5, "10-bit mantissa: ~1e-3 relative error per op, accumulated over layers"),
+    Precision.int8: Tolerance(0.1, 1e-2, None, 0.25, "per-channel int8 weights, dynamic int8 activations"),
 }
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ["ROMEO:", "The meaning of life is", "First Citizen:\nBefore we proceed"]
@@ -143,7 +147,9 @@ def check(model: GPT2, backend, precision: Precision, greedy_tokens: int = GREED
     failures = []
     if stats["max_rel"] > tol.max_rel:
         failures.append(f"max |Δlogit| {stats['max_abs']:.3g} is {stats['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})")
-    if stats["top1_agreement"] < tol.min_top1:
+    if stats["mean_kl"] > tol.max_kl:
+        failures.append(f"mean KL {stats['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
+    if tol.min_top1 is not None and stats["top1_agreement"] < tol.min_top1:
         failures.append(f"top-1 agreement {stats['top1_agreement']:.3f} (gate {tol.min_top1:g})")
     if greedy["share"] < tol.min_greedy:
         failures.append(f"greedy agreement {greedy['share']:.3f} (gate {tol.min_greedy:g})")

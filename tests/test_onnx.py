@@ -213,14 +213,23 @@ def test_int8_export_passes_its_gate(bundled):
     info = export(model, source, root / "shakespeare-int8", Precision.int8)
     p = info.meta["parity"]
     assert p["status"] == "passed"
-    assert info.meta["fused_operators"].get("MatMulInteger", 0) >= 4 * model.config.n_layer + 1  # unembedding too
-    # The gate's own numbers, recomputed here from scratch on other inputs.
-    ort_b = OrtBackend(info)
-    ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(9))
+    assert info.meta["fused_operators"].get("MatMulNBits", 0) == 4 * model.config.n_layer + 1  # unembedding too
+    # Recomputed from scratch on real text: a trained model's confident predictions survive int8,
+    # and the next-token distributions stay within the gate's KL.
+    from gpt2x.tokenizer import encode
+
+    ids = torch.tensor([encode("ROMEO:\nBut soft, what light through yonder window breaks? It is the east")])
+    n = ids.shape[1]
     with torch.no_grad():
-        ref = model(ids)[0].numpy()
-    got, _ = ort_b.run(ids.numpy(), np.ones((2, 16), np.int64), np.tile(np.arange(16), (2, 1)), None)
-    assert (ref.argmax(-1) == got.argmax(-1)).mean() >= parity.TOLERANCES[Precision.int8].min_top1
+        ref = model(ids)[0].numpy()[0].astype(np.float64)
+    got, _ = OrtBackend(info).run(ids.numpy(), np.ones((1, n), np.int64), np.arange(n)[None], None)
+    got = got[0].astype(np.float64)
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() >= 0.9
+    p = np.exp(ref - ref.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(got - got.max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    assert (p * np.log(p / q)).sum(-1).mean() <= parity.TOLERANCES[Precision.int8].max_kl
 
 
 def test_fp16_exports_on_cpu_but_refuses_to_run_there(tiny, tmp_path):
