@@ -238,13 +238,18 @@ def make_backend(
 
 
 def check_export_matches(info, model: str, revision: str | None) -> None:
-    from .weights import resolve_config
+    """An export used for `model` must come from it: same config, and for the bundled model (cheap
+    to hash) the same weights, so an export left over from another gpt2x version is not run."""
+    from .export import weights_fingerprint
+    from .weights import BUNDLED, resolve, resolve_config
 
     cfg = resolve_config(model, revision)
     if cfg != info.config:
         raise ArtifactError(
             f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}"
         )
+    if model == BUNDLED and info.meta["model"].get("weights_sha256") != weights_fingerprint(resolve(model)[0]):
+        raise ArtifactError(f"{info.folder} was exported from other {model} weights; re-export with `gpt2x export --force`")
 
 
 def run_export(model: str, revision: str | None, precision: Precision, out_dir: Path, force: bool,

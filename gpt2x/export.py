@@ -240,6 +240,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def weights_fingerprint(source: ModelSource) -> str | None:
+    """sha256 over the weight files of a bundled or local model (None for hub and random models,
+    which their name, revision and config identify)."""
+    from .weights import weights_files
+
+    if source.kind not in ("bundled", "local"):
+        return None
+    files = weights_files(source.path) if source.path.is_dir() else [source.path]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(sha256(f).encode())
+    return h.hexdigest()
+
+
 def versions() -> dict[str, str]:
     import onnxruntime
     import onnxscript
@@ -370,7 +384,8 @@ def export(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": {"name": source.name, "kind": source.kind, "revision": source.revision},
+            "model": {"name": source.name, "kind": source.kind, "revision": source.revision,
+                      "weights_sha256": weights_fingerprint(source)},
             "config": model.config.to_dict(),
             "precision": precision.value,
             "opset": opset,

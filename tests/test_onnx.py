@@ -39,8 +39,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundled(tmp_path_factory):
+    """The bundled model and its fp32 export (made once for the module)."""
     model, source = load_model("shakespeare")
     root = tmp_path_factory.mktemp("bundled")
+    export(model, source, root / "shakespeare-fp32")
     return model, source, root
 
 
@@ -188,7 +190,7 @@ def test_parity_gate_fails_a_perturbed_export(tiny, tmp_path, monkeypatch):
 
 def test_bundled_greedy_identical_on_torch_and_ort(bundled):
     model, source, root = bundled
-    info = export(model, source, root / "shakespeare-fp32")
+    info = read_export(root / "shakespeare-fp32")
     s = SamplingSettings(max_new_tokens=64, greedy=True)
     prompts = ["ROMEO:", "KING HENRY VI:\nWhat"]
     ref = generate(TorchBackend(model), prompts, s)
@@ -301,3 +303,16 @@ def test_unwritable_output_and_disk_full(tiny, tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="No space left"):
         export(model, source, tmp_path / "full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_must_match_the_model_it_serves(bundled, tiny):
+    from gpt2x.cli import check_export_matches
+
+    model, source, root = bundled
+    info = read_export(root / "shakespeare-fp32")
+    check_export_matches(info, "shakespeare", None)  # the right model: accepted
+    stale = export_mod.ExportInfo(info.folder, {**info.meta, "model": {**info.meta["model"], "weights_sha256": "0" * 64}})
+    with pytest.raises(ArtifactError, match="other shakespeare weights"):
+        check_export_matches(stale, "shakespeare", None)
+    with pytest.raises(ArtifactError, match="config differs"):
+        check_export_matches(tiny[2], "shakespeare", None)
