@@ -10,7 +10,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -461,14 +460,18 @@ def info(as_json: JsonOpt = False) -> None:
     out.print(t)
 
 
+# Typer's usage errors derive from click's ClickException (vendored inside newer Typer releases).
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def main() -> None:
     """Console entry point: runs the app and maps every failure to one line and an exit code."""
     debug = os.environ.get("GPT2X_DEBUG") == "1"
     try:
         code = app(standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
-    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         code = INTERRUPTED_EXIT_CODE
-    except click.ClickException as e:
+    except _CLICK_ERROR as e:  # usage errors: unknown option, bad choice, missing argument
         e.show()
         code = e.exit_code
     except Gpt2xError as e:

@@ -220,6 +220,7 @@ def hub_download(repo: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
+        GatedRepoError,
         HfHubHTTPError,
         HFValidationError,
         LocalEntryNotFoundError,
@@ -236,6 +237,8 @@ def hub_download(repo: str, revision: str | None) -> Path:
         for filename in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"):
             try:
                 path = get(filename)
+            except LocalEntryNotFoundError:
+                raise  # offline and not cached: reported below, not taken for "the repo lacks it"
             except EntryNotFoundError:
                 continue
             if filename.endswith(".index.json"):
@@ -250,6 +253,8 @@ def hub_download(repo: str, revision: str | None) -> Path:
             f"{repo} is not in the local cache and {why}; use --model {BUNDLED} (bundled, offline) "
             "or --model PATH to a local Hugging Face folder or .safetensors file"
         ) from None
+    except GatedRepoError:
+        raise HubError(f"{repo} is gated: accept its terms on the hub and log in (`hf auth login`)") from None
     except (RepositoryNotFoundError, HFValidationError):
         raise ModelNotFoundError(
             f"unknown model {repo!r}: not a preset ({', '.join([BUNDLED, *PRESETS])}), a local path, or a hub repo id"

@@ -116,3 +116,26 @@ def test_subprocess_offline_hub_error_and_debug_traceback(tmp_path):
 def test_subprocess_version():
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("gpt2x ")
+
+
+def test_unknown_provider_is_a_usage_error(capsys):
+    code, _, err = cli(capsys, "generate", "hi", "--provider", "tpu")
+    assert code == 2 and "tpu" in err and "Traceback" not in err
+
+
+def test_bench_cuda_without_gpu_and_ctrl_c(capsys, monkeypatch, tmp_path):
+    from gpt2x import bench
+    from gpt2x.errors import INTERRUPTED_EXIT_CODE, ProviderError
+    from gpt2x.runtime import available_providers
+
+    if available_providers()["loadable"]["cuda"] != "ok":
+        code, _, err = cli(capsys, "bench", "--provider", "cuda")
+        assert_one_line_error(code, err, ProviderError.exit_code, "CUDAExecutionProvider")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_bench", interrupted)
+    out_json = tmp_path / "b.json"
+    code, _, err = cli(capsys, "bench", "--json", str(out_json))
+    assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and not out_json.exists()

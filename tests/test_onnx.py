@@ -19,9 +19,9 @@ from gpt2x.choices import Precision, ProviderKind
 from gpt2x.errors import ArtifactError, OutputError, ParityError, ProviderError
 from gpt2x.export import export, read_export
 from gpt2x.generation import SamplingSettings, generate
-from gpt2x.model import GPT2, GPT2Config
+from gpt2x.model import GPT2Config
 from gpt2x.runtime import OrtBackend, available_providers
-from gpt2x.weights import ModelSource, load_model
+from gpt2x.weights import load_model
 
 from .conftest import make_hf_model, run_cli
 
@@ -257,8 +257,9 @@ def test_cuda_request_without_cuda_is_one_line_error(tiny):
 @pytest.mark.slow
 def test_full_size_124m_export_parity(tmp_path):
     """GPT-2 124M architecture, random weights: export, gate, and an independent check."""
-    model = GPT2(GPT2Config()).init_weights(seed=0).eval()
-    info = export(model, ModelSource("random-124m", "local", tmp_path), tmp_path / "g124")
+    model, source = load_model("random:gpt2")
+    assert model.config == GPT2Config() and model.num_parameters() == 124_439_808
+    info = export(model, source, tmp_path / "g124")
     assert info.meta["parity"]["status"] == "passed"
     ids = torch.randint(0, 50257, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

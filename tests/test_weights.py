@@ -111,3 +111,71 @@ def test_offline_and_not_cached(monkeypatch, tmp_path):
 
 def test_preset_config_needs_no_download():
     assert resolve_config("gpt2-xl").n_layer == 48
+
+
+def _hub_error(cls, message: str):
+    """An instance of a huggingface_hub error without a live HTTP response."""
+    e = cls.__new__(cls)
+    Exception.__init__(e, message)
+    return e
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """huggingface_hub's hf_hub_download served from a local folder (no network): records requests."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    repo = tmp_path / "repo"
+    make_hf_model(repo, seed=9, safe=False)  # a repo with pytorch_model.bin only
+    asked = []
+
+    def download(repo_id, filename, revision=None, **kw):
+        asked.append((repo_id, filename, revision))
+        if not (repo / filename).exists():
+            raise _hub_error(EntryNotFoundError, f"{filename} not found")
+        return str(repo / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    return asked
+
+
+def test_hub_path_downloads_config_first_then_weights(fake_hub):
+    model, source = load_model("someone/tiny-gpt2", revision="abc123")
+    assert source.kind == "hub" and source.revision == "abc123"
+    assert [f for _, f, _ in fake_hub] == ["config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"]
+    assert all(r == "abc123" for _, _, r in fake_hub)
+
+
+@pytest.mark.parametrize("error,expected,fragment", [
+    ("RepositoryNotFoundError", ModelNotFoundError, "unknown model"),
+    ("RevisionNotFoundError", ModelNotFoundError, "revision"),
+    ("HfHubHTTPError", HubError, "hub error"),
+])
+def test_hub_errors_are_mapped(monkeypatch, error, expected, fragment):
+    import huggingface_hub
+    import huggingface_hub.errors as hub_errors
+
+    def download(*a, **k):
+        raise _hub_error(getattr(hub_errors, error), "500 Server Error\nmore lines")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(expected, match=fragment):
+        load_model("someone/missing")
+
+
+def test_offline_with_config_cached_but_weights_not(monkeypatch, tmp_path):
+    """A cache miss on the weights while offline is the offline error, not 'repo has no weights'."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    make_hf_model(tmp_path, seed=3)
+
+    def download(repo_id, filename, revision=None, **kw):
+        if filename == "config.json":
+            return str(tmp_path / "config.json")
+        raise _hub_error(LocalEntryNotFoundError, "not cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    with pytest.raises(HubError, match="not in the local cache"):
+        load_model("someone/tiny")
