@@ -34,6 +34,11 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
+    epilog="Examples:\n\n"
+    "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch\n\n"
+    "  gpt2x export --model shakespeare --precision int8\n\n"
+    "  gpt2x bench --model random:gpt2 --batch 1,4\n\n"
+    "  gpt2x inspect gpt2 --seq-len 8",
 )
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True, highlight=False)
@@ -293,8 +298,8 @@ def export(
     if parity.get("status") == "passed":
         lg = parity["logits"]
         out.print(f"parity passed on {parity['provider']}: max |Δlogit| {lg['max_abs']:.3g} "
-                  f"({lg['max_rel']:.2g} of scale), top-1 agreement {lg['top1_agreement']:.3f}, "
-                  f"greedy {parity['greedy']['share']:.2f}")
+                  f"({lg['max_rel']:.2g} of scale), mean KL {lg['mean_kl']:.2g}, top-1 agreement "
+                  f"{lg['top1_agreement']:.3f}, greedy agreement {parity['greedy']['share']:.2f}")
     else:
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
 
