@@ -215,6 +215,23 @@ def hub_repo(name: str) -> str:
     return PRESETS[name][0] if name in PRESETS else name
 
 
+def hub_resolvable() -> bool:
+    """Whether the hub endpoint's host name resolves (False: certainly offline)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.getaddrinfo(host, 443)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return True
+
+
 def hub_download(repo: str, revision: str | None) -> Path:
     """Config and weights of a hub repo into huggingface_hub's cache; returns the snapshot folder."""
     from huggingface_hub import hf_hub_download
@@ -228,8 +245,12 @@ def hub_download(repo: str, revision: str | None) -> Path:
         RevisionNotFoundError,
     )
 
+    # Without DNS for the hub there is no point in huggingface_hub's five retries (~25 s of
+    # warnings): use the cache alone, exactly as HF_HUB_OFFLINE=1 would.
+    cache_only = not hub_resolvable()
+
     def get(filename: str) -> Path:
-        return Path(hf_hub_download(repo, filename, revision=revision))
+        return Path(hf_hub_download(repo, filename, revision=revision, local_files_only=cache_only))
 
     try:
         folder = get("config.json").parent
@@ -248,7 +269,7 @@ def hub_download(repo: str, revision: str | None) -> Path:
         raise ModelNotFoundError(f"{repo}: the repo has no model.safetensors or pytorch_model.bin")
     except LocalEntryNotFoundError:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (no network?)"
         raise HubError(
             f"{repo} is not in the local cache and {why}; use --model {BUNDLED} (bundled, offline) "
             "or --model PATH to a local Hugging Face folder or .safetensors file"

@@ -179,3 +179,25 @@ def test_offline_with_config_cached_but_weights_not(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     with pytest.raises(HubError, match="not in the local cache"):
         load_model("someone/tiny")
+
+
+def test_no_dns_means_cache_only_without_retries(monkeypatch, tmp_path):
+    """Without DNS for the hub, downloads go straight to the cache (no 25 s of retries)."""
+    import socket
+
+    import huggingface_hub
+
+    make_hf_model(tmp_path, seed=4)
+    seen = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False, **kw):
+        seen.append(local_files_only)
+        return str(tmp_path / filename)
+
+    def no_dns(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    load_model("someone/cached-model")
+    assert seen and all(seen)
