@@ -173,6 +173,7 @@ def generate(
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
     )
     runner = make_backend(backend, provider, model, revision, precision, onnx_dir, threads)
+    model_name = model or getattr(runner, "source_name", DEFAULT_MODEL)
     stream = len(prompts) == 1 and not as_json and num_beams == 1
     decoder = StreamDecoder()
     on_token = None
@@ -191,7 +192,7 @@ def generate(
         for r in results:
             print(json.dumps({
                 "prompt": r.prompt, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": decode(r.tokens),
-                "finish_reason": r.finish_reason, "model": model or DEFAULT_MODEL, "backend": runner.name, "seed": seed,
+                "finish_reason": r.finish_reason, "model": model_name, "backend": runner.name, "seed": seed,
             }))
     else:
         for i, r in enumerate(results):
@@ -236,8 +237,8 @@ def make_backend(
     info = read_export(folder)
     if precision is not None and info.precision is not precision:
         raise UsageError(f"{folder} is a {info.precision.value} export, not {precision.value}")
-    if model is not None:
-        check_export_matches(info, model, revision)
+    if model is not None or onnx_dir is None:  # the default folder must hold the default model
+        check_export_matches(info, model or DEFAULT_MODEL, revision)
     return OrtBackend(info, provider, threads)
 
 

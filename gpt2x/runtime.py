@@ -75,6 +75,7 @@ class OrtBackend:
                 "(use --provider cuda, or export --precision fp32/int8 for the CPU)"
             )
         self.info = info
+        self.source_name = info.meta["model"]["name"]  # the model the export was made from
         self.cfg = info.config
         self.n_positions = self.cfg.n_positions
         self.provider = provider
