@@ -117,18 +117,23 @@ def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
     dyn = torch.export.Dim.DYNAMIC
     shapes = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past))
     debug = os.environ.get("GPT2X_DEBUG") == "1"
+    torch_onnx_log = logging.getLogger("torch.onnx")
+    level = torch_onnx_log.level
     # The exporter reports its steps on stdout, which belongs to results: silence it unless debugging.
     with torch.no_grad(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if debug else devnull), \
             warnings.catch_warnings():
         if not debug:
             warnings.simplefilter("ignore")
-            logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
-        program = torch.onnx.export(
-            _ExportWrapper(_export_copy(model)), (ids, mask, pos, past),
-            input_names=io.input_names(cfg.n_layer), output_names=io.output_names(cfg.n_layer),
-            dynamic_shapes=shapes, opset_version=opset, dynamo=True, verbose=False,
-            custom_translation_table=TRANSLATIONS,
-        )
+            torch_onnx_log.setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
+        try:
+            program = torch.onnx.export(
+                _ExportWrapper(_export_copy(model)), (ids, mask, pos, past),
+                input_names=io.input_names(cfg.n_layer), output_names=io.output_names(cfg.n_layer),
+                dynamic_shapes=shapes, opset_version=opset, dynamo=True, verbose=False,
+                custom_translation_table=TRANSLATIONS,
+            )
+        finally:
+            torch_onnx_log.setLevel(level)
     proto = program.model_proto
     _name_dims(proto, cfg.n_layer)
     proto.ir_version = IR_VERSION
