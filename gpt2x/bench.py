@@ -182,17 +182,19 @@ class BenchSettings:
             raise UsageError("--batch values must be at least 1")
 
 
-def combos(s: BenchSettings) -> list[tuple[BackendKind, Precision]]:
-    """Backend x precision pairs that exist: PyTorch runs fp32 (fp16 on CUDA); fp16 needs CUDA."""
-    out = []
+def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[dict]]:
+    """Backend x precision pairs that exist, and the ones left out with the reason: PyTorch runs
+    fp32 (fp16 on CUDA), int8 is ONNX Runtime's, fp16 needs CUDA."""
+    run, skipped = [], []
     for b in s.backends:
         for p in s.precisions:
             if p is Precision.fp16 and s.provider is not ProviderKind.cuda:
-                continue
-            if b is BackendKind.torch and p is Precision.int8:
-                continue
-            out.append((b, p))
-    return out
+                skipped.append({"backend": b.value, "precision": p.value, "reason": "fp16 runs on CUDA only"})
+            elif b is BackendKind.torch and p is Precision.int8:
+                skipped.append({"backend": b.value, "precision": p.value, "reason": "int8 is an ONNX Runtime export"})
+            else:
+                run.append((b, p))
+    return run, skipped
 
 
 def timed_generation(backend, prompt_ids: np.ndarray, new_tokens: int, sync: Callable[[], None]) -> dict:
@@ -337,7 +339,8 @@ def run_bench(s: BenchSettings, model: GPT2, source, environment: dict, progress
         "parity": [],
         "speed": [],
     }
-    for kind, precision in combos(s):
+    pairs, result["skipped"] = combos(s)
+    for kind, precision in pairs:
         label = f"{kind.value}/{precision.value}"
         folder = ensure_export(precision, s, model, source, progress) if kind is BackendKind.ort else None
         progress(f"{label}: loading")

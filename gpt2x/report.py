@@ -35,4 +35,7 @@ def bench_tables(result: dict) -> list[Table]:
             _f(e["decode_tokens_per_s"], ".1f"), _f(e["e2e_tokens_per_s"], ".1f"), _f(e["roofline_tokens_per_s"], ".0f"),
             f"{e['roofline_share'] * 100:.0f}%", _f(e.get("peak_rss_mb"), ".0f"),
         )
+    skipped = [f"{x['backend']}/{x['precision']} ({x['reason']})" for x in result.get("skipped", [])]
+    if skipped:
+        speed.caption = "not run: " + "; ".join(skipped)
     return [parity, speed]

@@ -108,7 +108,7 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     json.loads(json.dumps(result))  # serialisable as is
     assert {"schema_version", "settings", "environment", "model", "bandwidth", "reference", "parity", "speed"} <= result.keys()
     assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
-    assert len(result["speed"]) == 4
+    assert len(result["speed"]) == 4 and result["skipped"] == []
     for e in result["speed"]:
         assert e["decode_tokens_per_s"] > 0 and 0 < e["roofline_share"]
         assert set(e["decode_latency"]) == {"p50_ms", "p90_ms", "p99_ms", "mean_ms"}
@@ -119,3 +119,10 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TorchBackend", Perturbed)
     s.backends = [BackendKind.torch]
     assert bench.run_bench(s, model, source, {"cores": 1})["passed"] is False
+
+
+def test_combos_say_what_is_left_out():
+    s = bench.BenchSettings(precisions=[Precision.fp32, Precision.int8, Precision.fp16])
+    pairs, skipped = bench.combos(s)
+    assert pairs == [(BackendKind.torch, Precision.fp32), (BackendKind.ort, Precision.fp32), (BackendKind.ort, Precision.int8)]
+    assert {(x["backend"], x["precision"]) for x in skipped} == {("torch", "int8"), ("torch", "fp16"), ("ort", "fp16")}
