@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .choices import BackendKind, ProviderKind  # noqa: F401  (re-exported)
+from .choices import ProviderKind
 from .model import GPT2, KVCache
 
 

@@ -23,7 +23,7 @@ import torch
 from .backends import TorchBackend
 from .choices import BackendKind, Precision, ProviderKind
 from .errors import UsageError
-from .generation import Sampler, SamplingSettings, left_pad, positions
+from .generation import Sampler, SamplingSettings, positions
 from .model import GPT2, GPT2Config
 from .parity import check
 
@@ -43,13 +43,6 @@ def summarize_latencies(seconds: list[float]) -> dict[str, float]:
     ms = [s * 1e3 for s in seconds]
     return {"p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "p99_ms": percentile(ms, 99),
             "mean_ms": float(np.mean(ms))}
-
-
-def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    """KL(softmax(p) || softmax(q)) per row, in nats."""
-    lp = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
-    lq = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
-    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:

@@ -345,7 +345,7 @@ def inspect(
 
 @app.command(
     epilog="Example (re-creates the bundled model):\n\n"
-    "  gpt2x train --corpus ../shared/data/corpora/tinyshakespeare.txt --out gpt2x/data/shakespeare"
+    "  gpt2x train --corpus tinyshakespeare.txt --out gpt2x/data/shakespeare"
 )
 def train(
     corpus: Annotated[Path, typer.Option(help="UTF-8 text file; the first 90% of its tokens train, the rest is held out.")],

@@ -31,7 +31,7 @@ from torch import nn
 from . import __version__
 from . import onnx_io as io
 from .choices import Precision
-from .errors import ArtifactError, OutputError, ParityError
+from .errors import ArtifactError, OutputError
 from .model import GPT2, GPT2Config
 from .tokenizer import BPE_SHA256
 from .weights import ModelSource
@@ -426,8 +426,3 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def ensure_parity(result: dict) -> None:
-    if result.get("status") == "failed":
-        raise ParityError(result.get("message", "parity check failed"))

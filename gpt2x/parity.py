@@ -39,18 +39,19 @@ GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ["ROMEO:", "The meaning of life is", "First Citizen:\nBefore we proceed"]
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per row, in nats, computed in float64 from log-softmax."""
+    p_logits, q_logits = p_logits.astype(np.float64), q_logits.astype(np.float64)
+    lp = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
+    lq = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
+    return (np.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
 def logit_stats(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     """ref, got (N, V): max and p99 |Δ|, the relative max error, top-1 agreement, mean KL(ref || got)."""
     diff = np.abs(ref.astype(np.float64) - got.astype(np.float64))
     per_row_max = diff.max(axis=-1)
-    p, q = softmax(ref), softmax(got)
-    kl = (p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))).sum(axis=-1)
+    kl = kl_divergence(ref, got)
     scale = float(np.abs(ref).max())
     return {
         "positions": int(ref.shape[0]),

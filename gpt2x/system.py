@@ -3,7 +3,6 @@ Recorded with every benchmark result and shown by `gpt2x info`."""
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
