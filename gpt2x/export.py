@@ -44,6 +44,7 @@ METADATA_FILE = "gpt2x.json"
 DEFAULT_OPSET = 18
 IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads up to 10
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
+EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
 FUSED_OPS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
              "Gelu", "EmbedLayerNormalization", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul")
 
@@ -155,7 +156,7 @@ def save_onnx(proto: onnx.ModelProto, path: Path) -> None:
     """Save, with the weights in `<name>.data` beside the graph when they pass protobuf's 2 GB."""
     if not _fits(proto):
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
+                        location=path.name + ".data", size_threshold=EXTERNAL_MIN_BYTES)
     else:
         onnx.save_model(proto, str(path))
 
@@ -173,6 +174,24 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
     MultiHeadAttention), then fp16 conversion. Returns the fused operator counts."""
     from onnxruntime.transformers.optimizer import optimize_model
 
+    data = raw.with_name(raw.name + ".data")
+    if precision is Precision.fp32 and data.exists():
+        # Weights past 2 GB: fuse the graph alone (the fusions read only small inline constants) and
+        # let the fused graph point at the same data file, moved beside it. Loading the weights here
+        # too would hold them three times in memory (torch, graph, optimizer) and run out on gpt2-xl.
+        proto = onnx.load(str(raw), load_external_data=False)
+        # A few fusions read constants (biases) through onnx's numpy_helper, which resolves
+        # external data against the working directory.
+        with _working_dir(raw.parent):
+            opt = optimize_model(proto, model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
+        os.replace(data, out.with_name(out.name + ".data"))
+        for tensor in opt.model.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = out.name + ".data"
+        opt.model.ir_version = IR_VERSION
+        onnx.save_model(opt.model, str(out))
+        return count_ops(opt.model)
     opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
     if precision is Precision.fp16:
         # Inputs ids/mask/positions are int64; logits stay fp32 for the sampler; the KV cache is fp16.
@@ -182,6 +201,16 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
     opt.model.ir_version = IR_VERSION
     save_onnx(opt.model, out)
     return count_ops(opt.model)
+
+
+@contextlib.contextmanager
+def _working_dir(path: Path):
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def fold_transposed_initializers(proto: onnx.ModelProto) -> None:
@@ -366,7 +395,8 @@ def export(
         raise OutputError(f"{out} exists; pass --force to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
     umask = os.umask(0)
@@ -384,6 +414,8 @@ def export(
             progress("quantizing MatMul weights to int8")
             ops = quantize_int8(fused, tmp / MODEL_FILE)
         shutil.rmtree(work)
+        for p in tmp.iterdir():
+            p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
         meta = {
             "format": FORMAT,
@@ -416,6 +448,15 @@ def export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Remove what an export killed outright (SIGKILL, power loss) left: `.NAME.partial-PID-*`
+    folders whose process is gone. They never look like an export (no gpt2x.json, hidden name)."""
+    for folder in out.parent.glob(f".{out.name}.partial-*"):
+        pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -274,9 +274,12 @@ def test_external_data_export_and_its_checks(tiny, tmp_path, monkeypatch):
 
     model, source, _ = tiny
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 10_000)
+    monkeypatch.setattr(export_mod, "EXTERNAL_MIN_BYTES", 64)  # biases external too, as in gpt2-xl
     info = export(model, source, tmp_path / "ext")
     assert (info.folder / export_mod.DATA_FILE).is_file() and export_mod.DATA_FILE in info.meta["files"]
     assert info.meta["parity"]["status"] == "passed"
+    assert info.meta["fused_operators"] == tiny[2].meta["fused_operators"]  # graph-only fusion, same result
+    assert sorted(p.name for p in info.folder.iterdir()) == ["gpt2x.json", "model.onnx", "model.onnx.data"]
     folder = tmp_path / "evil"
     shutil.copytree(info.folder, folder)
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -317,3 +320,13 @@ def test_export_must_match_the_model_it_serves(bundled, tiny):
         check_export_matches(stale, "shakespeare", None)
     with pytest.raises(ArtifactError, match="config differs"):
         check_export_matches(tiny[2], "shakespeare", None)
+
+
+def test_stale_partial_of_a_killed_export_is_removed(tiny, tmp_path):
+    model, source, _ = tiny
+    dead = tmp_path / ".out.partial-999999999-abc"  # no such process
+    dead.mkdir()
+    (dead / "model.onnx").write_bytes(b"half")
+    info = export(model, source, tmp_path / "out")
+    assert not dead.exists() and info.folder.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
