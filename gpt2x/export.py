@@ -172,16 +172,17 @@ def _fits(proto: onnx.ModelProto) -> bool:
 def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[str, int]:
     """ONNX Runtime's transformer optimizer (SkipLayerNormalization, FastGelu; attention is already
     MultiHeadAttention), then fp16 conversion. Returns the fused operator counts."""
+    from onnxruntime.transformers.onnx_model import OnnxModel
     from onnxruntime.transformers.optimizer import optimize_model
 
     data = raw.with_name(raw.name + ".data")
-    if precision is Precision.fp32 and data.exists():
-        # Weights past 2 GB: fuse the graph alone (the fusions read only small inline constants) and
-        # let the fused graph point at the same data file, moved beside it. Loading the weights here
-        # too would hold them three times in memory (torch, graph, optimizer) and run out on gpt2-xl.
+    if data.exists():
+        # Weights past 2 GB: fuse the graph alone (the fusions read only a few constants) and let
+        # the fused graph point at the same data file, moved beside it. Loading the weights for
+        # fusion would hold them three times in memory (torch, graph, optimizer): gpt2-xl ran out.
         proto = onnx.load(str(raw), load_external_data=False)
-        # A few fusions read constants (biases) through onnx's numpy_helper, which resolves
-        # external data against the working directory.
+        # Those constants are read through onnx's numpy_helper, which resolves external data
+        # against the working directory.
         with _working_dir(raw.parent):
             opt = optimize_model(proto, model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
         os.replace(data, out.with_name(out.name + ".data"))
@@ -191,8 +192,11 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
                     entry.value = out.name + ".data"
         opt.model.ir_version = IR_VERSION
         onnx.save_model(opt.model, str(out))
-        return count_ops(opt.model)
-    opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
+        if precision is not Precision.fp16:
+            return count_ops(opt.model)
+        opt = OnnxModel(onnx.load(str(out)))  # the fp16 conversion needs the weights themselves
+    else:
+        opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
     if precision is Precision.fp16:
         # Inputs ids/mask/positions are int64; logits stay fp32 for the sampler; the KV cache is fp16.
         # The ops ONNX Runtime's converter blocks by default stay fp32; LayerNorm statistics and

@@ -330,3 +330,18 @@ def test_stale_partial_of_a_killed_export_is_removed(tiny, tmp_path):
     info = export(model, source, tmp_path / "out")
     assert not dead.exists() and info.folder.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("precision", [Precision.int8, Precision.fp16])
+def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, precision):
+    """The graph-only fusion of large models feeds int8 quantization and fp16 conversion too."""
+    model, source, _ = tiny
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 10_000)
+    monkeypatch.setattr(export_mod, "EXTERNAL_MIN_BYTES", 64)
+    info = export(model, source, tmp_path / precision.value, precision)
+    assert info.meta["parity"]["status"] in ("passed", "skipped")  # fp16 is skipped without CUDA
+    ops = info.meta["fused_operators"]
+    assert ops["MultiHeadAttention"] == model.config.n_layer and ops["FastGelu"] == model.config.n_layer
+    if precision is Precision.int8:
+        assert ops["MatMulNBits"] == 4 * model.config.n_layer + 1
+    read_export(info.folder)
