@@ -195,6 +195,7 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
         if precision is not Precision.fp16:
             return count_ops(opt.model)
         opt = OnnxModel(onnx.load(str(out)))  # the fp16 conversion needs the weights themselves
+        out.with_name(out.name + ".data").unlink()  # rewritten below only if fp16 still passes 2 GB
     else:
         opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
     if precision is Precision.fp16:

@@ -332,11 +332,14 @@ def test_stale_partial_of_a_killed_export_is_removed(tiny, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-@pytest.mark.parametrize("precision", [Precision.int8, Precision.fp16])
-def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, precision):
-    """The graph-only fusion of large models feeds int8 quantization and fp16 conversion too."""
+@pytest.mark.parametrize("precision,limit", [(Precision.int8, 10_000), (Precision.fp16, 10_000), (Precision.fp16, 5_000_000)])
+def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, precision, limit):
+    """The graph-only fusion of large models feeds int8 quantization and fp16 conversion too; with
+    limit 5 MB the fp32 weights (6.5 MB) go external but the fp16 ones (3.3 MB) fit in the graph."""
+    import onnx
+
     model, source, _ = tiny
-    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", 10_000)
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_BYTES", limit)
     monkeypatch.setattr(export_mod, "EXTERNAL_MIN_BYTES", 64)
     info = export(model, source, tmp_path / precision.value, precision)
     assert info.meta["parity"]["status"] in ("passed", "skipped")  # fp16 is skipped without CUDA
@@ -344,4 +347,10 @@ def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, pr
     assert ops["MultiHeadAttention"] == model.config.n_layer and ops["FastGelu"] == model.config.n_layer
     if precision is Precision.int8:
         assert ops["MatMulNBits"] == 4 * model.config.n_layer + 1
+    # Every file is the metadata, the graph, or data the graph refers to: nothing stale stays behind.
+    proto = onnx.load(str(info.model_path), load_external_data=False)
+    referenced = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    assert {p.name for p in info.folder.iterdir()} == {"gpt2x.json", "model.onnx"} | referenced
+    if limit == 5_000_000:
+        assert referenced == set()
     read_export(info.folder)
