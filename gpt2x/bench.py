@@ -340,7 +340,8 @@ def run_bench(s: BenchSettings, model: GPT2, source, environment: dict, progress
         reset_peak_rss()  # cold start and peak memory exclude the one-off export
         t0 = time.perf_counter()
         backend = make_backend(kind, precision, s, model, folder)
-        backend.step(prompts[s.batches[0]], np.ones_like(prompts[s.batches[0]]), positions(np.ones_like(prompts[s.batches[0]]), s.prompt_len), None)
+        first, first_mask = prompts[s.batches[0]], np.ones_like(prompts[s.batches[0]])
+        backend.step(first, first_mask, positions(first_mask, s.prompt_len), None)
         sync()
         cold = time.perf_counter() - t0
         progress(f"{label}: parity")

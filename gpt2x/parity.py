@@ -33,7 +33,7 @@ class Tolerance:
 TOLERANCES: dict[Precision, Tolerance] = {
     Precision.fp32: Tolerance(1e-4, 1e-6, 1.0, 1.0, "same maths, different summation order"),
     Precision.fp16: Tolerance(2e-2, 1e-3, None, 0.5, "10-bit mantissa: ~1e-3 relative error per op, accumulated over layers"),
-    Precision.int8: Tolerance(0.1, 1e-2, None, 0.25, "per-channel int8 weights, dynamic int8 activations"),
+    Precision.int8: Tolerance(0.1, 1e-2, None, 0.25, "int8 weights with one scale per 128-weight block (MatMulNBits), int8 activations"),
 }
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ["ROMEO:", "The meaning of life is", "First Citizen:\nBefore we proceed"]

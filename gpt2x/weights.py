@@ -234,7 +234,7 @@ def hub_resolvable() -> bool:
 
 def hub_download(repo: str, revision: str | None) -> Path:
     """Config and weights of a hub repo into huggingface_hub's cache; returns the snapshot folder."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -268,8 +268,7 @@ def hub_download(repo: str, revision: str | None) -> Path:
             return folder
         raise ModelNotFoundError(f"{repo}: the repo has no model.safetensors or pytorch_model.bin")
     except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached (no network?)"
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached (no network?)"
         raise HubError(
             f"{repo} is not in the local cache and {why}; use --model {BUNDLED} (bundled, offline) "
             "or --model PATH to a local Hugging Face folder or .safetensors file"
