@@ -45,7 +45,7 @@ DEFAULT_OPSET = 18
 IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads up to 10
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
-FUSED_OPS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
+FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
              "Gelu", "EmbedLayerNormalization", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul")
 
 Progress = Callable[[str], None]
@@ -244,11 +244,18 @@ def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
     per block of 128 input weights of each output column, computed with int8 activations
     (accuracy_level 4). The tied unembedding is quantized too: it is the largest matrix (V x C)
     and every decode step reads it whole; the embedding lookup (Gather on wte) stays fp32, costs
-    one row per token and keeps the model's input exact."""
+    one row per token and keeps the model's input exact.
+
+    int8 is the CPU precision, so its attention is GroupQueryAttention, whose CPU kernel can update
+    a fixed-capacity KV cache in place (onnx_ops.mha_to_gqa); the fp32 and fp16 graphs keep
+    MultiHeadAttention, which ONNX Runtime's CUDA provider also runs in fp32."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from .onnx_ops import mha_to_gqa
 
     proto = onnx.load(str(fused))
     fold_transposed_initializers(proto)
+    mha_to_gqa(proto)
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = logger.level
     logger.setLevel(logging.WARNING)  # it logs every node at INFO
@@ -261,6 +268,18 @@ def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
     q.ir_version = IR_VERSION
     save_onnx(q, out)
     return count_ops(q)
+
+
+def attention_layout(ops: dict[str, int]) -> dict:
+    """How the runtime may hold the KV cache of a graph with these operators (stored in gpt2x.json)."""
+    gqa = bool(ops.get("GroupQueryAttention"))
+    return {
+        "op": "GroupQueryAttention" if gqa else "MultiHeadAttention",
+        # past and present may be one fixed-capacity buffer, updated in place (onnx_ops.mha_to_gqa)
+        "shared_kv_buffer": gqa,
+        # a step of several tokens on top of a past may have batch > 1
+        "batched_multi_token_past": not gqa,
+    }
 
 
 def count_ops(proto: onnx.ModelProto) -> dict[str, int]:
@@ -319,6 +338,10 @@ class ExportInfo:
     @property
     def model_path(self) -> Path:
         return self.folder / MODEL_FILE
+
+    @property
+    def attention(self) -> dict:
+        return self.meta.get("attention") or attention_layout(self.meta.get("fused_operators", {}))
 
 
 def read_export(folder: Path, verify_hashes: bool = True) -> ExportInfo:
@@ -437,6 +460,7 @@ def export(
             "tokenizer": BPE_SHA256,
             "io": {"inputs": io.input_names(model.config.n_layer), "outputs": io.output_names(model.config.n_layer)},
             "fused_operators": ops,
+            "attention": attention_layout(ops),
         }
         info = ExportInfo(tmp, meta)
         if check_parity:

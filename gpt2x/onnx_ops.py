@@ -71,3 +71,73 @@ def mha_to_onnx(q, k, v, past_k, past_v, bias, num_heads: int):
 
 
 TRANSLATIONS = {torch.ops.gpt2x.mha.default: mha_to_onnx}
+
+
+# ---------------------------------------------------------------- GroupQueryAttention (int8, CPU)
+
+GQA = "GroupQueryAttention"
+_GQA_SEQLENS = "gqa_seqlens_k"  # int32 [batch]: total_sequence_length - 1 for every row
+_GQA_TOTAL = "gqa_total_sequence_length"  # int32 scalar: the attention mask's width
+
+
+def mha_to_gqa(proto: onnx.ModelProto) -> int:
+    """Replace every MultiHeadAttention node by ONNX Runtime's GroupQueryAttention (kv heads = heads),
+    in place; returns how many were replaced.
+
+    The inputs and outputs of the graph do not change. GroupQueryAttention reads the packed QKV
+    projection directly (the Split before it goes), takes the same additive mask as attention_bias
+    (so left padding works as before) and every row's length as the mask's width. What it adds is
+    that its present key/value may be the very buffers passed as past: given a fixed-capacity cache
+    bound as both input and output, it writes the new positions in place instead of copying the
+    whole cache into a new present every step (see runtime.SharedKVCache). Its CPU kernel has one
+    restriction the MultiHeadAttention graph lacks: a step of more than one token on top of a past
+    must have batch 1 (runtime.OrtBackend runs such batches row by row)."""
+    from onnx import TensorProto, helper
+
+    graph = proto.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    consumers: dict[str, int] = {}
+    for n in graph.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    replaced, dropped, nodes = 0, set(), []
+    for n in graph.node:
+        if n.op_type != "MultiHeadAttention" or n.domain != MSFT:
+            nodes.append(n)
+            continue
+        split = producer.get(n.input[0])
+        if split is None or split.op_type != "Split" or list(split.output) != list(n.input[:3]) or \
+                any(consumers.get(o, 0) != 1 for o in split.output):
+            raise ValueError(f"{n.name}: query/key/value do not come from one Split of a packed QKV projection")
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        heads = attrs["num_heads"]
+        bias = n.input[5] if len(n.input) > 5 else ""
+        past_k, past_v = (n.input[6], n.input[7]) if len(n.input) > 7 else ("", "")
+        nodes.append(helper.make_node(
+            GQA, [split.input[0], "", "", past_k, past_v, _GQA_SEQLENS, _GQA_TOTAL, "", "", "", bias],
+            list(n.output), name=n.name.replace("mha", "gqa") or None, domain=MSFT, num_heads=heads, kv_num_heads=heads,
+        ))
+        dropped.add(split.output[0])
+        replaced += 1
+    if not replaced:
+        return 0
+    from . import onnx_io as io
+
+    prelude = [
+        helper.make_node("Shape", [io.ATTENTION_MASK], ["gqa_mask_shape"]),
+        helper.make_node("Gather", ["gqa_mask_shape", "gqa_i64_0"], ["gqa_batch"], axis=0),
+        helper.make_node("Gather", ["gqa_mask_shape", "gqa_i64_1"], ["gqa_total_i64"], axis=0),
+        helper.make_node("Cast", ["gqa_total_i64"], [_GQA_TOTAL], to=TensorProto.INT32),
+        helper.make_node("Sub", [_GQA_TOTAL, "gqa_i32_1"], ["gqa_last"]),
+        helper.make_node("Unsqueeze", ["gqa_batch", "gqa_axis_0"], ["gqa_batch_1d"]),
+        helper.make_node("Expand", ["gqa_last", "gqa_batch_1d"], [_GQA_SEQLENS]),
+    ]
+    graph.initializer.extend([
+        helper.make_tensor("gqa_i64_0", TensorProto.INT64, [], [0]),
+        helper.make_tensor("gqa_i64_1", TensorProto.INT64, [], [1]),
+        helper.make_tensor("gqa_i32_1", TensorProto.INT32, [], [1]),
+        helper.make_tensor("gqa_axis_0", TensorProto.INT64, [1], [0]),
+    ])
+    del graph.node[:]
+    graph.node.extend(prelude + [n for n in nodes if not (n.op_type == "Split" and n.output[0] in dropped)])
+    return replaced

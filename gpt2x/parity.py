@@ -105,8 +105,10 @@ def compare_on_cases(model: GPT2, run_backend, seed: int = 0) -> dict:
         real = mask[:, c.past :].bool().numpy()
         refs.append(ref.numpy()[real])
         gots.append(got[real])
-        want = np.concatenate([t.numpy()[real.any(-1)].ravel() for kv in ref_present for t in kv])
-        have = np.concatenate([np.asarray(t, dtype=np.float32)[real.any(-1)].ravel() for t in got_present])
+        # Cache entries of real positions only: what a padding slot holds is never attended to.
+        keep = mask.bool().numpy()  # (B, P+T)
+        want = np.concatenate([t.numpy().transpose(0, 2, 1, 3)[keep].ravel() for kv in ref_present for t in kv])
+        have = np.concatenate([np.asarray(t, dtype=np.float32).transpose(0, 2, 1, 3)[keep].ravel() for t in got_present])
         present_err = max(present_err, float(np.abs(want - have).max() / max(np.abs(want).max(), 1e-12)))
     stats = logit_stats(np.concatenate(refs), np.concatenate(gots))
     stats["present_max_rel"] = present_err

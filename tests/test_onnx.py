@@ -344,7 +344,8 @@ def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, pr
     info = export(model, source, tmp_path / precision.value, precision)
     assert info.meta["parity"]["status"] in ("passed", "skipped")  # fp16 is skipped without CUDA
     ops = info.meta["fused_operators"]
-    assert ops["MultiHeadAttention"] == model.config.n_layer and ops["FastGelu"] == model.config.n_layer
+    attention = "GroupQueryAttention" if precision is Precision.int8 else "MultiHeadAttention"
+    assert ops[attention] == model.config.n_layer and ops["FastGelu"] == model.config.n_layer
     if precision is Precision.int8:
         assert ops["MatMulNBits"] == 4 * model.config.n_layer + 1
     # Every file is the metadata, the graph, or data the graph refers to: nothing stale stays behind.

@@ -1,0 +1,149 @@
+"""GroupQueryAttention graphs (the int8 export's attention) and the shared, in-place KV cache.
+
+The rewrite (onnx_ops.mha_to_gqa) is checked on an fp32 export, where it must pass the fp32 gate
+against the PyTorch model: logits on random shapes (the multi-token-with-past batches go row by
+row), greedy tokens, sampled tokens, beam search, left padding, and a cache that has to grow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from gpt2x import parity, runtime
+from gpt2x.backends import TorchBackend
+from gpt2x.choices import Precision
+from gpt2x.export import MODEL_FILE, attention_layout, count_ops, export, read_export, sha256
+from gpt2x.generation import SamplingSettings, generate
+from gpt2x.onnx_ops import mha_to_gqa
+from gpt2x.runtime import OrtBackend, SharedKVCache
+from gpt2x.weights import load_model
+
+from .conftest import make_hf_model
+
+PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
+
+
+def as_gqa(info, folder):
+    """A copy of an fp32 export whose attention is GroupQueryAttention, with its metadata updated."""
+    shutil.copytree(info.folder, folder)
+    proto = onnx.load(str(folder / MODEL_FILE))
+    assert mha_to_gqa(proto) == info.config.n_layer
+    onnx.save(proto, str(folder / MODEL_FILE))
+    meta = json.loads((folder / "gpt2x.json").read_text())
+    meta["fused_operators"] = count_ops(proto)
+    meta["attention"] = attention_layout(meta["fused_operators"])
+    meta["files"][MODEL_FILE] = sha256(folder / MODEL_FILE)
+    (folder / "gpt2x.json").write_text(json.dumps(meta))
+    return read_export(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_hf_model(folder, seed=21, n_positions=96)
+    model, source = load_model(str(folder))
+    info = export(model, source, tmp_path_factory.mktemp("exp") / "tiny-fp32")
+    return model, info, as_gqa(info, tmp_path_factory.mktemp("gqa") / "tiny-gqa")
+
+
+def test_rewrite_replaces_every_attention_and_keeps_the_interface(tiny_gqa):
+    _, mha_info, info = tiny_gqa
+    before = onnx.load(str(mha_info.model_path))
+    after = onnx.load(str(info.model_path))
+    ops = [n.op_type for n in after.graph.node]
+    assert ops.count("GroupQueryAttention") == info.config.n_layer
+    assert "MultiHeadAttention" not in ops and "Split" not in ops
+    assert [i.name for i in after.graph.input] == [i.name for i in before.graph.input]
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    assert info.attention == {"op": "GroupQueryAttention", "shared_kv_buffer": True, "batched_multi_token_past": False}
+    assert mha_info.attention["shared_kv_buffer"] is False
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_gqa_graph_passes_the_fp32_gate(tiny_gqa, shared):
+    """Random shapes incl. empty past, left padding and batched multi-token steps on a past, plus
+    greedy agreement: the whole fp32 gate, against the PyTorch model."""
+    model, _, info = tiny_gqa
+    backend = OrtBackend(info, shared_kv=shared)
+    assert backend.shared_kv is shared
+    result = parity.check(model, backend, Precision.fp32)
+    assert result["status"] == "passed", result["message"]
+    assert any(c["batch"] > 1 and c["past"] > 0 and c["seq"] > 1 for c in result["logits"]["cases"])
+
+
+def test_shared_cache_is_written_in_place(tiny_gqa):
+    model, _, info = tiny_gqa
+    backend = OrtBackend(info)
+    ids = np.array([[10, 20, 30, 40]])
+    logits, cache = backend.run(ids, np.ones((1, 4), np.int64), np.arange(4)[None], None)
+    assert isinstance(cache, SharedKVCache) and cache.length == 4
+    buffers = [a.ctypes.data for a in cache.arrays]
+    logits2, cache2 = backend.run(np.array([[50]]), np.ones((1, 5), np.int64), np.array([[4]]), cache)
+    assert cache2.length == 5 and [a.ctypes.data for a in cache2.arrays] == buffers  # no new allocation
+    with torch.no_grad():
+        ref, ref_present = model(torch.tensor([[10, 20, 30, 40, 50]]), torch.ones(1, 5, dtype=torch.long), torch.arange(5)[None])
+    assert np.abs(ref[0, -1].numpy() - logits2[0, -1]).max() <= 1e-4 * np.abs(ref.numpy()).max()
+    for want, got in zip([t for kv in ref_present for t in kv], backend.present_to_numpy(cache2)):
+        assert np.abs(want.numpy() - got).max() <= 1e-4 * max(np.abs(want.numpy()).max(), 1e-6)
+
+
+def test_mask_that_does_not_match_the_cache_is_refused(tiny_gqa):
+    _, _, info = tiny_gqa
+    backend = OrtBackend(info)
+    _, cache = backend.run(np.array([[1, 2]]), np.ones((1, 2), np.int64), np.arange(2)[None], None)
+    with pytest.raises(ValueError, match="attention_mask covers 5"):
+        backend.run(np.array([[3]]), np.ones((1, 5), np.int64), np.array([[2]]), cache)
+
+
+def test_generation_matches_torch_through_cache_growth(tiny_gqa, monkeypatch):
+    """Greedy and sampled tokens, a left-padded batch, with a cache that starts at 3 + prompt
+    positions and has to grow several times."""
+    model, _, info = tiny_gqa
+    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 3)
+    ref = TorchBackend(model)
+    grown = []
+    backend = OrtBackend(info)
+    real_cache = backend._shared_cache
+    backend._shared_cache = lambda b, cap, keep=None: grown.append(cap) or real_cache(b, cap, keep)
+    for s in (SamplingSettings(max_new_tokens=40, greedy=True), SamplingSettings(max_new_tokens=40, seed=7, top_k=50)):
+        grown.clear()
+        want = [r.tokens for r in generate(ref, PROMPTS, s)]
+        got = [r.tokens for r in generate(backend, PROMPTS, s)]
+        assert got == want
+        assert max(len(t) for t in got) > 20
+        assert len(grown) >= 3 and grown == sorted(grown)  # allocated once, then grown at least twice
+
+
+def test_generation_runs_to_the_context_limit(tiny_gqa):
+    model, _, info = tiny_gqa
+    s = SamplingSettings(max_new_tokens=500, greedy=True)
+    got = generate(OrtBackend(info), ["ROMEO:"], s)[0]
+    want = generate(TorchBackend(model), ["ROMEO:"], s)[0]
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
+
+
+def test_beam_search_reorders_the_shared_cache(tiny_gqa):
+    model, _, info = tiny_gqa
+    s = SamplingSettings(max_new_tokens=12, num_beams=3, length_penalty=0.8)
+    for prompt in PROMPTS[:2]:
+        want = generate(TorchBackend(model), [prompt], s)[0].tokens
+        assert generate(OrtBackend(info), [prompt], s)[0].tokens == want
+
+
+def test_int8_export_uses_gqa_and_passes_its_gate(tmp_path):
+    model, source = load_model("shakespeare")
+    info = export(model, source, tmp_path / "sh-int8", Precision.int8)
+    assert info.meta["fused_operators"]["GroupQueryAttention"] == model.config.n_layer
+    assert info.meta["attention"]["shared_kv_buffer"] is True
+    assert info.meta["parity"]["status"] == "passed"
+    backend = OrtBackend(read_export(info.folder))
+    assert backend.shared_kv
+    # The shared cache and the growing cache are the same graph: same tokens either way.
+    s = SamplingSettings(max_new_tokens=48, greedy=True)
+    growing = OrtBackend(read_export(info.folder), shared_kv=False)
+    assert [r.tokens for r in generate(backend, PROMPTS, s)] == [r.tokens for r in generate(growing, PROMPTS, s)]
