@@ -4,6 +4,8 @@ optimizer, converted to fp16 or quantized to int8, gated by parity against PyTor
 Layout of an export folder:
     model.onnx            the graph (+ model.onnx.data when the weights pass 2 GB)
     gpt2x.json            metadata: format version, source, config, precision, versions, hashes, parity
+    config.json, tokenizer.json, genai_config.json, ...
+                          what Optimum, transformers(.js) and onnxruntime-genai read (interop.py)
 """
 
 from __future__ import annotations
@@ -416,6 +418,7 @@ def export(
     progress: Progress = lambda msg: None,
 ) -> ExportInfo:
     """Export, optimise, convert, check parity, and only then move the folder into place."""
+    from .interop import write_interop_files
     from .parity import gate_export
 
     out = Path(out)
@@ -442,6 +445,9 @@ def export(
             progress("quantizing MatMul weights to int8")
             ops = quantize_int8(fused, tmp / MODEL_FILE)
         shutil.rmtree(work)
+        # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
+        write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
+                            share_buffer=attention_layout(ops)["shared_kv_buffer"])
         for p in tmp.iterdir():
             p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}

@@ -76,10 +76,11 @@ class SharedKVCache:
     hold the cache. A step writes position `length` onward into the same buffers: the cache given
     to a step must not be stepped from again (generation and beam search never do)."""
 
-    def __init__(self, values: list, arrays: list[np.ndarray], length: int):
+    def __init__(self, values: list, arrays: list[np.ndarray], length: int, binding=None):
         self.values = values  # what is bound to the graph
         self.arrays = arrays  # the host memory behind them (CPU only), kept alive here
         self.length = length
+        self.binding = binding  # an IOBinding with these buffers bound as past and present, reused
 
     @property
     def capacity(self) -> int:
@@ -200,13 +201,19 @@ class OrtBackend:
         elif length + T > cache.capacity:
             grown = max(length + T, min(self.n_positions, cache.capacity + max(KV_CAPACITY_STEP, cache.capacity)))
             cache = self._shared_cache(B, grown, keep=cache)
-        binding = self.session.io_binding()
-        self._bind_inputs(binding, input_ids, attention_mask, position_ids, cache.values)
-        binding.bind_output(io.LOGITS, "cpu")
-        for name, value in zip(self.names_out[1:], cache.values):
-            binding.bind_ortvalue_output(name, value)  # the same buffers: written in place
+        binding = cache.binding
+        if binding is None:
+            binding = self.session.io_binding()
+            for name, value in zip(self.names_in[3:], cache.values):
+                binding.bind_ortvalue_input(name, value)
+            for name, value in zip(self.names_out[1:], cache.values):
+                binding.bind_ortvalue_output(name, value)  # the same buffers: written in place
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, [])
+        # A fresh host array for the logits each step, written by ONNX Runtime directly.
+        logits = np.empty((B, T, self.cfg.vocab_size), dtype=np.float32)
+        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy(), SharedKVCache(cache.values, cache.arrays, length + T)
+        return logits, SharedKVCache(cache.values, cache.arrays, length + T, binding)
 
     def step(self, input_ids, attention_mask, position_ids, past):
         logits, present = self.run(input_ids, attention_mask, position_ids, past)

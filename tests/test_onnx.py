@@ -19,6 +19,7 @@ from gpt2x.choices import Precision, ProviderKind
 from gpt2x.errors import ArtifactError, OutputError, ParityError, ProviderError
 from gpt2x.export import export, read_export
 from gpt2x.generation import SamplingSettings, generate
+from gpt2x.interop import INTEROP_FILES
 from gpt2x.model import GPT2Config
 from gpt2x.runtime import OrtBackend, available_providers
 from gpt2x.weights import load_model
@@ -279,7 +280,7 @@ def test_external_data_export_and_its_checks(tiny, tmp_path, monkeypatch):
     assert (info.folder / export_mod.DATA_FILE).is_file() and export_mod.DATA_FILE in info.meta["files"]
     assert info.meta["parity"]["status"] == "passed"
     assert info.meta["fused_operators"] == tiny[2].meta["fused_operators"]  # graph-only fusion, same result
-    assert sorted(p.name for p in info.folder.iterdir()) == ["gpt2x.json", "model.onnx", "model.onnx.data"]
+    assert {p.name for p in info.folder.iterdir()} == {"gpt2x.json", "model.onnx", "model.onnx.data", *INTEROP_FILES}
     folder = tmp_path / "evil"
     shutil.copytree(info.folder, folder)
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -351,7 +352,7 @@ def test_external_data_path_for_lossy_precisions(tiny, tmp_path, monkeypatch, pr
     # Every file is the metadata, the graph, or data the graph refers to: nothing stale stays behind.
     proto = onnx.load(str(info.model_path), load_external_data=False)
     referenced = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
-    assert {p.name for p in info.folder.iterdir()} == {"gpt2x.json", "model.onnx"} | referenced
+    assert {p.name for p in info.folder.iterdir()} == {"gpt2x.json", "model.onnx", *INTEROP_FILES} | referenced
     if limit == 5_000_000:
         assert referenced == set()
     read_export(info.folder)
