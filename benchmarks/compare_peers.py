@@ -7,23 +7,40 @@ every library loads the very same tensors), a prompt of --prompt-len random toke
 greedy tokens that EOS does not cut short, and times for each batch size:
 
 - transformers' `GPT2LMHeadModel.generate` (PyTorch eager): the reference the ratios divide by;
-- Optimum's `ORTModelForCausalLM` (its own ONNX export, ONNX Runtime CPU) when importable;
+- Optimum's `ORTModelForCausalLM.generate` (its own ONNX export, ONNX Runtime CPU) when importable;
+- Optimum's export in a hand loop: the very model.onnx Optimum exported, run by a minimal greedy
+  loop on onnxruntime directly, presents fed back as past (batch 1);
+- ONNX Runtime's own GPT-2 tool (`onnxruntime.transformers.models.gpt2.convert_to_onnx`, fused
+  `Attention` with a combined past_i cache), fp32 and int8, in the same hand loop (batch 1), when it
+  runs with the installed transformers and torch; otherwise its error and the reason are recorded;
+- onnxruntime-genai running gpt2x's fp32 and int8 exports (same graphs, genai's C++ loop; batch 1)
+  when importable;
 - gpt2x: PyTorch, ONNX Runtime fp32 and int8 (exported here, parity-gated).
 
-End-to-end tokens/s = batch x new tokens / wall time of the whole generation (prefill included),
-the median of --repeat runs after a warm-up. The machine's memory bandwidth is measured in the same
-run and each decode figure is given as a share of its roofline. Writes OUT.json (every figure and
-the environment), OUT.md (the table) and OUT.png (the plot).
+Every ONNX Runtime session has gpt2x's thread settings (gpt2x.runtime.session_options: intra-op
+threads = cores, sequential). Timing is interleaved, because this VM's memory bandwidth drifts by
+tens of percent over minutes: per batch size, each contender warms up (its first tokens are also
+checked against transformers'), then --repeat rounds run every contender once each, in an order
+rotated every round. Each figure is the contender's median run; the spread (min-max of end-to-end
+tokens/s over the rounds) and every run are kept.
+
+End-to-end tokens/s = batch x new tokens / wall time of the whole generation (prefill included);
+decode tokens/s = batch x (new tokens - 1) / (wall time - time to first token). The machine's
+memory bandwidth is measured in the same run and each decode figure is given as a share of its
+roofline. Writes OUT.json (every figure, every run, the environment), OUT.md (the table) and
+OUT.png (the plot).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import re
+import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -33,56 +50,376 @@ from gpt2x import bench
 from gpt2x.backends import TorchBackend
 from gpt2x.choices import Precision
 from gpt2x.export import export, read_export
-from gpt2x.runtime import OrtBackend, physical_cores
+from gpt2x.interop import GENAI_CONFIG_FILE, genai_config
+from gpt2x.runtime import OrtBackend, physical_cores, session_options
 from gpt2x.system import system_info
 from gpt2x.weights import load_model, save_hf
 
 TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0}  # x transformers' generate, from the issue
+# What the issue measured on this 2-core VM (batch 1, 32-token prompt, 128 new tokens), for reference.
+ISSUE_FIGURES = {"transformers generate": 24.7, "Optimum's export in a hand loop": 57.8,
+                 "ORT GPT-2 tool, fused Attention, fp32": 72.8, "ORT GPT-2 tool int8": 175.7}
+CHECK_TOKENS = 16  # leading tokens of the warm-up run compared with transformers' (same work for all)
+GAP_S = 0.05  # idle time between two contenders' runs (see THREADS below)
+ORT_TOOL = "onnxruntime.transformers.models.gpt2.convert_to_onnx"
+
+# THREADS. Each ONNX Runtime session keeps its own intra-op pool, whose threads spin-wait for work
+# by default. Turning that off (session.intra_op.allow_spinning = "0") was measured with gpt2x
+# running alone (random:gpt2, batch 1, 32 + 32 tokens, 4 interleaved runs each, this 2-core VM):
+# fp32 70.7 -> 65.1 tok/s (-8%), int8 226.6 -> 172.0 tok/s (-24%). Spinning is part of how ORT
+# reaches its speed at batch 1, so every session keeps the default; contenders never run at the
+# same time (one after another, GAP_S apart, long enough for a finished pool to stop spinning).
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def time_hf_generate(model, prompt: torch.Tensor, new_tokens: int, repeat: int) -> dict:
-    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  do_sample=False, num_beams=1, pad_token_id=50256)
-    with torch.inference_mode():
-        model.generate(prompt, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            out = model.generate(prompt, **kwargs)
-            times.append(time.perf_counter() - t0)
-            assert out.shape[1] == prompt.shape[1] + new_tokens
-        # Prefill alone, to split decode from time to first token.
+def versions(*names: str) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------- contenders
+#
+# Each has name, engine, precision, batches (None: every batch size), check(prompt, k) -> the first
+# k greedy tokens (B, k) (the warm-up), and run(prompt, n) -> {"total_s", "ttft_s"[, "steps_s"]}.
+
+
+class HFGenerate:
+    """`generate` of transformers' GPT2LMHeadModel or Optimum's ORTModelForCausalLM. A logits
+    processor stamps the clock each time logits arrive, which splits the first token from decoding."""
+
+    batches = None
+
+    def __init__(self, name: str, engine: str, model):
+        self.name, self.engine, self.precision, self.model = name, engine, Precision.fp32, model
+
+    def _generate(self, prompt: np.ndarray, n: int, processors=()):
+        from transformers import LogitsProcessorList
+
+        ids = torch.from_numpy(prompt)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, num_beams=1, pad_token_id=50256,
+                                      logits_processor=LogitsProcessorList(processors))
+        assert out.shape[1] == prompt.shape[1] + n
+        return out[:, prompt.shape[1]:].numpy()
+
+    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
+        return self._generate(prompt, k)
+
+    def run(self, prompt: np.ndarray, n: int) -> dict:
+        from transformers import LogitsProcessor
+
+        stamps: list[float] = []
+
+        class Clock(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                stamps.append(time.perf_counter())
+                return scores
+
         t0 = time.perf_counter()
-        for _ in range(repeat):
-            model(prompt, attention_mask=torch.ones_like(prompt), use_cache=True)
-        prefill = (time.perf_counter() - t0) / repeat
-    total = statistics.median(times)
-    b = prompt.shape[0]
-    return {"e2e_tokens_per_s": b * new_tokens / total, "decode_tokens_per_s": b * (new_tokens - 1) / max(total - prefill, 1e-9),
-            "total_s": total, "prefill_s": prefill}
+        self._generate(prompt, n, [Clock()])
+        total = time.perf_counter() - t0
+        return {"total_s": total, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
 
 
-def time_gpt2x(backend, prompt: np.ndarray, new_tokens: int, repeat: int) -> dict:
-    bench.timed_generation(backend, prompt, 4, lambda: None)  # warm-up
-    runs = [bench.timed_generation(backend, prompt, new_tokens, lambda: None) for _ in range(repeat)]
-    run = bench.median_run(runs)
-    b = prompt.shape[0]
-    return {"e2e_tokens_per_s": b * new_tokens / run["total_s"], "decode_tokens_per_s": b * len(run["steps_s"]) / sum(run["steps_s"]),
-            "total_s": run["total_s"], "prefill_s": run["ttft_s"], "decode_latency": bench.summarize_latencies(run["steps_s"]),
-            "latency_by_context": bench.speed_entry(run, b, new_tokens, prompt.shape[1], 0.0, lambda c: 1.0)["latency_by_context"]}
+class _Recorder:
+    """A gpt2x backend that notes the greedy token of every step (warm-up only)."""
+
+    def __init__(self, backend):
+        self.backend, self.tokens = backend, []
+
+    def step(self, input_ids, attention_mask, position_ids, past):
+        logits, present = self.backend.step(input_ids, attention_mask, position_ids, past)
+        self.tokens.append(logits.argmax(-1))
+        return logits, present
 
 
-def load_optimum(folder: Path):
+class Gpt2x:
+    """gpt2x's generation loop as `gpt2x bench` times it (bench.timed_generation)."""
+
+    batches = None
+
+    def __init__(self, name: str, engine: str, precision: Precision, backend):
+        self.name, self.engine, self.precision, self.backend = name, engine, precision, backend
+
+    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
+        rec = _Recorder(self.backend)
+        bench.timed_generation(rec, prompt, k, lambda: None)
+        return np.stack(rec.tokens, axis=1)
+
+    def run(self, prompt: np.ndarray, n: int) -> dict:
+        return bench.timed_generation(self.backend, prompt, n, lambda: None)
+
+
+ORT_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+              "tensor(float16)": np.float16}
+
+
+class HandLoop:
+    """A minimal greedy loop on an InferenceSession: input_ids (+ attention_mask, + position_ids
+    where the graph takes them, with the graph's integer type), each present output fed back as the
+    past input of the same layer. The cache stays in the OrtValues ONNX Runtime allocated
+    (run_with_ort_values), as in gpt2x; only logits are copied out. Works for Optimum's names
+    (past_key_values.i.key/value -> present.i.key/value) and the ORT GPT-2 tool's (past_i -> present_i)."""
+
+    batches = {1}
+
+    def __init__(self, name: str, precision: Precision, model_path: Path, threads: int):
+        import onnxruntime as ort
+
+        self.name, self.engine, self.precision, self.ort = name, "ort", precision, ort
+        self.model_path = str(model_path)
+        self.session = ort.InferenceSession(self.model_path, sess_options=session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.inputs = inputs
+        self.past = [n for n in inputs if n.startswith("past")]
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.present = self.outputs[1:]
+        expected = [n.replace("past_key_values", "present").replace("past_", "present_") for n in self.past]
+        if self.outputs[0] != "logits" or self.present != expected:
+            raise ValueError(f"{model_path}: cannot pair past inputs {self.past[:2]}... with outputs {self.outputs[:3]}...")
+        self.input_names = [n for n in inputs if not n.startswith("past")]
+
+    def _value(self, name: str, array: np.ndarray):
+        return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array, dtype=ORT_DTYPES[self.inputs[name].type]))
+
+    def _empty_past(self, batch: int) -> list:
+        values = []
+        for name in self.past:
+            shape = [d if isinstance(d, int) else (batch if "batch" in str(d) else 0) for d in self.inputs[name].shape]
+            values.append(self._value(name, np.zeros(shape)))
+        return values
+
+    def _step(self, ids: np.ndarray, mask: np.ndarray, past: list):
+        B, T = ids.shape
+        past_len = mask.shape[1] - T
+        position = np.broadcast_to(np.arange(past_len, past_len + T), (B, T))
+        arrays = {"input_ids": ids, "attention_mask": mask, "position_ids": position}
+        feeds = {name: self._value(name, arrays[name]) for name in self.input_names}
+        feeds.update(zip(self.past, past))
+        out = self.session.run_with_ort_values(self.outputs, feeds)
+        return out[0].numpy()[:, -1].argmax(-1), out[1:]
+
+    def _generate(self, prompt: np.ndarray, n: int, stamps: list[float]) -> np.ndarray:
+        mask = np.ones_like(prompt)
+        nxt, past = self._step(prompt, mask, self._empty_past(prompt.shape[0]))
+        tokens = [nxt]
+        stamps.append(time.perf_counter())
+        for _ in range(n - 1):
+            mask = np.concatenate([mask, np.ones((prompt.shape[0], 1), dtype=mask.dtype)], axis=1)
+            nxt, past = self._step(nxt[:, None], mask, past)
+            tokens.append(nxt)
+            stamps.append(time.perf_counter())
+        return np.stack(tokens, axis=1)
+
+    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
+        return self._generate(prompt, k, [])
+
+    def run(self, prompt: np.ndarray, n: int) -> dict:
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        self._generate(prompt, n, stamps)
+        return {"total_s": time.perf_counter() - t0, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
+
+
+class Genai:
+    """onnxruntime-genai on a gpt2x export: og.Model on a folder holding the export's model.onnx
+    (a link) and the genai_config.json gpt2x writes for it, with intra_op_num_threads set like every
+    other session; greedy, min_length = max_length = prompt + new tokens so that EOS cannot stop it.
+    append_tokens runs the prefill; each generate_next_token picks a token (and from the second
+    on, first runs the decode step that produces its logits)."""
+
+    batches = {1}
+
+    def __init__(self, name: str, precision: Precision, export_folder: Path, work: Path, threads: int):
+        import onnxruntime_genai as og
+
+        self.name, self.engine, self.precision, self.og = name, "ort", precision, og
+        info = read_export(export_folder)
+        work.mkdir(parents=True)
+        if (export_folder / GENAI_CONFIG_FILE).is_file():
+            cfg = json.loads((export_folder / GENAI_CONFIG_FILE).read_text())
+        else:  # an export made before gpt2x wrote interop files: the same file gpt2x writes now
+            cfg = genai_config(info.config, share_buffer=info.attention["shared_kv_buffer"])
+        cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+        (work / GENAI_CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
+        for p in export_folder.iterdir():
+            if p.name.startswith(info.model_path.name):  # model.onnx (and model.onnx.data)
+                (work / p.name).symlink_to(p.resolve())
+        self.genai_search = cfg["search"]
+        self.model = og.Model(str(work))
+
+    def _generate(self, prompt: np.ndarray, n: int, stamps: list[float]) -> np.ndarray:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        length = prompt.shape[1] + n
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=prompt.shape[0])
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(prompt.astype(np.int32))
+        tokens = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            tokens.append(np.array(gen.get_next_tokens()))
+            stamps.append(time.perf_counter())
+        assert len(tokens) == n, (len(tokens), n)
+        return np.stack(tokens, axis=1)
+
+    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
+        return self._generate(prompt, k, [])
+
+    def run(self, prompt: np.ndarray, n: int) -> dict:
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        self._generate(prompt, n, stamps)
+        return {"total_s": time.perf_counter() - t0, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
+
+
+# ---------------------------------------------------------------- loading the peers
+
+
+def load_optimum(folder: Path, threads: int):
     try:
         from optimum.onnxruntime import ORTModelForCausalLM
     except ImportError as e:
-        log(f"Optimum not importable here ({e}); skipped")
-        return None
-    return ORTModelForCausalLM.from_pretrained(folder, export=True, use_cache=True, provider="CPUExecutionProvider")
+        return None, f"not importable here: {e}"
+    return ORTModelForCausalLM.from_pretrained(folder, export=True, use_cache=True, provider="CPUExecutionProvider",
+                                               session_options=session_options(threads)), None
+
+
+def tool_failure(stderr: str) -> dict:
+    """The exception line of a failed run of the tool, where it failed, and why (when known)."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    frames = re.findall(r'File "[^"]*/site-packages/((?:onnxruntime|transformers)/[^"]+)", line (\d+), in (\w+)', stderr)
+    ort_frames = [f for f in frames if f[0].startswith("onnxruntime/")][-1:]
+    hf_frames = [f for f in frames if f[0].startswith("transformers/")][-3:]
+    failure = {"error": errors[-1] if errors else (lines[-1] if lines else "no output"),
+               "frames": [f"{path}:{line} {fn}" for path, line, fn in ort_frames + hf_frames]}
+    if "masking_utils" in stderr and "vmap" in stderr:
+        failure["reason"] = (
+            "the tool exports with the TorchScript tracer (torch.onnx.export(..., dynamo=False), "
+            "onnxruntime/transformers/torch_onnx_export_helper.py), which cannot trace the causal mask that "
+            "transformers >= 4.53 builds with torch.vmap (transformers/masking_utils.py, sdpa_mask_recent_torch)")
+    return failure
+
+
+def ort_gpt2_tool(hf_dir: Path, work: Path, threads: int) -> tuple[list, dict]:
+    """Convert with ONNX Runtime's GPT-2 tool exactly as a user would (fp32 and int8), and a hand
+    loop on each graph it writes; or, where it fails, the failure, and what the tool's own steps
+    give with Optimum's tracing patches (benchmarks/ort_gpt2_tool_probe.py, in its own process)."""
+    import onnx
+
+    contenders, record = [], {"command": f"python -m {ORT_TOOL} -m HF_FOLDER --output OUT.onnx -o -p PRECISION"}
+    work.mkdir(parents=True, exist_ok=True)
+    for precision in (Precision.fp32, Precision.int8):
+        out = work / f"gpt2_{precision.value}.onnx"
+        cmd = [sys.executable, "-m", ORT_TOOL, "-m", str(hf_dir), "--output", str(out), "-o", "-p", precision.value,
+               "--cache_dir", str(work / "cache"), "-t", "1", "-r", "1"]  # the smallest parity test it allows
+        log(f"ONNX Runtime's GPT-2 tool, {precision.value}")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)  # its csv goes to cwd
+        entry: dict = {"returncode": proc.returncode, "seconds": time.perf_counter() - t0}
+        record[precision.value] = entry
+        if proc.returncode != 0 or not out.is_file():
+            entry |= tool_failure(proc.stderr)
+            log(f"  failed: {entry['error']}")
+            break
+        ops: dict[str, int] = {}
+        for node in onnx.load(str(out), load_external_data=False).graph.node:
+            ops[node.op_type] = ops.get(node.op_type, 0) + 1
+        entry["fused_operators"] = {k: ops.get(k, 0) for k in ("Attention", "MultiHeadAttention", "SkipLayerNormalization",
+                                                                  "FastGelu", "MatMulInteger", "DynamicQuantizeMatMul")}
+        entry["inputs"] = [i.name for i in onnx.load(str(out), load_external_data=False).graph.input][:4]
+        try:
+            contenders.append(HandLoop(f"ORT GPT-2 tool {precision.value}, hand loop", precision, out, threads))
+        except ValueError as e:  # a graph whose cache names the loop cannot pair
+            entry["error"] = str(e)
+            break
+    if not contenders:
+        log("  probing the tool's own steps with Optimum's tracing patches (benchmarks/ort_gpt2_tool_probe.py)")
+        probe = subprocess.run([sys.executable, str(Path(__file__).with_name("ort_gpt2_tool_probe.py")), str(hf_dir),
+                                str(work / "probe")], capture_output=True, text=True)
+        try:
+            record["probe_with_optimum_patches"] = json.loads(probe.stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            record["probe_with_optimum_patches"] = {"returncode": probe.returncode, **tool_failure(probe.stderr)}
+        record["skipped"] = skip_reason(record)
+        log(f"  skipped: {record['skipped']}")
+    return contenders, record
+
+
+def skip_reason(record: dict) -> str:
+    fp32 = record.get("fp32", {})
+    reason = f"`{ORT_TOOL}` fails: {fp32.get('error', 'unknown error')}"
+    if fp32.get("reason"):
+        reason += f" ({fp32['reason']})"
+    variants = record.get("probe_with_optimum_patches", {}).get("variants", [])
+    if variants:
+        found = "; ".join(
+            f"{v['attn_implementation']} attention, opset {v['opset']}: "
+            + (f"Attention fused {v.get('fused_operators', {}).get('Attention', 0)}x" if "fused_operators" in v
+               else v.get("error", "not exported"))
+            for v in variants)
+        reason += (f". With Optimum's tracing patches the tool's own export and optimizer run, but fuse no "
+                   f"Attention from this transformers' GPT-2 graph ({found}), so its fused graph cannot be made here"
+                   if all(v.get("fused_operators", {}).get("Attention", 0) == 0 for v in variants)
+                   else f". With Optimum's tracing patches: {found}")
+    return reason
+
+
+# ---------------------------------------------------------------- timing
+
+
+def first_difference(a: np.ndarray, b: np.ndarray) -> int | None:
+    diff = np.nonzero((a != b).any(axis=0))[0]
+    return int(diff[0]) if len(diff) else None
+
+
+def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: int) -> tuple[list[dict], list]:
+    """Warm-up (and token check) for each, then `repeat` rounds of one run each, order rotated."""
+    active = [c for c in contenders if c.batches is None or prompt.shape[0] in c.batches]
+    k = min(CHECK_TOKENS, new_tokens)
+    checks = {}
+    for c in active:
+        log(f"batch {prompt.shape[0]}: {c.name}: warm-up")
+        checks[c.name] = c.check(prompt, k)
+    reference = next(checks[c.name] for c in active if c.name.startswith("transformers"))
+    runs: dict[str, list[dict]] = {c.name: [] for c in active}
+    for r in range(repeat):
+        order = active[r % len(active):] + active[: r % len(active)]
+        log(f"batch {prompt.shape[0]}: round {r + 1}/{repeat}")
+        for c in order:
+            runs[c.name].append(c.run(prompt, new_tokens))
+            time.sleep(GAP_S)
+    b = prompt.shape[0]
+    results = []
+    for c in active:
+        rs = runs[c.name]
+        e2e = [b * new_tokens / x["total_s"] for x in rs]
+        decode = [b * (new_tokens - 1) / max(x["total_s"] - x["ttft_s"], 1e-9) for x in rs]
+        med = bench.median_run(rs)
+        i = rs.index(med)
+        entry = {"name": c.name, "engine": c.engine, "precision": c.precision.value, "batch": b,
+                 "e2e_tokens_per_s": e2e[i], "decode_tokens_per_s": decode[i], "total_s": med["total_s"],
+                 "prefill_s": med["ttft_s"], "e2e_min": min(e2e), "e2e_max": max(e2e),
+                 "e2e_tokens_per_s_runs": e2e, "decode_tokens_per_s_runs": decode,
+                 "total_s_runs": [x["total_s"] for x in rs], "ttft_s_runs": [x["ttft_s"] for x in rs],
+                 "check_tokens": k, "first_difference_vs_transformers": first_difference(checks[c.name], reference)}
+        if med.get("steps_s"):
+            entry["decode_latency"] = bench.summarize_latencies(med["steps_s"])
+        results.append(entry)
+    not_run = [{"name": c.name, "batch": b, "reason": "batch 1 only (hand loops and genai)"}
+               for c in contenders if c not in active]
+    return results, not_run
 
 
 def main() -> int:
@@ -91,7 +428,7 @@ def main() -> int:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (each contender runs once per round)")
     ap.add_argument("--out", type=Path, required=True, help="output path without extension")
     ap.add_argument("--exports", type=Path, default=Path("exported"), help="where gpt2x's exports go")
     args = ap.parse_args()
@@ -101,47 +438,73 @@ def main() -> int:
 
     env = system_info()
     env["torch_threads"] = torch.get_num_threads()
+    env["ort_intra_op_threads"] = threads
+    env["peer packages"] = versions("optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers")
     model, source = load_model(args.model)
     cfg = model.config
     log(f"measuring memory bandwidth ({threads} threads)")
     bandwidth_samples = [bench.cpu_read_bandwidth(threads)]
-    results: dict = {"environment": env, "settings": vars(args) | {"out": str(args.out), "exports": str(args.exports)},
-                     "runs": []}
+    results: dict = {"environment": env, "settings": vars(args) | {"out": str(args.out), "exports": str(args.exports),
+                                                                   "interleaved": True, "gap_s": GAP_S},
+                     "issue_figures_batch1_e2e": ISSUE_FIGURES, "skipped": {}, "not_run": [], "runs": []}
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(0, cfg.vocab_size, (b, args.prompt_len), dtype=np.int64) for b in batches}
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpt2x-peers-") as tmp:
         hf_dir = Path(tmp) / "hf"
         save_hf(model, hf_dir)  # the same tensors for every library
-        contenders = []
+        contenders: list = []
 
         from transformers import GPT2LMHeadModel
 
         hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        contenders.append(("transformers generate (PyTorch eager)", "torch", Precision.fp32,
-                           lambda p: time_hf_generate(hf, torch.from_numpy(p), args.new_tokens, args.repeat)))
+        contenders.append(HFGenerate("transformers generate (PyTorch eager)", "torch", hf))
         log("exporting with Optimum")
-        opt = load_optimum(hf_dir)
-        if opt is not None:
-            contenders.append(("Optimum ORTModelForCausalLM", "ort", Precision.fp32,
-                               lambda p: time_hf_generate(opt, torch.from_numpy(p), args.new_tokens, args.repeat)))
-        contenders.append(("gpt2x torch", "torch", Precision.fp32, lambda p: time_gpt2x(TorchBackend(model), p, args.new_tokens, args.repeat)))
+        opt, why = load_optimum(hf_dir, threads)
+        if opt is None:
+            log(f"Optimum {why}; skipped")
+            results["skipped"]["Optimum"] = why
+        else:
+            contenders.append(HFGenerate("Optimum ORTModelForCausalLM", "ort", opt))
+            try:
+                hand = HandLoop("Optimum's export, hand loop", Precision.fp32, Path(opt.path), threads)
+            except ValueError as e:  # a graph whose cache names the loop cannot pair
+                results["skipped"]["Optimum's export, hand loop"] = str(e)
+                log(f"Optimum's export, hand loop: skipped ({e})")
+            else:
+                results["optimum_graph_inputs"] = list(hand.inputs)
+                contenders.append(hand)
+        tool_contenders, results["ort_gpt2_tool"] = ort_gpt2_tool(hf_dir, Path(tmp) / "ort-gpt2", threads)
+        contenders += tool_contenders
+        if not tool_contenders:
+            results["skipped"]["ORT GPT-2 tool (fp32, int8)"] = results["ort_gpt2_tool"]["skipped"]
+        for precision in ("fp32", "int8"):
+            failed = results["ort_gpt2_tool"].get(precision, {})
+            if tool_contenders and "error" in failed:
+                results["skipped"][f"ORT GPT-2 tool {precision}"] = f"{failed['error']} {failed.get('reason', '')}".strip()
+        contenders.append(Gpt2x("gpt2x torch", "torch", Precision.fp32, TorchBackend(model)))
+        folders = {}
         for precision in (Precision.fp32, Precision.int8):
-            folder = args.exports / f"{source.name.replace(':', '-')}-{precision.value}"
+            folder = folders[precision] = args.exports / f"{source.name.replace(':', '-')}-{precision.value}"
             if not (folder / "gpt2x.json").exists():
                 log(f"exporting gpt2x {precision.value} to {folder}")
                 export(model, source, folder, precision, progress=log)
             info = read_export(folder)
             results[f"gpt2x_{precision.value}_parity"] = info.meta["parity"]
-            backend = OrtBackend(info, threads=threads)
-            contenders.append((f"gpt2x ort {precision.value}", "ort", precision,
-                               lambda p, backend=backend: time_gpt2x(backend, p, args.new_tokens, args.repeat)))
+            contenders.append(Gpt2x(f"gpt2x ort {precision.value}", "ort", precision, OrtBackend(info, threads=threads)))
+        for precision, folder in folders.items():
+            try:
+                contenders.append(Genai(f"onnxruntime-genai on gpt2x {precision.value}", precision, folder,
+                                        Path(tmp) / f"genai-{precision.value}", threads))
+            except ImportError as e:
+                results["skipped"]["onnxruntime-genai"] = f"not importable here: {e}"
+                log(f"onnxruntime-genai not importable here ({e}); skipped")
+                break
 
         for batch in batches:
-            for name, engine, precision, fn in contenders:
-                log(f"batch {batch}: {name}")
-                r = fn(prompts[batch])
-                results["runs"].append({"name": name, "engine": engine, "precision": precision.value, "batch": batch, **r})
+            runs, not_run = time_batch(contenders, prompts[batch], args.new_tokens, args.repeat)
+            results["runs"] += runs
+            results["not_run"] += not_run
 
     # Bandwidth again at the end; the higher sample sets the roofline (see gpt2x/bench.py).
     bandwidth_samples.append(bench.cpu_read_bandwidth(threads))
@@ -172,20 +535,47 @@ def main() -> int:
 def markdown(results: dict) -> str:
     env = results["environment"]
     s = results["settings"]
+    k = next((r["check_tokens"] for r in results["runs"]), 0)
     lines = [
         f"GPT-2 124M architecture ({s['model']}, random weights), prompt {s['prompt_len']} tokens, "
-        f"{s['new_tokens']} greedy tokens, median of {s['repeat']} runs.",
+        f"{s['new_tokens']} greedy tokens; {s['repeat']} interleaved rounds (every contender once per round, "
+        "order rotated), median run shown, spread = min-max of end-to-end tok/s over the rounds.",
         f"Machine: {env['cpu']}, {env['cores']} cores, {env['platform']}; measured read bandwidth "
         f"{results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {env['date']}, gpt2x git {env['git']}; "
-        + ", ".join(f"{k} {v}" for k, v in env["packages"].items()) + ".",
+        + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env.get("peer packages", {})).items()) + ".",
+        f"ONNX Runtime sessions: {env.get('ort_intra_op_threads')} intra-op threads, sequential, spinning on "
+        "(ORT's default) in every session.",
         "",
-        "| engine | batch | end-to-end tok/s | decode tok/s | x transformers (e2e) | x transformers (decode) | % of roofline (decode) | target |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| engine | batch | end-to-end tok/s | spread (e2e) | decode tok/s | x transformers (e2e) | x transformers (decode) "
+        f"| % of roofline (decode) | first {k} tokens = transformers' | target |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
-    for r in results["runs"]:
-        target = f"≥ {r['target']}x: {'met' if r['e2e_vs_transformers'] >= r['target'] else 'not met'}" if r.get("target") else ""
-        lines.append(f"| {r['name']} | {r['batch']} | {r['e2e_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['e2e_vs_transformers']:.2f} | {r['decode_vs_transformers']:.2f} | {r['roofline_share'] * 100:.0f}% | {target} |")
+    batches = sorted({r["batch"] for r in results["runs"]})
+    for b in batches:
+        for r in (r for r in results["runs"] if r["batch"] == b):
+            target = f"≥ {r['target']}x: {'met' if r['e2e_vs_transformers'] >= r['target'] else 'not met'}" if r.get("target") else ""
+            d = r["first_difference_vs_transformers"]
+            same = "yes" if d is None else f"no (from token {d})"
+            lines.append(f"| {r['name']} | {b} | {r['e2e_tokens_per_s']:.1f} | {r['e2e_min']:.1f}-{r['e2e_max']:.1f} | "
+                         f"{r['decode_tokens_per_s']:.1f} | {r['e2e_vs_transformers']:.2f} | {r['decode_vs_transformers']:.2f} | "
+                         f"{r['roofline_share'] * 100:.0f}% | {same} | {target} |")
+        for n in (n for n in results["not_run"] if n["batch"] == b):
+            lines.append(f"| {n['name']} | {b} | not run | | | | | | | {n['reason']} |")
+    lines.append("")
+    for b in batches:
+        rows = [r for r in results["runs"] if r["batch"] == b]
+        for precision in ("fp32", "int8"):
+            ours = next((r for r in rows if r["name"] == f"gpt2x ort {precision}"), None)
+            peers = [r for r in rows if r["precision"] == precision and not r["name"].startswith("gpt2x")]
+            if ours and peers:
+                best = max(peers, key=lambda r: r["e2e_tokens_per_s"])
+                lines.append(f"- batch {b}, {precision}: gpt2x ort {ours['e2e_tokens_per_s']:.1f} tok/s vs the fastest "
+                             f"{precision} peer, {best['name']}, {best['e2e_tokens_per_s']:.1f}: "
+                             f"{ours['e2e_tokens_per_s'] / best['e2e_tokens_per_s']:.2f}x")
+    for name, reason in results["skipped"].items():
+        lines.append(f"- {name}: skipped. {reason}")
+    lines.append("- The issue's figures from an earlier run on this VM (batch 1, e2e tok/s): "
+                 + ", ".join(f"{k} {v}" for k, v in results["issue_figures_batch1_e2e"].items()) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -193,13 +583,16 @@ def plot(results: dict, path: Path) -> None:
     plt = bench.require_matplotlib()
     batches = sorted({r["batch"] for r in results["runs"]})
     names = list(dict.fromkeys(r["name"] for r in results["runs"]))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(batches)
     for i, b in enumerate(batches):
-        vals = [next((r["e2e_tokens_per_s"] for r in results["runs"] if r["name"] == n and r["batch"] == b), 0) for n in names]
-        ax.bar(np.arange(len(names)) + i * width, vals, width, label=f"batch {b}")
-    ax.set_xticks(np.arange(len(names)) + width * (len(batches) - 1) / 2, names, rotation=15, fontsize=8)
-    ax.set_ylabel("end-to-end tokens/s")
+        rows = [next((r for r in results["runs"] if r["name"] == n and r["batch"] == b), None) for n in names]
+        vals = [r["e2e_tokens_per_s"] if r else 0 for r in rows]
+        err = [[r["e2e_tokens_per_s"] - r["e2e_min"] if r else 0 for r in rows],
+               [r["e2e_max"] - r["e2e_tokens_per_s"] if r else 0 for r in rows]]
+        ax.bar(np.arange(len(names)) + i * width, vals, width, yerr=err, capsize=2, label=f"batch {b}")
+    ax.set_xticks(np.arange(len(names)) + width * (len(batches) - 1) / 2, names, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("end-to-end tokens/s (bars: min-max over rounds)")
     env = results["environment"]
     ax.set_title(f"GPT-2 124M on {env['cpu']} ({env['cores']} cores): gpt2x vs peers", fontsize=10)
     ax.legend()
