@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,7 @@ from gpt2x.export import export, read_export, sha256
 from gpt2x.generation import SamplingSettings, generate
 from gpt2x.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
 from gpt2x.runtime import OrtBackend
-from gpt2x.system import system_info
+from gpt2x.system import installed_versions, system_info
 from gpt2x.weights import load_model
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be",
@@ -66,16 +65,6 @@ def share_buffer_probe(folder: Path) -> dict:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def versions(*names: str) -> dict[str, str]:
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return out
 
 
 def uncommitted(path: str = "gpt2x") -> list[str]:
@@ -121,7 +110,7 @@ def check_optimum(folder: Path, new_tokens: int, reference: list[list[int]]) -> 
         from transformers import AutoTokenizer
     except ImportError as e:
         return {"skipped": f"not importable here: {e}"}
-    result: dict = {"versions": versions("optimum", "optimum-onnx", "transformers", "tokenizers"), "loaded": False}
+    result: dict = {"versions": installed_versions("optimum", "optimum-onnx", "transformers", "tokenizers"), "loaded": False}
     try:
         model = ORTModelForCausalLM.from_pretrained(folder, provider="CPUExecutionProvider")
     except Exception as e:  # whatever the loader raises is the finding
@@ -186,7 +175,7 @@ def check_genai(folder: Path, new_tokens: int, reference: list[list[int]], overr
 
 
 def _run_genai(og, folder: Path, info, new_tokens: int, reference: list[list[int]]) -> dict:
-    result: dict = {"versions": versions("onnxruntime-genai", "onnxruntime", "onnxruntime-gpu"), "loaded": False}
+    result: dict = {"versions": installed_versions("onnxruntime-genai", "onnxruntime", "onnxruntime-gpu"), "loaded": False}
     try:
         model = og.Model(str(folder))
     except Exception as e:  # whatever the loader raises is the finding
@@ -292,7 +281,7 @@ def main() -> int:
     ap.add_argument("--model", default="shakespeare", help="model to export when no --onnx is given")
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
-    results: dict = {"environment": system_info() | {"loader packages": versions(
+    results: dict = {"environment": system_info() | {"loader packages": installed_versions(
         "optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers"), "uncommitted": uncommitted()},
         "settings": {"model": args.model, "new_tokens": args.new_tokens, "prompts": PROMPTS,
                      "onnx": [str(p) for p in args.onnx or []]}, "exports": []}

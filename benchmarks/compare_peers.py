@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +51,7 @@ from gpt2x.choices import Precision
 from gpt2x.export import export, read_export
 from gpt2x.interop import GENAI_CONFIG_FILE, genai_config
 from gpt2x.runtime import OrtBackend, physical_cores, session_options
-from gpt2x.system import system_info
+from gpt2x.system import installed_versions, system_info
 from gpt2x.weights import load_model, save_hf
 
 TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0}  # x transformers' generate, from the issue
@@ -73,16 +72,6 @@ ORT_TOOL = "onnxruntime.transformers.models.gpt2.convert_to_onnx"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def versions(*names: str) -> dict[str, str]:
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            continue
-    return out
 
 
 # ---------------------------------------------------------------- contenders
@@ -163,7 +152,23 @@ ORT_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(floa
               "tensor(float16)": np.float16}
 
 
-class HandLoop:
+class _StampedLoop:
+    """A contender whose _generate(prompt, n, stamps) appends a clock stamp as each token is chosen."""
+
+    def _generate(self, prompt: np.ndarray, n: int, stamps: list[float]) -> np.ndarray:
+        raise NotImplementedError
+
+    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
+        return self._generate(prompt, k, [])
+
+    def run(self, prompt: np.ndarray, n: int) -> dict:
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        self._generate(prompt, n, stamps)
+        return {"total_s": time.perf_counter() - t0, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
+
+
+class HandLoop(_StampedLoop):
     """A minimal greedy loop on an InferenceSession: input_ids (+ attention_mask, + position_ids
     where the graph takes them, with the graph's integer type), each present output fed back as the
     past input of the same layer. The cache stays in the OrtValues ONNX Runtime allocated
@@ -221,17 +226,8 @@ class HandLoop:
             stamps.append(time.perf_counter())
         return np.stack(tokens, axis=1)
 
-    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
-        return self._generate(prompt, k, [])
 
-    def run(self, prompt: np.ndarray, n: int) -> dict:
-        stamps: list[float] = []
-        t0 = time.perf_counter()
-        self._generate(prompt, n, stamps)
-        return {"total_s": time.perf_counter() - t0, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
-
-
-class Genai:
+class Genai(_StampedLoop):
     """onnxruntime-genai on a gpt2x export: og.Model on a folder holding the export's model.onnx
     (a link) and the genai_config.json gpt2x writes for it, with intra_op_num_threads set like every
     other session; greedy, min_length = max_length = prompt + new tokens so that EOS cannot stop it.
@@ -272,15 +268,6 @@ class Genai:
             stamps.append(time.perf_counter())
         assert len(tokens) == n, (len(tokens), n)
         return np.stack(tokens, axis=1)
-
-    def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
-        return self._generate(prompt, k, [])
-
-    def run(self, prompt: np.ndarray, n: int) -> dict:
-        stamps: list[float] = []
-        t0 = time.perf_counter()
-        self._generate(prompt, n, stamps)
-        return {"total_s": time.perf_counter() - t0, "ttft_s": stamps[0] - t0, "steps_s": [float(x) for x in np.diff(stamps)]}
 
 
 # ---------------------------------------------------------------- loading the peers
@@ -439,7 +426,7 @@ def main() -> int:
     env = system_info()
     env["torch_threads"] = torch.get_num_threads()
     env["ort_intra_op_threads"] = threads
-    env["peer packages"] = versions("optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers")
+    env["peer packages"] = installed_versions("optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers")
     model, source = load_model(args.model)
     cfg = model.config
     log(f"measuring memory bandwidth ({threads} threads)")

@@ -34,16 +34,22 @@ def gpu_info() -> str | None:
     return out.stdout.strip() or None
 
 
-def package_versions() -> dict[str, str]:
+def installed_versions(*names: str) -> dict[str, str]:
+    """Versions of the named distributions that are installed (the others are left out)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    result = {"gpt2x": __version__, "python": platform.python_version()}
-    for name in ("torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "numpy", "transformers", "tiktoken"):
+    result = {}
+    for name in names:
         try:
             result[name] = version(name)
         except PackageNotFoundError:
             continue
     return result
+
+
+def package_versions() -> dict[str, str]:
+    return {"gpt2x": __version__, "python": platform.python_version()} | installed_versions(
+        "torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "numpy", "transformers", "tiktoken")
 
 
 def git_revision() -> str | None:
