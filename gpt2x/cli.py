@@ -176,16 +176,14 @@ def generate(
     model_name = model or getattr(runner, "source_name", DEFAULT_MODEL)
     stream = len(prompts) == 1 and not as_json and num_beams == 1
     decoder = StreamDecoder()
-    on_token = None
+    def write_token(row: int, tok: int) -> None:
+        sys.stdout.write(decoder.push(tok))
+        sys.stdout.flush()
+
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
-
-        def on_token(row: int, tok: int) -> None:
-            sys.stdout.write(decoder.push(tok))
-            sys.stdout.flush()
-
-    results = run_generation(runner, prompts, settings, truncate=truncate, on_token=on_token)
+    results = run_generation(runner, prompts, settings, truncate=truncate, on_token=write_token if stream else None)
     if stream:
         sys.stdout.write(decoder.flush() + "\n")
     elif as_json:
