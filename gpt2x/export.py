@@ -446,8 +446,9 @@ def export(
             ops = quantize_int8(fused, tmp / MODEL_FILE)
         shutil.rmtree(work)
         # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
+        attention = attention_layout(ops)
         write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
-                            share_buffer=attention_layout(ops)["shared_kv_buffer"])
+                            share_buffer=attention["shared_kv_buffer"])
         for p in tmp.iterdir():
             p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
@@ -466,7 +467,7 @@ def export(
             "tokenizer": BPE_SHA256,
             "io": {"inputs": io.input_names(model.config.n_layer), "outputs": io.output_names(model.config.n_layer)},
             "fused_operators": ops,
-            "attention": attention_layout(ops),
+            "attention": attention,
         }
         info = ExportInfo(tmp, meta)
         if check_parity:

@@ -11,16 +11,14 @@ shipped in the package, so the files need nothing but the config to be written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from . import onnx_io as io
-from .errors import Gpt2xError
 from .model import GPT2Config
-from .tokenizer import BPE_SHA256, EOT_ID, EOT_TOKEN, bpe_file
+from .tokenizer import EOT_ID, EOT_TOKEN, verified_bpe_file
 from .weights import config_to_hf
 
 HF_CONFIG_FILE = "config.json"
@@ -45,7 +43,6 @@ def hf_config(cfg: GPT2Config) -> dict:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
         "add_cross_attention": False,
-        "n_inner": None,
         "use_cache": True,  # Optimum feeds past_key_values.* only when the config says so
     }
 
@@ -55,18 +52,10 @@ def generation_config() -> dict:
     return {"bos_token_id": EOT_ID, "eos_token_id": EOT_ID}
 
 
-def _bpe_text(name: str) -> str:
-    path = bpe_file(name)
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != BPE_SHA256[name]:
-        raise Gpt2xError(f"tokenizer file {path} is corrupt (sha256 mismatch); reinstall gpt2x")
-    return data.decode("utf-8")
-
-
 def tokenizer_json() -> dict:
     """GPT-2's tokenizer.json (Hugging Face tokenizers format) from the BPE files in the package."""
-    vocab = json.loads(_bpe_text("encoder.json"))
-    lines = _bpe_text("vocab.bpe").split("\n")
+    vocab = json.loads(verified_bpe_file("encoder.json").read_text(encoding="utf-8"))
+    lines = verified_bpe_file("vocab.bpe").read_text(encoding="utf-8").split("\n")
     merges = [line for line in lines[1:] if line]  # line 0 is "#version: 0.2"; "a b" = merge a and b
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {

@@ -189,6 +189,10 @@ class OrtBackend:
             length = keep.length
             for new, old in zip(arrays, keep.filled()):
                 new[:, :, :length] = old
+        return self._wrap_shared(arrays, length)
+
+    def _wrap_shared(self, arrays: list[np.ndarray], length: int) -> SharedKVCache:
+        """A SharedKVCache over host arrays: OrtValues that share their memory (no copy)."""
         return SharedKVCache([self._ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], arrays, length)
 
     def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None):
@@ -227,8 +231,7 @@ class OrtBackend:
     def reorder(self, past, rows: np.ndarray):
         """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
         if isinstance(past, SharedKVCache):
-            arrays = [np.ascontiguousarray(a[rows]) for a in past.arrays]
-            return SharedKVCache([self._ort.OrtValue.ortvalue_from_numpy(a) for a in arrays], arrays, past.length)
+            return self._wrap_shared([np.ascontiguousarray(a[rows]) for a in past.arrays], past.length)
         if self.device == "cpu":
             return [self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
         if self._reorder_session is None:

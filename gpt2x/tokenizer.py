@@ -32,15 +32,19 @@ def bpe_file(name: str):
     return resources.files("gpt2x") / "data" / "bpe" / name
 
 
+def verified_bpe_file(name: str):
+    """The shipped BPE file `name` once its sha256 is checked; a changed file is a one-line error."""
+    path = bpe_file(name)
+    want = BPE_SHA256[name]
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if got != want:
+        raise Gpt2xError(f"tokenizer file {path} is corrupt (sha256 {got[:12]}..., expected {want[:12]}...); reinstall gpt2x")
+    return path
+
+
 @lru_cache(maxsize=1)
 def get_encoding() -> tiktoken.Encoding:
-    paths = {}
-    for name, want in BPE_SHA256.items():
-        path = bpe_file(name)
-        got = hashlib.sha256(path.read_bytes()).hexdigest()
-        if got != want:
-            raise Gpt2xError(f"tokenizer file {path} is corrupt (sha256 {got[:12]}..., expected {want[:12]}...); reinstall gpt2x")
-        paths[name] = str(path)
+    paths = {name: str(verified_bpe_file(name)) for name in BPE_SHA256}
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=paths["vocab.bpe"], encoder_json_file=paths["encoder.json"])
     return tiktoken.Encoding(
         name="gpt2-gpt2x", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT_TOKEN: EOT_ID}

@@ -120,7 +120,8 @@ def test_tokenizer_known_ids(hf_tokenizers):
 def test_corrupt_bpe_file_is_refused(monkeypatch, tmp_path):
     bad = tmp_path / "vocab.bpe"
     bad.write_bytes(tk.bpe_file("vocab.bpe").read_bytes() + b"x")
-    monkeypatch.setattr(interop, "bpe_file", lambda name: bad if name == "vocab.bpe" else tk.bpe_file(name))
+    real = tk.bpe_file
+    monkeypatch.setattr(tk, "bpe_file", lambda name: bad if name == "vocab.bpe" else real(name))
     with pytest.raises(Gpt2xError, match="corrupt"):
         interop.tokenizer_json()
 
