@@ -8,7 +8,7 @@ how close a decode rate is to its roofline. This script pairs each decode measur
 32-token prompt, 64 greedy tokens, gpt2x on ONNX Runtime CPU) with a bandwidth sample just before
 and just after it, for each export given (default: GPT-2 124M architecture, random weights, fp32 and
 int8, exported if missing), and reports decode tok/s as a share of the roofline computed from the
-lower of the two samples (bytes per step from gpt2x.bench.roofline_tokens_per_s).
+lower of the two samples (bytes per step from gpt2x.bench.roofline.roofline_tokens_per_s).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2x import bench
-from gpt2x.choices import Precision
-from gpt2x.export import default_export_dir, export, read_export
-from gpt2x.runtime import OrtBackend, physical_cores
-from gpt2x.system import system_info
-from gpt2x.weights import load_model
+from gpt2x import workflows
+from gpt2x.bench.roofline import cpu_read_bandwidth, roofline_tokens_per_s
+from gpt2x.bench.run import timed_generation
+from gpt2x.bench.system import system_info
+from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.runtime.providers import physical_cores
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
 
@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     threads = physical_cores()
-    model, source = load_model(args.model)
+    model, source = workflows.load_model(args.model)
     cfg = model.config
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, PROMPT_LEN), dtype=np.int64)
     results = {"environment": system_info(), "settings": vars(args) | {"out": str(args.out), "threads": threads,
@@ -51,19 +51,17 @@ def main() -> int:
                "precisions": {}}
     for name in args.precisions.split(","):
         precision = Precision(name)
-        folder = default_export_dir(args.model, precision)
-        if not (folder / "gpt2x.json").exists():
-            log(f"exporting {args.model} ({precision.value}) to {folder}")
-            export(model, source, folder, precision, progress=log)
-        backend = OrtBackend(read_export(folder), threads=threads)
-        bench.timed_generation(backend, prompt, 8, lambda: None)  # warm-up
+        # The export in exported/<model>-<precision>, made (parity-gated) first when missing.
+        backend = workflows.open_backend(BackendKind.ort, ProviderKind.cpu, args.model, precision=precision,
+                                         threads=threads, loaded=(model, source), progress=log, notice=log)
+        timed_generation(backend, prompt, 8)  # warm-up
         rows = []
         for r in range(args.rounds):
-            before = bench.cpu_read_bandwidth(threads, megabytes=512, repeats=3)
-            run = bench.timed_generation(backend, prompt, NEW_TOKENS, lambda: None)
-            after = bench.cpu_read_bandwidth(threads, megabytes=512, repeats=3)
+            before = cpu_read_bandwidth(threads, megabytes=512, repeats=3)
+            run = timed_generation(backend, prompt, NEW_TOKENS)
+            after = cpu_read_bandwidth(threads, megabytes=512, repeats=3)
             decode = len(run["steps_s"]) / sum(run["steps_s"])
-            roof = bench.roofline_tokens_per_s(min(before, after), cfg, precision, 1, PROMPT_LEN + NEW_TOKENS // 2)
+            roof = roofline_tokens_per_s(min(before, after), cfg, precision, 1, PROMPT_LEN + NEW_TOKENS // 2)
             rows.append({"bandwidth_before": before, "bandwidth_after": after, "decode_tokens_per_s": decode,
                          "roofline_tokens_per_s": roof, "roofline_share": decode / roof})
             log(f"{precision.value} round {r + 1}: {before / 1e9:.1f} / {after / 1e9:.1f} GB/s, "

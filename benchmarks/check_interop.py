@@ -12,10 +12,10 @@
     # gpt2x's dev environment runs it too, with the loaders it cannot import recorded as skipped
 
 Exports the bundled `shakespeare` model at fp32 and int8 with gpt2x (or takes --onnx folders), writes
-gpt2x.interop's files into each folder, then for every loader that imports in this environment:
+gpt2x.onnx.interop's files into each folder, then for every loader that imports in this environment:
 
 - Optimum's `ORTModelForCausalLM.from_pretrained(folder)`: no re-export; checked to have opened the
-  folder's own model.onnx (same path and sha256 as in gpt2x.json); greedy `generate`, 64 new tokens,
+  folder's own model.onnx (same path and sha256 as its metadata records); greedy `generate`, 64 new tokens,
   one prompt at a time and once as one left-padded batch; the prompts encoded with
   `AutoTokenizer.from_pretrained(folder)`.
 - onnxruntime-genai's `Model(folder)`: greedy generation from gpt2x's token ids; its `Tokenizer`.
@@ -37,15 +37,17 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2x import onnx_io as io
 from gpt2x import tokenizer as tk
+from gpt2x import workflows
+from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import Precision
-from gpt2x.export import export, read_export, sha256
-from gpt2x.generation import SamplingSettings, generate
-from gpt2x.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
-from gpt2x.runtime import OrtBackend
-from gpt2x.system import installed_versions, system_info
-from gpt2x.weights import load_model
+from gpt2x.fileio import sha256
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx import names as io
+from gpt2x.onnx.artifact import read_export
+from gpt2x.onnx.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
+from gpt2x.runtime.ort import OrtBackend
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be",
            "KING HENRY:\nOnce more unto the breach"]
@@ -288,11 +290,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpt2x-interop-") as tmp:
         folders = args.onnx
         if not folders:
-            model, source = load_model(args.model)
+            model, source = workflows.load_model(args.model)
             folders = []
             for precision in (Precision.fp32, Precision.int8):
                 log(f"exporting {args.model} at {precision.value}")
-                folders.append(export(model, source, Path(tmp) / f"{args.model}-{precision.value}", precision=precision).folder)
+                folders.append(workflows.export_model(model, source, Path(tmp) / f"{args.model}-{precision.value}",
+                                                      precision=precision).folder)
         for folder in folders:
             entry = check_folder(Path(folder), args.new_tokens)
             if not args.onnx:

@@ -17,7 +17,7 @@ greedy tokens that EOS does not cut short, and times for each batch size:
   when importable;
 - gpt2x: PyTorch, ONNX Runtime fp32 and int8 (exported here, parity-gated).
 
-Every ONNX Runtime session has gpt2x's thread settings (gpt2x.runtime.session_options: intra-op
+Every ONNX Runtime session has gpt2x's thread settings (gpt2x.runtime.providers.session_options: intra-op
 threads = cores, sequential). Timing is interleaved, because this VM's memory bandwidth drifts by
 tens of percent over minutes: per batch size, each contender warms up (its first tokens are also
 checked against transformers'), then --repeat rounds run every contender once each, in an order
@@ -45,14 +45,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2x import bench
-from gpt2x.backends import TorchBackend
-from gpt2x.choices import Precision
-from gpt2x.export import export, read_export
-from gpt2x.interop import GENAI_CONFIG_FILE, genai_config
-from gpt2x.runtime import OrtBackend, physical_cores, session_options
-from gpt2x.system import installed_versions, system_info
-from gpt2x.weights import load_model, save_hf
+from gpt2x import workflows
+from gpt2x.bench.report import require_matplotlib
+from gpt2x.bench.roofline import cpu_read_bandwidth, roofline_tokens_per_s
+from gpt2x.bench.run import median_run, timed_generation
+from gpt2x.bench.system import installed_versions, system_info
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.evaluate.metrics import summarize_latencies
+from gpt2x.model.weights import save_hf
+from gpt2x.onnx.artifact import default_export_dir, read_export
+from gpt2x.onnx.interop import GENAI_CONFIG_FILE, genai_config
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.providers import physical_cores, session_options
 
 TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0}  # x transformers' generate, from the issue
 # What the issue measured on this 2-core VM (batch 1, 32-token prompt, 128 new tokens), for reference.
@@ -132,7 +136,7 @@ class _Recorder:
 
 
 class Gpt2x:
-    """gpt2x's generation loop as `gpt2x bench` times it (bench.timed_generation)."""
+    """gpt2x's generation loop as `gpt2x bench` times it (gpt2x.bench.run.timed_generation)."""
 
     batches = None
 
@@ -141,11 +145,11 @@ class Gpt2x:
 
     def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
         rec = _Recorder(self.backend)
-        bench.timed_generation(rec, prompt, k, lambda: None)
+        timed_generation(rec, prompt, k)
         return np.stack(rec.tokens, axis=1)
 
     def run(self, prompt: np.ndarray, n: int) -> dict:
-        return bench.timed_generation(self.backend, prompt, n, lambda: None)
+        return timed_generation(self.backend, prompt, n)
 
 
 ORT_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
@@ -393,7 +397,7 @@ def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: in
         rs = runs[c.name]
         e2e = [b * new_tokens / x["total_s"] for x in rs]
         decode = [b * (new_tokens - 1) / max(x["total_s"] - x["ttft_s"], 1e-9) for x in rs]
-        med = bench.median_run(rs)
+        med = median_run(rs)
         i = rs.index(med)
         entry = {"name": c.name, "engine": c.engine, "precision": c.precision.value, "batch": b,
                  "e2e_tokens_per_s": e2e[i], "decode_tokens_per_s": decode[i], "total_s": med["total_s"],
@@ -402,7 +406,7 @@ def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: in
                  "total_s_runs": [x["total_s"] for x in rs], "ttft_s_runs": [x["ttft_s"] for x in rs],
                  "check_tokens": k, "first_difference_vs_transformers": first_difference(checks[c.name], reference)}
         if med.get("steps_s"):
-            entry["decode_latency"] = bench.summarize_latencies(med["steps_s"])
+            entry["decode_latency"] = summarize_latencies(med["steps_s"])
         results.append(entry)
     not_run = [{"name": c.name, "batch": b, "reason": "batch 1 only (hand loops and genai)"}
                for c in contenders if c not in active]
@@ -427,10 +431,10 @@ def main() -> int:
     env["torch_threads"] = torch.get_num_threads()
     env["ort_intra_op_threads"] = threads
     env["peer packages"] = installed_versions("optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers")
-    model, source = load_model(args.model)
+    model, source = workflows.load_model(args.model)
     cfg = model.config
     log(f"measuring memory bandwidth ({threads} threads)")
-    bandwidth_samples = [bench.cpu_read_bandwidth(threads)]
+    bandwidth_samples = [cpu_read_bandwidth(threads)]
     results: dict = {"environment": env, "settings": vars(args) | {"out": str(args.out), "exports": str(args.exports),
                                                                    "interleaved": True, "gap_s": GAP_S},
                      "issue_figures_batch1_e2e": ISSUE_FIGURES, "skipped": {}, "not_run": [], "runs": []}
@@ -469,14 +473,14 @@ def main() -> int:
             failed = results["ort_gpt2_tool"].get(precision, {})
             if tool_contenders and "error" in failed:
                 results["skipped"][f"ORT GPT-2 tool {precision}"] = f"{failed['error']} {failed.get('reason', '')}".strip()
-        contenders.append(Gpt2x("gpt2x torch", "torch", Precision.fp32, TorchBackend(model)))
+        contenders.append(Gpt2x("gpt2x torch", "torch", Precision.fp32,
+                                workflows.torch_backend(model, ProviderKind.cpu, args.model, threads=threads)))
         folders = {}
         for precision in (Precision.fp32, Precision.int8):
-            folder = folders[precision] = args.exports / f"{source.name.replace(':', '-')}-{precision.value}"
-            if not (folder / "gpt2x.json").exists():
-                log(f"exporting gpt2x {precision.value} to {folder}")
-                export(model, source, folder, precision, progress=log)
-            info = read_export(folder)
+            # EXPORTS/<model>-<precision>, exported (parity-gated) first when missing
+            info = workflows.ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
+                                           loaded=(model, source), progress=log, notice=log)
+            folders[precision] = info.folder
             results[f"gpt2x_{precision.value}_parity"] = info.meta["parity"]
             contenders.append(Gpt2x(f"gpt2x ort {precision.value}", "ort", precision, OrtBackend(info, threads=threads)))
         for precision, folder in folders.items():
@@ -493,14 +497,14 @@ def main() -> int:
             results["runs"] += runs
             results["not_run"] += not_run
 
-    # Bandwidth again at the end; the higher sample sets the roofline (see gpt2x/bench.py).
-    bandwidth_samples.append(bench.cpu_read_bandwidth(threads))
+    # Bandwidth again at the end; the higher sample sets the roofline (see gpt2x/bench/run.py).
+    bandwidth_samples.append(cpu_read_bandwidth(threads))
     bandwidth = max(bandwidth_samples)
     results["bandwidth_samples_bytes_per_s"] = bandwidth_samples
     results["bandwidth_bytes_per_s"] = bandwidth
     for r in results["runs"]:
-        roof = bench.roofline_tokens_per_s(bandwidth, cfg, Precision(r["precision"]), r["batch"],
-                                           args.prompt_len + args.new_tokens // 2)
+        roof = roofline_tokens_per_s(bandwidth, cfg, Precision(r["precision"]), r["batch"],
+                                     args.prompt_len + args.new_tokens // 2)
         r["roofline_tokens_per_s"] = roof
         r["roofline_share"] = r["decode_tokens_per_s"] / roof
 
@@ -567,7 +571,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    plt = bench.require_matplotlib()
+    plt = require_matplotlib()
     batches = sorted({r["batch"] for r in results["runs"]})
     names = list(dict.fromkeys(r["name"] for r in results["runs"]))
     fig, ax = plt.subplots(figsize=(12, 5))

@@ -21,11 +21,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from gpt2x import workflows
+from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
-from gpt2x.export import IR_VERSION, export, fold_transposed_initializers, read_export
-from gpt2x.runtime import session_options
-from gpt2x.system import system_info
-from gpt2x.weights import load_model
+from gpt2x.onnx.artifact import IR_VERSION, read_export
+from gpt2x.onnx.optimize import fold_transposed_initializers
+from gpt2x.runtime.providers import session_options
 
 
 def decode_ms(path: Path, feeds_prefill: dict) -> tuple[float, np.ndarray]:
@@ -49,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    model, source = load_model("random:gpt2")
+    model, source = workflows.load_model("random:gpt2")
     cfg = model.config
     feeds = {"input_ids": np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 64)),
              "attention_mask": np.ones((1, 64), np.int64), "position_ids": np.arange(64)[None]}
@@ -59,7 +60,7 @@ def main() -> None:
     results = {"environment": system_info(), "variants": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        info = export(model, source, tmp / "fp32", Precision.fp32)
+        info = workflows.export_model(model, source, tmp / "fp32", Precision.fp32)  # parity-gated, as `gpt2x export`
         fp32_ms, ref = decode_ms(info.model_path, feeds)
         results["variants"].append({"name": "fp32 (reference)", "decode_ms": fp32_ms, "max_rel": 0.0})
         from onnxruntime.quantization import QuantType, quantize_dynamic

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2x import bench
+from gpt2x import workflows
+from gpt2x.bench.run import timed_generation
+from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
-from gpt2x.export import default_export_dir, export, read_export
-from gpt2x.generation import SamplingSettings, generate
-from gpt2x.runtime import OrtBackend, physical_cores
-from gpt2x.system import system_info
-from gpt2x.weights import load_model
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.providers import physical_cores
 
 
 def main() -> int:
@@ -39,20 +40,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     threads = physical_cores()
-    folder = default_export_dir(args.model, Precision.int8)
-    if not (folder / "gpt2x.json").exists():
-        model, source = load_model(args.model)
-        export(model, source, folder, Precision.int8, progress=lambda m: print(m, file=sys.stderr))
-    info = read_export(folder)
+    # exported/<model>-int8, exported (parity-gated) first when missing
+    info = workflows.ensure_export(args.model, Precision.int8, progress=lambda m: print(m, file=sys.stderr),
+                                   notice=lambda m: print(m, file=sys.stderr))
+    folder = info.folder
     modes = {"shared": OrtBackend(info, threads=threads, shared_kv=True),
              "growing": OrtBackend(info, threads=threads, shared_kv=False)}
     prompt = np.random.default_rng(0).integers(0, info.config.vocab_size, (1, 32), dtype=np.int64)
     for backend in modes.values():
-        bench.timed_generation(backend, prompt, 8, lambda: None)  # warm-up
+        timed_generation(backend, prompt, 8)  # warm-up
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     for r in range(args.rounds):
         for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-            run = bench.timed_generation(modes[name], prompt, args.new_tokens, lambda: None)
+            run = timed_generation(modes[name], prompt, args.new_tokens)
             runs[name].append({"e2e_tokens_per_s": args.new_tokens / run["total_s"],
                                "decode_tokens_per_s": len(run["steps_s"]) / sum(run["steps_s"])})
     s = SamplingSettings(max_new_tokens=args.new_tokens, greedy=True)

@@ -11,12 +11,13 @@
 #
 # ONNX Runtime's own GPT-2 tool (onnxruntime.transformers.models.gpt2, shipped inside onnxruntime)
 # needs nothing more, but does not run with this transformers: compare_peers.py records why.
+# The `export` extra (onnxscript; torch is pinned above) is what gpt2x.workflows needs to load and export.
 set -euo pipefail
 venv=${1:-.venv-peers}
 genai_version=0.18.0
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet torch==2.13.0
-"$venv/bin/python" -m pip install --quiet -e . "optimum-onnx" "transformers<4.58" matplotlib
+"$venv/bin/python" -m pip install --quiet -e ".[export]" "optimum-onnx" "transformers<4.58" matplotlib
 "$venv/bin/python" -m pip install --quiet --no-deps "onnxruntime-genai==$genai_version"
 "$venv/bin/python" -c "import optimum.onnxruntime, onnxruntime_genai, transformers, gpt2x; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__)"

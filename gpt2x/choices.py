@@ -1,8 +1,16 @@
-"""The enumerated choices of the command line and the library (kept free of heavy imports)."""
+"""The enumerated choices of the command line and the library, and the progress callback type (no heavy imports)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
+
+# Progress messages from long library calls (the CLI shows them on stderr).
+Progress = Callable[[str], None]
+
+
+def no_progress(message: str) -> None:
+    """The default Progress: says nothing."""
 
 
 class BackendKind(str, Enum):

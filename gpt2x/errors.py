@@ -10,9 +10,14 @@ class Gpt2xError(Exception):
 
 
 class UsageError(Gpt2xError):
-    """Invalid option values or combinations (prompt too long, empty prompts file, ...)."""
+    """Invalid option values or combinations (prompt too long, empty prompts file, ...). `option` names
+    the parameter at fault, when one is, so that the CLI can name its flag instead."""
 
     exit_code = 2
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
 
 
 class ModelNotFoundError(Gpt2xError):
@@ -52,10 +57,17 @@ class ProviderError(Gpt2xError):
 
 
 class OutputError(Gpt2xError):
-    """An output that exists and would be overwritten without --force, or that cannot be written
+    """An output that exists and would be overwritten without being asked to, or that cannot be written
     (permissions, disk full)."""
 
     exit_code = 9
+
+
+class MissingDependencyError(Gpt2xError):
+    """An optional part of gpt2x that is not installed (PyTorch and onnxscript for exporting, matplotlib
+    for plots); the message names the pip command that installs it."""
+
+    exit_code = 10
 
 
 # Ctrl-C: the shell convention, 128 + SIGINT.

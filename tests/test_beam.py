@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2x import beam
-from gpt2x.backends import TorchBackend
-from gpt2x.beam import beam_search, top_k
-from gpt2x.generation import Generation, SamplingSettings, generate
+from gpt2x.generation import generate as generate_mod
+from gpt2x.generation.beam import beam_search, top_k
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import Generation, SamplingSettings
+from gpt2x.model.weights import load_model
+from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID
-from gpt2x.weights import load_model
 
 from .conftest import make_hf_model
 
@@ -224,7 +225,7 @@ def test_num_beams_one_is_not_routed_here(plain, monkeypatch):
         calls.append(settings.num_beams)
         return Generation(prompt, ids)
 
-    monkeypatch.setattr(beam, "beam_search", spy)
+    monkeypatch.setattr(generate_mod, "beam_search", spy)
     _, backend = plain
     out = generate(backend, ["p"], SamplingSettings(greedy=True, max_new_tokens=3), prompt_ids=[PROMPTS[0]])
     assert len(out[0].tokens) == 3 and calls == []

@@ -8,20 +8,24 @@ import math
 import numpy as np
 import pytest
 
-from gpt2x import bench
-from gpt2x.backends import TorchBackend
+from gpt2x.bench import roofline
+from gpt2x.bench import run as bench
 from gpt2x.choices import BackendKind, Precision
-from gpt2x.model import PRESETS
-from gpt2x.parity import check, kl_divergence, logit_stats
-from gpt2x.weights import load_model
+from gpt2x.evaluate import metrics
+from gpt2x.evaluate.metrics import kl_divergence, logit_stats
+from gpt2x.evaluate.parity import check
+from gpt2x.model.config import PRESETS
+from gpt2x.model.weights import load_model
+from gpt2x.runtime import pytorch
+from gpt2x.runtime.pytorch import TorchBackend
 
 from .conftest import make_hf_model
 
 
 def test_percentiles_hand_computed():
-    assert bench.percentile([1, 2, 3, 4], 50) == 2.5
-    assert bench.percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
-    s = bench.summarize_latencies([0.001, 0.002, 0.003])
+    assert metrics.percentile([1, 2, 3, 4], 50) == 2.5
+    assert metrics.percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
+    s = metrics.summarize_latencies([0.001, 0.002, 0.003])
     assert s["p50_ms"] == pytest.approx(2.0) and s["mean_ms"] == pytest.approx(2.0)
 
 
@@ -32,12 +36,12 @@ def test_kl_and_cross_entropy_hand_computed():
     assert kl_divergence(p, q)[0] == pytest.approx(want)
     assert kl_divergence(p, p)[0] == pytest.approx(0.0)
     logits = np.log(np.array([[0.2, 0.8], [0.6, 0.4]]))
-    assert bench.cross_entropy(logits, np.array([1, 0])) == pytest.approx(-(math.log(0.8) + math.log(0.6)) / 2)
+    assert metrics.cross_entropy(logits, np.array([1, 0])) == pytest.approx(-(math.log(0.8) + math.log(0.6)) / 2)
 
 
 def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
     vocab = 7
-    ppl = bench.perplexity(lambda x: np.zeros((1, x.shape[1], vocab)), [i % vocab for i in range(50)], window=8)
+    ppl = metrics.perplexity(lambda x: np.zeros((1, x.shape[1], vocab)), [i % vocab for i in range(50)], window=8)
     assert ppl == pytest.approx(vocab)
 
 
@@ -48,7 +52,7 @@ def test_perplexity_counts_every_target_once():
         seen.append(x.shape[1])
         return np.zeros((1, x.shape[1], 3))
 
-    bench.perplexity(fake, [i % 3 for i in range(21)], window=8)
+    metrics.perplexity(fake, [i % 3 for i in range(21)], window=8)
     assert seen == [8, 8, 4]  # 20 targets in windows of 8, 8 and 4
 
 
@@ -56,10 +60,10 @@ def test_roofline_matches_the_briefs_figures():
     """44 GB/s reads: 89 tok/s for fp32 GPT-2 124M, 357 for int8 (figures given by the issue)."""
     cfg = PRESETS["gpt2"][1]
     # The issue's figures are rounded (and count biases slightly differently): agree within 1%.
-    assert bench.roofline_tokens_per_s(44e9, cfg, Precision.fp32, 1, 0) == pytest.approx(89, rel=0.01)
-    assert bench.roofline_tokens_per_s(44e9, cfg, Precision.int8, 1, 0) == pytest.approx(357, rel=0.01)
+    assert roofline.roofline_tokens_per_s(44e9, cfg, Precision.fp32, 1, 0) == pytest.approx(89, rel=0.01)
+    assert roofline.roofline_tokens_per_s(44e9, cfg, Precision.int8, 1, 0) == pytest.approx(357, rel=0.01)
     # The KV cache adds 2 * layers * context * C * 4 bytes per row.
-    extra = bench.decode_bytes_per_step(cfg, Precision.fp32, 2, 100) - bench.decode_bytes_per_step(cfg, Precision.fp32, 2, 0)
+    extra = roofline.decode_bytes_per_step(cfg, Precision.fp32, 2, 100) - roofline.decode_bytes_per_step(cfg, Precision.fp32, 2, 0)
     assert extra == 2 * 12 * 2 * 100 * 768 * 4
 
 
@@ -70,6 +74,59 @@ def test_logit_stats_hand_computed():
     assert s["max_abs"] == 0.5 and s["scale"] == 4.0 and s["max_rel"] == 0.125
     assert s["top1_agreement"] == 1.0
     assert logit_stats(ref, np.array([[3.0, 2.0, 1.0], [0.0, 0.0, 4.0]]))["top1_agreement"] == 0.5
+
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+LOGITS = {"positions": int, "max_abs": NUM, "p99_abs": NUM, "scale": NUM, "max_rel": NUM, "worst_row_max_abs": NUM,
+          "top1_agreement": NUM, "mean_kl": NUM, "present_max_rel": NUM, "cases": list}
+TOLERANCE = {"max_rel": NUM, "max_kl": NUM, "min_top1": OPT_NUM, "min_greedy": NUM, "why": str}
+# Every field of `gpt2x bench --json` (README, "gpt2x bench"): a dict is a nested object, [x] a list of x.
+BENCH_SCHEMA = {
+    "schema_version": int,
+    "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
+                 "prompt_len": int, "new_tokens": int, "repeat": int, "warmup": int, "threads": int, "text": str,
+                 "greedy_tokens": int},
+    "environment": dict,
+    "model": {"name": str, "config": {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
+                                      "layer_norm_epsilon": float}, "parameters": int},
+    "bandwidth": {"kind": str, "samples_bytes_per_s": [float], "bytes_per_s": float},
+    "reference": {"backend": str, "precision": str, "perplexity": float, "text_tokens": int},
+    "parity": [{"backend": str, "precision": str, "source": str, "passed": bool, "message": str, "logits": LOGITS,
+                "greedy": {"tokens": int, "identical_prefix": [int], "share": NUM}, "tolerance": TOLERANCE,
+                "perplexity": float, "perplexity_rel_change": float}],
+    "speed": [{"backend": str, "precision": str, "batch": int, "cold_start_s": float, "ttft_ms": float,
+               "decode_latency": {"p50_ms": float, "p90_ms": float, "p99_ms": float, "mean_ms": float},
+               "decode_tokens_per_s": float, "e2e_tokens_per_s": float, "roofline_tokens_per_s": float,
+               "roofline_share": float, "peak_rss_mb": float,
+               "latency_by_context": [{"context": int, "ms": float}]}],
+    "skipped": [{"backend": str, "precision": str, "reason": str}],
+    "passed": bool,
+}
+ENVIRONMENT = {"gpt2x": str, "date": str, "platform": str, "cpu": str, "cores": int, "gpu": str, "packages": dict,
+               "providers listed": str, "providers loadable": dict, "hub cache": str, "hub offline": bool,
+               "exports": str, "git": str}
+
+
+def validate(value, schema, where: str = "result") -> None:
+    """`value` has exactly the fields of `schema`, each of its type (recursively)."""
+    if isinstance(schema, dict):
+        assert isinstance(value, dict), where
+        assert set(value) == set(schema), f"{where}: fields {sorted(set(value) ^ set(schema))} differ"
+        for key, sub in schema.items():
+            validate(value[key], sub, f"{where}.{key}")
+    elif isinstance(schema, list):
+        assert isinstance(value, list), where
+        for i, item in enumerate(value):
+            validate(item, schema[0], f"{where}[{i}]")
+    else:
+        assert isinstance(value, schema) and not (schema is int and isinstance(value, bool)), f"{where}: {value!r}"
+
+
+def test_bench_environment_fields():
+    from gpt2x.bench.system import system_info
+
+    validate(json.loads(json.dumps(system_info())), ENVIRONMENT, "environment")
 
 
 class Perturbed(TorchBackend):
@@ -93,8 +150,8 @@ def tiny(tmp_path_factory):
 
 def test_perturbed_backend_fails_the_gate_and_a_clean_one_passes(tiny):
     model, _ = tiny
-    assert check(model, TorchBackend(model), Precision.fp32)["status"] == "passed"
-    bad = check(model, Perturbed(model), Precision.fp32)
+    assert check(TorchBackend(model), TorchBackend(model), Precision.fp32)["status"] == "passed"
+    bad = check(TorchBackend(model), Perturbed(model), Precision.fp32)
     assert bad["status"] == "failed" and "max |Δlogit|" in bad["message"]
 
 
@@ -103,10 +160,9 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # exports land in ./exported
     s = bench.BenchSettings(model="tiny", backends=[BackendKind.torch, BackendKind.ort],
                             precisions=[Precision.fp32], batches=[1, 2], prompt_len=4, new_tokens=6, repeat=1)
-    result = bench.run_bench(s, model, source, {"cpu": "test", "cores": 1})
+    result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert result["passed"] is True
-    json.loads(json.dumps(result))  # serialisable as is
-    assert {"schema_version", "settings", "environment", "model", "bandwidth", "reference", "parity", "speed"} <= result.keys()
+    validate(json.loads(json.dumps(result)), BENCH_SCHEMA)  # serialisable as is, every field the README names
     assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
     assert len(result["speed"]) == 4 and result["skipped"] == []
     for e in result["speed"]:
@@ -116,9 +172,11 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     ort_ppl = result["parity"][1]["perplexity"]
     assert ort_ppl == pytest.approx(result["reference"]["perplexity"], rel=1e-4)
 
-    monkeypatch.setattr(bench, "TorchBackend", Perturbed)
-    s.backends = [BackendKind.torch]
-    assert bench.run_bench(s, model, source, {"cores": 1})["passed"] is False
+    # Every torch backend the bench opens is perturbed, the reference included; the reference is
+    # compared with itself only through a second instance, so the noise (seeded per call) differs.
+    monkeypatch.setattr(pytorch, "TorchBackend", Perturbed)
+    s.backends = [BackendKind.ort]
+    assert bench.run_bench(s, {"cores": 1}, loaded=(model, source))["passed"] is False
 
 
 def test_combos_say_what_is_left_out():

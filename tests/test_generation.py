@@ -13,11 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GPT2LMHeadModel
 
-from gpt2x.backends import TorchBackend
 from gpt2x.errors import UsageError
-from gpt2x.generation import Sampler, SamplingSettings, generate
+from gpt2x.generation.generate import generate
+from gpt2x.generation.sampling import Sampler
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.checkpoints import bundled_dir
+from gpt2x.model.weights import load_model
+from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID, encode
-from gpt2x.weights import bundled_dir, load_model
 
 GOLDEN = Path(__file__).parent / "golden" / "shakespeare_greedy.json"
 
@@ -170,15 +173,16 @@ def test_golden_greedy_bundled_model(shakespeare):
     assert hf_greedy(golden["prompt"], len(golden["tokens"])) == golden["tokens"]
 
 
-SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpora" / "tinyshakespeare.txt"
+# The training corpus, kept in the repository (public domain) so that anyone who clones it runs this test.
+CORPUS = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 
 
 def test_bundled_model_heldout_loss(shakespeare):
     """The shipped weights reach <= 5.2 nats/token on the held-out last 10% of Tiny Shakespeare
     (computed here with transformers' loss, independently of gpt2x's training code)."""
-    from gpt2x.train import split_tokens
+    from gpt2x.model.train import split_tokens
 
-    _, held = split_tokens(SHARED_CORPUS.read_text(encoding="utf-8"), 0.9)
+    _, held = split_tokens(CORPUS.read_text(encoding="utf-8"), 0.9)
     hf = GPT2LMHeadModel.from_pretrained(bundled_dir(), dtype=torch.float32).eval()
     n = (len(held) - 1) // 256
     total = 0.0

@@ -14,14 +14,19 @@ import onnx
 import pytest
 import torch
 
-from gpt2x import parity, runtime
-from gpt2x.backends import TorchBackend
 from gpt2x.choices import Precision
-from gpt2x.export import MODEL_FILE, attention_layout, count_ops, export, read_export, sha256
-from gpt2x.generation import SamplingSettings, generate
-from gpt2x.onnx_ops import mha_to_gqa
-from gpt2x.runtime import OrtBackend, SharedKVCache
-from gpt2x.weights import load_model
+from gpt2x.evaluate import parity
+from gpt2x.fileio import sha256
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.weights import load_model
+from gpt2x.numerics import positions
+from gpt2x.onnx.artifact import MODEL_FILE, attention_layout, read_export
+from gpt2x.onnx.optimize import count_ops, mha_to_gqa
+from gpt2x.runtime import ort as runtime
+from gpt2x.runtime.ort import OrtBackend, SharedKVCache
+from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.workflows import export_model as export
 
 from .conftest import make_hf_model
 
@@ -71,7 +76,7 @@ def test_gqa_graph_passes_the_fp32_gate(tiny_gqa, shared):
     model, _, info = tiny_gqa
     backend = OrtBackend(info, shared_kv=shared)
     assert backend.shared_kv is shared
-    result = parity.check(model, backend, Precision.fp32)
+    result = parity.check(TorchBackend(model), backend, Precision.fp32)
     assert result["status"] == "passed", result["message"]
     assert any(c["batch"] > 1 and c["past"] > 0 and c["seq"] > 1 for c in result["logits"]["cases"])
 
@@ -108,8 +113,8 @@ def test_generation_matches_torch_through_cache_growth(tiny_gqa, monkeypatch):
     ref = TorchBackend(model)
     grown = []
     backend = OrtBackend(info)
-    real_cache = backend._shared_cache
-    backend._shared_cache = lambda b, cap, keep=None: grown.append(cap) or real_cache(b, cap, keep)
+    real_buffers = backend._shared_buffers
+    backend._shared_buffers = lambda b, cap, keep=None: grown.append(cap) or real_buffers(b, cap, keep)
     for s in (SamplingSettings(max_new_tokens=40, greedy=True), SamplingSettings(max_new_tokens=40, seed=7, top_k=50)):
         grown.clear()
         want = [r.tokens for r in generate(ref, PROMPTS, s)]
@@ -147,3 +152,70 @@ def test_int8_export_uses_gqa_and_passes_its_gate(tmp_path):
     s = SamplingSettings(max_new_tokens=48, greedy=True)
     growing = OrtBackend(read_export(info.folder), shared_kv=False)
     assert [r.tokens for r in generate(backend, PROMPTS, s)] == [r.tokens for r in generate(growing, PROMPTS, s)]
+
+
+def torch_last_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """No-cache reference: the whole sequence through the PyTorch model, all logits."""
+    with torch.no_grad():
+        t_mask = torch.from_numpy(mask)
+        pos = (t_mask.cumsum(-1) - 1).clamp(min=0)
+        return model(torch.from_numpy(ids), t_mask, pos)[0].numpy()
+
+
+def test_batched_multi_token_step_on_a_shared_cache(tiny_gqa):
+    """A batch of 3 (one row left-padded), 4 tokens on top of a 5-token shared cache: run row by row
+    into the same buffers (GroupQueryAttention's CPU kernel refuses the batched shape), and equal to a
+    no-cache forward of the whole sequence."""
+    model, _, info = tiny_gqa
+    backend = OrtBackend(info)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50257, (3, 9), dtype=np.int64)
+    mask = np.ones((3, 9), dtype=np.int64)
+    mask[1, :2] = 0
+    _, cache = backend.run(ids[:, :5], mask[:, :5], positions(mask[:, :5], 5), None)
+    buffers = [a.ctypes.data for a in cache.arrays]
+    logits, cache2 = backend.run(ids[:, 5:], mask, positions(mask, 4), cache)
+    assert isinstance(cache2, SharedKVCache) and cache2.length == 9
+    assert [a.ctypes.data for a in cache2.arrays] == buffers  # written in place, row by row
+    ref = torch_last_logits(model, ids, mask)[:, 5:]
+    assert np.abs(ref - logits).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_shared_cache_grows_up_to_the_context_and_no_further(tiny_gqa, monkeypatch):
+    model, _, info = tiny_gqa
+    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 16)
+    backend = OrtBackend(info)
+    n = info.config.n_positions  # 96
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 50257, (2, n), dtype=np.int64)
+    mask = np.ones((2, n), dtype=np.int64)
+    logits, cache = backend.run(ids[:, :5], mask[:, :5], positions(mask[:, :5], 5), None)
+    capacities = [cache.capacity]
+    for t in range(5, n):
+        logits, cache = backend.run(ids[:, t : t + 1], mask[:, : t + 1], positions(mask[:, : t + 1], 1), cache)
+        capacities.append(cache.capacity)
+    assert capacities[0] == 5 + 16 and capacities[-1] == n and max(capacities) == n
+    assert capacities == sorted(capacities) and len(set(capacities)) >= 3  # grew at least twice
+    ref = torch_last_logits(model, ids, mask)[:, -1]
+    assert np.abs(ref - logits[:, -1]).max() <= 1e-4 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        backend.run(np.array([[1], [2]]), np.ones((2, n + 1), np.int64), np.array([[n], [n]]), cache)
+
+
+def test_a_stale_shared_cache_is_refused(tiny_gqa, monkeypatch):
+    _, _, info = tiny_gqa
+    backend = OrtBackend(info)
+    _, cache = backend.run(np.array([[1, 2, 3]]), np.ones((1, 3), np.int64), np.arange(3)[None], None)
+    _, newer = backend.run(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]), cache)
+    with pytest.raises(ValueError, match="already stepped from"):
+        backend.run(np.array([[5]]), np.ones((1, 4), np.int64), np.array([[3]]), cache)
+    # The newer cache still steps, and after it moves to larger buffers, it is stale in turn.
+    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 1)
+    small = OrtBackend(info)
+    _, c1 = small.run(np.array([[1, 2]]), np.ones((1, 2), np.int64), np.arange(2)[None], None)
+    _, c2 = small.run(np.array([[3]]), np.ones((1, 3), np.int64), np.array([[2]]), c1)
+    _, c3 = small.run(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]), c2)  # grows
+    assert c3.capacity > c2.capacity
+    with pytest.raises(ValueError, match="already stepped from"):
+        small.run(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]), c2)
+    backend.run(np.array([[5]]), np.ones((1, 5), np.int64), np.array([[4]]), newer)

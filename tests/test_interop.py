@@ -14,14 +14,15 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from gpt2x import interop
 from gpt2x import tokenizer as tk
 from gpt2x.choices import Precision
 from gpt2x.errors import Gpt2xError
-from gpt2x.export import MODEL_FILE, export, read_export
-from gpt2x.model import GPT2Config
-from gpt2x.parity import TOLERANCES
-from gpt2x.weights import load_model
+from gpt2x.evaluate.parity import TOLERANCES
+from gpt2x.model.config import GPT2Config
+from gpt2x.model.weights import load_model
+from gpt2x.onnx import interop
+from gpt2x.onnx.artifact import MODEL_FILE, read_export
+from gpt2x.workflows import export_model as export
 
 SAMPLES = [
     "Hello world",

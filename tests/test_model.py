@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from gpt2x.describe import total_params
-from gpt2x.model import GPT2, PRESETS, GPT2Config
-from gpt2x.weights import load_model
+from gpt2x.model.anatomy import total_params
+from gpt2x.model.config import PRESETS, GPT2Config
+from gpt2x.model.gpt2 import GPT2
+from gpt2x.model.weights import load_model
 
 from .conftest import make_hf_model
 
@@ -109,7 +110,7 @@ def test_empty_past_is_the_first_step(tiny_hf):
 
 def test_bundled_model_loads_in_transformers_identically():
     """The shipped weights are plain Hugging Face GPT-2: transformers reads them to the same logits."""
-    from gpt2x.weights import bundled_dir
+    from gpt2x.model.checkpoints import bundled_dir
 
     ours, _ = load_model("shakespeare")
     hf = GPT2LMHeadModel.from_pretrained(bundled_dir(), dtype=torch.float32).eval()

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from gpt2x import generation
 from gpt2x.choices import Precision
 from gpt2x.errors import INTERRUPTED_EXIT_CODE
-from gpt2x.export import export
-from gpt2x.generation import SamplingSettings, generate
-from gpt2x.runtime import OrtBackend
-from gpt2x.weights import load_model
+from gpt2x.generation import sampling
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.weights import load_model
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.workflows import export_model as export
 
 from .test_cli import cli
 
@@ -26,7 +27,7 @@ def rss_mb() -> float:
 
 
 def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
-    real = generation.Sampler.__call__
+    real = sampling.Sampler.__call__
     calls = {"n": 0}
 
     def interrupt_on_sixth(self, logits):
@@ -35,12 +36,12 @@ def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
             raise KeyboardInterrupt
         return real(self, logits)
 
-    monkeypatch.setattr(generation.Sampler, "__call__", interrupt_on_sixth)
+    monkeypatch.setattr(sampling.Sampler, "__call__", interrupt_on_sixth)
     code, out, err = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--greedy", "--max-new-tokens", "50")
     assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and "Traceback" not in err
-    from gpt2x.backends import TorchBackend
+    from gpt2x.runtime.pytorch import TorchBackend
 
-    monkeypatch.setattr(generation.Sampler, "__call__", real)
+    monkeypatch.setattr(sampling.Sampler, "__call__", real)
     [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, greedy=True))
     from gpt2x.tokenizer import decode
 

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpt2x.errors import HubError, ModelNotFoundError, WeightsError
-from gpt2x.model import GPT2Config
-from gpt2x.weights import load_model, resolve_config
+from gpt2x.model.checkpoints import resolve_config
+from gpt2x.model.config import GPT2Config
+from gpt2x.model.weights import load_model
 
 from .conftest import TINY, make_hf_model
 
@@ -105,7 +106,7 @@ def test_offline_and_not_cached(monkeypatch, tmp_path):
 
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(HubError, match="--model shakespeare"):
+    with pytest.raises(HubError, match="bundled model 'shakespeare'"):
         load_model("gpt2")
 
 

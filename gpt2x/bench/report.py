@@ -1,0 +1,87 @@
+"""A bench result as Rich tables (the CLI prints them) and as a PNG plot (the JSON file holds every figure)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from rich.table import Table
+
+from ..errors import UsageError
+from ..fileio import write_atomic
+
+
+def _f(x, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def bench_tables(result: dict) -> list[Table]:
+    env, bw = result["environment"], result["bandwidth"]
+    ref = result["reference"]
+    ref_ppl = "not measured" if ref["perplexity"] is None else f"{ref['perplexity']:.2f}"
+    parity = Table(title=f"parity vs torch fp32 (reference perplexity {ref_ppl} on {ref['text_tokens']} tokens)")
+    for col in ("backend", "precision", "max |Δ|", "p99 |Δ|", "rel. max", "top-1", "mean KL", "greedy prefix", "ppl", "Δppl", "gate"):
+        parity.add_column(col, justify="right")
+    for p in result["parity"]:
+        lg, g = p["logits"] or {}, p["greedy"]  # None: an export gated without a parity check
+        change = p["perplexity_rel_change"]
+        parity.add_row(
+            p["backend"], p["precision"], _f(lg.get("max_abs")), _f(lg.get("p99_abs")), _f(lg.get("max_rel")),
+            _f(lg.get("top1_agreement"), ".3f"), _f(lg.get("mean_kl")),
+            "/".join(map(str, g["identical_prefix"])) + f" of {g['tokens']}" if g else "-",
+            _f(p["perplexity"], ".2f"), "-" if change is None else f"{change * 100:+.2f}%",
+            "pass" if p["passed"] else "[red]FAIL[/]",
+        )
+    speed = Table(title=f"speed on {result['settings']['provider']} ({env.get('cpu')}, {result['settings']['threads']} threads; "
+                        f"{bw['kind']}: {bw['bytes_per_s'] / 1e9:.1f} GB/s)")
+    for col in ("backend", "precision", "batch", "cold s", "TTFT ms", "p50 ms", "p90 ms", "p99 ms", "decode tok/s",
+                "e2e tok/s", "roofline tok/s", "% roofline", "peak RSS MB"):
+        speed.add_column(col, justify="right")
+    for e in result["speed"]:
+        lat = e["decode_latency"]
+        speed.add_row(
+            e["backend"], e["precision"], str(e["batch"]), _f(e["cold_start_s"], ".2f"), _f(e["ttft_ms"], ".1f"),
+            _f(lat.get("p50_ms"), ".2f"), _f(lat.get("p90_ms"), ".2f"), _f(lat.get("p99_ms"), ".2f"),
+            _f(e["decode_tokens_per_s"], ".1f"), _f(e["e2e_tokens_per_s"], ".1f"), _f(e["roofline_tokens_per_s"], ".0f"),
+            f"{e['roofline_share'] * 100:.0f}%", _f(e.get("peak_rss_mb"), ".0f"),
+        )
+    skipped = [f"{x['backend']}/{x['precision']} ({x['reason']})" for x in result.get("skipped", [])]
+    if skipped:
+        speed.caption = "not run: " + "; ".join(skipped)
+    return [parity, speed]
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("plotting needs matplotlib: pip install 'gpt2x[plot]'") from None
+    return plt
+
+
+def plot(result: dict, path: Path) -> None:
+    """Decode tokens/s and per-token latency against context length, one line per configuration."""
+    plt = require_matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for e in result["speed"]:
+        ctx = [p["context"] for p in e["latency_by_context"]]
+        ms = [p["ms"] for p in e["latency_by_context"]]
+        label = f"{e['backend']} {e['precision']} b{e['batch']}"
+        ax1.plot(ctx, [e["batch"] * 1e3 / m for m in ms], marker="o", label=label)
+        ax2.plot(ctx, ms, marker="o", label=label)
+    ax1.set(xlabel="context length (tokens)", ylabel="decode tokens/s", title="decode throughput")
+    ax2.set(xlabel="context length (tokens)", ylabel="ms per decode step (log scale)", title="per-token latency", yscale="log")
+    env = result["environment"]
+    fig.suptitle(f"gpt2x bench: {result['model']['name']} on {result['settings']['provider']} "
+                 f"({env.get('cpu', '')}, {env.get('cores', '?')} cores; GPU: {env.get('gpu', 'none')})", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())

@@ -1,0 +1,101 @@
+"""What this machine is: CPU, GPU, package versions, providers that really load, cache locations,
+and this process's peak memory. Recorded with every benchmark result and shown by `gpt2x info`."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .. import __version__
+from ..runtime.providers import available_providers, physical_cores
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> str | None:
+    """GPU name and driver from nvidia-smi, or None where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def installed_versions(*names: str) -> dict[str, str]:
+    """Versions of the named distributions that are installed (the others are left out)."""
+    result = {}
+    for name in names:
+        try:
+            result[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return result
+
+
+def package_versions() -> dict[str, str]:
+    return {"gpt2x": __version__, "python": platform.python_version()} | installed_versions(
+        "torch", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "numpy", "transformers", "tiktoken")
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def system_info() -> dict:
+    from huggingface_hub import constants
+
+    providers = available_providers()
+    return {
+        "gpt2x": __version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cores": physical_cores(),
+        "gpu": gpu_info() or "none found",
+        "packages": package_versions(),
+        "providers listed": ", ".join(providers["listed"]),
+        "providers loadable": providers["loadable"],
+        "hub cache": constants.HF_HUB_CACHE,
+        "hub offline": bool(constants.HF_HUB_OFFLINE),
+        "exports": str(Path("exported").resolve()),
+        "git": git_revision() or "n/a",
+    }
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) of this process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

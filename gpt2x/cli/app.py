@@ -1,0 +1,83 @@
+"""The `gpt2x` command line. It only wires library calls together and prints: results to stdout,
+progress and errors to stderr, `--json` for scripts. One module per command; exceptions become exit
+codes here, in `main()`, and nowhere else (each gpt2x exception class carries its code)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+
+from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
+from . import bench, export, generate, info, inspect, train
+from .options import Status, err, version_callback
+
+app = typer.Typer(
+    name="gpt2x",
+    help="GPT-2 from scratch in PyTorch, exported to ONNX with a KV cache, run on ONNX Runtime.",
+    add_completion=True,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    epilog="Examples:\n\n"
+    "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch\n\n"
+    "  gpt2x export --model shakespeare --precision int8\n\n"
+    "  gpt2x bench --model random:gpt2 --batch 1,4\n\n"
+    "  gpt2x inspect gpt2 --seq-len 8",
+)
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr (errors still show).")] = False,
+) -> None:
+    """GPT-2 from scratch in PyTorch, exported to ONNX with a KV cache, run on ONNX Runtime.
+
+    Examples:
+
+        gpt2x generate "ROMEO:" --model shakespeare --backend torch
+
+        gpt2x inspect gpt2 --seq-len 8
+    """
+    Status.enabled = not quiet
+
+
+for command in (generate, export, inspect, train, bench, info):
+    name = command.__name__.rsplit(".", 1)[1]
+    app.command(name, epilog=command.EPILOG)(getattr(command, name))
+
+
+def cli_message(e: Gpt2xError) -> str:
+    """The error's message, naming the command-line flag where the library names a parameter."""
+    message = str(e)
+    if isinstance(e, UsageError) and e.option and message.startswith(e.option):
+        message = "--" + e.option.replace("_", "-") + message[len(e.option) :]
+    return message
+
+
+# Typer's usage errors derive from click's ClickException (vendored inside newer Typer releases).
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def main() -> None:
+    """Console entry point: runs the app and maps every failure to one line and an exit code."""
+    debug = os.environ.get("GPT2X_DEBUG") == "1"
+    try:
+        code = app(standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
+    except (typer.Abort, KeyboardInterrupt):
+        code = INTERRUPTED_EXIT_CODE
+    except _CLICK_ERROR as e:  # usage errors: unknown option, bad choice, missing argument
+        e.show()
+        code = e.exit_code
+    except Gpt2xError as e:
+        if debug:
+            raise
+        err.print(f"error: {cli_message(e)}", markup=False, soft_wrap=True)
+        code = e.exit_code
+    if code == INTERRUPTED_EXIT_CODE:
+        sys.stdout.flush()  # what was streamed so far stays
+        err.print("\ninterrupted", markup=False)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,102 @@
+"""`gpt2x generate`: text from a prompt (streamed) or from a file of prompts (one left-padded batch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..choices import BackendKind, Precision, ProviderKind
+from ..errors import UsageError
+from ..generation.generate import generate as run_generation
+from ..generation.settings import SamplingSettings
+from ..tokenizer import StreamDecoder, decode
+from ..workflows import open_backend
+from .options import (
+    JsonOpt,
+    ModelOptional,
+    PrecisionOpt,
+    RevisionOpt,
+    Status,
+    ThreadsOpt,
+    err,
+    notice,
+    progress_to,
+    read_prompts_file,
+)
+
+EPILOG = ("Examples:\n\n"
+    "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch --seed 1\n\n"
+    "  gpt2x generate \"Hello, my name is\" --model gpt2 --greedy --max-new-tokens 20\n\n"
+    "  gpt2x generate --prompts-file prompts.txt --model shakespeare --backend torch --json")
+
+
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="Text to continue (empty: start a new document).")] = None,
+    model: ModelOptional = None,
+    revision: RevisionOpt = None,
+    backend: Annotated[BackendKind, typer.Option(help="ort: ONNX Runtime (exports on first use); torch: the PyTorch reference.")] = BackendKind.ort,
+    provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
+    precision: PrecisionOpt = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/<model>-<precision>).")] = None,
+    threads: ThreadsOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (stops earlier at <|endoftext|> or the context limit).")] = 64,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token.")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = 50,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1].")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Sampler seed: same seed, same text. Random if unset.")] = None,
+    num_beams: Annotated[int, typer.Option(help="Beam search with this many beams (1: off).")] = 1,
+    length_penalty: Annotated[float, typer.Option(help="Beam search length penalty (as in transformers).")] = 1.0,
+    early_stopping: Annotated[bool, typer.Option(help="Beam search stops once num_beams hypotheses are done.")] = False,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="One prompt per line, generated as one left-padded batch.")] = None,
+    truncate: Annotated[bool, typer.Option(help="Keep the end of prompts longer than the context instead of failing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
+    if prompt is not None and prompts_file is not None:
+        raise UsageError("give a PROMPT or --prompts-file, not both")
+    if backend is BackendKind.torch and (precision not in (None, Precision.fp32) or onnx_dir is not None):
+        raise UsageError("--precision and --onnx apply to --backend ort; the torch backend runs fp32")
+    prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    settings = SamplingSettings(
+        max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+    )
+    with Status("starting") as status:
+        runner = open_backend(backend, provider, model, revision, precision, onnx_dir, threads,
+                              progress=progress_to(status), notice=notice)
+    stream = len(prompts) == 1 and not as_json and num_beams == 1
+    decoder = StreamDecoder()
+
+    def write_token(row: int, tok: int) -> None:
+        sys.stdout.write(decoder.push(tok))
+        sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+    results = run_generation(runner, prompts, settings, truncate=truncate, on_token=write_token if stream else None)
+    if stream:
+        sys.stdout.write(decoder.flush() + "\n")
+    elif as_json:
+        for r in results:
+            print(json.dumps({
+                "prompt": r.prompt, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": decode(r.tokens),
+                "finish_reason": r.finish_reason, "model": runner.model_name, "backend": runner.name, "seed": seed,
+            }))
+    else:
+        for i, r in enumerate(results):
+            if i:
+                print()
+            print(r.prompt + decode(r.tokens))
+    for r in results:
+        if r.finish_reason == "context":
+            err.print(f"note: stopped at the model's context limit ({runner.n_positions} tokens)")
+            break

@@ -1,0 +1,107 @@
+"""What every command shares: the consoles (results to stdout, progress and errors to stderr), the
+progress display, and the options several commands take."""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .. import __version__
+from ..choices import Precision
+from ..errors import UsageError
+
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
+err = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model", "-m",
+        help="`shakespeare` (bundled), a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2), "
+        "a hub repo id, a local Hugging Face folder or a .safetensors file.",
+    ),
+]
+RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+ModelOptional = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="As for `export` (default: shakespeare); checked against --onnx metadata when given."),
+]
+PrecisionOpt = Annotated[Optional[Precision], typer.Option(help="Export precision for --backend ort (default fp32).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).")]
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        out.print(f"gpt2x {__version__}")
+        raise typer.Exit()
+
+
+class Status:
+    """Progress on stderr: a live spinner when stderr is a terminal and --quiet is not given,
+    plain lines with GPT2X_PROGRESS=lines, nothing otherwise."""
+
+    enabled = True
+
+    def __init__(self, message: str):
+        self.message = message
+        self._status = None
+
+    def __enter__(self) -> Status:
+        if self.enabled and err.is_terminal:
+            self._status = err.status(self.message)
+            self._status.__enter__()
+        elif self.enabled and os.environ.get("GPT2X_PROGRESS") == "lines":
+            err.print(self.message, markup=False)
+        return self
+
+    def update(self, message: str) -> None:
+        if self._status is not None:
+            self._status.update(escape(message))
+        elif self.enabled and os.environ.get("GPT2X_PROGRESS") == "lines":
+            err.print(message, markup=False)
+
+    def __exit__(self, *exc) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+
+def read_prompts_file(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"prompts file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompts file is not UTF-8 text: {path}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read prompts file {path}: {e.strerror}") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError(f"prompts file has no prompts (one per line): {path}")
+    return prompts
+
+
+def parse_list(value: str, kind, option: str) -> list:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        return [kind(v) for v in items]
+    except ValueError:
+        choices = ", ".join(e.value for e in kind) if isinstance(kind, type) and issubclass(kind, Enum) else "integers"
+        raise UsageError(f"{option}: {value!r} is not a comma-separated list of {choices}") from None
+
+
+def progress_to(status: Status):
+    """A library Progress callback that updates `status`."""
+    return lambda message: status.update(message + " ...")
+
+
+def notice(message: str) -> None:
+    """A message the user sees even with --quiet (an export about to start)."""
+    err.print(message, markup=False)

@@ -1,0 +1,133 @@
+"""Beam search over any Backend, with the semantics of transformers' `generate(num_beams=N, do_sample=False)`.
+
+One prompt at a time. The prompt is run once at batch 1, its KV cache is then copied to N rows with
+`backend.reorder`, and every later step feeds the last token of each of the N running beams. Each step
+(as transformers 5.x `GenerationMixin._beam_search` does it):
+
+1. scores = running beam score + log_softmax(logits), in float32, over N * V continuations;
+2. the 2N best continuations are kept (so that N of them still run when some end with EOS);
+3. a continuation "hits the stop" when its token is EOS or it reaches the last allowed length;
+4. the N best continuations that did not hit the stop become the running beams;
+5. those among the first N continuations that did hit the stop are offered to the N finished slots
+   with score = sum logprob / generated_length ** length_penalty (generated length counts the EOS,
+   not the prompt), and the N best of old and new finished hypotheses are kept;
+6. the search stops when no continuation is left, when early_stopping is True and all N slots are
+   finished, or when the best running beam, scored at the current length, cannot beat the worst
+   finished hypothesis (transformers' heuristic for early_stopping=False, also applied when True).
+
+Ties are broken towards the lower flat index (beam-major, then token id), as a stable sort does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..numerics import log_softmax
+from ..runtime.base import Backend
+from ..tokenizer import EOT_ID
+from .settings import Generation, SamplingSettings
+
+NEG = np.float32(-1.0e9)  # transformers' "impossible" score, added to masked entries
+
+
+@dataclass
+class Candidates:
+    """The 2N best continuations of one step, best first."""
+
+    rows: np.ndarray  # (2N,) int64 running-beam row each continues
+    tokens: np.ndarray  # (2N,) int64 token appended
+    scores: np.ndarray  # (2N,) float32 summed log-probabilities
+    seqs: list[list[int]]  # generated ids of each, including the new token
+
+
+@dataclass
+class Finished:
+    """N slots of finished hypotheses, best first; empty slots hold score NEG and done False."""
+
+    scores: np.ndarray  # (N,) float32 length-penalised scores
+    done: np.ndarray  # (N,) bool
+    seqs: list[list[int]]
+
+
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries of the 1-D array x, best first; equal values keep index order."""
+    if k >= x.size:
+        return np.argsort(-x, kind="stable")
+    threshold = np.partition(x, x.size - k)[x.size - k]
+    idx = np.flatnonzero(x >= threshold)  # every entry that can be in the top k, ties included
+    return idx[np.argsort(-x[idx], kind="stable")[:k]]
+
+
+def best_continuations(logits: np.ndarray, run_scores: np.ndarray, run_seqs: list[list[int]]) -> Candidates:
+    """The 2N best (beam, token) continuations of the N running beams."""
+    n, vocab = logits.shape
+    total = (log_softmax(logits).astype(np.float32) + run_scores[:, None]).reshape(-1)  # (N * V,)
+    flat = top_k(total, 2 * n)  # (2N,)
+    rows, tokens = flat // vocab, flat % vocab
+    seqs = [run_seqs[r] + [t] for r, t in zip(rows.tolist(), tokens.tolist())]
+    return Candidates(rows.astype(np.int64), tokens.astype(np.int64), total[flat], seqs)
+
+
+def offer_finished(fin: Finished, cand: Candidates, hits: np.ndarray, gen_len: int, length_penalty: float) -> Finished:
+    """Finished slots after offering this step's stopped continuations (transformers' _update_finished_beams;
+    its "slots full" and "no improvement" masks never apply here, as the loop has stopped by then)."""
+    n = fin.scores.size
+    eligible = hits & (np.arange(hits.size) < n)  # only the first N continuations may finish
+    scores = np.where(eligible, cand.scores / np.float32(gen_len**length_penalty), NEG).astype(np.float32)
+    merged = np.concatenate([fin.scores, scores])  # (3N,)
+    keep = top_k(merged, n)  # old slots come first among equals
+    pool = fin.seqs + cand.seqs
+    return Finished(merged[keep], np.concatenate([fin.done, eligible])[keep], [pool[i] for i in keep.tolist()])
+
+
+def still_improvable(best_running: np.float32, fin: Finished, gen_len: int, length_penalty: float) -> bool:
+    """transformers' _check_early_stop_heuristic: can the best running beam, scored at the current
+    length, still beat the worst finished hypothesis? True while any slot is empty."""
+    best = best_running / np.float32(gen_len**length_penalty)
+    worst = np.where(fin.done, fin.scores.min(), NEG)  # (N,) empty slots count as NEG
+    return bool((best > worst).any())
+
+
+def result(prompt: str, prompt_ids: list[int], fin: Finished, cut_by_context: bool) -> Generation:
+    seq = fin.seqs[0]
+    if seq and seq[-1] == EOT_ID:
+        return Generation(prompt, list(prompt_ids), seq[:-1], "eos")
+    return Generation(prompt, list(prompt_ids), seq, "context" if cut_by_context else "length")
+
+
+def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: SamplingSettings) -> Generation:
+    """The best of settings.num_beams beams for one prompt; stops at EOS, max_new_tokens or the model's context."""
+    n, p_len = settings.num_beams, len(prompt_ids)
+    n_new = min(settings.max_new_tokens, backend.n_positions - p_len)  # never past the context
+    if n_new < 1:
+        return Generation(prompt, list(prompt_ids), [], "context")
+
+    ids = np.asarray([prompt_ids], dtype=np.int64)  # (1, P)
+    logits, past = backend.step(ids, np.ones_like(ids), np.arange(p_len, dtype=np.int64)[None], None)
+    logits = np.repeat(logits, n, axis=0)  # (N, V): N identical beams ...
+    past = backend.reorder(past, np.zeros(n, dtype=np.int64))  # ... sharing the prompt's cache
+    run_scores = np.full(n, NEG, dtype=np.float32)  # (N,) only beam 0 may start, so beams differ
+    run_scores[0] = 0.0
+    run_seqs: list[list[int]] = [[] for _ in range(n)]
+    fin = Finished(np.full(n, NEG, dtype=np.float32), np.zeros(n, dtype=bool), [[] for _ in range(n)])
+
+    for step in range(n_new):
+        gen_len = step + 1  # generated tokens once this step's token is appended
+        cand = best_continuations(logits, run_scores, run_seqs)
+        hits = (cand.tokens == EOT_ID) | (gen_len == n_new)  # (2N,)
+        live = np.where(hits, cand.scores + NEG, cand.scores).astype(np.float32)
+        pick = top_k(live, n)  # (N,) best continuations that go on
+        fin = offer_finished(fin, cand, hits, gen_len, settings.length_penalty)
+        run_scores, run_seqs = live[pick], [cand.seqs[i] for i in pick.tolist()]
+        improvable = still_improvable(run_scores[0], fin, gen_len, settings.length_penalty)
+        all_full = settings.early_stopping and fin.done.all()
+        if hits.all() or all_full or not improvable:
+            break
+        past = backend.reorder(past, cand.rows[pick])
+        mask = np.ones((n, p_len + gen_len), dtype=np.int64)  # (N, P + t)
+        pos = np.full((n, 1), p_len + gen_len - 1, dtype=np.int64)  # (N, 1)
+        logits, past = backend.step(cand.tokens[pick][:, None], mask, pos, past)
+
+    return result(prompt, prompt_ids, fin, n_new < settings.max_new_tokens)

@@ -1,0 +1,40 @@
+"""What to generate (SamplingSettings) and what came out (Generation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int = 64  # tokens to generate per prompt (fewer if EOS or the context ends first)
+    greedy: bool = False  # argmax decoding; ignores temperature/top-k/top-p
+    temperature: float = 1.0  # logits are divided by this before sampling; > 0
+    top_k: int = 0  # keep only the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus: keep the smallest set whose probability reaches top_p; in (0, 1]
+    seed: int = 0  # seeds the sampler; same seed, same logits -> same tokens
+    num_beams: int = 1  # beam search when > 1 (deterministic)
+    length_penalty: float = 1.0  # beam score = sum logprob / length ** length_penalty (transformers' definition)
+    early_stopping: bool = False  # beam search stops as soon as num_beams hypotheses are finished
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}", option="max_new_tokens")
+        if not self.temperature > 0:
+            raise UsageError(f"temperature must be > 0, got {self.temperature} (greedy decoding takes the argmax)", option="temperature")
+        if self.top_k < 0:
+            raise UsageError(f"top_k must be >= 0, got {self.top_k}", option="top_k")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}", option="top_p")
+        if self.num_beams < 1:
+            raise UsageError(f"num_beams must be at least 1, got {self.num_beams}", option="num_beams")
+
+
+@dataclass
+class Generation:
+    prompt: str
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS
+    finish_reason: str = "length"  # "eos", "length" (max_new_tokens) or "context" (model context full)

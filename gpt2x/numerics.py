@@ -1,0 +1,18 @@
+"""Numerical helpers on numpy arrays shared by every layer (the sampler, beam search, parity, perplexity)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis, computed in float64 (returned as float64)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
+    """Position ids (B, seq_len) of the last `seq_len` slots of an attention mask (B, P+T): the count
+    of real tokens before each slot, so left padding does not shift a row's positions; pads get 0."""
+    return np.maximum(np.cumsum(mask, axis=-1) - 1, 0)[:, mask.shape[1] - seq_len :].astype(np.int64)

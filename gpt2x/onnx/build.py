@@ -1,0 +1,139 @@
+"""The whole export: trace, fuse, convert or quantize, write the interop files and the metadata, gate,
+and only then move the folder into place (a failed or interrupted export leaves nothing behind).
+
+The parity gate is a function handed in by the caller (gpt2x.workflows passes the evaluation
+layer's gate): this layer builds artifacts and does not judge them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import onnxscript
+import torch
+
+from .. import __version__
+from ..choices import Precision, Progress, no_progress
+from ..errors import OutputError
+from ..fileio import replace_folder, sha256
+from ..model.checkpoints import ModelSource, weights_fingerprint
+from ..model.gpt2 import GPT2
+from ..tokenizer import BPE_SHA256
+from . import names as io
+from .artifact import (
+    DEFAULT_OPSET,
+    FORMAT,
+    FORMAT_VERSION,
+    IR_VERSION,
+    METADATA_FILE,
+    MODEL_FILE,
+    ExportInfo,
+    attention_layout,
+)
+from .interop import write_interop_files
+from .optimize import fuse, quantize_int8
+from .trace import trace_to_onnx
+
+# Judges a finished export before it is published: returns the parity record stored in gpt2x.json,
+# or raises (ParityError) to stop the export.
+Gate = Callable[[ExportInfo], dict]
+NOT_CHECKED = "not checked (exported without the parity gate)"
+
+
+def versions() -> dict[str, str]:
+    return {"gpt2x": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "onnxscript": onnxscript.__version__}
+
+
+def export(
+    model: GPT2,
+    source: ModelSource,
+    out: Path,
+    precision: Precision = Precision.fp32,
+    opset: int = DEFAULT_OPSET,
+    force: bool = False,
+    gate: Gate | None = None,
+    progress: Progress = no_progress,
+) -> ExportInfo:
+    """Export, optimise, convert, run `gate` on the finished folder (None: recorded as not checked),
+    and only then move the folder into place. An existing `out` is replaced only when `force`."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} exists (force=True replaces it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
+    try:
+        work = tmp / "work"
+        work.mkdir()
+        progress("tracing the model to ONNX")
+        trace_to_onnx(model.float().eval(), work / "raw.onnx", opset)
+        progress("fusing with ONNX Runtime's transformer optimizer")
+        fused = work / "fused.onnx"
+        ops = fuse(work / "raw.onnx", fused if precision is Precision.int8 else tmp / MODEL_FILE, model.config, precision)
+        if precision is Precision.int8:
+            progress("quantizing MatMul weights to int8")
+            ops = quantize_int8(fused, tmp / MODEL_FILE)
+        shutil.rmtree(work)
+        # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
+        attention = attention_layout(ops)
+        write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
+                            share_buffer=attention["shared_kv_buffer"])
+        for p in tmp.iterdir():
+            p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "model": {"name": source.name, "kind": source.kind, "revision": source.revision,
+                      "weights_sha256": weights_fingerprint(source)},
+            "config": model.config.to_dict(),
+            "precision": precision.value,
+            "opset": opset,
+            "ir_version": IR_VERSION,
+            "versions": versions(),
+            "files": files,
+            "tokenizer": BPE_SHA256,
+            "io": {"inputs": io.input_names(model.config.n_layer), "outputs": io.output_names(model.config.n_layer)},
+            "fused_operators": ops,
+            "attention": attention,
+        }
+        info = ExportInfo(tmp, meta)
+        if gate is not None:
+            progress("checking parity against PyTorch")
+            meta["parity"] = gate(info)
+        else:
+            meta["parity"] = {"status": NOT_CHECKED}
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        replace_folder(tmp, out)
+        return ExportInfo(out, meta)
+    except OSError as e:  # disk full, permissions: nothing is left behind either way
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"export to {out} failed: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Remove what an export killed outright (SIGKILL, power loss) left: `.NAME.partial-PID-*`
+    folders whose process is gone. They never look like an export (no gpt2x.json, hidden name)."""
+    for folder in out.parent.glob(f".{out.name}.partial-*"):
+        pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+

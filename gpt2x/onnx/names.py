@@ -1,0 +1,61 @@
+"""ONNX input/output names and dynamic axes, defined once for export, runtime and tests.
+
+They are the names Optimum, onnxruntime-genai and transformers.js use for decoder-only models.
+"""
+
+from __future__ import annotations
+
+MSFT = "com.microsoft"  # the domain of ONNX Runtime's contrib operators (MultiHeadAttention, ...)
+
+INPUT_IDS = "input_ids"  # [batch, sequence] int64
+ATTENTION_MASK = "attention_mask"  # [batch, past_sequence + sequence] int64, 1 = real token, 0 = padding
+POSITION_IDS = "position_ids"  # [batch, sequence] int64
+LOGITS = "logits"  # [batch, sequence, vocab]
+
+BATCH = "batch_size"
+SEQUENCE = "sequence_length"
+PAST = "past_sequence_length"
+TOTAL = "total_sequence_length"  # past_sequence_length + sequence_length
+
+
+def past_key(i: int) -> str:
+    return f"past_key_values.{i}.key"  # [batch, n_head, past_sequence, head_dim]
+
+
+def past_value(i: int) -> str:
+    return f"past_key_values.{i}.value"
+
+
+def present_key(i: int) -> str:
+    return f"present.{i}.key"  # [batch, n_head, past_sequence + sequence, head_dim]
+
+
+def present_value(i: int) -> str:
+    return f"present.{i}.value"
+
+
+def input_names(n_layer: int) -> list[str]:
+    names = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
+    for i in range(n_layer):
+        names += [past_key(i), past_value(i)]
+    return names
+
+
+def output_names(n_layer: int) -> list[str]:
+    names = [LOGITS]
+    for i in range(n_layer):
+        names += [present_key(i), present_value(i)]
+    return names
+
+
+def dynamic_axes(n_layer: int) -> dict[str, dict[int, str]]:
+    axes = {
+        INPUT_IDS: {0: BATCH, 1: SEQUENCE},
+        ATTENTION_MASK: {0: BATCH, 1: TOTAL},
+        POSITION_IDS: {0: BATCH, 1: SEQUENCE},
+        LOGITS: {0: BATCH, 1: SEQUENCE},
+    }
+    for i in range(n_layer):
+        axes[past_key(i)] = axes[past_value(i)] = {0: BATCH, 2: PAST}
+        axes[present_key(i)] = axes[present_value(i)] = {0: BATCH, 2: TOTAL}
+    return axes

@@ -1,0 +1,110 @@
+"""Tracing the PyTorch model to ONNX: torch's dynamo exporter on a copy of the model whose attention
+is the `gpt2x::mha` custom op (translated to MultiHeadAttention, ops.py), with onnx.names' names."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from ..model.gpt2 import GPT2
+from . import names as io
+from .artifact import IR_VERSION, save_onnx
+from .ops import TRANSLATIONS
+
+
+class _ExportAttention(nn.Module):
+    """A block's attention with the core replaced by the `gpt2x::mha` op (MultiHeadAttention in ONNX)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head = attn.c_attn, attn.c_proj, attn.n_head
+
+    def forward(self, x, bias, past):
+        C = x.shape[-1]
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        y, k, v = torch.ops.gpt2x.mha(q, k, v, past[0], past[1], bias, self.n_head)
+        return self.c_proj(y), (k, v)
+
+
+class _ExportWrapper(nn.Module):
+    """Flat tensors in and out, in the order of names.input_names / output_names."""
+
+    def __init__(self, model: GPT2):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, pairs)
+        return (logits, *[t for kv in presents for t in kv])
+
+
+def _export_copy(model: GPT2) -> GPT2:
+    """A copy of the model sharing its weights, with export attention in every block."""
+    clone = GPT2.__new__(GPT2)
+    nn.Module.__init__(clone)
+    clone.config = model.config
+    clone.wte, clone.wpe, clone.ln_f = model.wte, model.wpe, model.ln_f
+    clone.h = nn.ModuleList()
+    for block in model.h:
+        b = type(block).__new__(type(block))
+        nn.Module.__init__(b)
+        b.ln_1, b.ln_2, b.mlp = block.ln_1, block.ln_2, block.mlp
+        b.attn = _ExportAttention(block.attn)
+        clone.h.append(b)
+    return clone.eval()
+
+
+def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
+    """Dynamo export of the fp32 graph to `path`, with the conventional names and symbolic dims."""
+    cfg = model.config
+    B, T, P = 2, 3, 4  # example sizes; every axis is dynamic (P = 0 at the first step)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+    mask = torch.ones(B, P + T, dtype=torch.long)
+    pos = torch.arange(P, P + T).repeat(B, 1)
+    past = tuple(torch.zeros(B, cfg.n_head, P, cfg.head_dim) for _ in range(2 * cfg.n_layer))
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past))
+    debug = os.environ.get("GPT2X_DEBUG") == "1"
+    torch_onnx_log = logging.getLogger("torch.onnx")
+    level = torch_onnx_log.level
+    # The exporter reports its steps on stdout, which belongs to results: silence it unless debugging.
+    with torch.no_grad(), open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if debug else devnull), \
+            warnings.catch_warnings():
+        if not debug:
+            warnings.simplefilter("ignore")
+            torch_onnx_log.setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
+        try:
+            program = torch.onnx.export(
+                _ExportWrapper(_export_copy(model)), (ids, mask, pos, past),
+                input_names=io.input_names(cfg.n_layer), output_names=io.output_names(cfg.n_layer),
+                dynamic_shapes=shapes, opset_version=opset, dynamo=True, verbose=False,
+                custom_translation_table=TRANSLATIONS,
+            )
+        finally:
+            torch_onnx_log.setLevel(level)
+    proto = program.model_proto
+    _name_dims(proto, cfg.n_layer)
+    proto.ir_version = IR_VERSION
+    save_onnx(proto, path)
+
+
+def _name_dims(proto: onnx.ModelProto, n_layer: int) -> None:
+    """Replace the exporter's symbols (s43, s70 ...) by onnx.names' names on graph inputs and outputs."""
+    axes = io.dynamic_axes(n_layer)
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        for axis, name in axes.get(value.name, {}).items():
+            dim = value.type.tensor_type.shape.dim[axis]
+            dim.ClearField("dim_value")
+            dim.dim_param = name
+    del proto.graph.value_info[:]  # intermediate shapes used the old symbols; ORT re-infers them
+

@@ -1,0 +1,257 @@
+"""Running an export on ONNX Runtime (no torch): IO binding with the KV cache kept as OrtValues on the
+device between steps, and device-side cache reordering for beam search.
+
+Two ways to hold the cache, chosen from the export's metadata:
+- growing (every export): each step's present outputs, one position longer, are the next step's
+  past, as in Optimum. ONNX Runtime allocates them and copies the whole cache into them every step.
+- shared (exports whose attention is GroupQueryAttention, i.e. int8): a fixed-capacity buffer per
+  layer is bound as both past and present, and each step writes only its new positions into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from ..choices import Precision, ProviderKind
+from ..errors import ProviderError
+from ..onnx import names as io
+from ..onnx.artifact import ExportInfo
+from .providers import create_session, gather_model
+
+KV_CAPACITY_STEP = 256  # positions a shared KV cache holds beyond its first step, and grows by at least
+
+
+class _KVBuffers:
+    """Fixed-capacity KV buffers, one (B, H, capacity, D) host array per layer and key/value, the
+    OrtValues over the same memory, and the IO binding that binds them as past and present."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]  # no copy: same memory
+        self.binding = None  # an IOBinding with these buffers bound as past and present, reused
+        self.length = 0  # positions written so far; -1 once the cache moved to larger buffers
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays[0].shape[2]
+
+
+class SharedKVCache:
+    """A view of shared KV buffers holding positions [0, length). A step writes positions `length`
+    onward into the same buffers and returns a new view; the view it was given is then stale, and
+    stepping from it again is refused (it would overwrite positions the newer view holds)."""
+
+    def __init__(self, buffers: _KVBuffers, length: int):
+        self.buffers = buffers
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers.capacity
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return self.buffers.arrays
+
+    @property
+    def values(self) -> list:
+        return self.buffers.values
+
+    @property
+    def stale(self) -> bool:
+        return self.buffers.length != self.length
+
+    def filled(self) -> list[np.ndarray]:
+        return [a[:, :, : self.length] for a in self.buffers.arrays]
+
+
+class OrtBackend:
+    """One export on one provider. The KV cache is a list of OrtValues that stay where ONNX Runtime
+    produced them (host memory on CPU, device memory on CUDA), or a SharedKVCache for graphs that
+    update it in place; only logits come back to the host."""
+
+    name = "ort"
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
+                 shared_kv: bool | None = None):
+        if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
+            raise ProviderError(
+                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
+                "(run it on the cuda provider, or export fp32 or int8 for the CPU)"
+            )
+        self.info = info
+        self.model_name = info.meta["model"]["name"]  # the model the export was made from
+        self.cfg = info.config
+        self.n_positions = self.cfg.n_positions
+        self.vocab_size = self.cfg.vocab_size
+        self.provider = provider
+        self.session = create_session(info.model_path, provider, threads)
+        self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
+        self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        self.names_in = io.input_names(self.cfg.n_layer)
+        self.names_out = io.output_names(self.cfg.n_layer)
+        self._reorder_session = None
+        layout = info.attention
+        self.batched_multi_token_past = layout["batched_multi_token_past"]
+        # In-place cache updates: GroupQueryAttention graphs on the CPU (int8), unless turned off.
+        can_share = layout["shared_kv_buffer"] and provider is ProviderKind.cpu
+        if shared_kv and not can_share:
+            raise ProviderError(f"{info.folder}: this export's attention cannot share its KV buffers on {provider.value}")
+        self.shared_kv = can_share if shared_kv is None else shared_kv
+
+    # -- the KV cache as OrtValues
+
+    def empty_past(self, batch: int) -> list:
+        shape = (batch, self.cfg.n_head, 0, self.cfg.head_dim)
+        return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype, self.device, 0)
+                for _ in range(2 * self.cfg.n_layer)]
+
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> list:
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0)
+                for a in arrays]
+
+    def present_to_numpy(self, present) -> list[np.ndarray]:
+        if isinstance(present, SharedKVCache):
+            return [a.astype(np.float32) for a in present.filled()]
+        return [v.numpy().astype(np.float32) for v in present]
+
+    def peak_device_memory_mb(self) -> float | None:
+        """Not tracked for ONNX Runtime (its arena is not exposed to Python)."""
+        return None
+
+    # -- running
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
+        """All logits (B, T, V) on the host, and the new cache: presents as device-resident OrtValues,
+        or the SharedKVCache, now `T` positions longer."""
+        if isinstance(past, SharedKVCache) or (past is None and self.shared_kv):
+            return self._run_shared(input_ids, attention_mask, position_ids, past)
+        if past is None:
+            past = self.empty_past(input_ids.shape[0])
+        if self._needs_rows(input_ids, attention_mask):
+            return self._run_rows(input_ids, attention_mask, position_ids, past)
+        return self._run_growing(input_ids, attention_mask, position_ids, past)
+
+    def step(self, input_ids, attention_mask, position_ids, past):
+        logits, present = self.run(input_ids, attention_mask, position_ids, past)
+        return logits[:, -1], present
+
+    def _needs_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> bool:
+        """A step of several tokens on top of a past for a batch, which GroupQueryAttention's CPU
+        kernel refuses: such steps run one row at a time."""
+        B, T = input_ids.shape
+        return B > 1 and T > 1 and attention_mask.shape[1] > T and not self.batched_multi_token_past
+
+    def _bind_inputs(self, binding, input_ids, attention_mask, position_ids, past_values) -> None:
+        for name, arr in ((io.INPUT_IDS, input_ids), (io.ATTENTION_MASK, attention_mask), (io.POSITION_IDS, position_ids)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        for name, value in zip(self.names_in[3:], past_values):
+            binding.bind_ortvalue_input(name, value)
+
+    def _run_growing(self, input_ids, attention_mask, position_ids, past: list):
+        binding = self.session.io_binding()
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, past)
+        binding.bind_output(io.LOGITS, "cpu")
+        for name in self.names_out[1:]:
+            binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return outputs[0].numpy(), list(outputs[1:])
+
+    def _run_rows(self, input_ids, attention_mask, position_ids, past: list):
+        """The growing cache, one row at a time (CPU only: GroupQueryAttention graphs are int8)."""
+        host = [v.numpy() for v in past]
+        logits, presents = [], []
+        for r in range(input_ids.shape[0]):
+            row_past = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[r : r + 1])) for a in host]
+            lg, pr = self._run_growing(input_ids[r : r + 1], attention_mask[r : r + 1], position_ids[r : r + 1], row_past)
+            logits.append(lg)
+            presents.append([v.numpy() for v in pr])
+        merged = [ort.OrtValue.ortvalue_from_numpy(np.concatenate(parts)) for parts in zip(*presents)]
+        return np.concatenate(logits), merged
+
+    def _shared_buffers(self, batch: int, capacity: int, keep: SharedKVCache | None = None) -> _KVBuffers:
+        """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
+        shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
+        buffers = _KVBuffers([np.zeros(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
+        if keep is not None:
+            for new, old in zip(buffers.arrays, keep.filled()):
+                new[:, :, : keep.length] = old
+            buffers.length = keep.length
+        return buffers
+
+    def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None):
+        B, T = input_ids.shape
+        length = 0 if cache is None else cache.length
+        if cache is not None and cache.stale:
+            raise ValueError("this KV cache was already stepped from (or reordered into new buffers); "
+                             "step from the cache the last step returned")
+        if attention_mask.shape[1] != length + T:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the cache holds {length} + {T} new")
+        if length + T > self.n_positions:
+            raise ValueError(f"{length} + {T} positions exceed the model's context ({self.n_positions})")
+        if cache is None:
+            buffers = self._shared_buffers(B, min(self.n_positions, T + KV_CAPACITY_STEP))
+        elif length + T > cache.capacity:
+            grown = max(length + T, min(self.n_positions, cache.capacity + max(KV_CAPACITY_STEP, cache.capacity)))
+            buffers = self._shared_buffers(B, grown, keep=cache)
+            cache.buffers.length = -1  # retired: every view of the old buffers is stale now
+        else:
+            buffers = cache.buffers
+        if self._needs_rows(input_ids, attention_mask):
+            logits = np.concatenate([
+                self._run_in_place(buffers, [a[r : r + 1] for a in buffers.arrays], input_ids[r : r + 1],
+                                   attention_mask[r : r + 1], position_ids[r : r + 1])
+                for r in range(B)
+            ])
+        else:
+            logits = self._run_in_place(buffers, None, input_ids, attention_mask, position_ids)
+        buffers.length = length + T
+        return logits, SharedKVCache(buffers, length + T)
+
+    def _run_in_place(self, buffers: _KVBuffers, row_views: list[np.ndarray] | None, input_ids, attention_mask,
+                      position_ids) -> np.ndarray:
+        """One run with `buffers` bound as past and present, or with `row_views` (one batch row of
+        each buffer: contiguous, the same memory) for a row run. Returns the logits."""
+        if row_views is None:
+            if buffers.binding is None:
+                buffers.binding = self._bind_in_place(buffers.values)
+            binding = buffers.binding
+        else:
+            binding = self._bind_in_place([ort.OrtValue.ortvalue_from_numpy(a) for a in row_views])
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, [])
+        # A fresh host array for the logits each step, written by ONNX Runtime directly.
+        logits = np.empty((*input_ids.shape, self.cfg.vocab_size), dtype=np.float32)
+        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return logits
+
+    def _bind_in_place(self, values: list):
+        binding = self.session.io_binding()
+        for name, value in zip(self.names_in[3:], values):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(self.names_out[1:], values):
+            binding.bind_ortvalue_output(name, value)  # the same buffers: written in place
+        return binding
+
+    def reorder(self, past, rows: np.ndarray):
+        """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
+        if isinstance(past, SharedKVCache):
+            buffers = _KVBuffers([np.ascontiguousarray(a[rows]) for a in past.arrays])
+            buffers.length = past.length
+            return SharedKVCache(buffers, past.length)
+        if self.device == "cpu":
+            return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
+        if self._reorder_session is None:
+            self._reorder_session = create_session(gather_model(self.kv_dtype), self.provider)
+        idx = ort.OrtValue.ortvalue_from_numpy(np.asarray(rows, dtype=np.int64), self.device, 0)
+        out = []
+        for v in past:
+            binding = self._reorder_session.io_binding()
+            binding.bind_ortvalue_input("x", v)
+            binding.bind_ortvalue_input("rows", idx)
+            binding.bind_output("y", self.device)
+            self._reorder_session.run_with_iobinding(binding)
+            out.append(binding.get_outputs()[0])
+        return out

@@ -1,0 +1,84 @@
+"""ONNX Runtime sessions on exactly the asked execution provider, and which providers really load."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from ..choices import ProviderKind
+from ..errors import ArtifactError, ProviderError
+from ..onnx.artifact import IR_VERSION
+
+ORT_PROVIDERS = {ProviderKind.cpu: "CPUExecutionProvider", ProviderKind.cuda: "CUDAExecutionProvider"}
+CUDA_HELP = (
+    "onnxruntime-gpu needs an NVIDIA GPU with the CUDA and cuDNN 9 libraries of its release "
+    "(CUDA 13 for 1.31) on the library path; `gpt2x info` shows which providers load"
+)
+
+
+def physical_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def session_options(threads: int | None = None):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or physical_cores()
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3  # errors only: warnings about fallbacks are checked for explicitly
+    return so
+
+
+def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None):
+    """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback."""
+    name = ORT_PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {name}; {CUDA_HELP}")
+    ort.set_default_logger_severity(4)  # a failing provider is reported below, in one line
+    providers = [(name, provider_options or {})]
+    if provider is ProviderKind.cuda:
+        providers.append(("CPUExecutionProvider", {}))  # for the few shape ops ORT places there
+    try:
+        model = model_path if isinstance(model_path, bytes) else str(model_path)
+        sess = ort.InferenceSession(model, sess_options=session_options(threads), providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types for unreadable models
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ArtifactError(f"ONNX Runtime cannot load {model_path}: {first}") from None
+    if sess.get_providers()[0] != name:
+        raise ProviderError(
+            f"{name} failed to load (ONNX Runtime fell back to {sess.get_providers()[0]}); {CUDA_HELP}"
+        )
+    return sess
+
+
+def gather_model(dtype) -> bytes:
+    t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "reorder",
+        [helper.make_tensor_value_info("x", t, None), helper.make_tensor_value_info("rows", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("y", t, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    return model.SerializeToString()
+
+
+def available_providers() -> dict[str, Any]:
+    """Providers ONNX Runtime lists, and whether each really loads (a one-node session)."""
+    listed = ort.get_available_providers()
+    loadable = {}
+    for kind, name in ORT_PROVIDERS.items():
+        if name not in listed:
+            loadable[kind.value] = "not in this build"
+            continue
+        try:
+            create_session(gather_model(np.float32), kind)
+            loadable[kind.value] = "ok"
+        except ProviderError as e:
+            loadable[kind.value] = str(e)
+    return {"listed": listed, "loadable": loadable}

@@ -1,0 +1,200 @@
+"""The one place that turns user choices (model name, backend, provider, precision, export folder)
+into a running backend or an export. The CLI, the bench and the benchmark scripts all come here.
+
+This module imports no torch: running an existing export needs ONNX Runtime alone. The functions
+that need PyTorch (loading weights, exporting, the torch backend, training) first check that the
+`export` extra is installed, then import the torch-side modules of the lower layers; a missing
+extra is one MissingDependencyError naming the install command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
+from .errors import ArtifactError, MissingDependencyError, ProviderError, UsageError
+from .evaluate.parity import gate_export
+from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
+from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
+from .runtime.base import Backend
+from .runtime.ort import OrtBackend
+from .runtime.providers import available_providers
+
+if TYPE_CHECKING:
+    from .model.checkpoints import ModelSource
+    from .model.gpt2 import GPT2
+
+DEFAULT_MODEL = BUNDLED
+EXPORT_INSTALL = "pip install 'gpt2x[export]' (the CPU build of torch first, see the README)"
+
+
+def require_export_extra(purpose: str) -> None:
+    """Raise MissingDependencyError unless PyTorch and onnxscript import."""
+    missing = []
+    for name in ("torch", "onnxscript"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise MissingDependencyError(f"{purpose} needs {' and '.join(missing)}, which this install lacks: {EXPORT_INSTALL}")
+
+
+def torch_available() -> bool:
+    try:
+        require_export_extra("PyTorch")
+    except MissingDependencyError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- models (PyTorch)
+
+
+def load_model(name: str = DEFAULT_MODEL, revision: str | None = None) -> tuple[GPT2, ModelSource]:
+    """The PyTorch model and where it came from (bundled, hub, local or random:)."""
+    require_export_extra(f"loading {name} into PyTorch")
+    from .model.weights import load_model as load_weights
+
+    return load_weights(name, revision)
+
+
+def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_name: str = DEFAULT_MODEL,
+                  precision: Precision = Precision.fp32, threads: int | None = None) -> Backend:
+    """The PyTorch reference backend for a loaded model (fp16: a half-precision copy, CUDA only)."""
+    require_export_extra("the torch backend")
+    import copy
+
+    import torch
+
+    from .runtime.pytorch import TorchBackend
+
+    if provider is ProviderKind.cuda and not torch.cuda.is_available():
+        raise ProviderError("this PyTorch build sees no CUDA device")
+    if precision is Precision.int8:
+        raise UsageError("int8 is an ONNX Runtime export; the torch backend runs fp32 (and fp16 on CUDA)")
+    if threads:
+        torch.set_num_threads(threads)
+    m = copy.deepcopy(model).half() if precision is Precision.fp16 else model
+    return TorchBackend(m, "cuda" if provider is ProviderKind.cuda else "cpu", model_name)
+
+
+def require_provider(backends: list[BackendKind], provider: ProviderKind) -> None:
+    """Fail early, in one line, when `provider` cannot run one of `backends` on this machine."""
+    if provider is not ProviderKind.cuda:
+        return
+    if BackendKind.ort in backends:
+        status = available_providers()["loadable"]["cuda"]
+        if status != "ok":
+            raise ProviderError(status)
+    if BackendKind.torch in backends:
+        require_export_extra("the torch backend")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ProviderError("the torch backend on cuda: this PyTorch build sees no CUDA device")
+
+
+# ---------------------------------------------------------------- exports
+
+
+def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
+                 opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
+                 progress: Progress = no_progress) -> ExportInfo:
+    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False)."""
+    require_export_extra("exporting")
+    from .onnx.build import export
+    from .runtime.pytorch import TorchBackend
+
+    def gate(info: ExportInfo) -> dict:
+        return gate_export(TorchBackend(model, model_name=source.name), info)
+
+    return export(model, source, out, precision, opset, force, gate if check_parity else None, progress)
+
+
+def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
+                   revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
+                   check_parity: bool = True, progress: Progress = no_progress) -> ExportInfo:
+    """Load the model `name` and export it (default folder: exported/<name>-<precision>)."""
+    progress(f"loading {name}")
+    model, source = load_model(name, revision)
+    return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
+                        check_parity, progress)
+
+
+def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:
+    """An export used for `model` must come from it: same config, and for the bundled model (cheap
+    to hash) the same weights, so an export left over from another gpt2x version is not run."""
+    cfg = resolve_config(model, revision)
+    if cfg != info.config:
+        raise ArtifactError(
+            f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}"
+        )
+    if model == BUNDLED and info.meta["model"].get("weights_sha256") != weights_fingerprint(resolve(model)[0]):
+        raise ArtifactError(f"{info.folder} was exported from other {model} weights; re-export it (gpt2x export --force)")
+
+
+def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
+                  folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
+                  progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+    """The export of `model` at `precision` in `folder` (default exported/<model>-<precision>),
+    exported first (parity-gated) when the folder holds none. `loaded` reuses a model already in
+    memory; `notice` hears that an export is about to happen."""
+    folder = Path(folder) if folder is not None else default_export_dir(model, precision)
+    if not is_export(folder):
+        notice(f"no export at {folder}: exporting {model} ({precision.value}) first")
+        if loaded is None:
+            export_by_name(model, folder, precision, revision, progress=progress)
+        else:
+            export_model(*loaded, folder, precision, progress=progress)
+    info = read_export(folder)
+    if loaded is None:
+        check_export_matches(info, model, revision)
+    elif loaded[0].config != info.config:
+        raise ArtifactError(f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}")
+    return info
+
+
+# ---------------------------------------------------------------- backends
+
+
+def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
+                 model: str | None = None, revision: str | None = None, precision: Precision | None = None,
+                 onnx_dir: Path | None = None, threads: int | None = None,
+                 loaded: tuple[GPT2, ModelSource] | None = None,
+                 progress: Progress = no_progress, notice: Progress = no_progress) -> Backend:
+    """The backend the user asked for.
+
+    torch: the model loaded into PyTorch (`loaded` reuses one in memory). ort: the export in
+    `onnx_dir`, or in the default folder for model and precision, exported first when missing.
+    An export given by folder is checked against `model` when a model is named, and against its
+    precision when one is asked for."""
+    if backend is BackendKind.torch:
+        name = model or DEFAULT_MODEL
+        if loaded is None:
+            progress(f"loading {name}")
+            loaded = load_model(name, revision)
+        return torch_backend(loaded[0], provider, name, precision or Precision.fp32, threads)
+
+    wanted = precision or Precision.fp32
+    if onnx_dir is None:
+        info = ensure_export(model or DEFAULT_MODEL, wanted, revision, loaded=loaded, progress=progress, notice=notice)
+    else:
+        info = read_export(onnx_dir)
+        if model is not None:
+            check_export_matches(info, model, revision)
+    if precision is not None and info.precision is not precision:
+        raise UsageError(f"{info.folder} is a {info.precision.value} export, not {precision.value}")
+    progress(f"loading {info.folder} on {provider.value}")
+    return OrtBackend(info, provider, threads)
+
+
+def train_model(corpus: Path, out: Path, steps: int, seed: int, log: Progress = no_progress) -> dict[str, Any]:
+    """Train the small Shakespeare GPT-2 (the bundled model) and write it with its model card."""
+    require_export_extra("training")
+    from .model.train import TrainSettings, train, write_card
+
+    record = train(corpus, out, TrainSettings(steps=steps, seed=seed), log=log)
+    write_card(out, record, f"gpt2x train --corpus {corpus} --out {out} --steps {steps} --seed {seed}")
+    return record
