@@ -47,6 +47,14 @@ def site_packages_bytes(venv: Path) -> int:
     return sum(p.stat().st_size for p in site.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def largest_packages(venv: Path, n: int = 6) -> dict[str, int]:
+    """Bytes of the n largest top-level entries of site-packages (packages and their .libs)."""
+    [site] = list(venv.glob("lib/python*/site-packages"))
+    sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+             for p in site.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", "__pycache__"))}
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:n])
+
+
 def make_venv(path: Path, wheel: Path, full: bool) -> Path:
     run(sys.executable, "-m", "venv", str(path))
     pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--quiet"]
@@ -91,6 +99,7 @@ def main() -> None:
         log("installing the full environment (CPU torch + export extra)")
         full = make_venv(tmp / "full", wheel, full=True)
         sizes = {"deploy": site_packages_bytes(deploy), "full": site_packages_bytes(full)}
+        largest = {"deploy": largest_packages(deploy), "full": largest_packages(full)}
         gen = ["generate", PROMPT, "--onnx", str(info.folder.resolve()), "--greedy", "--max-new-tokens", "2"]
         variants = {
             "deployment install": [str(deploy / "bin" / "gpt2x"), *gen],
@@ -112,6 +121,7 @@ def main() -> None:
         "machine": system_info(),
         "export": str(info.folder),
         "site_packages_bytes": sizes,
+        "largest_packages_bytes": largest,
         "torch": versions[0] if versions else None,
         "onnxruntime": versions[1] if len(versions) > 1 else None,
         "rounds": args.rounds,
@@ -127,6 +137,9 @@ def main() -> None:
         "| --- | ---: |",
         f"| `pip install gpt2x` (ONNX Runtime path) | {sizes['deploy'] / 2**20:.0f} MiB |",
         f"| `pip install {TORCH}` + `gpt2x[export]` (full, CPU torch) | {sizes['full'] / 2**20:.0f} MiB |",
+        "",
+        "Largest packages: " + "; ".join(
+            f"{kind}: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in largest[kind].items()) for kind in ("deploy", "full")) + ".",
         "",
         f"Cold start of `gpt2x generate {PROMPT!r} --onnx {info.folder} --greedy`: process start to the first token on "
         f"stdout, {args.rounds} interleaved rounds.",

@@ -132,7 +132,7 @@ def check_export_matches(info: ExportInfo, model: str, revision: str | None = No
             f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}"
         )
     if model == BUNDLED and info.meta["model"].get("weights_sha256") != weights_fingerprint(resolve(model)[0]):
-        raise ArtifactError(f"{info.folder} was exported from other {model} weights; re-export it (gpt2x export --force)")
+        raise ArtifactError(f"{info.folder} was exported from other {model} weights; export it again, replacing the folder")
 
 
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,

@@ -97,7 +97,7 @@ def read_export(folder: Path, verify_hashes: bool = True) -> ExportInfo:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ArtifactError(
             f"{folder}: export format version {meta.get('format_version')} but this gpt2x reads version "
-            f"{FORMAT_VERSION}; re-export with `gpt2x export --force`"
+            f"{FORMAT_VERSION}; export it again, replacing the folder"
         )
     for key in ("config", "precision", "files", "tokenizer"):
         if key not in meta:
