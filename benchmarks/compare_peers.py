@@ -1,6 +1,7 @@
 """gpt2x beside the peers a user would otherwise pick, in one process, on the same weights.
 
     python benchmarks/compare_peers.py --batch 1,4 --out benchmarks/results/cpu-2core
+        [--precisions fp32,int8,int4] [--gpt2x-backends torch,ort,openvino,genai]
 
 Runs GPT-2 124M (architecture of `gpt2`, seeded random weights saved in Hugging Face layout so that
 every library loads the very same tensors), a prompt of --prompt-len random tokens, --new-tokens
@@ -13,9 +14,17 @@ greedy tokens that EOS does not cut short, and times for each batch size:
 - ONNX Runtime's own GPT-2 tool (`onnxruntime.transformers.models.gpt2.convert_to_onnx`, fused
   `Attention` with a combined past_i cache), fp32 and int8, in the same hand loop (batch 1), when it
   runs with the installed transformers and torch; otherwise its error and the reason are recorded;
-- onnxruntime-genai running gpt2x's fp32 and int8 exports (same graphs, genai's C++ loop; batch 1)
-  when importable;
-- gpt2x: PyTorch, ONNX Runtime fp32 and int8 (exported here, parity-gated).
+- onnxruntime-genai running gpt2x's exports, one per --precisions (same graphs, genai's own C++ loop
+  choosing the tokens; batch 1) when importable;
+- gpt2x, every contender opened through gpt2x.workflows as a user's would be (ensure_export into
+  --exports, parity-gated when made, then export_backend; torch_backend for PyTorch), through the
+  shared decode loop and sampler: PyTorch fp32, and ONNX Runtime, OpenVINO and onnxruntime-genai
+  (gpt2x's step-by-step backend) at each of --precisions (fp32, int8, int4 by default). --gpt2x-backends
+  and --precisions narrow the run.
+
+A contender that cannot run here (a runtime not installed, an export that fails, a backend that does
+not open or fails its warm-up) is recorded in OUT.json's "skipped" with the reason, and listed under
+the table; the run goes on without it.
 
 Every ONNX Runtime session has gpt2x's thread settings (gpt2x.runtime.providers.session_options: intra-op
 threads = cores, sequential). Timing is interleaved, because this VM's memory bandwidth drifts by
@@ -27,7 +36,9 @@ tokens/s over the rounds) and every run are kept.
 End-to-end tokens/s = batch x new tokens / wall time of the whole generation (prefill included);
 decode tokens/s = batch x (new tokens - 1) / (wall time - time to first token). The machine's
 memory bandwidth is measured in the same run and each decode figure is given as a share of its
-roofline. Writes OUT.json (every figure, every run, the environment), OUT.md (the table) and
+roofline (at the precision's bytes per weight, gpt2x.bench.roofline). Under the table: each precision's
+gpt2x ort against the fastest peer of that precision, and int4 decode against int8 decode per runtime.
+Writes OUT.json (every figure, every run, the environment), OUT.md (the table) and
 OUT.png (the plot).
 """
 
@@ -50,15 +61,18 @@ from gpt2x.bench.report import require_matplotlib
 from gpt2x.bench.roofline import cpu_read_bandwidth, roofline_tokens_per_s
 from gpt2x.bench.run import median_run, timed_generation
 from gpt2x.bench.system import installed_versions, system_info
-from gpt2x.choices import Precision, ProviderKind
+from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.errors import MissingDependencyError
 from gpt2x.evaluate.metrics import summarize_latencies
 from gpt2x.model.weights import save_hf
-from gpt2x.onnx.artifact import default_export_dir, read_export
+from gpt2x.onnx.artifact import ExportInfo, default_export_dir
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE, genai_config
-from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.providers import physical_cores, session_options
 
-TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0}  # x transformers' generate, from the issue
+# x transformers' generate (end-to-end tok/s, same batch), from the issue
+TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0, "gpt2x ort int4": 10.0}
+INT4_VS_INT8_TARGET = 1.3  # int4 decode tok/s over int8's on the same runtime, from the issue
+PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)  # what a CPU run can ask for (fp16: CUDA only)
 # What the issue measured on this 2-core VM (batch 1, 32-token prompt, 128 new tokens), for reference.
 ISSUE_FIGURES = {"transformers generate": 24.7, "Optimum's export in a hand loop": 57.8,
                  "ORT GPT-2 tool, fused Attention, fp32": 72.8, "ORT GPT-2 tool int8": 175.7}
@@ -80,8 +94,9 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------- contenders
 #
-# Each has name, engine, precision, batches (None: every batch size), check(prompt, k) -> the first
-# k greedy tokens (B, k) (the warm-up), and run(prompt, n) -> {"total_s", "ttft_s"[, "steps_s"]}.
+# Each has name, engine, runtime (the name without the precision: what "int4 vs int8" compares),
+# precision, batches (None: every batch size), check(prompt, k) -> the first k greedy tokens (B, k)
+# (the warm-up), and run(prompt, n) -> {"total_s", "ttft_s"[, "steps_s"]}.
 
 
 class HFGenerate:
@@ -92,6 +107,7 @@ class HFGenerate:
 
     def __init__(self, name: str, engine: str, model):
         self.name, self.engine, self.precision, self.model = name, engine, Precision.fp32, model
+        self.runtime = name
 
     def _generate(self, prompt: np.ndarray, n: int, processors=()):
         from transformers import LogitsProcessorList
@@ -136,12 +152,17 @@ class _Recorder:
 
 
 class Gpt2x:
-    """gpt2x's generation loop as `gpt2x bench` times it (gpt2x.bench.run.timed_generation)."""
+    """gpt2x's generation loop as `gpt2x bench` times it (gpt2x.bench.run.timed_generation) on a
+    backend from gpt2x.workflows: named "gpt2x BACKEND PRECISION" ("gpt2x torch" for PyTorch fp32)."""
 
     batches = None
+    ENGINES = {BackendKind.torch: "torch", BackendKind.ort: "ort", BackendKind.openvino: "openvino",
+               BackendKind.genai: "ort"}  # the library that runs the kernels (genai runs ONNX Runtime)
 
-    def __init__(self, name: str, engine: str, precision: Precision, backend):
-        self.name, self.engine, self.precision, self.backend = name, engine, precision, backend
+    def __init__(self, kind: BackendKind, precision: Precision, backend):
+        self.runtime = f"gpt2x {kind.value}"
+        self.name = self.runtime if kind is BackendKind.torch else f"{self.runtime} {precision.value}"
+        self.engine, self.precision, self.backend = self.ENGINES[kind], precision, backend
 
     def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
         rec = _Recorder(self.backend)
@@ -185,6 +206,7 @@ class HandLoop(_StampedLoop):
         import onnxruntime as ort
 
         self.name, self.engine, self.precision, self.ort = name, "ort", precision, ort
+        self.runtime = name.replace(f" {precision.value}", "")
         self.model_path = str(model_path)
         self.session = ort.InferenceSession(self.model_path, sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
@@ -239,12 +261,14 @@ class Genai(_StampedLoop):
     on, first runs the decode step that produces its logits)."""
 
     batches = {1}
+    runtime = "onnxruntime-genai on gpt2x"
 
-    def __init__(self, name: str, precision: Precision, export_folder: Path, work: Path, threads: int):
+    def __init__(self, info: ExportInfo, work: Path, threads: int):
         import onnxruntime_genai as og
 
-        self.name, self.engine, self.precision, self.og = name, "ort", precision, og
-        info = read_export(export_folder)
+        self.precision, self.og = info.precision, og
+        self.name, self.engine = f"{self.runtime} {info.precision.value}", "ort"
+        export_folder = info.folder
         work.mkdir(parents=True)
         if (export_folder / GENAI_CONFIG_FILE).is_file():
             cfg = json.loads((export_folder / GENAI_CONFIG_FILE).read_text())
@@ -367,6 +391,65 @@ def skip_reason(record: dict) -> str:
     return reason
 
 
+# ---------------------------------------------------------------- loading gpt2x
+
+
+def error_line(e: BaseException, limit: int = 600) -> str:
+    """An exception as one line (for the skipped list and the .md): its type and message."""
+    text = " / ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def gpt2x_exports(args: argparse.Namespace, loaded: tuple, precisions: list[Precision], results: dict) -> dict:
+    """{precision: ExportInfo} of the model at each precision in EXPORTS/<model>-<precision>, exported
+    (parity-gated) first where missing, all through workflows.ensure_export; one that fails is skipped."""
+    exports = {}
+    for precision in precisions:
+        try:
+            info = workflows.ensure_export(args.model, precision,
+                                           folder=default_export_dir(args.model, precision, args.exports),
+                                           loaded=loaded, progress=log, notice=log)
+        except Exception as e:  # not available yet, failed its parity gate, ...: this precision only
+            results["skipped"][f"gpt2x {precision.value} export"] = error_line(e)
+            log(f"gpt2x {precision.value} export: skipped ({error_line(e)})")
+            continue
+        exports[precision] = info
+        results[f"gpt2x_{precision.value}_parity"] = info.meta["parity"]
+    return exports
+
+
+def gpt2x_contenders(args: argparse.Namespace, model, kinds: list[BackendKind], precisions: list[Precision],
+                     exports: dict, threads: int, results: dict) -> list:
+    """gpt2x's backends, each opened through gpt2x.workflows: the PyTorch model (fp32), then every
+    export runtime at every precision exported. A runtime that does not import, or a backend that
+    does not open, is recorded in results["skipped"]."""
+    contenders = []
+    for kind in kinds:
+        if kind is BackendKind.torch:
+            if Precision.fp32 in precisions:  # PyTorch runs fp32 here; int8 and int4 are ONNX exports
+                contenders.append(Gpt2x(kind, Precision.fp32,
+                                        workflows.torch_backend(model, ProviderKind.cpu, args.model, threads=threads)))
+            continue
+        try:
+            workflows.require_runtime(kind)
+        except MissingDependencyError as e:
+            results["skipped"][f"gpt2x {kind.value}"] = str(e)
+            log(f"gpt2x {kind.value}: skipped ({e})")
+            continue
+        for precision, info in exports.items():
+            name = f"gpt2x {kind.value} {precision.value}"
+            log(f"{name}: opening {info.folder}")
+            try:
+                backend = workflows.export_backend(kind, info, ProviderKind.cpu, threads)
+            except Exception as e:  # e.g. an operator this runtime cannot run
+                results["skipped"][name] = error_line(e)
+                log(f"{name}: skipped ({error_line(e)})")
+                continue
+            contenders.append(Gpt2x(kind, precision, backend))
+    return contenders
+
+
 # ---------------------------------------------------------------- timing
 
 
@@ -375,23 +458,32 @@ def first_difference(a: np.ndarray, b: np.ndarray) -> int | None:
     return int(diff[0]) if len(diff) else None
 
 
-def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: int) -> tuple[list[dict], list]:
-    """Warm-up (and token check) for each, then `repeat` rounds of one run each, order rotated."""
-    active = [c for c in contenders if c.batches is None or prompt.shape[0] in c.batches]
+def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: int) -> tuple[list[dict], list, dict]:
+    """Warm-up (and token check) for each, then `repeat` rounds of one run each, order rotated.
+    A contender whose warm-up fails (transformers' excepted) is left out of this batch size and
+    returned in the third value, {name: reason}."""
+    b = prompt.shape[0]
+    active = [c for c in contenders if c.batches is None or b in c.batches]
     k = min(CHECK_TOKENS, new_tokens)
-    checks = {}
-    for c in active:
-        log(f"batch {prompt.shape[0]}: {c.name}: warm-up")
-        checks[c.name] = c.check(prompt, k)
+    checks, failed = {}, {}
+    for c in list(active):
+        log(f"batch {b}: {c.name}: warm-up")
+        try:
+            checks[c.name] = c.check(prompt, k)
+        except Exception as e:
+            if c.name.startswith("transformers"):
+                raise  # the reference every ratio divides by
+            failed[f"{c.name}, batch {b}"] = f"warm-up failed: {error_line(e)}"
+            log(f"batch {b}: {c.name}: warm-up failed ({error_line(e)}); left out")
+            active.remove(c)
     reference = next(checks[c.name] for c in active if c.name.startswith("transformers"))
     runs: dict[str, list[dict]] = {c.name: [] for c in active}
     for r in range(repeat):
         order = active[r % len(active):] + active[: r % len(active)]
-        log(f"batch {prompt.shape[0]}: round {r + 1}/{repeat}")
+        log(f"batch {b}: round {r + 1}/{repeat}")
         for c in order:
             runs[c.name].append(c.run(prompt, new_tokens))
             time.sleep(GAP_S)
-    b = prompt.shape[0]
     results = []
     for c in active:
         rs = runs[c.name]
@@ -399,7 +491,7 @@ def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: in
         decode = [b * (new_tokens - 1) / max(x["total_s"] - x["ttft_s"], 1e-9) for x in rs]
         med = median_run(rs)
         i = rs.index(med)
-        entry = {"name": c.name, "engine": c.engine, "precision": c.precision.value, "batch": b,
+        entry = {"name": c.name, "engine": c.engine, "runtime": c.runtime, "precision": c.precision.value, "batch": b,
                  "e2e_tokens_per_s": e2e[i], "decode_tokens_per_s": decode[i], "total_s": med["total_s"],
                  "prefill_s": med["ttft_s"], "e2e_min": min(e2e), "e2e_max": max(e2e),
                  "e2e_tokens_per_s_runs": e2e, "decode_tokens_per_s_runs": decode,
@@ -408,9 +500,25 @@ def time_batch(contenders: list, prompt: np.ndarray, new_tokens: int, repeat: in
         if med.get("steps_s"):
             entry["decode_latency"] = summarize_latencies(med["steps_s"])
         results.append(entry)
-    not_run = [{"name": c.name, "batch": b, "reason": "batch 1 only (hand loops and genai)"}
-               for c in contenders if c not in active]
-    return results, not_run
+    not_run = [{"name": c.name, "batch": b, "reason": "batch 1 only (hand loops and onnxruntime-genai's own loop)"}
+               for c in contenders if not (c.batches is None or b in c.batches)]
+    return results, not_run, failed
+
+
+def parse_list(text: str, enum, allowed, option: str, ap: argparse.ArgumentParser) -> list:
+    values = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            value = enum(item)
+        except ValueError:
+            value = None
+        if value not in allowed:
+            ap.error(f"{option}: {item!r} is not one of {', '.join(a.value for a in allowed)}")
+        if value not in values:
+            values.append(value)
+    if not values:
+        ap.error(f"{option}: give at least one of {', '.join(a.value for a in allowed)}")
+    return values
 
 
 def main() -> int:
@@ -422,15 +530,22 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (each contender runs once per round)")
     ap.add_argument("--out", type=Path, required=True, help="output path without extension")
     ap.add_argument("--exports", type=Path, default=Path("exported"), help="where gpt2x's exports go")
+    ap.add_argument("--precisions", default="fp32,int8,int4",
+                    help="gpt2x export precisions to compare (fp32, int8, int4; gpt2x torch runs only with fp32), "
+                         "also those onnxruntime-genai's own loop runs (default: %(default)s)")
+    ap.add_argument("--gpt2x-backends", default="torch,ort,openvino,genai",
+                    help="gpt2x backends to compare (torch, ort, openvino, genai; default: %(default)s)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    precisions = parse_list(args.precisions, Precision, PRECISIONS, "--precisions", ap)
+    kinds = parse_list(args.gpt2x_backends, BackendKind, list(BackendKind), "--gpt2x-backends", ap)
     threads = physical_cores()
     torch.set_num_threads(threads)
 
     env = system_info()
     env["torch_threads"] = torch.get_num_threads()
     env["ort_intra_op_threads"] = threads
-    env["peer packages"] = installed_versions("optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers")
+    env["peer packages"] = installed_versions("optimum", "optimum-onnx", "onnxruntime-genai", "openvino", "tokenizers")
     model, source = workflows.load_model(args.model)
     cfg = model.config
     log(f"measuring memory bandwidth ({threads} threads)")
@@ -473,29 +588,25 @@ def main() -> int:
             failed = results["ort_gpt2_tool"].get(precision, {})
             if tool_contenders and "error" in failed:
                 results["skipped"][f"ORT GPT-2 tool {precision}"] = f"{failed['error']} {failed.get('reason', '')}".strip()
-        contenders.append(Gpt2x("gpt2x torch", "torch", Precision.fp32,
-                                workflows.torch_backend(model, ProviderKind.cpu, args.model, threads=threads)))
-        folders = {}
-        for precision in (Precision.fp32, Precision.int8):
-            # EXPORTS/<model>-<precision>, exported (parity-gated) first when missing
-            info = workflows.ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
-                                           loaded=(model, source), progress=log, notice=log)
-            folders[precision] = info.folder
-            results[f"gpt2x_{precision.value}_parity"] = info.meta["parity"]
-            contenders.append(Gpt2x(f"gpt2x ort {precision.value}", "ort", precision, OrtBackend(info, threads=threads)))
-        for precision, folder in folders.items():
+        exports = gpt2x_exports(args, (model, source), precisions, results)
+        contenders += gpt2x_contenders(args, model, kinds, precisions, exports, threads, results)
+        for info in exports.values():  # onnxruntime-genai's own loop on the same exports
+            name = f"{Genai.runtime} {info.precision.value}"
             try:
-                contenders.append(Genai(f"onnxruntime-genai on gpt2x {precision.value}", precision, folder,
-                                        Path(tmp) / f"genai-{precision.value}", threads))
+                contenders.append(Genai(info, Path(tmp) / f"genai-{info.precision.value}", threads))
             except ImportError as e:
                 results["skipped"]["onnxruntime-genai"] = f"not importable here: {e}"
                 log(f"onnxruntime-genai not importable here ({e}); skipped")
                 break
+            except Exception as e:  # a graph genai cannot load
+                results["skipped"][name] = error_line(e)
+                log(f"{name}: skipped ({error_line(e)})")
 
         for batch in batches:
-            runs, not_run = time_batch(contenders, prompts[batch], args.new_tokens, args.repeat)
+            runs, not_run, failed = time_batch(contenders, prompts[batch], args.new_tokens, args.repeat)
             results["runs"] += runs
             results["not_run"] += not_run
+            results["skipped"] |= failed
 
     # Bandwidth again at the end; the higher sample sets the roofline (see gpt2x/bench/run.py).
     bandwidth_samples.append(cpu_read_bandwidth(threads))
@@ -515,6 +626,7 @@ def main() -> int:
                 r["e2e_vs_transformers"] = r["e2e_tokens_per_s"] / base["e2e_tokens_per_s"]
                 r["decode_vs_transformers"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                 r["target"] = TARGETS.get(r["name"])
+    results["int4_vs_int8_decode"] = int4_vs_int8(results["runs"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(results))
@@ -555,7 +667,7 @@ def markdown(results: dict) -> str:
     lines.append("")
     for b in batches:
         rows = [r for r in results["runs"] if r["batch"] == b]
-        for precision in ("fp32", "int8"):
+        for precision in (p.value for p in PRECISIONS):
             ours = next((r for r in rows if r["name"] == f"gpt2x ort {precision}"), None)
             peers = [r for r in rows if r["precision"] == precision and not r["name"].startswith("gpt2x")]
             if ours and peers:
@@ -563,6 +675,13 @@ def markdown(results: dict) -> str:
                 lines.append(f"- batch {b}, {precision}: gpt2x ort {ours['e2e_tokens_per_s']:.1f} tok/s vs the fastest "
                              f"{precision} peer, {best['name']}, {best['e2e_tokens_per_s']:.1f}: "
                              f"{ours['e2e_tokens_per_s'] / best['e2e_tokens_per_s']:.2f}x")
+    for c in results.get("int4_vs_int8_decode", []):
+        met = "met" if c["ratio"] >= INT4_VS_INT8_TARGET else "not met"
+        lines.append(f"- batch {c['batch']}, {c['runtime']}: int4 decode {c['int4_decode_tokens_per_s']:.1f} tok/s vs int8 "
+                     f"decode {c['int8_decode_tokens_per_s']:.1f}: {c['ratio']:.2f}x (target ≥ {INT4_VS_INT8_TARGET}x: {met})")
+    wanted = set(s.get("precisions", "").split(","))
+    if {"int4", "int8"} <= wanted and not results.get("int4_vs_int8_decode"):
+        lines.append("- int4 decode vs int8 decode: no runtime ran both here (see skipped below).")
     for name, reason in results["skipped"].items():
         lines.append(f"- {name}: skipped. {reason}")
     lines.append("- The issue's figures from an earlier run on this VM (batch 1, e2e tok/s): "
@@ -570,11 +689,25 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def int4_vs_int8(runs: list[dict]) -> list[dict]:
+    """Per batch size and runtime that ran both: int4 decode tok/s over int8's (issue target ≥ 1.3x)."""
+    out = []
+    for r4 in (r for r in runs if r["precision"] == "int4"):
+        r8 = next((r for r in runs if r["precision"] == "int8" and r["runtime"] == r4["runtime"]
+                   and r["batch"] == r4["batch"]), None)
+        if r8:
+            ratio = r4["decode_tokens_per_s"] / r8["decode_tokens_per_s"]
+            out.append({"batch": r4["batch"], "runtime": r4["runtime"], "int4_decode_tokens_per_s": r4["decode_tokens_per_s"],
+                        "int8_decode_tokens_per_s": r8["decode_tokens_per_s"], "ratio": ratio,
+                        "target": INT4_VS_INT8_TARGET, "met": ratio >= INT4_VS_INT8_TARGET})
+    return sorted(out, key=lambda c: c["batch"])
+
+
 def plot(results: dict, path: Path) -> None:
     plt = require_matplotlib()
     batches = sorted({r["batch"] for r in results["runs"]})
     names = list(dict.fromkeys(r["name"] for r in results["runs"]))
-    fig, ax = plt.subplots(figsize=(12, 5))
+    fig, ax = plt.subplots(figsize=(max(12, 0.65 * len(names)), 5))
     width = 0.8 / len(batches)
     for i, b in enumerate(batches):
         rows = [next((r for r in results["runs"] if r["name"] == n and r["batch"] == b), None) for n in names]

@@ -11,13 +11,15 @@
 #
 # ONNX Runtime's own GPT-2 tool (onnxruntime.transformers.models.gpt2, shipped inside onnxruntime)
 # needs nothing more, but does not run with this transformers: compare_peers.py records why.
-# The `export` extra (onnxscript; torch is pinned above) is what gpt2x.workflows needs to load and export.
+# The `export` extra (onnxscript; torch is pinned above) is what gpt2x.workflows needs to load and export;
+# the `openvino` extra (OpenVINO's runtime) is what gpt2x's openvino backend needs (compare_peers.py
+# --gpt2x-backends ... openvino).
 set -euo pipefail
 venv=${1:-.venv-peers}
 genai_version=0.18.0
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet torch==2.13.0
-"$venv/bin/python" -m pip install --quiet -e ".[export]" "optimum-onnx" "transformers<4.58" matplotlib
+"$venv/bin/python" -m pip install --quiet -e ".[export,openvino]" "optimum-onnx" "transformers<4.58" matplotlib
 "$venv/bin/python" -m pip install --quiet --no-deps "onnxruntime-genai==$genai_version"
-"$venv/bin/python" -c "import optimum.onnxruntime, onnxruntime_genai, transformers, gpt2x; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__)"
+"$venv/bin/python" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__)"

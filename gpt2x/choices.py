@@ -14,8 +14,10 @@ def no_progress(message: str) -> None:
 
 
 class BackendKind(str, Enum):
-    torch = "torch"
-    ort = "ort"
+    torch = "torch"  # gpt2x's PyTorch model, the reference
+    ort = "ort"  # ONNX Runtime on the export
+    openvino = "openvino"  # OpenVINO's runtime on the export's model.onnx
+    genai = "genai"  # onnxruntime-genai's generator on the export folder
 
 
 class ProviderKind(str, Enum):
@@ -27,3 +29,4 @@ class Precision(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
     int8 = "int8"
+    int4 = "int4"

@@ -29,16 +29,38 @@ DEFAULT_MODEL = BUNDLED
 EXPORT_INSTALL = "pip install 'gpt2x[export]' (the CPU build of torch first, see the README)"
 
 
-def require_export_extra(purpose: str) -> None:
-    """Raise MissingDependencyError unless PyTorch and onnxscript import."""
+# Optional runtimes: the module each needs, and the command that installs it. onnxruntime-genai's
+# wheel requires the `onnxruntime` distribution, which would overwrite `onnxruntime-gpu`'s files: it
+# goes in without its dependencies (it loads the ONNX Runtime gpt2x already has).
+RUNTIME_EXTRAS = {
+    BackendKind.openvino: ("openvino", "pip install 'gpt2x[openvino]'"),
+    BackendKind.genai: ("onnxruntime_genai", "pip install --no-deps 'onnxruntime-genai>=0.18'"),
+}
+
+
+def _missing(*modules: str) -> list[str]:
     missing = []
-    for name in ("torch", "onnxscript"):
+    for name in modules:
         try:
             __import__(name)
         except ImportError:
             missing.append(name)
+    return missing
+
+
+def require_export_extra(purpose: str) -> None:
+    """Raise MissingDependencyError unless PyTorch and onnxscript import."""
+    missing = _missing("torch", "onnxscript")
     if missing:
         raise MissingDependencyError(f"{purpose} needs {' and '.join(missing)}, which this install lacks: {EXPORT_INSTALL}")
+
+
+def require_runtime(kind: BackendKind) -> None:
+    """Raise MissingDependencyError unless the optional runtime behind `kind` imports."""
+    if kind in RUNTIME_EXTRAS:
+        module, install = RUNTIME_EXTRAS[kind]
+        if _missing(module):
+            raise MissingDependencyError(f"the {kind.value} backend needs {module}, which this install lacks: {install}")
 
 
 def torch_available() -> bool:
@@ -72,8 +94,8 @@ def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_
 
     if provider is ProviderKind.cuda and not torch.cuda.is_available():
         raise ProviderError("this PyTorch build sees no CUDA device")
-    if precision is Precision.int8:
-        raise UsageError("int8 is an ONNX Runtime export; the torch backend runs fp32 (and fp16 on CUDA)")
+    if precision in (Precision.int8, Precision.int4):
+        raise UsageError(f"{precision.value} is an ONNX export; the torch backend runs fp32 (and fp16 on CUDA)")
     if threads:
         torch.set_num_threads(threads)
     m = copy.deepcopy(model).half() if precision is Precision.fp16 else model
@@ -81,7 +103,10 @@ def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_
 
 
 def require_provider(backends: list[BackendKind], provider: ProviderKind) -> None:
-    """Fail early, in one line, when `provider` cannot run one of `backends` on this machine."""
+    """Fail early, in one line, when a backend's runtime is not installed, or `provider` cannot run
+    one of `backends` on this machine."""
+    for kind in backends:
+        require_runtime(kind)
     if provider is not ProviderKind.cuda:
         return
     if BackendKind.ort in backends:
@@ -166,8 +191,8 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
                  progress: Progress = no_progress, notice: Progress = no_progress) -> Backend:
     """The backend the user asked for.
 
-    torch: the model loaded into PyTorch (`loaded` reuses one in memory). ort: the export in
-    `onnx_dir`, or in the default folder for model and precision, exported first when missing.
+    torch: the model loaded into PyTorch (`loaded` reuses one in memory). ort, openvino, genai: the
+    export in `onnx_dir`, or in the default folder for model and precision, exported first when missing.
     An export given by folder is checked against `model` when a model is named, and against its
     precision when one is asked for."""
     if backend is BackendKind.torch:
@@ -177,6 +202,7 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
             loaded = load_model(name, revision)
         return torch_backend(loaded[0], provider, name, precision or Precision.fp32, threads)
 
+    require_runtime(backend)
     wanted = precision or Precision.fp32
     if onnx_dir is None:
         info = ensure_export(model or DEFAULT_MODEL, wanted, revision, loaded=loaded, progress=progress, notice=notice)
@@ -186,8 +212,26 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
             check_export_matches(info, model, revision)
     if precision is not None and info.precision is not precision:
         raise UsageError(f"{info.folder} is a {info.precision.value} export, not {precision.value}")
-    progress(f"loading {info.folder} on {provider.value}")
-    return OrtBackend(info, provider, threads)
+    progress(f"loading {info.folder} on {backend.value} ({provider.value})")
+    return export_backend(backend, info, provider, threads)
+
+
+def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
+                   threads: int | None = None) -> Backend:
+    """A runtime on an export folder: ONNX Runtime, OpenVINO or onnxruntime-genai (each the same
+    `Backend`). The optional runtimes' modules are imported only once they are known to import."""
+    if backend is BackendKind.ort:
+        return OrtBackend(info, provider, threads)
+    require_runtime(backend)
+    if backend is BackendKind.openvino:
+        from .runtime.openvino import OpenVinoBackend
+
+        return OpenVinoBackend(info, provider, threads)
+    if backend is BackendKind.genai:
+        from .runtime.genai import GenaiBackend
+
+        return GenaiBackend(info, provider, threads)
+    raise UsageError(f"{backend.value} does not run export folders")
 
 
 def train_model(corpus: Path, out: Path, steps: int, seed: int, log: Progress = no_progress) -> dict[str, Any]:

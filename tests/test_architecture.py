@@ -18,11 +18,13 @@ from .conftest import REPO
 # Runs the gpt2x CLI with torch, onnxscript and transformers made unimportable: any attempt to import
 # them (or a submodule) raises ImportError, exactly as on an install without the `export` extra.
 BLOCKED_RUNNER = """
-import sys
+import os, sys
+
+BLOCKED = set(os.environ.get("BLOCKED", "torch,onnxscript,transformers").split(","))
 
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "onnxscript", "transformers"}:
+        if name.split(".")[0] in BLOCKED:
             raise ImportError(f"No module named {name!r} (blocked by the test)")
         return None
 
@@ -33,8 +35,8 @@ main()
 """
 
 
-def run_gpt2x(*args: str, cwd, blocked: bool) -> subprocess.CompletedProcess:
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subprocess.CompletedProcess:
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **({"BLOCKED": block} if block else {})}
     cmd = [sys.executable, "-c", BLOCKED_RUNNER, *args] if blocked else [sys.executable, "-m", "gpt2x", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
@@ -104,3 +106,14 @@ def test_what_needs_torch_fails_cleanly_without_it(deployed, args):
     assert len(lines) == 1 or lines[-1].startswith("error: "), r.stderr
     assert "pip install 'gpt2x[export]'" in lines[-1] and "Traceback" not in r.stderr
     assert not (deployed / "new-export").exists() and not (deployed / "exported" / "shakespeare-int8").exists()
+
+
+@pytest.mark.parametrize("backend,module,install", [
+    ("openvino", "openvino", "pip install 'gpt2x[openvino]'"),
+    ("genai", "onnxruntime_genai", "pip install --no-deps 'onnxruntime-genai>=0.18'"),
+])
+def test_a_runtime_that_is_not_installed_is_one_line(deployed, backend, module, install):
+    for args in (("generate", "hi", "--backend", backend), ("bench", "--backends", f"ort,{backend}")):
+        r = run_gpt2x(*args, cwd=deployed, blocked=True, block=module)
+        assert r.returncode == MissingDependencyError.exit_code, r.stderr
+        assert r.stderr.strip().splitlines() == [f"error: the {backend} backend needs {module}, which this install lacks: {install}"]

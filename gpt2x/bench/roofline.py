@@ -4,6 +4,7 @@ bandwidth is measured: a multi-threaded read on the CPU, a device-to-device copy
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from ..choices import Precision
 from ..model.config import GPT2Config
+from ..onnx.optimize import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK
 
 
 def cpu_read_bandwidth(threads: int, megabytes: int = 1024, repeats: int = 7) -> float:
@@ -53,19 +55,32 @@ def gpu_copy_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
     return 2 * a.numel() * repeats / (time.perf_counter() - t0)
 
 
-BYTES = {Precision.fp32: 4, Precision.fp16: 2, Precision.int8: 1}
+# How each precision stores a K x N weight matrix (onnx/optimize.py): (bits, block) for MatMulNBits
+# (packed weights, blocks padded to whole blocks along K, one fp32 scale per block), None for plain
+# floats. int4 keeps the tied unembedding (the head) at int8's settings.
+FLOAT_BYTES = {Precision.fp32: 4, Precision.fp16: 2}
+BLOCK_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (4, INT4_BLOCK)}
+HEAD_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (INT4_HEAD_BITS, INT8_BLOCK if INT4_HEAD_BITS == 8 else INT4_BLOCK)}
+
+
+def matrix_bytes(k: int, n: int, precision: Precision, head: bool = False) -> float:
+    """Bytes of a K x N weight matrix as the export of `precision` stores it."""
+    if precision in FLOAT_BYTES:
+        return k * n * FLOAT_BYTES[precision]
+    bits, block = (HEAD_FORMAT if head else BLOCK_FORMAT)[precision]
+    return n * math.ceil(k / block) * (block * bits // 8 + 4)
 
 
 def decode_bytes_per_step(cfg: GPT2Config, precision: Precision, batch: int, context: int) -> float:
     """Bytes one decode step must read: every matrix once (the tied unembedding included; the
     embedding lookups read one row per token), biases and LayerNorms, and the KV cache."""
     C, L = cfg.n_embd, cfg.n_layer
-    w = BYTES[precision]
-    matrices = L * 12 * C * C + cfg.vocab_size * C
+    per_block = sum(matrix_bytes(k, n, precision) for k, n in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)))
+    head = matrix_bytes(C, cfg.vocab_size, precision, head=True)
     small = L * 13 * C + 2 * C  # biases and LayerNorm parameters, kept fp32
     kv_bytes = 2 if precision is Precision.fp16 else 4
     kv = 2 * L * batch * context * C * kv_bytes
-    return matrices * w + small * 4 + kv
+    return L * per_block + head + small * 4 + kv
 
 
 def roofline_tokens_per_s(bandwidth: float, cfg: GPT2Config, precision: Precision, batch: int, context: int) -> float:

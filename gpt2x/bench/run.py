@@ -61,15 +61,21 @@ class BenchSettings:
 
 
 def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[dict]]:
-    """Backend x precision pairs that exist, and the ones left out with the reason: PyTorch runs
-    fp32 (fp16 on CUDA), int8 is ONNX Runtime's, fp16 needs CUDA."""
+    """Backend x precision pairs that exist, and the ones left out with the reason: fp16 needs CUDA;
+    PyTorch runs fp32 (fp16 on CUDA), the quantized precisions are ONNX exports; OpenVINO has no
+    CUDA device."""
     run, skipped = [], []
     for b in s.backends:
         for p in s.precisions:
+            reason = None
             if p is Precision.fp16 and s.provider is not ProviderKind.cuda:
-                skipped.append({"backend": b.value, "precision": p.value, "reason": "fp16 runs on CUDA only"})
-            elif b is BackendKind.torch and p is Precision.int8:
-                skipped.append({"backend": b.value, "precision": p.value, "reason": "int8 is an ONNX Runtime export"})
+                reason = "fp16 runs on CUDA only"
+            elif b is BackendKind.torch and p in (Precision.int8, Precision.int4):
+                reason = f"{p.value} is an ONNX export"
+            elif b is BackendKind.openvino and s.provider is ProviderKind.cuda:
+                reason = "OpenVINO has no CUDA device"
+            if reason:
+                skipped.append({"backend": b.value, "precision": p.value, "reason": reason})
             else:
                 run.append((b, p))
     return run, skipped
@@ -179,7 +185,7 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
     for kind, precision in pairs:
         label = f"{kind.value}/{precision.value}"
         info = folder = None
-        if kind is BackendKind.ort:
+        if kind is not BackendKind.torch:
             info = workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=progress)
             folder = info.folder
         progress(f"{label}: loading")

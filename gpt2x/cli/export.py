@@ -23,7 +23,8 @@ EPILOG = ("Examples:\n\n"
 def export(
     model: ModelOpt = "shakespeare",
     revision: RevisionOpt = None,
-    precision: Annotated[Precision, typer.Option(help="fp32 (reference), int8 (CPU, dynamic quantization) or fp16 (CUDA).")] = Precision.fp32,
+    precision: Annotated[Precision, typer.Option(help="fp32 (reference), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
+                                                      "int4 keeps the unembedding at 8 bits) or fp16 (CUDA).")] = Precision.fp32,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/<model>-<precision>).")] = None,
     opset: Annotated[int, typer.Option(min=17, help="ONNX opset.")] = 18,
     force: Annotated[bool, typer.Option(help="Replace an existing export.")] = False,

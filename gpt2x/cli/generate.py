@@ -39,7 +39,9 @@ def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="Text to continue (empty: start a new document).")] = None,
     model: ModelOptional = None,
     revision: RevisionOpt = None,
-    backend: Annotated[BackendKind, typer.Option(help="ort: ONNX Runtime (exports on first use); torch: the PyTorch reference.")] = BackendKind.ort,
+    backend: Annotated[BackendKind, typer.Option(
+        help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
+        "torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/<model>-<precision>).")] = None,

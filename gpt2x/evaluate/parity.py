@@ -32,11 +32,18 @@ class Tolerance:
 # lossy: they are gated on how close the next-token distributions stay (KL) and on greedy decoding;
 # top-1 agreement over random inputs is reported but not gated, because where the reference itself
 # has near-ties (random weights, random tokens) any rounding flips the argmax without changing what
-# the model says in any way that matters.
+# the model says in any way that matters. int4 is gated on KL and the relative logit error, and its
+# greedy agreement is recorded, not gated: on GPT-2 124M with random weights sound int4 graphs keep
+# KL at 7e-3 yet their greedy sequences part after 0-4 tokens (agreement 0.05), so a greedy gate
+# could only refuse them. Measured (benchmarks/results/int4-variants-cpu-2core.json): the default
+# int4 export reaches KL 2.5e-3 / 7.2e-3 and max_rel 0.056 / 0.24 on the bundled model / GPT-2 124M,
+# 4x and 2.5x inside its gates; 4-bit weights scrambled as a packing bug would (nibbles swapped)
+# reach KL 0.28 to 6.6 and max_rel 1.5 to 4.4.
 TOLERANCES: dict[Precision, Tolerance] = {
     Precision.fp32: Tolerance(1e-4, 1e-6, 1.0, 1.0, "same maths, different summation order"),
     Precision.fp16: Tolerance(2e-2, 1e-3, None, 0.5, "10-bit mantissa: ~1e-3 relative error per op, accumulated over layers"),
     Precision.int8: Tolerance(0.1, 1e-2, None, 0.25, "int8 weights with one scale per 128-weight block (MatMulNBits), int8 activations"),
+    Precision.int4: Tolerance(0.6, 3e-2, None, 0.0, "4-bit weights in blocks of 32 (MatMulNBits), the unembedding at 8 bits, int8 activations"),
 }
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ["ROMEO:", "The meaning of life is", "First Citizen:\nBefore we proceed"]
@@ -80,8 +87,12 @@ def compare_on_cases(reference: Backend, backend: Backend, seed: int = 0) -> dic
             flat_past = reference.present_to_numpy(ref_past)
         pos = positions(mask, c.seq)
         ref, ref_present = reference.run(ids[:, c.past :], mask, pos, ref_past)
-        got_past = backend.past_from_numpy(flat_past) if flat_past is not None else None
-        got, got_present = backend.run(ids[:, c.past :], mask, pos, got_past)
+        if backend.accepts_past or not c.past:
+            got_past = backend.past_from_numpy(flat_past) if flat_past is not None else None
+            got, got_present = backend.run(ids[:, c.past :], mask, pos, got_past)
+        else:  # a backend that owns its cache runs prefix and step as one sequence
+            got, got_present = backend.run(ids, mask, positions(mask, c.past + c.seq), None)
+            got = got[:, c.past :]
         real = mask[:, c.past :].astype(bool)
         refs.append(ref[real])
         gots.append(got[real])

@@ -38,7 +38,7 @@ from .artifact import (
     attention_layout,
 )
 from .interop import write_interop_files
-from .optimize import fuse, quantize_int8
+from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8
 from .trace import trace_to_onnx
 
 # Judges a finished export before it is published: returns the parity record stored in gpt2x.json,
@@ -83,10 +83,14 @@ def export(
         trace_to_onnx(model.float().eval(), work / "raw.onnx", opset)
         progress("fusing with ONNX Runtime's transformer optimizer")
         fused = work / "fused.onnx"
-        ops = fuse(work / "raw.onnx", fused if precision is Precision.int8 else tmp / MODEL_FILE, model.config, precision)
+        quantized = precision in (Precision.int8, Precision.int4)
+        ops = fuse(work / "raw.onnx", fused if quantized else tmp / MODEL_FILE, model.config, precision)
         if precision is Precision.int8:
             progress("quantizing MatMul weights to int8")
             ops = quantize_int8(fused, tmp / MODEL_FILE)
+        elif precision is Precision.int4:
+            progress(f"quantizing MatMul weights to int4 (the unembedding to int{INT4_HEAD_BITS})")
+            ops = quantize_int4(fused, tmp / MODEL_FILE)
         shutil.rmtree(work)
         # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
         attention = attention_layout(ops)

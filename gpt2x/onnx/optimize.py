@@ -1,6 +1,7 @@
 """Graph optimisation after tracing: ONNX Runtime's transformer optimizer (SkipLayerNormalization,
-FastGelu), fp16 conversion, int8 weights (MatMulNBits), and the MultiHeadAttention ->
-GroupQueryAttention rewrite of the int8 graph. Works on ONNX files alone (no torch)."""
+FastGelu), fp16 conversion, int8 and int4 weights (MatMulNBits), and the MultiHeadAttention ->
+GroupQueryAttention rewrite of the int8 and int4 graphs. Works on ONNX files alone (no torch; only
+the HQQ int4 algorithm, not the default, uses it inside ONNX Runtime's quantizer)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
+from io import StringIO
 from pathlib import Path
 
 import onnx
@@ -90,6 +92,47 @@ def fold_transposed_initializers(proto: onnx.ModelProto) -> None:
 
 
 INT8_BLOCK = 128  # weights per quantization scale along the input dimension
+NBITS_LOGGERS = ("onnxruntime.quantization.matmul_nbits_quantizer", "neural_compressor")
+
+
+def _load_folded(fused: Path) -> onnx.ModelProto:
+    """The fused graph with the tied unembedding as a MatMul with a constant weight."""
+    proto = onnx.load(str(fused))
+    fold_transposed_initializers(proto)
+    return proto
+
+
+def _finish_nbits(q: onnx.ModelProto, out: Path) -> dict[str, int]:
+    """GroupQueryAttention (after quantizing: ONNX Runtime's k-quant path re-sorts the graph and
+    would lose GroupQueryAttention's optional inputs), then write the graph."""
+    mha_to_gqa(q)
+    q.ir_version = IR_VERSION
+    save_onnx(q, out)
+    return count_ops(q)
+
+
+def _matmul_nbits(proto: onnx.ModelProto, exclude: frozenset[str] = frozenset(), **options) -> onnx.ModelProto:
+    """ONNX Runtime's MatMulNBitsQuantizer over every MatMul with a constant weight, except the nodes
+    named in `exclude`; `options` go to the quantizer (bits, block_size, algo_config, ...)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    loggers = [logging.getLogger(name) for name in NBITS_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)  # they log every node at INFO
+    try:
+        # the k-quant path also draws a progress bar on stdout, which would corrupt JSON output
+        with contextlib.redirect_stdout(StringIO()):
+            quantizer = MatMulNBitsQuantizer(proto, nodes_to_exclude=sorted(exclude), **options)
+            quantizer.process()
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return quantizer.model.model
+
+
+def _int8_options() -> dict:
+    return {"bits": 8, "block_size": INT8_BLOCK, "is_symmetric": True, "accuracy_level": 4}
 
 
 def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
@@ -99,26 +142,80 @@ def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
     and every decode step reads it whole; the embedding lookup (Gather on wte) stays fp32, costs
     one row per token and keeps the model's input exact.
 
-    int8 is the CPU precision, so its attention is GroupQueryAttention, whose CPU kernel can update
-    a fixed-capacity KV cache in place (onnx_ops.mha_to_gqa); the fp32 and fp16 graphs keep
+    int8 (like int4) is a CPU precision, so its attention is GroupQueryAttention, whose CPU kernel can
+    update a fixed-capacity KV cache in place (onnx_ops.mha_to_gqa); the fp32 and fp16 graphs keep
     MultiHeadAttention, which ONNX Runtime's CUDA provider also runs in fp32."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    return _finish_nbits(_matmul_nbits(_load_folded(fused), **_int8_options()), out)
 
-    proto = onnx.load(str(fused))
-    fold_transposed_initializers(proto)
-    mha_to_gqa(proto)
-    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = logger.level
-    logger.setLevel(logging.WARNING)  # it logs every node at INFO
-    try:
-        quantizer = MatMulNBitsQuantizer(proto, bits=8, block_size=INT8_BLOCK, is_symmetric=True, accuracy_level=4)
-        quantizer.process()
-    finally:
-        logger.setLevel(level)
-    q = quantizer.model.model
-    q.ir_version = IR_VERSION
-    save_onnx(q, out)
-    return count_ops(q)
+
+# int4 defaults, chosen by measured quality against PyTorch fp32 (benchmarks/int4_variants.py;
+# results in benchmarks/results/int4-variants-cpu-2core.json, which ranks every variant by the
+# geometric mean of its mean KL on random shapes and on held-out text, for the bundled model and
+# GPT-2 124M with random weights):
+# - blocks of 32: better than 64 and 128 for every algorithm (RTN symmetric: 4.1e-3 vs 5.6e-3 and
+#   6.0e-3), at 0.125 bytes of fp32 scale per weight on top of the 0.5.
+# - RTN symmetric: the best of the algorithms that keep ONNX Runtime's packed int8-activation CPU
+#   kernel (asymmetric RTN 4.9e-3, k-quant 5.2e-3). HQQ measured 3.6e-3, but its float zero points
+#   make that kernel dequantize the weights to fp32 on every call (MatMulNBits::PrePack skips
+#   "unquantized" zero points), i.e. it is an fp32 graph that stores 4-bit weights; on the trained
+#   bundled model its held-out KL is within 10% of RTN's (1.50e-3 vs 1.67e-3).
+# - the unembedding at 8 bits: at 4 bits the bundled model's held-out KL is 4x higher (6.9e-3 vs
+#   1.7e-3), its perplexity +1.3% instead of +0.3%, and fewer greedy continuations agree.
+INT4_ALGORITHMS = ("rtn-sym", "rtn-asym", "hqq", "k-quant")
+INT4_ALGORITHM = "rtn-sym"
+INT4_BLOCK = 32
+INT4_HEAD_BITS = 8  # the tied unembedding's bits: 8 (int8's settings) or 4 (like the blocks)
+
+
+def unembedding_matmul(proto: onnx.ModelProto) -> onnx.NodeProto:
+    """The MatMul that produces the logits: the tied unembedding x @ wte^T."""
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and io.LOGITS in node.output:
+            if not node.name:
+                node.name = "unembedding"  # the quantizer excludes nodes by name
+            return node
+    raise ValueError("no MatMul produces the logits")
+
+
+def _int4_options(algorithm: str, block_size: int) -> dict:
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        HQQWeightOnlyQuantConfig,
+        KQuantWeightOnlyQuantConfig,
+    )
+
+    if algorithm in ("rtn-sym", "rtn-asym"):  # ONNX Runtime's own round-to-nearest (its DEFAULT algorithm)
+        return {"bits": 4, "block_size": block_size, "is_symmetric": algorithm == "rtn-sym", "accuracy_level": 4}
+    if algorithm == "hqq":  # half-quadratic: asymmetric, float zero points fitted by a solver (uses torch)
+        return {"algo_config": HQQWeightOnlyQuantConfig(block_size=block_size, bits=4)}
+    if algorithm == "k-quant":  # llama.cpp's k-quant search of scale and minimum per block, asymmetric
+        # (ONNX Runtime 1.31's k-quant fails on a matrix that is a single block deep, e.g. K = block = 128)
+        return {"bits": 4, "block_size": block_size, "accuracy_level": 4, "algo_config": KQuantWeightOnlyQuantConfig()}
+    raise ValueError(f"unknown int4 algorithm {algorithm!r} (one of {', '.join(INT4_ALGORITHMS)})")
+
+
+def quantize_int4(fused: Path, out: Path, algorithm: str = INT4_ALGORITHM, block_size: int = INT4_BLOCK,
+                  head_bits: int = INT4_HEAD_BITS) -> dict[str, int]:
+    """4-bit weights for the blocks' MatMuls with ONNX Runtime's MatMulNBits quantizer, computed with
+    int8 activations (accuracy_level 4), and GroupQueryAttention attention, as int8 (the CPU
+    precisions share the in-place KV cache).
+
+    The defaults (above, by measured quality): ONNX Runtime's round-to-nearest, symmetric, one scale
+    per block of 32 input weights, and the tied unembedding at 8 bits with int8's settings. The
+    unembedding is quantized in a second pass: the first (4 bits) excludes it by name, so the
+    second (8 bits) finds it the only MatMul left with a constant weight. The embedding lookup
+    stays fp32, as in int8."""
+    if head_bits not in (4, 8):
+        raise ValueError(f"head_bits must be 4 or 8, not {head_bits}")
+    proto = _load_folded(fused)
+    head = unembedding_matmul(proto).name
+    options = _int4_options(algorithm, block_size)
+    q = _matmul_nbits(proto, exclude=frozenset({head}) if head_bits == 8 else frozenset(), **options)
+    if head_bits == 8:
+        q = _matmul_nbits(q, **_int8_options())
+    for node in q.graph.node:  # HQQ writes no accuracy_level (and ONNX Runtime ignores it for float zero points)
+        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("accuracy_level", 4))
+    return _finish_nbits(q, out)
 
 
 def count_ops(proto: onnx.ModelProto) -> dict[str, int]:
@@ -126,8 +223,7 @@ def count_ops(proto: onnx.ModelProto) -> dict[str, int]:
     return {op: counts[op] for op in FUSED_OPS if counts[op]} | {"total_nodes": len(proto.graph.node)}
 
 
-
-# ---------------------------------------------------------------- GroupQueryAttention (int8, CPU)
+# ---------------------------------------------------------------- GroupQueryAttention (int8 and int4, CPU)
 
 GQA = "GroupQueryAttention"
 _GQA_SEQLENS = "gqa_seqlens_k"  # int32 [batch]: total_sequence_length - 1 for every row

@@ -21,6 +21,9 @@ class Backend(Protocol):
     n_positions: int  # the model's context length
     vocab_size: int  # columns of the logits
     model_name: str  # the model it runs, as the user named it (an export records it)
+    # Whether past_from_numpy can hand it a cache made elsewhere; a backend that owns its cache (such
+    # as onnxruntime-genai's generator) is compared on whole sequences instead.
+    accepts_past: bool
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             past: Any) -> tuple[np.ndarray, Any]:

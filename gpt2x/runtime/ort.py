@@ -72,6 +72,7 @@ class OrtBackend:
     update it in place; only logits come back to the host."""
 
     name = "ort"
+    accepts_past = True
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  shared_kv: bool | None = None):

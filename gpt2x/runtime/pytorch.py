@@ -13,6 +13,7 @@ class TorchBackend:
     """The PyTorch reference: our GPT2 module with its tensor KV cache kept on the model's device."""
 
     name = "torch"
+    accepts_past = True
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):
         self.model = model.to(device).eval()

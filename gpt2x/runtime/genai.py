@@ -1,0 +1,322 @@
+"""Running an export folder on onnxruntime-genai (no torch): its `Generator` owns the KV cache and runs
+the model, gpt2x chooses every token (its own sampler and beam search), genai only feeds them.
+
+genai 0.18 has no call that feeds a chosen token to a batch of more than one row: `append_tokens` works
+once per generator when the batch has several rows (on one row, every step), and `generate_next_token`
+picks the token itself. So a batch steps by `set_logits` with a one-hot row per sequence (the token
+gpt2x chose scores 1, all others 0), `generate_next_token` (greedy, no logits processing: it takes
+exactly that token) and `get_logits`, which runs the model on it. Where genai would not feed the
+chosen token, the batch is replayed instead: the generator is rewound and fed every row's whole
+history with one `append_tokens` (a prefill), which is why a cache keeps the tokens it was fed.
+
+- End of text: genai marks a row that was given its EOS id as finished and feeds it its pad id from
+  then on (and stops a batch whose rows all finished), whatever gpt2x chose. A batch step whose
+  tokens hold EOS is therefore fed by a replay, which also clears genai's finished flags.
+- Left padding: genai 0.18 reads padding from the ids alone (a run of pad ids at the END of a row, i.e.
+  right padding) and gives every other slot its absolute index as position. A left-padded row would
+  attend to its pads and see shifted positions. The pad id is turned off (-1: every id is a token),
+  and a batch whose attention mask holds zeros runs as one single-row generator per row, fed only
+  the row's real tokens (so positions count real tokens, as gpt2x's do); logits at padding slots
+  are zeros. A batch without padding runs as one generator.
+- Beam search: genai cannot gather the rows of its cache. `reorder` replays: the gathered rows'
+  histories go into one prefill (a rewound generator when the batch size stays, else a new one);
+  single-row generators are moved where a row is taken once, and replayed where it is taken again.
+  Every beam step is then a prefill of the beams' whole histories: beam search costs several times
+  what it costs on ONNX Runtime, which gathers its cache in place.
+- position_ids are not passed on: genai makes its own, which equal gpt2x's in both layouts above.
+- The cache in gpt2x's layout: `present_to_numpy` reads genai's last present outputs (growing: the
+  filled length; shared buffer: the first filled positions of the fixed-capacity buffer).
+
+Providers: cpu, and cuda through genai's provider settings (untested: written without a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import onnxruntime_genai as og
+
+from ..choices import Precision, ProviderKind
+from ..errors import ArtifactError, ProviderError
+from ..onnx import names as io
+from ..onnx.artifact import ExportInfo
+from ..onnx.interop import GENAI_CONFIG_FILE
+from ..tokenizer import EOT_ID
+from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores
+
+GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
+
+
+class _Lane:
+    """One genai Generator and, per row, every token it was fed (for replays)."""
+
+    __slots__ = ("gen", "batch", "tokens", "length", "onehot", "owner")
+
+    def __init__(self, gen, batch: int, capacity: int):
+        self.gen = gen  # None for a row that has had no real token yet
+        self.batch = batch
+        self.tokens = np.empty((batch, capacity), dtype=np.int32)
+        self.length = 0
+        self.onehot: np.ndarray | None = None  # (batch, V) zeros, a 1 set per step then cleared
+        self.owner: GenaiState | None = None  # the one state that may step this generator
+
+    def record(self, ids: np.ndarray) -> None:
+        n = ids.shape[1]
+        self.tokens[:, self.length : self.length + n] = ids
+        self.length += n
+
+
+class GenaiState:
+    """The past of a GenaiBackend: either one generator for the whole batch (`batched`, no padding)
+    or one single-row generator per row, with the attention mask that places each row's real
+    tokens. Stepping from a state makes it stale, as the generators it holds move on."""
+
+    __slots__ = ("lanes", "batched", "mask")
+
+    def __init__(self, lanes: list[_Lane], batched: bool, mask: np.ndarray):
+        self.lanes = lanes
+        self.batched = batched
+        self.mask = mask  # (B, positions so far): the columns each row's tokens occupy
+        for lane in lanes:
+            lane.owner = self
+
+    @property
+    def batch(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def stale(self) -> bool:
+        return any(lane.owner is not self for lane in self.lanes)
+
+
+class GenaiBackend:
+    """One export folder on onnxruntime-genai (`og.Model` on the folder's genai_config.json, with
+    gpt2x's thread count and provider laid over it). See the module docstring for how batches,
+    padding, EOS and beam search map onto genai's generator."""
+
+    name = "genai"
+    accepts_past = False  # the generator owns its cache: parity compares whole sequences
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
+        if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
+            raise ProviderError(
+                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
+                "(run it on the cuda provider, or export fp32 or int8 for the CPU)"
+            )
+        if provider is not ProviderKind.cpu and ORT_PROVIDERS[provider] not in ort.get_available_providers():
+            raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {ORT_PROVIDERS[provider]}; {CUDA_HELP}")
+        self.info = info
+        self.model_name = info.meta["model"]["name"]
+        self.cfg = info.config
+        self.n_positions = self.cfg.n_positions
+        self.vocab_size = self.cfg.vocab_size
+        self.provider = provider
+        self.model = self._load(info, provider, threads)
+        self._params: dict[int, og.GeneratorParams] = {}
+        self._present_names = io.output_names(self.cfg.n_layer)[1:]
+
+    @staticmethod
+    def _load(info: ExportInfo, provider: ProviderKind, threads: int | None):
+        folder = info.folder
+        if not (folder / GENAI_CONFIG_FILE).is_file():
+            raise ArtifactError(f"{folder} has no {GENAI_CONFIG_FILE} (an export older than gpt2x's interop files: export it again)")
+        overlay = {"model": {
+            "eos_token_id": EOT_ID,
+            "pad_token_id": -1,  # no id is padding: genai would read pads at the end of a row (see above)
+            "decoder": {"session_options": {"intra_op_num_threads": threads or physical_cores(),
+                                            "inter_op_num_threads": 1, "log_severity_level": 3}},
+        }}
+        try:
+            config = og.Config(str(folder))
+            config.overlay(json.dumps(overlay))
+            config.clear_providers()
+            if provider in GENAI_PROVIDERS:
+                config.append_provider(GENAI_PROVIDERS[provider])
+            model = og.Model(config)
+        except Exception as e:  # genai raises RuntimeError with ORT's or its own message
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            error = ProviderError if provider is not ProviderKind.cpu and "cuda" in first.lower() else ArtifactError
+            raise error(f"onnxruntime-genai cannot load {folder} on {provider.value}: {first}") from None
+        if model.device_type.lower() != ("cpu" if provider is ProviderKind.cpu else GENAI_PROVIDERS[provider]):
+            raise ProviderError(f"onnxruntime-genai opened {folder} on {model.device_type}, not {provider.value}; {CUDA_HELP}")
+        return model
+
+    # -- generators
+
+    def _generator(self, batch: int):
+        params = self._params.get(batch)
+        if params is None:
+            params = og.GeneratorParams(self.model)
+            # Greedy and no logits processing: generate_next_token then takes the one-hot's token.
+            params.set_search_options(batch_size=batch, max_length=self.n_positions, min_length=0, do_sample=False,
+                                      num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0)
+            self._params[batch] = params
+        return og.Generator(self.model, params)
+
+    def _new_lane(self, batch: int, tokens: np.ndarray) -> _Lane:
+        """A lane with a fresh generator of `batch` rows, fed `tokens` (batch, L)."""
+        lane = _Lane(self._generator(batch), batch, self.n_positions)
+        self._append(lane, tokens)
+        return lane
+
+    @staticmethod
+    def _append(lane: _Lane, ids: np.ndarray) -> None:
+        lane.gen.append_tokens(np.ascontiguousarray(ids, dtype=np.int32))
+        lane.record(ids)
+
+    def _replay(self, lane: _Lane) -> None:
+        """Feed the lane's generator its whole history again, as one prefill."""
+        lane.gen.rewind_to(0)
+        lane.gen.append_tokens(lane.tokens[:, : lane.length])
+
+    @staticmethod
+    def _logits(lane: _Lane, n: int, last_only: bool) -> np.ndarray:
+        """The last `n` positions' logits (batch, n, V) of the lane's last run, or the last one's (batch, V)."""
+        if last_only:
+            return lane.gen.get_logits().reshape(lane.batch, -1)
+        out = lane.gen.get_output(io.LOGITS)
+        return out[:, out.shape[1] - n :]
+
+    # -- running
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
+        """All logits (B, T, V) float32 on the host, and the new GenaiState (P + T positions)."""
+        return self._feed(input_ids, attention_mask, past, last_only=False)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
+        """The last position's logits (B, V), and the new GenaiState."""
+        return self._feed(input_ids, attention_mask, past, last_only=True)
+
+    def _feed(self, ids: np.ndarray, mask: np.ndarray, past: GenaiState | None, last_only: bool):
+        B, T = ids.shape
+        width = 0 if past is None else past.width
+        if mask.shape != (B, width + T) or (past is not None and past.batch != B):
+            rows = B if past is None else past.batch
+            raise ValueError(f"attention_mask is {mask.shape}; the cache holds {rows} rows of {width} positions, "
+                             f"and {B} x {T} new ids were given")
+        if width + T > self.n_positions:
+            raise ValueError(f"{width} + {T} positions exceed the model's context ({self.n_positions})")
+        if past is not None and past.stale:
+            raise ValueError("this cache was already stepped from (or reordered); step from the cache the last step returned")
+        new_mask = mask[:, width:]
+        if past is None:
+            if new_mask.all():
+                lane = self._new_lane(B, ids)
+                return self._logits(lane, T, last_only), GenaiState([lane], True, mask)
+            past = GenaiState([_Lane(None, 1, self.n_positions) for _ in range(B)], False, mask[:, :0])
+        elif past.batched and not new_mask.all():
+            past = self._split(past)
+        if past.batched:
+            return self._step_batched(past.lanes[0], ids, last_only), GenaiState(past.lanes, True, mask)
+        return self._step_rows(past.lanes, ids, new_mask, last_only), GenaiState(past.lanes, False, mask)
+
+    def _step_batched(self, lane: _Lane, ids: np.ndarray, last_only: bool) -> np.ndarray:
+        T = ids.shape[1]
+        if lane.batch == 1:  # genai's continuous decoding: a single row appends any tokens
+            self._append(lane, ids)
+        elif T == 1 and not (ids == EOT_ID).any():
+            self._step_onehot(lane, ids[:, 0])
+            lane.record(ids)
+        else:  # several tokens, or EOS: genai would not feed them as given
+            lane.record(ids)
+            self._replay(lane)
+        return self._logits(lane, T, last_only)
+
+    def _step_onehot(self, lane: _Lane, tokens: np.ndarray) -> None:
+        if lane.onehot is None:
+            lane.onehot = np.zeros((lane.batch, self.vocab_size), dtype=np.float32)
+        rows = np.arange(lane.batch)
+        lane.onehot[rows, tokens] = 1.0
+        lane.gen.set_logits(lane.onehot)  # copied into genai's logits
+        lane.onehot[rows, tokens] = 0.0
+        lane.gen.generate_next_token()
+        picked = lane.gen.get_next_tokens()
+        if not np.array_equal(picked, tokens):
+            raise RuntimeError(f"onnxruntime-genai fed {picked.tolist()} instead of {tokens.tolist()}")
+
+    def _step_rows(self, lanes: list[_Lane], ids: np.ndarray, new_mask: np.ndarray, last_only: bool) -> np.ndarray:
+        B, T = ids.shape
+        logits = np.zeros((B, self.vocab_size) if last_only else (B, T, self.vocab_size), dtype=np.float32)
+        for r, lane in enumerate(lanes):
+            real = new_mask[r].astype(bool)
+            n = int(real.sum())
+            if not n:
+                continue
+            row = ids[r : r + 1, real]
+            if lane.gen is None:
+                lane.gen = self._generator(1)
+            self._append(lane, row)
+            if last_only:
+                logits[r] = self._logits(lane, n, True)[0]
+            else:
+                logits[r, real] = self._logits(lane, n, False)[0]
+        return logits
+
+    def _split(self, past: GenaiState) -> GenaiState:
+        """A batched state as single-row generators (for a step that brings padding)."""
+        lane = past.lanes[0]
+        rows = [self._new_lane(1, lane.tokens[r : r + 1, : lane.length]) for r in range(lane.batch)]
+        return GenaiState(rows, False, past.mask)
+
+    def reorder(self, past: GenaiState, rows: np.ndarray) -> GenaiState:
+        """The state with its rows gathered by `rows`, by replaying (genai cannot gather its cache):
+        see the module docstring."""
+        if past.stale:
+            raise ValueError("this cache was already stepped from (or reordered); reorder the cache the last step returned")
+        rows = np.asarray(rows, dtype=np.int64)
+        mask = past.mask[rows]
+        if not past.batched:
+            taken: set[int] = set()
+            lanes = []
+            for r in rows.tolist():
+                src = past.lanes[r]
+                if r in taken and src.gen is not None:
+                    src = self._new_lane(1, src.tokens[:, : src.length])
+                elif r in taken:
+                    src = _Lane(None, 1, self.n_positions)
+                taken.add(r)
+                lanes.append(src)
+            return GenaiState(lanes, False, mask)
+        lane = past.lanes[0]
+        if rows.size == lane.batch and np.array_equal(rows, np.arange(lane.batch)):
+            return GenaiState([lane], True, mask)
+        gathered = lane.tokens[rows, : lane.length]
+        if rows.size == lane.batch and lane.batch > 1:  # the same batch size: rewind this generator
+            lane.tokens[:, : lane.length] = gathered
+            self._replay(lane)
+            return GenaiState([lane], True, mask)
+        return GenaiState([self._new_lane(rows.size, gathered)], True, mask)
+
+    # -- the cache in gpt2x's layout
+
+    def past_from_numpy(self, arrays: list[np.ndarray]):
+        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; it cannot be handed one (accepts_past is False)")
+
+    def present_to_numpy(self, present: GenaiState) -> list[np.ndarray]:
+        """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold
+        no token (padding of a per-row state) are zeros."""
+        if present.stale:
+            raise ValueError("this cache was already stepped from (or reordered); read the cache the last step returned")
+        if present.batched:
+            lane = present.lanes[0]
+            return [lane.gen.get_output(n)[:, :, : lane.length].astype(np.float32) for n in self._present_names]
+        B, P = present.mask.shape
+        shape = (B, self.cfg.n_head, P, self.cfg.head_dim)
+        out = [np.zeros(shape, dtype=np.float32) for _ in self._present_names]
+        for r, lane in enumerate(present.lanes):
+            if lane.gen is None:
+                continue
+            cols = np.flatnonzero(present.mask[r])
+            for arr, n in zip(out, self._present_names):
+                arr[r][:, cols] = lane.gen.get_output(n)[0, :, : lane.length]
+        return out
+
+    def peak_device_memory_mb(self) -> float | None:
+        """Not tracked for onnxruntime-genai."""
+        return None

@@ -1,0 +1,247 @@
+"""Running an export on OpenVINO's CPU runtime (no torch): the export's model.onnx read by OpenVINO's
+ONNX frontend, which executes ONNX Runtime's contrib operators (MultiHeadAttention,
+GroupQueryAttention, SkipLayerNormalization, FastGelu, MatMulNBits) itself.
+
+One compiled model and one InferRequest serve every step; the graph's batch and sequence dimensions
+stay dynamic, so no shape recompiles anything. The KV cache is a fixed-capacity buffer per layer,
+(B, H, capacity, D), holding positions [0, length), and the graph sees it whole:
+
+    past           the buffer: `capacity` slots, of which the first `length` are filled
+    attention_mask (B, capacity + T): the caller's mask for the filled slots, 0 for the empty slots,
+                   then the caller's mask for the T new tokens
+    present        (B, H, capacity + T, D): OpenVINO's output, whose last T slots (the new tokens)
+                   are copied into the buffer at [length, length + T); nothing else is copied
+
+An empty slot is masked exactly like a left-padding slot (the graph's additive bias; position ids are
+the caller's), so the logits are those of the compact cache. The same layout serves both attention
+operators, because both take past + new = the mask's width and concatenate the whole past:
+MultiHeadAttention (fp32 exports) and OpenVINO's GroupQueryAttention (int8 exports). Decode steps keep
+the same input shapes until the buffers grow (into larger ones, doubling), where a cache one position
+longer each step would be a new shape for OpenVINO's CPU plugin every step (on the bundled model the
+two measured within noise of each other). The buffer cannot also be bound as the present: OpenVINO
+would reshape it to the concatenation's (B, H, capacity + T, D) and write that over it.
+
+OpenVINO's GroupQueryAttention runs batch 1 only (its decomposition reshapes the per-row lengths to
+a single value; batch 2 fails inside OpenVINO): a batch of a GroupQueryAttention graph runs one row
+at a time, each row bound as its own contiguous slice of the buffers. MultiHeadAttention graphs run
+batches whole, multi-token steps on a past included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+
+from ..choices import Precision, ProviderKind
+from ..errors import ArtifactError, ProviderError
+from ..onnx import names as io
+from ..onnx.artifact import ExportInfo
+from .providers import physical_cores
+
+DEVICE = "CPU"
+KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and grows by at least
+
+
+def _first_line(e: Exception) -> str:
+    """The informative line of an OpenVINO exception (its text starts with source locations)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("Exception from ", "Check '"))]
+    return (useful or lines or [type(e).__name__])[-1]
+
+
+class _Buffers:
+    """One (B, H, capacity, D) float32 array per layer and key/value; `length` is the number of
+    positions written, -1 once the cache moved to larger buffers."""
+
+    def __init__(self, arrays: list[np.ndarray], length: int = 0):
+        self.arrays = arrays
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.arrays[0].shape[0]
+
+
+class OpenVinoKVCache:
+    """A view of KV buffers holding positions [0, length). A step writes positions `length` onward
+    into the same buffers and returns a new view; the view it was given is then stale, and stepping
+    from it again is refused (it would overwrite positions the newer view holds)."""
+
+    def __init__(self, buffers: _Buffers, length: int):
+        self.buffers = buffers
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers.capacity
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return self.buffers.arrays
+
+    @property
+    def stale(self) -> bool:
+        return self.buffers.length != self.length
+
+    def filled(self) -> list[np.ndarray]:
+        return [a[:, :, : self.length] for a in self.buffers.arrays]
+
+
+class OpenVinoBackend:
+    """One export compiled by OpenVINO for the CPU; the KV cache is an OpenVinoKVCache of host arrays
+    that OpenVINO reads without a copy."""
+
+    name = "openvino"
+    accepts_past = True
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
+        if provider is not ProviderKind.cpu:
+            raise ProviderError(f"OpenVINO has no {provider.value.upper()} device here; it runs exports on the cpu provider only")
+        if info.precision is Precision.fp16:
+            raise ProviderError(
+                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
+                "(OpenVINO runs fp32 and int8 exports on the CPU)"
+            )
+        self.info = info
+        self.model_name = info.meta["model"]["name"]
+        self.cfg = info.config
+        self.n_positions = self.cfg.n_positions
+        self.vocab_size = self.cfg.vocab_size
+        self.provider = provider
+        self.threads = threads or physical_cores()
+        # GroupQueryAttention in OpenVINO runs one batch row per inference.
+        self.rows_only = bool(info.attention["shared_kv_buffer"])
+        core = ov.Core()
+        if DEVICE not in core.available_devices:
+            raise ProviderError(f"OpenVINO {ov.__version__} finds no CPU device")
+        config = {
+            "INFERENCE_NUM_THREADS": self.threads,
+            # OpenVINO computes in bf16 by default on CPUs that have it, which fails the fp32 gate.
+            "INFERENCE_PRECISION_HINT": "f32",
+            "PERFORMANCE_HINT": "LATENCY",
+            # Unpinned threads: pinned ones wait for their core when the host is busy with other work
+            # (measured: up to about twice the step time on a loaded 2-core machine).
+            "ENABLE_CPU_PINNING": False,
+        }
+        try:
+            model = core.read_model(str(info.model_path))
+            self.compiled = core.compile_model(model, DEVICE, config)
+        except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
+            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.model_path}: {_first_line(e)}") from None
+        self.request = self.compiled.create_infer_request()
+        n = self.cfg.n_layer
+        self._past_ports = [self.compiled.input(name) for name in io.input_names(n)[3:]]
+        self._present_ports = [self.compiled.output(name) for name in io.output_names(n)[1:]]
+        self._logits_port = self.compiled.output(io.LOGITS)
+        self._id_ports = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
+        self._bound: tuple | None = None  # which arrays are set as the request's past tensors
+
+    # -- the KV cache
+
+    def _buffers(self, batch: int, capacity: int, keep: OpenVinoKVCache | None = None) -> _Buffers:
+        """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
+        shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
+        buffers = _Buffers([np.zeros(shape, dtype=np.float32) for _ in range(2 * self.cfg.n_layer)])
+        if keep is not None:
+            for new, old in zip(buffers.arrays, keep.filled()):
+                new[:, :, : keep.length] = old
+            buffers.length = keep.length
+        return buffers
+
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> OpenVinoKVCache:
+        length = arrays[0].shape[2]
+        buffers = self._buffers(arrays[0].shape[0], min(self.n_positions, length + KV_CAPACITY_STEP))
+        for buf, a in zip(buffers.arrays, arrays):
+            buf[:, :, :length] = a
+        buffers.length = length
+        return OpenVinoKVCache(buffers, length)
+
+    def present_to_numpy(self, present: OpenVinoKVCache) -> list[np.ndarray]:
+        return [a.astype(np.float32) for a in present.filled()]  # copies
+
+    def reorder(self, past: OpenVinoKVCache, rows: np.ndarray) -> OpenVinoKVCache:
+        """New buffers with the batch rows gathered by `rows` (beam search)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return OpenVinoKVCache(_Buffers([a[rows] for a in past.arrays], past.length), past.length)
+
+    def peak_device_memory_mb(self) -> float | None:
+        """None: OpenVINO runs on the host here."""
+        return None
+
+    # -- running
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            past: OpenVinoKVCache | None) -> tuple[np.ndarray, OpenVinoKVCache]:
+        """All logits (B, T, V) float32, and the cache, now `T` positions longer."""
+        return self._forward(input_ids, attention_mask, position_ids, past, last_only=False)
+
+    def step(self, input_ids, attention_mask, position_ids, past):
+        return self._forward(input_ids, attention_mask, position_ids, past, last_only=True)
+
+    def _prepare(self, batch: int, seq: int, attention_mask: np.ndarray, cache: OpenVinoKVCache | None) -> _Buffers:
+        """Check the step against the cache; the buffers it writes into (grown when it would overflow)."""
+        length = 0 if cache is None else cache.length
+        if cache is not None and cache.stale:
+            raise ValueError("this KV cache was already stepped from (or grown into new buffers); "
+                             "step from the cache the last step returned")
+        if attention_mask.shape != (batch, length + seq):
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
+                             f"and the step {seq} new ones for {batch} rows")
+        if cache is not None and cache.buffers.batch != batch:
+            raise ValueError(f"the KV cache holds {cache.buffers.batch} rows; the step has {batch}")
+        if length + seq > self.n_positions:
+            raise ValueError(f"{length} + {seq} positions exceed the model's context ({self.n_positions})")
+        if cache is None:
+            return self._buffers(batch, min(self.n_positions, seq + KV_CAPACITY_STEP))
+        if length + seq > cache.capacity:
+            grown = max(length + seq, min(self.n_positions, cache.capacity + max(KV_CAPACITY_STEP, cache.capacity)))
+            buffers = self._buffers(batch, grown, keep=cache)
+            cache.buffers.length = -1  # retired: every view of the old buffers is stale now
+            return buffers
+        return cache.buffers
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache: OpenVinoKVCache | None, last_only: bool):
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        attention_mask = np.asarray(attention_mask, dtype=np.int64)
+        position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
+        B, T = input_ids.shape
+        buffers = self._prepare(B, T, attention_mask, cache)
+        length, capacity = (0 if cache is None else cache.length), buffers.capacity
+        # The mask over the whole buffer: filled slots as given, empty slots masked, then the new tokens.
+        mask = np.zeros((B, capacity + T), dtype=np.int64)
+        mask[:, :length] = attention_mask[:, :length]
+        mask[:, capacity:] = attention_mask[:, length:]
+        logits = np.empty((B, self.vocab_size) if last_only else (B, T, self.vocab_size), dtype=np.float32)
+        if self.rows_only and B > 1:
+            for r in range(B):
+                logits[r : r + 1] = self._infer(buffers, r, input_ids[r : r + 1], mask[r : r + 1],
+                                                position_ids[r : r + 1], length, last_only)
+        else:
+            logits[:] = self._infer(buffers, None, input_ids, mask, position_ids, length, last_only)
+        buffers.length = length + T
+        return logits, OpenVinoKVCache(buffers, length + T)
+
+    def _infer(self, buffers: _Buffers, row: int | None, input_ids, mask, position_ids, length: int,
+               last_only: bool) -> np.ndarray:
+        """One inference over `buffers` (or one batch row of them); writes the new positions into the
+        buffers and returns a view of the logits (all positions, or the last), valid until the next."""
+        request = self.request
+        for port, arr in zip(self._id_ports, (input_ids, mask, position_ids)):
+            request.set_tensor(port, ov.Tensor(arr))
+        if self._bound is None or self._bound[0] is not buffers or self._bound[1] != row:
+            # The buffers themselves (a batch row of a C-contiguous array is contiguous): no copy.
+            views = buffers.arrays if row is None else [a[row : row + 1] for a in buffers.arrays]
+            for port, view in zip(self._past_ports, views):
+                request.set_tensor(port, ov.Tensor(view, shared_memory=True))
+            self._bound = (buffers, row)
+        request.infer()
+        capacity, T = buffers.capacity, input_ids.shape[1]
+        rows = slice(None) if row is None else slice(row, row + 1)
+        for port, buf in zip(self._present_ports, buffers.arrays):
+            buf[rows, :, length : length + T] = request.get_tensor(port).data[:, :, capacity:]
+        out = request.get_tensor(self._logits_port).data
+        return out[:, -1] if last_only else out

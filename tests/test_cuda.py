@@ -1,0 +1,77 @@
+"""ONNX Runtime's CUDA provider against the PyTorch model (CPU) and against ONNX Runtime's CPU provider.
+
+Every test here is marked `cuda`: it runs wherever the CUDA provider loads, and `pytest -m cuda`
+on a machine where it does not load fails instead of passing unrun (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.evaluate.parity import check
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.weights import load_model
+from gpt2x.numerics import positions
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.workflows import export_model
+
+from .conftest import make_hf_model
+
+pytestmark = pytest.mark.cuda
+PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-cuda")
+    make_hf_model(folder, seed=31, n_positions=96)
+    model, source = load_model(str(folder))
+    root = tmp_path_factory.mktemp("exports")
+    return model, {p: export_model(model, source, root / p.value, p) for p in (Precision.fp32, Precision.fp16)}
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_cuda_passes_the_gate_against_torch(tiny, precision):
+    """The whole gate of the precision: random shapes with empty past and left-padded rows, greedy."""
+    model, infos = tiny
+    result = check(TorchBackend(model), OrtBackend(infos[precision], ProviderKind.cuda), precision)
+    assert result["status"] == "passed", result["message"]
+    assert result["provider"] == "cuda"
+    assert infos[precision].meta["parity"]["status"] == "passed"  # the export gate ran on CUDA too
+
+
+def test_presents_stay_on_the_device(tiny):
+    _, infos = tiny
+    backend = OrtBackend(infos[Precision.fp16], ProviderKind.cuda)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    mask = np.ones_like(ids)
+    logits, past = backend.step(ids, mask, positions(mask, 3), None)
+    assert logits.shape == (2, 50257) and logits.dtype == np.float32
+    assert all(v.device_name().lower() == "cuda" for v in past)
+    mask = np.ones((2, 4), np.int64)
+    _, past2 = backend.step(np.array([[7], [8]]), mask, positions(mask, 1), past)
+    assert all(v.device_name().lower() == "cuda" for v in past2) and past2[0].shape()[2] == 4
+    reordered = backend.reorder(past2, np.array([1, 0]))
+    assert all(v.device_name().lower() == "cuda" for v in reordered)
+    np.testing.assert_array_equal(reordered[0].numpy()[0], past2[0].numpy()[1])
+
+
+def test_beam_search_on_cuda_equals_cpu(tiny):
+    _, infos = tiny
+    s = SamplingSettings(num_beams=4, max_new_tokens=24)
+    cpu = generate(OrtBackend(infos[Precision.fp32]), PROMPTS, s)
+    gpu = generate(OrtBackend(infos[Precision.fp32], ProviderKind.cuda), PROMPTS, s)
+    assert [r.tokens for r in gpu] == [r.tokens for r in cpu]
+
+
+def test_bundled_greedy_64_tokens_equal_torch(tmp_path):
+    model, source = load_model("shakespeare")
+    info = export_model(model, source, tmp_path / "shakespeare-fp32")
+    s = SamplingSettings(max_new_tokens=64, greedy=True)
+    want = generate(TorchBackend(model), PROMPTS, s)
+    got = generate(OrtBackend(info, ProviderKind.cuda), PROMPTS, s)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert max(len(r.tokens) for r in got) > 32
