@@ -117,7 +117,7 @@ def genai_config(cfg: GPT2Config, filename: str | None = None, provider: str | N
     onnx.names' names, past and present as separate buffers, greedy search up to the model's context.
     `provider` (e.g. "cuda") adds that execution provider to the session options. `share_buffer`
     lets genai bind one fixed-capacity KV buffer as past and present: only for GroupQueryAttention
-    graphs (int8), which update it in place; MultiHeadAttention graphs need the growing cache."""
+    graphs (int8, int4), which update it in place; MultiHeadAttention graphs need the growing cache."""
     filename = filename or MODEL_FILE
     return {
         "model": {

@@ -4,7 +4,7 @@ device between steps, and device-side cache reordering for beam search.
 Two ways to hold the cache, chosen from the export's metadata:
 - growing (every export): each step's present outputs, one position longer, are the next step's
   past, as in Optimum. ONNX Runtime allocates them and copies the whole cache into them every step.
-- shared (exports whose attention is GroupQueryAttention, i.e. int8): a fixed-capacity buffer per
+- shared (exports whose attention is GroupQueryAttention, i.e. int8 and int4): a fixed-capacity buffer per
   layer is bound as both past and present, and each step writes only its new positions into it.
 """
 
@@ -79,7 +79,7 @@ class OrtBackend:
         if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
             raise ProviderError(
                 f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
-                "(run it on the cuda provider, or export fp32 or int8 for the CPU)"
+                "(run it on the cuda provider, or export fp32, int8 or int4 for the CPU)"
             )
         self.info = info
         self.model_name = info.meta["model"]["name"]  # the model the export was made from
@@ -95,7 +95,7 @@ class OrtBackend:
         self._reorder_session = None
         layout = info.attention
         self.batched_multi_token_past = layout["batched_multi_token_past"]
-        # In-place cache updates: GroupQueryAttention graphs on the CPU (int8), unless turned off.
+        # In-place cache updates: GroupQueryAttention graphs on the CPU (int8, int4), unless turned off.
         can_share = layout["shared_kv_buffer"] and provider is ProviderKind.cpu
         if shared_kv and not can_share:
             raise ProviderError(f"{info.folder}: this export's attention cannot share its KV buffers on {provider.value}")
@@ -161,7 +161,7 @@ class OrtBackend:
         return outputs[0].numpy(), list(outputs[1:])
 
     def _run_rows(self, input_ids, attention_mask, position_ids, past: list):
-        """The growing cache, one row at a time (CPU only: GroupQueryAttention graphs are int8)."""
+        """The growing cache, one row at a time (CPU only: GroupQueryAttention graphs are int8 and int4)."""
         host = [v.numpy() for v in past]
         logits, presents = [], []
         for r in range(input_ids.shape[0]):
