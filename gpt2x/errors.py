@@ -70,5 +70,11 @@ class MissingDependencyError(Gpt2xError):
     exit_code = 10
 
 
+class EndpointError(Gpt2xError):
+    """A server that `gpt2x loadtest` cannot reach at the start, or that failed every request."""
+
+    exit_code = 11
+
+
 # Ctrl-C: the shell convention, 128 + SIGINT.
 INTERRUPTED_EXIT_CODE = 130

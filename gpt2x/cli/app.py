@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
-from . import bench, export, generate, info, inspect, train
+from . import bench, export, generate, info, inspect, loadtest, train
 from .options import Status, err, version_callback
 
 app = typer.Typer(
@@ -45,7 +45,7 @@ def root(
     Status.enabled = not quiet
 
 
-for command in (generate, export, inspect, train, bench, info):
+for command in (generate, export, inspect, train, bench, info, loadtest):
     name = command.__name__.rsplit(".", 1)[1]
     app.command(name, epilog=command.EPILOG)(getattr(command, name))
 

@@ -1,0 +1,202 @@
+"""`gpt2x loadtest` against a tiny OpenAI-compatible stub server on 127.0.0.1 (ephemeral port, bounded
+request counts, stopped at the end of the module): the measured latencies bracket the stub's sleeps."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from gpt2x.bench.loadtest import LoadtestSettings, base_url, run_loadtest  # noqa: E402
+from gpt2x.errors import EndpointError, UsageError  # noqa: E402
+
+from .test_cli import assert_one_line_error, cli  # noqa: E402
+
+FIRST_S, BETWEEN_S, CHUNKS = 0.020, 0.005, 8
+
+
+class Stub(BaseHTTPRequestHandler):
+    mode = "ok"  # ok | fail_every_3 | 429 | malformed | no_usage
+    count = 0
+    lock = threading.Lock()
+    seen: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, code: int, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+        else:
+            self._json(404, {"error": "not found"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with Stub.lock:
+            Stub.count += 1
+            n = Stub.count
+            Stub.seen.append({**body, "auth": self.headers.get("Authorization")})
+        if self.path != "/v1/completions":
+            return self._json(404, {"error": "not found"})
+        if Stub.mode == "429":
+            return self._json(429, {"error": "rate limited"})
+        if Stub.mode == "fail_every_3" and n % 3 == 0:
+            return self._json(500, {"error": "boom"})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+        def send(obj) -> None:
+            self.wfile.write(f"data: {obj}\n\n".encode())
+            self.wfile.flush()
+
+        time.sleep(FIRST_S)
+        for i in range(CHUNKS):
+            if i:
+                time.sleep(BETWEEN_S)
+            if Stub.mode == "malformed" and i == 2:
+                send("{not json")
+                return
+            send(json.dumps({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" tok{i}"}]}))
+        if Stub.mode != "no_usage":  # two tokens per chunk: usage wins over counting chunks
+            send(json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2 * CHUNKS}}))
+        send("[DONE]")
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def stub(server):
+    def set_mode(mode: str) -> str:
+        Stub.mode, Stub.count, Stub.seen = mode, 0, []
+        return server
+
+    yield set_mode
+    Stub.mode = "ok"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_latencies_bracket_the_stub_delays(stub):
+    url = stub("ok")
+    result = run_loadtest(LoadtestSettings(url=url + "/v1", requests=12, concurrency=[1, 4], max_tokens=16, timeout=10), {})
+    assert result["schema_version"] == 1 and result["settings"]["model"] == "stub-model"
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    assert Stub.count == 24 and all(r["model"] == "stub-model" and r["stream"] and r["max_tokens"] == 16 for r in Stub.seen)
+    for lv in result["levels"]:
+        assert lv["completed"] == 12 and lv["failed"] == 0 and lv["failures"] == {}
+        assert lv["total_output_tokens"] == 12 * 2 * CHUNKS  # from usage.completion_tokens
+        assert lv["ttft"]["p50_ms"] >= FIRST_S * 1e3
+        assert lv["itl"]["p50_ms"] >= BETWEEN_S * 1e3
+        assert lv["e2e"]["p50_ms"] >= (FIRST_S + (CHUNKS - 1) * BETWEEN_S) * 1e3
+        assert lv["e2e"]["p50_ms"] < 1000 and lv["ttft"]["p99_ms"] <= lv["e2e"]["p99_ms"]
+        assert lv["tpot"]["p50_ms"] > 0
+        assert lv["request_throughput"] == pytest.approx(12 / lv["wall_s"])
+        assert lv["output_token_throughput"] == pytest.approx(lv["total_output_tokens"] / lv["wall_s"])
+    # four in flight finish the same work faster than one
+    assert result["levels"][1]["wall_s"] < result["levels"][0]["wall_s"]
+    json.dumps(result)
+
+
+def test_without_usage_tokens_are_chunks_and_the_key_is_sent(stub):
+    url = stub("no_usage")
+    s = LoadtestSettings(url=url, model="mine", requests=3, concurrency=[2], api_key="sekret", timeout=10)
+    result = run_loadtest(s, {})
+    assert result["levels"][0]["total_output_tokens"] == 3 * CHUNKS
+    assert {r["auth"] for r in Stub.seen} == {"Bearer sekret"} and {r["model"] for r in Stub.seen} == {"mine"}
+    assert result["settings"]["api_key"] == "***"
+
+
+def test_poisson_arrivals(stub):
+    url = stub("ok")
+    result = run_loadtest(LoadtestSettings(url=url, requests=6, concurrency=[8], rate=50, timeout=10), {})
+    assert result["levels"][0]["completed"] == 6 and Stub.count == 6
+
+
+@pytest.mark.parametrize("mode, failures", [("fail_every_3", {"http_500": 3}), ("429", {"http_429": 9}), ("malformed", {"malformed_stream": 9})])
+def test_failures_are_counted_by_kind(stub, mode, failures):
+    url = stub(mode)
+    lv = run_loadtest(LoadtestSettings(url=url, requests=9, concurrency=[3], timeout=10), {})["levels"][0]
+    assert lv["failures"] == failures and lv["failed"] == sum(failures.values()) and lv["completed"] == 9 - lv["failed"]
+    assert set(lv["failure_examples"]) == set(failures)
+
+
+def test_request_timeout_and_level_deadline(stub):
+    url = stub("ok")
+    lv = run_loadtest(LoadtestSettings(url=url, requests=2, concurrency=[2], timeout=0.01), {})["levels"][0]
+    assert lv["failures"] == {"timeout": 2}
+    lv = run_loadtest(LoadtestSettings(url=url, requests=40, concurrency=[1], timeout=10, max_duration=0.2), {})["levels"][0]
+    assert lv["failures"].get("deadline", 0) >= 30 and lv["completed"] + lv["failed"] == 40 and Stub.count < 40
+
+
+def test_bad_settings_and_unreachable_server():
+    for kwargs in ({"url": "localhost:8000"}, {"url": "ftp://x"}, {"url": "http://x", "requests": 0},
+                   {"url": "http://x", "concurrency": [0]}, {"url": "http://x", "rate": -1}, {"url": "http://x", "max_tokens": 0}):
+        with pytest.raises(UsageError):
+            run_loadtest(LoadtestSettings(**kwargs), {})
+    with pytest.raises(EndpointError, match="cannot reach"):
+        run_loadtest(LoadtestSettings(url=f"http://127.0.0.1:{free_port()}", requests=1, timeout=5), {})
+    assert base_url("http://h:1/v1/") == base_url("http://h:1") == "http://h:1"
+
+
+def test_cli_table_json_and_plot(stub, capsys, tmp_path):
+    url = stub("fail_every_3")
+    pytest.importorskip("matplotlib")
+    code, out, err = cli(capsys, "loadtest", url, "--requests", "6", "--concurrency", "1,2", "--max-tokens", "8",
+                         "--json", str(tmp_path / "lt.json"), "--plot", str(tmp_path / "lt.png"))
+    assert code == 0, err
+    assert "loadtest" in out and "TTFT p50" in out and "http_500" in out
+    data = json.loads((tmp_path / "lt.json").read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2] and "environment" in data
+    assert data["levels"][0]["failures"] == {"http_500": 2}
+    assert (tmp_path / "lt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_errors_are_one_line(stub, capsys, monkeypatch):
+    url = stub("429")
+    code, out, err = cli(capsys, "loadtest", url, "--requests", "2", "--concurrency", "1")
+    assert_one_line_error(code, err, EndpointError.exit_code, "every request failed: 2 x http_429")
+    assert "loadtest" in out  # the table is printed first
+    code, _, err = cli(capsys, "loadtest", f"http://127.0.0.1:{free_port()}", "--requests", "1")
+    assert_one_line_error(code, err, EndpointError.exit_code, "cannot reach")
+    code, _, err = cli(capsys, "loadtest", "not-a-url")
+    assert_one_line_error(code, err, UsageError.exit_code, "'not-a-url' is not an http:// or https:// URL")
+    code, _, err = cli(capsys, "loadtest", url, "--requests", "0")
+    assert_one_line_error(code, err, UsageError.exit_code, "--requests must be at least 1")
+    code, _, err = cli(capsys, "loadtest", url, "--concurrency", "1,x")
+    assert_one_line_error(code, err, UsageError.exit_code, "--concurrency")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "httpx" else object())
+    code, _, err = cli(capsys, "loadtest", url)
+    assert_one_line_error(code, err, 10, "pip install 'gpt2x[serve]'")
+
+
+def test_help_has_examples(capsys):
+    code, out, _ = cli(capsys, "loadtest", "--help")
+    assert code == 0 and "Example" in out and "--concurrency" in out
