@@ -22,6 +22,8 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
+# Prompts of different lengths: generated as one batch, they exercise left padding.
+PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
 TINY = dict(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
 
 

@@ -18,10 +18,9 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows import export_model
 
-from .conftest import make_hf_model
+from .conftest import PROMPTS, make_hf_model
 
 pytestmark = pytest.mark.cuda
-PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
 
 
 @pytest.fixture(scope="module")

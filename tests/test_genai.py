@@ -31,9 +31,10 @@ from gpt2x.tokenizer import EOT_ID
 from gpt2x.workflows import export_backend
 from gpt2x.workflows import export_model as export
 
+from .conftest import PROMPTS as BATCH_PROMPTS
 from .conftest import make_hf_model
 
-PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east", ""]
+PROMPTS = [*BATCH_PROMPTS, ""]  # and an empty prompt, which starts from <|endoftext|>
 REL_TOL = parity.TOLERANCES[Precision.fp32].max_rel
 
 

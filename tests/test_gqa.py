@@ -28,9 +28,7 @@ from gpt2x.runtime.ort import OrtBackend, SharedKVCache
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows import export_model as export
 
-from .conftest import make_hf_model
-
-PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
+from .conftest import PROMPTS, make_hf_model
 
 
 def as_gqa(info, folder):

@@ -25,10 +25,8 @@ from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows import export_backend
 from gpt2x.workflows import export_model as export
 
-from .conftest import make_hf_model
+from .conftest import PROMPTS, make_hf_model
 from .test_gqa import as_gqa
-
-PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ is given, sends at most `requests` requests per level, and bounds every request 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import random
 import time
@@ -25,8 +24,7 @@ from rich.table import Table
 
 from ..errors import EndpointError, UsageError
 from ..evaluate.metrics import summarize_latencies
-from ..fileio import write_atomic
-from .report import require_matplotlib
+from .report import require_matplotlib, save_png
 
 SCHEMA_VERSION = 1
 
@@ -320,8 +318,4 @@ def plot_loadtest(result: dict, path: Path) -> None:
            title=f"gpt2x loadtest: {s['model']} at {s['url']} (max_tokens {s['max_tokens']})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    save_png(fig, path)

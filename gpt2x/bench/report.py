@@ -80,6 +80,12 @@ def plot(result: dict, path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    save_png(fig, path)
+
+
+def save_png(fig, path: Path) -> None:
+    """Lay out, render and close a matplotlib figure, and write it to `path` atomically as a PNG."""
+    plt = require_matplotlib()
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -38,13 +38,13 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
 
-from ..choices import Precision, ProviderKind
+from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.interop import GENAI_CONFIG_FILE
 from ..tokenizer import EOT_ID
-from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores
+from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
 
@@ -104,11 +104,7 @@ class GenaiBackend:
     accepts_past = False  # the generator owns its cache: parity compares whole sequences
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
-        if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
-            raise ProviderError(
-                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
-                "(run it on the cuda provider, or export fp32 or int8 for the CPU)"
-            )
+        refuse_fp16_on_cpu(info, provider)
         if provider is not ProviderKind.cpu and ORT_PROVIDERS[provider] not in ort.get_available_providers():
             raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {ORT_PROVIDERS[provider]}; {CUDA_HELP}")
         self.info = info

@@ -32,14 +32,14 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 
-from ..choices import Precision, ProviderKind
+from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .providers import physical_cores
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, zeroed_arrays
+from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
-KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and grows by at least
 
 
 def _first_line(e: Exception) -> str:
@@ -49,46 +49,9 @@ def _first_line(e: Exception) -> str:
     return (useful or lines or [type(e).__name__])[-1]
 
 
-class _Buffers:
-    """One (B, H, capacity, D) float32 array per layer and key/value; `length` is the number of
-    positions written, -1 once the cache moved to larger buffers."""
-
-    def __init__(self, arrays: list[np.ndarray], length: int = 0):
-        self.arrays = arrays
-        self.length = length
-
-    @property
-    def capacity(self) -> int:
-        return self.arrays[0].shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.arrays[0].shape[0]
-
-
-class OpenVinoKVCache:
-    """A view of KV buffers holding positions [0, length). A step writes positions `length` onward
-    into the same buffers and returns a new view; the view it was given is then stale, and stepping
-    from it again is refused (it would overwrite positions the newer view holds)."""
-
-    def __init__(self, buffers: _Buffers, length: int):
-        self.buffers = buffers
-        self.length = length
-
-    @property
-    def capacity(self) -> int:
-        return self.buffers.capacity
-
-    @property
-    def arrays(self) -> list[np.ndarray]:
-        return self.buffers.arrays
-
-    @property
-    def stale(self) -> bool:
-        return self.buffers.length != self.length
-
-    def filled(self) -> list[np.ndarray]:
-        return [a[:, :, : self.length] for a in self.buffers.arrays]
+class OpenVinoKVCache(KVCacheView):
+    """A view of the cache's buffers holding positions [0, length) (kvbuffers.py: stepping from a
+    stale view is refused)."""
 
 
 class OpenVinoBackend:
@@ -101,11 +64,7 @@ class OpenVinoBackend:
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:
             raise ProviderError(f"OpenVINO has no {provider.value.upper()} device here; it runs exports on the cpu provider only")
-        if info.precision is Precision.fp16:
-            raise ProviderError(
-                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
-                "(OpenVINO runs fp32 and int8 exports on the CPU)"
-            )
+        refuse_fp16_on_cpu(info, provider, "OpenVINO runs fp32, int8 and int4 exports on the CPU")
         self.info = info
         self.model_name = info.meta["model"]["name"]
         self.cfg = info.config
@@ -142,15 +101,10 @@ class OpenVinoBackend:
 
     # -- the KV cache
 
-    def _buffers(self, batch: int, capacity: int, keep: OpenVinoKVCache | None = None) -> _Buffers:
+    def _buffers(self, batch: int, capacity: int, keep: OpenVinoKVCache | None = None) -> KVBuffers:
         """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        buffers = _Buffers([np.zeros(shape, dtype=np.float32) for _ in range(2 * self.cfg.n_layer)])
-        if keep is not None:
-            for new, old in zip(buffers.arrays, keep.filled()):
-                new[:, :, : keep.length] = old
-            buffers.length = keep.length
-        return buffers
+        return KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, np.float32, keep), keep.length if keep else 0)
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> OpenVinoKVCache:
         length = arrays[0].shape[2]
@@ -166,7 +120,7 @@ class OpenVinoBackend:
     def reorder(self, past: OpenVinoKVCache, rows: np.ndarray) -> OpenVinoKVCache:
         """New buffers with the batch rows gathered by `rows` (beam search)."""
         rows = np.asarray(rows, dtype=np.int64)
-        return OpenVinoKVCache(_Buffers([a[rows] for a in past.arrays], past.length), past.length)
+        return OpenVinoKVCache(KVBuffers([a[rows] for a in past.arrays], past.length), past.length)
 
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""
@@ -182,27 +136,17 @@ class OpenVinoBackend:
     def step(self, input_ids, attention_mask, position_ids, past):
         return self._forward(input_ids, attention_mask, position_ids, past, last_only=True)
 
-    def _prepare(self, batch: int, seq: int, attention_mask: np.ndarray, cache: OpenVinoKVCache | None) -> _Buffers:
+    def _prepare(self, batch: int, seq: int, attention_mask: np.ndarray, cache: OpenVinoKVCache | None) -> KVBuffers:
         """Check the step against the cache; the buffers it writes into (grown when it would overflow)."""
         length = 0 if cache is None else cache.length
-        if cache is not None and cache.stale:
-            raise ValueError("this KV cache was already stepped from (or grown into new buffers); "
-                             "step from the cache the last step returned")
+        refuse_stale(cache)
         if attention_mask.shape != (batch, length + seq):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
                              f"and the step {seq} new ones for {batch} rows")
         if cache is not None and cache.buffers.batch != batch:
             raise ValueError(f"the KV cache holds {cache.buffers.batch} rows; the step has {batch}")
-        if length + seq > self.n_positions:
-            raise ValueError(f"{length} + {seq} positions exceed the model's context ({self.n_positions})")
-        if cache is None:
-            return self._buffers(batch, min(self.n_positions, seq + KV_CAPACITY_STEP))
-        if length + seq > cache.capacity:
-            grown = max(length + seq, min(self.n_positions, cache.capacity + max(KV_CAPACITY_STEP, cache.capacity)))
-            buffers = self._buffers(batch, grown, keep=cache)
-            cache.buffers.length = -1  # retired: every view of the old buffers is stale now
-            return buffers
-        return cache.buffers
+        return buffers_for_step(cache, seq, self.n_positions, KV_CAPACITY_STEP,
+                                lambda capacity, keep: self._buffers(batch, capacity, keep))
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: OpenVinoKVCache | None, last_only: bool):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -225,7 +169,7 @@ class OpenVinoBackend:
         buffers.length = length + T
         return logits, OpenVinoKVCache(buffers, length + T)
 
-    def _infer(self, buffers: _Buffers, row: int | None, input_ids, mask, position_ids, length: int,
+    def _infer(self, buffers: KVBuffers, row: int | None, input_ids, mask, position_ids, length: int,
                last_only: bool) -> np.ndarray:
         """One inference over `buffers` (or one batch row of them); writes the new positions into the
         buffers and returns a view of the logits (all positions, or the last), valid until the next."""

@@ -17,53 +17,27 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .providers import create_session, gather_model
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, zeroed_arrays
+from .providers import create_session, gather_model, refuse_fp16_on_cpu
 
-KV_CAPACITY_STEP = 256  # positions a shared KV cache holds beyond its first step, and grows by at least
 
+class _KVBuffers(KVBuffers):
+    """KV buffers with the OrtValues over the same memory, and the IO binding that binds them as past
+    and present."""
 
-class _KVBuffers:
-    """Fixed-capacity KV buffers, one (B, H, capacity, D) host array per layer and key/value, the
-    OrtValues over the same memory, and the IO binding that binds them as past and present."""
-
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = arrays
+    def __init__(self, arrays: list[np.ndarray], length: int = 0):
+        super().__init__(arrays, length)
         self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]  # no copy: same memory
         self.binding = None  # an IOBinding with these buffers bound as past and present, reused
-        self.length = 0  # positions written so far; -1 once the cache moved to larger buffers
-
-    @property
-    def capacity(self) -> int:
-        return self.arrays[0].shape[2]
 
 
-class SharedKVCache:
-    """A view of shared KV buffers holding positions [0, length). A step writes positions `length`
-    onward into the same buffers and returns a new view; the view it was given is then stale, and
-    stepping from it again is refused (it would overwrite positions the newer view holds)."""
-
-    def __init__(self, buffers: _KVBuffers, length: int):
-        self.buffers = buffers
-        self.length = length
-
-    @property
-    def capacity(self) -> int:
-        return self.buffers.capacity
-
-    @property
-    def arrays(self) -> list[np.ndarray]:
-        return self.buffers.arrays
+class SharedKVCache(KVCacheView):
+    """A view of the shared KV buffers a GroupQueryAttention graph reads as past and writes as present
+    (kvbuffers.py: stepping from a stale view is refused)."""
 
     @property
     def values(self) -> list:
         return self.buffers.values
-
-    @property
-    def stale(self) -> bool:
-        return self.buffers.length != self.length
-
-    def filled(self) -> list[np.ndarray]:
-        return [a[:, :, : self.length] for a in self.buffers.arrays]
 
 
 class OrtBackend:
@@ -76,11 +50,7 @@ class OrtBackend:
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  shared_kv: bool | None = None):
-        if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
-            raise ProviderError(
-                f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only "
-                "(run it on the cuda provider, or export fp32, int8 or int4 for the CPU)"
-            )
+        refuse_fp16_on_cpu(info, provider)
         self.info = info
         self.model_name = info.meta["model"]["name"]  # the model the export was made from
         self.cfg = info.config
@@ -175,31 +145,16 @@ class OrtBackend:
     def _shared_buffers(self, batch: int, capacity: int, keep: SharedKVCache | None = None) -> _KVBuffers:
         """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        buffers = _KVBuffers([np.zeros(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
-        if keep is not None:
-            for new, old in zip(buffers.arrays, keep.filled()):
-                new[:, :, : keep.length] = old
-            buffers.length = keep.length
-        return buffers
+        return _KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, self.kv_dtype, keep), keep.length if keep else 0)
 
     def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None):
         B, T = input_ids.shape
         length = 0 if cache is None else cache.length
-        if cache is not None and cache.stale:
-            raise ValueError("this KV cache was already stepped from (or reordered into new buffers); "
-                             "step from the cache the last step returned")
+        refuse_stale(cache)
         if attention_mask.shape[1] != length + T:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the cache holds {length} + {T} new")
-        if length + T > self.n_positions:
-            raise ValueError(f"{length} + {T} positions exceed the model's context ({self.n_positions})")
-        if cache is None:
-            buffers = self._shared_buffers(B, min(self.n_positions, T + KV_CAPACITY_STEP))
-        elif length + T > cache.capacity:
-            grown = max(length + T, min(self.n_positions, cache.capacity + max(KV_CAPACITY_STEP, cache.capacity)))
-            buffers = self._shared_buffers(B, grown, keep=cache)
-            cache.buffers.length = -1  # retired: every view of the old buffers is stale now
-        else:
-            buffers = cache.buffers
+        buffers = buffers_for_step(cache, T, self.n_positions, KV_CAPACITY_STEP,
+                                   lambda capacity, keep: self._shared_buffers(B, capacity, keep))
         if self._needs_rows(input_ids, attention_mask):
             logits = np.concatenate([
                 self._run_in_place(buffers, [a[r : r + 1] for a in buffers.arrays], input_ids[r : r + 1],
@@ -239,9 +194,7 @@ class OrtBackend:
     def reorder(self, past, rows: np.ndarray):
         """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
         if isinstance(past, SharedKVCache):
-            buffers = _KVBuffers([np.ascontiguousarray(a[rows]) for a in past.arrays])
-            buffers.length = past.length
-            return SharedKVCache(buffers, past.length)
+            return SharedKVCache(_KVBuffers([np.ascontiguousarray(a[rows]) for a in past.arrays], past.length), past.length)
         if self.device == "cpu":
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
         if self._reorder_session is None:

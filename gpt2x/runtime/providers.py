@@ -9,9 +9,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ..choices import ProviderKind
+from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError
-from ..onnx.artifact import IR_VERSION
+from ..onnx.artifact import IR_VERSION, ExportInfo
 
 ORT_PROVIDERS = {ProviderKind.cpu: "CPUExecutionProvider", ProviderKind.cuda: "CUDAExecutionProvider"}
 CUDA_HELP = (
@@ -82,3 +82,10 @@ def available_providers() -> dict[str, Any]:
         except ProviderError as e:
             loadable[kind.value] = str(e)
     return {"listed": listed, "loadable": loadable}
+
+
+def refuse_fp16_on_cpu(info: ExportInfo, provider: ProviderKind,
+                       hint: str = "run it on the cuda provider, or export fp32, int8 or int4 for the CPU") -> None:
+    """fp16 exports run on CUDA only (their kernels are the GPU's): one ProviderError, with `hint`."""
+    if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
+        raise ProviderError(f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only ({hint})")
