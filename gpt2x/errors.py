@@ -76,5 +76,11 @@ class EndpointError(Gpt2xError):
     exit_code = 11
 
 
+class ServeError(Gpt2xError):
+    """`gpt2x serve` could not start: Ray, or the replicas, failed (the message says which and why)."""
+
+    exit_code = 12
+
+
 # Ctrl-C: the shell convention, 128 + SIGINT.
 INTERRUPTED_EXIT_CODE = 130

@@ -203,17 +203,27 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
         return torch_backend(loaded[0], provider, name, precision or Precision.fp32, threads)
 
     require_runtime(backend)
-    wanted = precision or Precision.fp32
+    info = resolve_export(model, revision, precision, onnx_dir, loaded, progress, notice)
+    progress(f"loading {info.folder} on {backend.value} ({provider.value})")
+    return export_backend(backend, info, provider, threads)
+
+
+def resolve_export(model: str | None = None, revision: str | None = None, precision: Precision | None = None,
+                   onnx_dir: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
+                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+    """The export the user's choices name: `onnx_dir` (checked against `model` when one is named, and
+    against `precision` when one is asked for), or the default folder of model and precision,
+    exported first when missing."""
     if onnx_dir is None:
-        info = ensure_export(model or DEFAULT_MODEL, wanted, revision, loaded=loaded, progress=progress, notice=notice)
+        info = ensure_export(model or DEFAULT_MODEL, precision or Precision.fp32, revision, loaded=loaded,
+                             progress=progress, notice=notice)
     else:
         info = read_export(onnx_dir)
         if model is not None:
             check_export_matches(info, model, revision)
     if precision is not None and info.precision is not precision:
         raise UsageError(f"{info.folder} is a {info.precision.value} export, not {precision.value}")
-    progress(f"loading {info.folder} on {backend.value} ({provider.value})")
-    return export_backend(backend, info, provider, threads)
+    return info
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
-from . import bench, export, generate, info, inspect, loadtest, train
+from . import bench, export, generate, info, inspect, loadtest, serve, train
 from .options import Status, err, version_callback
 
 app = typer.Typer(
@@ -25,7 +25,8 @@ app = typer.Typer(
     "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch\n\n"
     "  gpt2x export --model shakespeare --precision int8\n\n"
     "  gpt2x bench --model random:gpt2 --batch 1,4\n\n"
-    "  gpt2x inspect gpt2 --seq-len 8",
+    "  gpt2x inspect gpt2 --seq-len 8\n\n"
+    "  gpt2x serve --model shakespeare",
 )
 @app.callback()
 def root(
@@ -45,7 +46,7 @@ def root(
     Status.enabled = not quiet
 
 
-for command in (generate, export, inspect, train, bench, info, loadtest):
+for command in (generate, export, inspect, train, bench, info, serve, loadtest):
     name = command.__name__.rsplit(".", 1)[1]
     app.command(name, epilog=command.EPILOG)(getattr(command, name))
 

@@ -71,6 +71,7 @@ class Status:
     def __exit__(self, *exc) -> None:
         if self._status is not None:
             self._status.__exit__(*exc)
+            self._status = None
 
 
 def read_prompts_file(path: Path) -> list[str]:

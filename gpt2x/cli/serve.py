@@ -1,0 +1,97 @@
+"""`gpt2x serve`: an export behind an OpenAI-compatible completions API on Ray Serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..choices import BackendKind, ProviderKind
+from ..errors import MissingDependencyError, UsageError
+from ..workflows import require_provider, resolve_export
+from .options import ModelOptional, PrecisionOpt, RevisionOpt, Status, ThreadsOpt, err, notice, out, progress_to
+
+EPILOG = ("Examples:\n\n"
+    "  gpt2x serve --model shakespeare\n\n"
+    "  gpt2x serve --onnx exported/gpt2-int8 --replicas 2 --port 8000\n\n"
+    "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
+    "  gpt2x serve --onnx /shared/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
+    "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
+    "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
+
+SERVE_MODULES = ("ray", "fastapi", "httpx")
+
+
+def require_serve_extra() -> None:
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingDependencyError(f"gpt2x serve needs {', '.join(missing)}: pip install 'gpt2x[serve]'")
+
+
+def serve(
+    model: ModelOptional = None,
+    revision: RevisionOpt = None,
+    precision: PrecisionOpt = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: exported/<model>-<precision>, made first if missing).")] = None,
+    backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
+    provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
+    threads: ThreadsOpt = None,
+    replicas: Annotated[int, typer.Option(help="Replicas, each with the model loaded once.")] = 1,
+    host: Annotated[str, typer.Option(help="Address to bind (127.0.0.1: this machine only; 0.0.0.0 for every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    address: Annotated[Optional[str], typer.Option(help="An existing Ray cluster (ray://HEAD:10001 or auto) instead of a local Ray instance.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", show_default=False,
+                                                   help="Require Authorization: Bearer KEY on every request.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the export's model name).")] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Requests decoded together per replica (1: no batching).")] = 16,
+    max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
+    continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
+    batch_wait_ms: Annotated[float, typer.Option(help="A new batch waits this long for requests arriving together.")] = 2.0,
+    cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
+) -> None:
+    """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health) until Ctrl-C or SIGTERM."""
+    require_serve_extra()
+    from ..serve.deploy import ReplicaConfig, ServeSettings, describe, serve_until_stopped
+    from ..serve.engine import EngineSettings
+
+    if backend is BackendKind.torch:
+        raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
+    if max_batch_size < 1 or max_waiting < 0 or batch_wait_ms < 0:
+        raise UsageError("--max-batch-size must be >= 1, --max-waiting and --batch-wait-ms >= 0")
+    settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica)
+    settings.validate()
+    if address is None:
+        require_provider([backend], provider)
+    with Status("preparing the export") as status:
+        info = resolve_export(model, revision, precision, onnx_dir, progress=progress_to(status), notice=notice)
+    config = ReplicaConfig(
+        export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
+        provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
+        engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
+                              batch_wait_s=batch_wait_ms / 1000),
+        api_key=api_key or None,
+    )
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")
+
+    def ready(url: str) -> None:
+        status.__exit__(None, None, None)
+        if as_json:
+            print(json.dumps(describe(config, settings)), flush=True)
+        else:
+            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s), {backend.value} on {provider.value}); "
+                      "Ctrl-C to stop", markup=False)
+        err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
+
+    status = Status("starting Ray Serve")
+    status.__enter__()
+    try:
+        serve_until_stopped(config, settings, ready, progress_to(status))
+    finally:
+        status.__exit__(None, None, None)
+    err.print("stopped", markup=False)

@@ -1,0 +1,145 @@
+"""What one replica serves, independent of the HTTP framework: the backend opened from an export,
+its engine, and completions as a whole response or as a stream of server-sent events.
+
+The engine's thread hands each token to the request's asyncio loop (call_soon_threadsafe); a request
+whose consumer goes away (client disconnected, stop string found, server stopping) cancels its rows,
+which leave the batch before the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+from collections.abc import AsyncIterator
+
+from ..generation.settings import SamplingSettings
+from ..runtime.base import Backend
+from . import protocol as api
+from .engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
+
+
+class CompletionService:
+    def __init__(self, backend: Backend, engine: EngineSettings, model_id: str, replica: str = ""):
+        self.backend = backend
+        self.model_id = model_id
+        self.replica = replica  # which replica answered /health (Ray Serve's replica id)
+        self.created = int(time.time())
+        self.engine = Engine(backend, engine).start()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def models(self) -> dict:
+        return api.model_list(self.model_id, self.created, self.backend.n_positions)
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.model_id, "replica": self.replica, "backend": self.backend.name,
+                "provider": self.backend.provider.value, **self.engine.stats(),
+                "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "rss_mb": _rss_mb()}
+
+    def parse(self, raw: bytes) -> api.CompletionRequest:
+        return api.parse_request(raw, self.model_id, self.backend.n_positions)
+
+    def submit(self, req: api.CompletionRequest) -> Pending:
+        """Queue the request's prompts in the engine (all or none), before any response is started:
+        a full queue is a 429, a server shutting down a 503."""
+        pending = Pending(req, asyncio.get_running_loop())
+        try:
+            self.engine.submit(pending.rows)
+        except QueueFull as e:
+            raise api.APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_exceeded",
+                               code="queue_full") from None
+        except EngineClosed:
+            raise api.APIError(503, "the server is shutting down", "server_error", code="unavailable") from None
+        return pending
+
+    async def complete(self, pending: Pending) -> dict:
+        """The whole response, as OpenAI's non-streaming completions answer."""
+        req = pending.req
+        parts: list[list[str]] = [[] for _ in req.prompts]
+        reasons: list[str | None] = [None] * len(req.prompts)
+        async for index, delta, reason in pending.events():
+            parts[index].append(delta)
+            reasons[index] = reason or reasons[index]
+        choices = [api.choice(i, "".join(p), reasons[i]) for i, p in enumerate(parts)]
+        return api.completion(req, choices, api.usage(req, pending.texts))
+
+    async def stream(self, pending: Pending) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per released piece of text, a chunk with each choice's
+        finish_reason, a usage chunk if asked for, then `data: [DONE]`."""
+        req = pending.req
+        try:
+            async for index, delta, reason in pending.events():
+                yield api.sse(api.completion(req, [api.choice(index, delta, reason)], None))
+        except api.APIError as e:  # the status line is sent already: the error is the last event
+            yield api.sse(e.body())
+            yield api.sse("[DONE]")
+            return
+        if req.include_usage:
+            yield api.sse(api.completion(req, [], api.usage(req, pending.texts)))
+        yield api.sse("[DONE]")
+
+
+class Pending:
+    """A request's rows in the engine, the queue their tokens arrive on, and each choice's text."""
+
+    def __init__(self, req: api.CompletionRequest, loop: asyncio.AbstractEventLoop):
+        self.req = req
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.texts = [api.ChoiceText(req.stop) for _ in req.prompts]
+        self.rows = []
+        for index, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
+            settings = SamplingSettings(
+                max_new_tokens=budget, greedy=req.temperature == 0, temperature=req.temperature or 1.0,
+                top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+            )
+
+            def sink(kind: str, value: object, index: int = index) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
+
+            self.rows.append(Row(ids, settings, sink))
+
+    def cancel(self) -> None:
+        for row in self.rows:
+            row.cancel()  # a no-op for finished rows; frees the rows of a request that left early
+
+    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, text, finish_reason or None) as each choice's text is released; each choice
+        ends with one event carrying its finish_reason. Leaving early cancels every row."""
+        if self.req.echo:
+            for i, prompt in enumerate(self.req.prompts):
+                yield i, prompt, None
+        open_rows = len(self.rows)
+        try:
+            while open_rows:
+                index, kind, value = await self.queue.get()
+                text = self.texts[index]
+                if text.stopped:
+                    continue  # already ended by a stop string; what the row sent after is dropped
+                if kind == "token":
+                    delta = text.push(int(value))
+                    if text.stopped:  # a stop string ended it: the row need not run on
+                        self.rows[index].cancel()
+                        open_rows -= 1
+                        yield index, delta, "stop"
+                    elif delta:
+                        yield index, delta, None
+                elif kind == "done":
+                    open_rows -= 1
+                    yield index, text.finish(), api.finish_reason(str(value), text)
+                else:
+                    raise api.APIError(500, str(value), "server_error")
+        finally:
+            self.cancel()
+
+
+def _rss_mb() -> float | None:
+    """Resident memory now, from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except OSError:
+        return None
+    return round(pages * resource.getpagesize() / 2**20, 1)
