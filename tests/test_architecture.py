@@ -117,3 +117,9 @@ def test_a_runtime_that_is_not_installed_is_one_line(deployed, backend, module, 
         r = run_gpt2x(*args, cwd=deployed, blocked=True, block=module)
         assert r.returncode == MissingDependencyError.exit_code, r.stderr
         assert r.stderr.strip().splitlines() == [f"error: the {backend} backend needs {module}, which this install lacks: {install}"]
+
+
+def test_serve_without_its_extra_is_one_line(deployed):
+    r = run_gpt2x("serve", cwd=deployed, blocked=True, block="ray")
+    assert r.returncode == MissingDependencyError.exit_code, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: gpt2x serve needs ray: pip install 'gpt2x[serve]'"]

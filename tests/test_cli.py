@@ -33,7 +33,7 @@ def assert_one_line_error(code: int, err: str, expected_code: int, fragment: str
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["generate", "export", "inspect", "train", "bench", "info", "loadtest"])
+@pytest.mark.parametrize("command", ["generate", "export", "inspect", "train", "bench", "info", "serve", "loadtest"])
 def test_every_command_has_help_with_examples(capsys, command):
     code, out, _ = cli(capsys, command, "--help")
     assert code == 0 and "Example" in out

@@ -25,8 +25,15 @@ EPILOG = ("Examples:\n\n"
 SERVE_MODULES = ("ray", "fastapi", "httpx")
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require_serve_extra() -> None:
-    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    missing = [m for m in SERVE_MODULES if not _installed(m)]
     if missing:
         raise MissingDependencyError(f"gpt2x serve needs {', '.join(missing)}: pip install 'gpt2x[serve]'")
 

@@ -78,7 +78,16 @@ class OrtBackend:
         return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self.kv_dtype, self.device, 0)
                 for _ in range(2 * self.cfg.n_layer)]
 
-    def past_from_numpy(self, arrays: list[np.ndarray]) -> list:
+    def past_from_numpy(self, arrays: list[np.ndarray]):
+        """The cache in the form this backend steps from: shared buffers (room to grow) for graphs that
+        update it in place, else OrtValues on the device."""
+        if self.shared_kv:
+            B, H, length, D = arrays[0].shape
+            buffers = self._spare_buffers(B, min(self.n_positions, length + KV_CAPACITY_STEP))
+            for buf, a in zip(buffers.arrays, arrays):
+                buf[:, :, :length] = a
+            buffers.length = length
+            return SharedKVCache(buffers, length)
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0)
                 for a in arrays]
 
@@ -147,6 +156,13 @@ class OrtBackend:
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
         return _KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, self.kv_dtype, keep), keep.length if keep else 0)
 
+    def _spare_buffers(self, batch: int, capacity: int) -> _KVBuffers:
+        """Buffers of `capacity` positions for a cache the caller fills (positions below its length).
+        The spare capacity is left unset, not zeroed: GroupQueryAttention writes each position before
+        it reads it, and zeroing capacity nobody reads was most of the cost of moving a cache."""
+        shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
+        return _KVBuffers([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
+
     def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None):
         B, T = input_ids.shape
         length = 0 if cache is None else cache.length
@@ -193,8 +209,12 @@ class OrtBackend:
 
     def reorder(self, past, rows: np.ndarray):
         """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
-        if isinstance(past, SharedKVCache):
-            return SharedKVCache(_KVBuffers([np.ascontiguousarray(a[rows]) for a in past.arrays], past.length), past.length)
+        if isinstance(past, SharedKVCache):  # only the filled positions are copied, not the spare capacity
+            buffers = self._spare_buffers(len(rows), past.capacity)
+            for new, old in zip(buffers.arrays, past.filled()):
+                new[:, :, : past.length] = old[rows]
+            buffers.length = past.length
+            return SharedKVCache(buffers, past.length)
         if self.device == "cpu":
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
         if self._reorder_session is None:

@@ -5,12 +5,13 @@ Requests that arrive together start as one batch (prefill, then one decode step 
 rows). A row that finishes (end of text, its token budget, or cancelled because its client left or
 hit a stop string) leaves the batch before the next step: its cache rows are dropped with
 `Backend.reorder`, so the batch never computes for rows nobody reads. With continuous batching on,
-waiting requests also join a running batch between decode steps: the joining step feeds the
-running rows their next token, left-padded to the joiners' prompt width (those pad slots are masked
-out, so positions and attention are unchanged), and the joiners' prompts, whose past is masked out
-entirely. The cache is then one step longer than any row needs by the joiners' prompt width; a join
-is only made when every row still fits in the model's context, and a batch that has emptied starts
-afresh.
+waiting requests also join a running batch between decode steps: they are prefilled on their own
+(one batch of joiners), sample their first token, and their cache is merged into the batch's: both
+are left-padded to the wider of the two with masked-out positions and stacked, through
+`present_to_numpy` / `past_from_numpy` (host arrays: ONNX Runtime's and OpenVINO's CPU caches live
+there anyway), and mask columns no row uses any more are dropped. A join is made only when every
+row keeps room in the model's context; a backend that cannot take a cache from arrays
+(onnxruntime-genai) batches statically.
 
 Every row samples with its own Sampler seeded by its request, one uniform per step: the tokens are
 those `gpt2x generate` gives for the same prompt, settings and seed (generation.sampling).
@@ -57,14 +58,15 @@ class EngineSettings:
     max_waiting: int = 64  # rows waiting for a place in the batch; more are refused (QueueFull)
     continuous: bool = True  # waiting rows join a running batch between decode steps
     batch_wait_s: float = 0.002  # a new batch waits this long after its first request for others
+    max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.batch_wait_s < 0:
-            raise ValueError(f"batch_wait_s must be >= 0, got {self.batch_wait_s}")
+        if self.batch_wait_s < 0 or self.max_join_delay_s < 0:
+            raise ValueError(f"batch_wait_s and max_join_delay_s must be >= 0, got {self.batch_wait_s}, {self.max_join_delay_s}")
 
 
 class Row:
@@ -76,6 +78,7 @@ class Row:
         self.settings = settings
         self.sampler = Sampler(settings)
         self.sink = sink
+        self.queued_at = time.monotonic()
         self.produced = 0
         self.finished = False
         self.cancelled = False
@@ -94,13 +97,15 @@ class Engine:
     def __init__(self, backend: Backend, settings: EngineSettings = EngineSettings()):
         self.backend = backend
         self.settings = settings
+        # Joining needs a cache that can be built from arrays (not onnxruntime-genai's): else static.
+        self.joins = settings.continuous and backend.accepts_past and settings.max_batch_size > 1
         self._waiting: deque[Row] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self.running = 0
         self._batch: list[Row] = []  # the rows of the batch in flight (the engine thread's)
-        self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "errors": 0}
+        self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "reorders": 0, "errors": 0}
 
     # -- the callers' side (any thread)
 
@@ -176,13 +181,15 @@ class Engine:
         return taken
 
     def _fits(self, rows: list[Row], joiners: list[Row], width: int | None) -> bool:
-        """Whether every row still has room in the context for its remaining tokens once `joiners`
-        join: the step that admits them makes the cache `new_width` wide, each row then samples its
-        next token from that step and needs one more position for each token after it."""
-        prompt_width = max(len(r.prompt_ids) for r in joiners)
-        new_width = prompt_width if width is None else width + prompt_width
-        need = max(r.remaining for r in rows + joiners)
-        return new_width + need - 1 <= self.backend.n_positions
+        """Whether every row keeps room in the context for its remaining tokens once `joiners` join a
+        batch whose cache is `width` wide (None: they start a new one). The merged cache is as wide
+        as the wider of the batch and the joiners' prompts; a running row samples its next token one
+        position further, a joiner its first from its own prefill."""
+        new_width = max(len(r.prompt_ids) for r in joiners)
+        if width is not None:
+            new_width = max(width, new_width)
+        need = max([r.remaining for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
+        return new_width + need <= self.backend.n_positions
 
     def _loop(self) -> None:
         while True:
@@ -211,65 +218,87 @@ class Engine:
                 self.running = 0
 
     def _run_batch(self, rows: list[Row]) -> None:
-        """Prefill `rows`, then decode until every row (including any that joined) has finished."""
+        """Prefill `rows`, then decode until every row (including any that joined) has finished.
+
+        Moving a cache costs a copy of it (and, on this kind of VM, page faults on fresh memory), so
+        finished rows are not dropped one by one: they ride along, masked and unread, until half the
+        batch has finished or a join rebuilds the cache anyway; and joins wait until enough requests
+        are waiting (a quarter of the batch) or the oldest has waited `max_join_delay_s`."""
         self.counters["batches"] += 1
+        mask, logits, past = self._prefill(rows)
+        nxt = self._sample(rows, logits)
+        while True:
+            live = [i for i, r in enumerate(rows) if not r.finished]
+            if not live:
+                return
+            if self.joins and self._join_due(len(live)):
+                rows, mask, nxt, past = self._join(rows, live, mask, nxt, past)
+                self._batch = rows
+            elif 2 * len(live) <= len(rows):  # half the batch has finished: leave, cache and all
+                rows = [rows[i] for i in live]
+                past = self.backend.reorder(past, np.asarray(live, dtype=np.int64))
+                mask, nxt = mask[live], nxt[live]
+                self.counters["reorders"] += 1
+            with self._cond:
+                self.running = sum(not r.finished for r in rows)
+            mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
+            logits, past = self.backend.step(nxt[:, None], mask, positions(mask, 1), past)
+            self.counters["steps"] += 1
+            nxt = self._sample(rows, logits)
+
+    def _join_due(self, live: int) -> bool:
+        with self._cond:
+            if not self._waiting or live >= self.settings.max_batch_size:
+                return False
+            waited = time.monotonic() - self._waiting[0].queued_at
+        return len(self._waiting) >= max(1, live // 4) or waited >= self.settings.max_join_delay_s
+
+    def _prefill(self, rows: list[Row]):
         ids, mask = left_pad([r.prompt_ids for r in rows])
         logits, past = self.backend.step(ids, mask, positions(mask, ids.shape[1]), None)
         self.counters["steps"] += 1
-        while True:
-            nxt = self._sample(rows, logits)
-            keep = [i for i, r in enumerate(rows) if not r.finished]
-            if not keep:
-                return
-            if len(keep) < len(rows):  # finished rows leave the batch, and their cache with them
-                rows = [rows[i] for i in keep]
-                past = self.backend.reorder(past, np.asarray(keep, dtype=np.int64))
-                mask, nxt = mask[keep], nxt[keep]
-            joiners = self._take(rows, mask.shape[1]) if self.settings.continuous and self._waiting else []
-            with self._cond:
-                self.running = len(rows) + len(joiners)
-            if joiners:
-                ids, mask, past = self._join(rows, joiners, nxt, mask, past)
-                rows = rows + joiners
-                self._batch = rows
-                self.counters["joins"] += 1
-            else:
-                ids = nxt[:, None]
-                mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
-            logits, past = self.backend.step(ids, mask, positions(mask, ids.shape[1]), past)
-            self.counters["steps"] += 1
+        return mask, logits, past
 
-    def _join(self, rows: list[Row], joiners: list[Row], nxt: np.ndarray, mask: np.ndarray, past):
-        """The inputs of a step that feeds `rows` their next token and `joiners` their prompts:
-        ids and mask (B + J, width), and the cache with J more rows (copies of row 0, masked out)."""
-        B, width = mask.shape
-        jids, jmask = left_pad([r.prompt_ids for r in joiners])
-        L = jids.shape[1]
-        run_ids = np.full((B, L), EOT_ID, dtype=np.int64)
-        run_ids[:, -1] = nxt
-        run_step = np.zeros((B, L), dtype=np.int64)
-        run_step[:, -1] = 1
-        ids = np.concatenate([run_ids, jids])
-        mask = np.concatenate([
-            np.concatenate([mask, run_step], axis=1),
-            np.concatenate([np.zeros((len(joiners), width), dtype=np.int64), jmask], axis=1),
-        ])
-        rows_index = np.concatenate([np.arange(B), np.zeros(len(joiners), dtype=np.int64)])
-        return ids, mask, self.backend.reorder(past, rows_index)
+    def _join(self, rows: list[Row], live: list[int], mask: np.ndarray, nxt: np.ndarray, past):
+        """Waiting rows that fit, prefilled on their own and merged with the batch's live rows (the
+        finished ones leave here): both caches are left-padded (masked out) to the wider of the two
+        and stacked, and mask columns no row uses any more are dropped. Returns the batch's rows,
+        mask, next tokens and cache."""
+        rows, mask, nxt = [rows[i] for i in live], mask[live], nxt[live]
+        joiners = self._take(rows, mask.shape[1])
+        jlive: list[int] = []
+        if joiners:
+            self.counters["joins"] += 1
+            jmask, jlogits, jpast = self._prefill(joiners)
+            jnxt = self._sample(joiners, jlogits)
+            jlive = [i for i, r in enumerate(joiners) if not r.finished]
+        if not jlive:
+            return rows, mask, nxt, self.backend.reorder(past, np.asarray(live, dtype=np.int64))
+        joiners, jmask, jnxt = [joiners[i] for i in jlive], jmask[jlive], jnxt[jlive]
+        width = max(mask.shape[1], jmask.shape[1])
+        merged_mask = np.concatenate([_pad_left(mask, width), _pad_left(jmask, width)])
+        first = int(np.argmax(merged_mask.any(axis=0)))  # leading columns masked out in every row
+        arrays = [_stack_right_aligned(a[live], b[jlive], width - first)
+                  for a, b in zip(self.backend.present_to_numpy(past), self.backend.present_to_numpy(jpast))]
+        return rows + joiners, merged_mask[:, first:], np.concatenate([nxt, jnxt]), self.backend.past_from_numpy(arrays)
 
     def _sample(self, rows: list[Row], logits: np.ndarray) -> np.ndarray:
         """Each row's next token from its own sampler; tokens are told to the rows' callbacks, and
         rows that end are marked finished (and told why)."""
         nxt = np.full(len(rows), EOT_ID, dtype=np.int64)
         for i, row in enumerate(rows):
+            if row.finished:  # riding along until the batch is compacted
+                continue
             if row.cancelled:
                 row.finished = True
+                self.counters["rows"] += 1
                 self._tell(row, "done", "cancelled")
                 continue
             tok = int(row.sampler(logits[i : i + 1])[0])
             nxt[i] = tok
             if tok == EOT_ID:
                 row.finished = True
+                self.counters["rows"] += 1
                 self._tell(row, "done", "stop")
                 continue
             row.produced += 1
@@ -277,6 +306,22 @@ class Engine:
             self._tell(row, "token", tok)
             if row.remaining <= 0:
                 row.finished = True
+                self.counters["rows"] += 1
                 self._tell(row, "done", "length")
-        self.counters["rows"] += sum(r.finished for r in rows)
         return nxt
+
+
+def _pad_left(mask: np.ndarray, width: int) -> np.ndarray:
+    """A mask (B, T) left-padded with zeros to `width` positions."""
+    return np.pad(mask, [(0, 0), (width - mask.shape[1], 0)])
+
+
+def _stack_right_aligned(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
+    """Cache arrays a (Ba, H, Ta, D) and b (Bb, H, Tb, D) stacked into one (Ba + Bb, H, width, D),
+    each aligned to the right end (zeros before; positions beyond `width` from the end are dropped:
+    they are masked out in every row)."""
+    out = np.zeros((a.shape[0] + b.shape[0], a.shape[1], width, a.shape[3]), dtype=a.dtype)
+    for rows, x in ((slice(0, a.shape[0]), a), (slice(a.shape[0], None), b)):
+        keep = min(width, x.shape[2])
+        out[rows, :, width - keep :] = x[:, :, x.shape[2] - keep :]
+    return out
