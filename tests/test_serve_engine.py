@@ -95,10 +95,21 @@ def test_every_row_equals_generate_alone(backend, mode):
                 submit(len(sinks))  # the last row ended before its 3rd token: hand on from here
             time.sleep(0.01)
         assert len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)
+        # fp32 decodes batch-invariantly (logits within 1e-5 of the row alone): every row's tokens are
+        # those of the row alone. ONNX Runtime's int8 GroupQueryAttention graph is not: a row's
+        # logits in a batch differ from its logits alone by up to ~7e-2 in plain left-padded batches
+        # (engine or not), enough to move a sampled token; there, greedy rows are compared.
+        exact = backend.info.precision is Precision.fp32 or mode == "off"
+        compared = 0
         for (ids, s), sink in zip(todo, sinks):
+            if not (exact or s.greedy):
+                assert len(sink.tokens) <= s.max_new_tokens and sink.end[0] == "done"
+                continue
             expected = reference_tokens(backend, ids, s)
             assert sink.tokens == expected, (decode(ids)[:40], s)
             assert sink.end == ("done", "stop" if len(expected) < s.max_new_tokens else "length")
+            compared += 1
+        assert compared >= 4
         stats = engine.stats()
         assert stats["rows"] == len(todo) and stats["running"] == 0 and stats["errors"] == 0
         if mode == "continuous":
@@ -184,8 +195,8 @@ def parse(body: dict, n_positions: int = 256) -> api.CompletionRequest:
 def test_defaults_caps_and_truncation():
     req = parse({"prompt": "ROMEO:"})
     assert req.max_tokens == [api.DEFAULT_MAX_TOKENS] and req.temperature == 1.0 and req.top_p == 1.0 and not req.stream
-    long = "word " * 100  # 100 tokens
-    assert parse({"prompt": long, "max_tokens": 200}, 128).max_tokens == [28]  # capped by the context
+    long = "word " * 100  # 101 tokens (the last space is one)
+    assert parse({"prompt": long, "max_tokens": 100}, 128).max_tokens == [27]  # capped by the context
     req = parse({"prompt": [long, "hi"], "truncate_prompt_tokens": 10, "max_tokens": 5})
     assert [len(p) for p in req.prompt_ids] == [10, len(encode("hi"))] and req.prompt_ids[0] == encode(long)[-10:]
     assert parse({"prompt": ""}).prompt_ids == [[EOT_ID]]
@@ -215,6 +226,8 @@ def test_stop_strings_across_tokens():
     pieces, text = release(tokens, ("zzz",))
     assert "".join(pieces) == "Hello world, friends of mine" and not text.stopped
     assert api.finish_reason("length", text) == "length" and text.tokens == len(tokens)
+    pieces, text = release(tokens, ("d, fr",))
+    assert text.tokens < len(tokens)  # usage counts the tokens up to the stop, not those after
 
 
 def test_utf8_split_across_tokens_is_released_whole():

@@ -193,13 +193,17 @@ class ChoiceText:
         self.tokens = 0  # completion tokens counted for usage
 
     def push(self, token: int) -> str:
-        """Text that can be released after `token`."""
+        """Text that can be released after `token` (nothing once a stop string has ended the text)."""
+        if self.stopped:
+            return ""
         self.tokens += 1
         self.text += self._decoder.push(token)
         return self._release(final=False)
 
     def finish(self) -> str:
         """The rest of the text, once no more tokens come."""
+        if self.stopped:
+            return ""
         self.text += self._decoder.flush()
         return self._release(final=True)
 
