@@ -10,7 +10,9 @@ export `gpt2x serve --model MODEL --precision P` would use:
 - off: max batch 1, every request alone;
 - static: max batch 32, requests that arrive together decode together; later arrivals wait for the
   whole batch to finish;
-- continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps.
+- continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps;
+- continuous-in-place (int8 only): the same on ONNX Runtime's in-place KV cache, which gpt2x serve
+  uses only when not batching; it is here to show why.
 
 `gpt2x loadtest`'s code (gpt2x.bench.loadtest.run_loadtest) drives each application, closed loop,
 streaming, at each concurrency level with max(16, 2 x concurrency) requests, and records TTFT, ITL,
@@ -42,10 +44,12 @@ from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
 
-MODES = {
-    "off": EngineSettings(max_batch_size=1, max_waiting=64, continuous=False),
-    "static": EngineSettings(max_batch_size=32, max_waiting=64, continuous=False),
-    "continuous": EngineSettings(max_batch_size=32, max_waiting=64, continuous=True),
+MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default)
+    "off": (EngineSettings(max_batch_size=1, max_waiting=64, continuous=False), None),
+    "static": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=False), None),
+    "continuous": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), None),
+    # int8 and int4 graphs only: continuous batching on the in-place cache (not serve's default)
+    "continuous-in-place": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), True),
 }
 
 
@@ -78,7 +82,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     plt = require_matplotlib()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for precision in sorted({r["precision"] for r in results}):
-        for mode, style in zip(MODES, ("o:", "s--", "^-")):
+        for mode, style in zip(MODES, ("o:", "s--", "^-", "v-.")):
             pts = sorted((r["level"]["concurrency"], r["level"]) for r in results if r["precision"] == precision and r["mode"] == mode)
             if not pts:
                 continue
@@ -119,9 +123,12 @@ def main() -> None:
         for precision in precisions:
             info = resolve_export(args.model, precision=precision, progress=log, notice=log)
             for mode in modes:
+                engine, in_place = MODES[mode]
+                if in_place and not info.attention["shared_kv_buffer"]:
+                    continue  # fp32's MultiHeadAttention graph has no in-place cache
                 name = f"{precision.value}-{mode}"
                 config = ReplicaConfig(export=str(info.folder.resolve()), model_id=args.model, threads=args.threads,
-                                       engine=MODES[mode])
+                                       engine=engine, in_place_kv=in_place)
                 log(f"starting {name}")
                 start(config, ServeSettings(port=port, cpus_per_replica=0, route_prefix=f"/{name}", app_name=name))
                 apps.append((precision.value, mode, f"http://127.0.0.1:{port}/{name}"))
@@ -149,7 +156,7 @@ def main() -> None:
     record = {
         "command": "python " + " ".join(sys.argv),
         "model": args.model, "max_tokens": args.max_tokens, "replicas": 1, "threads": args.threads,
-        "modes": {m: MODES[m].__dict__ for m in modes}, "wall_s": time.time() - began,
+        "modes": {m: {**MODES[m][0].__dict__, "in_place_kv": MODES[m][1]} for m in modes}, "wall_s": time.time() - began,
         "environment": env, "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

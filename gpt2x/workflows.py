@@ -227,11 +227,13 @@ def resolve_export(model: str | None = None, revision: str | None = None, precis
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
-                   threads: int | None = None) -> Backend:
+                   threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
     """A runtime on an export folder: ONNX Runtime, OpenVINO or onnxruntime-genai (each the same
-    `Backend`). The optional runtimes' modules are imported only once they are known to import."""
+    `Backend`). The optional runtimes' modules are imported only once they are known to import.
+    `in_place_kv` (ONNX Runtime): False keeps a growing cache even where the graph could update one
+    in place (None: in place wherever it can)."""
     if backend is BackendKind.ort:
-        return OrtBackend(info, provider, threads)
+        return OrtBackend(info, provider, threads, shared_kv=in_place_kv if in_place_kv is False else None)
     require_runtime(backend)
     if backend is BackendKind.openvino:
         from .runtime.openvino import OpenVinoBackend

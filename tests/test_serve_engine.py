@@ -27,11 +27,23 @@ LINES = [line for line in (REPO / "tests/data/tinyshakespeare.txt").read_text().
 LONG = encode(" ".join(LINES[300:340]))[:150]  # a prompt that only fits beside short rows
 
 
-@pytest.fixture(scope="module", params=[Precision.fp32, Precision.int8])
-def backend(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("engine") / f"shakespeare-{request.param.value}"
-    export_by_name("shakespeare", folder, request.param)
-    return OrtBackend(read_export(folder), threads=1)
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    folders = {}
+    for precision in (Precision.fp32, Precision.int8):
+        folders[precision] = tmp_path_factory.mktemp("engine") / f"shakespeare-{precision.value}"
+        export_by_name("shakespeare", folders[precision], precision)
+    return folders
+
+
+@pytest.fixture(params=["fp32", "int8-in-place", "int8-growing"])
+def backend(request, exports):
+    """fp32's growing cache, and int8's graph with its cache in place and growing (serve's default
+    when batching)."""
+    precision = Precision.fp32 if request.param == "fp32" else Precision.int8
+    b = OrtBackend(read_export(exports[precision]), threads=1, shared_kv=False if request.param == "int8-growing" else None)
+    assert b.shared_kv == (request.param == "int8-in-place")
+    return b
 
 
 class Collect:
