@@ -117,7 +117,7 @@ def main() -> None:
     levels = [int(x) for x in args.concurrency.split(",")]
 
     port = free_port()
-    ray.init(include_dashboard=False, log_to_driver=False, namespace="gpt2x-bench")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="gpt2x-bench")
     apps = []
     try:
         for precision in precisions:

@@ -61,7 +61,7 @@ def reference(export_dir):
 @pytest.fixture(scope="module")
 def server(export_dir):
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, namespace="gpt2x-tests", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="gpt2x-tests", log_to_driver=False)
     try:
         main = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1,
                              engine=EngineSettings(max_batch_size=16, max_waiting=64))

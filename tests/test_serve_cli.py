@@ -93,3 +93,42 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir):
+    """`ray start --head` (blocking, so that stopping it stops its processes), then `gpt2x serve
+    --address` onto it: it answers, and SIGTERM removes the application, not the cluster."""
+    ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
+    gcs_port, http_port = free_port(), free_port()
+    # A throwaway cluster without Ray's token authentication (the command would otherwise need the
+    # cluster's token, as any Ray driver does); its own process group, so that it can be stopped whole.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen([ray_exe, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--node-ip-address=127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = None
+    try:
+        address = f"127.0.0.1:{gcs_port}"
+        proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--address", address,
+                                 "--port", str(http_port), "--json", "--threads", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        ready = json.loads(read_line(proc, 240))
+        assert ready["ray"] == address
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, proc.stderr.read()
+        status = subprocess.run([ray_exe, "status", f"--address={address}"], capture_output=True, text=True, env=env, timeout=60)
+        assert status.returncode == 0 and head.poll() is None  # the cluster outlives the command
+        assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).status_code == 404  # the app is gone
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the head and every process it started
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(3)
+        head.wait(30)

@@ -157,7 +157,9 @@ def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = n
     if not ray.is_initialized():
         progress(f"starting Ray ({settings.address or 'a local instance'})")
         try:
-            ray.init(address=settings.address, include_dashboard=False, logging_level=logging.WARNING,
+            # "local": a new instance even where `ray start` left a cluster running on this machine
+            # (which ray.init() would otherwise join, and stop() would then shut down).
+            ray.init(address=settings.address or "local", include_dashboard=False, logging_level=logging.WARNING,
                      configure_logging=True, namespace="gpt2x")
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ServeError(f"could not start or reach Ray at {settings.address or 'a local instance'}: {e}") from None
