@@ -25,7 +25,7 @@ def export(
     revision: RevisionOpt = None,
     precision: Annotated[Precision, typer.Option(help="fp32 (reference), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
                                                       "int4 keeps the unembedding at 8 bits) or fp16 (CUDA).")] = Precision.fp32,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/<model>-<precision>).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/MODEL-PRECISION).")] = None,
     opset: Annotated[int, typer.Option(min=17, help="ONNX opset.")] = 18,
     force: Annotated[bool, typer.Option(help="Replace an existing export.")] = False,
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,

@@ -44,7 +44,7 @@ def generate(
         "torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/<model>-<precision>).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/MODEL-PRECISION).")] = None,
     threads: ThreadsOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (stops earlier at <|endoftext|> or the context limit).")] = 64,
     greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token.")] = False,

@@ -42,7 +42,7 @@ def serve(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: exported/<model>-<precision>, made first if missing).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: exported/MODEL-PRECISION, made first if missing).")] = None,
     backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
