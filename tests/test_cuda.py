@@ -74,3 +74,46 @@ def test_bundled_greedy_64_tokens_equal_torch(tmp_path):
     got = generate(OrtBackend(info, ProviderKind.cuda), PROMPTS, s)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert max(len(r.tokens) for r in got) > 32
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_serving_engine_on_cuda_equals_generate(tiny, precision):
+    """gpt2x serve's engine on the CUDA provider (rows joining a running batch, merged through the
+    host): every row's tokens equal gpt2x's generation code on that prompt alone, on CUDA."""
+    import threading
+
+    from gpt2x.serve.engine import Engine, EngineSettings, Row
+    from gpt2x.tokenizer import encode
+
+    _, infos = tiny
+    backend = OrtBackend(infos[precision], ProviderKind.cuda)
+    engine = Engine(backend, EngineSettings(max_batch_size=4, max_join_delay_s=0)).start()
+    prompts = [encode(p) for p in PROMPTS + ["ROMEO:\nBut, soft!", "Now is the winter"]]
+    results: dict[int, list[int]] = {}
+    done = threading.Semaphore(0)
+
+    def submit(i: int) -> None:
+        tokens: list[int] = []
+
+        def sink(kind, value):
+            if kind == "token":
+                tokens.append(value)
+                if len(tokens) == 2 and i + 1 < len(prompts):
+                    submit(i + 1)  # arrives while row i decodes: it joins the batch
+            else:
+                results[i] = tokens
+                done.release()
+                if len(tokens) < 2 and i + 1 < len(prompts):
+                    submit(i + 1)  # ended before handing on
+        engine.submit([Row(prompts[i], SamplingSettings(max_new_tokens=12, greedy=True), sink)])
+
+    try:
+        submit(0)
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+    finally:
+        engine.close()
+    assert engine.counters["joins"] > 0
+    for i, ids in enumerate(prompts):
+        alone = generate(backend, [""], SamplingSettings(max_new_tokens=12, greedy=True), prompt_ids=[ids])[0].tokens
+        assert results[i] == alone, i
