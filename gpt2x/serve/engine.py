@@ -231,8 +231,9 @@ class Engine:
             live = [i for i, r in enumerate(rows) if not r.finished]
             if not live:
                 return
-            if self.joins and self._join_due(len(live)):
-                rows, mask, nxt, past = self._join(rows, live, mask, nxt, past)
+            joiners = self._take([rows[i] for i in live], mask.shape[1]) if self.joins and self._join_due(len(live)) else []
+            if joiners:
+                rows, mask, nxt, past = self._join(rows, live, joiners, mask, nxt, past)
                 self._batch = rows
             elif 2 * len(live) <= len(rows):  # half the batch has finished: leave, cache and all
                 rows = [rows[i] for i in live]
@@ -259,21 +260,18 @@ class Engine:
         self.counters["steps"] += 1
         return mask, logits, past
 
-    def _join(self, rows: list[Row], live: list[int], mask: np.ndarray, nxt: np.ndarray, past):
-        """Waiting rows that fit, prefilled on their own and merged with the batch's live rows (the
-        finished ones leave here): both caches are left-padded (masked out) to the wider of the two
-        and stacked, and mask columns no row uses any more are dropped. Returns the batch's rows,
-        mask, next tokens and cache."""
+    def _join(self, rows: list[Row], live: list[int], joiners: list[Row], mask: np.ndarray, nxt: np.ndarray, past):
+        """`joiners` prefilled on their own and merged with the batch's live rows (the finished ones
+        leave here): both caches are left-padded (masked out) to the wider of the two and stacked,
+        and mask columns no row uses any more are dropped. Returns the batch's rows, mask, next
+        tokens and cache."""
+        self.counters["joins"] += 1
+        jmask, jlogits, jpast = self._prefill(joiners)
+        jnxt = self._sample(joiners, jlogits)
+        jlive = [i for i, r in enumerate(joiners) if not r.finished]
+        if not jlive:  # every joiner ended at its first token: the batch goes on as it was
+            return rows, mask, nxt, past
         rows, mask, nxt = [rows[i] for i in live], mask[live], nxt[live]
-        joiners = self._take(rows, mask.shape[1])
-        jlive: list[int] = []
-        if joiners:
-            self.counters["joins"] += 1
-            jmask, jlogits, jpast = self._prefill(joiners)
-            jnxt = self._sample(joiners, jlogits)
-            jlive = [i for i, r in enumerate(joiners) if not r.finished]
-        if not jlive:
-            return rows, mask, nxt, self.backend.reorder(past, np.asarray(live, dtype=np.int64))
         joiners, jmask, jnxt = [joiners[i] for i in jlive], jmask[jlive], jnxt[jlive]
         width = max(mask.shape[1], jmask.shape[1])
         merged_mask = np.concatenate([_pad_left(mask, width), _pad_left(jmask, width)])
