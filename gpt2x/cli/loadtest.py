@@ -43,7 +43,7 @@ def loadtest(
 ) -> None:
     """TTFT, TPOT, inter-token and end-to-end latency, throughput and failures of a streaming completions endpoint."""
     require_httpx()
-    from ..bench import loadtest as lt  # the one deferred import: httpx is an extra, the CLI imports without it
+    from ..bench import loadtest as lt  # deferred: httpx is an extra, the CLI imports without it
 
     settings = lt.LoadtestSettings(
         url=url, model=model, requests=requests, concurrency=parse_list(concurrency, int, "--concurrency"), rate=rate,

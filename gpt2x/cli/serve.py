@@ -62,6 +62,7 @@ def serve(
 ) -> None:
     """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health) until Ctrl-C or SIGTERM."""
     require_serve_extra()
+    # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
     from ..serve.deploy import ReplicaConfig, ServeSettings, describe, serve_until_stopped
     from ..serve.engine import EngineSettings
 
