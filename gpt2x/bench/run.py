@@ -24,13 +24,13 @@ from ..evaluate.parity import check
 from ..generation.generate import decode_loop
 from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
+from ..memory import peak_rss_mb, reset_peak_rss
 from ..model.anatomy import total_params
 from ..model.checkpoints import resolve_config
 from ..numerics import positions
 from ..runtime.base import Backend
 from ..tokenizer import encode
 from .roofline import cpu_read_bandwidth, gpu_copy_bandwidth, roofline_tokens_per_s
-from .system import peak_rss_mb, reset_peak_rss
 
 SCHEMA_VERSION = 1
 

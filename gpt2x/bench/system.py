@@ -80,22 +80,3 @@ def system_info() -> dict:
         "exports": str(Path("exported").resolve()),
         "git": git_revision() or "n/a",
     }
-
-
-def reset_peak_rss() -> None:
-    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) of this process."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mb() -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None

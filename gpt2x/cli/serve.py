@@ -18,7 +18,7 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x serve --model shakespeare\n\n"
     "  gpt2x serve --onnx exported/gpt2-int8 --replicas 2 --port 8000\n\n"
     "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
-    "  gpt2x serve --onnx /shared/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
+    "  gpt2x serve --onnx /mnt/exports/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
 

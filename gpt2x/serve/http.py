@@ -4,7 +4,7 @@ error with its status. The routes themselves are wired in deploy.py (Ray Serve's
 from __future__ import annotations
 
 import hmac
-import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,8 +13,6 @@ from starlette.exceptions import HTTPException
 
 from .protocol import APIError
 from .service import CompletionService
-
-log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
 API_KEY_ENV = "GPT2X_API_KEY"
@@ -84,16 +82,16 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
 
-    def models(self, request: Request) -> JSONResponse:
+    def _authorized(self, request: Request, answer: Callable[[], dict]) -> JSONResponse:
+        """`answer()` as JSON once the request's key checks out, else the 401."""
         try:
             self.authorize(request)
         except APIError as e:
             return error_response(e)
-        return JSONResponse(self.service.models())
+        return JSONResponse(answer())
+
+    def models(self, request: Request) -> JSONResponse:
+        return self._authorized(request, self.service.models)
 
     def health(self, request: Request) -> JSONResponse:
-        try:
-            self.authorize(request)
-        except APIError as e:
-            return error_response(e)
-        return JSONResponse(self.service.health())
+        return self._authorized(request, self.service.health)

@@ -9,11 +9,11 @@ which leave the batch before the next decode step.
 from __future__ import annotations
 
 import asyncio
-import resource
 import time
 from collections.abc import AsyncIterator
 
 from ..generation.settings import SamplingSettings
+from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
 from . import protocol as api
 from .engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
@@ -36,8 +36,7 @@ class CompletionService:
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_id, "replica": self.replica, "backend": self.backend.name,
                 "provider": self.backend.provider.value, **self.engine.stats(),
-                "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "rss_mb": _rss_mb()}
+                "max_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
         return api.parse_request(raw, self.model_id, self.backend.n_positions)
@@ -134,12 +133,3 @@ class Pending:
         finally:
             self.cancel()
 
-
-def _rss_mb() -> float | None:
-    """Resident memory now, from /proc (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-    except OSError:
-        return None
-    return round(pages * resource.getpagesize() / 2**20, 1)
