@@ -230,10 +230,10 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
                    threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
     """A runtime on an export folder: ONNX Runtime, OpenVINO or onnxruntime-genai (each the same
     `Backend`). The optional runtimes' modules are imported only once they are known to import.
-    `in_place_kv` (ONNX Runtime): False keeps a growing cache even where the graph could update one
-    in place (None: in place wherever it can)."""
+    `in_place_kv` (ONNX Runtime's KV cache): None updates it in place wherever the graph can, False
+    keeps a growing cache, True requires the in-place one."""
     if backend is BackendKind.ort:
-        return OrtBackend(info, provider, threads, shared_kv=in_place_kv if in_place_kv is False else None)
+        return OrtBackend(info, provider, threads, shared_kv=in_place_kv)
     require_runtime(backend)
     if backend is BackendKind.openvino:
         from .runtime.openvino import OpenVinoBackend

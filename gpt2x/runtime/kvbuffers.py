@@ -64,6 +64,18 @@ def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView |
     return arrays
 
 
+def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Callable[[int, int], KVBuffers]) -> KVBuffers:
+    """Buffers of `capacity` positions from `allocate(batch, capacity)`, holding `arrays` (B, H, P, D)
+    as their first P positions: a cache made elsewhere (past_from_numpy) or gathered rows (reorder),
+    copied once, filled positions only."""
+    batch, length = arrays[0].shape[0], arrays[0].shape[2]
+    buffers = allocate(batch, capacity)
+    for buf, a in zip(buffers.arrays, arrays):
+        buf[:, :, :length] = a
+    buffers.length = length
+    return buffers
+
+
 def refuse_stale(cache: KVCacheView | None) -> None:
     if cache is not None and cache.stale:
         raise ValueError("this KV cache was already stepped from (or grown into new buffers); "

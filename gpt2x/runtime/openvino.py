@@ -36,7 +36,7 @@ from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, zeroed_arrays
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, refuse_stale, zeroed_arrays
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -107,12 +107,9 @@ class OpenVinoBackend:
         return KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, np.float32, keep), keep.length if keep else 0)
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> OpenVinoKVCache:
-        length = arrays[0].shape[2]
-        buffers = self._buffers(arrays[0].shape[0], min(self.n_positions, length + KV_CAPACITY_STEP))
-        for buf, a in zip(buffers.arrays, arrays):
-            buf[:, :, :length] = a
-        buffers.length = length
-        return OpenVinoKVCache(buffers, length)
+        capacity = min(self.n_positions, arrays[0].shape[2] + KV_CAPACITY_STEP)
+        buffers = buffers_holding(arrays, capacity, self._buffers)
+        return OpenVinoKVCache(buffers, buffers.length)
 
     def present_to_numpy(self, present: OpenVinoKVCache) -> list[np.ndarray]:
         return [a.astype(np.float32) for a in present.filled()]  # copies
@@ -120,7 +117,8 @@ class OpenVinoBackend:
     def reorder(self, past: OpenVinoKVCache, rows: np.ndarray) -> OpenVinoKVCache:
         """New buffers with the batch rows gathered by `rows` (beam search)."""
         rows = np.asarray(rows, dtype=np.int64)
-        return OpenVinoKVCache(KVBuffers([a[rows] for a in past.arrays], past.length), past.length)
+        buffers = buffers_holding([a[rows] for a in past.filled()], past.capacity, self._buffers)
+        return OpenVinoKVCache(buffers, past.length)
 
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""

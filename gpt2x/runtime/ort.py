@@ -17,7 +17,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, zeroed_arrays
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, refuse_stale, zeroed_arrays
 from .providers import create_session, gather_model, refuse_fp16_on_cpu
 
 
@@ -82,12 +82,9 @@ class OrtBackend:
         """The cache in the form this backend steps from: shared buffers (room to grow) for graphs that
         update it in place, else OrtValues on the device."""
         if self.shared_kv:
-            B, H, length, D = arrays[0].shape
-            buffers = self._spare_buffers(B, min(self.n_positions, length + KV_CAPACITY_STEP))
-            for buf, a in zip(buffers.arrays, arrays):
-                buf[:, :, :length] = a
-            buffers.length = length
-            return SharedKVCache(buffers, length)
+            capacity = min(self.n_positions, arrays[0].shape[2] + KV_CAPACITY_STEP)
+            buffers = buffers_holding(arrays, capacity, self._spare_buffers)
+            return SharedKVCache(buffers, buffers.length)
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0)
                 for a in arrays]
 
@@ -210,10 +207,7 @@ class OrtBackend:
     def reorder(self, past, rows: np.ndarray):
         """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
         if isinstance(past, SharedKVCache):  # only the filled positions are copied, not the spare capacity
-            buffers = self._spare_buffers(len(rows), past.capacity)
-            for new, old in zip(buffers.arrays, past.filled()):
-                new[:, :, : past.length] = old[rows]
-            buffers.length = past.length
+            buffers = buffers_holding([a[rows] for a in past.filled()], past.capacity, self._spare_buffers)
             return SharedKVCache(buffers, past.length)
         if self.device == "cpu":
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
