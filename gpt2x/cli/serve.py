@@ -68,8 +68,10 @@ def serve(
 
     if backend is BackendKind.torch:
         raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
-    if max_batch_size < 1 or max_waiting < 0 or batch_wait_ms < 0:
-        raise UsageError("--max-batch-size must be >= 1, --max-waiting and --batch-wait-ms >= 0")
+    if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
+        raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
+    engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
+                            batch_wait_s=batch_wait_ms / 1000)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica)
     settings.validate()
     if address is None:
@@ -79,9 +81,7 @@ def serve(
     config = ReplicaConfig(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
-        engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
-                              batch_wait_s=batch_wait_ms / 1000),
-        api_key=api_key or None,
+        engine=engine, api_key=api_key or None,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UsageError
 from ..generation.generate import left_pad
 from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
@@ -62,11 +63,12 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+            raise UsageError(f"max_batch_size must be >= 1, got {self.max_batch_size}", option="max_batch_size")
         if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.batch_wait_s < 0 or self.max_join_delay_s < 0:
-            raise ValueError(f"batch_wait_s and max_join_delay_s must be >= 0, got {self.batch_wait_s}, {self.max_join_delay_s}")
+            raise UsageError(f"max_waiting must be >= 0, got {self.max_waiting}", option="max_waiting")
+        for name in ("batch_wait_s", "max_join_delay_s"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
 
 
 class Row:
