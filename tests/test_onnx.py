@@ -96,13 +96,51 @@ def test_step_by_step_onnx_equals_full_torch_forward(tiny):
         assert rel_err(full[:, t].numpy()[real], logits[:, 0][real]) <= REL_TOL
 
 
+@pytest.mark.parametrize("batch,past,seq", [(1, 0, 9), (3, 0, 6), (2, 5, 4), (2, 5, 1)])
+def test_logits_to_keep_gives_the_last_positions_of_the_full_logits(tiny, batch, past, seq):
+    """The graph's optional logits_to_keep input, fed directly (as a user of the graph would), against
+    the same graph's full logits and against PyTorch's; and `step` (which keeps 1) against `run`."""
+    import onnxruntime as ort
+
+    model, _, info = tiny
+    backend = OrtBackend(info)
+    rng = np.random.default_rng(batch * 10 + seq)
+    ids = rng.integers(0, 50257, (batch, past + seq), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    pos = np.maximum(mask.cumsum(-1) - 1, 0)
+    cache = backend.run(ids[:, :past], mask[:, :past], pos[:, :past], None)[1] if past else None
+    full, _ = backend.run(ids[:, past:], mask, pos[:, past:], cache)
+    feeds = {io.INPUT_IDS: ids[:, past:], io.ATTENTION_MASK: mask, io.POSITION_IDS: pos[:, past:]}
+    past_arrays = backend.present_to_numpy(cache) if past else \
+        [np.zeros((batch, model.config.n_head, 0, model.config.head_dim), np.float32)] * (2 * model.config.n_layer)
+    feeds |= dict(zip(io.input_names(model.config.n_layer)[3:], past_arrays))
+    for k in (1, 3, seq + 5):
+        got = backend.session.run([io.LOGITS], feeds | {io.LOGITS_TO_KEEP: np.array(k, np.int64)})[0]
+        assert got.shape == (batch, min(k, seq), 50257)
+        np.testing.assert_allclose(got, full[:, seq - min(k, seq):], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        torch_past = model(torch.from_numpy(ids[:, :past]), torch.from_numpy(mask[:, :past]), torch.from_numpy(pos[:, :past]))[1] if past else None
+        ref = model(torch.from_numpy(ids[:, past:]), torch.from_numpy(mask), torch.from_numpy(pos[:, past:]), torch_past,
+                    logits_to_keep=1)[0]
+    assert ref.shape == (batch, 1, 50257)
+    cache = backend.run(ids[:, :past], mask[:, :past], pos[:, :past], None)[1] if past else None
+    last, _ = backend.step(ids[:, past:], mask, pos[:, past:], cache)
+    np.testing.assert_allclose(last, full[:, -1], rtol=0, atol=1e-5)
+    assert rel_err(ref[:, -1].numpy(), last) <= REL_TOL
+    assert isinstance(backend._logits_to_keep[1], ort.OrtValue)  # the graph has the input: step used it
+
+
 def test_graph_io_names_and_fusions(tiny):
     import onnx
 
     _, _, info = tiny
     proto = onnx.load(str(info.model_path), load_external_data=False)
     n = info.config.n_layer
-    assert [i.name for i in proto.graph.input] == io.input_names(n)
+    # logits_to_keep is an overridable default: loaders that list the required inputs (Optimum,
+    # onnxruntime-genai) see exactly the conventional ones
+    assert [i.name for i in proto.graph.input] == io.input_names(n) + [io.LOGITS_TO_KEEP]
+    assert [i.name for i in OrtBackend(info).session.get_inputs()] == io.input_names(n)
     assert [o.name for o in proto.graph.output] == io.output_names(n)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
     assert dims[io.past_key(0)] == [io.BATCH, info.config.n_head, io.PAST, info.config.head_dim]
@@ -145,10 +183,121 @@ def test_truncated_graph_is_refused_even_without_hashes(tiny, tmp_path):
     shutil.copytree(info.folder, folder)
     data = (folder / "model.onnx").read_bytes()
     (folder / "model.onnx").write_bytes(data[:1000])
+    with pytest.raises(ArtifactError, match="corrupt or changed since export .1000 bytes"):
+        read_export(folder)  # the size recorded at export
+    meta = json.loads((folder / "gpt2x.json").read_text())
+    del meta["sizes"]  # an export made before sizes were recorded: the graph's own structure tells
+    (folder / "gpt2x.json").write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match="not a readable ONNX file"):
-        read_export(folder, verify_hashes=False)
+        read_export(folder)
     with pytest.raises(ArtifactError, match="cannot load"):
         create_session(folder / "model.onnx", ProviderKind.cpu)
+
+
+def test_loading_parses_no_weights_and_verify_hashes_everything(tiny, tmp_path, monkeypatch):
+    """Opening an export reads no weights (onnx.load is not called) and hashes nothing; `verify_export`
+    and `gpt2x verify` hash every file, and find a changed byte that keeps the size."""
+    import onnx
+
+    _, _, info = tiny
+    folder = tmp_path / "v"
+    shutil.copytree(info.folder, folder)
+    data = bytearray((folder / "model.onnx").read_bytes())
+    data[-100] ^= 0xFF  # inside the last weights: same size, still a well-formed protobuf
+    (folder / "model.onnx").write_bytes(bytes(data))
+
+    def refuse(*a, **k):
+        raise AssertionError("onnx.load called while opening an export")
+
+    with monkeypatch.context() as m:
+        m.setattr(onnx, "load", refuse)
+        m.setattr(onnx, "load_model", refuse)
+        m.setattr(artifact, "sha256", refuse)
+        assert read_export(folder).meta == info.meta
+    with pytest.raises(ArtifactError, match="sha256 mismatch"):
+        artifact.verify_export(folder)
+    r = run_cli("verify", str(folder))
+    assert r.returncode == ArtifactError.exit_code and "sha256 mismatch" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("verify", str(info.folder), "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["ok"] and set(got["files"]) == set(info.meta["files"])
+    assert all(got["files"][n]["bytes"] == (info.folder / n).stat().st_size for n in got["files"])
+
+
+def _external_model(folder):
+    """A model whose tensors sit in every place ONNX allows, each stored as external data in its own
+    file: an initializer, a Constant's attribute, a subgraph's initializer, a sparse initializer's
+    values, and a function's Constant."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def external(name: str, location: str):
+        t = numpy_helper.from_array(np.arange(4, dtype=np.float32), name)
+        t.ClearField("raw_data")
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+            t.external_data.add(key=k, value=v)
+        (folder / location).write_bytes(np.arange(4, dtype=np.float32).tobytes())
+        return t
+
+    then = helper.make_graph([helper.make_node("Identity", ["sub_w"], ["y_then"])], "then", [],
+                             [helper.make_tensor_value_info("y_then", TensorProto.FLOAT, [4])],
+                             initializer=[external("sub_w", "sub.bin")])
+    other = helper.make_graph([helper.make_node("Constant", [], ["y_else"], value=external("c2", "else.bin"))], "else", [],
+                              [helper.make_tensor_value_info("y_else", TensorProto.FLOAT, [4])])
+    sparse = helper.make_sparse_tensor(external("sp", "sparse.bin"), numpy_helper.from_array(np.arange(4, dtype=np.int64), "spi"), [8])
+    function = helper.make_function("local", "F", [], ["fo"], [helper.make_node("Constant", [], ["fo"], value=external("cf", "function.bin"))],
+                                    [helper.make_opsetid("", 18)])
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=external("c1", "attr.bin")),
+         helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+         helper.make_node("F", [], ["f"], domain="local")],
+        "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        initializer=[external("w", "weights.bin")], sparse_initializer=[sparse],
+    )
+    model = helper.make_model(graph, functions=[function],
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("local", 1)])
+    path = folder / "model.onnx"
+    onnx.save_model(model, str(path))  # as built: save_model would otherwise rewrite the external data
+    return path
+
+
+def test_external_data_locations_read_from_the_wire_format(tmp_path):
+    """Against onnx's own parse of the same file: every place a tensor can sit is found, nothing else."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors
+
+    path = _external_model(tmp_path)
+    proto = onnx.load(str(path), load_external_data=False)
+    reference = {e.value for t in _get_all_tensors(proto) for e in t.external_data if e.key == "location"}
+    assert reference >= {"weights.bin", "attr.bin", "sub.bin", "else.bin"}  # onnx's walk (no sparse, no functions)
+    assert artifact.external_data_locations(path) == reference | {"sparse.bin", "function.bin"}
+    (tmp_path / "sub.bin").unlink()
+    with pytest.raises(ArtifactError, match="sub.bin is missing"):
+        artifact.check_external_data(path)
+
+
+def test_truncated_or_garbage_graphs_fail_with_value_error(tiny, tmp_path):
+    """Every truncation of a real graph, and bytes that are not protobuf, give ValueError (shown as
+    'not a readable ONNX file') or, cut exactly between two fields, a file whose locations are read:
+    never another exception."""
+    _, _, info = tiny
+    data = info.model_path.read_bytes()
+    rng = np.random.default_rng(0)
+    cuts = sorted({*rng.integers(1, len(data), 200).tolist(), 1, 2, 10, len(data) - 1})
+    path = tmp_path / "cut.onnx"
+    for cut in cuts:
+        path.write_bytes(data[:cut])
+        try:
+            assert artifact.external_data_locations(path) == set()
+        except ValueError:
+            pass
+    for junk in (b"", b"\xff" * 64, b"hello world, not an onnx file", rng.bytes(4096)):
+        path.write_bytes(junk)
+        with pytest.raises(ArtifactError, match="not a readable ONNX file"):
+            artifact.check_external_data(path)
 
 
 def test_existing_output_needs_force(tiny):

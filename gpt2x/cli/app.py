@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
-from . import bench, export, generate, info, inspect, loadtest, serve, train
+from . import bench, export, generate, info, inspect, loadtest, serve, train, verify
 from .options import Status, err, version_callback
 
 app = typer.Typer(
@@ -46,7 +46,7 @@ def root(
     Status.enabled = not quiet
 
 
-for command in (generate, export, inspect, train, bench, info, serve, loadtest):
+for command in (generate, export, verify, inspect, train, bench, info, serve, loadtest):
     name = command.__name__.rsplit(".", 1)[1]
     app.command(name, epilog=command.EPILOG)(getattr(command, name))
 

@@ -139,10 +139,12 @@ class GPT2(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, KVCache]:
         """input_ids (B, T); attention_mask (B, P+T) with 1 for real tokens, 0 for padding;
-        position_ids (B, T); past_key_values: n_layer x (key, value), each (B, H, P, D).
-        Returns logits (B, T, V) and the new cache, each (B, H, P+T, D)."""
+        position_ids (B, T); past_key_values: n_layer x (key, value), each (B, H, P, D);
+        logits_to_keep: 0 for every position's logits, k > 0 for the last k only (a prefill needs 1).
+        Returns logits (B, T or min(k, T), V) and the new cache, each (B, H, P+T, D)."""
         B, T = input_ids.shape
         past_len = past_key_values[0][0].shape[2] if past_key_values else 0
         if attention_mask is None:
@@ -156,5 +158,7 @@ class GPT2(nn.Module):
             x, present = block(x, bias, past_key_values[i] if past_key_values else None)
             presents.append(present)
         x = self.ln_f(x)  # (B, T, C)
-        logits = F.linear(x, self.wte.weight)  # (B, T, V)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]  # (B, k, C): the unembedding is the largest matmul of a prefill
+        logits = F.linear(x, self.wte.weight)  # (B, T or k, V)
         return logits, presents

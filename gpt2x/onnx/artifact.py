@@ -5,18 +5,22 @@
     config.json, tokenizer.json, genai_config.json, ...
                           what Optimum, transformers(.js) and onnxruntime-genai read (interop.py)
 
-`read_export` checks the metadata and every file's sha256 on load; `ExportInfo` is what it returns.
+`read_export` checks the metadata, that every file is there at its recorded size, and where the
+graph's external data points, without parsing the weights: a process that runs an export opens it at
+the cost of ONNX Runtime's own load. `verify_export` (`gpt2x verify`) also checks every file's sha256,
+as recorded at export time. `ExportInfo` is what they return.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx.external_data_helper import uses_external_data
 
 from ..choices import Precision
 from ..errors import ArtifactError
@@ -81,8 +85,11 @@ class ExportInfo:
         return self.meta.get("attention") or attention_layout(self.meta.get("fused_operators", {}))
 
 
-def read_export(folder: Path, verify_hashes: bool = True) -> ExportInfo:
-    """Open an export folder and check its metadata and files; clear errors for each mismatch."""
+def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:
+    """Open an export folder and check its metadata, that its files are there at their recorded sizes
+    (exports made before sizes were recorded: that they are there), and that the graph's external
+    data stays inside the folder; with `verify_hashes`, every file's sha256 too (verify_export).
+    Clear errors for each mismatch."""
     meta_path = folder / METADATA_FILE
     if not folder.is_dir():
         raise ArtifactError(f"no export at {folder} (run `gpt2x export` first)")
@@ -104,10 +111,14 @@ def read_export(folder: Path, verify_hashes: bool = True) -> ExportInfo:
             raise ArtifactError(f"{meta_path}: metadata lacks {key!r}")
     if meta["tokenizer"] != BPE_SHA256:
         raise ArtifactError(f"{folder}: exported with a different tokenizer than this gpt2x ships")
+    sizes = meta.get("sizes") or {}
     for name, want in meta["files"].items():
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{folder}: {name} is missing")
+        if name in sizes and path.stat().st_size != sizes[name]:
+            raise ArtifactError(f"{folder}: {name} is corrupt or changed since export "
+                                f"({path.stat().st_size} bytes, {sizes[name]} at export)")
         if verify_hashes and sha256(path) != want:
             raise ArtifactError(f"{folder}: {name} is corrupt or changed since export (sha256 mismatch)")
     check_external_data(folder / MODEL_FILE)
@@ -119,22 +130,147 @@ def read_export(folder: Path, verify_hashes: bool = True) -> ExportInfo:
     return info
 
 
+def verify_export(folder: Path) -> ExportInfo:
+    """read_export, and every file's sha256 against the one recorded at export time."""
+    return read_export(folder, verify_hashes=True)
+
+
 def check_external_data(model_path: Path) -> None:
-    """External-data references must name files inside the export folder, and those files must exist."""
+    """External-data references must name files inside the export folder, and those files must exist.
+    Read from the protobuf's wire format (external_data_locations): the weights are skipped, not parsed."""
     try:
-        proto = onnx.load(str(model_path), load_external_data=False)
-    except Exception as e:  # protobuf's DecodeError and onnx's own errors for truncated files
-        raise ArtifactError(f"{model_path}: not a readable ONNX file ({type(e).__name__})") from None
+        locations = external_data_locations(model_path)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{model_path}: not a readable ONNX file ({e})") from None
     folder = model_path.parent.resolve()
-    for tensor in proto.graph.initializer:
-        if not uses_external_data(tensor):
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    for location in sorted(locations):
         target = (folder / location).resolve()
         if target.parent != folder:
             raise ArtifactError(f"{model_path}: external data {location!r} points outside the export folder; refused")
         if not target.is_file():
             raise ArtifactError(f"{model_path}: external data file {location} is missing")
+
+
+# ---------------------------------------------------------------- the graph's external data, from the wire format
+#
+# onnx.load parses every tensor, weights included (about 1 s for GPT-2 124M's 500 MB, every start),
+# only to read a few strings. The protobuf wire format lets a reader step over a field it does not
+# need: a length-delimited field (raw weights among them) is a length and a jump. This walks every
+# place an ONNX model can hold a tensor (initializers, sparse initializers, node attributes, subgraphs,
+# functions) and returns the external-data locations; field numbers come from onnx's own descriptors.
+
+
+def _number(message, field: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[field].number
+
+
+_MODEL_GRAPH, _MODEL_FUNCTIONS = _number(onnx.ModelProto, "graph"), _number(onnx.ModelProto, "functions")
+_GRAPH_NODES, _GRAPH_INITS = _number(onnx.GraphProto, "node"), _number(onnx.GraphProto, "initializer")
+_GRAPH_SPARSE = _number(onnx.GraphProto, "sparse_initializer")
+_FUNCTION_NODES = _number(onnx.FunctionProto, "node")
+_NODE_ATTRS = _number(onnx.NodeProto, "attribute")
+_ATTR_TENSORS = {_number(onnx.AttributeProto, f) for f in ("t", "tensors")}
+_ATTR_GRAPHS = {_number(onnx.AttributeProto, f) for f in ("g", "graphs")}
+_ATTR_SPARSE = {_number(onnx.AttributeProto, f) for f in ("sparse_tensor", "sparse_tensors")}
+_SPARSE_TENSORS = {_number(onnx.SparseTensorProto, f) for f in ("values", "indices")}
+_TENSOR_EXTERNAL = _number(onnx.TensorProto, "external_data")
+_ENTRY_KEY, _ENTRY_VALUE = _number(onnx.StringStringEntryProto, "key"), _number(onnx.StringStringEntryProto, "value")
+
+
+def _varint(buf, i: int, end: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if i >= end or shift > 63:
+            raise ValueError("truncated or malformed protobuf")
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(field number, start, end) of every length-delimited field of the message in buf[start:end];
+    the others are stepped over."""
+    i = start
+    while i < end:
+        key, i = _varint(buf, i, end)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            i = _varint(buf, i, end)[1]
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _varint(buf, i, end)
+            if i + n > end:
+                raise ValueError("truncated or malformed protobuf")
+            yield field, i, i + n
+            i += n
+        else:
+            raise ValueError(f"malformed protobuf (wire type {wire})")
+        if field == 0 or i > end:
+            raise ValueError("truncated or malformed protobuf")
+
+
+def _tensor_locations(buf, start: int, end: int, out: set[str]) -> None:
+    for field, a, b in _fields(buf, start, end):
+        if field == _TENSOR_EXTERNAL:
+            entry = {f: bytes(buf[x:y]).decode("utf-8", "replace") for f, x, y in _fields(buf, a, b)}
+            if entry.get(_ENTRY_KEY) == "location":
+                out.add(entry.get(_ENTRY_VALUE, ""))
+
+
+def _node_locations(buf, start: int, end: int, out: set[str]) -> None:
+    for field, a, b in _fields(buf, start, end):
+        if field != _NODE_ATTRS:
+            continue
+        for f, x, y in _fields(buf, a, b):
+            if f in _ATTR_TENSORS:
+                _tensor_locations(buf, x, y, out)
+            elif f in _ATTR_GRAPHS:
+                _graph_locations(buf, x, y, out)
+            elif f in _ATTR_SPARSE:
+                for g, u, v in _fields(buf, x, y):
+                    if g in _SPARSE_TENSORS:
+                        _tensor_locations(buf, u, v, out)
+
+
+def _graph_locations(buf, start: int, end: int, out: set[str]) -> None:
+    for field, a, b in _fields(buf, start, end):
+        if field == _GRAPH_INITS:
+            _tensor_locations(buf, a, b, out)
+        elif field == _GRAPH_NODES:
+            _node_locations(buf, a, b, out)
+        elif field == _GRAPH_SPARSE:
+            for g, u, v in _fields(buf, a, b):
+                if g in _SPARSE_TENSORS:
+                    _tensor_locations(buf, u, v, out)
+
+
+def external_data_locations(model_path: Path) -> set[str]:
+    """The `location` of every tensor stored as external data in the ONNX file, read without parsing
+    (or loading) the weights. ValueError for a file that is not a well-formed protobuf."""
+    with open(model_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            out: set[str] = set()
+            graphs = 0
+            for field, a, b in _fields(buf, 0, size):
+                if field == _MODEL_GRAPH:
+                    graphs += 1
+                    _graph_locations(buf, a, b, out)
+                elif field == _MODEL_FUNCTIONS:
+                    for g, u, v in _fields(buf, a, b):
+                        if g == _FUNCTION_NODES:
+                            _node_locations(buf, u, v, out)
+            if not graphs:
+                raise ValueError("no graph")
+            return out
 
 
 def save_onnx(proto: onnx.ModelProto, path: Path) -> None:

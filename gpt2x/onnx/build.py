@@ -98,7 +98,8 @@ def export(
                             share_buffer=attention["shared_kv_buffer"])
         for p in tmp.iterdir():
             p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
-        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}
+        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}  # checked by `gpt2x verify`
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}  # checked on every load
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -111,6 +112,7 @@ def export(
             "ir_version": IR_VERSION,
             "versions": versions(),
             "files": files,
+            "sizes": sizes,
             "tokenizer": BPE_SHA256,
             "io": {"inputs": io.input_names(model.config.n_layer), "outputs": io.output_names(model.config.n_layer)},
             "fused_operators": ops,

@@ -10,12 +10,18 @@ MSFT = "com.microsoft"  # the domain of ONNX Runtime's contrib operators (MultiH
 INPUT_IDS = "input_ids"  # [batch, sequence] int64
 ATTENTION_MASK = "attention_mask"  # [batch, past_sequence + sequence] int64, 1 = real token, 0 = padding
 POSITION_IDS = "position_ids"  # [batch, sequence] int64
-LOGITS = "logits"  # [batch, sequence, vocab]
+LOGITS = "logits"  # [batch, logits_sequence, vocab]: every position, or the last `logits_to_keep`
+# An optional int64 scalar input with a default of 0 (an initializer that is also a graph input, so
+# loaders that do not know it, such as Optimum and onnxruntime-genai, never see it): 0 computes the
+# logits of every position, k > 0 those of the last k only (transformers' `logits_to_keep`). A
+# generation's prefill asks for 1: the unembedding, the largest matrix, then runs on one row.
+LOGITS_TO_KEEP = "logits_to_keep"
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"
 PAST = "past_sequence_length"
 TOTAL = "total_sequence_length"  # past_sequence_length + sequence_length
+LOGITS_SEQUENCE = "logits_sequence_length"  # sequence_length, or min(logits_to_keep, sequence_length)
 
 
 def past_key(i: int) -> str:
@@ -53,7 +59,7 @@ def dynamic_axes(n_layer: int) -> dict[str, dict[int, str]]:
         INPUT_IDS: {0: BATCH, 1: SEQUENCE},
         ATTENTION_MASK: {0: BATCH, 1: TOTAL},
         POSITION_IDS: {0: BATCH, 1: SEQUENCE},
-        LOGITS: {0: BATCH, 1: SEQUENCE},
+        LOGITS: {0: BATCH, 1: LOGITS_SEQUENCE},
     }
     for i in range(n_layer):
         axes[past_key(i)] = axes[past_value(i)] = {0: BATCH, 2: PAST}

@@ -47,6 +47,7 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
             for entry in tensor.external_data:
                 if entry.key == "location":
                     entry.value = out.name + ".data"
+        keep_last_logits(opt.model)
         opt.model.ir_version = IR_VERSION
         onnx.save_model(opt.model, str(out))
         if precision is not Precision.fp16:
@@ -60,9 +61,55 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
         # The ops ONNX Runtime's converter blocks by default stay fp32; LayerNorm statistics and
         # softmax are computed in fp32 inside SkipLayerNormalization / MultiHeadAttention kernels.
         opt.convert_float_to_float16(keep_io_types=[io.LOGITS], use_symbolic_shape_infer=True)
+    keep_last_logits(opt.model)
     opt.model.ir_version = IR_VERSION
     save_onnx(opt.model, out)
     return count_ops(opt.model)
+
+
+def logits_producer(proto: onnx.ModelProto) -> onnx.NodeProto:
+    """The unembedding: the MatMul (or MatMulNBits) whose output is the logits, or is cast to them."""
+    producer = {o: n for n in proto.graph.node for o in n.output if o}
+    node = producer.get(io.LOGITS)
+    if node is not None and node.op_type == "Cast":  # fp16 graphs: fp16 logits cast to fp32
+        node = producer.get(node.input[0])
+    if node is None or node.op_type not in ("MatMul", "MatMulNBits"):
+        raise ValueError("no MatMul produces the logits")
+    return node
+
+
+def keep_last_logits(proto: onnx.ModelProto) -> None:
+    """Give the graph the optional input `logits_to_keep` (names.LOGITS_TO_KEEP; default 0 = every
+    position): the unembedding reads only the last `logits_to_keep` positions of the final hidden
+    state. It is an initializer listed among the graph's inputs, i.e. a default a caller may
+    override: loaders that do not feed it see neither a new required input nor different logits.
+    Idempotent (a graph that has it is left as it is)."""
+    graph = proto.graph
+    if any(i.name == io.LOGITS_TO_KEEP for i in graph.input):
+        return
+    unembed = logits_producer(proto)
+    hidden = unembed.input[0]  # (B, T, C)
+    kept = "logits_to_keep_hidden"  # (B, min(k, T) or T, C)
+    graph.initializer.extend([
+        helper.make_tensor(io.LOGITS_TO_KEEP, TensorProto.INT64, [], [0]),
+        helper.make_tensor("logits_to_keep_axis", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("logits_to_keep_axes", TensorProto.INT64, [1], [1]),
+        helper.make_tensor("logits_to_keep_end", TensorProto.INT64, [1], [2**63 - 1]),
+    ])
+    graph.input.append(helper.make_tensor_value_info(io.LOGITS_TO_KEEP, TensorProto.INT64, []))
+    # Slice(hidden, starts=-k, ends=end, axes=1): k = 0 starts at 0 (every position), k >= T too.
+    prelude = [
+        helper.make_node("Neg", [io.LOGITS_TO_KEEP], ["logits_to_keep_neg"], name="logits_to_keep_neg"),
+        helper.make_node("Unsqueeze", ["logits_to_keep_neg", "logits_to_keep_axis"], ["logits_to_keep_start"],
+                         name="logits_to_keep_start"),
+        helper.make_node("Slice", [hidden, "logits_to_keep_start", "logits_to_keep_end", "logits_to_keep_axes"], [kept],
+                         name="logits_to_keep_slice"),
+    ]
+    nodes = list(graph.node)
+    at = nodes.index(unembed)
+    unembed.input[0] = kept
+    del graph.node[:]
+    graph.node.extend(nodes[:at] + prelude + nodes[at:])
 
 
 @contextlib.contextmanager
@@ -169,12 +216,10 @@ INT4_HEAD_BITS = 8  # the tied unembedding's bits: 8 (int8's settings) or 4 (lik
 
 def unembedding_matmul(proto: onnx.ModelProto) -> onnx.NodeProto:
     """The MatMul that produces the logits: the tied unembedding x @ wte^T."""
-    for node in proto.graph.node:
-        if node.op_type == "MatMul" and io.LOGITS in node.output:
-            if not node.name:
-                node.name = "unembedding"  # the quantizer excludes nodes by name
-            return node
-    raise ValueError("no MatMul produces the logits")
+    node = logits_producer(proto)
+    if not node.name:
+        node.name = "unembedding"  # the quantizer excludes nodes by name
+    return node
 
 
 def _int4_options(algorithm: str, block_size: int) -> dict:

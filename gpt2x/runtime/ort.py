@@ -63,6 +63,11 @@ class OrtBackend:
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._reorder_session = None
+        # The graph's optional logits_to_keep input (exports made before it existed lack it): bound to 1
+        # by `step`, so a prefill unembeds its last position only, and to 0 (every position) by `run`.
+        overridable = {i.name for i in self.session.get_overridable_initializers()}
+        self._logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
+            if io.LOGITS_TO_KEEP in overridable else None
         layout = info.attention
         self.batched_multi_token_past = layout["batched_multi_token_past"]
         # In-place cache updates: GroupQueryAttention graphs on the CPU (int8, int4), unless turned off.
@@ -102,17 +107,23 @@ class OrtBackend:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
         """All logits (B, T, V) on the host, and the new cache: presents as device-resident OrtValues,
         or the SharedKVCache, now `T` positions longer."""
+        return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
+
+    def step(self, input_ids, attention_mask, position_ids, past):
+        """As run, but only the last position's logits (B, V), the only ones the graph computes."""
+        logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
+        return logits[:, -1], present
+
+    def _forward(self, input_ids, attention_mask, position_ids, past, keep: int):
+        """Logits of the last `keep` positions (0: every position), where the graph has logits_to_keep
+        (else every position), and the new cache."""
         if isinstance(past, SharedKVCache) or (past is None and self.shared_kv):
-            return self._run_shared(input_ids, attention_mask, position_ids, past)
+            return self._run_shared(input_ids, attention_mask, position_ids, past, keep)
         if past is None:
             past = self.empty_past(input_ids.shape[0])
         if self._needs_rows(input_ids, attention_mask):
-            return self._run_rows(input_ids, attention_mask, position_ids, past)
-        return self._run_growing(input_ids, attention_mask, position_ids, past)
-
-    def step(self, input_ids, attention_mask, position_ids, past):
-        logits, present = self.run(input_ids, attention_mask, position_ids, past)
-        return logits[:, -1], present
+            return self._run_rows(input_ids, attention_mask, position_ids, past, keep)
+        return self._run_growing(input_ids, attention_mask, position_ids, past, keep)
 
     def _needs_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> bool:
         """A step of several tokens on top of a past for a batch, which GroupQueryAttention's CPU
@@ -120,15 +131,17 @@ class OrtBackend:
         B, T = input_ids.shape
         return B > 1 and T > 1 and attention_mask.shape[1] > T and not self.batched_multi_token_past
 
-    def _bind_inputs(self, binding, input_ids, attention_mask, position_ids, past_values) -> None:
+    def _bind_inputs(self, binding, input_ids, attention_mask, position_ids, past_values, keep: int) -> None:
         for name, arr in ((io.INPUT_IDS, input_ids), (io.ATTENTION_MASK, attention_mask), (io.POSITION_IDS, position_ids)):
             binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        if self._logits_to_keep is not None:  # always bound: an in-place binding is reused across steps
+            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._logits_to_keep[keep])
         for name, value in zip(self.names_in[3:], past_values):
             binding.bind_ortvalue_input(name, value)
 
-    def _run_growing(self, input_ids, attention_mask, position_ids, past: list):
+    def _run_growing(self, input_ids, attention_mask, position_ids, past: list, keep: int):
         binding = self.session.io_binding()
-        self._bind_inputs(binding, input_ids, attention_mask, position_ids, past)
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, past, keep)
         binding.bind_output(io.LOGITS, "cpu")
         for name in self.names_out[1:]:
             binding.bind_output(name, self.device)
@@ -136,13 +149,13 @@ class OrtBackend:
         outputs = binding.get_outputs()
         return outputs[0].numpy(), list(outputs[1:])
 
-    def _run_rows(self, input_ids, attention_mask, position_ids, past: list):
+    def _run_rows(self, input_ids, attention_mask, position_ids, past: list, keep: int):
         """The growing cache, one row at a time (CPU only: GroupQueryAttention graphs are int8 and int4)."""
         host = [v.numpy() for v in past]
         logits, presents = [], []
         for r in range(input_ids.shape[0]):
             row_past = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[r : r + 1])) for a in host]
-            lg, pr = self._run_growing(input_ids[r : r + 1], attention_mask[r : r + 1], position_ids[r : r + 1], row_past)
+            lg, pr = self._run_growing(input_ids[r : r + 1], attention_mask[r : r + 1], position_ids[r : r + 1], row_past, keep)
             logits.append(lg)
             presents.append([v.numpy() for v in pr])
         merged = [ort.OrtValue.ortvalue_from_numpy(np.concatenate(parts)) for parts in zip(*presents)]
@@ -160,7 +173,7 @@ class OrtBackend:
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
         return _KVBuffers([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
 
-    def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None):
+    def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None, keep: int):
         B, T = input_ids.shape
         length = 0 if cache is None else cache.length
         refuse_stale(cache)
@@ -171,16 +184,16 @@ class OrtBackend:
         if self._needs_rows(input_ids, attention_mask):
             logits = np.concatenate([
                 self._run_in_place(buffers, [a[r : r + 1] for a in buffers.arrays], input_ids[r : r + 1],
-                                   attention_mask[r : r + 1], position_ids[r : r + 1])
+                                   attention_mask[r : r + 1], position_ids[r : r + 1], keep)
                 for r in range(B)
             ])
         else:
-            logits = self._run_in_place(buffers, None, input_ids, attention_mask, position_ids)
+            logits = self._run_in_place(buffers, None, input_ids, attention_mask, position_ids, keep)
         buffers.length = length + T
         return logits, SharedKVCache(buffers, length + T)
 
     def _run_in_place(self, buffers: _KVBuffers, row_views: list[np.ndarray] | None, input_ids, attention_mask,
-                      position_ids) -> np.ndarray:
+                      position_ids, keep: int) -> np.ndarray:
         """One run with `buffers` bound as past and present, or with `row_views` (one batch row of
         each buffer: contiguous, the same memory) for a row run. Returns the logits."""
         if row_views is None:
@@ -189,9 +202,11 @@ class OrtBackend:
             binding = buffers.binding
         else:
             binding = self._bind_in_place([ort.OrtValue.ortvalue_from_numpy(a) for a in row_views])
-        self._bind_inputs(binding, input_ids, attention_mask, position_ids, [])
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, [], keep)
         # A fresh host array for the logits each step, written by ONNX Runtime directly.
-        logits = np.empty((*input_ids.shape, self.cfg.vocab_size), dtype=np.float32)
+        B, T = input_ids.shape
+        kept = min(keep, T) if keep and self._logits_to_keep is not None else T
+        logits = np.empty((B, kept, self.cfg.vocab_size), dtype=np.float32)
         binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(binding)
         return logits

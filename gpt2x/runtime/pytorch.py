@@ -34,7 +34,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, input_ids, attention_mask, position_ids, past: KVCache | None):
-        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past)
+        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past,
+                                     logits_to_keep=1)
         return logits[:, -1].float().cpu().numpy(), present
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> KVCache:
