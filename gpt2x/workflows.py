@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
-from .errors import ArtifactError, MissingDependencyError, ProviderError, UsageError
+from .errors import ArtifactError, Gpt2xError, MissingDependencyError, ProviderError, UsageError
 from .evaluate.parity import gate_export
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
@@ -94,12 +94,30 @@ def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_
 
     if provider is ProviderKind.cuda and not torch.cuda.is_available():
         raise ProviderError("this PyTorch build sees no CUDA device")
-    if precision in (Precision.int8, Precision.int4):
-        raise UsageError(f"{precision.value} is an ONNX export; the torch backend runs fp32 (and fp16 on CUDA)")
+    refuse_unsupported(BackendKind.torch, provider, precision)
     if threads:
         torch.set_num_threads(threads)
     m = copy.deepcopy(model).half() if precision is Precision.fp16 else model
     return TorchBackend(m, "cuda" if provider is ProviderKind.cuda else "cpu", model_name)
+
+
+def unsupported(backend: BackendKind, provider: ProviderKind, precision: Precision) -> Gpt2xError | None:
+    """Why `backend` cannot run `precision` on `provider`, as the error to raise, or None when it can.
+    Asked before any work (an export, a download), so that a combination that cannot run fails at once."""
+    if precision is Precision.fp16 and provider is not ProviderKind.cuda:
+        return ProviderError("fp16 runs on CUDA only (its kernels are the GPU's); on the cpu provider use fp32, int8 or int4")
+    if backend is BackendKind.torch and precision in (Precision.int8, Precision.int4):
+        return UsageError(f"{precision.value} is an ONNX export, run by the ort, openvino and genai backends; "
+                          "the torch backend runs fp32 (and fp16 on CUDA)")
+    if backend is BackendKind.openvino and provider is ProviderKind.cuda:
+        return ProviderError("OpenVINO has no CUDA device here; it runs exports on the cpu provider only")
+    return None
+
+
+def refuse_unsupported(backend: BackendKind, provider: ProviderKind, precision: Precision) -> None:
+    error = unsupported(backend, provider, precision)
+    if error is not None:
+        raise error
 
 
 def require_provider(backends: list[BackendKind], provider: ProviderKind) -> None:
@@ -194,7 +212,8 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
     torch: the model loaded into PyTorch (`loaded` reuses one in memory). ort, openvino, genai: the
     export in `onnx_dir`, or in the default folder for model and precision, exported first when missing.
     An export given by folder is checked against `model` when a model is named, and against its
-    precision when one is asked for."""
+    precision when one is asked for. A combination that cannot run is refused before any work."""
+    refuse_unsupported(backend, provider, precision or Precision.fp32)
     if backend is BackendKind.torch:
         name = model or DEFAULT_MODEL
         if loaded is None:

@@ -33,7 +33,7 @@ def assert_one_line_error(code: int, err: str, expected_code: int, fragment: str
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["generate", "export", "inspect", "train", "bench", "info", "serve", "loadtest"])
+@pytest.mark.parametrize("command", ["generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest"])
 def test_every_command_has_help_with_examples(capsys, command):
     code, out, _ = cli(capsys, command, "--help")
     assert code == 0 and "Example" in out
@@ -127,6 +127,23 @@ def test_subprocess_offline_hub_error_and_debug_traceback(tmp_path):
 def test_subprocess_version():
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("gpt2x ")
+
+
+@pytest.mark.parametrize("args,error,fragment", [
+    (["--backend", "openvino", "--provider", "cuda"], "ProviderError", "OpenVINO has no CUDA device"),
+    (["--backend", "ort", "--precision", "fp16"], "ProviderError", "fp16 runs on CUDA only"),
+    (["--backend", "genai", "--precision", "fp16"], "ProviderError", "fp16 runs on CUDA only"),
+    (["--backend", "torch", "--precision", "int4"], "UsageError", "run by the ort, openvino and genai backends"),
+    (["--backend", "torch", "--onnx", "exported/x"], "UsageError", "the ort, openvino and genai backends run"),
+])
+def test_combinations_that_cannot_run_are_refused_before_any_work(capsys, monkeypatch, tmp_path, args, error, fragment):
+    """Refused at once: no export is made first (the export folder stays absent), whatever the model."""
+    from gpt2x import errors
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "generate", "hi", "--model", "random:gpt2", *args)
+    assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
+    assert out == "" and not (tmp_path / "exported").exists()
 
 
 def test_unknown_provider_is_a_usage_error(capsys):

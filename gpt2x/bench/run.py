@@ -67,15 +67,9 @@ def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[
     run, skipped = [], []
     for b in s.backends:
         for p in s.precisions:
-            reason = None
-            if p is Precision.fp16 and s.provider is not ProviderKind.cuda:
-                reason = "fp16 runs on CUDA only"
-            elif b is BackendKind.torch and p in (Precision.int8, Precision.int4):
-                reason = f"{p.value} is an ONNX export"
-            elif b is BackendKind.openvino and s.provider is ProviderKind.cuda:
-                reason = "OpenVINO has no CUDA device"
+            reason = workflows.unsupported(b, s.provider, p)
             if reason:
-                skipped.append({"backend": b.value, "precision": p.value, "reason": reason})
+                skipped.append({"backend": b.value, "precision": p.value, "reason": str(reason)})
             else:
                 run.append((b, p))
     return run, skipped

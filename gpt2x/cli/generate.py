@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..choices import BackendKind, Precision, ProviderKind
+from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
 from ..generation.generate import generate as run_generation
 from ..generation.settings import SamplingSettings
@@ -62,8 +62,9 @@ def generate(
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
     if prompt is not None and prompts_file is not None:
         raise UsageError("give a PROMPT or --prompts-file, not both")
-    if backend is BackendKind.torch and (precision not in (None, Precision.fp32) or onnx_dir is not None):
-        raise UsageError("--precision and --onnx apply to --backend ort; the torch backend runs fp32")
+    if backend is BackendKind.torch and onnx_dir is not None:
+        raise UsageError("--onnx names an export, which the ort, openvino and genai backends run; "
+                         "the torch backend runs the PyTorch model")
     prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
