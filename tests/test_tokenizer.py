@@ -45,6 +45,14 @@ def test_encode_matches_transformers(reference, text):
     assert decode(encode(text)) == text
 
 
+def test_ranks_read_from_encoder_json_equal_tiktokens_own_derivation_from_the_merges():
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    reference = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(bpe_file("vocab.bpe")),
+                                                encoder_json_file=str(bpe_file("encoder.json")))
+    assert tokenizer.mergeable_ranks() == reference and len(reference) == 50256
+
+
 def test_known_ids_and_eot():
     assert encode("Hello world") == [15496, 995]  # from the data README
     assert encode("a<|endoftext|>b")[1] == EOT_ID
