@@ -53,6 +53,7 @@ def test_import_contracts_hold():
 
 def test_cli_imports_no_torch():
     code = "import sys, gpt2x.cli.app, gpt2x.workflows, gpt2x.bench.run; " \
+           "[gpt2x.cli.app.command_module(c) for c in gpt2x.cli.app.COMMANDS]; " \
            "print(sorted(m for m in ('torch', 'onnxscript', 'transformers') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -1,6 +1,10 @@
 """The `gpt2x` command line. It only wires library calls together and prints: results to stdout,
 progress and errors to stderr, `--json` for scripts. One module per command; exceptions become exit
-codes here, in `main()`, and nowhere else (each gpt2x exception class carries its code)."""
+codes here, in `main()`, and nowhere else (each gpt2x exception class carries its code).
+
+A process imports the module of the command it runs and no other (`gpt2x generate` does not pay for
+`bench`'s or `serve`'s imports at start); `gpt2x --help`, shell completion and anything else that is
+not a command name load them all."""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from typing import Annotated
 import typer
 
 from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
-from . import bench, export, generate, info, inspect, loadtest, serve, train, verify
 from .options import Status, err, version_callback
 
 app = typer.Typer(
@@ -46,9 +49,43 @@ def root(
     Status.enabled = not quiet
 
 
-for command in (generate, export, verify, inspect, train, bench, info, serve, loadtest):
-    name = command.__name__.rsplit(".", 1)[1]
-    app.command(name, epilog=command.EPILOG)(getattr(command, name))
+COMMANDS = ("generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest")
+
+
+def command_module(name: str):
+    """The module of command `name` (its function has the command's name; EPILOG, its examples)."""
+    if name == "generate":
+        from . import generate as module
+    elif name == "export":
+        from . import export as module
+    elif name == "verify":
+        from . import verify as module
+    elif name == "inspect":
+        from . import inspect as module
+    elif name == "train":
+        from . import train as module
+    elif name == "bench":
+        from . import bench as module
+    elif name == "info":
+        from . import info as module
+    elif name == "serve":
+        from . import serve as module
+    elif name == "loadtest":
+        from . import loadtest as module
+    else:
+        raise KeyError(name)
+    return module
+
+
+def register(args: list[str]) -> None:
+    """Add to the app the command `args` names (the first word that is not an option), or every
+    command when they name none (help, completion, a typo that click then reports)."""
+    first = next((a for a in args if not a.startswith("-")), None)
+    names = [first] if first in COMMANDS and "_GPT2X_COMPLETE" not in os.environ else list(COMMANDS)
+    done = {c.name for c in app.registered_commands}
+    for name in (n for n in names if n not in done):
+        module = command_module(name)
+        app.command(name, epilog=module.EPILOG)(getattr(module, name))
 
 
 def cli_message(e: Gpt2xError) -> str:
@@ -66,6 +103,7 @@ _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Clic
 def main() -> None:
     """Console entry point: runs the app and maps every failure to one line and an exit code."""
     debug = os.environ.get("GPT2X_DEBUG") == "1"
+    register(sys.argv[1:])
     try:
         code = app(standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
     except (typer.Abort, KeyboardInterrupt):
