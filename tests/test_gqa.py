@@ -41,6 +41,7 @@ def as_gqa(info, folder):
     meta["fused_operators"] = count_ops(proto)
     meta["attention"] = attention_layout(meta["fused_operators"])
     meta["files"][MODEL_FILE] = sha256(folder / MODEL_FILE)
+    meta["sizes"][MODEL_FILE] = (folder / MODEL_FILE).stat().st_size
     (folder / "gpt2x.json").write_text(json.dumps(meta))
     return read_export(folder)
 
