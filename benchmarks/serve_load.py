@@ -10,9 +10,10 @@ export `gpt2x serve --model MODEL --precision P` would use:
 - off: max batch 1, every request alone;
 - static: max batch 32, requests that arrive together decode together; later arrivals wait for the
   whole batch to finish;
-- continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps;
-- continuous-in-place (int8 only): the same on ONNX Runtime's in-place KV cache, which gpt2x serve
-  uses only when not batching; it is here to show why.
+- continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps
+  (int8: on ONNX Runtime's in-place KV cache, gpt2x serve's default, rows moving inside its buffers);
+- continuous-growing (int8 only): the same on the growing KV cache (`in_place_kv=False`), whose
+  merges copy the whole cache through the host, for comparison.
 
 `gpt2x loadtest`'s code (gpt2x.bench.loadtest.run_loadtest) drives each application, closed loop,
 streaming, at each concurrency level with max(16, 2 x concurrency) requests, and records TTFT, ITL,
@@ -44,12 +45,12 @@ from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
 
-MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default)
+MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default, in place wherever the graph allows)
     "off": (EngineSettings(max_batch_size=1, max_waiting=64, continuous=False), None),
     "static": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=False), None),
     "continuous": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), None),
-    # int8 and int4 graphs only: continuous batching on the in-place cache (not serve's default)
-    "continuous-in-place": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), True),
+    # int8 and int4 graphs only: continuous batching on the growing cache (serve's default before rows moved in place)
+    "continuous-growing": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), False),
 }
 
 
@@ -124,8 +125,8 @@ def main() -> None:
             info = resolve_export(args.model, precision=precision, progress=log, notice=log)
             for mode in modes:
                 engine, in_place = MODES[mode]
-                if in_place and not info.attention["shared_kv_buffer"]:
-                    continue  # fp32's MultiHeadAttention graph has no in-place cache
+                if in_place is not None and not info.attention["shared_kv_buffer"]:
+                    continue  # fp32's MultiHeadAttention graph has no in-place cache: the mode is "continuous"
                 name = f"{precision.value}-{mode}"
                 config = ReplicaConfig(export=str(info.folder.resolve()), model_id=args.model, threads=args.threads,
                                        engine=engine, in_place_kv=in_place)

@@ -1,7 +1,9 @@
 """The serving engine and the OpenAI protocol without HTTP or Ray: every row's tokens equal gpt2x's
 generation code run on that prompt alone (the reference), whether it decoded alone, in a static
-batch or joined a running batch (fp32's growing cache and int8's in-place one); cancellation, the
-queue bound, failures and shutdown; request validation and stop strings on hand-made cases."""
+batch or joined a running batch (fp32's growing cache, int8's in-place one, where rows leave and join
+inside its buffers, and int8's growing one); cancellation, the queue bound, failures and shutdown;
+request validation and stop strings on hand-made cases. test_kv_rows.py checks the row moves
+themselves."""
 
 from __future__ import annotations
 
@@ -38,8 +40,7 @@ def exports(tmp_path_factory):
 
 @pytest.fixture(params=["fp32", "int8-in-place", "int8-growing"])
 def backend(request, exports):
-    """fp32's growing cache, and int8's graph with its cache in place and growing (serve's default
-    when batching)."""
+    """fp32's growing cache, and int8's graph with its cache in place (serve's default) and growing."""
     precision = Precision.fp32 if request.param == "fp32" else Precision.int8
     b = OrtBackend(read_export(exports[precision]), threads=1, shared_kv=False if request.param == "int8-growing" else None)
     assert b.shared_kv == (request.param == "int8-in-place")

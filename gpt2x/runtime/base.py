@@ -2,8 +2,13 @@
 
 A backend runs forward steps on int64 numpy arrays and keeps its KV cache in whatever form suits it
 (torch tensors on the model's device, OrtValues on the provider's device, a shared in-place buffer);
-the cache is opaque to callers except through `reorder`, `past_from_numpy` and `present_to_numpy`.
-Position ids come from the attention mask (gpt2x.numerics.positions) for every backend.
+the cache is opaque to callers except through `reorder`, `merge`, `past_from_numpy` and
+`present_to_numpy`. Position ids come from the attention mask (gpt2x.numerics.positions) for every
+backend.
+
+`merge_on_host` is `merge` for any backend, through host arrays (a copy of the whole cache): the
+backends whose cache is not in fixed-capacity buffers use it; those whose cache is (kvbuffers.py)
+move only the rows that move, inside their buffers.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ class Backend(Protocol):
         """The cache with its batch rows gathered by `rows` (beam search)."""
         ...
 
+    def merge(self, past: Any, rows: np.ndarray, joiner: Any | None, width: int) -> Any:
+        """Rows leaving and joining a batch (serving): the cache whose row i is row `rows[i]` of `past`'s
+        rows and `joiner`'s (another cache of this backend, or None) stacked, joiner's numbered after
+        past's, every row right-aligned to `width` positions: zeros (to be masked out) before a
+        shorter row, and positions further than `width` from the end dropped (the caller drops only
+        positions masked out in every row it keeps). `past` must not be used afterwards (a backend
+        may reuse its buffers); `joiner` may be."""
+        ...
+
     def past_from_numpy(self, arrays: list[np.ndarray]) -> Any:
         """A cache from 2 * n_layer arrays (B, H, P, D), key then value per layer."""
         ...
@@ -51,3 +65,29 @@ class Backend(Protocol):
     def peak_device_memory_mb(self) -> float | None:
         """Peak accelerator memory the backend allocated, where it can tell (None otherwise)."""
         ...
+
+
+def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: int) -> list[np.ndarray]:
+    """`merge` on host arrays: for each cache tensor, the parts' arrays (B_k, H, P_k, D) stacked along
+    the batch, each right-aligned to `width` positions (zeros before, positions further from the end
+    dropped), and rows `rows` of that stack, as new arrays (len(rows), H, width, D)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    out = []
+    for arrays in zip(*parts):
+        first = arrays[0]
+        merged = np.zeros((len(rows), first.shape[1], width, first.shape[3]), dtype=first.dtype)
+        start = 0
+        for a in arrays:
+            mine = np.flatnonzero((rows >= start) & (rows < start + a.shape[0]))
+            keep = min(width, a.shape[2])
+            merged[mine, :, width - keep :] = a[rows[mine] - start, :, a.shape[2] - keep :]
+            start += a.shape[0]
+        out.append(merged)
+    return out
+
+
+def merge_on_host(backend: Backend, past: Any, rows: np.ndarray, joiner: Any | None, width: int) -> Any:
+    """`Backend.merge` through host arrays: both caches copied out (present_to_numpy), their rows
+    gathered and right-aligned, and the result copied back (past_from_numpy)."""
+    parts = [backend.present_to_numpy(past)] + ([] if joiner is None else [backend.present_to_numpy(joiner)])
+    return backend.past_from_numpy(right_aligned_rows(parts, rows, width))

@@ -294,6 +294,10 @@ class GenaiBackend:
     def past_from_numpy(self, arrays: list[np.ndarray]):
         raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; it cannot be handed one (accepts_past is False)")
 
+    def merge(self, past: GenaiState, rows: np.ndarray, joiner: GenaiState | None, width: int):
+        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; rows cannot join it (accepts_past is False: "
+                                  "serving batches it statically)")
+
     def present_to_numpy(self, present: GenaiState) -> list[np.ndarray]:
         """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold
         no token (padding of a per-row state) are zeros."""

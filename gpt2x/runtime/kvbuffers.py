@@ -1,11 +1,17 @@
 """Fixed-capacity KV buffers on the host, shared by the backends that keep their cache that way (ONNX
-Runtime's in-place cache for GroupQueryAttention graphs, OpenVINO's cache): one (B, H, capacity, D)
-array per layer and key/value, views of their filled positions, and the policy that grows them.
+Runtime's in-place cache for GroupQueryAttention graphs, OpenVINO's cache): one (batch capacity, H,
+capacity, D) array per layer and key/value, views of their filled rows and positions, the policy that
+grows them, and the row operations a serving batch needs (`merge_rows`: rows leave and join inside the
+buffers).
 
-A step writes positions `length` onward into the buffers and returns a new view; the view it was
-given is then stale, and stepping from it again is refused (it would overwrite positions the newer
+The cache is the first `rows` rows and `length` positions of the buffers; a step binds those rows
+only (`a[:rows]` of a C-contiguous array is contiguous: no copy), so buffers can hold more rows than
+the batch in flight and rows can join without new buffers. Every write of the rows or positions (a
+step, a merge, a move to larger buffers) starts a new generation, and a view of an earlier one is
+stale: stepping or merging from it again is refused (it would overwrite positions or rows the newer
 view holds). When a step would overflow, the cache moves to larger buffers (doubling, by at least
-`capacity_step`, never past the context) and every view of the old ones becomes stale."""
+`capacity_step`, never past the context); when a merge needs more rows, to buffers with twice the
+rows."""
 
 from __future__ import annotations
 
@@ -17,11 +23,40 @@ KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and gro
 
 
 class KVBuffers:
-    """The arrays and how many positions of them are written (-1 once the cache moved to larger ones)."""
+    """The arrays, how many rows and positions of them the cache holds, and their generation (new at
+    every write of either)."""
 
-    def __init__(self, arrays: list[np.ndarray], length: int = 0):
+    def __init__(self, arrays: list[np.ndarray], length: int = 0, rows: int | None = None):
         self.arrays = arrays
-        self.length = length
+        self.generation = 0
+        self._length = length
+        self._rows = arrays[0].shape[0] if rows is None else rows
+
+    @property
+    def length(self) -> int:
+        """Positions written (-1 once the cache moved to other buffers)."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        self.generation += 1
+
+    @property
+    def rows(self) -> int:
+        """Rows in use: the first `rows` of the batch dimension."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: int) -> None:
+        changed = value != self._rows
+        self._rows = value
+        self.generation += 1
+        if changed:
+            self.rows_changed()
+
+    def rows_changed(self) -> None:
+        """Called when the rows in use change: subclasses that hold views of them make them again."""
 
     @property
     def capacity(self) -> int:
@@ -29,15 +64,19 @@ class KVBuffers:
 
     @property
     def batch(self) -> int:
+        """Rows the buffers can hold."""
         return self.arrays[0].shape[0]
 
 
 class KVCacheView:
-    """A view of KV buffers holding positions [0, length)."""
+    """A view of KV buffers holding rows [0, rows) and positions [0, length): the buffers' state when
+    the view was made."""
 
     def __init__(self, buffers: KVBuffers, length: int):
         self.buffers = buffers
         self.length = length
+        self.rows = buffers.rows
+        self.generation = buffers.generation
 
     @property
     def capacity(self) -> int:
@@ -49,19 +88,26 @@ class KVCacheView:
 
     @property
     def stale(self) -> bool:
-        return self.buffers.length != self.length
+        return self.buffers.generation != self.generation
 
     def filled(self) -> list[np.ndarray]:
-        return [a[:, :, : self.length] for a in self.buffers.arrays]
+        """Views (no copy) of the rows and positions the cache holds, (rows, H, length, D) each."""
+        return [a[: self.rows, :, : self.length] for a in self.buffers.arrays]
 
 
 def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView | None = None) -> list[np.ndarray]:
-    """`count` zeroed arrays of `shape`, holding `keep`'s filled positions if given."""
+    """`count` zeroed arrays of `shape`, holding `keep`'s filled rows and positions if given."""
     arrays = [np.zeros(shape, dtype=dtype) for _ in range(count)]
     if keep is not None:
         for new, old in zip(arrays, keep.filled()):
-            new[:, :, : keep.length] = old
+            new[: old.shape[0], :, : keep.length] = old
     return arrays
+
+
+def rows_to_keep(batch: int, keep: KVCacheView | None) -> tuple[int, int | None]:
+    """The batch dimension of the buffers a cache moves to when it grows (at least `batch`, and the
+    rows its old buffers could hold), and the rows it then holds (None: all)."""
+    return (batch, None) if keep is None else (max(batch, keep.buffers.batch), keep.rows)
 
 
 def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Callable[[int, int], KVBuffers]) -> KVBuffers:
@@ -78,8 +124,14 @@ def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Callable[
 
 def refuse_stale(cache: KVCacheView | None) -> None:
     if cache is not None and cache.stale:
-        raise ValueError("this KV cache was already stepped from (or grown into new buffers); "
-                         "step from the cache the last step returned")
+        raise ValueError("this KV cache was already stepped from (or merged, or grown into new buffers); "
+                         "use the cache the last step or merge returned")
+
+
+def grown_capacity(capacity: int, needed: int, n_positions: int, capacity_step: int) -> int:
+    """The capacity of the larger buffers for `needed` positions: doubled, by at least `capacity_step`,
+    never past the context (unless `needed` is)."""
+    return max(needed, min(n_positions, capacity + max(capacity_step, capacity)))
 
 
 def buffers_for_step(cache: KVCacheView | None, seq: int, n_positions: int, capacity_step: int,
@@ -92,8 +144,57 @@ def buffers_for_step(cache: KVCacheView | None, seq: int, n_positions: int, capa
     if cache is None:
         return allocate(min(n_positions, seq + capacity_step), None)
     if length + seq > cache.capacity:
-        grown = max(length + seq, min(n_positions, cache.capacity + max(capacity_step, cache.capacity)))
-        buffers = allocate(grown, cache)
+        buffers = allocate(grown_capacity(cache.capacity, length + seq, n_positions, capacity_step), cache)
         cache.buffers.length = -1  # retired: every view of the old buffers is stale now
         return buffers
     return cache.buffers
+
+
+def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
+               allocate: Callable[[int, int], KVBuffers], n_positions: int,
+               capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
+    """`Backend.merge` inside fixed-capacity buffers: buffers whose row i holds row `rows[i]` of the
+    cache's rows and `joiner`'s (arrays (Bj, H, Pj, D), numbered after the cache's) stacked, every row
+    right-aligned to `width` positions (zeros before a shorter row; positions further than `width`
+    from its end dropped). Returns them with `rows` = len(rows) and `length` = width.
+
+    The cache's own buffers, when the rows and `width` fit them: a row that stays where it is at the
+    same width is not touched, and only the rows that move (to another row, or along the positions
+    when the width changes) are written, their filled positions and the zeros before them; rows read
+    from the cache are gathered before any is written, so a row may move onto one that moves too.
+    Else larger buffers from `allocate(batch, capacity)` (twice the rows, doubled capacity), every
+    row copied once, and the old buffers retired. Either way every earlier view of the cache is
+    stale."""
+    refuse_stale(cache)
+    rows = np.asarray(rows, dtype=np.int64)
+    n, length, buffers = cache.rows, cache.length, cache.buffers
+    joined = 0 if joiner is None else joiner[0].shape[0]
+    if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= n + joined:
+        raise ValueError(f"rows must pick among the {n} cached and {joined} joining rows, got {rows.tolist()}")
+    if not 0 < width <= n_positions:
+        raise ValueError(f"a width of {width} positions is outside the model's context ({n_positions})")
+    if len(rows) > buffers.batch or width > buffers.capacity:
+        capacity = buffers.capacity if width < buffers.capacity else \
+            grown_capacity(buffers.capacity, min(width + 1, n_positions), n_positions, capacity_step)
+        target = allocate(max(len(rows), 2 * buffers.batch) if len(rows) > buffers.batch else buffers.batch, capacity)
+        moving = np.ones(len(rows), dtype=bool)
+    else:
+        target = buffers
+        moving = (rows != np.arange(len(rows))) | (rows >= n) | (width != length)
+    dst = np.flatnonzero(moving)
+    from_cache, from_joiner = dst[rows[dst] < n], dst[rows[dst] >= n]
+    for i, out in enumerate(target.arrays):
+        for where, source, first in ((from_cache, buffers.arrays[i][:n, :, :length], 0),
+                                     (from_joiner, None if joiner is None else joiner[i], n)):
+            if not len(where):
+                continue
+            keep = min(width, source.shape[2])
+            # Fancy indexing gathers the source rows into a new array before anything is written.
+            out[where, :, width - keep : width] = source[rows[where] - first, :, source.shape[2] - keep :]
+            if keep < width:
+                out[where, :, : width - keep] = 0
+    if target is not buffers:
+        buffers.length = -1  # retired: every view of the old buffers is stale now
+    target.rows = len(rows)
+    target.length = width
+    return target

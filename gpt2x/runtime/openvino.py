@@ -21,6 +21,9 @@ longer each step would be a new shape for OpenVINO's CPU plugin every step (on t
 two measured within noise of each other). The buffer cannot also be bound as the present: OpenVINO
 would reshape it to the concatenation's (B, H, capacity + T, D) and write that over it.
 
+A serving batch's rows leave and join inside the buffers (`merge`, kvbuffers.merge_rows); a step
+binds the rows in use only.
+
 OpenVINO's GroupQueryAttention runs batch 1 only (its decomposition reshapes the per-row lengths to
 a single value; batch 2 fails inside OpenVINO): a batch of a GroupQueryAttention graph runs one row
 at a time, each row bound as its own contiguous slice of the buffers. MultiHeadAttention graphs run
@@ -36,7 +39,7 @@ from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, refuse_stale, zeroed_arrays
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, merge_rows, refuse_stale, rows_to_keep, zeroed_arrays
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -102,9 +105,12 @@ class OpenVinoBackend:
     # -- the KV cache
 
     def _buffers(self, batch: int, capacity: int, keep: OpenVinoKVCache | None = None) -> KVBuffers:
-        """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
+        """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
+        (with at least as many rows as its buffers had). Zeroed, not left unset: the graph reads the
+        whole capacity, masked, and a masked slot must still hold a finite number."""
+        batch, rows = rows_to_keep(batch, keep)
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        return KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, np.float32, keep), keep.length if keep else 0)
+        return KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, np.float32, keep), keep.length if keep else 0, rows)
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> OpenVinoKVCache:
         capacity = min(self.n_positions, arrays[0].shape[2] + KV_CAPACITY_STEP)
@@ -119,6 +125,13 @@ class OpenVinoBackend:
         rows = np.asarray(rows, dtype=np.int64)
         buffers = buffers_holding([a[rows] for a in past.filled()], past.capacity, self._buffers)
         return OpenVinoKVCache(buffers, past.length)
+
+    def merge(self, past: OpenVinoKVCache, rows: np.ndarray, joiner: OpenVinoKVCache | None, width: int) -> OpenVinoKVCache:
+        """Backend.merge inside the buffers (kvbuffers.merge_rows: only the rows that move are copied;
+        `past` is stale afterwards)."""
+        arrays = None if joiner is None else joiner.filled()
+        buffers = merge_rows(past, rows, arrays, width, self._buffers, self.n_positions, KV_CAPACITY_STEP)
+        return OpenVinoKVCache(buffers, buffers.length)
 
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""
@@ -141,8 +154,8 @@ class OpenVinoBackend:
         if attention_mask.shape != (batch, length + seq):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
                              f"and the step {seq} new ones for {batch} rows")
-        if cache is not None and cache.buffers.batch != batch:
-            raise ValueError(f"the KV cache holds {cache.buffers.batch} rows; the step has {batch}")
+        if cache is not None and cache.rows != batch:
+            raise ValueError(f"the KV cache holds {cache.rows} rows; the step has {batch}")
         return buffers_for_step(cache, seq, self.n_positions, KV_CAPACITY_STEP,
                                 lambda capacity, keep: self._buffers(batch, capacity, keep))
 
@@ -174,15 +187,16 @@ class OpenVinoBackend:
         request = self.request
         for port, arr in zip(self._id_ports, (input_ids, mask, position_ids)):
             request.set_tensor(port, ov.Tensor(arr))
-        if self._bound is None or self._bound[0] is not buffers or self._bound[1] != row:
-            # The buffers themselves (a batch row of a C-contiguous array is contiguous): no copy.
-            views = buffers.arrays if row is None else [a[row : row + 1] for a in buffers.arrays]
-            for port, view in zip(self._past_ports, views):
-                request.set_tensor(port, ov.Tensor(view, shared_memory=True))
-            self._bound = (buffers, row)
+        if self._bound != (buffers, row, buffers.rows):
+            # The buffers themselves (their rows in use, or one batch row: contiguous slices of a
+            # C-contiguous array): no copy.
+            rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
+            for port, buf in zip(self._past_ports, buffers.arrays):
+                request.set_tensor(port, ov.Tensor(buf[rows], shared_memory=True))
+            self._bound = (buffers, row, buffers.rows)
         request.infer()
         capacity, T = buffers.capacity, input_ids.shape[1]
-        rows = slice(None) if row is None else slice(row, row + 1)
+        rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
         for port, buf in zip(self._present_ports, buffers.arrays):
             buf[rows, :, length : length + T] = request.get_tensor(port).data[:, :, capacity:]
         out = request.get_tensor(self._logits_port).data

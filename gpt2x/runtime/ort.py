@@ -6,6 +6,7 @@ Two ways to hold the cache, chosen from the export's metadata:
   past, as in Optimum. ONNX Runtime allocates them and copies the whole cache into them every step.
 - shared (exports whose attention is GroupQueryAttention, i.e. int8 and int4): a fixed-capacity buffer per
   layer is bound as both past and present, and each step writes only its new positions into it.
+  A serving batch's rows leave and join inside those buffers (`merge`, kvbuffers.merge_rows).
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, refuse_stale, zeroed_arrays
+from .base import merge_on_host
+from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, merge_rows, refuse_stale, rows_to_keep, zeroed_arrays
 from .providers import create_session, gather_model, refuse_fp16_on_cpu
 
 
 class _KVBuffers(KVBuffers):
-    """KV buffers with the OrtValues over the same memory, and the IO binding that binds them as past
-    and present."""
+    """KV buffers with OrtValues over the rows in use (`a[:rows]`: the same memory), and the IO binding
+    that binds them as past and present; both are made again when the rows in use change."""
 
-    def __init__(self, arrays: list[np.ndarray], length: int = 0):
-        super().__init__(arrays, length)
-        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]  # no copy: same memory
+    def __init__(self, arrays: list[np.ndarray], length: int = 0, rows: int | None = None):
+        super().__init__(arrays, length, rows)
+        self.rows_changed()
+
+    def rows_changed(self) -> None:
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a[: self.rows]) for a in self.arrays]  # no copy
         self.binding = None  # an IOBinding with these buffers bound as past and present, reused
 
 
@@ -98,6 +103,16 @@ class OrtBackend:
             return [a.astype(np.float32) for a in present.filled()]
         return [v.numpy().astype(np.float32) for v in present]
 
+    def merge(self, past, rows: np.ndarray, joiner, width: int):
+        """Backend.merge: inside the shared buffers for the in-place cache (kvbuffers.merge_rows: only
+        the rows that move are copied, into rows the buffers already have where they fit; `past` is
+        stale afterwards), through host arrays for the growing one."""
+        if not isinstance(past, SharedKVCache):
+            return merge_on_host(self, past, rows, joiner, width)
+        arrays = None if joiner is None else joiner.filled() if isinstance(joiner, SharedKVCache) else self.present_to_numpy(joiner)
+        buffers = merge_rows(past, rows, arrays, width, self._spare_buffers, self.n_positions, KV_CAPACITY_STEP)
+        return SharedKVCache(buffers, buffers.length)
+
     def peak_device_memory_mb(self) -> float | None:
         """Not tracked for ONNX Runtime (its arena is not exposed to Python)."""
         return None
@@ -162,14 +177,17 @@ class OrtBackend:
         return np.concatenate(logits), merged
 
     def _shared_buffers(self, batch: int, capacity: int, keep: SharedKVCache | None = None) -> _KVBuffers:
-        """Zeroed buffers of `capacity` positions, holding `keep`'s filled positions if given."""
+        """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
+        (with at least as many rows as its buffers had: rows may join it later)."""
+        batch, rows = rows_to_keep(batch, keep)
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        return _KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, self.kv_dtype, keep), keep.length if keep else 0)
+        return _KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, self.kv_dtype, keep), keep.length if keep else 0, rows)
 
     def _spare_buffers(self, batch: int, capacity: int) -> _KVBuffers:
-        """Buffers of `capacity` positions for a cache the caller fills (positions below its length).
-        The spare capacity is left unset, not zeroed: GroupQueryAttention writes each position before
-        it reads it, and zeroing capacity nobody reads was most of the cost of moving a cache."""
+        """Buffers of `capacity` positions for a cache the caller fills (positions below its length, of
+        the rows it uses). The spare capacity (and rows) is left unset, not zeroed: GroupQueryAttention
+        writes each position before it reads it, and zeroing capacity nobody reads was most of the
+        cost of moving a cache."""
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
         return _KVBuffers([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
 

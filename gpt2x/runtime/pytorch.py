@@ -54,3 +54,16 @@ class TorchBackend:
     def reorder(self, past: KVCache, rows: np.ndarray) -> KVCache:
         idx = self._t(rows)
         return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]
+
+    @torch.inference_mode()
+    def merge(self, past: KVCache, rows: np.ndarray, joiner: KVCache | None, width: int) -> KVCache:
+        """Backend.merge with torch ops on the model's device: each cache right-aligned to `width`
+        positions (zeros before, or its first positions dropped), stacked, and `rows` gathered."""
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            P = t.shape[2]
+            return t[:, :, P - width :] if P >= width else torch.nn.functional.pad(t, (0, 0, width - P, 0))
+
+        idx = self._t(np.asarray(rows, dtype=np.int64))
+        parts = [past] + ([] if joiner is None else [joiner])
+        return [tuple(torch.cat([fit(p[layer][j]) for p in parts]).index_select(0, idx) for j in (0, 1))
+                for layer in range(len(past))]

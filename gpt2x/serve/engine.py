@@ -3,15 +3,23 @@ flight as one left-padded batch.
 
 Requests that arrive together start as one batch (prefill, then one decode step per token for all
 rows). A row that finishes (end of text, its token budget, or cancelled because its client left or
-hit a stop string) leaves the batch before the next step: its cache rows are dropped with
-`Backend.reorder`, so the batch never computes for rows nobody reads. With continuous batching on,
-waiting requests also join a running batch between decode steps: they are prefilled on their own
-(one batch of joiners), sample their first token, and their cache is merged into the batch's: both
-are left-padded to the wider of the two with masked-out positions and stacked, through
-`present_to_numpy` / `past_from_numpy` (host arrays: ONNX Runtime's and OpenVINO's CPU caches live
-there anyway), and mask columns no row uses any more are dropped. A join is made only when every
-row keeps room in the model's context; a backend that cannot take a cache from arrays
+hit a stop string) stops being read at once and leaves the batch's cache at the next regrouping, so
+the batch stops computing rows nobody reads. With continuous batching on, waiting requests also join
+a running batch between decode steps: they are prefilled on their own (one batch of joiners), sample
+their first token, and their cache is merged into the batch's with `Backend.merge`, every row
+right-aligned to the batch's width (left padding, masked out). A join is made only when every row
+keeps room in the model's context; a backend that cannot take a cache from elsewhere
 (onnxruntime-genai) batches statically.
+
+How rows are laid out is chosen for caches that move rows in place (ONNX Runtime's in-place cache and
+OpenVINO's, kvbuffers.merge_rows), where a merge costs only the rows it moves: a live row keeps its
+place where that is inside the new batch, joiners take the places of rows that left, and only live
+rows beyond the new batch size move, into the remaining holes. The batch keeps its width unless a
+joiner's prompt is wider (every row then moves right: unavoidable, since all rows share the width),
+and leading mask columns no row uses are dropped only when that pays for moving every row: when they
+are at least half the width, or when the context needs them for the rows' remaining tokens (see
+`_width`). Caches merged through the host (ONNX Runtime's growing cache, PyTorch) are copied whole at
+every merge, whatever the layout.
 
 Every row samples with its own Sampler seeded by its request, one uniform per step: the tokens are
 those `gpt2x generate` gives for the same prompt, settings and seed (generation.sampling).
@@ -107,7 +115,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self.running = 0
         self._batch: list[Row] = []  # the rows of the batch in flight (the engine thread's)
-        self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "reorders": 0, "errors": 0}
+        self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "compactions": 0, "errors": 0}
 
     # -- the callers' side (any thread)
 
@@ -167,8 +175,8 @@ class Engine:
             row.cancel()
 
     def _take(self, rows: list[Row], width: int | None) -> list[Row]:
-        """Waiting rows (FIFO) that fit beside `rows`, a batch whose cache is `width` wide (None: a
-        new batch). Stops at the first that does not fit, so no request is overtaken forever."""
+        """Waiting rows (FIFO) that fit beside `rows`, a batch whose cache can be made `width` wide
+        (None: a new batch). Stops at the first that does not fit, so no request is overtaken forever."""
         taken: list[Row] = []
         with self._cond:
             while self._waiting and len(rows) + len(taken) < self.settings.max_batch_size:
@@ -184,8 +192,8 @@ class Engine:
 
     def _fits(self, rows: list[Row], joiners: list[Row], width: int | None) -> bool:
         """Whether every row keeps room in the context for its remaining tokens once `joiners` join a
-        batch whose cache is `width` wide (None: they start a new one). The merged cache is as wide
-        as the wider of the batch and the joiners' prompts; a running row samples its next token one
+        batch whose cache can be made `width` wide (None: they start a new one). The merged cache is
+        at least as wide as that and the joiners' prompts; a running row samples its next token one
         position further, a joiner its first from its own prefill."""
         new_width = max(len(r.prompt_ids) for r in joiners)
         if width is not None:
@@ -222,10 +230,10 @@ class Engine:
     def _run_batch(self, rows: list[Row]) -> None:
         """Prefill `rows`, then decode until every row (including any that joined) has finished.
 
-        Moving a cache costs a copy of it (and, on this kind of VM, page faults on fresh memory), so
-        finished rows are not dropped one by one: they ride along, masked and unread, until half the
-        batch has finished or a join rebuilds the cache anyway; and joins wait until enough requests
-        are waiting (a quarter of the batch) or the oldest has waited `max_join_delay_s`."""
+        Finished rows ride along, masked and unread, until a join regroups the batch or half the
+        batch has finished (a merge through the host copies the whole cache, so rows do not leave one
+        by one); joins wait until enough requests are waiting (a quarter of the batch) or the oldest
+        has waited `max_join_delay_s`."""
         self.counters["batches"] += 1
         mask, logits, past = self._prefill(rows)
         nxt = self._sample(rows, logits)
@@ -233,15 +241,13 @@ class Engine:
             live = [i for i, r in enumerate(rows) if not r.finished]
             if not live:
                 return
-            joiners = self._take([rows[i] for i in live], mask.shape[1]) if self.joins and self._join_due(len(live)) else []
-            if joiners:
-                rows, mask, nxt, past = self._join(rows, live, joiners, mask, nxt, past)
+            joiners = []
+            if self.joins and self._join_due(len(live)):
+                joiners = self._take([rows[i] for i in live], mask.shape[1] - _unused_columns(mask[live]))
+            if joiners or 2 * len(live) <= len(rows):
+                self._batch = rows + joiners  # told of a failure from here on
+                rows, mask, nxt, past = self._regroup(rows, live, joiners, mask, nxt, past)
                 self._batch = rows
-            elif 2 * len(live) <= len(rows):  # half the batch has finished: leave, cache and all
-                rows = [rows[i] for i in live]
-                past = self.backend.reorder(past, np.asarray(live, dtype=np.int64))
-                mask, nxt = mask[live], nxt[live]
-                self.counters["reorders"] += 1
             with self._cond:
                 self.running = sum(not r.finished for r in rows)
             mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
@@ -262,25 +268,41 @@ class Engine:
         self.counters["steps"] += 1
         return mask, logits, past
 
-    def _join(self, rows: list[Row], live: list[int], joiners: list[Row], mask: np.ndarray, nxt: np.ndarray, past):
-        """`joiners` prefilled on their own and merged with the batch's live rows (the finished ones
-        leave here): both caches are left-padded (masked out) to the wider of the two and stacked,
-        and mask columns no row uses any more are dropped. Returns the batch's rows, mask, next
-        tokens and cache."""
-        self.counters["joins"] += 1
-        jmask, jlogits, jpast = self._prefill(joiners)
-        jnxt = self._sample(joiners, jlogits)
-        jlive = [i for i, r in enumerate(joiners) if not r.finished]
-        if not jlive:  # every joiner ended at its first token: the batch goes on as it was
-            return rows, mask, nxt, past
-        rows, mask, nxt = [rows[i] for i in live], mask[live], nxt[live]
-        joiners, jmask, jnxt = [joiners[i] for i in jlive], jmask[jlive], jnxt[jlive]
-        width = max(mask.shape[1], jmask.shape[1])
-        merged_mask = np.concatenate([_pad_left(mask, width), _pad_left(jmask, width)])
-        first = int(np.argmax(merged_mask.any(axis=0)))  # leading columns masked out in every row
-        arrays = [_stack_right_aligned(a[live], b[jlive], width - first)
-                  for a, b in zip(self.backend.present_to_numpy(past), self.backend.present_to_numpy(jpast))]
-        return rows + joiners, merged_mask[:, first:], np.concatenate([nxt, jnxt]), self.backend.past_from_numpy(arrays)
+    def _regroup(self, rows: list[Row], live: list[int], joiners: list[Row], mask: np.ndarray, nxt: np.ndarray, past):
+        """The batch with its finished rows gone and `joiners` (prefilled here on their own, their
+        first token sampled) in: rows laid out by `_layout`, the cache merged by `Backend.merge` at the
+        width `_width` picks. Returns the batch's rows, mask, next tokens and cache."""
+        jlive: list[int] = []
+        jpast = None
+        if joiners:
+            self.counters["joins"] += 1
+            jmask, jlogits, jpast = self._prefill(joiners)
+            jnxt = self._sample(joiners, jlogits)
+            jlive = [i for i, r in enumerate(joiners) if not r.finished]
+            if not jlive and 2 * len(live) > len(rows):  # every joiner ended at its first token
+                return rows, mask, nxt, past
+        else:
+            jmask, jnxt = np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=np.int64)
+        if not jlive:
+            self.counters["compactions"] += 1
+        order = _layout(live, len(rows), [len(rows) + j for j in jlive])
+        width = self._width(mask, jmask, [rows[i] for i in live] + [joiners[j] for j in jlive], live, jlive)
+        merged_mask = np.concatenate([_fit(mask, width), _fit(jmask, width)])[order]
+        merged_past = self.backend.merge(past, order, jpast if jlive else None, width)
+        return [(rows + joiners)[i] for i in order], merged_mask, np.concatenate([nxt, jnxt])[order], merged_past
+
+    def _width(self, mask: np.ndarray, jmask: np.ndarray, kept: list[Row], live: list[int], jlive: list[int]) -> int:
+        """The merged cache's width: the batch's own (or the joiners', when wider: every row moves right
+        then anyway), unless dropping the leading columns no kept row uses pays for moving every row
+        (in an in-place cache): when they are at least half of it, when a joiner moves every row
+        anyway, or when the rows' remaining tokens need the room (`_fits` counted on it)."""
+        jwidth = jmask.shape[1] - _unused_columns(jmask[jlive]) if jlive else 0
+        keep = max(mask.shape[1], jwidth)
+        least = max(mask.shape[1] - _unused_columns(mask[live]), jwidth)
+        need = max(r.remaining for r in kept)
+        if 2 * least <= keep or keep > mask.shape[1] or keep + need > self.backend.n_positions:
+            return least
+        return keep
 
     def _sample(self, rows: list[Row], logits: np.ndarray) -> np.ndarray:
         """Each row's next token from its own sampler; tokens are told to the rows' callbacks, and
@@ -311,17 +333,26 @@ class Engine:
         return nxt
 
 
-def _pad_left(mask: np.ndarray, width: int) -> np.ndarray:
-    """A mask (B, T) left-padded with zeros to `width` positions."""
-    return np.pad(mask, [(0, 0), (width - mask.shape[1], 0)])
+def _unused_columns(mask: np.ndarray) -> int:
+    """Leading columns of a mask (B, T) that are 0 in every row."""
+    used = mask.any(axis=0)
+    return int(np.argmax(used)) if used.any() else mask.shape[1]
 
 
-def _stack_right_aligned(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
-    """Cache arrays a (Ba, H, Ta, D) and b (Bb, H, Tb, D) stacked into one (Ba + Bb, H, width, D),
-    each aligned to the right end (zeros before; positions beyond `width` from the end are dropped:
-    they are masked out in every row)."""
-    out = np.zeros((a.shape[0] + b.shape[0], a.shape[1], width, a.shape[3]), dtype=a.dtype)
-    for rows, x in ((slice(0, a.shape[0]), a), (slice(a.shape[0], None), b)):
-        keep = min(width, x.shape[2])
-        out[rows, :, width - keep :] = x[:, :, x.shape[2] - keep :]
-    return out
+def _fit(mask: np.ndarray, width: int) -> np.ndarray:
+    """A mask (B, T) right-aligned to `width` columns: zeros added before, or leading columns dropped."""
+    T = mask.shape[1]
+    return mask[:, T - width :] if T >= width else np.pad(mask, [(0, 0), (width - T, 0)])
+
+
+def _layout(live: list[int], n: int, joining: list[int]) -> np.ndarray:
+    """Which row of the batch (0..n-1) or of the joiners (n onward, in `joining`) each row of the
+    regrouped batch is: a live row keeps its place where that is inside the new batch; joiners and
+    the live rows beyond it take the places of rows that left. A cache that moves rows in place then
+    copies only those."""
+    size = len(live) + len(joining)
+    order = np.full(size, -1, dtype=np.int64)
+    staying = [i for i in live if i < size]
+    order[staying] = staying
+    order[order < 0] = [i for i in live if i >= size] + joining
+    return order
