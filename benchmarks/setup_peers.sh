@@ -2,6 +2,11 @@
 # A separate environment for benchmarks/compare_peers.py (and check_interop.py): Optimum's ONNX
 # Runtime support (optimum-onnx) pins transformers < 4.58, older than gpt2x's test environment, so
 # the peers and gpt2x share this one instead. Usage: bash benchmarks/setup_peers.sh [VENV_DIR]
+# (default .venv-peers, git-ignored). Running it again reuses what is there: the venv, the unpacked
+# llama-cpp-python sdist, and a llama-cpp-python already built at the pinned version.
+# About 8.5 minutes on 2 cores from nothing (504 s measured), most of it compiling llama.cpp; run again
+# on a complete venv, about 10 s. Run it in the background
+# (nohup bash benchmarks/setup_peers.sh > /tmp/setup-peers.log 2>&1 &) if your shell has a time limit.
 #
 # onnxruntime-genai goes in with --no-deps: its wheel requires the `onnxruntime` distribution, while
 # gpt2x brings `onnxruntime-gpu` (on Linux/Windows x86-64), whose `onnxruntime` module and
@@ -14,12 +19,46 @@
 # The `export` extra (onnxscript; torch is pinned above) is what gpt2x.workflows needs to load and export;
 # the `openvino` extra (OpenVINO's runtime) is what gpt2x's openvino backend needs (compare_peers.py
 # --gpt2x-backends ... openvino).
+#
+# CTranslate2 (benchmarks/peers/ctranslate2.py): the PyPI wheel; compare_peers.py converts with its
+# `ct2-transformers-converter` (installed in VENV/bin) at float32 and int8.
+#
+# llama.cpp (benchmarks/peers/llamacpp.py) through llama-cpp-python, built here from its sdist
+# (cmake + a C/C++ compiler needed; the defaults, i.e. GGML_NATIVE: -march=native, OpenMP, no BLAS).
+# The sdist is unpacked into VENV/src/llama_cpp_python-VERSION and kept: compare_peers.py converts
+# with its vendor/llama.cpp/convert_hf_to_gguf.py (which imports the gguf-py beside it; the same
+# gguf-py is also pip-installed here) and quantizes with llama.cpp's own quantizer through the
+# bindings (llama_cpp.llama_model_quantize, what the llama-quantize tool calls). The converter's
+# imports (torch, transformers, numpy, sentencepiece, pyyaml) are in the venv; the llama.cpp commit the
+# sdist carries is in its CHANGELOG.md.
 set -euo pipefail
 venv=${1:-.venv-peers}
 genai_version=0.18.0
-python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/python" -m pip install --quiet torch==2.13.0
-"$venv/bin/python" -m pip install --quiet -e ".[export,openvino]" "optimum-onnx" "transformers<4.58" matplotlib
-"$venv/bin/python" -m pip install --quiet --no-deps "onnxruntime-genai==$genai_version"
-"$venv/bin/python" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__)"
+ctranslate2_version=4.8.5
+llama_cpp_version=0.3.36  # vendors llama.cpp ggml-org/llama.cpp@0c1e57098 (its CHANGELOG.md)
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install --quiet --upgrade pip
+"$py" -m pip install --quiet torch==2.13.0
+"$py" -m pip install --quiet -e ".[export,openvino]" "optimum-onnx" "transformers<4.58" matplotlib
+"$py" -m pip install --quiet --no-deps "onnxruntime-genai==$genai_version"
+"$py" -m pip install --quiet "ctranslate2==$ctranslate2_version" sentencepiece pyyaml
+
+# llama-cpp-python from its sdist, kept unpacked for the GGUF converter.
+src="$venv/src"
+sdist_dir="$src/llama_cpp_python-$llama_cpp_version"
+mkdir -p "$src"
+if [ ! -f "$sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+    "$py" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$llama_cpp_version" -d "$src"
+    tar -xzf "$src/llama_cpp_python-$llama_cpp_version.tar.gz" -C "$src"
+    rm "$src/llama_cpp_python-$llama_cpp_version.tar.gz"
+fi
+if [ "$("$py" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)" != "$llama_cpp_version" ]; then
+    echo "building llama-cpp-python $llama_cpp_version from $sdist_dir (several minutes)"
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        "$py" -m pip install --quiet --no-binary llama-cpp-python "$sdist_dir"
+fi
+"$py" -m pip install --quiet "$sdist_dir/vendor/llama.cpp/gguf-py"
+
+"$py" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x, ctranslate2, llama_cpp, gguf; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__, '/ ctranslate2', ctranslate2.__version__, '/ llama-cpp-python', llama_cpp.__version__)"
+echo "llama.cpp converter: $sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py"
