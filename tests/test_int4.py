@@ -5,6 +5,9 @@ and leaves nothing behind; generation runs on it."""
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -122,3 +125,14 @@ def test_int4_gate_passes_small_noise_and_fails_large(tiny_model):
     large = check(ref, Noisy(model, 0.5), Precision.int4)
     assert large["status"] == "failed" and "mean KL" in large["message"]
     assert large["logits"]["mean_kl"] > TOLERANCES[Precision.int4].max_kl
+
+
+def test_quantizer_import_leaves_the_root_logger_alone():
+    """ONNX Runtime's nbits quantizer configures the root logger at INFO when imported; gpt2x undoes it
+    (else a second export in one process printed every library's INFO records)."""
+    code = ("import logging; from gpt2x.onnx import optimize; optimize.nbits_quantizer_module(); "
+            "root = logging.getLogger(); print(len(root.handlers), root.level)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", str(logging.WARNING)]
+

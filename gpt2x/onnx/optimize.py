@@ -161,8 +161,7 @@ def _finish_nbits(q: onnx.ModelProto, out: Path) -> dict[str, int]:
 def _matmul_nbits(proto: onnx.ModelProto, exclude: frozenset[str] = frozenset(), **options) -> onnx.ModelProto:
     """ONNX Runtime's MatMulNBitsQuantizer over every MatMul with a constant weight, except the nodes
     named in `exclude`; `options` go to the quantizer (bits, block_size, algo_config, ...)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    MatMulNBitsQuantizer = nbits_quantizer_module().MatMulNBitsQuantizer
     loggers = [logging.getLogger(name) for name in NBITS_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -222,11 +221,23 @@ def unembedding_matmul(proto: onnx.ModelProto) -> onnx.NodeProto:
     return node
 
 
+def nbits_quantizer_module():
+    """onnxruntime.quantization.matmul_nbits_quantizer, imported with the root logger kept as it was:
+    its import calls logging.basicConfig(level=INFO), after which every library's INFO records (the
+    exporter's, onnxscript's) reached stderr for the rest of the process (a second export, a bench)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization import matmul_nbits_quantizer
+
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
+    return matmul_nbits_quantizer
+
+
 def _int4_options(algorithm: str, block_size: int) -> dict:
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        HQQWeightOnlyQuantConfig,
-        KQuantWeightOnlyQuantConfig,
-    )
+    module = nbits_quantizer_module()
+    HQQWeightOnlyQuantConfig, KQuantWeightOnlyQuantConfig = module.HQQWeightOnlyQuantConfig, module.KQuantWeightOnlyQuantConfig
 
     if algorithm in ("rtn-sym", "rtn-asym"):  # ONNX Runtime's own round-to-nearest (its DEFAULT algorithm)
         return {"bits": 4, "block_size": block_size, "is_symmetric": algorithm == "rtn-sym", "accuracy_level": 4}

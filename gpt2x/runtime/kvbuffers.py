@@ -135,14 +135,15 @@ def grown_capacity(capacity: int, needed: int, n_positions: int, capacity_step: 
 
 
 def buffers_for_step(cache: KVCacheView | None, seq: int, n_positions: int, capacity_step: int,
-                     allocate: Callable[[int, KVCacheView | None], KVBuffers]) -> KVBuffers:
-    """The buffers a step of `seq` new positions on `cache` writes into: new ones for the first step,
-    larger ones (made by `allocate(capacity, keep)`) when the step would overflow, else the cache's."""
+                     allocate: Callable[[int, KVCacheView | None], KVBuffers], first_room: int | None = None) -> KVBuffers:
+    """The buffers a step of `seq` new positions on `cache` writes into: new ones for the first step
+    (with `first_room` spare positions, default `capacity_step`), larger ones (made by
+    `allocate(capacity, keep)`) when the step would overflow, else the cache's."""
     length = 0 if cache is None else cache.length
     if length + seq > n_positions:
         raise ValueError(f"{length} + {seq} positions exceed the model's context ({n_positions})")
     if cache is None:
-        return allocate(min(n_positions, seq + capacity_step), None)
+        return allocate(min(n_positions, seq + (capacity_step if first_room is None else first_room)), None)
     if length + seq > cache.capacity:
         buffers = allocate(grown_capacity(cache.capacity, length + seq, n_positions, capacity_step), cache)
         cache.buffers.length = -1  # retired: every view of the old buffers is stale now
