@@ -198,10 +198,9 @@ class OrtBackend:
         if attention_mask.shape[1] != length + T:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the cache holds {length} + {T} new")
         # A batch's prefill gets no spare positions: GroupQueryAttention's multi-token step over a shared
-        # buffer grows with its capacity (int8, 16 rows x 15 tokens: 222 ms with 256 spare positions,
-        # 140 with none), and the first decode step's move into larger buffers copies only the prompt's
-        # positions. A single row's prefill keeps its room: there the spare positions cost nothing
-        # measurable and the move would (int8, 512 tokens: 24 tokens decode at 131 tok/s against 146).
+        # buffer grows with its capacity, and the first decode step's move into larger buffers copies
+        # only the prompt's positions. A single row's prefill keeps its room: there the spare positions
+        # cost little and the move more. Both measured by benchmarks/engine_load.py.
         buffers = buffers_for_step(cache, T, self.n_positions, KV_CAPACITY_STEP,
                                    lambda capacity, old: self._shared_buffers(B, capacity, old),
                                    first_room=0 if B > 1 else None)
