@@ -168,7 +168,7 @@ def main() -> None:
                 v.clear()
             r = drive(configs[name], c, max(16, 2 * c), args.max_tokens)
             r["backend_calls_ms"] = {k: {"count": len(v), "median": statistics.median(v), "total": sum(v)}
-                                     for k, v in sorted(calls[name].items())}
+                                     for k, v in sorted(calls[name].items()) if v}
             results.append({"config": name, **r})
             time.sleep(0.3)
     for engine in configs.values():

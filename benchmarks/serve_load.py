@@ -11,9 +11,10 @@ export `gpt2x serve --model MODEL --precision P` would use:
 - static: max batch 32, requests that arrive together decode together; later arrivals wait for the
   whole batch to finish;
 - continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps
-  (int8: on ONNX Runtime's in-place KV cache, gpt2x serve's default, rows moving inside its buffers);
-- continuous-growing (int8 only): the same on the growing KV cache (`in_place_kv=False`), whose
-  merges copy the whole cache through the host, for comparison.
+  (gpt2x serve's default: int8 on ONNX Runtime's growing KV cache, whose merges copy the whole
+  cache through the host);
+- continuous-in-place (int8 only): the same on the in-place KV cache (`in_place_kv=True`), rows
+  moving inside its buffers, for comparison.
 
 `gpt2x loadtest`'s code (gpt2x.bench.loadtest.run_loadtest) drives each application, closed loop,
 streaming, at each concurrency level with max(16, 2 x concurrency) requests, and records TTFT, ITL,
@@ -45,12 +46,12 @@ from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
 
-MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default, in place wherever the graph allows)
+MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default, the growing cache when batching)
     "off": (EngineSettings(max_batch_size=1, max_waiting=64, continuous=False), None),
     "static": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=False), None),
     "continuous": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), None),
-    # int8 and int4 graphs only: continuous batching on the growing cache (serve's default before rows moved in place)
-    "continuous-growing": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), False),
+    # int8 and int4 graphs only: continuous batching on the in-place cache, rows moving inside its buffers
+    "continuous-in-place": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), True),
 }
 
 
