@@ -78,7 +78,7 @@ def test_generate_runs_without_torch_and_gives_the_same_text(deployed):
         assert len(json.loads(without.stdout)["tokens"]) > 0
 
 
-def test_bench_info_inspect_run_without_torch(deployed):
+def test_bench_info_inspect_verify_run_without_torch(deployed):
     r = run_gpt2x("bench", "--backends", "ort", "--precisions", "fp32", "--prompt-len", "4", "--new-tokens", "6",
                   "--repeat", "1", "--json", "b.json", cwd=deployed, blocked=True)
     assert r.returncode == 0, r.stderr
@@ -91,6 +91,8 @@ def test_bench_info_inspect_run_without_torch(deployed):
     assert info.returncode == 0 and json.loads(info.stdout)["providers loadable"]["cpu"] == "ok", info.stderr
     inspect = run_gpt2x("inspect", "gpt2", "--json", cwd=deployed, blocked=True)
     assert inspect.returncode == 0 and json.loads(inspect.stdout)["total_params"] == 124_439_808
+    verify = run_gpt2x("verify", "exported/shakespeare-fp32", "--json", cwd=deployed, blocked=True)
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] is True, verify.stderr
 
 
 @pytest.mark.parametrize("args", [
