@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..choices import ProviderKind
+from .kvbuffers import write_right_aligned
 
 
 class Backend(Protocol):
@@ -76,12 +77,7 @@ def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: i
     for arrays in zip(*parts):
         first = arrays[0]
         merged = np.zeros((len(rows), first.shape[1], width, first.shape[3]), dtype=first.dtype)
-        start = 0
-        for a in arrays:
-            mine = np.flatnonzero((rows >= start) & (rows < start + a.shape[0]))
-            keep = min(width, a.shape[2])
-            merged[mine, :, width - keep :] = a[rows[mine] - start, :, a.shape[2] - keep :]
-            start += a.shape[0]
+        write_right_aligned(merged, np.arange(len(rows)), rows, list(arrays), width)
         out.append(merged)
     return out
 

@@ -151,6 +151,22 @@ def buffers_for_step(cache: KVCacheView | None, seq: int, n_positions: int, capa
     return cache.buffers
 
 
+def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, parts: list[np.ndarray], width: int) -> None:
+    """out[where[j]] = row rows[where[j]] of `parts` (arrays (B_k, H, P_k, D) numbered one after
+    another along the batch), right-aligned to `width` positions: zeros before a shorter row,
+    positions further than `width` from its end dropped. Source rows are gathered (fancy indexing
+    copies) before anything is written, so `out` may be one of the parts' buffers."""
+    start = 0
+    for part in parts:
+        mine = where[(rows[where] >= start) & (rows[where] < start + part.shape[0])]
+        if len(mine):
+            keep = min(width, part.shape[2])
+            out[mine, :, width - keep : width] = part[rows[mine] - start, :, part.shape[2] - keep :]
+            if keep < width:
+                out[mine, :, : width - keep] = 0
+        start += part.shape[0]
+
+
 def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
                allocate: Callable[[int, int], KVBuffers], n_positions: int,
                capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
@@ -183,17 +199,9 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
         target = buffers
         moving = (rows != np.arange(len(rows))) | (rows >= n) | (width != length)
     dst = np.flatnonzero(moving)
-    from_cache, from_joiner = dst[rows[dst] < n], dst[rows[dst] >= n]
     for i, out in enumerate(target.arrays):
-        for where, source, first in ((from_cache, buffers.arrays[i][:n, :, :length], 0),
-                                     (from_joiner, None if joiner is None else joiner[i], n)):
-            if not len(where):
-                continue
-            keep = min(width, source.shape[2])
-            # Fancy indexing gathers the source rows into a new array before anything is written.
-            out[where, :, width - keep : width] = source[rows[where] - first, :, source.shape[2] - keep :]
-            if keep < width:
-                out[where, :, : width - keep] = 0
+        parts = [buffers.arrays[i][:n, :, :length]] + ([] if joiner is None else [joiner[i]])
+        write_right_aligned(out, dst, rows, parts, width)
     if target is not buffers:
         buffers.length = -1  # retired: every view of the old buffers is stale now
     target.rows = len(rows)
