@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from gpt2x import workflows
+from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
 from gpt2x.onnx.artifact import default_export_dir
@@ -169,8 +170,6 @@ def main() -> None:
                         "target": TARGET, "met": med["gpt2x_s"] / bare <= TARGET, "runs": rr, "gpt2x_phases_s": phases})
     out = {"machine": system_info(), "command": " ".join(["python", *sys.argv]), "prompt": PROMPT, "repeat": args.repeat,
            "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     lines = [f"Cold start on {out['machine']['cpu']} ({out['machine']['cores']} cores), {out['machine']['date']}, "
              f"gpt2x git {out['machine']['git']}; {args.repeat} interleaved rounds, medians; files in the page cache.", "",
              "| export | size | gpt2x generate: start to first token | bare ORT process: start to first token | "
@@ -183,7 +182,7 @@ def main() -> None:
                      f"{m['bare_session_s']:.2f} s | {m['bare_first_run_s'] * 1e3:.0f} ms | {x['ratio']:.2f}x | "
                      f"{'met' if x['met'] else 'not met'} | {ph} |")
     text = "\n".join(lines) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    save_results(args.out, out, text)
     print(text)
 
 

@@ -25,7 +25,6 @@ client on the same 2 cores; the difference between the two is what the serving s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2x.bench.loadtest import DEFAULT_PROMPTS
+from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.generation.settings import SamplingSettings
@@ -196,10 +196,8 @@ def main() -> None:
                      + " (median of 7): " + ", ".join(f"{k} {v:.1f} ms" for k, v in room["median_ms"].items()))
     out = {"machine": system_info(), "command": " ".join(["python", *sys.argv]), "results": results,
            "spare_room_prefill": rooms}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     text = "\n".join(lines) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    save_results(args.out, out, text)
     print(text)
 
 

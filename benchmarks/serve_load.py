@@ -28,7 +28,6 @@ Writes OUT.json (every figure and the environment), OUT.md (the table) and OUT.p
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import sys
 import time
@@ -38,10 +37,9 @@ import ray
 from ray import serve
 
 from gpt2x.bench.loadtest import LoadtestSettings, run_loadtest
-from gpt2x.bench.report import require_matplotlib, save_png
+from gpt2x.bench.report import require_matplotlib, save_png, save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
-from gpt2x.fileio import write_atomic
 from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
@@ -161,12 +159,10 @@ def main() -> None:
         "modes": {m: {**MODES[m][0].__dict__, "in_place_kv": MODES[m][1]} for m in modes}, "wall_s": time.time() - began,
         "environment": env, "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
     machine = f"{env['cpu']}, {env['cores']} cores"
     header = (f"# gpt2x serve under load: {args.model}, {args.max_tokens} tokens per request, one replica\n\n"
               f"Machine: {machine}. Command: `{record['command']}`\n\n")
-    write_atomic(args.out.with_suffix(".md"), header + table(results) + "\n")
+    save_results(args.out, record, header + table(results) + "\n")
     plot(results, args.out.with_suffix(".png"), f"gpt2x serve, {args.model}, {machine}")
     print(table(results))
 

@@ -15,7 +15,6 @@ draft's own cost.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.numerics import positions
@@ -81,10 +81,8 @@ def main() -> None:
               "Speculation beats plain decoding when the mean tokens per verification exceed the ratio in brackets "
               "(plus the draft's own cost)."]
     out = {"machine": system_info(), "command": " ".join(["python", *sys.argv]), "cases": cases}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     text = "\n".join(lines) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    save_results(args.out, out, text)
     print(text)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 from rich.table import Table
@@ -91,3 +92,12 @@ def save_png(fig, path: Path) -> None:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
+
+
+def save_results(out: Path, data: dict, markdown: str) -> None:
+    """A benchmark's results as OUT.json (every figure) and OUT.md (its table), each written whole or
+    not at all; `out` is the path without extension."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1) + "\n")
+    write_atomic(out.with_suffix(".md"), markdown)
+
