@@ -11,6 +11,7 @@ import hashlib
 import json
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 import tiktoken
 
@@ -59,6 +60,30 @@ def mergeable_ranks() -> dict[bytes, int]:
     encoder = json.loads(verified_bpe_file("encoder.json").read_text(encoding="utf-8"))
     to_latin1 = str.maketrans({c: chr(b) for c, b in _byte_of_char().items()})
     return {token.translate(to_latin1).encode("latin-1"): i for token, i in encoder.items() if token != EOT_TOKEN}
+
+
+def folder_vocabulary_differs(folder: Path) -> str | None:
+    """Why a Hugging Face folder's tokenizer files (vocab.json, merges.txt) are not GPT-2's, or None when
+    they are, or when the folder has none (gpt2x then tokenizes with GPT-2's)."""
+    folder = Path(folder)
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    if vocab.is_file():
+        try:
+            theirs = json.loads(vocab.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"its vocab.json cannot be read ({e})"
+        if theirs != json.loads(verified_bpe_file("encoder.json").read_text(encoding="utf-8")):
+            return "its vocab.json is not GPT-2's vocabulary"
+    if merges.is_file():
+        def rules(text: str) -> list[str]:
+            return [ln for ln in text.splitlines() if ln and not ln.startswith("#version")]
+        try:
+            theirs = rules(merges.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            return f"its merges.txt cannot be read ({e})"
+        if theirs != rules(verified_bpe_file("vocab.bpe").read_text(encoding="utf-8")):
+            return "its merges.txt is not GPT-2's merges"
+    return None
 
 
 @lru_cache(maxsize=1)

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from .errors import ArtifactError, Gpt2xError, MissingDependencyError, ProviderError, UsageError
 from .evaluate.parity import gate_export
+from .generation.speculative import DraftSettings, Drafter, ModelDrafter, NgramDrafter, refuse_unrollable
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
 from .runtime.base import Backend
 from .runtime.ort import OrtBackend
 from .runtime.providers import available_providers
+from .tokenizer import folder_vocabulary_differs
 
 if TYPE_CHECKING:
     from .model.checkpoints import ModelSource
@@ -263,6 +265,64 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
 
         return GenaiBackend(info, provider, threads)
     raise UsageError(f"{backend.value} does not run export folders")
+
+
+# ---------------------------------------------------------------- drafts (speculative decoding)
+
+NGRAM_DRAFT = "ngram"
+DRAFT_HELP = ("int4 or int8 (the target model's own quantized export), ngram (prompt lookup), "
+              "or a model or export folder with GPT-2's vocabulary")
+
+
+def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind.ort,
+                 provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
+                 settings: DraftSettings = DraftSettings(), revision: str | None = None,
+                 progress: Progress = no_progress, notice: Progress = no_progress) -> Drafter:
+    """The draft for speculative decoding with `target` (opened with `backend` on `provider`):
+
+    - `ngram`: prompt lookup, no model;
+    - `int4`, `int8` (or `fp32`): the target model's export at that precision, exported on first use;
+    - an export folder, or a model (name, hub repo or folder: its fp32 export, made on first use;
+      with the torch backend, the model itself) with the target's vocabulary and GPT-2's tokenizer.
+
+    A draft model runs on the target's backend (the ort backend for the quantized exports of a torch
+    target) on the same provider. On the CPU it gets 1 thread unless `threads` says otherwise: a
+    draft's step is small enough that a second thread costs more than it gives, and the target's
+    threads stay free (measured, benchmarks/speculative.py). Refused in one line: a target or draft
+    backend that cannot roll back its cache (genai), and a draft with another vocabulary."""
+    refuse_unrollable(target, "target")
+    if draft == NGRAM_DRAFT:
+        return NgramDrafter(settings)
+    draft_threads = threads or (1 if provider is ProviderKind.cpu else None)
+    if draft in {p.value for p in Precision}:
+        precision = Precision(draft)
+        kind = backend if backend is not BackendKind.torch else BackendKind.ort
+        refuse_unsupported(kind, provider, precision)
+        info = ensure_export(target.model_name, precision, revision, progress=progress, notice=notice)
+        progress(f"loading the {precision.value} draft on {kind.value} ({provider.value})")
+        runner = export_backend(kind, info, provider, draft_threads)
+        name = f"{target.model_name} {precision.value}"
+    elif is_export(Path(draft)):
+        kind = backend if backend is not BackendKind.torch else BackendKind.ort
+        info = read_export(Path(draft))
+        refuse_unsupported(kind, provider, info.precision)
+        progress(f"loading the draft {info.folder} on {kind.value} ({provider.value})")
+        runner = export_backend(kind, info, provider, draft_threads)
+        name = str(info.folder)
+    else:
+        source_folder = Path(draft).expanduser()
+        if source_folder.is_dir():
+            reason = folder_vocabulary_differs(source_folder)
+            if reason:
+                raise UsageError(f"draft {draft}: {reason}; a draft must share the target's tokenizer")
+        torch_target = backend is BackendKind.torch  # torch's thread count is the process's: left as the target's
+        runner = open_backend(backend, provider, draft, revision, None if torch_target else Precision.fp32,
+                              threads=threads if torch_target else draft_threads, progress=progress, notice=notice)
+        name = draft
+    if runner.vocab_size != target.vocab_size:
+        raise UsageError(f"draft {draft}: its vocabulary has {runner.vocab_size} tokens, the target's {target.vocab_size}; "
+                         "a draft must share the target's tokenizer")
+    return ModelDrafter(runner, name)
 
 
 def train_model(corpus: Path, out: Path, steps: int, seed: int, log: Progress = no_progress) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
 from ..generation.generate import generate as run_generation
 from ..generation.settings import SamplingSettings
+from ..generation.speculative import DraftSettings
 from ..tokenizer import StreamDecoder, decode
-from ..workflows import open_backend
+from ..workflows import DRAFT_HELP, open_backend, open_drafter
 from .options import (
     JsonOpt,
     ModelOptional,
@@ -32,7 +33,8 @@ from .options import (
 EPILOG = ("Examples:\n\n"
     "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch --seed 1\n\n"
     "  gpt2x generate \"Hello, my name is\" --model gpt2 --greedy --max-new-tokens 20\n\n"
-    "  gpt2x generate --prompts-file prompts.txt --model shakespeare --backend torch --json")
+    "  gpt2x generate --prompts-file prompts.txt --model shakespeare --backend torch --json\n\n"
+    "  gpt2x generate \"ROMEO:\" --greedy --draft int4 --draft-tokens 8")
 
 
 def generate(
@@ -57,6 +59,12 @@ def generate(
     early_stopping: Annotated[bool, typer.Option(help="Beam search stops once num_beams hypotheses are done.")] = False,
     prompts_file: Annotated[Optional[Path], typer.Option(help="One prompt per line, generated as one left-padded batch.")] = None,
     truncate: Annotated[bool, typer.Option(help="Keep the end of prompts longer than the context instead of failing.")] = False,
+    draft: Annotated[Optional[str], typer.Option(
+        help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own.")] = None,
+    draft_tokens: Annotated[int, typer.Option(help="Most tokens drafted per verification (K).")] = DraftSettings.max_tokens,
+    draft_adaptive: Annotated[bool, typer.Option(
+        help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
+        "--no-draft-adaptive always drafts K, so that a seeded sampled run is reproduced exactly.")] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
@@ -72,9 +80,14 @@ def generate(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
     )
+    draft_settings = DraftSettings(max_tokens=draft_tokens, adaptive=draft_adaptive)
+    if draft is not None and num_beams > 1:
+        raise UsageError("--draft and --num-beams do not combine: speculative decoding samples or decodes greedily")
     with Status("starting") as status:
         runner = open_backend(backend, provider, model, revision, precision, onnx_dir, threads,
                               progress=progress_to(status), notice=notice)
+        drafter = None if draft is None else open_drafter(draft, runner, backend, provider, None, draft_settings, revision,
+                                                          progress=progress_to(status), notice=notice)
     stream = len(prompts) == 1 and not as_json and num_beams == 1
     decoder = StreamDecoder()
 
@@ -85,7 +98,8 @@ def generate(
     if stream:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
-    results = run_generation(runner, prompts, settings, truncate=truncate, on_token=write_token if stream else None)
+    results = run_generation(runner, prompts, settings, truncate=truncate, on_token=write_token if stream else None,
+                             draft=drafter, draft_settings=draft_settings)
     if stream:
         sys.stdout.write(decoder.flush() + "\n")
     elif as_json:
@@ -93,12 +107,20 @@ def generate(
             print(json.dumps({
                 "prompt": r.prompt, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": decode(r.tokens),
                 "finish_reason": r.finish_reason, "model": runner.model_name, "backend": runner.name, "seed": seed,
+                **({"draft": drafter.name, "speculation": r.speculation} if drafter is not None else {}),
             }))
     else:
         for i, r in enumerate(results):
             if i:
                 print()
             print(r.prompt + decode(r.tokens))
+    if drafter is not None and not as_json:
+        for r in results:
+            st = r.speculation
+            rate = "no tokens drafted" if not st["drafted"] else (
+                f"{st['accepted']}/{st['drafted']} drafted tokens accepted ({st['acceptance_rate']:.0%}), "
+                f"mean acceptance length {st['mean_acceptance_length']:.2f}")
+            err.print(f"draft {drafter.name}: {rate}; {st['plain_steps']} plain steps", markup=False)
     for r in results:
         if r.finish_reason == "context":
             err.print(f"note: stopped at the model's context limit ({runner.n_positions} tokens)")

@@ -38,7 +38,11 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         if self.s.greedy:
             return logits.argmax(axis=-1).astype(np.int64)
-        p = self.probabilities(logits)
-        u = self.rng.random(p.shape[0])[:, None]  # one uniform per row, consumed in row order
+        return self.draw(self.probabilities(logits))
+
+    def draw(self, p: np.ndarray) -> np.ndarray:
+        """One token per row of the distributions `p` (B, V) (unnormalised is fine), by inverse CDF with
+        one uniform per row, consumed in row order."""
+        u = self.rng.random(p.shape[0])[:, None]
         cdf = np.cumsum(p, axis=-1)
         return np.minimum((cdf < u * cdf[:, -1:]).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)

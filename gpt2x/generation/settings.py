@@ -38,3 +38,4 @@ class Generation:
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS
     finish_reason: str = "length"  # "eos", "length" (max_new_tokens) or "context" (model context full)
+    speculation: dict | None = None  # with a draft: SpecStats.to_dict() (drafted, accepted, acceptance rate, ...)

@@ -30,6 +30,8 @@ class Backend(Protocol):
     # Whether past_from_numpy can hand it a cache made elsewhere; a backend that owns its cache (such
     # as onnxruntime-genai's generator) is compared on whole sequences instead.
     accepts_past: bool
+    # Whether `truncate` can drop a cache's last positions (speculative decoding's rollback).
+    rolls_back: bool
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             past: Any) -> tuple[np.ndarray, Any]:
@@ -53,6 +55,12 @@ class Backend(Protocol):
         shorter row, and positions further than `width` from the end dropped (the caller drops only
         positions masked out in every row it keeps). `past` must not be used afterwards (a backend
         may reuse its buffers); `joiner` may be."""
+        ...
+
+    def truncate(self, past: Any, length: int) -> Any:
+        """The cache holding only its first `length` positions (speculative decoding drops the positions
+        of rejected draft tokens), copying no more than the backend's cache layout needs: the in-place
+        buffers only set their length back. `past` must not be used afterwards."""
         ...
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> Any:

@@ -102,6 +102,7 @@ class GenaiBackend:
 
     name = "genai"
     accepts_past = False  # the generator owns its cache: parity compares whole sequences
+    rolls_back = False  # nor can gpt2x drop positions from it (speculative decoding declines genai)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         refuse_fp16_on_cpu(info, provider)
@@ -293,6 +294,10 @@ class GenaiBackend:
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
         raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; it cannot be handed one (accepts_past is False)")
+
+    def truncate(self, past: GenaiState, length: int):
+        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; gpt2x cannot drop positions from it "
+                                  "(rolls_back is False)")
 
     def merge(self, past: GenaiState, rows: np.ndarray, joiner: GenaiState | None, width: int):
         raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; rows cannot join it (accepts_past is False: "

@@ -128,6 +128,17 @@ def refuse_stale(cache: KVCacheView | None) -> None:
                          "use the cache the last step or merge returned")
 
 
+def truncated(cache: KVCacheView, length: int) -> KVBuffers:
+    """The cache's buffers holding only its first `length` positions (speculative decoding's rollback
+    of rejected positions): the buffers' length is set back, nothing is copied or cleared, and the
+    next step overwrites the positions from `length` on. Every earlier view is stale afterwards."""
+    refuse_stale(cache)
+    if not 0 <= length <= cache.length:
+        raise ValueError(f"cannot keep {length} positions of a cache holding {cache.length}")
+    cache.buffers.length = length
+    return cache.buffers
+
+
 def grown_capacity(capacity: int, needed: int, n_positions: int, capacity_step: int) -> int:
     """The capacity of the larger buffers for `needed` positions: doubled, by at least `capacity_step`,
     never past the context (unless `needed` is)."""

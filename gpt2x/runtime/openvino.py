@@ -39,7 +39,18 @@ from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, merge_rows, refuse_stale, rows_to_keep, zeroed_arrays
+from .kvbuffers import (
+    KV_CAPACITY_STEP,
+    KVBuffers,
+    KVCacheView,
+    buffers_for_step,
+    buffers_holding,
+    merge_rows,
+    refuse_stale,
+    rows_to_keep,
+    truncated,
+    zeroed_arrays,
+)
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -63,6 +74,7 @@ class OpenVinoBackend:
 
     name = "openvino"
     accepts_past = True
+    rolls_back = True
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:
@@ -132,6 +144,11 @@ class OpenVinoBackend:
         arrays = None if joiner is None else joiner.filled()
         buffers = merge_rows(past, rows, arrays, width, self._buffers, self.n_positions, KV_CAPACITY_STEP)
         return OpenVinoKVCache(buffers, buffers.length)
+
+    def truncate(self, past: OpenVinoKVCache, length: int) -> OpenVinoKVCache:
+        """Backend.truncate: the buffers' length set back, nothing copied. The dropped slots keep finite
+        values and are masked as empty slots until the next step overwrites them."""
+        return OpenVinoKVCache(truncated(past, length), length)
 
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""

@@ -19,8 +19,19 @@ from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from .base import merge_on_host
-from .kvbuffers import KV_CAPACITY_STEP, KVBuffers, KVCacheView, buffers_for_step, buffers_holding, merge_rows, refuse_stale, rows_to_keep, zeroed_arrays
-from .providers import create_session, gather_model, refuse_fp16_on_cpu
+from .kvbuffers import (
+    KV_CAPACITY_STEP,
+    KVBuffers,
+    KVCacheView,
+    buffers_for_step,
+    buffers_holding,
+    merge_rows,
+    refuse_stale,
+    rows_to_keep,
+    truncated,
+    zeroed_arrays,
+)
+from .providers import create_session, gather_model, refuse_fp16_on_cpu, slice_positions_model
 
 
 class _KVBuffers(KVBuffers):
@@ -52,6 +63,7 @@ class OrtBackend:
 
     name = "ort"
     accepts_past = True
+    rolls_back = True
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  shared_kv: bool | None = None):
@@ -68,6 +80,7 @@ class OrtBackend:
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._reorder_session = None
+        self._truncate_session = None
         # The graph's optional logits_to_keep input (exports made before it existed lack it): bound to 1
         # by `step`, so a prefill unembeds its last position only, and to 0 (every position) by `run`.
         overridable = {i.name for i in self.session.get_overridable_initializers()}
@@ -112,6 +125,33 @@ class OrtBackend:
         arrays = None if joiner is None else joiner.filled() if isinstance(joiner, SharedKVCache) else self.present_to_numpy(joiner)
         buffers = merge_rows(past, rows, arrays, width, self._spare_buffers, self.n_positions, KV_CAPACITY_STEP)
         return SharedKVCache(buffers, buffers.length)
+
+    def truncate(self, past, length: int):
+        """Backend.truncate: the in-place cache sets its length back (nothing copied; the next step
+        overwrites the dropped positions); the growing cache keeps its first `length` positions as new
+        tensors (one copy of the kept positions: a (B, H, P, D) tensor's first positions are not
+        contiguous), on the host for the CPU and with a one-node Slice graph on CUDA."""
+        if isinstance(past, SharedKVCache):
+            return SharedKVCache(truncated(past, length), length)
+        held = past[0].shape()[2]
+        if not 0 <= length <= held:
+            raise ValueError(f"cannot keep {length} positions of a cache holding {held}")
+        if length == held:
+            return past
+        if self.device == "cpu":
+            return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length])) for v in past]
+        if self._truncate_session is None:
+            self._truncate_session = create_session(slice_positions_model(self.kv_dtype), self.provider)
+        ends = np.array([length], dtype=np.int64)
+        out = []
+        for v in past:
+            binding = self._truncate_session.io_binding()
+            binding.bind_ortvalue_input("x", v)
+            binding.bind_cpu_input("ends", ends)
+            binding.bind_output("y", self.device)
+            self._truncate_session.run_with_iobinding(binding)
+            out.append(binding.get_outputs()[0])
+        return out
 
     def peak_device_memory_mb(self) -> float | None:
         """Not tracked for ONNX Runtime (its arena is not exposed to Python)."""

@@ -68,6 +68,21 @@ def gather_model(dtype) -> bytes:
     return model.SerializeToString()
 
 
+def slice_positions_model(dtype) -> bytes:
+    """A one-node graph keeping the first `length` positions (axis 2) of a cache tensor, on the device:
+    the rollback of a growing cache on CUDA."""
+    t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])], "truncate",
+        [helper.make_tensor_value_info("x", t, None), helper.make_tensor_value_info("ends", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", t, None)],
+        [helper.make_tensor("starts", TensorProto.INT64, [1], [0]), helper.make_tensor("axes", TensorProto.INT64, [1], [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    return model.SerializeToString()
+
+
 def available_providers() -> dict[str, Any]:
     """Providers ONNX Runtime lists, and whether each really loads (a one-node session)."""
     listed = ort.get_available_providers()

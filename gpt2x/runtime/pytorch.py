@@ -14,6 +14,7 @@ class TorchBackend:
 
     name = "torch"
     accepts_past = True
+    rolls_back = True
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):
         self.model = model.to(device).eval()
@@ -50,6 +51,13 @@ class TorchBackend:
     def peak_device_memory_mb(self) -> float | None:
         """Peak CUDA memory PyTorch allocated (None on the CPU)."""
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+
+    def truncate(self, past: KVCache, length: int) -> KVCache:
+        """Backend.truncate: views of the first `length` positions (no copy; the next step concatenates)."""
+        held = past[0][0].shape[2]
+        if not 0 <= length <= held:
+            raise ValueError(f"cannot keep {length} positions of a cache holding {held}")
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in past]
 
     def reorder(self, past: KVCache, rows: np.ndarray) -> KVCache:
         idx = self._t(rows)

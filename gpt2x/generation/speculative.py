@@ -1,0 +1,376 @@
+"""Speculative decoding at batch 1: a cheap draft proposes K tokens, the target checks all K in one
+step over K + 1 new positions, and the tokens it agrees with are kept, so one read of the target's
+weights can yield up to K + 1 tokens.
+
+The output is the target's own:
+- greedy: a drafted token is kept while it is the target's argmax at its position; the first one
+  that is not is replaced by the argmax, and after K kept tokens the argmax of the last position is
+  a bonus token. The tokens equal plain greedy decoding's, except where scoring K + 1 positions in
+  one step instead of one at a time moves a near-tie's float rounding (measured and stated in
+  benchmarks/speculative.py; the tests hold it to a stated logit margin);
+- sampling: the standard rule (Leviathan et al. 2023, Chen et al. 2023). A drafted token d drawn
+  from the draft's q is kept with probability min(1, p(d) / q(d)); the first that is not is replaced
+  by a draw from max(0, p - q) normalised; after K kept tokens a bonus token is drawn from p. A draft
+  without probabilities (ngram) is a point mass: a token is drawn from p and the draft token is
+  kept if the draw equals it. Temperature, top-k and top-p shape p and q alike
+  (Sampler.probabilities), and every draw uses the sampler's one seeded generator.
+
+Both caches roll back the positions of rejected tokens (`Backend.truncate`): the target's holds the
+K + 1 verified positions and drops the rejected ones; the draft's, which ran one token ahead, drops
+what the target rejected, and catches up (one multi-token step) on whatever it has not seen.
+
+How many tokens to draft is `DraftControl`'s choice: K grows after full acceptance and shrinks after
+rejections, and decoding turns plain while the measured tokens per second of speculative rounds fall
+below those of plain steps, probing again after a growing number of plain steps, so a draft that
+rarely agrees costs a few probes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import UsageError
+from ..numerics import positions
+from ..runtime.base import Backend
+from .sampling import Sampler
+
+NGRAM_MAX = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    max_tokens: int = 5  # K: the most draft tokens one verification checks
+    adaptive: bool = True  # K (and whether to speculate at all) from measured costs and acceptance; False: always K
+    ngram_max: int = NGRAM_MAX  # prompt lookup: the longest suffix matched
+    ngram_min: int = 1  # ... and the shortest
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= 32:
+            raise UsageError(f"draft_tokens must be in 1..32, got {self.max_tokens}", option="draft_tokens")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UsageError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # the drafted tokens, d_1 .. d_k
+    q: np.ndarray | None = None  # (k, V) the draft's filtered distributions they were drawn from; None: point masses
+
+
+class Drafter(Protocol):
+    name: str  # "ngram", or the draft model's name and precision
+    n_positions: int  # the longest sequence it can draft for
+
+    def reset(self) -> None:
+        """Forget the previous sequence: a new one starts."""
+        ...
+
+    def sync(self, tokens: list[int]) -> None:
+        """Catch up on the sequence but its newest token (a draft model's multi-token step after plain
+        steps or at the start), so that `propose` times drafting alone."""
+        ...
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        """Up to `k` tokens to follow `tokens` (prompt and output so far)."""
+        ...
+
+    def keep(self, length: int) -> None:
+        """Only the first `length` tokens of the sequence stand: drop what the draft holds beyond them."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: the draft is the continuation of the latest earlier occurrence of the sequence's
+    last n tokens (n from ngram_max down to ngram_min), in the prompt and the text generated so far.
+    No model, no cache, no probabilities (a point mass)."""
+
+    name = "ngram"
+    n_positions = 1 << 30
+
+    def __init__(self, settings: DraftSettings = DraftSettings()):
+        self.n_max, self.n_min = settings.ngram_max, settings.ngram_min
+
+    def reset(self) -> None:
+        pass
+
+    def sync(self, tokens: list[int]) -> None:
+        pass
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        return Proposal(lookup(tokens, k, self.n_max, self.n_min))
+
+    def keep(self, length: int) -> None:
+        pass
+
+
+def lookup(tokens: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = 1) -> list[int]:
+    """The up to `k` tokens that followed the latest earlier occurrence of the last n tokens, for the
+    largest n in [n_min, n_max] that occurs earlier; [] when none does."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    L = len(seq)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        # Windows starting at 0 .. L - n - 1: every occurrence that ends before the last token.
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: L - 1], n)
+        hits = np.flatnonzero((windows == seq[L - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return seq[start : start + k].tolist()
+    return []
+
+
+class ModelDrafter:
+    """A draft model on any backend that rolls back: its own KV cache over the sequence's first
+    `cached` tokens, one token behind the sequence after each proposal."""
+
+    def __init__(self, backend: Backend, name: str | None = None):
+        refuse_unrollable(backend, "draft")
+        self.backend = backend
+        self.name = name or backend.model_name
+        self.n_positions = backend.n_positions
+        self.past = None
+        self.cached = 0  # tokens of the sequence the cache holds
+
+    def reset(self) -> None:
+        self.past = None
+        self.cached = 0
+
+    def sync(self, tokens: list[int]) -> None:
+        if len(tokens) - 1 - self.cached > 1 and len(tokens) - 1 <= self.n_positions:
+            self._feed(tokens[self.cached : len(tokens) - 1], len(tokens) - 1)
+
+    def _feed(self, ids: list[int], total: int) -> np.ndarray:
+        arr = np.asarray([ids], dtype=np.int64)
+        mask = np.ones((1, total), dtype=np.int64)
+        logits, self.past = self.backend.step(arr, mask, positions(mask, len(ids)), self.past)
+        self.cached = total
+        return logits[0]
+
+    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+        k = min(k, self.n_positions - len(tokens) + 1)
+        if k < 1:
+            return Proposal([])
+        logits = self._feed(tokens[self.cached :], len(tokens))  # catch up: at least the newest token
+        out: list[int] = []
+        qs = []
+        for i in range(k):
+            if sampler.s.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = sampler.probabilities(logits[None])[0]
+                tok = int(sampler.draw(q[None])[0])
+                qs.append(q)
+            out.append(tok)
+            if i < k - 1:
+                logits = self._feed([tok], len(tokens) + i + 1)
+        return Proposal(out, np.stack(qs) if qs else None)
+
+    def keep(self, length: int) -> None:
+        if self.cached > length:
+            self.past = self.backend.truncate(self.past, length)
+            self.cached = length
+
+
+# ---------------------------------------------------------------- choosing K
+
+
+@dataclass
+class DraftControl:
+    """Chooses each round's K (0: a plain step), as the peers do (transformers' assisted generation
+    grows and shrinks K the same way), and measures whether speculating pays.
+
+    - K grows by one after a round whose drafted tokens were all accepted, and shrinks after a
+      rejection to one more than the tokens accepted (at least 1, at most K - 1), within
+      [1, max_tokens]. It starts at max_tokens.
+    - Whether it pays is measured, not modelled: the tokens per second of recent speculative rounds
+      (draft and verification; exponential moving averages) against those of plain steps. The first
+      decode step is plain, to measure the latter. When speculation is slower, decoding turns plain
+      for `backoff` steps, then one round drafts again (a probe); a probe that does not pay either
+      doubles the backoff (up to max_backoff), one that does resumes speculation.
+    With adaptive False, every round drafts max_tokens (reproducible: no timing decides anything)."""
+
+    max_tokens: int
+    adaptive: bool = True
+    decay: float = 0.5
+    min_backoff: int = 8
+    max_backoff: int = 128
+    k: int = 0
+    plain_rate: float | None = None  # tokens per second of plain steps (EMA)
+    spec_rate: float | None = None  # tokens per second of speculative rounds (EMA)
+    plain_run: int = 0  # plain steps since the last round
+    backing_off: bool = False
+    backoff: int = 8
+    history: list[int] = field(default_factory=list)  # each round's K (0: plain), for reports and tests
+
+    def __post_init__(self) -> None:
+        self.k = self.max_tokens
+        self.backoff = self.min_backoff
+
+    def next_k(self, cap: int) -> int:
+        """K for the next round, at most `cap` (the tokens and context left)."""
+        if cap < 1:
+            k = 0
+        elif not self.adaptive:
+            k = min(self.max_tokens, cap)
+        elif self.plain_rate is None or (self.backing_off and self.plain_run < self.backoff):
+            k = 0
+        else:
+            k = min(self.k, cap)
+        self.history.append(k)
+        return k
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def plain(self, seconds: float) -> None:
+        """A plain step (one token) took `seconds`."""
+        self.plain_rate = self._ema(self.plain_rate, 1.0 / max(seconds, 1e-9))
+        self.plain_run += 1
+
+    def speculated(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A round drafted `drafted` tokens, of which `accepted` were kept, and yielded accepted + 1
+        tokens in `seconds` (draft and verification)."""
+        if accepted >= drafted:
+            self.k = min(self.max_tokens, self.k + 1)
+        else:
+            self.k = max(1, min(self.k - 1, accepted + 1))
+        rate = (accepted + 1) / max(seconds, 1e-9)
+        probe = self.backing_off
+        self.spec_rate = rate if probe else self._ema(self.spec_rate, rate)
+        self.plain_run = 0
+        if not self.adaptive or self.plain_rate is None:
+            return
+        if self.spec_rate >= self.plain_rate:
+            self.backing_off, self.backoff = False, self.min_backoff
+        elif probe:
+            self.backoff = min(self.max_backoff, 2 * self.backoff)
+        else:
+            self.backing_off = True
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass
+class SpecStats:
+    """What a speculative run did, in vLLM's terms: drafted and accepted tokens, verifications
+    (`drafts`: rounds that drafted at least one token) and plain steps."""
+
+    drafted: int = 0
+    accepted: int = 0
+    drafts: int = 0
+    plain_steps: int = 0
+    tokens: int = 0
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+    def to_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "drafts": self.drafts,
+                "plain_steps": self.plain_steps, "tokens": self.tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+def control_for(settings: DraftSettings) -> DraftControl:
+    return DraftControl(settings.max_tokens, settings.adaptive)
+
+
+def refuse_unrollable(backend: Backend, role: str) -> None:
+    if not getattr(backend, "rolls_back", False):
+        raise UsageError(f"speculative decoding needs a KV cache it can roll back; the {backend.name} backend "
+                         f"(the {role}) cannot drop positions from its cache: use ort, openvino or torch")
+
+
+def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler) -> list[int]:
+    """The tokens a round yields: the drafted tokens the target keeps, then one of the target's own
+    (the correction of the first rejected token, or the bonus token after all K). `logits` (K + 1, V)
+    are the target's at the pending token and at each drafted token."""
+    d = proposal.tokens
+    out: list[int] = []
+    if sampler.s.greedy:
+        choice = logits.argmax(axis=-1)
+        for i, tok in enumerate(d):
+            if int(choice[i]) != tok:
+                return out + [int(choice[i])]
+            out.append(tok)
+        return out + [int(choice[len(d)])]
+    p = sampler.probabilities(logits)  # (K + 1, V)
+    for i, tok in enumerate(d):
+        if proposal.q is None:  # a point mass at tok: draw from p, keep tok if the draw is tok
+            x = int(sampler.draw(p[i : i + 1])[0])
+            if x != tok:
+                return out + [x]
+        else:
+            q = proposal.q[i]
+            if not sampler.rng.random() < min(1.0, p[i, tok] / q[tok]):  # q[tok] > 0: tok was drawn from q
+                residual = np.maximum(p[i] - q, 0.0)
+                if residual.sum() <= 0:  # p == q up to rounding: nothing to correct towards
+                    residual = p[i]
+                return out + [int(sampler.draw(residual[None])[0])]
+        out.append(tok)
+    return out + [int(sampler.draw(p[len(d) : len(d) + 1])[0])]
+
+
+Clock = Callable[[], float]
+
+
+def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampler: Sampler, n_new: int,
+                     control: DraftControl, stats: SpecStats | None = None,
+                     clock: Clock = time.perf_counter) -> Iterator[list[int]]:
+    """The decode loop with a draft, at batch 1: prefill the prompt, then yield each round's tokens
+    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's, as decode_loop."""
+    refuse_unrollable(target, "target")
+    stats = stats if stats is not None else SpecStats()
+    drafter.reset()
+    tokens = list(prompt)
+    mask = np.ones((1, len(tokens)), dtype=np.int64)
+    logits, past = target.step(np.asarray([tokens], dtype=np.int64), mask, positions(mask, len(tokens)), None)
+    first = int(sampler(logits)[0])
+    tokens.append(first)
+    produced = 1
+    stats.tokens = 1
+    yield [first]
+    while produced < n_new:
+        cached = len(tokens) - 1  # the target's cache holds every token but the newest
+        cap = min(n_new - produced - 1, target.n_positions - len(tokens), drafter.n_positions - len(tokens) + 1)
+        k = control.next_k(cap)
+        if k:
+            drafter.sync(tokens)
+        t0 = clock()
+        proposal = drafter.propose(tokens, k, sampler) if k else Proposal([])
+        t1 = clock()
+        d = proposal.tokens
+        feed = np.asarray([tokens[cached:] + d], dtype=np.int64)
+        mask = np.ones((1, cached + feed.shape[1]), dtype=np.int64)
+        if not d:
+            logits, past = target.step(feed, mask, positions(mask, feed.shape[1]), past)
+            new = [int(sampler(logits)[0])]
+            control.plain(clock() - t1)
+            stats.plain_steps += 1
+        else:
+            all_logits, past = target.run(feed, mask, positions(mask, feed.shape[1]), past)
+            new = verify(all_logits[0], proposal, sampler)
+            kept = len(tokens) + len(new) - 1  # positions that stand: the sequence but its newest token
+            if kept < mask.shape[1]:
+                past = target.truncate(past, kept)
+            drafter.keep(kept)
+            accepted = len(new) - 1
+            control.speculated(len(d), accepted, clock() - t0)
+            stats.drafted += len(d)
+            stats.accepted += accepted
+            stats.drafts += 1
+        tokens.extend(new)
+        produced += len(new)
+        stats.tokens = produced
+        stats.k_history = control.history
+        yield new
