@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from .errors import ArtifactError, Gpt2xError, MissingDependencyError, ProviderError, UsageError
 from .evaluate.parity import gate_export
-from .generation.speculative import DraftSettings, Drafter, ModelDrafter, NgramDrafter, refuse_unrollable
+from .generation.speculative import Drafter, DraftSettings, ModelDrafter, NgramDrafter, refuse_unrollable
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
 from .runtime.base import Backend
@@ -276,7 +276,7 @@ DRAFT_HELP = ("int4 or int8 (the target model's own quantized export), ngram (pr
 
 def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind.ort,
                  provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 settings: DraftSettings = DraftSettings(), revision: str | None = None,
+                 settings: DraftSettings | None = None, revision: str | None = None,
                  progress: Progress = no_progress, notice: Progress = no_progress) -> Drafter:
     """The draft for speculative decoding with `target` (opened with `backend` on `provider`):
 
@@ -292,7 +292,7 @@ def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind
     backend that cannot roll back its cache (genai), and a draft with another vocabulary."""
     refuse_unrollable(target, "target")
     if draft == NGRAM_DRAFT:
-        return NgramDrafter(settings)
+        return NgramDrafter(settings or DraftSettings())
     draft_threads = threads or (1 if provider is ProviderKind.cpu else None)
     if draft in {p.value for p in Precision}:
         precision = Precision(draft)

@@ -18,7 +18,7 @@ from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
 from .sampling import Sampler
 from .settings import Generation, SamplingSettings
-from .speculative import DraftSettings, Drafter, SpecStats, control_for, speculative_loop
+from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 
 
 def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, truncate: bool) -> list[list[int]]:
@@ -75,7 +75,7 @@ def generate(
     on_token: OnToken | None = None,
     prompt_ids: list[list[int]] | None = None,
     draft: Drafter | None = None,
-    draft_settings: DraftSettings = DraftSettings(),
+    draft_settings: DraftSettings | None = None,
 ) -> list[Generation]:
     """Generate for all prompts as one left-padded batch. Stops each row at EOS; all rows at
     max_new_tokens or at the model's context limit. With a `draft`, each prompt is decoded on its
@@ -87,7 +87,7 @@ def generate(
     if draft is not None:
         if settings.num_beams > 1:
             raise UsageError("beam search and a draft do not combine: speculative decoding samples or decodes greedily")
-        return [generate_speculative(backend, draft, p, ids, settings, draft_settings, row, on_token)
+        return [generate_speculative(backend, draft, p, ids, settings, draft_settings or DraftSettings(), row, on_token)
                 for row, (p, ids) in enumerate(zip(prompts, prompt_ids))]
     if settings.num_beams > 1:
         return [beam_search(backend, p, ids, settings) for p, ids in zip(prompts, prompt_ids)]
@@ -115,14 +115,15 @@ def generate(
 
 
 def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_ids: list[int], settings: SamplingSettings,
-                         draft_settings: DraftSettings = DraftSettings(), row: int = 0,
+                         draft_settings: DraftSettings | None = None, row: int = 0,
                          on_token: OnToken | None = None) -> Generation:
     """One prompt decoded with a draft (batch 1): the tokens the target alone would give (greedy), or a
     sample from the target's distribution (speculative sampling), with the run's draft statistics."""
     result = Generation(prompt, prompt_ids)
     n_new = min(settings.max_new_tokens, backend.n_positions - len(prompt_ids))
     stats = SpecStats()
-    loop = speculative_loop(backend, draft, prompt_ids, Sampler(settings), n_new, control_for(draft_settings), stats)
+    loop = speculative_loop(backend, draft, prompt_ids, Sampler(settings), n_new,
+                            control_for(draft_settings or DraftSettings()), stats)
     for chunk in loop:
         for tok in chunk:
             if tok == EOT_ID:
