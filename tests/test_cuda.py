@@ -117,3 +117,40 @@ def test_serving_engine_on_cuda_equals_generate(tiny, precision):
     for i, ids in enumerate(prompts):
         alone = generate(backend, [""], SamplingSettings(max_new_tokens=12, greedy=True), prompt_ids=[ids])[0].tokens
         assert results[i] == alone, i
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_truncate_on_cuda_keeps_the_device_and_the_logits(tiny, precision):
+    """Rolling back a growing cache on CUDA (the Slice graph): the kept positions stay on the device,
+    and a step after the rollback gives the logits of a no-cache forward over the kept sequence."""
+    _, infos = tiny
+    backend = OrtBackend(infos[precision], ProviderKind.cuda)
+    ids = np.arange(1, 13, dtype=np.int64)[None]
+    mask = np.ones_like(ids)
+    _, past = backend.run(ids, mask, positions(mask, 12), None)
+    past = backend.truncate(past, 7)
+    assert all(v.device_name().lower() == "cuda" and v.shape()[2] == 7 for v in past)
+    nxt = np.array([[99]], dtype=np.int64)
+    mask = np.ones((1, 8), np.int64)
+    stepped, _ = backend.step(nxt, mask, positions(mask, 1), past)
+    full_ids = np.concatenate([ids[:, :7], nxt], axis=1)
+    full, _ = backend.run(full_ids, np.ones_like(full_ids), positions(np.ones_like(full_ids), 8), None)
+    np.testing.assert_allclose(stepped[0], full[0, -1], atol=2e-2 if precision is Precision.fp16 else 1e-4)
+
+
+def test_speculative_greedy_on_cuda_equals_plain(tiny):
+    """Speculative decoding on CUDA gives plain greedy's tokens: an fp32 target with the ngram draft
+    and with the fp16 export as a model draft (its growing cache rolled back on the device), K fixed
+    and adaptive."""
+    from gpt2x.generation.speculative import DraftSettings, ModelDrafter, NgramDrafter
+
+    _, infos = tiny
+    backend = OrtBackend(infos[Precision.fp32], ProviderKind.cuda)
+    fp16_draft = ModelDrafter(OrtBackend(infos[Precision.fp16], ProviderKind.cuda))
+    settings = SamplingSettings(max_new_tokens=40, greedy=True)
+    plain = generate(backend, PROMPTS, settings)
+    for drafter in (NgramDrafter(), fp16_draft):
+        for draft_settings in (DraftSettings(max_tokens=4, adaptive=False), DraftSettings()):
+            spec = generate(backend, PROMPTS, settings, draft=drafter, draft_settings=draft_settings)
+            assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert fp16_draft.backend.provider is ProviderKind.cuda
