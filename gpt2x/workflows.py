@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
-from .errors import ArtifactError, Gpt2xError, MissingDependencyError, ProviderError, UsageError
+from .errors import ArtifactError, Gpt2xError, HubError, MissingDependencyError, ModelNotFoundError, ProviderError, UsageError, WeightsError
 from .evaluate.parity import gate_export
 from .generation.speculative import Drafter, DraftSettings, ModelDrafter, NgramDrafter, refuse_unrollable
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
@@ -274,54 +274,88 @@ DRAFT_HELP = ("int4 or int8 (the target model's own quantized export), ngram (pr
               "or a model or export folder with GPT-2's vocabulary")
 
 
+def draft_runtime(backend: BackendKind) -> BackendKind:
+    """The runtime a draft model runs on for a target on `backend`: the same, but ONNX Runtime for a
+    torch target (the drafts are exports: int4 and int8 exist only as exports)."""
+    return BackendKind.ort if backend is BackendKind.torch else backend
+
+
+def check_draft(draft: str, backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
+                vocab_size: int | None = None, revision: str | None = None) -> None:
+    """Refuse, before any work (no export, no load), a draft that cannot serve a target on `backend`:
+    a backend that cannot roll back its cache (genai), a precision the draft's runtime cannot run on
+    `provider`, a model that does not resolve, or one whose vocabulary is not the target's
+    (`vocab_size`) or whose tokenizer files are not GPT-2's."""
+    if backend is BackendKind.genai:
+        raise UsageError("speculative decoding needs a KV cache it can roll back; the genai backend cannot drop "
+                         "positions from its cache: use ort, openvino or torch")
+    if draft == NGRAM_DRAFT:
+        return
+    runtime = draft_runtime(backend)
+
+    def refuse(precision: Precision) -> None:
+        reason = unsupported(runtime, provider, precision)
+        if reason is not None:
+            raise type(reason)(f"draft {draft}: {reason}")
+
+    if draft in {p.value for p in Precision}:
+        refuse(Precision(draft))
+        return
+    if is_export(Path(draft)):
+        info = read_export(Path(draft))
+        config = info.config
+        refuse(info.precision)
+    else:
+        folder = Path(draft).expanduser()
+        if folder.is_dir():
+            reason = folder_vocabulary_differs(folder)
+            if reason:
+                raise UsageError(f"draft {draft}: {reason}; a draft must share the target's tokenizer")
+        try:
+            config = resolve_config(draft, revision)
+        except (ModelNotFoundError, HubError, WeightsError) as e:
+            raise type(e)(f"draft {draft} is neither ngram, a precision (int4, int8) nor an export folder, "
+                          f"and as a model: {e}") from None
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise UsageError(f"draft {draft}: its vocabulary has {config.vocab_size} tokens, the target's {vocab_size}; "
+                         "a draft must share the target's tokenizer")
+
+
+def resolve_draft(draft: str, model: str, vocab_size: int, backend: BackendKind = BackendKind.ort,
+                  provider: ProviderKind = ProviderKind.cpu, revision: str | None = None,
+                  progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo | None:
+    """The export a draft runs from, for a target of `model` (with `vocab_size` tokens) on `backend`:
+    None for `ngram` (no model); for `int4`, `int8` (or `fp32`) the target model's export at that
+    precision; an export folder as it is; for a model (name, hub repo or folder) its fp32 export.
+    Missing exports are made first (parity-gated, like any). check_draft's refusals come first."""
+    check_draft(draft, backend, provider, vocab_size, revision)
+    if draft == NGRAM_DRAFT:
+        return None
+    if draft in {p.value for p in Precision}:
+        return ensure_export(model, Precision(draft), revision, progress=progress, notice=notice)
+    if is_export(Path(draft)):
+        return read_export(Path(draft))
+    return resolve_export(draft, revision, Precision.fp32, progress=progress, notice=notice)
+
+
 def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind.ort,
                  provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  settings: DraftSettings | None = None, revision: str | None = None,
                  progress: Progress = no_progress, notice: Progress = no_progress) -> Drafter:
-    """The draft for speculative decoding with `target` (opened with `backend` on `provider`):
-
-    - `ngram`: prompt lookup, no model;
-    - `int4`, `int8` (or `fp32`): the target model's export at that precision, exported on first use;
-    - an export folder, or a model (name, hub repo or folder: its fp32 export, made on first use;
-      with the torch backend, the model itself) with the target's vocabulary and GPT-2's tokenizer.
-
-    A draft model runs on the target's backend (the ort backend for the quantized exports of a torch
-    target) on the same provider. On the CPU it gets 1 thread unless `threads` says otherwise: a
-    draft's step is small enough that a second thread costs more than it gives, and the target's
-    threads stay free (measured, benchmarks/speculative.py). Refused in one line: a target or draft
-    backend that cannot roll back its cache (genai), and a draft with another vocabulary."""
+    """The draft for speculative decoding with `target` (opened with `backend` on `provider`), from
+    resolve_draft's export (or prompt lookup for `ngram`), run on draft_runtime(backend) on the same
+    provider. On the CPU a draft model gets 1 thread unless `threads` says otherwise: its steps are
+    small enough that a second thread costs more than it gives, and the target's threads stay free
+    (measured: benchmarks/speculative.py). Refused in one line: a target that cannot roll back its
+    cache, and a draft with another vocabulary."""
     refuse_unrollable(target, "target")
-    if draft == NGRAM_DRAFT:
+    info = resolve_draft(draft, target.model_name, target.vocab_size, backend, provider, revision, progress, notice)
+    if info is None:
         return NgramDrafter(settings or DraftSettings())
-    draft_threads = threads or (1 if provider is ProviderKind.cpu else None)
-    if draft in {p.value for p in Precision}:
-        precision = Precision(draft)
-        kind = backend if backend is not BackendKind.torch else BackendKind.ort
-        refuse_unsupported(kind, provider, precision)
-        info = ensure_export(target.model_name, precision, revision, progress=progress, notice=notice)
-        progress(f"loading the {precision.value} draft on {kind.value} ({provider.value})")
-        runner = export_backend(kind, info, provider, draft_threads)
-        name = f"{target.model_name} {precision.value}"
-    elif is_export(Path(draft)):
-        kind = backend if backend is not BackendKind.torch else BackendKind.ort
-        info = read_export(Path(draft))
-        refuse_unsupported(kind, provider, info.precision)
-        progress(f"loading the draft {info.folder} on {kind.value} ({provider.value})")
-        runner = export_backend(kind, info, provider, draft_threads)
-        name = str(info.folder)
-    else:
-        source_folder = Path(draft).expanduser()
-        if source_folder.is_dir():
-            reason = folder_vocabulary_differs(source_folder)
-            if reason:
-                raise UsageError(f"draft {draft}: {reason}; a draft must share the target's tokenizer")
-        torch_target = backend is BackendKind.torch  # torch's thread count is the process's: left as the target's
-        runner = open_backend(backend, provider, draft, revision, None if torch_target else Precision.fp32,
-                              threads=threads if torch_target else draft_threads, progress=progress, notice=notice)
-        name = draft
-    if runner.vocab_size != target.vocab_size:
-        raise UsageError(f"draft {draft}: its vocabulary has {runner.vocab_size} tokens, the target's {target.vocab_size}; "
-                         "a draft must share the target's tokenizer")
+    kind = draft_runtime(backend)
+    progress(f"loading the draft {info.folder} on {kind.value} ({provider.value})")
+    runner = export_backend(kind, info, provider, threads or (1 if provider is ProviderKind.cpu else None))
+    name = f"{target.model_name} {draft}" if draft in {p.value for p in Precision} else draft
     return ModelDrafter(runner, name)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -10,16 +11,21 @@ import pytest
 
 from gpt2x.bench import roofline
 from gpt2x.bench import run as bench
+from gpt2x.bench.report import bench_tables
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.evaluate import metrics
 from gpt2x.evaluate.metrics import kl_divergence, logit_stats
 from gpt2x.evaluate.parity import check
 from gpt2x.model.config import PRESETS
 from gpt2x.model.weights import load_model
+from gpt2x.onnx.artifact import default_export_dir, is_export
 from gpt2x.runtime import pytorch
+from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.tokenizer import encode
 
 from .conftest import make_hf_model
+from .test_cli import assert_one_line_error, cli
 
 
 def test_percentiles_hand_computed():
@@ -87,7 +93,7 @@ BENCH_SCHEMA = {
     "schema_version": int,
     "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
                  "prompt_len": int, "new_tokens": int, "repeat": int, "warmup": int, "threads": int, "text": str,
-                 "greedy_tokens": int},
+                 "greedy_tokens": int, "drafts": [str], "draft_tokens": int, "prompt_text": (str, type(None))},
     "environment": dict,
     "model": {"name": str, "config": {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
                                       "layer_norm_epsilon": float}, "parameters": int},
@@ -101,6 +107,13 @@ BENCH_SCHEMA = {
                "decode_tokens_per_s": float, "e2e_tokens_per_s": float, "roofline_tokens_per_s": float,
                "roofline_share": float, "peak_rss_mb": float,
                "latency_by_context": [{"context": int, "ms": float}]}],
+    "speculative": [{"backend": str, "precision": str, "draft": str, "draft_name": str, "draft_tokens": int, "adaptive": bool,
+                     "prompt_len": int, "new_tokens": int, "timed_runs": int,
+                     "acceptance_rate": OPT_NUM, "mean_acceptance_length": OPT_NUM,
+                     "drafted": int, "accepted": int, "drafts": int, "plain_steps": int,
+                     "decode_tokens_per_s": float, "plain_decode_tokens_per_s": float, "speedup": float,
+                     "ttft_ms": float, "plain_ttft_ms": float, "step_cost_ms": [float], "step_cost_ratio": [float],
+                     "greedy_identical": bool, "first_difference": (int, type(None))}],
     "skipped": [{"backend": str, "precision": str, "reason": str}],
     "passed": bool,
 }
@@ -164,6 +177,7 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert result["passed"] is True
     validate(json.loads(json.dumps(result)), BENCH_SCHEMA)  # serialisable as is, every field the README names
+    assert result["schema_version"] == 2 and result["speculative"] == []  # no --draft: no rows, the list is there
     assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
     assert len(result["speed"]) == 4 and result["skipped"] == []
     for e in result["speed"]:
@@ -207,3 +221,117 @@ def test_roofline_counts_the_bytes_the_export_stores(tiny, tmp_path, precision):
     fp32 = roofline.decode_bytes_per_step(cfg, Precision.fp32, **zero)
     matrices_fp32 = (cfg.n_layer * 12 * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd) * 4
     assert roofline.decode_bytes_per_step(cfg, precision, **zero) == pytest.approx(fp32 - matrices_fp32 + stored, rel=1e-6)
+
+
+# ---------------------------------------------------------------- speculative decoding (--draft)
+
+GROUNDED = "to be or not to be, that is the question: to be or not to be, that is"
+
+
+def rendered(result: dict) -> str:
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=300)
+    for table in bench_tables(result):
+        console.print(table)
+    return console.file.getvalue()
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    ({"warmup": -1}, "warmup"), ({"batches": [0]}, "batch"), ({"draft_tokens": 0}, "draft_tokens"),
+    ({"draft_tokens": 33}, "draft_tokens"), ({"prompt_text": ""}, "prompt_text"),
+])
+def test_bench_settings_refuse_bad_values(kwargs, option):
+    from gpt2x.errors import UsageError
+
+    with pytest.raises(UsageError) as e:
+        bench.BenchSettings(**kwargs)
+    assert e.value.option == option
+
+
+def test_first_difference():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
+    """--draft: one row per backend x precision that rolls back x draft, measured at batch 1 whatever
+    the batches, each against plain decoding of the same target in the same run; a backend that cannot
+    roll back has none, and says why."""
+    model, source = tiny
+    monkeypatch.chdir(tmp_path)  # exports, the int8 draft's too, land in ./exported
+    monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)  # not what this test checks
+    s = bench.BenchSettings(model=source.name, backends=[BackendKind.torch, BackendKind.ort], precisions=[Precision.fp32],
+                            batches=[2], prompt_len=4, new_tokens=10, repeat=1, drafts=["ngram", "int8"], draft_tokens=3,
+                            prompt_text=GROUNDED)
+    result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
+    validate(json.loads(json.dumps(result)), BENCH_SCHEMA)
+    assert is_export(default_export_dir(source.name, Precision.int8))  # exported on first use, here
+    assert [e["batch"] for e in result["speed"]] == [2, 2]
+    rows = result["speculative"]
+    assert [(r["backend"], r["precision"], r["draft"]) for r in rows] == [
+        ("torch", "fp32", "ngram"), ("torch", "fp32", "int8"), ("ort", "fp32", "ngram"), ("ort", "fp32", "int8")]
+    for r in rows:
+        assert (r["prompt_len"], r["new_tokens"], r["draft_tokens"], r["adaptive"]) == (len(encode(GROUNDED)), 10, 3, True)
+        assert 0 <= r["accepted"] <= r["drafted"] <= 3 * r["drafts"]
+        if r["drafts"]:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_rate"] == r["accepted"] / r["drafted"]
+            assert r["mean_acceptance_length"] == 1 + r["accepted"] / r["drafts"]
+        else:
+            assert r["acceptance_rate"] is None and r["mean_acceptance_length"] is None
+        assert r["decode_tokens_per_s"] > 0 and r["plain_decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["plain_decode_tokens_per_s"])
+        assert len(r["step_cost_ms"]) == 8 and min(r["step_cost_ms"]) > 0
+        assert r["step_cost_ratio"][0] == 1.0 and r["step_cost_ratio"][7] == pytest.approx(r["step_cost_ms"][7] / r["step_cost_ms"][0])
+        if r["draft"] == "ngram":  # an fp32 target with prompt lookup: plain greedy decoding's tokens
+            assert r["greedy_identical"] is True and r["first_difference"] is None
+        else:  # a model draft proposes from the first speculative round on (the second decode step)
+            assert r["drafts"] >= 1 and r["draft_name"] == f"{source.name} int8"
+    text = rendered(result)
+    assert "Speculative decoding" in text and "int8" in text and "step cost" in text
+
+    monkeypatch.setattr(OrtBackend, "rolls_back", False)
+    s.backends, s.drafts = [BackendKind.ort], ["ngram"]
+    again = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
+    assert again["speculative"] == [] and len(again["speed"]) == 1
+    [skip] = again["skipped"]
+    assert (skip["backend"], skip["precision"], skip["draft"]) == ("ort", "fp32", "ngram") and "roll back" in skip["reason"]
+    assert "not run: ort/fp32 with ngram" in rendered(again)
+
+
+def test_bench_cli_draft_json(tiny, tmp_path, monkeypatch, capsys):
+    """`gpt2x bench --draft ngram --json F` writes the speculative rows (torch: no export to make)."""
+    _, source = tiny
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)
+    out_json = tmp_path / "b.json"
+    code, out, err = cli(capsys, "bench", "--model", source.name, "--backends", "torch", "--precisions", "fp32",
+                         "--prompt-len", "4", "--new-tokens", "6", "--repeat", "1", "--draft", "ngram",
+                         "--draft-tokens", "2", "--json", str(out_json))
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["schema_version"] == 2 and result["settings"]["drafts"] == ["ngram"]
+    [row] = result["speculative"]
+    assert (row["backend"], row["draft"], row["draft_tokens"], row["prompt_len"]) == ("torch", "ngram", 2, 4)
+    assert "Speculative decoding" in out
+
+
+@pytest.mark.parametrize("args,error,fragment", [
+    (["--draft", "foo"], None, "draft foo is neither ngram"),
+    (["--draft", "fp16"], "ProviderError", "draft fp16"),
+    (["--draft", "ngram", "--draft-tokens", "0"], "UsageError", "--draft-tokens"),
+    (["--draft", "ngram", "--prompt-text", ""], "UsageError", "--prompt-text"),
+])
+def test_bench_cli_bad_draft_is_one_line(tmp_path, monkeypatch, capsys, args, error, fragment):
+    """Refused before any work: nothing is loaded or exported (the export folder stays absent)."""
+    from gpt2x import errors
+
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "bench", "--backends", "ort", *args)
+    if error is None:  # the model lookup's error: HubError offline, ModelNotFoundError online
+        assert code in (errors.HubError.exit_code, errors.ModelNotFoundError.exit_code), err
+        assert_one_line_error(code, err, code, fragment)
+    else:
+        assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
+    assert not (tmp_path / "exported").exists()

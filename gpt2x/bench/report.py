@@ -46,10 +46,45 @@ def bench_tables(result: dict) -> list[Table]:
             _f(e["decode_tokens_per_s"], ".1f"), _f(e["e2e_tokens_per_s"], ".1f"), _f(e["roofline_tokens_per_s"], ".0f"),
             f"{e['roofline_share'] * 100:.0f}%", _f(e.get("peak_rss_mb"), ".0f"),
         )
-    skipped = [f"{x['backend']}/{x['precision']} ({x['reason']})" for x in result.get("skipped", [])]
+    skipped = [f"{x['backend']}/{x['precision']} ({x['reason']})" for x in result.get("skipped", []) if "draft" not in x]
     if skipped:
         speed.caption = "not run: " + "; ".join(skipped)
-    return [parity, speed]
+    tables = [parity, speed]
+    spec = speculative_table(result)
+    if spec is not None:
+        tables.append(spec)
+    return tables
+
+
+def speculative_table(result: dict) -> Table | None:
+    """The speculative rows (`gpt2x bench --draft`), or None when the bench measured none and skipped none."""
+    rows = result.get("speculative", [])
+    skipped = [f"{x['backend']}/{x['precision']} with {x['draft']} ({x['reason']})"
+               for x in result.get("skipped", []) if "draft" in x]
+    if not rows and not skipped:
+        return None
+    first = rows[0] if rows else {}
+    title = "Speculative decoding (greedy, batch 1"
+    if first:
+        title += f", K up to {first['draft_tokens']}{' adaptive' if first['adaptive'] else ''}, " \
+                 f"prompt of {first['prompt_len']} tokens, {first['new_tokens']} new"
+    table = Table(title=title + ")")
+    for col in ("backend", "precision", "draft", "accept rate", "mean accept len", "decode tok/s", "plain tok/s",
+                "x plain", "TTFT ms", "plain steps", "greedy identical", "step cost x N=1 (N=1..8)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        same = "yes" if r["greedy_identical"] else f"[red]no[/] (from token {r['first_difference']})"
+        table.add_row(
+            r["backend"], r["precision"], r["draft"], _f(r["acceptance_rate"], ".2f"), _f(r["mean_acceptance_length"], ".2f"),
+            _f(r["decode_tokens_per_s"], ".1f"), _f(r["plain_decode_tokens_per_s"], ".1f"), _f(r["speedup"], ".2f"),
+            _f(r["ttft_ms"], ".1f"), str(r["plain_steps"]), same, " ".join(f"{x:.1f}" for x in r["step_cost_ratio"]),
+        )
+    notes = ["accept rate: accepted / drafted tokens; mean accept len: 1 + accepted / verifications (vLLM's); "
+             "step cost: a target step over N new tokens / the N=1 step (a verification of N - 1 drafted tokens)"]
+    if skipped:
+        notes.append("not run: " + "; ".join(skipped))
+    table.caption = "\n".join(notes)
+    return table
 
 
 def require_matplotlib():

@@ -14,13 +14,15 @@ from ..bench.system import system_info
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import ParityError
 from ..fileio import write_atomic
-from ..workflows import require_provider
+from ..generation.speculative import DraftSettings
+from ..workflows import DRAFT_HELP, require_provider
 from .options import ModelOpt, Status, ThreadsOpt, out, parse_list, progress_to
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x bench\n\n"
     "  gpt2x bench --model random:gpt2 --batch 1,4 --json bench.json --plot bench.png\n\n"
-    "  gpt2x bench --provider cuda --precisions fp32,fp16 --batch 1,8")
+    "  gpt2x bench --provider cuda --precisions fp32,fp16 --batch 1,8\n\n"
+    "  gpt2x bench --backends ort --precisions fp32 --draft int4,ngram --draft-tokens 5")
 
 
 def bench(
@@ -36,12 +38,22 @@ def bench(
     text: Annotated[Optional[Path], typer.Option(help="UTF-8 text for perplexity (default: bundled held-out Shakespeare).")] = None,
     json_file: Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this JSON file.")] = None,
     plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot (needs matplotlib).")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        help=f"Also measure speculative decoding with each of these comma-separated drafts: {DRAFT_HELP}. Greedy, at batch 1 "
+        "(whatever --batch says), against plain decoding of the same target, on each backend x precision "
+        "whose KV cache rolls back (not genai).")] = None,
+    draft_tokens: Annotated[int, typer.Option(
+        help="Most tokens drafted per verification (K; adaptive below it).")] = DraftSettings.max_tokens,
+    prompt_text: Annotated[Optional[str], typer.Option(
+        help="The prompt of the --draft rows and their plain baseline, as text (all its tokens; "
+        "default: --prompt-len random token ids, as the other rows).")] = None,
 ) -> None:
     """Parity and tokens/sec of each backend x precision x batch, against the memory-bandwidth roofline."""
     settings = BenchSettings(
         model=model, provider=provider, backends=parse_list(backends, BackendKind, "--backends"),
         precisions=parse_list(precisions, Precision, "--precisions"), batches=parse_list(batch, int, "--batch"),
         prompt_len=prompt_len, new_tokens=new_tokens, repeat=repeat, threads=threads, text=text,
+        drafts=parse_list(draft or "", str, "--draft"), draft_tokens=draft_tokens, prompt_text=prompt_text,
     )
     if plot_file:
         require_matplotlib()

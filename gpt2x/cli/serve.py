@@ -11,13 +11,15 @@ import typer
 
 from ..choices import BackendKind, ProviderKind
 from ..errors import MissingDependencyError, UsageError
-from ..workflows import require_provider, resolve_export
+from ..generation.speculative import DraftSettings
+from ..workflows import DRAFT_HELP, require_provider, resolve_export
 from .options import ModelOptional, PrecisionOpt, RevisionOpt, Status, ThreadsOpt, err, notice, out, progress_to
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x serve --model shakespeare\n\n"
     "  gpt2x serve --onnx exported/gpt2-int8 --replicas 2 --port 8000\n\n"
     "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
+    "  gpt2x serve --model gpt2 --draft int8 --draft-tokens 6\n\n"
     "  gpt2x serve --onnx /mnt/exports/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
@@ -53,35 +55,52 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", show_default=False,
                                                    help="Require Authorization: Bearer KEY on every request.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the export's model name).")] = None,
-    max_batch_size: Annotated[int, typer.Option(help="Requests decoded together per replica (1: no batching).")] = 16,
+    max_batch_size: Annotated[Optional[int], typer.Option(
+        help="Requests decoded together per replica (1: no batching). Default: 16, or 1 with --draft.", show_default=False)] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
     continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
     batch_wait_ms: Annotated[float, typer.Option(help="A new batch waits this long for requests arriving together.")] = 2.0,
     cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
+    draft: Annotated[Optional[str], typer.Option(
+        help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
+        "Each replica then decodes one request at a time (max batch size 1).")] = None,
+    draft_tokens: Annotated[int, typer.Option(help="Most tokens drafted per verification (K).")] = DraftSettings.max_tokens,
+    draft_adaptive: Annotated[bool, typer.Option(
+        help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
+        "--no-draft-adaptive always drafts K, so that a seeded sampled request is reproduced exactly "
+        "(as gpt2x generate --draft D --no-draft-adaptive gives it).")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
     """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health) until Ctrl-C or SIGTERM."""
     require_serve_extra()
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
     from ..serve.deploy import ReplicaConfig, ServeSettings, describe, serve_until_stopped
-    from ..serve.engine import EngineSettings
+    from ..serve.draft import prepare_draft
+    from ..serve.engine import EngineSettings, refuse_batched_draft
 
     if backend is BackendKind.torch:
         raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
     if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
+    if max_batch_size is None:
+        max_batch_size = 1 if draft is not None else 16
+    draft_settings = DraftSettings(max_tokens=draft_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=batch_wait_ms / 1000)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica)
     settings.validate()
+    if draft is not None:
+        refuse_batched_draft(max_batch_size)
     if address is None:
         require_provider([backend], provider)
     with Status("preparing the export") as status:
         info = resolve_export(model, revision, precision, onnx_dir, progress=progress_to(status), notice=notice)
+        draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
+                                                                 progress=progress_to(status), notice=notice)
     config = ReplicaConfig(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
-        engine=engine, api_key=api_key or None,
+        engine=engine, api_key=api_key or None, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")
@@ -91,8 +110,9 @@ def serve(
         if as_json:
             print(json.dumps(describe(config, settings)), flush=True)
         else:
-            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s), {backend.value} on {provider.value}); "
-                      "Ctrl-C to stop", markup=False)
+            with_draft = "" if draft is None else f", draft {draft}"
+            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s), {backend.value} on {provider.value}"
+                      f"{with_draft}); Ctrl-C to stop", markup=False)
         err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
 

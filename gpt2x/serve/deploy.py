@@ -24,9 +24,10 @@ from ray import serve
 
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
 from ..errors import ServeError, UsageError
+from ..generation.speculative import DraftSettings
 from ..onnx.artifact import read_export
-from ..workflows import export_backend
-from .engine import EngineSettings
+from ..workflows import export_backend, open_drafter
+from .engine import EngineSettings, refuse_batched_draft
 from .http import MAX_BODY_BYTES, HttpApi, add_error_handlers
 from .service import CompletionService
 
@@ -57,6 +58,13 @@ class ReplicaConfig:
     # arena: benchmarks/engine_load.py measured int8 at 16 concurrent requests at 471 tok/s growing
     # against 399 in place (that one merge: 562 ms against 24).
     in_place_kv: bool | None = None
+    # Speculative decoding (engine.py, at max batch size 1): the draft as the user named it (int4,
+    # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
+    # backend (workflows.open_drafter): `ngram` or the draft's export folder, resolved and exported by
+    # the command before Ray starts (draft.prepare_draft); None: `draft` itself.
+    draft: str | None = None
+    draft_source: str | None = None
+    draft_settings: DraftSettings = field(default_factory=DraftSettings)
 
 
 @dataclass(frozen=True)
@@ -104,8 +112,13 @@ class Gpt2xReplica:
             in_place = False  # a batching replica keeps the growing cache (see ReplicaConfig)
         backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
                                  in_place_kv=in_place)
+        drafter = None
+        if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
+            drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
+                                   ProviderKind(config.provider), None, config.draft_settings)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.service = CompletionService(backend, config.engine, config.model_id, replica)
+        self.service = CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
+                                         config.draft)
         self.http = HttpApi(self.service, config.api_key, config.max_body_bytes)
 
     @app.post("/v1/completions")
@@ -157,6 +170,8 @@ def port_free(host: str, port: int) -> bool:
 def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = no_progress) -> str:
     """Start (or join) Ray, run the application and return its URL once every replica has loaded."""
     settings.validate()
+    if config.draft is not None:
+        refuse_batched_draft(config.engine.max_batch_size)
     if settings.address is None and settings.port and not ray.is_initialized() and not port_free(settings.host, settings.port):
         raise UsageError(f"port {settings.port} on {settings.host} is in use", option="port")
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve messages
@@ -217,6 +232,7 @@ def serve_until_stopped(config: ReplicaConfig, settings: ServeSettings, ready: C
 
 def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:
     """What is served, for the CLI's report (no API key)."""
+    draft = {} if config.draft is None else {"draft": config.draft, "draft_settings": asdict(config.draft_settings)}
     return {"url": settings.url, "model": config.model_id, "export": config.export, "backend": config.backend,
             "provider": config.provider, "replicas": settings.replicas, "ray": settings.address or "local",
-            "engine": asdict(config.engine), "api_key": config.api_key is not None}
+            "engine": asdict(config.engine), **draft, "api_key": config.api_key is not None}

@@ -25,6 +25,15 @@ Every row samples with its own Sampler seeded by its request, one uniform per st
 those `gpt2x generate` gives for the same prompt, settings and seed (generation.sampling).
 Callers submit from any thread and hear of their tokens through a callback run on the engine thread;
 the waiting queue is bounded (QueueFull), never grown without limit.
+
+With a draft (speculative decoding, generation/speculative.py) the engine decodes one request at a
+time: a replica with a draft runs at max batch size 1, each request decoded by `speculative_loop`
+with its own Sampler and a DraftControl of its own, so its tokens are those of `gpt2x generate
+--draft` for the same prompt, settings and seed (for a seeded sampled request: with the draft's K
+fixed, `adaptive` off, since adaptive K follows measured timings). A round yields 1 to K + 1
+tokens, each told to the row's callback in turn; a row cancelled meanwhile hears no more of them and
+stops there, before the next round. The counters add the draft's drafted and accepted tokens and its
+verifications (`drafts`), as SpecStats counts them.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from ..errors import UsageError
 from ..generation.generate import left_pad
 from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
+from ..generation.speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 from ..numerics import positions
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID
@@ -79,6 +89,15 @@ class EngineSettings:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
 
 
+SPECULATIVE_BATCH = "speculative serving runs at max batch size 1 (one request decoded at a time with its draft)"
+
+
+def refuse_batched_draft(max_batch_size: int, option: str = "max_batch_size") -> None:
+    """A draft decodes one request at a time: refused, in one line, with a larger batch."""
+    if max_batch_size != 1:
+        raise UsageError(f"{option} is {max_batch_size} with a draft; {SPECULATIVE_BATCH}", option=option)
+
+
 class Row:
     """One prompt being generated: its ids, settings, sampler and callback. `cancel()` (any thread)
     makes it leave the batch before the next step."""
@@ -104,9 +123,14 @@ class Row:
 class Engine:
     """A batch scheduler over one backend, run by its own thread (`start`, `close`)."""
 
-    def __init__(self, backend: Backend, settings: EngineSettings = EngineSettings()):
+    def __init__(self, backend: Backend, settings: EngineSettings = EngineSettings(), drafter: Drafter | None = None,
+                 draft_settings: DraftSettings | None = None):
+        if drafter is not None:
+            refuse_batched_draft(settings.max_batch_size)
         self.backend = backend
         self.settings = settings
+        self.drafter = drafter  # speculative decoding, one row at a time (see the module's docstring)
+        self.draft_settings = draft_settings or DraftSettings()
         # Joining needs a cache that can be built from arrays (not onnxruntime-genai's): else static.
         self.joins = settings.continuous and backend.accepts_past and settings.max_batch_size > 1
         self._waiting: deque[Row] = deque()
@@ -116,6 +140,8 @@ class Engine:
         self.running = 0
         self._batch: list[Row] = []  # the rows of the batch in flight (the engine thread's)
         self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "compactions": 0, "errors": 0}
+        if drafter is not None:
+            self.counters.update(drafted=0, accepted=0, drafts=0)
 
     # -- the callers' side (any thread)
 
@@ -216,7 +242,10 @@ class Engine:
                 continue
             self._batch = rows
             try:
-                self._run_batch(rows)
+                if self.drafter is not None and len(rows) == 1:
+                    self._run_speculative(rows[0])
+                else:
+                    self._run_batch(rows)
             except Exception as e:  # the batch fails; the engine and the other batches go on
                 log.exception("a batch failed")
                 self.counters["errors"] += 1
@@ -254,6 +283,56 @@ class Engine:
             logits, past = self.backend.step(nxt[:, None], mask, positions(mask, 1), past)
             self.counters["steps"] += 1
             nxt = self._sample(rows, logits)
+
+    def _run_speculative(self, row: Row) -> None:
+        """One row decoded with the draft: each round's tokens told in turn, until end of text, the
+        row's budget, or its cancellation (checked before each token, so a cancelled row stops
+        within the round it was cancelled in and runs no further round). A round is counted before
+        its tokens are told, so the counters include it once its caller has heard them."""
+        self.counters["batches"] += 1
+        stats = SpecStats()
+        counted = dict.fromkeys(("steps", "drafted", "accepted", "drafts"), 0)
+        loop = speculative_loop(self.backend, self.drafter, row.prompt_ids, row.sampler, row.settings.max_new_tokens,
+                                control_for(self.draft_settings), stats)
+        try:
+            for chunk in loop:
+                now = {"steps": 1 + stats.drafts + stats.plain_steps,  # the prefill and every round: one target step each
+                       "drafted": stats.drafted, "accepted": stats.accepted, "drafts": stats.drafts}
+                for name, value in now.items():
+                    self.counters[name] += value - counted[name]
+                    counted[name] = value
+                for tok in chunk:
+                    if self._deliver(row, tok):
+                        return
+                if row.cancelled:  # cancelled with the round's last token: no further round
+                    self._end(row, "cancelled")
+                    return
+            if not row.finished:  # the loop yields the budget exactly, whose last token ended the row: a safeguard
+                self._end(row, "length")
+        finally:
+            loop.close()
+
+    def _end(self, row: Row, reason: str) -> None:
+        row.finished = True
+        self.counters["rows"] += 1
+        self._tell(row, "done", reason)
+
+    def _deliver(self, row: Row, tok: int) -> bool:
+        """Tell a row its next token (or that it ended: cancelled, end of text, its budget); whether it
+        has finished."""
+        if row.cancelled:
+            self._end(row, "cancelled")
+            return True
+        if tok == EOT_ID:
+            self._end(row, "stop")
+            return True
+        row.produced += 1
+        self.counters["tokens"] += 1
+        self._tell(row, "token", tok)
+        if row.remaining <= 0:
+            self._end(row, "length")
+            return True
+        return False
 
     def _join_due(self, live: int) -> bool:
         with self._cond:
@@ -312,24 +391,11 @@ class Engine:
             if row.finished:  # riding along until the batch is compacted
                 continue
             if row.cancelled:
-                row.finished = True
-                self.counters["rows"] += 1
-                self._tell(row, "done", "cancelled")
+                self._end(row, "cancelled")
                 continue
             tok = int(row.sampler(logits[i : i + 1])[0])
             nxt[i] = tok
-            if tok == EOT_ID:
-                row.finished = True
-                self.counters["rows"] += 1
-                self._tell(row, "done", "stop")
-                continue
-            row.produced += 1
-            self.counters["tokens"] += 1
-            self._tell(row, "token", tok)
-            if row.remaining <= 0:
-                row.finished = True
-                self.counters["rows"] += 1
-                self._tell(row, "done", "length")
+            self._deliver(row, tok)
         return nxt
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ..generation.settings import SamplingSettings
+from ..generation.speculative import Drafter, DraftSettings
 from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
 from . import protocol as api
@@ -20,12 +21,16 @@ from .engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 
 
 class CompletionService:
-    def __init__(self, backend: Backend, engine: EngineSettings, model_id: str, replica: str = ""):
+    def __init__(self, backend: Backend, engine: EngineSettings, model_id: str, replica: str = "",
+                 drafter: Drafter | None = None, draft_settings: DraftSettings | None = None,
+                 draft_name: str | None = None):
         self.backend = backend
         self.model_id = model_id
         self.replica = replica  # which replica answered /health (Ray Serve's replica id)
         self.created = int(time.time())
-        self.engine = Engine(backend, engine).start()
+        self.drafter = drafter
+        self.draft_name = draft_name or (drafter.name if drafter is not None else None)  # as the user named it
+        self.engine = Engine(backend, engine, drafter, draft_settings).start()
 
     def close(self) -> None:
         self.engine.close()
@@ -34,9 +39,12 @@ class CompletionService:
         return api.model_list(self.model_id, self.created, self.backend.n_positions)
 
     def health(self) -> dict:
+        stats = self.engine.stats()
+        if self.drafter is not None:  # the draft, and its acceptance over every request so far (vLLM's terms)
+            stats["draft"] = self.draft_name
+            stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
         return {"status": "ok", "model": self.model_id, "replica": self.replica, "backend": self.backend.name,
-                "provider": self.backend.provider.value, **self.engine.stats(),
-                "max_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
+                "provider": self.backend.provider.value, **stats, "max_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
         return api.parse_request(raw, self.model_id, self.backend.n_positions)
