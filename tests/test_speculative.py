@@ -613,71 +613,91 @@ def test_seeded_speculative_sampling_is_reproducible(tiny):
 
 
 def test_draft_control_grows_and_shrinks_k():
-    c = DraftControl(max_tokens=4)
-    assert c.next_k(10) == 0  # the first decode step is plain: it measures plain steps
+    """K: starts at start_tokens, + grow after full acceptance (capped), - 1 after a rejection (>= 1),
+    capped by what is left. Rounds here are fast (they pay), so no backoff interferes."""
+    c = DraftControl(max_tokens=6, start_tokens=1, grow=2)
+    assert c.next_k(10) == 0 and c.next_k(10) == 0  # the first decode steps are plain: they measure plain steps
+    c.plain(0.01)
     c.plain(0.01)  # 100 tokens/s
-    assert c.next_k(10) == 4  # starts at max_tokens
-    c.speculated(4, 4, 0.01)  # all accepted: would grow, capped at max_tokens
-    assert c.next_k(10) == 4
-    c.speculated(4, 1, 0.01)  # 1 of 4 accepted: accepted + 1
-    assert c.next_k(10) == 2
-    c.speculated(2, 2, 0.01)  # full acceptance: + 1
-    assert c.next_k(10) == 3
-    c.speculated(3, 3, 0.01)
-    assert c.next_k(10) == 4
-    c.speculated(4, 3, 0.01)  # 3 of 4: accepted + 1 = 4, but at most K - 1
-    assert c.next_k(10) == 3
-    c.speculated(3, 0, 0.01)  # none accepted: 1
     assert c.next_k(10) == 1
-    c.speculated(1, 0, 0.01)  # never below 1
-    assert c.next_k(10) == 1
-    c.speculated(1, 1, 0.01)
-    assert c.next_k(1) == 1 and c.k == 2  # capped by what is left
-    assert c.next_k(0) == 0
-    assert c.history == [0, 4, 4, 2, 3, 4, 3, 1, 1, 1, 0]
+    c.speculated(1, 1, 0.001, 0.001)  # full acceptance: + 2
+    assert c.next_k(10) == 3
+    c.speculated(3, 3, 0.001, 0.001)
+    assert c.next_k(10) == 5
+    c.speculated(5, 5, 0.001, 0.001)  # + 2, capped at max_tokens
+    assert c.next_k(10) == 6
+    c.speculated(6, 1, 0.001, 0.001)  # a rejection: - 1
+    assert c.next_k(10) == 5
+    c.speculated(5, 0, 0.001, 0.001)
+    assert c.next_k(10) == 4
+    for _ in range(5):
+        c.speculated(c.k, 0, 0.0001, 0.0001)
+    assert c.k == 1  # never below 1
+    assert c.next_k(0) == 0 and c.next_k(1) == 1  # capped by what is left
+    assert not c.backing_off
+    assert c.history[:8] == [0, 0, 1, 3, 5, 6, 5, 4]
 
 
 def test_draft_control_backs_off_probes_and_resumes():
-    c = DraftControl(max_tokens=4, min_backoff=8, max_backoff=32)
-    c.next_k(10)
-    c.plain(0.01)  # plain: 100 tokens/s
+    c = DraftControl(max_tokens=4, start_tokens=4, min_backoff=8, backoff_growth=2, max_backoff=32)
+    for _ in range(2):
+        assert c.next_k(10) == 0
+        c.plain(0.01)  # plain: 100 tokens/s
     assert c.next_k(10) == 4
-    c.speculated(4, 0, 0.1)  # 1 token in 0.1 s: 10 tokens/s, slower than plain
+    c.speculated(4, 0, 0.05, 0.05)  # 1 token in 0.1 s: 10 tokens/s, slower than plain
     assert c.backing_off
     for _ in range(8):  # plain for `backoff` = 8 steps
         assert c.next_k(10) == 0
         c.plain(0.01)
     k = c.next_k(10)
-    assert k == c.k >= 1  # a probe
-    c.speculated(k, 0, 0.1)  # the probe does not pay: the backoff doubles
+    assert k == c.k == 3  # a probe, with the current K (shrunk by the rejection)
+    c.speculated(k, 0, 0.05, 0.05)  # the probe does not pay: the backoff grows
     assert c.backing_off and c.backoff == 16
     for _ in range(16):
         assert c.next_k(10) == 0
         c.plain(0.01)
-    c.speculated(c.next_k(10), 0, 0.1)
+    c.speculated(c.next_k(10), 0, 0.05, 0.05)
     assert c.backoff == 32
     for _ in range(32):
         assert c.next_k(10) == 0
         c.plain(0.01)
-    c.speculated(c.next_k(10), 0, 0.1)
+    c.speculated(c.next_k(10), 0, 0.05, 0.05)
     assert c.backoff == 32  # at most max_backoff
     for _ in range(32):
         c.next_k(10)
         c.plain(0.01)
     k = c.next_k(10)
     assert k > 0
-    c.speculated(k, k, 0.001)  # a probe that pays ((k + 1) / 0.001 tokens/s): speculation resumes
+    c.speculated(k, k - 1, 0.0005, 0.0005)  # a probe that pays (k tokens in 1 ms): speculation resumes
     assert not c.backing_off and c.backoff == 8
     assert c.next_k(10) > 0 and c.next_k(10) > 0
+
+
+def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
+    """A fully accepted round that grows K is not judged while it runs near plain's rate and a full
+    round of max_tokens at its costs would beat plain; a draft costlier than the target is."""
+    c = DraftControl(max_tokens=8, start_tokens=1)
+    c.plain(0.01)
+    c.plain(0.01)  # 100 tokens/s
+    # A cheap draft (1 ms a token) behind a 12 ms verification: 2 tokens in 13 ms is below plain's rate,
+    # but within ramp_floor, and 8 drafted tokens (9 in 20 ms) would pay: K grows, no backoff.
+    c.speculated(1, 1, 0.001, 0.012)
+    assert not c.backing_off and c.k == 3
+    # A draft as slow as the target (10 ms a token): even a full round of 8 could not pay.
+    d = DraftControl(max_tokens=8, start_tokens=1)
+    d.plain(0.01)
+    d.plain(0.01)
+    d.speculated(1, 1, 0.010, 0.012)
+    assert d.backing_off
 
 
 def test_draft_control_not_adaptive_always_drafts_k():
     c = DraftControl(max_tokens=5, adaptive=False)
     assert c.next_k(10) == 5  # no plain first step
-    c.speculated(5, 0, 10.0)  # rejected and slow: nothing changes
+    c.speculated(5, 0, 5.0, 5.0)  # rejected and slow: nothing changes
     assert c.next_k(10) == 5 and not c.backing_off
     c.plain(0.001)
-    c.speculated(5, 0, 10.0)
+    c.speculated(5, 0, 5.0, 5.0)
     assert c.next_k(10) == 5 and not c.backing_off
     assert c.next_k(3) == 3 and c.next_k(0) == 0
     assert c.history == [5, 5, 5, 3, 0]

@@ -21,8 +21,8 @@ what the target rejected, and catches up (one multi-token step) on whatever it h
 
 How many tokens to draft is `DraftControl`'s choice: K grows after full acceptance and shrinks after
 rejections, and decoding turns plain while the measured tokens per second of speculative rounds fall
-below those of plain steps, probing again after a growing number of plain steps, so a draft that
-rarely agrees costs a few probes.
+below those of plain steps, probing again (with few tokens) after a growing number of plain steps, so
+a draft that rarely agrees costs a few probes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ NGRAM_MAX = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
 
 @dataclass(frozen=True)
 class DraftSettings:
-    max_tokens: int = 5  # K: the most draft tokens one verification checks
+    max_tokens: int = 8  # K: the most draft tokens one verification checks
     adaptive: bool = True  # K (and whether to speculate at all) from measured costs and acceptance; False: always K
     ngram_max: int = NGRAM_MAX  # prompt lookup: the longest suffix matched
     ngram_min: int = 1  # ... and the shortest
@@ -180,34 +180,43 @@ class ModelDrafter:
 
 @dataclass
 class DraftControl:
-    """Chooses each round's K (0: a plain step), as the peers do (transformers' assisted generation
-    grows and shrinks K the same way), and measures whether speculating pays.
+    """Chooses each round's K (0: a plain step) and measures whether speculating pays.
 
-    - K grows by one after a round whose drafted tokens were all accepted, and shrinks after a
-      rejection to one more than the tokens accepted (at least 1, at most K - 1), within
-      [1, max_tokens]. It starts at max_tokens.
+    - K starts at `start_tokens`, grows by `grow` after a round whose drafted tokens were all
+      accepted and shrinks by one after a rejection, within [1, max_tokens] (transformers' assisted
+      generation adapts its K the same way). Rounds that grow K are not judged below (unless far
+      slower than plain): a draft that pays only at a large K is not given up on its way there.
     - Whether it pays is measured, not modelled: the tokens per second of recent speculative rounds
-      (draft and verification; exponential moving averages) against those of plain steps. The first
-      decode step is plain, to measure the latter. When speculation is slower, decoding turns plain
-      for `backoff` steps, then one round drafts again (a probe); a probe that does not pay either
-      doubles the backoff (up to max_backoff), one that does resumes speculation.
+      (draft, verification and rollback) against those of recent plain steps, each as decayed sums
+      of tokens over decayed sums of seconds (so a round weighs by its time). The
+      first decode steps are plain, to measure the latter. While speculation is slower, decoding turns
+      plain for `backoff` steps, then one round drafts again (a probe, with the current K: a draft
+      that rarely agrees has shrunk it to 1 by then, so its probes cost little); a probe that does
+      not pay multiplies the backoff by `backoff_growth` (up to max_backoff), one that does resumes
+      speculation.
     With adaptive False, every round drafts max_tokens (reproducible: no timing decides anything)."""
 
     max_tokens: int
     adaptive: bool = True
-    decay: float = 0.5
-    min_backoff: int = 8
-    max_backoff: int = 128
+    start_tokens: int = 1
+    grow: int = 2
+    decay: float = 0.8
+    ramp_floor: float = 0.8  # a round that grows K is not judged if it ran at least this share of plain's rate
+    min_backoff: int = 32
+    backoff_growth: int = 4
+    max_backoff: int = 512
+    first_plain: int = 2  # plain steps that measure plain decoding before the first round
     k: int = 0
-    plain_rate: float | None = None  # tokens per second of plain steps (EMA)
-    spec_rate: float | None = None  # tokens per second of speculative rounds (EMA)
+    plain_steps: int = 0
+    plain_sums: tuple[float, float] | None = None  # decayed (tokens, seconds) of plain steps
+    spec_sums: tuple[float, float] | None = None  # decayed (tokens, seconds) of speculative rounds
     plain_run: int = 0  # plain steps since the last round
     backing_off: bool = False
-    backoff: int = 8
+    backoff: int = 0
     history: list[int] = field(default_factory=list)  # each round's K (0: plain), for reports and tests
 
     def __post_init__(self) -> None:
-        self.k = self.max_tokens
+        self.k = min(self.start_tokens, self.max_tokens)
         self.backoff = self.min_backoff
 
     def next_k(self, cap: int) -> int:
@@ -216,38 +225,56 @@ class DraftControl:
             k = 0
         elif not self.adaptive:
             k = min(self.max_tokens, cap)
-        elif self.plain_rate is None or (self.backing_off and self.plain_run < self.backoff):
-            k = 0
+        elif self.plain_steps < self.first_plain:
+            k = 0  # measure plain decoding first
+        elif self.backing_off:
+            k = 0 if self.plain_run < self.backoff else min(self.k, cap)
         else:
             k = min(self.k, cap)
         self.history.append(k)
         return k
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+    @property
+    def plain_rate(self) -> float | None:
+        """Tokens per second of recent plain steps."""
+        return None if self.plain_sums is None else self.plain_sums[0] / max(self.plain_sums[1], 1e-12)
+
+    @property
+    def spec_rate(self) -> float | None:
+        """Tokens per second of recent speculative rounds."""
+        return None if self.spec_sums is None else self.spec_sums[0] / max(self.spec_sums[1], 1e-12)
+
+    def _add(self, sums: tuple[float, float] | None, tokens: int, seconds: float) -> tuple[float, float]:
+        return (tokens, seconds) if sums is None else (self.decay * sums[0] + tokens, self.decay * sums[1] + seconds)
 
     def plain(self, seconds: float) -> None:
         """A plain step (one token) took `seconds`."""
-        self.plain_rate = self._ema(self.plain_rate, 1.0 / max(seconds, 1e-9))
+        self.plain_sums = self._add(self.plain_sums, 1, seconds)
         self.plain_run += 1
+        self.plain_steps += 1
 
-    def speculated(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round drafted `drafted` tokens, of which `accepted` were kept, and yielded accepted + 1
-        tokens in `seconds` (draft and verification)."""
-        if accepted >= drafted:
-            self.k = min(self.max_tokens, self.k + 1)
-        else:
-            self.k = max(1, min(self.k - 1, accepted + 1))
-        rate = (accepted + 1) / max(seconds, 1e-9)
+    def speculated(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """A round drafted `drafted` tokens in `draft_seconds`, of which the target kept `accepted`, and
+        verified them (and rolled back) in `verify_seconds`. A round whose tokens were all kept while
+        K could still grow is not judged (K grows: a short round says little of a longer one), unless
+        it ran below ramp_floor of plain's rate or a fully accepted round of max_tokens at this
+        round's costs could not beat plain; the others are judged against plain steps."""
+        seconds = draft_seconds + verify_seconds
+        full = accepted >= drafted
+        growing = full and self.k < self.max_tokens
+        self.k = min(self.max_tokens, self.k + self.grow) if full else max(1, self.k - 1)
         probe = self.backing_off
-        self.spec_rate = rate if probe else self._ema(self.spec_rate, rate)
+        self.spec_sums = self._add(None if probe else self.spec_sums, accepted + 1, seconds)
         self.plain_run = 0
         if not self.adaptive or self.plain_rate is None:
             return
-        if self.spec_rate >= self.plain_rate:
+        best_case = (self.max_tokens + 1) / max(self.max_tokens * draft_seconds / max(drafted, 1) + verify_seconds, 1e-12)
+        ramping = (growing and (accepted + 1) / max(seconds, 1e-12) >= self.ramp_floor * self.plain_rate
+                   and best_case > self.plain_rate)
+        if ramping or self.spec_rate >= self.plain_rate:
             self.backing_off, self.backoff = False, self.min_backoff
         elif probe:
-            self.backoff = min(self.max_backoff, 2 * self.backoff)
+            self.backoff = min(self.max_backoff, self.backoff_growth * self.backoff)
         else:
             self.backing_off = True
 
@@ -365,7 +392,7 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
                 past = target.truncate(past, kept)
             drafter.keep(kept)
             accepted = len(new) - 1
-            control.speculated(len(d), accepted, clock() - t0)
+            control.speculated(len(d), accepted, t1 - t0, clock() - t1)
             stats.drafted += len(d)
             stats.accepted += accepted
             stats.drafts += 1
