@@ -12,12 +12,14 @@
 #   medium  GPT-2 medium, the same matrix
 #   large   GPT-2 large, the same matrix
 #   xl      GPT-2 xl, the same matrix (its fp16 export needs the GPU machine's memory)
+#   spec    speculative decoding on CUDA: fp32 targets with the fp16 and ngram drafts, bundled model and
+#           GPT-2 124M (random weights), batch 1 (gpt2x bench --draft)
 # Every bench writes bench-<model>-p<prompt>.json (every figure, the environment) and a log.
 set -euo pipefail
 
-out=${1:?usage: bash benchmarks/gpu_run.sh RESULTS_DIR [check|tests|small|medium|large|xl ...]}
+out=${1:?usage: bash benchmarks/gpu_run.sh RESULTS_DIR [check|tests|small|medium|large|xl|spec ...]}
 shift
-stages=${*:-check tests small medium large xl}
+stages=${*:-check tests small medium large xl spec}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GPT2X_PROGRESS=lines
 
@@ -48,7 +50,15 @@ EOF
         tests) python3 -m pytest -m cuda -q -rA 2>&1 | tee "$out/cuda-tests.log" ;;
         small) bench_matrix random:gpt2 ;;
         medium|large|xl) bench_matrix "random:gpt2-$stage" ;;
-        *) echo "unknown stage $stage (check, tests, small, medium, large, xl)" >&2; exit 2 ;;
+        spec)
+            for model in shakespeare random:gpt2; do
+                name=${model#random:}
+                gpt2x bench --provider cuda --model "$model" --backends ort --precisions fp32 --draft fp16,ngram \
+                    --prompt-text "ROMEO:" --new-tokens 128 --repeat 3 \
+                    --json "$out/bench-spec-$name.json" 2>&1 | tee "$out/bench-spec-$name.log"
+            done
+            ;;
+        *) echo "unknown stage $stage (check, tests, small, medium, large, xl, spec)" >&2; exit 2 ;;
     esac
     echo "stage $stage: $(( $(date +%s) - start )) s" | tee -a "$out/stages.txt"
 done
