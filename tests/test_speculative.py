@@ -639,7 +639,7 @@ def test_draft_control_grows_and_shrinks_k():
 
 
 def test_draft_control_backs_off_probes_and_resumes():
-    c = DraftControl(max_tokens=4, start_tokens=4, min_backoff=8, backoff_growth=2, max_backoff=32)
+    c = DraftControl(max_tokens=4, start_tokens=4, min_backoff=8, backoff_growth=2, max_backoff=32, skip_cold=False)
     for _ in range(2):
         assert c.next_k(10) == 0
         c.plain(0.01)  # plain: 100 tokens/s
@@ -676,7 +676,7 @@ def test_draft_control_backs_off_probes_and_resumes():
 def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
     """A fully accepted round that grows K is not judged while it runs near plain's rate and a full
     round of max_tokens at its costs would beat plain; a draft costlier than the target is."""
-    c = DraftControl(max_tokens=8, start_tokens=1)
+    c = DraftControl(max_tokens=8, start_tokens=1, skip_cold=False)
     c.plain(0.01)
     c.plain(0.01)  # 100 tokens/s
     # A cheap draft (1 ms a token) behind a 12 ms verification: 2 tokens in 13 ms is below plain's rate,
@@ -684,11 +684,25 @@ def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
     c.speculated(1, 1, 0.001, 0.012)
     assert not c.backing_off and c.k == 3
     # A draft as slow as the target (10 ms a token): even a full round of 8 could not pay.
-    d = DraftControl(max_tokens=8, start_tokens=1)
+    d = DraftControl(max_tokens=8, start_tokens=1, skip_cold=False)
     d.plain(0.01)
     d.plain(0.01)
     d.speculated(1, 1, 0.010, 0.012)
     assert d.backing_off
+
+
+def test_draft_control_skips_the_first_round_of_each_k():
+    """The first verification of a length pays one-off costs: that round is neither judged nor
+    counted; the next round of the same K is."""
+    c = DraftControl(max_tokens=8, start_tokens=2)
+    c.plain(0.01)
+    c.plain(0.01)
+    c.speculated(2, 0, 0.05, 0.05)  # slow and rejected, but the first K = 2: not judged
+    assert not c.backing_off and c.spec_rate is None and c.k == 1
+    c.speculated(1, 0, 0.05, 0.05)  # the first K = 1: not judged either
+    assert not c.backing_off
+    c.speculated(1, 0, 0.05, 0.05)  # K = 1 again: judged, slower than plain
+    assert c.backing_off
 
 
 def test_draft_control_not_adaptive_always_drafts_k():

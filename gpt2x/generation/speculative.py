@@ -206,6 +206,7 @@ class DraftControl:
     backoff_growth: int = 4
     max_backoff: int = 512
     first_plain: int = 2  # plain steps that measure plain decoding before the first round
+    skip_cold: bool = True  # a round drafting a K for the first time is neither judged nor counted
     k: int = 0
     plain_steps: int = 0
     plain_sums: tuple[float, float] | None = None  # decayed (tokens, seconds) of plain steps
@@ -214,6 +215,7 @@ class DraftControl:
     backing_off: bool = False
     backoff: int = 0
     history: list[int] = field(default_factory=list)  # each round's K (0: plain), for reports and tests
+    seen: set[int] = field(default_factory=set)  # the K drafted so far
 
     def __post_init__(self) -> None:
         self.k = min(self.start_tokens, self.max_tokens)
@@ -258,14 +260,20 @@ class DraftControl:
         verified them (and rolled back) in `verify_seconds`. A round whose tokens were all kept while
         K could still grow is not judged (K grows: a short round says little of a longer one), unless
         it ran below ramp_floor of plain's rate or a fully accepted round of max_tokens at this
-        round's costs could not beat plain; the others are judged against plain steps."""
+        round's costs could not beat plain; the others are judged against plain steps. The first
+        round of each K is neither judged nor counted (skip_cold): its verification is of a length
+        the runtime has not run yet, whose one-off costs say nothing of the next."""
         seconds = draft_seconds + verify_seconds
         full = accepted >= drafted
         growing = full and self.k < self.max_tokens
         self.k = min(self.max_tokens, self.k + self.grow) if full else max(1, self.k - 1)
         probe = self.backing_off
-        self.spec_sums = self._add(None if probe else self.spec_sums, accepted + 1, seconds)
+        cold = self.skip_cold and drafted not in self.seen and not probe
+        self.seen.add(drafted)
         self.plain_run = 0
+        if cold:  # a verification of a new length: its first run pays one-off costs (ONNX Runtime's per shape)
+            return
+        self.spec_sums = self._add(None if probe else self.spec_sums, accepted + 1, seconds)
         if not self.adaptive or self.plain_rate is None:
             return
         best_case = (self.max_tokens + 1) / max(self.max_tokens * draft_seconds / max(drafted, 1) + verify_seconds, 1e-12)
