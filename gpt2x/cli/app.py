@@ -49,7 +49,7 @@ def root(
     Status.enabled = not quiet
 
 
-COMMANDS = ("generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest")
+COMMANDS = ("generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest", "eval")
 
 
 def command_module(name: str):
@@ -72,6 +72,8 @@ def command_module(name: str):
         from . import serve as module
     elif name == "loadtest":
         from . import loadtest as module
+    elif name == "eval":
+        from . import eval as module
     else:
         raise KeyError(name)
     return module

@@ -1,0 +1,139 @@
+"""Scoring and generation for evaluation harnesses (lm-evaluation-harness's model class is
+gpt2x/lmeval/model.py), on any Backend, in NumPy: no torch, no lm_eval.
+
+- `score_continuations`: the log-likelihood of each continuation given its context, and whether greedy
+  decoding would produce it, as lm-eval's `loglikelihood` (and, on rolling windows, its
+  `loglikelihood_rolling`) asks. Requests run as left-padded batches through `backend.run` on whole
+  sequences (all logits, no cache), longest first; an input longer than the context keeps its end,
+  as lm-eval's Hugging Face model truncates it.
+- `generate_until`: greedy or sampled text from gpt2x's decode loop, stopped once every row has met
+  one of the stop strings (or EOS, or its token limit) and cut at the first stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+from ..generation.generate import decode_loop, left_pad
+from ..generation.sampling import Sampler
+from ..generation.settings import SamplingSettings
+from ..numerics import log_softmax, positions
+from ..runtime.base import Backend
+from ..tokenizer import EOT_ID, StreamDecoder, decode
+
+DEFAULT_BATCH_SIZE = 8
+# A scoring batch holds at most this many token slots (rows x padded length): the backend returns
+# logits for every slot, vocab_size float32 each (GPT-2: 4096 slots are 0.8 GB), so batches of long
+# inputs get fewer rows than batch_size.
+MAX_BATCH_TOKENS = 4096
+
+Done = Callable[[int], None]  # told how many requests a batch finished (progress bars)
+
+
+def _no_progress(n: int) -> None:
+    pass
+
+
+def scoring_input(context: list[int], continuation: list[int], n_positions: int) -> list[int]:
+    """The ids the model reads to score `continuation` after `context`: both joined, less the last token
+    (its logits predict nothing scored), truncated from the left to the model's context."""
+    return (context + continuation)[-(n_positions + 1) :][:-1]
+
+
+def batches(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_BATCH_TOKENS) -> list[list[int]]:
+    """Request indices in batches, longest first: at most `batch_size` rows, and at most `max_tokens`
+    slots of padded length (a row longer than that still runs, alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(out[-1]) < batch_size and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def score_continuations(backend: Backend, requests: Sequence[tuple[list[int], list[int]]],
+                        batch_size: int = DEFAULT_BATCH_SIZE, done: Done = _no_progress,
+                        max_tokens: int = MAX_BATCH_TOKENS) -> list[tuple[float, bool]]:
+    """(sum of log p(continuation token), whether each is the argmax) per (context ids, continuation ids)
+    request, in the requests' order. Contexts must hold at least one token (lm-eval gives an empty
+    context the end-of-text token); an empty continuation scores (0.0, True); a continuation longer
+    than the model's context cannot be scored (lm-eval's rolling windows never make one)."""
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be at least 1, got {batch_size}", option="batch_size")
+    n = backend.n_positions
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    inputs: dict[int, list[int]] = {}
+    for i, (context, continuation) in enumerate(requests):
+        if not continuation:
+            results[i] = (0.0, True)
+        elif not context:
+            raise UsageError("a context of no tokens (give it the end-of-text token)")
+        elif len(continuation) > n:
+            raise UsageError(f"a continuation of {len(continuation)} tokens does not fit the model's context ({n} tokens)")
+        else:
+            inputs[i] = scoring_input(context, continuation, n)
+    if len(inputs) < len(requests):
+        done(len(requests) - len(inputs))
+    keys = list(inputs)
+    for batch in batches([len(inputs[k]) for k in keys], batch_size, max_tokens):
+        rows = [keys[b] for b in batch]
+        ids, mask = left_pad([inputs[r] for r in rows])
+        logits, _ = backend.run(ids, mask, positions(mask, ids.shape[1]), None)
+        for row, r in enumerate(rows):
+            targets = np.asarray(requests[r][1], dtype=np.int64)
+            scored = logits[row, ids.shape[1] - len(targets) :]  # left padding: the continuation's logits are last
+            logprob = float(log_softmax(scored)[np.arange(len(targets)), targets].sum())
+            results[r] = (logprob, bool((scored.argmax(axis=-1) == targets).all()))
+        done(len(rows))
+    return results  # type: ignore[return-value]  # every slot is filled
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` up to the first occurrence of any of the stop strings (all of it when none occurs)."""
+    for s in stop:
+        if s:
+            text = text.split(s, 1)[0]
+    return text
+
+
+def prompt_for_generation(context: list[int], n_positions: int, max_new_tokens: int) -> list[int]:
+    """A prompt that leaves room for `max_new_tokens` (keeping at least its last token): an empty one
+    starts from end-of-text, a long one keeps its end."""
+    ids = context or [EOT_ID]
+    return ids[-max(1, n_positions - max_new_tokens) :]
+
+
+def generate_until(backend: Backend, prompts: list[list[int]], settings: SamplingSettings,
+                   stop: Sequence[str] = ()) -> list[str]:
+    """Text generated after each prompt (ids; one left-padded batch) with gpt2x's decode loop and
+    sampler: each row ends at EOS, at the first stop string (the text is cut before it), or after
+    settings.max_new_tokens tokens or the context's end; decoding stops once every row has ended."""
+    if settings.num_beams > 1:
+        raise UsageError("beam search does not stop at stop strings; generate_until decodes greedily or samples")
+    ids, mask = left_pad(prompts)
+    n_new = min(settings.max_new_tokens, backend.n_positions - ids.shape[1])
+    tokens: list[list[int]] = [[] for _ in prompts]
+    if n_new < 1:
+        return ["" for _ in prompts]
+    streams = [StreamDecoder() for _ in prompts]
+    texts = ["" for _ in prompts]
+    ended = np.zeros(len(prompts), dtype=bool)
+    for nxt in decode_loop(backend, ids, mask, Sampler(settings), n_new):
+        for row, tok in enumerate(nxt.tolist()):
+            if ended[row]:
+                continue
+            if tok == EOT_ID:
+                ended[row] = True
+                continue
+            tokens[row].append(tok)
+            texts[row] += streams[row].push(tok)
+            if any(s and s in texts[row] for s in stop):
+                ended[row] = True
+        if ended.all():
+            break
+    return [cut_at_stop(decode(t), stop) for t in tokens]
