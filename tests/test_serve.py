@@ -14,6 +14,7 @@ import json
 import socket
 import time
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -25,6 +26,7 @@ from gpt2x.bench.loadtest import LoadtestSettings, run_loadtest  # noqa: E402
 from gpt2x.choices import Precision  # noqa: E402
 from gpt2x.generation.generate import generate  # noqa: E402
 from gpt2x.generation.settings import SamplingSettings  # noqa: E402
+from gpt2x.numerics import log_softmax  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start  # noqa: E402
@@ -211,6 +213,22 @@ def test_models_and_health(server, client):
     assert models["data"][0]["max_model_len"] == 256
     h = health(client, f"{server}/main")
     assert h["status"] == "ok" and h["model"] == "shakespeare" and h["waiting"] >= 0
+    schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as http.py declares it
+    assert set(schema["paths"]) == {"/v1/completions", "/v1/models", "/health"}
+    assert "CompletionRequest" in schema["components"]["schemas"]
+    assert client.get(f"{server}/small/openapi.json").status_code == 200  # the description needs no key
+
+
+def test_logprobs_and_echo_scoring_through_ray(server, client, reference):
+    ids = encode("ROMEO: I will")
+    body = complete(client, f"{server}/main", prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lps = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"].startswith("ROMEO: I will") and len(lps["tokens"]) == len(ids) + 1
+    x = np.asarray([ids])
+    logits, _ = reference.run(x, np.ones_like(x), np.arange(len(ids))[None], None)
+    want = log_softmax(logits[0])
+    assert lps["token_logprobs"][0] is None
+    assert lps["token_logprobs"][1 : len(ids)] == pytest.approx([want[i - 1, ids[i]] for i in range(1, len(ids))], abs=1e-5)
 
 
 # ------------------------------------------------------------------ bad input
@@ -218,7 +236,7 @@ def test_models_and_health(server, client):
 
 BAD = [
     (b"{", 400, None), (b"[1, 2]", 400, None), (b'"text"', 400, None), (b"\xff\xfe", 400, None),
-    ({"max_tokens": 5}, 400, "prompt"), ({"prompt": 3}, 400, "prompt"), ({"prompt": [1, 2, 3]}, 400, "prompt"),
+    ({"max_tokens": 5}, 400, "prompt"), ({"prompt": 3}, 400, "prompt"), ({"prompt": [1, 2, 50257]}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"), ({"prompt": ["ok", None]}, 400, "prompt"),
     ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens"), ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "a", "max_tokens": 10**12}, 400, "max_tokens"), ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
@@ -227,7 +245,7 @@ BAD = [
     ({"prompt": "a", "top_p": "high"}, 400, "top_p"),
     ({"prompt": "a", "temperature": -0.5}, 400, "temperature"), ({"prompt": "a", "temperature": 9}, 400, "temperature"),
     ({"prompt": "a", "seed": -3}, 400, "seed"), ({"prompt": "a", "n": 2}, 400, "n"), ({"prompt": "a", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "a", "logprobs": 2}, 400, "logprobs"), ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"prompt": "a", "logprobs": 6}, 400, "logprobs"), ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "a", "stop": [""]}, 400, "stop"), ({"prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ({"prompt": "word " * 400}, 400, "prompt"),

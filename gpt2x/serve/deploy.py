@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Request
 from ray import serve
 
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
@@ -28,14 +28,12 @@ from ..generation.speculative import DraftSettings
 from ..onnx.artifact import read_export
 from ..workflows import export_backend, open_drafter
 from .engine import EngineSettings, refuse_batched_draft
-from .http import MAX_BODY_BYTES, HttpApi, add_error_handlers
+from .http import COMPLETIONS_ROUTE, HEALTH_ROUTE, MAX_BODY_BYTES, MODELS_ROUTE, HttpApi, new_app
 from .service import CompletionService
 
 APP_NAME = "gpt2x"
 REFUSAL_HEADROOM = 64  # requests per replica beyond its batch and queue that reach it only to be refused
-app = FastAPI(title="gpt2x", description="OpenAI-compatible completions from a gpt2x export", docs_url=None,
-              redoc_url=None, openapi_url=None)
-add_error_handlers(app)
+app = new_app()  # /openapi.json and /docs describe the routes below (http.py); they need no API key
 
 
 @dataclass(frozen=True)
@@ -121,15 +119,15 @@ class Gpt2xReplica:
                                          config.draft)
         self.http = HttpApi(self.service, config.api_key, config.max_body_bytes)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def completions(self, request: Request):
         return await self.http.completions(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **MODELS_ROUTE)
     def models(self, request: Request):
         return self.http.models(request)
 
-    @app.get("/health")
+    @app.get("/health", **HEALTH_ROUTE)
     def health(self, request: Request):
         return self.http.health(request)
 

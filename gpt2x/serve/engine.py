@@ -33,7 +33,17 @@ with its own Sampler and a DraftControl of its own, so its tokens are those of `
 fixed, `adaptive` off, since adaptive K follows measured timings). A round yields 1 to K + 1
 tokens, each told to the row's callback in turn; a row cancelled meanwhile hears no more of them and
 stops there, before the next round. The counters add the draft's drafted and accepted tokens and its
-verifications (`drafts`), as SpecStats counts them.
+verifications (`drafts`), as SpecStats counts them. A row that asks for logprobs is decoded without the
+draft (plain steps, on its own): its logprobs are the target's distribution at each of its tokens,
+and its tokens those of `gpt2x generate` without a draft.
+
+Logprobs (a row's `logprobs` = k, for rows that ask only): at each token the row samples, the raw
+model distribution, log_softmax of the step's logits before temperature, top-k and top-p (vLLM's
+`raw_logprobs`), gives the chosen token's log-probability and the k most likely tokens. A row that
+also asks for its prompt's (`prompt_logprobs`, the API's echo with logprobs) is scored when it
+starts, on the engine thread (the backend is not thread-safe): one no-cache forward of its prompt
+alone, every position's logits (`Backend.run`), before it is prefilled; a row with no token to
+generate (the API's max_tokens 0) ends there, "length", without joining a batch.
 """
 
 from __future__ import annotations
@@ -52,15 +62,20 @@ from ..generation.generate import left_pad
 from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
 from ..generation.speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
-from ..numerics import positions
+from ..numerics import log_softmax, positions
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID
 
 log = logging.getLogger(__name__)
 
 # What a row's callback hears: ("token", id) for each token, then once ("done", reason) with reason
-# "stop" (end of text), "length" (its token budget) or "cancelled", or ("error", message).
+# "stop" (end of text), "length" (its token budget) or "cancelled", or ("error", message). A row with
+# logprobs also hears ("logprob", (id, logprob, [(id, logprob), ...])) before each ("token", id), and
+# before the ("done", "stop") of the end-of-text token; with prompt_logprobs, first ("prompt", [entry
+# per prompt token]), the first entry (id, None, None).
 Sink = Callable[[str, object], None]
+LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
+SCORE_CHUNK = 64  # positions whose log_softmax is computed at once (float64, vocab wide)
 
 
 class QueueFull(RuntimeError):
@@ -102,11 +117,16 @@ class Row:
     """One prompt being generated: its ids, settings, sampler and callback. `cancel()` (any thread)
     makes it leave the batch before the next step."""
 
-    def __init__(self, prompt_ids: list[int], settings: SamplingSettings, sink: Sink):
+    def __init__(self, prompt_ids: list[int], settings: SamplingSettings, sink: Sink, logprobs: int | None = None,
+                 prompt_logprobs: bool = False, max_tokens: int | None = None):
         self.prompt_ids = prompt_ids
         self.settings = settings
         self.sampler = Sampler(settings)
         self.sink = sink
+        self.logprobs = logprobs  # None: none; k: each token's logprob and the k most likely tokens
+        self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
+        # Tokens to generate: settings.max_new_tokens unless given (0: the prompt is only scored).
+        self.max_tokens = settings.max_new_tokens if max_tokens is None else max_tokens
         self.queued_at = time.monotonic()
         self.produced = 0
         self.finished = False
@@ -117,7 +137,7 @@ class Row:
 
     @property
     def remaining(self) -> int:
-        return self.settings.max_new_tokens - self.produced
+        return self.max_tokens - self.produced
 
 
 class Engine:
@@ -153,8 +173,8 @@ class Engine:
         """Queue rows, all or none. Each row's prompt and budget must fit the context together."""
         n = self.backend.n_positions
         for row in rows:
-            if not row.prompt_ids or len(row.prompt_ids) + row.settings.max_new_tokens > n:
-                raise ValueError(f"{len(row.prompt_ids)} prompt tokens + {row.settings.max_new_tokens} new exceed the context ({n})")
+            if not row.prompt_ids or len(row.prompt_ids) + row.max_tokens > n or row.max_tokens < 0:
+                raise ValueError(f"{len(row.prompt_ids)} prompt tokens + {row.max_tokens} new exceed the context ({n})")
             if row.settings.num_beams != 1:
                 raise ValueError("the engine samples; beam search is not served")
         with self._cond:
@@ -221,6 +241,9 @@ class Engine:
         batch whose cache can be made `width` wide (None: they start a new one). The merged cache is
         at least as wide as that and the joiners' prompts; a running row samples its next token one
         position further, a joiner its first from its own prefill."""
+        joiners = [r for r in joiners if r.remaining > 0]  # a row that is only scored never joins the cache
+        if not joiners:
+            return True
         new_width = max(len(r.prompt_ids) for r in joiners)
         if width is not None:
             new_width = max(width, new_width)
@@ -242,9 +265,12 @@ class Engine:
                 continue
             self._batch = rows
             try:
-                if self.drafter is not None and len(rows) == 1:
+                rows = self._start(rows)
+                if rows:
+                    self._batch = rows
+                if self.drafter is not None and len(rows) == 1 and rows[0].logprobs is None:
                     self._run_speculative(rows[0])
-                else:
+                elif rows:  # with a draft: a row that asks for logprobs, decoded plainly
                     self._run_batch(rows)
             except Exception as e:  # the batch fails; the engine and the other batches go on
                 log.exception("a batch failed")
@@ -273,6 +299,9 @@ class Engine:
             joiners = []
             if self.joins and self._join_due(len(live)):
                 joiners = self._take([rows[i] for i in live], mask.shape[1] - _unused_columns(mask[live]))
+                if joiners:
+                    self._batch = rows + joiners
+                    joiners = self._start(joiners)
             if joiners or 2 * len(live) <= len(rows):
                 self._batch = rows + joiners  # told of a failure from here on
                 rows, mask, nxt, past = self._regroup(rows, live, joiners, mask, nxt, past)
@@ -292,7 +321,7 @@ class Engine:
         self.counters["batches"] += 1
         stats = SpecStats()
         counted = dict.fromkeys(("steps", "drafted", "accepted", "drafts"), 0)
-        loop = speculative_loop(self.backend, self.drafter, row.prompt_ids, row.sampler, row.settings.max_new_tokens,
+        loop = speculative_loop(self.backend, self.drafter, row.prompt_ids, row.sampler, row.max_tokens,
                                 control_for(self.draft_settings), stats)
         try:
             for chunk in loop:
@@ -312,6 +341,32 @@ class Engine:
         finally:
             loop.close()
 
+    def _start(self, rows: list[Row]) -> list[Row]:
+        """What rows do before their prefill: those that asked are told their prompt's logprobs, those
+        with no token to generate end ("length"), those cancelled while waiting end. Returns the rows
+        that go on to generate."""
+        going = []
+        for row in rows:
+            if row.cancelled:
+                self._end(row, "cancelled")
+                continue
+            if row.prompt_logprobs:
+                self._tell(row, "prompt", self._score(row))
+            if row.remaining <= 0:
+                self._end(row, "length")
+            else:
+                going.append(row)
+        return going
+
+    def _score(self, row: Row) -> list[LogprobEntry]:
+        """The prompt's logprobs: one forward of the prompt alone, no cache, every position's logits;
+        position t's distribution scores token t + 1 (the first token has none)."""
+        ids = np.asarray([row.prompt_ids], dtype=np.int64)
+        mask = np.ones_like(ids)
+        logits, _ = self.backend.run(ids, mask, positions(mask, ids.shape[1]), None)
+        self.counters["steps"] += 1
+        return [(row.prompt_ids[0], None, None)] + token_logprobs(logits[0, :-1], row.prompt_ids[1:], row.logprobs or 0)
+
     def _end(self, row: Row, reason: str) -> None:
         row.finished = True
         self.counters["rows"] += 1
@@ -319,7 +374,7 @@ class Engine:
 
     def _deliver(self, row: Row, tok: int) -> bool:
         """Tell a row its next token (or that it ended: cancelled, end of text, its budget); whether it
-        has finished."""
+        has finished. A row with logprobs was told the token's logprobs just before."""
         if row.cancelled:
             self._end(row, "cancelled")
             return True
@@ -395,8 +450,26 @@ class Engine:
                 continue
             tok = int(row.sampler(logits[i : i + 1])[0])
             nxt[i] = tok
+            if row.logprobs is not None:
+                self._tell(row, "logprob", token_logprobs(logits[i : i + 1], [tok], row.logprobs)[0])
             self._deliver(row, tok)
         return nxt
+
+
+def token_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list[LogprobEntry]:
+    """For each row of `logits` (T, V) and its chosen token: (token, its log-probability, the k most
+    likely tokens with theirs, most likely first), under the raw distribution log_softmax(logits)."""
+    out: list[LogprobEntry] = []
+    for start in range(0, len(chosen), SCORE_CHUNK):
+        lp = log_softmax(logits[start : start + SCORE_CHUNK])
+        for row, tok in zip(lp, chosen[start : start + SCORE_CHUNK]):
+            top: list[tuple[int, float]] = []
+            if k:
+                best = np.argpartition(-row, k - 1)[:k]
+                best = best[np.argsort(-row[best], kind="stable")]
+                top = [(int(t), float(row[t])) for t in best]
+            out.append((int(tok), float(row[tok]), top))
+    return out
 
 
 def _unused_columns(mask: np.ndarray) -> int:

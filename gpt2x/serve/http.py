@@ -1,5 +1,13 @@
-"""The HTTP side of a replica: the API key, the body limit, and every failure as an OpenAI-style JSON
-error with its status. The routes themselves are wired in deploy.py (Ray Serve's ingress)."""
+"""The HTTP side of a replica: the FastAPI application (its OpenAPI description, `/openapi.json` and
+`/docs`), the API key, the body limit, and every failure as an OpenAI-style JSON error with its
+status. The routes are wired in deploy.py (Ray Serve's ingress) and, for a replica's service run in
+this process without Ray, by `local_app`; both with the route descriptions declared here.
+
+The completions route reads and validates its body itself (protocol.parse_request, with the pydantic
+model protocol.CompletionParams), after the API key and the body's size are checked: FastAPI does not
+parse it, and the schema of the body is added to the OpenAPI description by `Gpt2xApp.openapi`.
+Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a bad field.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,80 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .. import __version__
+from . import protocol as api
 from .protocol import APIError
 from .service import CompletionService
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
 API_KEY_ENV = "GPT2X_API_KEY"
+TITLE = "gpt2x"
+DESCRIPTION = ("OpenAI-compatible completions from a gpt2x export. Every error is "
+               '`{"error": {"message", "type", "param", "code"}}` with a 4xx or 5xx status.')
+
+_ERROR = {"model": api.ErrorResponse}
+_AUTH_ERRORS = {401: {**_ERROR, "description": "A missing or wrong API key (when the server has one)"}}
+# One server-sent event of a stream (OpenAPI 3.1: the schema of each event): `data` is a chunk (a
+# CompletionResponse with one choice's text and the logprobs of its tokens; the usage chunk has no
+# choices), an error that ended the stream, or the last event, `[DONE]`.
+_STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    {"const": "[DONE]"},
+    {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": "#/components/schemas/CompletionResponse"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+]}}}
+COMPLETIONS_ROUTE = dict(
+    summary="Create a completion",
+    description="OpenAI's legacy completions, with logprobs, echo scoring (echo with max_tokens 0) and "
+                "token-id prompts; streamed as server-sent events with `stream`.",
+    response_model=api.CompletionResponse,
+    responses={
+        200: {"description": "The completion; with `stream`, server-sent events", "content": {"text/event-stream": {
+            "schema": _STREAM_EVENT}}},
+        400: {**_ERROR, "description": "A bad field (`param` names it) or a body that is not JSON"},
+        **_AUTH_ERRORS,
+        404: {**_ERROR, "description": "A model other than the one served"},
+        413: {**_ERROR, "description": "A body over the limit"},
+        429: {**_ERROR, "description": "The replica's queue is full: retry after Retry-After"},
+        500: {**_ERROR, "description": "Generation failed"},
+        503: {**_ERROR, "description": "The server is shutting down"},
+    },
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
+)
+MODELS_ROUTE = dict(summary="The served model", response_model=api.ModelList, responses=_AUTH_ERRORS)
+HEALTH_ROUTE = dict(summary="The replica's state and counters", response_model=api.Health, responses=_AUTH_ERRORS)
+
+
+class Gpt2xApp(FastAPI):
+    """FastAPI, with the completions body's schema (CompletionParams) and the optional bearer key in
+    its OpenAPI description."""
+
+    def openapi(self) -> dict:
+        if self.openapi_schema is None:
+            schema = get_openapi(title=self.title, version=self.version, description=self.description,
+                                 routes=self.routes)
+            body = api.CompletionParams.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {})
+            components.setdefault("schemas", {}).update(body.pop("$defs", {}), CompletionRequest=body)
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "description": (
+                "The server's API key (--api-key), when it has one")}}
+            for path in ("/v1/completions", "/v1/models", "/health"):
+                for operation in schema.get("paths", {}).get(path, {}).values():
+                    operation["security"] = [{"bearer": []}, {}]  # the key, or none where the server has none
+            self.openapi_schema = schema
+        return self.openapi_schema
+
+
+def new_app() -> FastAPI:
+    """The application, its error handlers in place, its routes still to add."""
+    app = Gpt2xApp(title=TITLE, description=DESCRIPTION, version=__version__, docs_url="/docs", redoc_url=None,
+                   openapi_url="/openapi.json")
+    add_error_handlers(app)
+    return app
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -35,7 +109,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(APIError(400, f"invalid request: {e.errors()[:1]}"))
+        return error_response(api.validation_error(list(e.errors())))
 
 
 class HttpApi:
@@ -95,3 +169,24 @@ class HttpApi:
 
     def health(self, request: Request) -> JSONResponse:
         return self._authorized(request, self.service.health)
+
+
+def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The replica's application around `service`, in this process (no Ray): the routes and
+    descriptions deploy.py serves, for tests and for embedding (run it with any ASGI server)."""
+    app = new_app()
+    http = HttpApi(service, api_key, max_body_bytes)
+
+    async def completions(request: Request):
+        return await http.completions(request)
+
+    def models(request: Request):
+        return http.models(request)
+
+    def health(request: Request):
+        return http.health(request)
+
+    app.post("/v1/completions", **COMPLETIONS_ROUTE)(completions)
+    app.get("/v1/models", **MODELS_ROUTE)(models)
+    app.get("/health", **HEALTH_ROUTE)(health)
+    return app

@@ -1,28 +1,60 @@
-"""The OpenAI completions API as gpt2x serves it: request validation (every bad field is one
-OpenAI-style error with a 4xx status), the response and stream-chunk shapes, and the text of a
-choice as tokens arrive (stop strings, UTF-8 split across tokens).
+"""The OpenAI completions API as gpt2x serves it: the request body (a pydantic model, which is also
+the schema /openapi.json publishes), its validation (every bad field is one OpenAI-style error with a
+4xx status and the field in `param`), the response and stream-chunk shapes, and the text and logprobs
+of a choice as tokens arrive (stop strings, UTF-8 split across tokens).
 
-Fields: `prompt` (a string or a list of strings), `max_tokens` (default 16, as OpenAI's; capped by
-the context), `temperature` (0 = greedy), `top_p`, `seed`, `stop` (a string or up to 4), `n` (1),
-`stream`, `stream_options.include_usage`, `echo`, and two of vLLM's extensions: `top_k` and
-`truncate_prompt_tokens` (keep the prompt's last k tokens). Fields that would change the output and
-are not supported (`n` > 1, `best_of` > 1, `logprobs`, `suffix`, penalties, `logit_bias`) are refused,
-not ignored; unknown fields are ignored, as OpenAI's server does.
+Fields: `prompt` (a string, a list of strings, a list of token ids, or a list of lists of token ids;
+ids in [0, vocab)), `max_tokens` (default 16, as OpenAI's; capped by the context; 0 only with `echo`:
+the prompt scored, nothing generated), `temperature` (0 = greedy), `top_p`, `seed`, `stop` (a string
+or up to 4), `n` (1), `best_of` (1), `stream`, `stream_options.include_usage`, `echo`, `logprobs`
+(0 to 5), `user` (ignored), and two of vLLM's extensions: `top_k` and `truncate_prompt_tokens`
+(keep the prompt's last k tokens). Fields that would change the output and are not supported (`n` >
+1, `best_of` > 1, `suffix`, penalties other than 0, `logit_bias`) are refused, not ignored; unknown
+fields are ignored, as OpenAI's server does.
+
+Logprobs (`logprobs: k`), as OpenAI's legacy completions give them: per token, `tokens` (its text),
+`token_logprobs` (its log-probability), `top_logprobs` ({token: logprob} of the k most likely tokens,
+most likely first, plus the chosen token where it is not among them) and `text_offset` (where the
+token starts in the choice's text; with `echo`, counted from the start of the prompt). They are the
+raw model distribution: log_softmax of the logits, before temperature, top-k and top-p (vLLM's
+default, `raw_logprobs`), so a request scores the same whatever its sampling settings. A token whose
+bytes are not UTF-8 on their own (part of a character) is written `bytes:\\xNN...`, as OpenAI's legacy
+completions write such tokens (vLLM writes U+FFFD): every token has its own string, so no two collide
+in a `top_logprobs` dict. The end-of-text token that ends a choice (finish_reason "stop") is listed
+last, as `<|endoftext|>` with no text, as vLLM lists it (lm-eval reads a prompt's logprobs as
+`token_logprobs[ctxlen:-1]`, dropping the one token generated); `usage` does not count it. With
+`echo`, the prompt's tokens come first, the first with null logprob and top_logprobs; they come from
+one forward of the prompt in the engine (engine.py), as its row starts. A replica with a draft
+decodes a request with logprobs without the draft. Streamed, each chunk carries the logprobs of the
+tokens whose text it releases (a token whose text is held back, part of a character or of a
+possible stop string, comes with the chunk that releases it).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
+from typing import Annotated, Any, Literal
 
-from ..tokenizer import EOT_ID, StreamDecoder, encode
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
 MAX_PROMPTS = 64  # prompts per request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
+
+# What the engine tells of one token: its id, its log-probability (None for a prompt's first token)
+# and the k most likely tokens with theirs (None for a prompt's first token).
+LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
 class APIError(Exception):
@@ -45,9 +77,196 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param=param, code=code)
 
 
+# ------------------------------------------------------------------ the request body
+
+def _integral(value: Any) -> Any:
+    """A number JSON writes as 2.0 is the integer 2 (as JSON Schema reads it); 2.5 stays a float, refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Integer_(**bounds: int) -> Any:  # noqa: N802 (a type)
+    """An integer within `bounds` (ge, le, ...), strict otherwise: no "5", no true."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenId = Integer_(ge=0, le=VOCAB_SIZE - 1)
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def _only(**bounds) -> Callable[[dict], None]:
+    """A field's schema narrowed to the values served (`n`: 1), beyond what its type accepts."""
+    def narrow(schema: dict) -> None:
+        for option in schema.get("anyOf", [schema]):
+            if option.get("type") != "null":
+                option.update(bounds)
+    return narrow
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool | None = Field(None, description="A last chunk (before `[DONE]`) with the usage and no choices.")
+
+
+class CompletionParams(BaseModel):
+    """The body of POST /v1/completions: OpenAI's completions request, with vLLM's `top_k` and
+    `truncate_prompt_tokens`. Types are strict (no "5" for 5); unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="CompletionRequest")
+
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description="One prompt (a string, or its token ids) or several (a list of strings, or a list of "
+                    "token id lists), each completed as if sent alone: one choice per prompt. An empty "
+                    "string starts a document (<|endoftext|>).")
+    model: str | None = Field(None, description="The served model's id (GET /v1/models); another is a 404.")
+    max_tokens: Integer_(ge=0) | None = Field(DEFAULT_MAX_TOKENS, description="Tokens to generate per prompt, capped by "
+                                   "the context; 0 only with `echo` (the prompt scored, nothing generated).")
+    temperature: float | None = Field(1.0, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: Integer_(ge=-1) | None = Field(None, description="vLLM's: keep the k most likely tokens; -1 or 0 = off.")
+    seed: Integer_(ge=0, lt=2**63) | None = Field(None, description="Same seed, settings and prompt: same tokens.")
+    stop: (StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None) = Field(
+        None, description=f"Up to {MAX_STOP} non-empty strings; the text ends before the first one found.")
+    # What is refused beyond a type (n > 1, a suffix, ...) is refused by parse_request, in its own words;
+    # the schema says it too (`only`), so that a body valid by the schema is answered.
+    n: Integer_(ge=1) | None = Field(1, description="Only 1.", json_schema_extra=_only(maximum=1))
+    best_of: Integer_(ge=1) | None = Field(None, description="Only 1.", json_schema_extra=_only(maximum=1))
+    logprobs: Integer_(ge=0, le=MAX_LOGPROBS) | None = Field(None, description=(
+        "Per token: its log-probability under the raw model distribution (log_softmax of the logits, "
+        "before temperature, top-k and top-p) and the `logprobs` most likely tokens."))
+    echo: bool | None = Field(False, description="The prompt before the completion (and its tokens' logprobs "
+                              "with `logprobs`).")
+    stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: Integer_(ge=1) | None = Field(None, description="vLLM's: keep the prompt's last k tokens.")
+    suffix: str | None = Field(None, description="Not supported: refused unless null or empty.", json_schema_extra=_only(maxLength=0))
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0.", json_schema_extra=_only(minimum=0, maximum=0))
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0.", json_schema_extra=_only(minimum=0, maximum=0))
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: refused unless empty.",
+                                                json_schema_extra=_only(maxProperties=0))
+    user: str | None = Field(None, description="Ignored.")
+
+
+# ------------------------------------------------------------------ the response bodies
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer."""
+
+    error: ErrorBody
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or one chunk of a stream (`text/event-stream`: `data: {chunk}` events, then
+    `data: [DONE]`; the chunks have this shape, the usage chunk an empty `choices`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """The replica's state: its engine's counters (rows, tokens, batches, steps, joins, ...) and memory."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok"]
+    model: str
+    replica: str
+    backend: str
+    provider: str
+    running: int
+    waiting: int
+    rss_mb: float | None = None
+    max_rss_mb: float | None = None
+
+
+# ------------------------------------------------------------------ validation
+
+
+_TYPE_MISMATCH = ("_type", "_parsing", "is_instance_of", "literal_error", "union_tag")
+_UNION_MESSAGES = {
+    "prompt": "prompt must be a string, a non-empty list of strings, a non-empty list of token ids, or a non-empty "
+              f"list of non-empty token id lists (at most {MAX_PROMPTS} prompts; ids in [0, {VOCAB_SIZE}))",
+    "stop": f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
+}
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 for pydantic's (or FastAPI's) validation errors: `param` the field at fault, the message
+    its first informative error (a bound or a length rather than every type a union tried)."""
+    body_errors = [dict(e, loc=tuple(e.get("loc", ()))[1:] if tuple(e.get("loc", ()))[:1] == ("body",)
+                        else tuple(e.get("loc", ()))) for e in errors]
+    if not body_errors:
+        return bad("invalid request")
+    informative = [e for e in body_errors if not str(e.get("type", "")).endswith(_TYPE_MISMATCH)]
+    error = (informative or body_errors)[0]
+    loc = error["loc"]
+    param = str(loc[0]) if loc else None
+    if param in _UNION_MESSAGES and not informative:
+        return bad(_UNION_MESSAGES[param], param)
+    where = (param or "body") + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))
+    if len(loc) > 1 and isinstance(loc[1], str) and loc[1].isidentifier() and loc[1] not in ("str", "int", "float", "bool"):
+        where += "." + loc[1]  # a nested object's field (stream_options.include_usage), not a union's member
+    shown = json.dumps(error.get("input"), default=str)[:40] if "input" in error else ""
+    message = f"{where}: {error.get('msg', 'invalid value')}" + (f", got {shown}" if shown else "")
+    if error.get("type") == "missing":
+        message = f"{where} is required"
+    return bad(message, param)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 @dataclass
 class CompletionRequest:
-    prompts: list[str]
+    prompts: list[str]  # each prompt's text (as sent; decoded from its ids for ids or a truncated prompt)
     prompt_ids: list[list[int]]
     max_tokens: list[int]  # per prompt, capped so that prompt and completion fit the context
     temperature: float = 1.0
@@ -58,126 +277,110 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    logprobs: int | None = None  # the k most likely tokens to list per token (None: no logprobs)
     model: str = ""
     id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(f"{name} must be a number, got {json.dumps(value)[:40]}", name)
-    if not (low < value if low_open else low <= value) or value > high:
-        raise bad(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"{name} must be an integer, got {json.dumps(value)[:40]}", name)
-    return value
-
-
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(p: CompletionParams) -> None:
     """Fields that would change the output and that gpt2x does not implement: refused, not ignored."""
-    if _integer(body, "n") not in (None, 1):
+    if p.n not in (None, 1):
         raise bad("only n=1 is supported: send one request per completion", "n")
-    if _integer(body, "best_of") not in (None, 1):
+    if p.best_of not in (None, 1):
         raise bad("best_of is not supported", "best_of")
-    if body.get("logprobs") is not None:
-        raise bad("logprobs are not supported", "logprobs")
-    if body.get("suffix") is not None:
+    if p.suffix:
         raise bad("suffix is not supported", "suffix")
     for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+        if getattr(p, name) not in (None, 0.0):
             raise bad(f"{name} is not supported (only 0)", name)
-    if body.get("logit_bias"):
+    if p.logit_bias:
         raise bad("logit_bias is not supported", "logit_bias")
 
 
-def _prompts(body: dict) -> list[str]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise bad("prompt is required", "prompt")
+def _prompts(p: CompletionParams, vocab_size: int) -> tuple[list[str | None], list[list[int] | None]]:
+    """Each prompt as text (None for ids) and as ids (None for text), in order."""
+    prompt = p.prompt
     if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-        return prompt
-    raise bad("prompt must be a string or a non-empty list of strings (token ids are not accepted)", "prompt")
+        return [prompt], [None]
+    if isinstance(prompt[0], str):
+        return list(prompt), [None] * len(prompt)
+    lists = [prompt] if isinstance(prompt[0], int) else prompt
+    for i, ids in enumerate(lists):
+        for j, tok in enumerate(ids):
+            if not 0 <= tok < vocab_size:
+                at = f"prompt[{j}]" if lists is not prompt else f"prompt[{i}][{j}]"
+                raise bad(f"{at}: token id {tok} is outside the vocabulary [0, {vocab_size})", "prompt")
+    return [None] * len(lists), [list(ids) for ids in lists]
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+def _stop(p: CompletionParams) -> tuple[str, ...]:
+    stop = [p.stop] if isinstance(p.stop, str) else p.stop or []
+    if not all(stop):
         raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
     return tuple(stop)
 
 
-def parse_request(raw: bytes, served_model: str, n_positions: int) -> CompletionRequest:
+def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: int = VOCAB_SIZE) -> CompletionRequest:
     """A validated completions request from the raw body, or an APIError (400 for a bad field, 404
     for a model other than the one served)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served_model:
-        raise APIError(404, f"the model {str(model)[:100]!r} does not exist; this server serves {served_model!r}",
+    if isinstance(model, str) and model != served_model:
+        raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {served_model!r}",
                        param="model", code="model_not_found")
-    _refuse_unsupported(body)
-    prompts = _prompts(body)
-    max_tokens = _integer(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not 1 <= max_tokens <= n_positions:
+    try:
+        p = CompletionParams.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+    _refuse_unsupported(p)
+    echo = bool(p.echo)
+    max_tokens = DEFAULT_MAX_TOKENS if p.max_tokens is None else p.max_tokens
+    if max_tokens == 0 and not echo:
+        raise bad("max_tokens is 0: nothing to generate (0 is for scoring a prompt, with echo)", "max_tokens")
+    if max_tokens > n_positions:
         raise bad(f"max_tokens must be between 1 and the model's context ({n_positions}), got {max_tokens}", "max_tokens")
-    truncate = _integer(body, "truncate_prompt_tokens")
-    if truncate is not None and not 1 <= truncate < n_positions:
+    truncate = p.truncate_prompt_tokens
+    if truncate is not None and not truncate < n_positions:
         raise bad(f"truncate_prompt_tokens must be between 1 and {n_positions - 1}, got {truncate}", "truncate_prompt_tokens")
-    ids = []
-    for text in prompts:
-        tokens = encode(text) or [EOT_ID]  # an empty prompt starts a document, as gpt2x generate does
-        if truncate is not None:
-            tokens = tokens[-truncate:]
-        if len(tokens) >= n_positions:
+    texts, given_ids = _prompts(p, vocab_size)
+    prompts, ids = [], []
+    room = n_positions if max_tokens == 0 else n_positions - 1  # a completion needs one position at least
+    for text, tokens in zip(texts, given_ids):
+        if tokens is None:
+            tokens = encode(text) or [EOT_ID]  # an empty prompt starts a document, as gpt2x generate does
+        if truncate is not None and len(tokens) > truncate:
+            tokens, text = tokens[-truncate:], None
+        if text is not None and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate, which the tokenizer replaced: echo what it read
+                text = None
+        if len(tokens) > room:
             raise bad(f"the prompt is {len(tokens)} tokens; the model's context is {n_positions} "
                       "(shorten it, or send truncate_prompt_tokens)", "prompt", "context_length_exceeded")
+        prompts.append(text if text is not None else decode(tokens))
         ids.append(tokens)
-    top_k = _integer(body, "top_k")
-    if top_k is not None and top_k < -1:
-        raise bad(f"top_k must be -1 or 0 (off) or positive, got {top_k}", "top_k")
-    seed = _integer(body, "seed")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise bad(f"seed must be a non-negative 64-bit integer, got {seed}", "seed")
-    for name in ("stream", "echo"):
-        if not isinstance(body.get(name, False), (bool, type(None))):
-            raise bad(f"{name} must be true or false", name)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("stream_options must be an object", "stream_options")
+    stop = _stop(p)
+    options = p.stream_options or StreamOptions()
     return CompletionRequest(
         prompts=prompts, prompt_ids=ids,
-        max_tokens=[min(max_tokens, n_positions - len(p)) for p in ids],  # capped by the context
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=max(0, top_k or 0),
-        seed=seed if seed is not None else int.from_bytes(os.urandom(4), "little"),
-        stop=_stop(body), stream=bool(body.get("stream")), include_usage=bool(options.get("include_usage")),
-        echo=bool(body.get("echo")), model=served_model,
+        max_tokens=[min(max_tokens, n_positions - len(t)) for t in ids],  # capped by the context
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        top_k=max(0, p.top_k or 0),
+        seed=p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
+        stop=stop, stream=bool(p.stream), include_usage=bool(options.include_usage),
+        echo=echo, logprobs=p.logprobs, model=served_model,
     )
+
+
+# ------------------------------------------------------------------ a choice's text and logprobs
 
 
 class ChoiceText:
@@ -223,13 +426,73 @@ class ChoiceText:
         return out
 
 
+@cache
+def token_text(token: int) -> str:
+    """A token as logprobs list it: its bytes as UTF-8, or `bytes:\\xNN...` (OpenAI's form) where they
+    are not UTF-8 on their own (part of a character)."""
+    data = get_encoding().decode_single_token_bytes(token)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def _logprob(value: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (a token a backend masks out) as -9999.0, OpenAI's floor."""
+    if value is None or math.isnan(value):
+        return None
+    return max(float(value), -9999.0)
+
+
+class ChoiceLogprobs:
+    """One choice's logprobs in OpenAI's legacy shape, gathered as its tokens arrive; `take()` hands
+    over what was gathered since the last take (a stream chunk carries the logprobs of its tokens)."""
+
+    def __init__(self):
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+        self.taken = 0
+
+    def add(self, entry: LogprobEntry, offset: int) -> None:
+        token, logprob, top = entry
+        self.tokens.append(token_text(token))
+        self.token_logprobs.append(_logprob(logprob))
+        if top is None:
+            self.top_logprobs.append(None)
+        else:
+            best = {token_text(t): _logprob(v) for t, v in top}  # most likely first
+            best.setdefault(token_text(token), _logprob(logprob))  # the chosen token, as OpenAI includes it
+            self.top_logprobs.append(best)
+        self.text_offset.append(offset)
+
+    def add_prompt(self, entries: list[LogprobEntry], start: int = 0) -> None:
+        """A prompt's tokens, their offsets counted from `start` in the prompt's text."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        enc = get_encoding()
+        offset = start
+        for entry in entries:
+            self.add(entry, offset)
+            offset += len(utf8.decode(enc.decode_single_token_bytes(entry[0])))
+
+    def whole(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+    def take(self) -> dict:
+        n, self.taken = self.taken, len(self.tokens)
+        return {"tokens": self.tokens[n:], "token_logprobs": self.token_logprobs[n:],
+                "top_logprobs": self.top_logprobs[n:], "text_offset": self.text_offset[n:]}
+
+
 def finish_reason(engine_reason: str, text: ChoiceText) -> str:
     """OpenAI's finish_reason: "stop" for end of text or a stop string, "length" for the budget."""
     return "stop" if text.stopped or engine_reason == "stop" else "length"
 
 
-def choice(index: int, text: str, reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
 def usage(req: CompletionRequest, texts: list[ChoiceText]) -> dict:

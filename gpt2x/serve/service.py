@@ -1,9 +1,10 @@
 """What one replica serves, independent of the HTTP framework: the backend opened from an export,
 its engine, and completions as a whole response or as a stream of server-sent events.
 
-The engine's thread hands each token to the request's asyncio loop (call_soon_threadsafe); a request
-whose consumer goes away (client disconnected, stop string found, server stopping) cancels its rows,
-which leave the batch before the next decode step.
+The engine's thread hands each token (and, for a request with logprobs, each token's logprobs and
+its prompt's) to the request's asyncio loop (call_soon_threadsafe); a request whose consumer goes
+away (client disconnected, stop string found, server stopping) cancels its rows, which leave the
+batch before the next decode step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..generation.settings import SamplingSettings
 from ..generation.speculative import Drafter, DraftSettings
 from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
+from ..tokenizer import VOCAB_SIZE
 from . import protocol as api
 from .engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 
@@ -47,7 +49,7 @@ class CompletionService:
                 "provider": self.backend.provider.value, **stats, "max_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
-        return api.parse_request(raw, self.model_id, self.backend.n_positions)
+        return api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
 
     def submit(self, req: api.CompletionRequest) -> Pending:
         """Queue the request's prompts in the engine (all or none), before any response is started:
@@ -67,19 +69,21 @@ class CompletionService:
         req = pending.req
         parts: list[list[str]] = [[] for _ in req.prompts]
         reasons: list[str | None] = [None] * len(req.prompts)
-        async for index, delta, reason in pending.events():
+        async for index, delta, reason, _ in pending.events():
             parts[index].append(delta)
             reasons[index] = reason or reasons[index]
-        choices = [api.choice(i, "".join(p), reasons[i]) for i, p in enumerate(parts)]
+        choices = [api.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole())
+                   for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
         return api.completion(req, choices, api.usage(req, pending.texts))
 
     async def stream(self, pending: Pending) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per released piece of text, a chunk with each choice's
-        finish_reason, a usage chunk if asked for, then `data: [DONE]`."""
+        """Server-sent events: one chunk per released piece of text (with the logprobs of the tokens
+        it releases), a chunk with each choice's finish_reason, a usage chunk if asked for, then
+        `data: [DONE]`."""
         req = pending.req
         try:
-            async for index, delta, reason in pending.events():
-                yield api.sse(api.completion(req, [api.choice(index, delta, reason)], None))
+            async for index, delta, reason, logprobs in pending.events():
+                yield api.sse(api.completion(req, [api.choice(index, delta, reason, logprobs)], None))
         except api.APIError as e:  # the status line is sent already: the error is the last event
             yield api.sse(e.body())
             yield api.sse("[DONE]")
@@ -90,34 +94,51 @@ class CompletionService:
 
 
 class Pending:
-    """A request's rows in the engine, the queue their tokens arrive on, and each choice's text."""
+    """A request's rows in the engine, the queue their tokens arrive on, and each choice's text and
+    logprobs."""
 
     def __init__(self, req: api.CompletionRequest, loop: asyncio.AbstractEventLoop):
         self.req = req
         self.queue: asyncio.Queue = asyncio.Queue()
         self.texts = [api.ChoiceText(req.stop) for _ in req.prompts]
+        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs() for _ in req.prompts]
+        self.scored = req.echo and req.logprobs is not None  # the prompt's logprobs come from the engine
+        self._told: list[api.LogprobEntry | None] = [None] * len(req.prompts)  # a token's logprobs, before it
+        self._start = [len(p) if req.echo else 0 for p in req.prompts]  # where the completion's text starts
         self.rows = []
         for index, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
             settings = SamplingSettings(
-                max_new_tokens=budget, greedy=req.temperature == 0, temperature=req.temperature or 1.0,
+                max_new_tokens=max(budget, 1), greedy=req.temperature == 0, temperature=req.temperature or 1.0,
                 top_k=req.top_k, top_p=req.top_p, seed=req.seed,
             )
 
             def sink(kind: str, value: object, index: int = index) -> None:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
 
-            self.rows.append(Row(ids, settings, sink))
+            self.rows.append(Row(ids, settings, sink, req.logprobs, self.scored, budget))
 
     def cancel(self) -> None:
         for row in self.rows:
             row.cancel()  # a no-op for finished rows; frees the rows of a request that left early
 
-    async def events(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice index, text, finish_reason or None) as each choice's text is released; each choice
-        ends with one event carrying its finish_reason. Leaving early cancels every row."""
-        if self.req.echo:
+    def _note(self, index: int, offset: int) -> None:
+        """The logprobs told before the token just received, at `offset` in the choice's text."""
+        entry, self._told[index] = self._told[index], None
+        if entry is not None and self.logprobs[index] is not None:
+            self.logprobs[index].add(entry, offset)
+
+    def _taken(self, index: int) -> dict | None:
+        lp = self.logprobs[index]
+        return None if lp is None else lp.take()
+
+    async def events(self) -> AsyncIterator[tuple[int, str, str | None, dict | None]]:
+        """(choice index, text, finish_reason or None, logprobs of the tokens gathered since the
+        choice's last event, or None without logprobs) as each choice's text is released; each choice
+        ends with one event carrying its finish_reason. With echo the prompt comes first (once scored,
+        with logprobs). Leaving early cancels every row."""
+        if self.req.echo and not self.scored:
             for i, prompt in enumerate(self.req.prompts):
-                yield i, prompt, None
+                yield i, prompt, None, self._taken(i)
         open_rows = len(self.rows)
         try:
             while open_rows:
@@ -125,19 +146,28 @@ class Pending:
                 text = self.texts[index]
                 if text.stopped:
                     continue  # already ended by a stop string; what the row sent after is dropped
-                if kind == "token":
+                if kind == "logprob":
+                    self._told[index] = value
+                elif kind == "prompt":
+                    self.logprobs[index].add_prompt(value)
+                    yield index, self.req.prompts[index], None, self._taken(index)
+                elif kind == "token":
+                    offset = self._start[index] + len(text.text)
                     delta = text.push(int(value))
+                    self._note(index, offset)
                     if text.stopped:  # a stop string ended it: the row need not run on
                         self.rows[index].cancel()
                         open_rows -= 1
-                        yield index, delta, "stop"
+                        yield index, delta, "stop", self._taken(index)
                     elif delta:
-                        yield index, delta, None
+                        yield index, delta, None, self._taken(index)
                 elif kind == "done":
                     open_rows -= 1
-                    yield index, text.finish(), api.finish_reason(str(value), text)
+                    rest = text.finish()
+                    if value == "stop":  # the end-of-text token, whose logprobs were told before
+                        self._note(index, self._start[index] + len(text.text))
+                    yield index, rest, api.finish_reason(str(value), text), self._taken(index)
                 else:
                     raise api.APIError(500, str(value), "server_error")
         finally:
             self.cancel()
-
