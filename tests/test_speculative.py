@@ -692,17 +692,20 @@ def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
 
 
 def test_draft_control_skips_the_first_round_of_each_k():
-    """The first verification of a length pays one-off costs: that round is neither judged nor
-    counted; the next round of the same K is."""
-    c = DraftControl(max_tokens=8, start_tokens=2)
+    """The first verification of a length pays one-off costs: a fully accepted round of a new K is
+    neither judged nor counted; the next round of the same K is. A rejected round is judged at once."""
+    c = DraftControl(max_tokens=2, start_tokens=2)
     c.plain(0.01)
     c.plain(0.01)
-    c.speculated(2, 0, 0.05, 0.05)  # slow and rejected, but the first K = 2: not judged
-    assert not c.backing_off and c.spec_rate is None and c.k == 1
-    c.speculated(1, 0, 0.05, 0.05)  # the first K = 1: not judged either
-    assert not c.backing_off
-    c.speculated(1, 0, 0.05, 0.05)  # K = 1 again: judged, slower than plain
+    c.speculated(2, 2, 0.05, 0.05)  # slow, fully accepted, the first K = 2: not judged
+    assert not c.backing_off and c.spec_rate is None and c.k == 2
+    c.speculated(2, 2, 0.05, 0.05)  # K = 2 again: judged, slower than plain
     assert c.backing_off
+    d = DraftControl(max_tokens=8, start_tokens=1)
+    d.plain(0.01)
+    d.plain(0.01)
+    d.speculated(1, 0, 0.05, 0.05)  # the first K = 1, rejected and slow: judged
+    assert d.backing_off
 
 
 def test_draft_control_not_adaptive_always_drafts_k():

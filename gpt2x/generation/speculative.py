@@ -206,7 +206,7 @@ class DraftControl:
     backoff_growth: int = 4
     max_backoff: int = 512
     first_plain: int = 2  # plain steps that measure plain decoding before the first round
-    skip_cold: bool = True  # a round drafting a K for the first time is neither judged nor counted
+    skip_cold: bool = True  # a fully accepted round drafting a K for the first time is neither judged nor counted
     k: int = 0
     plain_steps: int = 0
     plain_sums: tuple[float, float] | None = None  # decayed (tokens, seconds) of plain steps
@@ -261,14 +261,15 @@ class DraftControl:
         K could still grow is not judged (K grows: a short round says little of a longer one), unless
         it ran below ramp_floor of plain's rate or a fully accepted round of max_tokens at this
         round's costs could not beat plain; the others are judged against plain steps. The first
-        round of each K is neither judged nor counted (skip_cold): its verification is of a length
-        the runtime has not run yet, whose one-off costs say nothing of the next."""
+        fully accepted round of each K is neither judged nor counted (skip_cold): its verification
+        is of a length the runtime has not run yet, whose one-off costs say nothing of the next (a
+        rejected round is judged all the same: a draft that disagrees is given up at once)."""
         seconds = draft_seconds + verify_seconds
         full = accepted >= drafted
         growing = full and self.k < self.max_tokens
         self.k = min(self.max_tokens, self.k + self.grow) if full else max(1, self.k - 1)
         probe = self.backing_off
-        cold = self.skip_cold and drafted not in self.seen and not probe
+        cold = self.skip_cold and full and drafted not in self.seen and not probe
         self.seen.add(drafted)
         self.plain_run = 0
         if cold:  # a verification of a new length: its first run pays one-off costs (ONNX Runtime's per shape)
