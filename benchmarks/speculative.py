@@ -13,7 +13,9 @@ prompt, one plain run and one run per draft of the case, in alternating order; m
   again, so that continuing means repeating the passage (the model copies it, as LMs do);
 - gpt2: GPT-2 124M's architecture with random weights, fp32 target, int4 draft (agreement is low:
   this shows the cost side and what adaptive K saves), adaptive and fixed K;
-- xl: GPT-2 xl's architecture (1.5B) with random weights, fp32 target, int4 draft (--xl; slow).
+- xl: GPT-2 xl's architecture (1.5B) with random weights, fp32 target, int4 draft (--xl; slow);
+- threads: the int4 draft on 1 thread (gpt2x's default on the CPU) against 2, bundled model and GPT-2
+  124M (`--cases threads`).
 
 Reported per row: decode tok/s (tokens after the first over the time after the first), x plain,
 time to first token, acceptance rate (accepted / drafted) and mean acceptance length (1 + accepted /
@@ -168,7 +170,7 @@ def run_case(name: str, target, drafters: dict, prompts: list[str], n_new: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="bundled,grounded,gpt2", help="comma-separated: bundled, grounded, gpt2, xl")
+    ap.add_argument("--cases", default="bundled,grounded,gpt2", help="comma-separated: bundled, grounded, gpt2, xl, threads")
     ap.add_argument("--xl", action="store_true", help="add the xl case")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--xl-new-tokens", type=int, default=64)
@@ -202,6 +204,12 @@ def main() -> None:
             else:
                 drafters = {"ngram": (ngram, adaptive), "ngram (fixed K)": (ngram, fixed)}
                 results.append(run_case(case, target, drafters, [GROUNDED], args.new_tokens, args.rounds))
+        elif case == "threads":
+            for model in ("shakespeare", "random:gpt2"):
+                target, drafts = target_and_int4(model, [1, 2])
+                drafters = {"int4, 1 draft thread": (drafts[1], adaptive), "int4, 2 draft threads": (drafts[2], adaptive)}
+                results.append(run_case(f"threads {model}", target, drafters, PROMPTS, args.new_tokens, args.rounds))
+                del drafts
         elif case in ("gpt2", "xl"):
             model = "random:gpt2" if case == "gpt2" else "random:gpt2-xl"
             target, drafts = target_and_int4(model, [1])
