@@ -8,8 +8,12 @@ import os
 # No test touches the network: huggingface_hub reads this when it is first imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -62,6 +66,29 @@ def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeo
         [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, env=full_env,
         input=stdin, timeout=timeout,
     )
+
+
+@contextmanager
+def uvicorn_server(app):
+    """`app` on uvicorn, 127.0.0.1 and an ephemeral port, in a thread of this process; yields the port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def cuda_loads() -> bool:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,8 @@ from gpt2x.serve.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import bpe_file  # noqa: E402
 from gpt2x.workflows import export_by_name  # noqa: E402
 
+from .conftest import uvicorn_server  # noqa: E402
+
 TASKS = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
 MC = "gpt2x_shakespeare_mc"
 LIMIT = 12  # documents (4 requests each)
@@ -46,22 +45,10 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(export_dir):
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(local_app(service), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}/v1/completions"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with uvicorn_server(local_app(service)) as port:
+        yield f"http://127.0.0.1:{port}/v1/completions"
     service.close()
 
 

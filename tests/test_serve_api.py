@@ -15,7 +15,6 @@ import asyncio
 import functools
 import json
 import math
-import socket
 import threading
 import time
 
@@ -40,6 +39,7 @@ from gpt2x.serve.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 from gpt2x.workflows import export_by_name  # noqa: E402
 
+from .conftest import uvicorn_server  # noqa: E402
 from .test_serve_draft import EndsAt  # noqa: E402
 from .test_serve_engine import LINES  # noqa: E402
 
@@ -490,21 +490,9 @@ def test_the_api_key_guards_the_routes_not_the_description(service):
 @pytest.fixture(scope="module")
 def base_url(service):
     """The application on uvicorn, 127.0.0.1 and an ephemeral port, in a thread of this process."""
-    uvicorn = pytest.importorskip("uvicorn")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(local_app(service, api_key=KEY), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    pytest.importorskip("uvicorn")
+    with uvicorn_server(local_app(service, api_key=KEY)) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 def test_the_openai_client(base_url, reference):

@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import shutil
-import sys
 from statistics import NormalDist
 from types import SimpleNamespace
 
@@ -761,17 +760,10 @@ def test_cli_refuses_a_draft_with_beam_search():
 
 
 def cli_json(capsys, *args: str) -> dict:
-    from gpt2x.cli.app import main
+    from .test_cli import cli
 
-    old = sys.argv
-    sys.argv = ["gpt2x", *args]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out = capsys.readouterr().out
-    assert exc.value.code == 0, out
+    code, out, _ = cli(capsys, *args)
+    assert code == 0, out
     return json.loads(out)
 
 

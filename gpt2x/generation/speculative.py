@@ -367,6 +367,7 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
     (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's, as decode_loop."""
     refuse_unrollable(target, "target")
     stats = stats if stats is not None else SpecStats()
+    stats.k_history = control.history  # the same list: the control appends each round's K
     drafter.reset()
     tokens = list(prompt)
     mask = np.ones((1, len(tokens)), dtype=np.int64)
@@ -408,5 +409,4 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
         tokens.extend(new)
         produced += len(new)
         stats.tokens = produced
-        stats.k_history = control.history
         yield new

@@ -142,14 +142,19 @@ class OrtBackend:
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length])) for v in past]
         if self._truncate_session is None:
             self._truncate_session = create_session(slice_positions_model(self.kv_dtype), self.provider)
-        ends = np.array([length], dtype=np.int64)
+        ends = ort.OrtValue.ortvalue_from_numpy(np.array([length], dtype=np.int64))  # a shape input: on the host
+        return self._each_on_device(self._truncate_session, past, "ends", ends)
+
+    def _each_on_device(self, session, past: list, name: str, value) -> list:
+        """A one-node graph (x, `name` -> y) run on every cache tensor, with `value` bound as `name`:
+        the outputs stay on the device."""
         out = []
         for v in past:
-            binding = self._truncate_session.io_binding()
+            binding = session.io_binding()
             binding.bind_ortvalue_input("x", v)
-            binding.bind_cpu_input("ends", ends)
+            binding.bind_ortvalue_input(name, value)
             binding.bind_output("y", self.device)
-            self._truncate_session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             out.append(binding.get_outputs()[0])
         return out
 
@@ -292,12 +297,4 @@ class OrtBackend:
         if self._reorder_session is None:
             self._reorder_session = create_session(gather_model(self.kv_dtype), self.provider)
         idx = ort.OrtValue.ortvalue_from_numpy(np.asarray(rows, dtype=np.int64), self.device, 0)
-        out = []
-        for v in past:
-            binding = self._reorder_session.io_binding()
-            binding.bind_ortvalue_input("x", v)
-            binding.bind_ortvalue_input("rows", idx)
-            binding.bind_output("y", self.device)
-            self._reorder_session.run_with_iobinding(binding)
-            out.append(binding.get_outputs()[0])
-        return out
+        return self._each_on_device(self._reorder_session, past, "rows", idx)
