@@ -11,6 +11,11 @@
     .venv-peers/bin/python benchmarks/check_interop.py --onnx exported/shakespeare-fp32 --out /tmp/interop
     # gpt2x's dev environment runs it too, with the loaders it cannot import recorded as skipped
 
+    # transformers.js (@huggingface/transformers in Node, on onnxruntime-node), once:
+    npm ci --prefix benchmarks/interop
+    python benchmarks/check_interop.py --transformers-js   # the bundled model, fp32, int8 and int4
+    python benchmarks/check_interop.py --transformers-js --model random:gpt2 --precisions fp32,int4 --out /tmp/tjs
+
 Exports the bundled `shakespeare` model at fp32 and int8 with gpt2x (or takes --onnx folders), writes
 gpt2x.onnx.interop's files into each folder, then for every loader that imports in this environment:
 
@@ -23,12 +28,23 @@ gpt2x.onnx.interop's files into each folder, then for every loader that imports 
 Each is compared with gpt2x's own greedy generation on ONNX Runtime (`OrtBackend` on the same
 folder). A loader that does not import is skipped with the reason. Writes OUT.json (environment,
 per export and loader: loaded, error, tokens equal, first differing position) and OUT.md (a table).
+
+With --transformers-js: writes the folder `gpt2x export --layout transformers.js` writes (through
+workflows.export_transformers_js: exported/MODEL-PRECISION reused or exported first; or from the
+--onnx folders given) into a temporary folder, runs benchmarks/interop/check.mjs on it in Node
+(env.allowRemoteModels = false, AutoTokenizer and AutoModelForCausalLM.from_pretrained with dtype
+fp32, q8, q4; greedy `generate`, do_sample false, one prompt at a time and once as one left-padded
+batch) and compares the token ids with gpt2x's greedy generation on ONNX Runtime (the ort backend) of
+the same exports, and transformers.js's encoding of the prompts with gpt2x.tokenizer's. Writes
+OUT.json and OUT.md (default benchmarks/results/interop-transformers-js-cpu-2core); exits 1 on any
+difference or failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,13 +56,14 @@ import numpy as np
 from gpt2x import tokenizer as tk
 from gpt2x import workflows
 from gpt2x.bench.system import installed_versions, system_info
-from gpt2x.choices import Precision
+from gpt2x.choices import BackendKind, Precision
 from gpt2x.fileio import sha256
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx import names as io
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
+from gpt2x.onnx.transformers_js import write_transformers_js
 from gpt2x.runtime.ort import OrtBackend
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be",
@@ -275,14 +292,161 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- transformers.js (Node)
+
+INTEROP_DIR = Path(__file__).resolve().parent / "interop"
+NODE_SCRIPT = INTEROP_DIR / "check.mjs"
+TJS_PACKAGE = INTEROP_DIR / "node_modules" / "@huggingface" / "transformers"
+TJS_OUT = Path("benchmarks/results/interop-transformers-js-cpu-2core")
+
+
+def left_padded(rows: list[list[int]]) -> dict:
+    """One batch, left-padded with <|endoftext|> under a zero mask (as gpt2x pads a batch)."""
+    width = max(map(len, rows))
+    return {"input_ids": [[tk.EOT_ID] * (width - len(r)) + r for r in rows],
+            "attention_mask": [[0] * (width - len(r)) + [1] * len(r) for r in rows]}
+
+
+def run_node(folder: Path, dtypes: list[str], new_tokens: int) -> dict:
+    """check.mjs on the transformers.js folder; its JSON result."""
+    node = shutil.which("node")
+    if node is None:
+        raise SystemExit("node is not on PATH (transformers.js runs in Node 18+)")
+    if not TJS_PACKAGE.is_dir():
+        raise SystemExit(f"{TJS_PACKAGE} is missing: run `npm ci --prefix {INTEROP_DIR}`")
+    request = {"root": str(folder.resolve().parent), "name": folder.name, "dtypes": dtypes, "prompts": PROMPTS,
+               "max_new_tokens": new_tokens, "batch": left_padded([tk.encode(p) for p in PROMPTS])}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        out = subprocess.run([node, str(NODE_SCRIPT), f.name], capture_output=True, text=True, timeout=1800)
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{NODE_SCRIPT} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout)
+
+
+def check_transformers_js(folder: Path, meta: dict, new_tokens: int) -> dict:
+    """transformers.js against gpt2x's ort backend on each source export of the folder."""
+    by_dtype = {g["dtype"]: (name, g) for name, g in meta["onnx"].items()}
+    log(f"transformers.js in Node on {folder}: {', '.join(by_dtype)}")
+    node = run_node(folder, list(by_dtype), new_tokens)
+    ids = node["tokenizer"]["ids"]
+    result: dict = {"versions": node["versions"], "tokenizer": {
+        "class": node["tokenizer"]["class"],
+        "ids_equal": ids == [tk.encode(p) for p in PROMPTS],
+        "decode_equal": node["tokenizer"]["decoded"] == [tk.decode(tk.encode(p)) for p in PROMPTS],
+        "ids": ids}, "dtypes": {}}
+    for dtype, (name, graph) in by_dtype.items():
+        got = node["dtypes"][dtype]
+        entry: dict = {"file": name, "precision": graph["precision"], "source": graph["source"],
+                       "fused_operators": graph["fused_operators"], "loaded_files": got.get("loaded_files", [])}
+        entry["loaded_our_file"] = name in entry["loaded_files"]
+        if "error" in got:
+            result["dtypes"][dtype] = entry | {"loaded": False, "error": got["error"]}
+            log(f"  {dtype}: {got['error']}")
+            continue
+        log(f"  {dtype}: gpt2x greedy generation on the ort backend of {graph['source']}")
+        backend = workflows.export_backend(BackendKind.ort, read_export(Path(graph["source"])))
+        settings = SamplingSettings(max_new_tokens=new_tokens, greedy=True)
+        reference = [generate(backend, [p], settings)[0].tokens for p in PROMPTS]
+        batch_reference = [g.tokens for g in generate(backend, PROMPTS, settings)]
+        tjs = [until_eos(p["tokens"]) for p in got["prompts"]]
+        batch = compare(batch_reference, [until_eos(r) for r in got["batch"]])
+        entry |= {
+            "loaded": True,
+            "input_names": got["input_names"],
+            "prompts": compare(reference, tjs),
+            "batch": {"size": len(PROMPTS), "tokens_equal": all(r["tokens_equal"] for r in batch),
+                      "first_difference": [r["first_difference"] for r in batch]},
+            "decode_equal": all(p["text"] == tk.decode(p["tokens"]) for p in got["prompts"]),
+            "gpt2x_tokens": reference,
+            "transformers_js_tokens": tjs,
+        }
+        entry["tokens_equal"] = all(r["tokens_equal"] for r in entry["prompts"])
+        result["dtypes"][dtype] = entry
+        log(f"    tokens {'equal' if entry['tokens_equal'] else 'differ'}; batch {'equal' if entry['batch']['tokens_equal'] else 'differs'}")
+    return result
+
+
+def tjs_passed(result: dict) -> bool:
+    tok = result["tokenizer"]
+    return tok["ids_equal"] and tok["decode_equal"] and all(
+        d.get("loaded") and d["loaded_our_file"] and d["tokens_equal"] and d["batch"]["tokens_equal"] and d["decode_equal"]
+        for d in result["dtypes"].values())
+
+
+def markdown_transformers_js(results: dict) -> str:
+    env, s, r = results["environment"], results["settings"], results["transformers.js"]
+    yes = {True: "yes", False: "no", None: ""}
+    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+    lines = [
+        f"Model {s['model']}, {len(PROMPTS)} prompts, {s['new_tokens']} greedy tokens each: transformers.js "
+        "(`AutoModelForCausalLM.from_pretrained` on the folder `gpt2x export --layout transformers.js` writes, "
+        "`generate` with do_sample false) against gpt2x's greedy generation on ONNX Runtime (the ort backend) "
+        "of the export each graph was copied from.",
+        f"Machine: {env['cpu']}, {env['cores']} cores; {env['date']}, gpt2x git {env['git']}"
+        + (f" with uncommitted changes to {', '.join(env['uncommitted'])}" if env.get("uncommitted") else "") + "; "
+        + ", ".join(f"{k} {v}" for k, v in env["packages"].items()) + f"; {versions}.",
+        f"Tokenizer ({r['tokenizer']['class']}): prompt ids equal to gpt2x.tokenizer's: {yes[r['tokenizer']['ids_equal']]}; "
+        f"decode equal: {yes[r['tokenizer']['decode_equal']]}.",
+        "",
+        "| dtype | file (precision) | graph | loaded that file | tokens equal (1 prompt at a time) | first difference "
+        "| batch of 4, left-padded | decode equal | error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for dtype, d in r["dtypes"].items():
+        ops = ", ".join(f"{op} {n}" for op, n in (d["fused_operators"] or {}).items() if op != "total_nodes")
+        diffs = [p["first_difference"] for p in d.get("prompts", [])]
+        diff = ("none" if all(x is None for x in diffs) else ", ".join(str(x) for x in diffs)) if diffs else ""
+        batch = d.get("batch")
+        lines.append(f"| {dtype} | {d['file']} ({d['precision']}) | {ops} | {yes[d['loaded_our_file']]} | "
+                     f"{yes[d.get('tokens_equal')]} | {diff} | {yes[batch['tokens_equal']] if batch else ''} | "
+                     f"{yes[d.get('decode_equal')]} | {d.get('error', '')} |")
+    lines += ["", f"Result: {'all equal' if results['passed'] else 'MISMATCH'}."]
+    return "\n".join(lines) + "\n"
+
+
+def main_transformers_js(args) -> int:
+    out = args.out or TJS_OUT
+    precisions = [Precision(p.strip()) for p in args.precisions.split(",") if p.strip()]
+    results: dict = {"environment": system_info() | {"uncommitted": uncommitted()},
+                     "settings": {"model": args.model, "new_tokens": args.new_tokens, "prompts": PROMPTS,
+                                  "onnx": [str(p) for p in args.onnx or []]}}
+    with tempfile.TemporaryDirectory(prefix="gpt2x-tjs-") as tmp:
+        folder = Path(tmp) / f"{args.model.replace('/', '--').replace(':', '-')}-transformers.js"
+        if args.onnx:
+            written = write_transformers_js([read_export(p) for p in args.onnx], folder, progress=log)
+            results["settings"]["model"] = written.meta["model"]["name"]
+        else:
+            written = workflows.export_transformers_js(args.model, folder, precisions, progress=log, notice=log)
+        results["layout"] = {"files": written.files, "onnx": {n: {k: g[k] for k in ("dtype", "precision", "source", "sha256")}
+                                                              for n, g in written.meta["onnx"].items()}}
+        results["transformers.js"] = check_transformers_js(folder, written.meta, args.new_tokens)
+    results["passed"] = tjs_passed(results["transformers.js"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    out.with_suffix(".md").write_text(markdown_transformers_js(results))
+    print(markdown_transformers_js(results))
+    return 0 if results["passed"] else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="output path without extension (writes OUT.json, OUT.md)")
+    ap.add_argument("--out", type=Path, help="output path without extension (writes OUT.json, OUT.md); required "
+                    f"except with --transformers-js (default {TJS_OUT})")
     ap.add_argument("--onnx", type=Path, action="append", help="an existing gpt2x export folder (repeatable); "
-                    "default: fresh fp32 and int8 exports of --model")
+                    "default: fresh fp32 and int8 exports of --model (with --transformers-js: exported/MODEL-PRECISION)")
     ap.add_argument("--model", default="shakespeare", help="model to export when no --onnx is given")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--transformers-js", action="store_true", help="check transformers.js in Node instead (see above)")
+    ap.add_argument("--precisions", default="fp32,int8,int4", help="with --transformers-js and no --onnx: the exports' precisions")
     args = ap.parse_args()
+    if args.transformers_js:
+        return main_transformers_js(args)
+    if args.out is None:
+        ap.error("--out is required")
     results: dict = {"environment": system_info() | {"loader packages": installed_versions(
         "optimum", "optimum-onnx", "onnxruntime-genai", "tokenizers"), "uncommitted": uncommitted()},
         "settings": {"model": args.model, "new_tokens": args.new_tokens, "prompts": PROMPTS,

@@ -18,6 +18,7 @@ class BackendKind(str, Enum):
     ort = "ort"  # ONNX Runtime on the export
     openvino = "openvino"  # OpenVINO's runtime on the export's model.onnx
     genai = "genai"  # onnxruntime-genai's generator on the export folder
+    web = "web"  # onnxruntime-web (WebAssembly) on the export, in headless Chromium
 
 
 class ProviderKind(str, Enum):

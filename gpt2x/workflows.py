@@ -9,18 +9,22 @@ extra is one MissingDependencyError naming the install command.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
-from .errors import ArtifactError, Gpt2xError, HubError, MissingDependencyError, ModelNotFoundError, ProviderError, UsageError, WeightsError
+from .errors import ArtifactError, Gpt2xError, HubError, MissingDependencyError, ModelNotFoundError, OutputError, ProviderError, UsageError, WeightsError
 from .evaluate.parity import gate_export
 from .generation.speculative import Drafter, DraftSettings, ModelDrafter, NgramDrafter, refuse_unrollable
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
+from .onnx.transformers_js import ALL_PRECISIONS as TRANSFORMERS_JS_PRECISIONS
+from .onnx.transformers_js import TransformersJsFolder, check_precisions, default_layout_dir, write_transformers_js
 from .runtime.base import Backend
 from .runtime.ort import OrtBackend
 from .runtime.providers import available_providers
+from .runtime.web import WebBackend, require_web
 from .tokenizer import folder_vocabulary_differs
 
 if TYPE_CHECKING:
@@ -63,6 +67,8 @@ def require_runtime(kind: BackendKind) -> None:
         module, install = RUNTIME_EXTRAS[kind]
         if _missing(module):
             raise MissingDependencyError(f"the {kind.value} backend needs {module}, which this install lacks: {install}")
+    if kind is BackendKind.web:
+        require_web()  # Playwright, Chromium and onnxruntime-web from npm
 
 
 def torch_available() -> bool:
@@ -109,10 +115,12 @@ def unsupported(backend: BackendKind, provider: ProviderKind, precision: Precisi
     if precision is Precision.fp16 and provider is not ProviderKind.cuda:
         return ProviderError("fp16 runs on CUDA only (its kernels are the GPU's); on the cpu provider use fp32, int8 or int4")
     if backend is BackendKind.torch and precision in (Precision.int8, Precision.int4):
-        return UsageError(f"{precision.value} is an ONNX export, run by the ort, openvino and genai backends; "
+        return UsageError(f"{precision.value} is an ONNX export, run by the ort, openvino, genai and web backends; "
                           "the torch backend runs fp32 (and fp16 on CUDA)")
     if backend is BackendKind.openvino and provider is ProviderKind.cuda:
         return ProviderError("OpenVINO has no CUDA device here; it runs exports on the cpu provider only")
+    if backend is BackendKind.web and provider is ProviderKind.cuda:
+        return ProviderError("the web backend runs onnxruntime-web's WebAssembly build on the CPU; it has no cuda provider")
     return None
 
 
@@ -201,6 +209,30 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
     return info
 
 
+def export_transformers_js(model: str = DEFAULT_MODEL, out: Path | None = None,
+                           precisions: Sequence[Precision] = TRANSFORMERS_JS_PRECISIONS, revision: str | None = None,
+                           force: bool = False, progress: Progress = no_progress,
+                           notice: Progress = no_progress) -> TransformersJsFolder:
+    """A folder transformers.js loads (default exported/<model>-transformers.js) holding the graphs of
+    `model`'s exports at `precisions` (fp32, int8, int4): each the export in exported/<model>-<precision>,
+    exported first (parity-gated) when missing; the model is loaded once for all the missing ones."""
+    precisions = check_precisions(precisions)
+    out = Path(out) if out is not None else default_layout_dir(model)
+    if out.exists() and not force:
+        raise OutputError(f"{out} exists (force=True replaces it)")
+    loaded = None
+    exports = []
+    for precision in precisions:
+        missing = not is_export(default_export_dir(model, precision))
+        if missing and loaded is None:
+            progress(f"loading {model}")
+            loaded = load_model(model, revision)
+        exports.append(ensure_export(model, precision, revision, loaded=loaded if missing else None,
+                                     progress=progress, notice=notice))
+    progress(f"writing {out}")
+    return write_transformers_js(exports, out, force, progress)
+
+
 # ---------------------------------------------------------------- backends
 
 
@@ -249,8 +281,8 @@ def resolve_export(model: str | None = None, revision: str | None = None, precis
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
                    threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
-    """A runtime on an export folder: ONNX Runtime, OpenVINO or onnxruntime-genai (each the same
-    `Backend`). The optional runtimes' modules are imported only once they are known to import.
+    """A runtime on an export folder: ONNX Runtime, OpenVINO, onnxruntime-genai or onnxruntime-web in
+    headless Chromium (each the same `Backend`). The optional runtimes' modules are imported only once they are known to import.
     `in_place_kv` (ONNX Runtime's KV cache): None updates it in place wherever the graph can, False
     keeps a growing cache, True requires the in-place one."""
     if backend is BackendKind.ort:
@@ -264,6 +296,8 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
         from .runtime.genai import GenaiBackend
 
         return GenaiBackend(info, provider, threads)
+    if backend is BackendKind.web:
+        return WebBackend(info, provider, threads)
     raise UsageError(f"{backend.value} does not run export folders")
 
 
@@ -288,7 +322,7 @@ def check_draft(draft: str, backend: BackendKind = BackendKind.ort, provider: Pr
     (`vocab_size`) or whose tokenizer files are not GPT-2's."""
     if backend is BackendKind.genai:
         raise UsageError("speculative decoding needs a KV cache it can roll back; the genai backend cannot drop "
-                         "positions from its cache: use ort, openvino or torch")
+                         "positions from its cache: use ort, openvino, web or torch")
     if draft == NGRAM_DRAFT:
         return
     runtime = draft_runtime(backend)

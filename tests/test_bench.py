@@ -89,6 +89,13 @@ LOGITS = {"positions": int, "max_abs": NUM, "p99_abs": NUM, "scale": NUM, "max_r
           "top1_agreement": NUM, "mean_kl": NUM, "present_max_rel": NUM, "cases": list}
 TOLERANCE = {"max_rel": NUM, "max_kl": NUM, "min_top1": OPT_NUM, "min_greedy": NUM, "why": str}
 # Every field of `gpt2x bench --json` (README, "gpt2x bench"): a dict is a nested object, [x] a list of x.
+class Opt:
+    """A field that may be absent; where present, of the type given."""
+
+    def __init__(self, schema):
+        self.schema = schema
+
+
 BENCH_SCHEMA = {
     "schema_version": int,
     "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
@@ -106,7 +113,12 @@ BENCH_SCHEMA = {
                "decode_latency": {"p50_ms": float, "p90_ms": float, "p99_ms": float, "mean_ms": float},
                "decode_tokens_per_s": float, "e2e_tokens_per_s": float, "roofline_tokens_per_s": float,
                "roofline_share": float, "peak_rss_mb": float,
-               "latency_by_context": [{"context": int, "ms": float}]}],
+               "latency_by_context": [{"context": int, "ms": float}],
+               # against ort at the same precision and batch, in rows of other backends where ort ran
+               "native_share": Opt(float), "native_ttft_ratio": Opt(float),
+               # the web backend's rows (tests/test_web.py)
+               "page_memory_mb": Opt(float), "page": Opt(dict), "page_ttft_ms": Opt(float),
+               "page_decode_tokens_per_s": Opt(float), "page_decode_latency": Opt(dict), "page_native_share": Opt(float)}],
     "speculative": [{"backend": str, "precision": str, "draft": str, "draft_name": str, "draft_tokens": int, "adaptive": bool,
                      "prompt_len": int, "new_tokens": int, "timed_runs": int,
                      "acceptance_rate": OPT_NUM, "mean_acceptance_length": OPT_NUM,
@@ -126,9 +138,12 @@ def validate(value, schema, where: str = "result") -> None:
     """`value` has exactly the fields of `schema`, each of its type (recursively)."""
     if isinstance(schema, dict):
         assert isinstance(value, dict), where
-        assert set(value) == set(schema), f"{where}: fields {sorted(set(value) ^ set(schema))} differ"
+        required = {key for key, sub in schema.items() if not isinstance(sub, Opt)}
+        assert required <= set(value) <= set(schema), \
+            f"{where}: fields {sorted((set(value) - set(schema)) | (required - set(value)))} differ"
         for key, sub in schema.items():
-            validate(value[key], sub, f"{where}.{key}")
+            if key in value:
+                validate(value[key], sub.schema if isinstance(sub, Opt) else sub, f"{where}.{key}")
     elif isinstance(schema, list):
         assert isinstance(value, list), where
         for i, item in enumerate(value):
@@ -176,8 +191,17 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
                             precisions=[Precision.fp32], batches=[1, 2], prompt_len=4, new_tokens=6, repeat=1)
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert result["passed"] is True
+    # Rows of a backend other than ort, where ort ran at the same precision and batch: the share of native.
+    natives = {(e["precision"], e["batch"]): e for e in result["speed"] if e["backend"] == "ort"}
+    for e in result["speed"]:
+        if e["backend"] == "torch":
+            ort = natives[(e["precision"], e["batch"])]
+            assert e["native_share"] == pytest.approx(e["decode_tokens_per_s"] / ort["decode_tokens_per_s"])
+            assert e["native_ttft_ratio"] == pytest.approx(e["ttft_ms"] / ort["ttft_ms"])
+        else:
+            assert "native_share" not in e
     validate(json.loads(json.dumps(result)), BENCH_SCHEMA)  # serialisable as is, every field the README names
-    assert result["schema_version"] == 2 and result["speculative"] == []  # no --draft: no rows, the list is there
+    assert result["schema_version"] == 3 and result["speculative"] == []  # no --draft: no rows, the list is there
     assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
     assert len(result["speed"]) == 4 and result["skipped"] == []
     for e in result["speed"]:
@@ -311,7 +335,7 @@ def test_bench_cli_draft_json(tiny, tmp_path, monkeypatch, capsys):
                          "--draft-tokens", "2", "--json", str(out_json))
     assert code == 0, err
     result = json.loads(out_json.read_text())
-    assert result["schema_version"] == 2 and result["settings"]["drafts"] == ["ngram"]
+    assert result["schema_version"] == 3 and result["settings"]["drafts"] == ["ngram"]
     [row] = result["speculative"]
     assert (row["backend"], row["draft"], row["draft_tokens"], row["prompt_len"]) == ("torch", "ngram", 2, 4)
     assert "Speculative decoding" in out

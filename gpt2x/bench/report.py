@@ -35,8 +35,11 @@ def bench_tables(result: dict) -> list[Table]:
         )
     speed = Table(title=f"speed on {result['settings']['provider']} ({env.get('cpu')}, {result['settings']['threads']} threads; "
                         f"{bw['kind']}: {bw['bytes_per_s'] / 1e9:.1f} GB/s)")
+    shares = any("native_share" in e for e in result["speed"])
+    pages = any("page_memory_mb" in e for e in result["speed"])
     for col in ("backend", "precision", "batch", "cold s", "TTFT ms", "p50 ms", "p90 ms", "p99 ms", "decode tok/s",
-                "e2e tok/s", "roofline tok/s", "% roofline", "peak RSS MB"):
+                "e2e tok/s", "roofline tok/s", "% roofline", *(["x ort"] if shares else []), "peak RSS MB",
+                *(["page tok/s", "page x ort", "page MB"] if pages else [])):
         speed.add_column(col, justify="right")
     for e in result["speed"]:
         lat = e["decode_latency"]
@@ -44,7 +47,10 @@ def bench_tables(result: dict) -> list[Table]:
             e["backend"], e["precision"], str(e["batch"]), _f(e["cold_start_s"], ".2f"), _f(e["ttft_ms"], ".1f"),
             _f(lat.get("p50_ms"), ".2f"), _f(lat.get("p90_ms"), ".2f"), _f(lat.get("p99_ms"), ".2f"),
             _f(e["decode_tokens_per_s"], ".1f"), _f(e["e2e_tokens_per_s"], ".1f"), _f(e["roofline_tokens_per_s"], ".0f"),
-            f"{e['roofline_share'] * 100:.0f}%", _f(e.get("peak_rss_mb"), ".0f"),
+            f"{e['roofline_share'] * 100:.0f}%", *([_f(e.get("native_share"), ".2f")] if shares else []),
+            _f(e.get("peak_rss_mb"), ".0f"),
+            *([_f(e.get("page_decode_tokens_per_s"), ".1f"), _f(e.get("page_native_share"), ".2f"),
+               _f(e.get("page_memory_mb"), ".0f")] if pages else []),
         )
     skipped = [f"{x['backend']}/{x['precision']} ({x['reason']})" for x in result.get("skipped", []) if "draft" not in x]
     if skipped:

@@ -39,7 +39,9 @@ from ..runtime.base import Backend
 from ..tokenizer import encode
 from .roofline import cpu_read_bandwidth, gpu_copy_bandwidth, roofline_tokens_per_s
 
-SCHEMA_VERSION = 2  # 2: `speculative` rows, and the settings drafts, draft_tokens and prompt_text
+# 2: `speculative` rows, and the settings drafts, draft_tokens and prompt_text; 3: speed rows' native_share
+# and native_ttft_ratio (against ort), and the web backend's page_* figures
+SCHEMA_VERSION = 3
 STEP_COST_MAX_N = 8  # the target's step cost is measured over N = 1..8 new tokens
 
 
@@ -105,6 +107,9 @@ def timed_generation(backend: Backend, prompt_ids: np.ndarray, new_tokens: int) 
     sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=new_tokens))
     steps: list[float] = []
     out: list[np.ndarray] = []
+    page_ms = getattr(backend, "page_ms", None)  # the web backend: each forward's time inside the page
+    if page_ms is not None:
+        page_ms.clear()
     ttft = None
     t0 = last = time.perf_counter()
     for nxt in decode_loop(backend, prompt_ids, np.ones_like(prompt_ids), sampler, new_tokens):
@@ -116,7 +121,8 @@ def timed_generation(backend: Backend, prompt_ids: np.ndarray, new_tokens: int) 
         last = now
         out.append(nxt)
     return {"ttft_s": ttft, "steps_s": steps, "decode_s": sum(steps), "decoded": len(steps),
-            "total_s": time.perf_counter() - t0, "tokens": np.stack(out, axis=1).tolist()}
+            "total_s": time.perf_counter() - t0, "tokens": np.stack(out, axis=1).tolist(),
+            "page_ms": None if page_ms is None else list(page_ms)}
 
 
 def timed_speculative(target: Backend, drafter: Drafter, prompt_ids: list[int], new_tokens: int,
@@ -168,7 +174,18 @@ def speed_entry(run: dict, batch: int, new_tokens: int, prompt_len: int, cold_s:
         "roofline_tokens_per_s": roof_tps,
         "roofline_share": decode / roof_tps,
         "latency_by_context": by_context,
+        **page_figures(run, batch),
     }
+
+
+def page_figures(run: dict, batch: int) -> dict:
+    """The web backend's speed inside the page (its forwards' own times: no trip to Python), where
+    the run recorded them: the prefill's time and the decode steps' tokens per second."""
+    page = run.get("page_ms")
+    if not page or len(page) < 2:
+        return {}
+    return {"page_ttft_ms": page[0], "page_decode_tokens_per_s": batch * (len(page) - 1) / (sum(page[1:]) / 1e3),
+            "page_decode_latency": summarize_latencies([ms / 1e3 for ms in page[1:]])}
 
 
 # ---------------------------------------------------------------- speculative decoding
@@ -397,6 +414,11 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
             device_mb = backend.peak_device_memory_mb()
             if device_mb is not None:
                 entry["peak_gpu_mb"] = device_mb
+            page_memory = getattr(backend, "page_memory_mb", None)  # the web backend: the browser's renderer
+            if page_memory is not None:
+                entry["page_memory_mb"] = page_memory()
+                page = backend.page_info  # what ran it: onnxruntime-web's version, threads, isolation, browser
+                entry["page"] = {k: page[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")}
             result["speed"].append(entry)
         if s.drafts:
             speculate(s, kind, precision, backend, spec_prompt, result, progress, loaded)
@@ -413,5 +435,21 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
 
         figures = speed_entry(e.pop("run"), batch, s.new_tokens, s.prompt_len, e.pop("cold"), roof)
         result["speed"][i] = {**figures, **e}
+    native_shares(result["speed"])
     result["passed"] = all(p["passed"] for p in result["parity"])
     return result
+
+
+def native_shares(speed: list[dict]) -> None:
+    """Each row of another backend, against native ONNX Runtime's row at the same precision and batch
+    in the same run (where there is one): `native_share`, its decode tok/s over ort's,
+    `native_ttft_ratio`, its time to first token over ort's, and for the web backend
+    `page_native_share`, the page's own decode tok/s over ort's."""
+    native = {(e["precision"], e["batch"]): e for e in speed if e["backend"] == BackendKind.ort.value}
+    for e in speed:
+        ort = native.get((e["precision"], e["batch"]))
+        if ort is not None and e is not ort:
+            e["native_share"] = e["decode_tokens_per_s"] / ort["decode_tokens_per_s"]
+            e["native_ttft_ratio"] = e["ttft_ms"] / ort["ttft_ms"]
+            if "page_decode_tokens_per_s" in e:
+                e["page_native_share"] = e["page_decode_tokens_per_s"] / ort["decode_tokens_per_s"]

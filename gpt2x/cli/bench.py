@@ -28,7 +28,7 @@ EPILOG = ("Examples:\n\n"
 def bench(
     model: ModelOpt = "shakespeare",
     provider: Annotated[ProviderKind, typer.Option(help="cpu, or cuda (fails clearly without a GPU).")] = ProviderKind.cpu,
-    backends: Annotated[str, typer.Option(help="Comma-separated: torch, ort, openvino, genai.")] = "torch,ort",
+    backends: Annotated[str, typer.Option(help="Comma-separated: torch, ort, openvino, genai, web (onnxruntime-web in headless Chromium).")] = "torch,ort",
     precisions: Annotated[str, typer.Option(help="Comma-separated: fp32, int8, int4, fp16 (CUDA).")] = "fp32,int8,fp16",
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens per row.")] = 32,

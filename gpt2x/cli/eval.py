@@ -23,7 +23,7 @@ def eval(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     backend: Annotated[BackendKind, typer.Option(
-        help="ort, openvino, genai: the export (made first if missing); torch: the PyTorch reference.")] = BackendKind.ort,
+        help="ort, openvino, genai, web: the export (made first if missing); torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/MODEL-PRECISION).")] = None,
@@ -40,7 +40,7 @@ def eval(
 ) -> None:
     """Evaluate a model with lm-evaluation-harness: accuracy, perplexity and generation tasks, any backend."""
     if backend is BackendKind.torch and onnx_dir is not None:
-        raise UsageError("--onnx names an export, which the ort, openvino and genai backends run; "
+        raise UsageError("--onnx names an export, which the ort, openvino, genai and web backends run; "
                          "the torch backend runs the PyTorch model")
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit must be above 0, got {limit}")

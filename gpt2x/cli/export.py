@@ -3,35 +3,59 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..choices import Precision
-from ..errors import OutputError
-from ..onnx.artifact import default_export_dir
-from ..workflows import export_by_name
-from .options import JsonOpt, ModelOpt, RevisionOpt, Status, out, progress_to
+from ..errors import OutputError, UsageError
+from ..onnx.artifact import DEFAULT_OPSET, default_export_dir
+from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
+from ..workflows import export_by_name, export_transformers_js
+from .options import JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
+
+
+class Layout(str, Enum):
+    gpt2x = "gpt2x"  # one export folder: model.onnx, gpt2x.json and the interop files
+    transformers_js = "transformers.js"  # onnx/model{,_quantized,_q4}.onnx for @huggingface/transformers
+
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x export --model shakespeare\n\n"
     "  gpt2x export --model gpt2 --precision int8\n\n"
-    "  gpt2x export --model ./my-gpt2 --precision fp16 --out exported/my-fp16 --force")
+    "  gpt2x export --model ./my-gpt2 --precision fp16 --out exported/my-fp16 --force\n\n"
+    "  gpt2x export --model shakespeare --layout transformers.js")
 
 
 def export(
     model: ModelOpt = "shakespeare",
     revision: RevisionOpt = None,
-    precision: Annotated[Precision, typer.Option(help="fp32 (reference), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
-                                                      "int4 keeps the unembedding at 8 bits) or fp16 (CUDA).")] = Precision.fp32,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/MODEL-PRECISION).")] = None,
-    opset: Annotated[int, typer.Option(min=17, help="ONNX opset.")] = 18,
-    force: Annotated[bool, typer.Option(help="Replace an existing export.")] = False,
+    precision: Annotated[Optional[Precision], typer.Option(
+        help="fp32 (reference, the default), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
+             "int4 keeps the unembedding at 8 bits) or fp16 (CUDA). With --layout transformers.js: that one "
+             "precision only (default: fp32, int8 and int4).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/MODEL-PRECISION; "
+                                                    "with --layout transformers.js, exported/MODEL-transformers.js).")] = None,
+    opset: Annotated[int, typer.Option(min=17, help="ONNX opset.")] = DEFAULT_OPSET,
+    force: Annotated[bool, typer.Option(help="Replace an existing export (with --layout transformers.js: the "
+                                             "transformers.js folder; the exports it copies are reused).")] = False,
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
+    layout: Annotated[Layout, typer.Option(
+        help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
+             "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
+             "q8, q4), copied from the exports in exported/MODEL-PRECISION, exported first where missing.")] = Layout.gpt2x,
     as_json: JsonOpt = False,
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
+    if layout is Layout.transformers_js:
+        if opset != DEFAULT_OPSET or not check_parity:
+            raise UsageError("--opset and --no-check-parity apply to --layout gpt2x; a transformers.js folder copies "
+                             "parity-checked exports at the default opset")
+        _export_transformers_js(model, revision, precision, out_dir, force, as_json)
+        return
+    precision = precision or Precision.fp32
     folder = out_dir or default_export_dir(model, precision)
     if folder.exists() and not force:
         raise OutputError(f"{folder} exists; pass --force to replace it")
@@ -51,3 +75,25 @@ def export(
                   f"{lg['top1_agreement']:.3f}, greedy agreement {parity['greedy']['share']:.2f}")
     else:
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
+
+
+def _export_transformers_js(model: str, revision: Optional[str], precision: Optional[Precision], out_dir: Optional[Path],
+                            force: bool, as_json: bool) -> None:
+    folder = out_dir or default_layout_dir(model)
+    if folder.exists() and not force:
+        raise OutputError(f"{folder} exists; pass --force to replace it")
+    precisions = [precision] if precision is not None else list(ALL_PRECISIONS)
+    with Status(f"loading {model}") as status:
+        result = export_transformers_js(model, folder, precisions, revision, force, progress_to(status), notice)
+    if as_json:
+        # "contents": every file in the folder; the metadata's "files": sha256 of the top-level ones
+        print(json.dumps({"folder": str(result.folder), "layout": Layout.transformers_js.value, "contents": result.files,
+                          **result.meta}))
+        return
+    out.print(f"wrote {model} for transformers.js to {result.folder}", markup=False)
+    for name, graph in result.meta["onnx"].items():
+        out.print(f"  {name}  dtype {graph['dtype']}  (from {graph['source']})", markup=False)
+    others = [f for f in result.files if f not in result.meta["onnx"]]
+    out.print("  " + ", ".join(others), markup=False)
+    out.print(f"load it with env.localModelPath = {str(result.folder.resolve().parent)!r}, "
+              f"AutoModelForCausalLM.from_pretrained({result.folder.name!r}, {{dtype: ...}})", markup=False)

@@ -43,7 +43,7 @@ def generate(
     revision: RevisionOpt = None,
     backend: Annotated[BackendKind, typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
-        "torch: the PyTorch reference.")] = BackendKind.ort,
+        "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/MODEL-PRECISION).")] = None,
@@ -71,7 +71,7 @@ def generate(
     if prompt is not None and prompts_file is not None:
         raise UsageError("give a PROMPT or --prompts-file, not both")
     if backend is BackendKind.torch and onnx_dir is not None:
-        raise UsageError("--onnx names an export, which the ort, openvino and genai backends run; "
+        raise UsageError("--onnx names an export, which the ort, openvino, genai and web backends run; "
                          "the torch backend runs the PyTorch model")
     prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
     if seed is None:

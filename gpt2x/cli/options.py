@@ -35,7 +35,7 @@ ModelOptional = Annotated[
     typer.Option("--model", "-m", help="As for `export` (default: shakespeare); checked against --onnx metadata when given."),
 ]
 PrecisionOpt = Annotated[Optional[Precision], typer.Option(
-    help="fp32 (default); int8 and int4: exports, run by the ort, openvino and genai backends; fp16: CUDA only.")]
+    help="fp32 (default); int8 and int4: exports, run by the ort, openvino, genai and web backends; fp16: CUDA only.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).")]
 
 

@@ -80,6 +80,9 @@ def serve(
 
     if backend is BackendKind.torch:
         raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
+    if backend is BackendKind.web:
+        raise UsageError("--backend web runs the export in a browser page, to measure it there; it is not served: "
+                         "serve the export with ort, openvino or genai")
     if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
     if max_batch_size is None:

@@ -324,7 +324,7 @@ def control_for(settings: DraftSettings) -> DraftControl:
 def refuse_unrollable(backend: Backend, role: str) -> None:
     if not getattr(backend, "rolls_back", False):
         raise UsageError(f"speculative decoding needs a KV cache it can roll back; the {backend.name} backend "
-                         f"(the {role}) cannot drop positions from its cache: use ort, openvino or torch")
+                         f"(the {role}) cannot drop positions from its cache: use ort, openvino, web or torch")
 
 
 def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler) -> list[int]:

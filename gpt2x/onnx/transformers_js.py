@@ -1,0 +1,236 @@
+"""A folder that transformers.js (`@huggingface/transformers`, npm) loads from a local path, made from
+gpt2x exports of one model (no torch here):
+
+    config.json                 transformers' GPT2Config (interop.hf_config) + "transformers.js_config"
+    generation_config.json      tokenizer.json, tokenizer_config.json, special_tokens_map.json (interop.py)
+    onnx/model.onnx             the fp32 export's graph     transformers.js dtype "fp32"
+    onnx/model_quantized.onnx   the int8 export's graph     dtype "q8"
+    onnx/model_q4.onnx          the int4 export's graph     dtype "q4"
+    gpt2x-transformers-js.json  where each graph came from: the source export's folder, precision,
+                                model, and the graph's sha256 (the one its gpt2x.json records)
+
+    env.allowRemoteModels = false; env.localModelPath = PARENT;
+    await AutoModelForCausalLM.from_pretrained(NAME, {dtype: "q4"})
+
+The graphs are copied byte for byte (each copy checked against the sha256 its export recorded): they
+already are what transformers.js expects of a decoder-only model. Their inputs and outputs carry
+Optimum's names (input_ids, attention_mask, position_ids, past_key_values.N.key/value -> logits,
+present.N.key/value), which transformers.js feeds from config.json (model_type gpt2: n_layer, n_head,
+n_embd); it builds position_ids from the attention mask as gpt2x does. The optional `logits_to_keep`
+input is an initializer (default 0: every position's logits), so ONNX Runtime does not list it among
+the session's inputs and transformers.js, which only knows `num_logits_to_keep`, never sees it; it
+needs no stripping. GroupQueryAttention and MatMulNBits (int8, int4) are com.microsoft operators of
+ONNX Runtime's CPU build, which transformers.js runs in Node (onnxruntime-node) and in the browser
+(onnxruntime-web's WebAssembly build). transformers.js starts every prompt with an empty past, whose
+shape it takes from the graph's input metadata; both attention layouts accept that.
+
+"transformers.js_config": {"dtype": ...} names the dtype loaded when the caller gives none: fp32 when
+the folder has it, else the first precision it has (transformers.js would otherwise look for
+onnx/model.onnx). Exports whose weights live in external data (model.onnx.data, over 2 GB) are refused:
+transformers.js names external data differently (model.onnx_data) and every source names its own
+data file model.onnx.data. The folder is built beside `out` and moved into place whole
+(fileio.replace_folder): a failure leaves no half-written folder, and an old one only with `force`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .. import __version__
+from ..choices import Precision, Progress, no_progress
+from ..errors import ArtifactError, OutputError, UsageError
+from ..fileio import replace_folder, sha256, write_atomic
+from . import interop
+from .artifact import MODEL_FILE, ExportInfo, external_data_locations
+
+ONNX_FOLDER = "onnx"
+# transformers.js's dtype for each gpt2x precision, and the file name it loads for it
+# (onnx/model{suffix}.onnx: "" for fp32, "_quantized" for q8, "_q4" for q4).
+DTYPES = {Precision.fp32: "fp32", Precision.int8: "q8", Precision.int4: "q4"}
+ONNX_FILES = {Precision.fp32: f"{ONNX_FOLDER}/model.onnx", Precision.int8: f"{ONNX_FOLDER}/model_quantized.onnx",
+              Precision.int4: f"{ONNX_FOLDER}/model_q4.onnx"}
+SOURCES_FILE = "gpt2x-transformers-js.json"
+FORMAT = "gpt2x-transformers.js"
+FORMAT_VERSION = 1
+TOP_FILES = (interop.HF_CONFIG_FILE, interop.GENERATION_CONFIG_FILE, interop.TOKENIZER_FILE,
+             interop.TOKENIZER_CONFIG_FILE, interop.SPECIAL_TOKENS_FILE)
+ALL_PRECISIONS = tuple(DTYPES)
+
+
+@dataclass
+class TransformersJsFolder:
+    """A written transformers.js folder: where it is, its files (relative paths), its metadata."""
+
+    folder: Path
+    files: list[str]
+    meta: dict
+
+
+def default_layout_dir(model_name: str, root: Path = Path("exported")) -> Path:
+    """exported/<model>-transformers.js (the model name made safe as default_export_dir makes it)."""
+    safe = model_name.strip("/").replace("/", "--").replace(os.sep, "--").replace(":", "-").lstrip(".-~") or "model"
+    return root / f"{safe}-transformers.js"
+
+
+def _model_identity(info: ExportInfo) -> tuple:
+    model = info.meta.get("model") or {}
+    return model.get("name"), model.get("revision"), model.get("weights_sha256")
+
+
+def check_precisions(precisions: Sequence[Precision]) -> list[Precision]:
+    """The precisions of a transformers.js folder, in fp32, int8, int4 order: at least one, each once, no fp16."""
+    precisions = [Precision(p) for p in precisions]
+    if not precisions:
+        raise UsageError("no precisions given: a transformers.js folder holds one or more of fp32, int8, int4")
+    for p in precisions:
+        if p not in DTYPES:
+            raise UsageError(f"a transformers.js folder takes {', '.join(d.value for d in DTYPES)} graphs, not {p.value}",
+                             option="precision")
+        if precisions.count(p) > 1:
+            raise UsageError(f"{p.value} given twice; a transformers.js folder holds one graph per precision", option="precision")
+    return [p for p in DTYPES if p in precisions]
+
+
+def check_sources(exports: Sequence[ExportInfo]) -> list[ExportInfo]:
+    """The exports in fp32, int8, int4 order, after checking that they can make one folder: at least
+    one, each precision at most once, no fp16, all of one model (same config and source), none with
+    external data."""
+    exports = list(exports)
+    if not exports:
+        raise UsageError("no exports given: a transformers.js folder needs at least one of fp32, int8, int4")
+    seen: dict[Precision, ExportInfo] = {}
+    for info in exports:
+        if info.precision not in DTYPES:
+            raise UsageError(f"{info.folder} is a {info.precision.value} export; a transformers.js folder takes "
+                             f"{', '.join(p.value for p in DTYPES)} exports")
+        if info.precision in seen:
+            raise UsageError(f"two {info.precision.value} exports given ({seen[info.precision].folder} and {info.folder}); "
+                             "a transformers.js folder holds one per precision")
+        seen[info.precision] = info
+    first = exports[0]
+    for info in exports[1:]:
+        if info.config != first.config or _model_identity(info) != _model_identity(first):
+            raise ArtifactError(f"{info.folder} and {first.folder} are exports of different models "
+                                f"({info.meta['model'].get('name')!r}, {first.meta['model'].get('name')!r}); "
+                                "a transformers.js folder holds one model")
+    for info in exports:
+        try:
+            external = external_data_locations(info.model_path)
+        except (OSError, ValueError) as e:
+            raise ArtifactError(f"{info.model_path}: not a readable ONNX file ({e})") from None
+        if external:
+            raise ArtifactError(f"{info.folder}: its weights are in external data ({', '.join(sorted(external))}, "
+                                "a model over 2 GB); transformers.js folders are written for single-file graphs only")
+    return [seen[p] for p in DTYPES if p in seen]
+
+
+def hf_config_for_transformers_js(exports: Sequence[ExportInfo]) -> dict:
+    """config.json: interop.hf_config, plus the dtype transformers.js loads when none is asked for."""
+    default = exports[0].precision if all(i.precision is not Precision.fp32 for i in exports) else Precision.fp32
+    return interop.hf_config(exports[0].config) | {"transformers.js_config": {"dtype": DTYPES[default]}}
+
+
+def _copy_checked(info: ExportInfo, dest: Path) -> str:
+    """Copy the export's graph to `dest`; its sha256, which must be the one the export recorded."""
+    want = info.meta["files"].get(MODEL_FILE)
+    shutil.copyfile(info.model_path, dest)
+    got = sha256(dest)
+    if want is not None and got != want:
+        raise ArtifactError(f"{info.folder}: {MODEL_FILE} is corrupt or changed since export (sha256 mismatch)")
+    return got
+
+
+def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool = False,
+                          progress: Progress = no_progress) -> TransformersJsFolder:
+    """Write the transformers.js folder of `exports` (fp32, int8 and/or int4 exports of one model) to
+    `out`, whole or not at all; an existing `out` is replaced only when `force`."""
+    exports = check_sources(exports)
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} exists (force=True replaces it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        (tmp / ONNX_FOLDER).mkdir()
+        cfg = exports[0].config
+        contents = {
+            interop.HF_CONFIG_FILE: hf_config_for_transformers_js(exports),
+            interop.GENERATION_CONFIG_FILE: interop.generation_config(),
+            interop.TOKENIZER_FILE: interop.tokenizer_json(),
+            interop.TOKENIZER_CONFIG_FILE: interop.tokenizer_config(cfg),
+            interop.SPECIAL_TOKENS_FILE: interop.special_tokens_map(),
+        }
+        for name, data in contents.items():
+            write_atomic(tmp / name, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        graphs = {}
+        for info in exports:
+            name = ONNX_FILES[info.precision]
+            progress(f"copying {info.model_path} to {name}")
+            graphs[name] = {
+                "dtype": DTYPES[info.precision],
+                "precision": info.precision.value,
+                "source": str(info.folder.resolve()),
+                "source_created": info.meta.get("created"),
+                "sha256": _copy_checked(info, tmp / name),
+                "fused_operators": info.meta.get("fused_operators"),
+            }
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "gpt2x": __version__,
+            "model": exports[0].meta.get("model"),
+            "config": cfg.to_dict(),
+            "default_dtype": contents[interop.HF_CONFIG_FILE]["transformers.js_config"]["dtype"],
+            "onnx": graphs,
+            "files": {name: sha256(tmp / name) for name in TOP_FILES},
+        }
+        write_atomic(tmp / SOURCES_FILE, json.dumps(meta, indent=1) + "\n")
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                p.chmod(0o666 & ~umask)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        replace_folder(tmp, out)
+        return TransformersJsFolder(out, files, meta)
+    except OSError as e:  # disk full, permissions: nothing is left behind either way
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"writing {out} failed: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_sources(folder: Path) -> dict:
+    """The metadata of a transformers.js folder written here (ArtifactError when there is none)."""
+    path = Path(folder) / SOURCES_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ArtifactError(f"{folder}: no {SOURCES_FILE}; not a transformers.js folder written by gpt2x") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{path}: unreadable metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not gpt2x transformers.js metadata")
+    return meta
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove `.NAME.partial-PID-*` folders left by a writer killed outright (its process gone)."""
+    for folder in out.parent.glob(f".{out.name}.partial-*"):
+        pid = folder.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
