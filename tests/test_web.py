@@ -110,6 +110,23 @@ def test_greedy_and_seeded_sampling_equal_native(tiny, pages):
         assert got == want
 
 
+def test_greedy_steps_take_the_argmax_in_the_page(tiny, pages):
+    """step_greedy (only tokens cross to Python) gives the argmax of step's logits, row by row, with
+    a left-padded row, from the prompt and from a past."""
+    page = pages[Precision.int8]
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 50257, (3, 7))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    logits, past = page.step(ids, mask, positions(mask, 7), None)
+    tokens, greedy_past = page.step_greedy(ids, mask, positions(mask, 7), None)
+    assert tokens.dtype == np.int64 and np.array_equal(tokens, logits.argmax(axis=-1))
+    mask2 = np.concatenate([mask, np.ones((3, 1), dtype=np.int64)], axis=1)
+    logits2, _ = page.step(tokens[:, None], mask2, positions(mask2, 1), past)
+    tokens2, _ = page.step_greedy(tokens[:, None], mask2, positions(mask2, 1), greedy_past)
+    assert np.array_equal(tokens2, logits2.argmax(axis=-1))
+
+
 def test_beam_search_equals_native(tiny, pages):
     _, infos = tiny
     settings = SamplingSettings(max_new_tokens=12, num_beams=3, greedy=True)
@@ -192,6 +209,18 @@ def test_an_operator_the_webassembly_build_lacks_is_named(tiny, tmp_path):
         WebBackend(ExportInfo(folder, infos[Precision.int8].meta))
     message = str(err.value)
     assert "\n" not in message and "DecoderMaskedMultiHeadAttention" in message, message
+
+
+def test_a_page_that_fails_to_start_is_one_line_at_once(tiny, tmp_path, monkeypatch):
+    """A script error in the page (here a syntax error) is reported from the page, not waited out."""
+    broken = tmp_path / "web"
+    shutil.copytree(web.WEB_DIR, broken, ignore=shutil.ignore_patterns("node_modules"))
+    (broken / "page.mjs").write_text((web.WEB_DIR / "page.mjs").read_text() + "\nconst const = 1;\n")
+    monkeypatch.setenv("GPT2X_WEB_MODULES", str(web.node_modules_dir()))
+    monkeypatch.setattr(web, "WEB_DIR", broken)
+    with pytest.raises(ProviderError, match="page did not start: Unexpected token 'const'") as err:
+        WebBackend(tiny[1][Precision.fp32])
+    assert "\n" not in str(err.value)
 
 
 def test_missing_browser_and_npm_package_are_one_line(tiny, monkeypatch, tmp_path):

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..numerics import positions
-from ..runtime.base import Backend
+from ..runtime.base import Backend, greedy_step
 from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
 from .sampling import Sampler
@@ -53,12 +53,23 @@ def left_pad(batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def decode_loop(backend: Backend, ids: np.ndarray, mask: np.ndarray, sampler: Sampler, n_new: int) -> Iterator[np.ndarray]:
     """The decode loop every caller shares (generation and the bench): prefill the prompt batch
     (B, L) with its mask, then yield each step's next tokens (B,) int64, at most `n_new` times.
-    Stopping early is the caller's: leave the loop (the generator is then closed)."""
+    Stopping early is the caller's: leave the loop (the generator is then closed). Greedy sampling
+    takes the backend's own argmax where it has one (base.greedy_step: the same tokens)."""
+    if sampler.s.greedy:
+        step = greedy_step(backend)
+        nxt, past = step(ids, mask, positions(mask, ids.shape[1]), None)
+        for i in range(n_new):
+            yield nxt
+            if i == n_new - 1:
+                return
+            mask = np.concatenate([mask, np.ones((len(nxt), 1), dtype=np.int64)], axis=1)
+            nxt, past = step(nxt[:, None], mask, positions(mask, 1), past)
+        return
     logits, past = backend.step(ids, mask, positions(mask, ids.shape[1]), None)
-    for step in range(n_new):
+    for i in range(n_new):
         nxt = sampler(logits)
         yield nxt
-        if step == n_new - 1:
+        if i == n_new - 1:
             return
         mask = np.concatenate([mask, np.ones((len(nxt), 1), dtype=np.int64)], axis=1)
         logits, past = backend.step(nxt[:, None], mask, positions(mask, 1), past)

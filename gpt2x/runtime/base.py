@@ -76,6 +76,25 @@ class Backend(Protocol):
         ...
 
 
+# A backend may also have `step_greedy(input_ids, attention_mask, position_ids, past) -> (tokens (B,)
+# int64, cache)`: `step`'s argmax (NumPy's: the first of equal maxima) taken where the logits are, so
+# that greedy decoding moves one token per row instead of the logits (the web backend: from the page).
+# The decode loop uses it for greedy sampling (greedy_step).
+
+
+def greedy_step(backend: Backend):
+    """The backend's step_greedy, or a step followed by NumPy's argmax."""
+    own = getattr(backend, "step_greedy", None)
+    if own is not None:
+        return own
+
+    def step(input_ids, attention_mask, position_ids, past):
+        logits, present = backend.step(input_ids, attention_mask, position_ids, past)
+        return logits.argmax(axis=-1).astype(np.int64), present
+
+    return step
+
+
 def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: int) -> list[np.ndarray]:
     """`merge` on host arrays: for each cache tensor, the parts' arrays (B_k, H, P_k, D) stacked along
     the batch, each right-aligned to `width` positions (zeros before, positions further from the end

@@ -56,6 +56,7 @@ PLAYWRIGHT_INSTALL = "pip install 'gpt2x[web]'"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 PAGE_MS_LIMIT = 100_000
+READY_TIMEOUT_MS = 30_000  # the page's script, from loopback
 LOAD_TIMEOUT_MS = 600_000  # a large graph's download and session creation
 ISOLATION_HEADERS = {
     "Cross-Origin-Opener-Policy": "same-origin",
@@ -261,9 +262,15 @@ class _Browser:
         self.playwright = sync_playwright().start()
         self.browser = self.playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
         self.page = self.browser.new_page()
-        self.page.set_default_timeout(LOAD_TIMEOUT_MS)
+        errors: list[str] = []
+        self.page.on("pageerror", lambda e: errors.append(str(e)))
         self.page.goto(url)
-        self.page.wait_for_function("window.gpt2xReady === true")
+        try:  # the page's script defines window.gpt2x at once, or fails (a syntax error, a missing file)
+            self.page.wait_for_function("window.gpt2xReady === true", timeout=READY_TIMEOUT_MS)
+        except Exception:
+            detail = errors[0].splitlines()[0] if errors else f"window.gpt2x was not defined within {READY_TIMEOUT_MS / 1e3:g} s"
+            raise ProviderError(f"the web backend's page did not start: {detail}") from None
+        self.page.set_default_timeout(LOAD_TIMEOUT_MS)
 
     def evaluate(self, expression: str, arg: Any) -> Any:
         return self.page.evaluate(expression, arg)
@@ -394,18 +401,26 @@ class WebBackend:
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
 
-    def _forward(self, input_ids, attention_mask, position_ids, past: WebCache | None, keep: int):
+    def step_greedy(self, input_ids, attention_mask, position_ids, past):
+        """As step, but each row's most likely next token (B,) int64 in place of the logits: the argmax
+        is taken in the page (NumPy's: the first of equal maxima), and only the tokens cross to
+        Python, not the 200 KB of logits a row has per step."""
+        reply, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1, greedy=True)
+        return np.asarray(reply["tokens"], dtype=np.int64), present
+
+    def _forward(self, input_ids, attention_mask, position_ids, past: WebCache | None, keep: int, greedy: bool = False):
         B, T = input_ids.shape
         length = 0 if past is None else past.length
         if attention_mask.shape[1] != length + T:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the cache holds {length} + {T} new")
-        reply = self._call("([i, m, p, B, T, h, k]) => window.gpt2x.run(i, m, p, B, T, h, k)",
+        reply = self._call("([i, m, p, B, T, h, k, g]) => window.gpt2x.run(i, m, p, B, T, h, k, g)",
                            [np.asarray(input_ids).ravel().tolist(), np.asarray(attention_mask).ravel().tolist(),
-                            np.asarray(position_ids).ravel().tolist(), B, T, 0 if past is None else past.handle, keep])
+                            np.asarray(position_ids).ravel().tolist(), B, T, 0 if past is None else past.handle, keep, greedy])
         if len(self.page_ms) >= PAGE_MS_LIMIT:
             del self.page_ms[: PAGE_MS_LIMIT // 2]
         self.page_ms.append(reply["ms"])
-        return _b64_floats(reply["logits"], reply["dims"]), self._cache(reply, B, length + T)
+        present = self._cache(reply, B, length + T)
+        return (reply if greedy else _b64_floats(reply["logits"], reply["dims"])), present
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> WebCache:
         dims = list(arrays[0].shape)

@@ -52,6 +52,28 @@ function concatRows(parts) {
   return new ort.Tensor("float32", out, [B, H, P, D]);
 }
 
+// The logits (B, T, V) of each row's last `keep` positions only: onnxruntime-web does not take the
+// graph's logits_to_keep input (an initializer), so the page cuts what would cross to Python.
+function lastPositions(logits, keep) {
+  const [B, T, V] = logits.dims;
+  const out = new Float32Array(B * keep * V);
+  for (let b = 0; b < B; b++) out.set(logits.data.subarray((b * T + T - keep) * V, (b + 1) * T * V), b * keep * V);
+  return new ort.Tensor("float32", out, [B, keep, V]);
+}
+
+// Each row's most likely token at its last position: NumPy's argmax (the first of equal maxima).
+function argmaxLast(logits) {
+  const [B, T, V] = logits.dims;
+  const tokens = [];
+  for (let b = 0; b < B; b++) {
+    const row = logits.data.subarray((b * T + T - 1) * V, (b * T + T) * V);
+    let best = 0;
+    for (let v = 1; v < V; v++) if (row[v] > row[best]) best = v;
+    tokens.push(best);
+  }
+  return tokens;
+}
+
 function emptyPast(batch) {
   const t = new ort.Tensor("float32", new Float32Array(0), [batch, layout.heads, 0, layout.headDim]);
   return layout.pastNames.map(() => t);
@@ -99,9 +121,9 @@ window.gpt2x = {
   },
 
   // One forward: ids/pos (B, T) and mask (B, P+T) as flat arrays; `handle` the past (0: none).
-  // Returns the logits of the last `keep` positions (0: all) as base64 float32, the new cache's handle,
-  // and the milliseconds the page spent.
-  async run(ids, mask, pos, B, T, handle, keep) {
+  // Returns the logits of the last `keep` positions (0: all) as base64 float32 (with `greedy`, only each
+  // row's argmax at its last position), the new cache's handle, and the milliseconds the page spent.
+  async run(ids, mask, pos, B, T, handle, keep, greedy) {
     const t0 = performance.now();
     const P = mask.length / B - T;
     const past = handle ? caches.get(handle).tensors : emptyPast(B);
@@ -123,9 +145,12 @@ window.gpt2x = {
     } else {
       ({ logits, presents } = await forward(int64(ids, [B, T]), int64(mask, [B, P + T]), int64(pos, [B, T]), past, keep));
     }
+    if (keep > 0 && logits.dims[1] > keep) logits = lastPositions(logits, keep);
+    const cache = store(presents, B, P + T);
+    // ms: the forward as a page would see it (inputs to encoded logits or tokens), without the trip to Python.
+    if (greedy) return { tokens: argmaxLast(logits), handle: cache, ms: performance.now() - t0 };
     const encoded = b64(logits.data);
-    // ms: the forward as a page sees it (inputs to encoded logits), without the trip to Python.
-    return { logits: encoded, dims: logits.dims, handle: store(presents, B, P + T), ms: performance.now() - t0 };
+    return { logits: encoded, dims: logits.dims, handle: cache, ms: performance.now() - t0 };
   },
 
   release(handles) { for (const h of handles) caches.delete(h); return caches.size; },
