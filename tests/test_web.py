@@ -187,7 +187,13 @@ def test_workflows_open_it_and_refuse_cuda(tiny):
         assert isinstance(backend, WebBackend)
         assert (backend.name, backend.provider, backend.accepts_past, backend.rolls_back) == ("web", ProviderKind.cpu, True, True)
         assert backend.page_info["threads"] == 1
-        assert backend.page_memory_mb() > 10  # the renderer holding the page and its WebAssembly heap
+        peak = backend.page_memory_mb()
+        assert peak > 10  # the renderer holding the page and its WebAssembly heap
+        ids = np.arange(60)[None] + 100
+        backend.run(ids, np.ones_like(ids), positions(np.ones_like(ids), 60), None)  # 12 MB of logits, as base64 too
+        grown = backend.page_memory_mb()
+        backend.reset_page_memory()
+        assert 0 < backend.page_memory_mb() <= grown and grown >= peak
     finally:
         backend.close()
     with pytest.raises(ProviderError, match="no cuda provider"):

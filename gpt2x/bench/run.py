@@ -406,6 +406,9 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
         })
         for batch in s.batches:
             progress(f"{label}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
+            reset_page = getattr(backend, "reset_page_memory", None)  # the web backend's page: peak over these runs
+            if reset_page is not None:
+                reset_page()
             for _ in range(s.warmup):
                 timed_generation(backend, prompts[batch], min(8, s.new_tokens))
             runs = [timed_generation(backend, prompts[batch], s.new_tokens) for _ in range(s.repeat)]

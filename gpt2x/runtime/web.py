@@ -193,9 +193,8 @@ def unsupported_operator(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def renderer_peak_rss_mb() -> float | None:
-    """The largest peak RSS (VmHWM, MiB) among the Chromium renderer processes descended from this
-    process (Linux /proc; None elsewhere)."""
+def renderer_pids() -> list[int]:
+    """The Chromium renderer processes descended from this process (Linux /proc; none elsewhere)."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if entry.name.isdigit():
@@ -207,16 +206,35 @@ def renderer_peak_rss_mb() -> float | None:
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - ours
         ours |= frontier
-    peaks = []
+    found = []
     for pid in ours:
         try:
-            if b"--type=renderer" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
+            if b"--type=renderer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def renderer_peak_rss_mb() -> float | None:
+    """The largest peak RSS (VmHWM, MiB) among this process's Chromium renderers."""
+    peaks = []
+    for pid in renderer_pids():
+        try:
             peaks += [int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                       if line.startswith("VmHWM:")]
         except OSError:
             continue
     return max(peaks) if peaks else None
+
+
+def reset_renderer_peak_rss() -> None:
+    """Start the renderers' peak RSS again from their current RSS (Linux: 5 written to clear_refs)."""
+    for pid in renderer_pids():
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError:
+            continue
 
 
 class _DriverThread:
@@ -373,9 +391,14 @@ class WebBackend:
         self._finalizer()
 
     def page_memory_mb(self) -> float | None:
-        """Peak resident memory (VmHWM, MiB) of the Chromium renderer process that holds the page:
-        its WebAssembly heap, the model's weights in it, and the cache's tensors."""
+        """Peak resident memory (VmHWM, MiB) of the Chromium renderer process that holds the page (its
+        WebAssembly heap, the model's weights in it, the cache's tensors, the JavaScript heap), since
+        the page loaded or since reset_page_memory."""
         return renderer_peak_rss_mb()
+
+    def reset_page_memory(self) -> None:
+        """Start page_memory_mb's peak again from the renderer's resident memory now."""
+        reset_renderer_peak_rss()
 
     # -- talking to the page
 
