@@ -53,3 +53,12 @@ def replace_folder(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Remove what a writer of `out` killed outright (SIGKILL, power loss) left: `.NAME.partial-PID-*`
+    folders whose process is gone. They never look like a finished folder (hidden name)."""
+    for folder in out.parent.glob(f".{out.name}.partial-*"):
+        pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -133,8 +133,8 @@ def test_subprocess_version():
     (["--backend", "openvino", "--provider", "cuda"], "ProviderError", "OpenVINO has no CUDA device"),
     (["--backend", "ort", "--precision", "fp16"], "ProviderError", "fp16 runs on CUDA only"),
     (["--backend", "genai", "--precision", "fp16"], "ProviderError", "fp16 runs on CUDA only"),
-    (["--backend", "torch", "--precision", "int4"], "UsageError", "run by the ort, openvino and genai backends"),
-    (["--backend", "torch", "--onnx", "exported/x"], "UsageError", "the ort, openvino and genai backends run"),
+    (["--backend", "torch", "--precision", "int4"], "UsageError", "run by the ort, openvino, genai and web backends"),
+    (["--backend", "torch", "--onnx", "exported/x"], "UsageError", "the ort, openvino, genai and web backends run"),
 ])
 def test_combinations_that_cannot_run_are_refused_before_any_work(capsys, monkeypatch, tmp_path, args, error, fragment):
     """Refused at once: no export is made first (the export folder stays absent), whatever the model."""

@@ -37,12 +37,13 @@ def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
         return real(self, logits)
 
     monkeypatch.setattr(sampling.Sampler, "__call__", interrupt_on_sixth)
-    code, out, err = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--greedy", "--max-new-tokens", "50")
+    # Sampled (seeded): greedy decoding takes the backend's argmax (base.greedy_step), not the sampler.
+    code, out, err = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--seed", "3", "--max-new-tokens", "50")
     assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and "Traceback" not in err
     from gpt2x.runtime.pytorch import TorchBackend
 
     monkeypatch.setattr(sampling.Sampler, "__call__", real)
-    [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, greedy=True))
+    [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, seed=3, top_k=50))
     from gpt2x.tokenizer import decode
 
     assert out == "ROMEO:" + decode(r.tokens)  # exactly the five tokens streamed before Ctrl-C

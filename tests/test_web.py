@@ -37,13 +37,14 @@ SOURCES: dict = {}  # the tiny model's ModelSource, for the bench
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random GPT-2 and its fp32, int8 and int4 exports (each gated on native ONNX Runtime)."""
+    """A tiny random GPT-2 and its fp32, int8 and int4 exports (not gated at export: the tests below gate
+    the web backend against the model itself)."""
     folder = tmp_path_factory.mktemp("tiny")
     make_hf_model(folder, seed=31, n_positions=96)
     model, source = load_model(str(folder))
     root = tmp_path_factory.mktemp("exp")
     SOURCES["tiny"] = source
-    return model, {p: export(model, source, root / f"tiny-{p.value}", p) for p in PRECISIONS}
+    return model, {p: export(model, source, root / f"tiny-{p.value}", p, check_parity=False) for p in PRECISIONS}
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +197,9 @@ def test_workflows_open_it_and_refuse_cuda(tiny):
         assert 0 < backend.page_memory_mb() <= grown and grown >= peak
     finally:
         backend.close()
+    ids = np.array([[1, 2]])
+    with pytest.raises(ProviderError, match="closed"):
+        backend.step(ids, np.ones_like(ids), positions(np.ones_like(ids), 2), None)
     with pytest.raises(ProviderError, match="no cuda provider"):
         WebBackend(infos[Precision.fp32], ProviderKind.cuda)
 
@@ -251,8 +255,10 @@ def test_bench_rows_against_native(tiny, tmp_path, monkeypatch):
 
     model, _ = tiny
     monkeypatch.chdir(tmp_path)  # exports land in ./exported
+    text = tmp_path / "text.txt"  # perplexity on a short text: the web backend brings every position's logits back
+    text.write_text("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.")
     s = bench.BenchSettings(model=SOURCES["tiny"].name, backends=[BackendKind.ort, BackendKind.web], precisions=[Precision.int8],
-                            prompt_len=4, new_tokens=6, repeat=1)
+                            prompt_len=4, new_tokens=6, repeat=1, text=text, greedy_tokens=8)
     result = bench.run_bench(s, {"cpu": "test", "cores": 2}, loaded=(model, SOURCES["tiny"]))
     assert result["passed"] is True
     assert [p["backend"] for p in result["parity"]] == ["ort", "web"]

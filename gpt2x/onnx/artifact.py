@@ -39,9 +39,13 @@ EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
 
 
+def safe_model_name(model_name: str) -> str:
+    """A model name (a path, a hub id, random:NAME) as one safe folder-name part."""
+    return model_name.strip("/").replace("/", "--").replace(os.sep, "--").replace(":", "-").lstrip(".-~") or "model"
+
+
 def default_export_dir(model_name: str, precision: Precision, root: Path = Path("exported")) -> Path:
-    safe = model_name.strip("/").replace("/", "--").replace(os.sep, "--").replace(":", "-").lstrip(".-~") or "model"
-    return root / f"{safe}-{precision.value}"
+    return root / f"{safe_model_name(model_name)}-{precision.value}"
 
 
 def is_export(folder: Path) -> bool:

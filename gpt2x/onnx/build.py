@@ -22,7 +22,7 @@ import torch
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
 from ..errors import OutputError
-from ..fileio import replace_folder, sha256
+from ..fileio import remove_stale_partials, replace_folder, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
 from ..tokenizer import BPE_SHA256
@@ -133,13 +133,3 @@ def export(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def remove_stale_partials(out: Path) -> None:
-    """Remove what an export killed outright (SIGKILL, power loss) left: `.NAME.partial-PID-*`
-    folders whose process is gone. They never look like an export (no gpt2x.json, hidden name)."""
-    for folder in out.parent.glob(f".{out.name}.partial-*"):
-        pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-

@@ -46,9 +46,9 @@ from pathlib import Path
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, OutputError, UsageError
-from ..fileio import replace_folder, sha256, write_atomic
+from ..fileio import remove_stale_partials, replace_folder, sha256, write_atomic
 from . import interop
-from .artifact import MODEL_FILE, ExportInfo, external_data_locations
+from .artifact import MODEL_FILE, ExportInfo, external_data_locations, safe_model_name
 
 ONNX_FOLDER = "onnx"
 # transformers.js's dtype for each gpt2x precision, and the file name it loads for it
@@ -75,8 +75,7 @@ class TransformersJsFolder:
 
 def default_layout_dir(model_name: str, root: Path = Path("exported")) -> Path:
     """exported/<model>-transformers.js (the model name made safe as default_export_dir makes it)."""
-    safe = model_name.strip("/").replace("/", "--").replace(os.sep, "--").replace(":", "-").lstrip(".-~") or "model"
-    return root / f"{safe}-transformers.js"
+    return root / f"{safe_model_name(model_name)}-transformers.js"
 
 
 def _model_identity(info: ExportInfo) -> tuple:
@@ -157,7 +156,7 @@ def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool 
         raise OutputError(f"{out} exists (force=True replaces it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out)
+        remove_stale_partials(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
@@ -226,11 +225,3 @@ def read_sources(folder: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not gpt2x transformers.js metadata")
     return meta
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Remove `.NAME.partial-PID-*` folders left by a writer killed outright (its process gone)."""
-    for folder in out.parent.glob(f".{out.name}.partial-*"):
-        pid = folder.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(folder, ignore_errors=True)

@@ -11,9 +11,11 @@ driven from Python (no torch).
   with the COOP/COEP headers that make the page cross-origin isolated: SharedArrayBuffer, hence
   WebAssembly threads. Nothing is fetched from elsewhere; the browser's own background traffic is off.
 - The step loop's model runs in the page; the cache stays there as ort.Tensors under handles
-  (WebCache), and only logits cross, base64-encoded float32 (the last position's for `step`).
-  Sampling stays gpt2x's, in Python: the same seed gives the same tokens as every other backend
-  wherever the logits agree.
+  (WebCache), and only logits cross, base64-encoded float32 (the last position's for `step`), or for
+  greedy decoding only the argmax (`step_greedy`). Sampling stays gpt2x's, in Python: the same seed
+  gives the same tokens as every other backend wherever the logits agree.
+- Playwright's sync API is used from one thread of the backend's own (_DriverThread), so that the
+  backend works from any thread, an asyncio loop's included.
 - The cache grows each step (the page has no IO binding into WebAssembly memory): the int8 and int4
   graphs' GroupQueryAttention runs with separate past and present, and a multi-token step over a past
   for a batch runs row by row in the page, as its CPU kernel requires.
@@ -25,15 +27,16 @@ line (unsupported_operator) with the export variant that avoids it.
 from __future__ import annotations
 
 import base64
+import json
 import mimetypes
 import os
 import queue
 import re
 import shutil
 import threading
+import time
 import weakref
 from concurrent.futures import Future
-from functools import partial
 from http import HTTPStatus
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -113,8 +116,7 @@ def require_web() -> None:
 
 
 def ort_web_version() -> str | None:
-    import json
-
+    """The installed onnxruntime-web's version, or None."""
     try:
         return json.loads((node_modules_dir() / ORT_WEB_PACKAGE / "package.json").read_text())["version"]
     except (OSError, ValueError, KeyError):
@@ -168,7 +170,7 @@ class LoopbackServer:
 
     def __init__(self, model_folder: Path):
         handler = type("Handler", (_Handler,), {"roots": {"/ort/": ort_web_dist(), "/model/": Path(model_folder), "/": WEB_DIR}})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), partial(handler))
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="gpt2x-web-server", daemon=True)
@@ -275,6 +277,7 @@ class _Browser:
         self.playwright = self.browser = self.page = None
 
     def start(self, url: str) -> None:
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
         from playwright.sync_api import sync_playwright
 
         self.playwright = sync_playwright().start()
@@ -283,11 +286,18 @@ class _Browser:
         errors: list[str] = []
         self.page.on("pageerror", lambda e: errors.append(str(e)))
         self.page.goto(url)
-        try:  # the page's script defines window.gpt2x at once, or fails (a syntax error, a missing file)
-            self.page.wait_for_function("window.gpt2xReady === true", timeout=READY_TIMEOUT_MS)
-        except Exception:
-            detail = errors[0].splitlines()[0] if errors else f"window.gpt2x was not defined within {READY_TIMEOUT_MS / 1e3:g} s"
-            raise ProviderError(f"the web backend's page did not start: {detail}") from None
+        # The page's script defines window.gpt2x at once, or fails (a syntax error, a missing file):
+        # waited for in short slices, so that a failure is reported as soon as the page reports it.
+        deadline = time.monotonic() + READY_TIMEOUT_MS / 1e3
+        while not errors:
+            try:
+                self.page.wait_for_function("window.gpt2xReady === true", timeout=250)
+                break
+            except PlaywrightTimeout:
+                if time.monotonic() > deadline:
+                    errors.append(f"window.gpt2x was not defined within {READY_TIMEOUT_MS / 1e3:g} s")
+        if errors:
+            raise ProviderError(f"the web backend's page did not start: {errors[0].splitlines()[0]}")
         self.page.set_default_timeout(LOAD_TIMEOUT_MS)
 
     def evaluate(self, expression: str, arg: Any) -> Any:
@@ -403,6 +413,8 @@ class WebBackend:
     # -- talking to the page
 
     def _call(self, expression: str, arg: Any = None) -> Any:
+        if not self._finalizer.alive:
+            raise ProviderError("this web backend is closed: its browser is gone")
         if self._released:
             handles, self._released = self._released, []
             arg = {"released": handles, "arg": arg}

@@ -1,7 +1,7 @@
 // gpt2x's web backend, the page side: one onnxruntime-web (WebAssembly) session over a gpt2x export,
 // driven from Python (gpt2x/runtime/web.py) through `window.gpt2x`. The KV cache stays in the page, as
 // ort.Tensors under numbered handles; only logits (and, where Python asks, a cache) cross to Python,
-// as base64 strings.
+// as base64 strings, or for greedy decoding only each row's argmax.
 // Every file comes from the loopback server that serves this page: nothing from a CDN.
 import * as ort from "./ort/ort.wasm.min.mjs";
 
@@ -126,8 +126,8 @@ window.gpt2x = {
   async run(ids, mask, pos, B, T, handle, keep, greedy) {
     const t0 = performance.now();
     const P = mask.length / B - T;
-    const past = handle ? caches.get(handle).tensors : emptyPast(B);
     if (handle && !caches.has(handle)) throw new Error(`no cache ${handle}`);
+    const past = handle ? caches.get(handle).tensors : emptyPast(B);
     let logits, presents;
     if (B > 1 && T > 1 && P > 0 && layout.rowsForMultiTokenPast) {
       // GroupQueryAttention's CPU kernel refuses a multi-token step over a past for a batch: one row at a time.
