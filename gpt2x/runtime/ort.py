@@ -31,7 +31,7 @@ from .kvbuffers import (
     truncated,
     zeroed_arrays,
 )
-from .providers import create_session, gather_model, refuse_fp16_on_cpu, slice_positions_model
+from .providers import create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
 class _KVBuffers(KVBuffers):
@@ -81,6 +81,7 @@ class OrtBackend:
         self.names_out = io.output_names(self.cfg.n_layer)
         self._reorder_session = None
         self._truncate_session = None
+        self._argmax_session = None
         # The graph's optional logits_to_keep input (exports made before it existed lack it): bound to 1
         # by `step`, so a prefill unembeds its last position only, and to 0 (every position) by `run`.
         overridable = {i.name for i in self.session.get_overridable_initializers()}
@@ -173,6 +174,34 @@ class OrtBackend:
         """As run, but only the last position's logits (B, V), the only ones the graph computes."""
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
+
+    def step_greedy(self, input_ids, attention_mask, position_ids, past):
+        """Greedy decoding's step (base.greedy_step): each row's most likely next token (B,) int64. On
+        CUDA the logits stay on the device and a one-node ArgMax graph there (the first of equal
+        maxima, as NumPy's) sends only the tokens to the host; on the CPU, NumPy's argmax of `step`."""
+        if self.device == "cpu":
+            logits, present = self.step(input_ids, attention_mask, position_ids, past)
+            return logits.argmax(axis=-1).astype(np.int64), present
+        if past is None:
+            past = self.empty_past(input_ids.shape[0])
+        binding = self.session.io_binding()
+        self._bind_inputs(binding, input_ids, attention_mask, position_ids, past, keep=1)
+        for name in self.names_out:
+            binding.bind_output(name, self.device)  # the logits too: they stay on the device
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return self.argmax_on_device(outputs[0]), list(outputs[1:])
+
+    def argmax_on_device(self, logits) -> np.ndarray:
+        """Each row's argmax at its last position (B,) int64 of a logits OrtValue (B, T, V), computed
+        where the logits are (ORT's ArgMax on this backend's provider); only the tokens come back."""
+        if self._argmax_session is None:
+            self._argmax_session = create_session(last_argmax_model(), self.provider)
+        binding = self._argmax_session.io_binding()
+        binding.bind_ortvalue_input("x", logits)
+        binding.bind_output("y", "cpu")
+        self._argmax_session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[:, 0]
 
     def _forward(self, input_ids, attention_mask, position_ids, past, keep: int):
         """Logits of the last `keep` positions (0: every position), where the graph has logits_to_keep

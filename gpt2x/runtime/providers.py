@@ -83,6 +83,24 @@ def slice_positions_model(dtype) -> bytes:
     return model.SerializeToString()
 
 
+def last_argmax_model() -> bytes:
+    """A graph taking logits (B, T, V) float32 to each row's argmax at its last position (B, 1) int64,
+    the first of equal maxima as NumPy's argmax: greedy decoding on the device, where only the
+    tokens then leave it."""
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["last"]),
+         helper.make_node("ArgMax", ["last"], ["y3"], axis=2, keepdims=0, select_last_index=0),
+         helper.make_node("Reshape", ["y3", "shape"], ["y"])], "last_argmax",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", "vocab"])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, ["batch", 1])],
+        [helper.make_tensor("starts", TensorProto.INT64, [1], [-1]), helper.make_tensor("ends", TensorProto.INT64, [1], [2**62]),
+         helper.make_tensor("axes", TensorProto.INT64, [1], [1]), helper.make_tensor("shape", TensorProto.INT64, [2], [-1, 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = IR_VERSION
+    return model.SerializeToString()
+
+
 def available_providers() -> dict[str, Any]:
     """Providers ONNX Runtime lists, and whether each really loads (a one-node session)."""
     listed = ort.get_available_providers()
