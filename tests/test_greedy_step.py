@@ -78,3 +78,25 @@ def test_greedy_decode_loop_equals_the_samplers_argmax(tiny, kind):
     one = greedy_step(backend)(ids[:1], np.ones((1, 4), dtype=np.int64), positions(np.ones((1, 4), dtype=np.int64), 4), None)[0]
     assert np.array_equal(one, backend.step(ids[:1], np.ones((1, 4), dtype=np.int64), positions(np.ones((1, 4), dtype=np.int64), 4),
                                             None)[0].argmax(axis=-1))
+
+
+def test_a_wrapper_that_changes_step_is_not_bypassed(tiny):
+    """A wrapper that changes `step` and hands the rest on (__getattr__) keeps greedy decoding on its
+    own `step`, not on the wrapped backend's step_greedy."""
+    _, info = tiny
+
+    class Forced:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def step(self, ids, mask, pos, past):
+            logits, past = self.inner.step(ids, mask, pos, past)
+            logits[:, 11] = logits.max() + 1
+            return logits, past
+
+    ids = np.array([[5, 6, 7]])
+    tokens = list(decode_loop(Forced(OrtBackend(info)), ids, np.ones_like(ids), Sampler(SamplingSettings(greedy=True)), 3))
+    assert [int(t[0]) for t in tokens] == [11, 11, 11]

@@ -20,7 +20,7 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
-from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo
+from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo, default_export_dir
 from gpt2x.runtime import web
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
@@ -253,8 +253,9 @@ def test_bench_rows_against_native(tiny, tmp_path, monkeypatch):
     native ONNX Runtime, the page's own speed and memory, and what ran them."""
     from gpt2x.bench import run as bench
 
-    model, _ = tiny
-    monkeypatch.chdir(tmp_path)  # exports land in ./exported
+    model, infos = tiny
+    monkeypatch.chdir(tmp_path)  # the bench looks for exports in ./exported: the fixture's, copied there
+    shutil.copytree(infos[Precision.int8].folder, default_export_dir(SOURCES["tiny"].name, Precision.int8))
     text = tmp_path / "text.txt"  # perplexity on a short text: the web backend brings every position's logits back
     text.write_text("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.")
     s = bench.BenchSettings(model=SOURCES["tiny"].name, backends=[BackendKind.ort, BackendKind.web], precisions=[Precision.int8],

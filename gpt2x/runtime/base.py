@@ -83,10 +83,11 @@ class Backend(Protocol):
 
 
 def greedy_step(backend: Backend):
-    """The backend's step_greedy, or a step followed by NumPy's argmax."""
-    own = getattr(backend, "step_greedy", None)
-    if own is not None:
-        return own
+    """The backend's step_greedy, or a step followed by NumPy's argmax. Only a step_greedy of the
+    backend's own class counts: a wrapper that changes `step` and hands other attributes on to the
+    backend it wraps (__getattr__) must not have its `step` bypassed."""
+    if getattr(type(backend), "step_greedy", None) is not None:
+        return backend.step_greedy
 
     def step(input_ids, attention_mask, position_ids, past):
         logits, present = backend.step(input_ids, attention_mask, position_ids, past)
