@@ -58,6 +58,28 @@ def tiny_hf(tmp_path_factory):
     return folder, model
 
 
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory):
+    """The bundled model's fp32 export (parity-gated), made once for the tests that serve or score it;
+    they only read it."""
+    from gpt2x.choices import Precision
+    from gpt2x.workflows import export_by_name
+
+    folder = tmp_path_factory.mktemp("shakespeare") / "shakespeare-fp32"
+    export_by_name("shakespeare", folder, Precision.fp32)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(export_dir):
+    """A second backend over that export, in the test's process: the independent forwards (gpt2x's
+    own generation code) that every served answer is checked against."""
+    from gpt2x.onnx.artifact import read_export
+    from gpt2x.runtime.ort import OrtBackend
+
+    return OrtBackend(read_export(export_dir), threads=1)
+
+
 def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m gpt2x ARGS` in a subprocess, as a user runs it."""
     full_env = {k: v for k, v in os.environ.items() if k != "GPT2X_DEBUG"}

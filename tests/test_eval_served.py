@@ -16,7 +16,6 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from gpt2x.choices import Precision  # noqa: E402
 from gpt2x.lmeval.model import Gpt2xLM  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
@@ -24,7 +23,6 @@ from gpt2x.serve.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.http import local_app  # noqa: E402
 from gpt2x.serve.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import bpe_file  # noqa: E402
-from gpt2x.workflows import export_by_name  # noqa: E402
 
 from .conftest import uvicorn_server  # noqa: E402
 
@@ -34,13 +32,6 @@ LIMIT = 12  # documents (4 requests each)
 # The served answer and the in-process one are the same fp32 graph on the same tokens, one row per
 # request against left-padded batches: ONNX Runtime's fp32 rows agree to about 1e-5 per token.
 LOGLIK_ATOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("served-eval") / "shakespeare-fp32"
-    export_by_name("shakespeare", folder, Precision.fp32, check_parity=False)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,12 @@ httpx = pytest.importorskip("httpx")
 from ray import serve  # noqa: E402
 
 from gpt2x.bench.loadtest import LoadtestSettings, run_loadtest  # noqa: E402
-from gpt2x.choices import Precision  # noqa: E402
 from gpt2x.generation.generate import generate  # noqa: E402
 from gpt2x.generation.settings import SamplingSettings  # noqa: E402
 from gpt2x.numerics import log_softmax  # noqa: E402
-from gpt2x.onnx.artifact import read_export  # noqa: E402
-from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start  # noqa: E402
 from gpt2x.serve.engine import EngineSettings  # noqa: E402
 from gpt2x.tokenizer import decode, encode  # noqa: E402
-from gpt2x.workflows import export_by_name  # noqa: E402
 
 from .conftest import REPO  # noqa: E402
 
@@ -45,19 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve") / "shakespeare-fp32"
-    export_by_name("shakespeare", folder, Precision.fp32)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(export_dir):
-    """gpt2x's generation code on the same export, in this process: what every answer must equal."""
-    return OrtBackend(read_export(export_dir), threads=1)
 
 
 @pytest.fixture(scope="module")

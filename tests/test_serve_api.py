@@ -49,19 +49,6 @@ TOL = 1e-5  # fp32 logits of a batch row against the row alone, as log-probabili
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("api") / "shakespeare-fp32"
-    export_by_name("shakespeare", folder, Precision.fp32)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(export_dir):
-    """A second backend over the export: the independent forwards every answer is checked against."""
-    return OrtBackend(read_export(export_dir), threads=1)
-
-
-@pytest.fixture(scope="module")
 def service(export_dir):
     backend = OrtBackend(read_export(export_dir), threads=1)
     s = CompletionService(backend, EngineSettings(max_batch_size=8, max_join_delay_s=0), "shakespeare")

@@ -17,21 +17,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
 
-from gpt2x.choices import Precision  # noqa: E402
-from gpt2x.workflows import export_by_name  # noqa: E402
 
 from .conftest import run_cli  # noqa: E402
 from .test_cli import assert_one_line_error  # noqa: E402
 from .test_serve import free_port  # noqa: E402
 
 KEY = "sekret-key-42"
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve-cli") / "shakespeare-fp32"
-    export_by_name("shakespeare", folder, Precision.fp32)
-    return folder
 
 
 @pytest.mark.parametrize("args,code,fragment", [
