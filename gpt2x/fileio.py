@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError
@@ -62,3 +65,37 @@ def remove_stale_partials(out: Path) -> None:
         pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def folder_written_whole(out: Path, force: bool, what: str) -> Iterator[Path]:
+    """A folder written whole or not at all. Yields a new temporary folder beside `out`
+    (`.NAME.partial-PID-*`, which remove_stale_partials clears if this process is killed) for the
+    caller to fill; when the block ends normally its files are made ordinary ones (the umask's
+    permissions: mkdtemp and onnx's external data make them owner-only) and it replaces `out`
+    (replace_folder). On any failure it is removed, and an OSError (disk full, permissions) becomes
+    OutputError("`what` failed: ..."). An existing `out` is refused unless `force`."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputError(f"{out} exists (force=True replaces it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~umask)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                path.chmod(0o666 & ~umask)
+        replace_folder(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"{what} failed: {e.strerror or e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

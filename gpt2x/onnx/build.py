@@ -7,9 +7,7 @@ layer's gate): this layer builds artifacts and does not judge them."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,8 +19,7 @@ import torch
 
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
-from ..errors import OutputError
-from ..fileio import remove_stale_partials, replace_folder, sha256
+from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
 from ..tokenizer import BPE_SHA256
@@ -65,18 +62,7 @@ def export(
     """Export, optimise, convert, run `gate` on the finished folder (None: recorded as not checked),
     and only then move the folder into place. An existing `out` is replaced only when `force`."""
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} exists (force=True replaces it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
-    except OSError as e:
-        raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary folder
-    try:
+    with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
         work.mkdir()
         progress("tracing the model to ONNX")
@@ -96,8 +82,6 @@ def export(
         attention = attention_layout(ops)
         write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
                             share_buffer=attention["shared_kv_buffer"])
-        for p in tmp.iterdir():
-            p.chmod(0o666 & ~umask)  # onnx writes external data owner-only; exports are ordinary files
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}  # checked by `gpt2x verify`
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}  # checked on every load
         meta = {
@@ -125,11 +109,4 @@ def export(
         else:
             meta["parity"] = {"status": NOT_CHECKED}
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        replace_folder(tmp, out)
-        return ExportInfo(out, meta)
-    except OSError as e:  # disk full, permissions: nothing is left behind either way
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"export to {out} failed: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return ExportInfo(out, meta)

@@ -35,9 +35,7 @@ data file model.onnx.data. The folder is built beside `out` and moved into place
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -45,8 +43,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
-from ..errors import ArtifactError, OutputError, UsageError
-from ..fileio import remove_stale_partials, replace_folder, sha256, write_atomic
+from ..errors import ArtifactError, UsageError
+from ..fileio import folder_written_whole, sha256, write_atomic
 from . import interop
 from .artifact import MODEL_FILE, ExportInfo, external_data_locations, safe_model_name
 
@@ -152,18 +150,7 @@ def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool 
     `out`, whole or not at all; an existing `out` is replaced only when `force`."""
     exports = check_sources(exports)
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputError(f"{out} exists (force=True replaces it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_partials(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
-    except OSError as e:
-        raise OutputError(f"cannot write to {out.parent}: {e.strerror}") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
-    try:
+    with folder_written_whole(out, force, f"writing {out}") as tmp:
         (tmp / ONNX_FOLDER).mkdir()
         cfg = exports[0].config
         contents = {
@@ -199,18 +186,8 @@ def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool 
             "files": {name: sha256(tmp / name) for name in TOP_FILES},
         }
         write_atomic(tmp / SOURCES_FILE, json.dumps(meta, indent=1) + "\n")
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                p.chmod(0o666 & ~umask)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        replace_folder(tmp, out)
-        return TransformersJsFolder(out, files, meta)
-    except OSError as e:  # disk full, permissions: nothing is left behind either way
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"writing {out} failed: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return TransformersJsFolder(out, files, meta)
 
 
 def read_sources(folder: Path) -> dict:
