@@ -19,6 +19,7 @@ from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows import export_model
 
 from .conftest import PROMPTS, make_hf_model
+from .test_greedy_step import check_step_greedy
 
 pytestmark = pytest.mark.cuda
 
@@ -162,18 +163,8 @@ def test_greedy_steps_take_the_argmax_on_the_device(tiny, precision):
     of step's logits, from the prompt and from a past, and greedy generation equals the CPU's at fp32."""
     _, infos = tiny
     backend = OrtBackend(infos[precision], ProviderKind.cuda)
-    rng = np.random.default_rng(4)
-    ids = rng.integers(0, 50257, (3, 6))
-    mask = np.ones_like(ids)
-    mask[2, :2] = 0
-    logits, past = backend.step(ids, mask, positions(mask, 6), None)
-    tokens, greedy_past = backend.step_greedy(ids, mask, positions(mask, 6), None)
-    assert np.array_equal(tokens, logits.argmax(axis=-1))
+    greedy_past = check_step_greedy(backend)
     assert all(v.device_name().lower() == "cuda" for v in greedy_past)
-    mask2 = np.concatenate([mask, np.ones((3, 1), dtype=np.int64)], axis=1)
-    logits2, _ = backend.step(tokens[:, None], mask2, positions(mask2, 1), past)
-    tokens2, _ = backend.step_greedy(tokens[:, None], mask2, positions(mask2, 1), greedy_past)
-    assert np.array_equal(tokens2, logits2.argmax(axis=-1))
     if precision is Precision.fp32:
         settings = SamplingSettings(max_new_tokens=16, greedy=True)
         cpu = [r.tokens for r in generate(OrtBackend(infos[precision]), PROMPTS, settings)]

@@ -31,6 +31,23 @@ def tiny(tmp_path_factory):
     return model, export_model(model, source, tmp_path_factory.mktemp("exp") / "fp32", Precision.fp32, check_parity=False)
 
 
+def check_step_greedy(backend):
+    """A backend's step_greedy against the argmax of its step's logits: a batch of 3 with a
+    left-padded row, from the prompt and then from a past (each kind of step on its own cache).
+    Returns step_greedy's first cache, for checks of where it lives."""
+    ids = np.random.default_rng(9).integers(0, backend.vocab_size, (3, 7))
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    logits, past = backend.step(ids, mask, positions(mask, 7), None)
+    tokens, greedy_past = backend.step_greedy(ids, mask, positions(mask, 7), None)
+    assert tokens.dtype == np.int64 and np.array_equal(tokens, logits.argmax(axis=-1))
+    mask2 = np.concatenate([mask, np.ones((3, 1), dtype=np.int64)], axis=1)
+    logits2, _ = backend.step(tokens[:, None], mask2, positions(mask2, 1), past)
+    tokens2, _ = backend.step_greedy(tokens[:, None], mask2, positions(mask2, 1), greedy_past)
+    assert np.array_equal(tokens2, logits2.argmax(axis=-1))
+    return greedy_past
+
+
 def test_the_argmax_graph_is_numpys_ties_included():
     from gpt2x.choices import ProviderKind
 
@@ -53,8 +70,7 @@ def test_ort_argmax_on_device_equals_step_argmax(tiny):
     logits, _ = backend.run(ids, mask, positions(mask, 5), None)  # (B, T, V): every position
     value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(logits))
     assert np.array_equal(backend.argmax_on_device(value), logits[:, -1].argmax(axis=-1))
-    tokens, _ = backend.step_greedy(ids, mask, positions(mask, 5), None)
-    assert np.array_equal(tokens, logits[:, -1].argmax(axis=-1))
+    check_step_greedy(backend)
 
 
 @pytest.mark.parametrize("kind", ["torch", "ort"])

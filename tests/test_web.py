@@ -30,6 +30,7 @@ from gpt2x.workflows import export_model as export
 
 from .conftest import PROMPTS, make_hf_model, run_cli
 from .test_bench import BENCH_SCHEMA, validate
+from .test_greedy_step import check_step_greedy
 
 PRECISIONS = [Precision.fp32, Precision.int8, Precision.int4]
 SOURCES: dict = {}  # the tiny model's ModelSource, for the bench
@@ -111,21 +112,10 @@ def test_greedy_and_seeded_sampling_equal_native(tiny, pages):
         assert got == want
 
 
-def test_greedy_steps_take_the_argmax_in_the_page(tiny, pages):
+def test_greedy_steps_take_the_argmax_in_the_page(pages):
     """step_greedy (only tokens cross to Python) gives the argmax of step's logits, row by row, with
     a left-padded row, from the prompt and from a past."""
-    page = pages[Precision.int8]
-    rng = np.random.default_rng(9)
-    ids = rng.integers(0, 50257, (3, 7))
-    mask = np.ones_like(ids)
-    mask[1, :3] = 0
-    logits, past = page.step(ids, mask, positions(mask, 7), None)
-    tokens, greedy_past = page.step_greedy(ids, mask, positions(mask, 7), None)
-    assert tokens.dtype == np.int64 and np.array_equal(tokens, logits.argmax(axis=-1))
-    mask2 = np.concatenate([mask, np.ones((3, 1), dtype=np.int64)], axis=1)
-    logits2, _ = page.step(tokens[:, None], mask2, positions(mask2, 1), past)
-    tokens2, _ = page.step_greedy(tokens[:, None], mask2, positions(mask2, 1), greedy_past)
-    assert np.array_equal(tokens2, logits2.argmax(axis=-1))
+    check_step_greedy(pages[Precision.int8])
 
 
 def test_beam_search_equals_native(tiny, pages):
