@@ -237,7 +237,7 @@ def _run_genai(og, folder: Path, info, new_tokens: int, reference: list[list[int
 def check_folder(folder: Path, new_tokens: int) -> dict:
     info = read_export(folder)
     present = [n for n in INTEROP_FILES if (folder / n).is_file()]
-    written = write_interop_files(folder, info.config, share_buffer=info.attention["shared_kv_buffer"]) if len(present) < len(INTEROP_FILES) else []
+    written = write_interop_files(folder, info.config, share_buffer=io.in_place_kv(info.attention)) if len(present) < len(INTEROP_FILES) else []
     log(f"{folder}: {info.precision.value}; interop files {'written' if written else 'already present'}")
     log("  gpt2x greedy generation (OrtBackend)")
     reference = gpt2x_tokens(folder, new_tokens)

@@ -29,7 +29,7 @@ bench_matrix() {  # MODEL: every backend x precision x batch, prompts of 32 and 
         echo "== $model, prompt $prompt" >&2
         gpt2x bench --provider cuda --model "$model" --backends torch,ort,genai --precisions fp32,fp16 \
             --batch 1,8,64 --prompt-len "$prompt" --new-tokens 128 --repeat 3 \
-            --json "$out/bench-$name-p$prompt.json" 2>&1 | tee "$out/bench-$name-p$prompt.log"
+            --output "$out/bench-$name-p$prompt.json" 2>&1 | tee "$out/bench-$name-p$prompt.log"
     done
 }
 
@@ -55,7 +55,7 @@ EOF
                 name=${model#random:}
                 gpt2x bench --provider cuda --model "$model" --backends ort --precisions fp32 --draft fp16,ngram \
                     --prompt-text "ROMEO:" --new-tokens 128 --repeat 3 \
-                    --json "$out/bench-spec-$name.json" 2>&1 | tee "$out/bench-spec-$name.log"
+                    --output "$out/bench-spec-$name.json" 2>&1 | tee "$out/bench-spec-$name.log"
             done
             ;;
         *) echo "unknown stage $stage (check, tests, small, medium, large, xl, spec)" >&2; exit 2 ;;

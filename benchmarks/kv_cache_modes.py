@@ -2,10 +2,11 @@
 
     python benchmarks/kv_cache_modes.py --out benchmarks/results/kv-cache-modes-cpu-2core.json
 
-- shared: one fixed-capacity buffer per layer bound as both past and present, updated in place by
-  GroupQueryAttention (gpt2x's default for int8 on the CPU);
+- in-place (`in_place_kv`): one fixed-capacity buffer per layer bound as both past and present, updated
+  in place by GroupQueryAttention (gpt2x's default for int8 on the CPU; results before this release
+  call it "shared");
 - growing: each step's presents, one position longer, fed back as the next past (what Optimum and
-  genai without past_present_share_buffer do; `OrtBackend(..., shared_kv=False)`).
+  genai without past_present_share_buffer do; `OrtBackend(..., in_place_kv=False)`).
 
 Same export, same session settings, batch 1, 32-token prompt, --new-tokens greedy tokens; the two
 modes alternate for --rounds rounds and the medians are reported, with the greedy tokens checked
@@ -44,8 +45,8 @@ def main() -> int:
     info = workflows.ensure_export(args.model, Precision.int8, progress=lambda m: print(m, file=sys.stderr),
                                    notice=lambda m: print(m, file=sys.stderr))
     folder = info.folder
-    modes = {"shared": OrtBackend(info, threads=threads, shared_kv=True),
-             "growing": OrtBackend(info, threads=threads, shared_kv=False)}
+    modes = {"in-place": OrtBackend(info, threads=threads, in_place_kv=True),
+             "growing": OrtBackend(info, threads=threads, in_place_kv=False)}
     prompt = np.random.default_rng(0).integers(0, info.config.vocab_size, (1, 32), dtype=np.int64)
     for backend in modes.values():
         timed_generation(backend, prompt, 8)  # warm-up

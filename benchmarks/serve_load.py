@@ -40,6 +40,7 @@ from gpt2x.bench.loadtest import LoadtestSettings, run_loadtest
 from gpt2x.bench.report import require_matplotlib, save_png, save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
+from gpt2x.onnx.names import in_place_kv
 from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
@@ -124,7 +125,7 @@ def main() -> None:
             info = resolve_export(args.model, precision=precision, progress=log, notice=log)
             for mode in modes:
                 engine, in_place = MODES[mode]
-                if in_place is not None and not info.attention["shared_kv_buffer"]:
+                if in_place is not None and not in_place_kv(info.attention):
                     continue  # fp32's MultiHeadAttention graph has no in-place cache: the mode is "continuous"
                 name = f"{precision.value}-{mode}"
                 config = ReplicaConfig(export=str(info.folder.resolve()), model_id=args.model, threads=args.threads,

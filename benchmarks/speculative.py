@@ -175,13 +175,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--xl-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--draft-tokens", type=int, default=DraftSettings.max_tokens)
+    ap.add_argument("--num-speculative-tokens", "--draft-tokens", dest="num_speculative_tokens", type=int,
+                    default=DraftSettings.num_speculative_tokens)
     ap.add_argument("--exports", type=Path, default=Path("exported"))
     ap.add_argument("--out", type=Path, required=True, help="output path without extension (.json, .md)")
     args = ap.parse_args()
     cases = args.cases.split(",") + (["xl"] if args.xl and "xl" not in args.cases else [])
-    adaptive = DraftSettings(max_tokens=args.draft_tokens)
-    fixed = DraftSettings(max_tokens=args.draft_tokens, adaptive=False)
+    adaptive = DraftSettings(num_speculative_tokens=args.num_speculative_tokens)
+    fixed = DraftSettings(num_speculative_tokens=args.num_speculative_tokens, adaptive=False)
 
     def export(model: str, precision: Precision):
         return ensure_export(model, precision, folder=default_export_dir(model, precision, args.exports), progress=log, notice=log)
@@ -228,7 +229,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown case {case!r}")
         del target
-    lines = [f"Speculative decoding against plain decoding of the same target, batch 1, greedy, K at most {args.draft_tokens}; "
+    lines = [f"Speculative decoding against plain decoding of the same target, batch 1, greedy, K at most {args.num_speculative_tokens}; "
              "ONNX Runtime on the CPU (fp32 target; the int4 draft on 1 thread unless said).", "",
              "| case | draft | decode tok/s | x plain | TTFT ms | acceptance | mean acceptance length | plain steps/run | tokens = plain |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]

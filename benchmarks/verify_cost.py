@@ -68,7 +68,7 @@ def main() -> None:
                     if r:  # round 0 warms up
                         times[n].append((time.perf_counter() - t0) * 1e3)
             med = {n: statistics.median(v) for n, v in times.items()}
-            cases.append({"precision": name, "past": past_len, "in_place_kv": bool(backend.shared_kv), "median_ms": med,
+            cases.append({"precision": name, "past": past_len, "in_place_kv": bool(backend.in_place_kv), "median_ms": med,
                           "ratio_to_n1": {n: med[n] / med[1] for n in med},
                           "runs_ms": times})
     lines = [f"One target step over N new tokens, batch 1, {args.model}, median of {args.repeat} (ms; in brackets: x the N = 1 step).", "",

@@ -15,7 +15,7 @@ for pair in shakespeare:shakespeare random:gpt2:gpt2-124m; do
     name=${pair##*:}
     echo "gpt2x bench --model $model --backends ort,web --precisions fp32,int8,int4 --new-tokens $new_tokens --repeat $repeat" >&2
     gpt2x bench --model "$model" --backends ort,web --precisions fp32,int8,int4 --batch 1 --new-tokens "$new_tokens" \
-        --repeat "$repeat" --json "$out/bench-web-cpu-2core-$name.json" --plot "$out/bench-web-cpu-2core-$name.png" \
+        --repeat "$repeat" --output "$out/bench-web-cpu-2core-$name.json" --plot "$out/bench-web-cpu-2core-$name.png" \
         > "$out/bench-web-cpu-2core-$name.txt"
     cat "$out/bench-web-cpu-2core-$name.txt"
 done

@@ -91,7 +91,7 @@ def main() -> None:
             web_s, web_page_ms, web_tokens = step_times(page, args.steps)
             threads = page.page_info["threads"]
             page.close()
-            native_s, _, native_tokens = step_times(OrtBackend(info, shared_kv=False), args.steps)
+            native_s, _, native_tokens = step_times(OrtBackend(info, in_place_kv=False), args.steps)
             row = {"variant": name, "operators": info.meta["fused_operators"], "page_threads": threads,
                    "page_step_ms": statistics.median(web_page_ms), "web_step_ms_from_python": statistics.median(web_s) * 1e3,
                    "native_step_ms": statistics.median(native_s) * 1e3, "same_greedy_tokens": web_tokens == native_tokens}

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock
+
 from .errors import OutputError
 
 
@@ -21,6 +23,19 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+@contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Held while a process makes `folder`: an OS file lock on a hidden file beside it (released if
+    the process dies), so that processes making the same folder at once take turns."""
+    folder = Path(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {folder.parent}: {e.strerror or e}") from None
+    with FileLock(folder.with_name(f".{folder.name}.lock")):
+        yield
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 from .choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from .errors import ArtifactError, Gpt2xError, HubError, MissingDependencyError, ModelNotFoundError, OutputError, ProviderError, UsageError, WeightsError
 from .evaluate.parity import gate_export
+from .fileio import folder_lock
 from .generation.speculative import Drafter, DraftSettings, ModelDrafter, NgramDrafter, refuse_unrollable
 from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
-from .onnx.artifact import DEFAULT_OPSET, ExportInfo, default_export_dir, is_export, read_export
+from .onnx.artifact import DEFAULT_OPSET, EXPORTS_ENV, ExportInfo, default_export_dir, is_export, read_export
 from .onnx.transformers_js import ALL_PRECISIONS as TRANSFORMERS_JS_PRECISIONS
 from .onnx.transformers_js import TransformersJsFolder, check_precisions, default_layout_dir, write_transformers_js
 from .runtime.base import Backend
@@ -169,7 +170,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
                    check_parity: bool = True, progress: Progress = no_progress) -> ExportInfo:
-    """Load the model `name` and export it (default folder: exported/<name>-<precision>)."""
+    """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
@@ -188,19 +189,31 @@ def check_export_matches(info: ExportInfo, model: str, revision: str | None = No
         raise ArtifactError(f"{info.folder} was exported from other {model} weights; export it again, replacing the folder")
 
 
+def _elsewhere(folder: Path) -> str:
+    """A hint when the working directory's exported/ (where exports went by default before
+    GPT2X_EXPORTS) holds this export: the setting that would use it."""
+    old = Path("exported") / folder.name
+    if folder.parent.resolve() != old.parent.resolve() and is_export(old):
+        return f" (./{old} holds one: {EXPORTS_ENV}=exported uses it)"
+    return ""
+
+
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
                   folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
-    """The export of `model` at `precision` in `folder` (default exported/<model>-<precision>),
-    exported first (parity-gated) when the folder holds none. `loaded` reuses a model already in
-    memory; `notice` hears that an export is about to happen."""
+    """The export of `model` at `precision` in `folder` (default: default_export_dir, under
+    exports_root()), exported first (parity-gated) when the folder holds none; processes that make the
+    same export at once take turns (fileio.folder_lock), and the later ones use the first one's.
+    `loaded` reuses a model already in memory; `notice` hears that an export is about to happen."""
     folder = Path(folder) if folder is not None else default_export_dir(model, precision)
     if not is_export(folder):
-        notice(f"no export at {folder}: exporting {model} ({precision.value}) first")
-        if loaded is None:
-            export_by_name(model, folder, precision, revision, progress=progress)
-        else:
-            export_model(*loaded, folder, precision, progress=progress)
+        with folder_lock(folder):  # another process making the same export: wait for it, then use it
+            if not is_export(folder):
+                notice(f"no export at {folder}: exporting {model} ({precision.value}) first{_elsewhere(folder)}")
+                if loaded is None:
+                    export_by_name(model, folder, precision, revision, progress=progress)
+                else:
+                    export_model(*loaded, folder, precision, progress=progress)
     info = read_export(folder)
     if loaded is None:
         check_export_matches(info, model, revision)
@@ -286,7 +299,7 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
     `in_place_kv` (ONNX Runtime's KV cache): None updates it in place wherever the graph can, False
     keeps a growing cache, True requires the in-place one."""
     if backend is BackendKind.ort:
-        return OrtBackend(info, provider, threads, shared_kv=in_place_kv)
+        return OrtBackend(info, provider, threads, in_place_kv=in_place_kv)
     require_runtime(backend)
     if backend is BackendKind.openvino:
         from .runtime.openvino import OpenVinoBackend

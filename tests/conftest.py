@@ -59,15 +59,70 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def export_dir(tmp_path_factory):
-    """The bundled model's fp32 export (parity-gated), made once for the tests that serve or score it;
-    they only read it."""
-    from gpt2x.choices import Precision
-    from gpt2x.workflows import export_by_name
+def shared_dir(tmp_path_factory, worker_id) -> Path:
+    """A folder that every pytest-xdist worker of this run shares (the workers' base temp's parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
 
-    folder = tmp_path_factory.mktemp("shakespeare") / "shakespeare-fp32"
-    export_by_name("shakespeare", folder, Precision.fp32)
-    return folder
+
+@pytest.fixture(scope="session", autouse=True)
+def one_core_per_worker(worker_id):
+    """In parallel runs, each pytest-xdist worker (and what it starts) keeps to a core of its own, and
+    ONNX Runtime and PyTorch size their thread pools to it (gpt2x counts the cores it may use): two
+    workers each spinning threads on both cores would only slow each other down."""
+    if worker_id == "master" or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(cores) > 1 and workers <= len(cores):
+        os.sched_setaffinity(0, {cores[int(worker_id.removeprefix("gw")) % len(cores)]})
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_exports(shared_dir) -> Path:
+    """GPT2X_EXPORTS for the whole run: the exports made by model name (by the tests, and by the CLI
+    they run) land in one folder that the workers share, never in the user's cache. The library's
+    lock (fileio.folder_lock, in workflows.ensure_export) lets one worker make each export while the
+    others wait for it and then use it. A test that must see exports made from nothing sets its own
+    (`own_exports`)."""
+    from gpt2x.onnx.artifact import EXPORTS_ENV
+
+    root = shared_dir / "exported"
+    os.environ[EXPORTS_ENV] = str(root)
+    return root
+
+
+@pytest.fixture
+def own_exports(tmp_path, monkeypatch) -> Path:
+    """GPT2X_EXPORTS set to TMP/exported for one test: what it exports by name lands there and only there."""
+    from gpt2x.onnx.artifact import EXPORTS_ENV
+
+    root = tmp_path / "exported"
+    monkeypatch.setenv(EXPORTS_ENV, str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def bundled_export(session_exports):
+    """bundled_export(precision) -> ExportInfo: the bundled model's export at that precision, parity-
+    gated, made once per test run (workflows.ensure_export in the shared folder) and shared by every
+    test and worker. The tests only read these folders: one that changes an export copies it first."""
+    from gpt2x.choices import Precision
+    from gpt2x.onnx.artifact import default_export_dir
+    from gpt2x.workflows import ensure_export
+
+    def get(precision: Precision = Precision.fp32):
+        precision = Precision(precision)  # the shared folder, whatever GPT2X_EXPORTS a test set meanwhile
+        return ensure_export("shakespeare", precision, folder=default_export_dir("shakespeare", precision, session_exports))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def export_dir(bundled_export):
+    """The bundled model's fp32 export folder, for the tests that serve or score it; they only read it."""
+    return bundled_export().folder
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +133,46 @@ def reference(export_dir):
     from gpt2x.runtime.ort import OrtBackend
 
     return OrtBackend(read_export(export_dir), threads=1)
+
+
+# Ports for servers that bind their own (Ray Serve's proxy, `gpt2x serve` in a subprocess), which
+# cannot be handed a bound socket: below Linux's ephemeral range (32768-60999, where port-0 binds land)
+# and above Ray's worker ports (10002-19999), each handed out once per run across the workers.
+RESERVED_PORTS = range(20000, 32000)
+
+
+@pytest.fixture(scope="session")
+def reserve_port(shared_dir):
+    """reserve_port() -> a port that no other test of this run is given and that binds now: from a
+    counter in the workers' shared folder (under a file lock), skipping ports something holds."""
+    from filelock import FileLock
+
+    counter = shared_dir / "next-port"
+
+    def reserve() -> int:
+        with FileLock(f"{counter}.lock"):
+            port = int(counter.read_text()) if counter.exists() else RESERVED_PORTS.start
+            while True:
+                assert port in RESERVED_PORTS, "the test run used up its reserved ports"
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", port))
+                        break
+                    except OSError:
+                        port += 1
+            counter.write_text(str(port + 1))
+        return port
+
+    return reserve
+
+
+@contextmanager
+def refusing_port():
+    """A port bound by this process and not listening, for as long as the block runs: connecting to it is
+    refused, and no other process can take it meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -119,10 +214,40 @@ def cuda_loads() -> bool:
     return available_providers()["loadable"]["cuda"] == "ok"
 
 
+# The tests that start Ray (marked xdist_group("ray")): run in one pytest-xdist worker, one after
+# another, so that two Ray clusters never share the 2 cores. xdist's own loadgroup scheduling reads
+# that mark by rewriting node ids, which pytest 9.2 no longer lets it do; the scheduler below groups
+# by this list instead, and the collection hook checks that the list and the marks agree.
+RAY_TESTS = ("tests/test_serve.py::", "tests/test_serve_cli.py::",
+             "tests/test_serve_draft.py::test_a_replica_with_a_draft_answers_as_generate_does")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a worker is given: every Ray test together, otherwise a whole module (its
+    module-scoped fixtures, the exports and browsers they make, are then made once)."""
+    return "ray" if nodeid.startswith(RAY_TESTS) else nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleAndRayScheduling(LoadScopeScheduling):
+        """loadscope's scheduling (largest unit first) over xdist_scope's units."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ModuleAndRayScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` run wherever ONNX Runtime's CUDA provider loads. Elsewhere they are skipped,
-    saying why, unless they were asked for (`-m cuda`): then they run, and fail, rather than report
-    a GPU run that did not happen."""
+    """Tests marked `xdist_group("ray")` are those RAY_TESTS names. Tests marked `cuda` run wherever
+    ONNX Runtime's CUDA provider loads. Elsewhere they are skipped, saying why, unless they were asked
+    for (`-m cuda`): then they run, and fail, rather than report a GPU run that did not happen."""
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        if (group is not None and group.args == ("ray",)) != item.nodeid.startswith(RAY_TESTS):
+            raise pytest.UsageError(f"{item.nodeid}: its xdist_group('ray') mark and conftest.RAY_TESTS disagree")
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items or cuda_loads():
         return

@@ -8,10 +8,12 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gpt2x.errors import MissingDependencyError
+from gpt2x.onnx.artifact import EXPORTS_ENV
 
 from .conftest import REPO
 
@@ -36,7 +38,9 @@ main()
 
 
 def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subprocess.CompletedProcess:
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **({"BLOCKED": block} if block else {})}
+    """gpt2x ARGS in `cwd`, its exports by model name in cwd/exported (GPT2X_EXPORTS)."""
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
+           **({"BLOCKED": block} if block else {})}
     cmd = [sys.executable, "-c", BLOCKED_RUNNER, *args] if blocked else [sys.executable, "-m", "gpt2x", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
@@ -60,11 +64,11 @@ def test_cli_imports_no_torch():
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
-    """A folder holding exported/shakespeare-fp32, made by the full install (with torch)."""
+def deployed(tmp_path_factory, export_dir):
+    """A folder holding exported/shakespeare-fp32, made by the full install (with torch): a copy of the
+    run's shared export."""
     root = tmp_path_factory.mktemp("deploy")
-    r = run_gpt2x("export", "--model", "shakespeare", cwd=root, blocked=False)
-    assert r.returncode == 0, r.stderr
+    shutil.copytree(export_dir, root / "exported" / "shakespeare-fp32")
     return root
 
 
@@ -79,8 +83,9 @@ def test_generate_runs_without_torch_and_gives_the_same_text(deployed):
 
 
 def test_bench_info_inspect_verify_run_without_torch(deployed):
+    (deployed / "short.txt").write_text("ROMEO: But soft, what light through yonder window breaks? It is the east.")
     r = run_gpt2x("bench", "--backends", "ort", "--precisions", "fp32", "--prompt-len", "4", "--new-tokens", "6",
-                  "--repeat", "1", "--json", "b.json", cwd=deployed, blocked=True)
+                  "--repeat", "1", "--text", "short.txt", "--output", "b.json", cwd=deployed, blocked=True)
     assert r.returncode == 0, r.stderr
     result = json.loads((deployed / "b.json").read_text())
     [parity] = result["parity"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from gpt2x.evaluate.metrics import kl_divergence, logit_stats
 from gpt2x.evaluate.parity import check
 from gpt2x.model.config import PRESETS
 from gpt2x.model.weights import load_model
-from gpt2x.onnx.artifact import default_export_dir, is_export
+from gpt2x.onnx.artifact import EXPORTS_ENV, default_export_dir, is_export
 from gpt2x.runtime import pytorch
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
@@ -26,6 +27,7 @@ from gpt2x.tokenizer import encode
 
 from .conftest import make_hf_model
 from .test_cli import assert_one_line_error, cli
+from .test_speculative import DraftSpy, greedy_counts
 
 
 def test_percentiles_hand_computed():
@@ -100,7 +102,7 @@ BENCH_SCHEMA = {
     "schema_version": int,
     "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
                  "prompt_len": int, "new_tokens": int, "repeat": int, "warmup": int, "threads": int, "text": str,
-                 "greedy_tokens": int, "drafts": [str], "draft_tokens": int, "prompt_text": (str, type(None))},
+                 "greedy_tokens": int, "drafts": [str], "num_speculative_tokens": int, "prompt_text": (str, type(None))},
     "environment": dict,
     "model": {"name": str, "config": {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
                                       "layer_norm_epsilon": float}, "parameters": int},
@@ -119,7 +121,7 @@ BENCH_SCHEMA = {
                # the web backend's rows (tests/test_web.py)
                "page_memory_mb": Opt(float), "page": Opt(dict), "page_ttft_ms": Opt(float),
                "page_decode_tokens_per_s": Opt(float), "page_decode_latency": Opt(dict), "page_native_share": Opt(float)}],
-    "speculative": [{"backend": str, "precision": str, "draft": str, "draft_name": str, "draft_tokens": int, "adaptive": bool,
+    "speculative": [{"backend": str, "precision": str, "draft": str, "draft_name": str, "num_speculative_tokens": int, "adaptive": bool,
                      "prompt_len": int, "new_tokens": int, "timed_runs": int,
                      "acceptance_rate": OPT_NUM, "mean_acceptance_length": OPT_NUM,
                      "drafted": int, "accepted": int, "drafts": int, "plain_steps": int,
@@ -170,6 +172,69 @@ class Perturbed(TorchBackend):
         return logits + np.random.default_rng(1).normal(0, 0.5, logits.shape).astype(np.float32), present
 
 
+class StepClock:
+    """The bench's clock (run.py's `time.perf_counter`) made deterministic: it stands still but in the
+    forwards (run, step, step_greedy) of the backend being timed (by timed_generation,
+    timed_speculative or step_costs), each of which moves it by `base + per_token * T` ms, T the new
+    positions, as `costs` gives for the backend's class. So every time the bench reports is known in
+    advance. `spec_runs` holds each timed_speculative run's proposals (DraftSpy) and whole sequence;
+    `forwards` each timed forward's (backend, T, real seconds, the page's own ms where it reports one)."""
+
+    def __init__(self, monkeypatch, costs: dict[type, tuple[float, float]]):
+        self.now, self.target, self.depth = 0.0, None, 0
+        self.spec_runs: list[tuple[list, list[int]]] = []
+        self.forwards: list[tuple[object, int, float, float | None]] = []
+        monkeypatch.setattr(bench, "time", self)
+        for cls, (base_ms, per_token_ms) in costs.items():
+            for name in ("run", "step", "step_greedy"):
+                if getattr(cls, name, None) is not None:
+                    monkeypatch.setattr(cls, name, self._forward(getattr(cls, name), base_ms, per_token_ms))
+        for name in ("timed_generation", "step_costs"):
+            monkeypatch.setattr(bench, name, self._timing(getattr(bench, name)))
+        monkeypatch.setattr(bench, "timed_speculative", self._speculative(self._timing(bench.timed_speculative)))
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):  # anything else run.py takes from `time`
+        return getattr(time, name)
+
+    def _forward(self, method, base_ms: float, per_token_ms: float):
+        def forward(backend, input_ids, *args):
+            self.depth += 1
+            t0 = time.perf_counter()
+            try:
+                out = method(backend, input_ids, *args)
+            finally:
+                self.depth -= 1
+            if backend is self.target and self.depth == 0:  # once per call (step_greedy may call step)
+                self.now += (base_ms + per_token_ms * input_ids.shape[1]) / 1e3
+                page = getattr(backend, "page_ms", None)
+                self.forwards.append((backend, input_ids.shape[1], time.perf_counter() - t0, page[-1] if page else None))
+            return out
+
+        return forward
+
+    def _timing(self, helper):
+        def timed(backend, *args, **kwargs):
+            self.target = backend
+            try:
+                return helper(backend, *args, **kwargs)
+            finally:
+                self.target = None
+
+        return timed
+
+    def _speculative(self, helper):
+        def timed(target, drafter, prompt_ids, *args, **kwargs):
+            spy = DraftSpy(drafter)
+            run = helper(target, spy, prompt_ids, *args, **kwargs)
+            self.spec_runs.append((spy.runs[-1], list(prompt_ids) + run["tokens"][0]))
+            return run
+
+        return timed
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-bench")
@@ -186,22 +251,27 @@ def test_perturbed_backend_fails_the_gate_and_a_clean_one_passes(tiny):
 
 def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     model, source = tiny
-    monkeypatch.chdir(tmp_path)  # exports land in ./exported
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     s = bench.BenchSettings(model="tiny", backends=[BackendKind.torch, BackendKind.ort],
                             precisions=[Precision.fp32], batches=[1, 2], prompt_len=4, new_tokens=6, repeat=1)
+    # A forward costs 3 + 1 per new position ms on torch, 1 + 1 on ort: the 4-token prefill 7 and 5 ms,
+    # a decode step 4 and 2 ms (250 and 500 tokens/s per row).
+    StepClock(monkeypatch, {TorchBackend: (3, 1), OrtBackend: (1, 1)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert result["passed"] is True
-    # Rows of a backend other than ort, where ort ran at the same precision and batch: the share of native.
-    natives = {(e["precision"], e["batch"]): e for e in result["speed"] if e["backend"] == "ort"}
+    want = {"torch": (7.0, 4.0), "ort": (5.0, 2.0)}  # (time to first token, decode step) in ms
     for e in result["speed"]:
+        ttft_ms, step_ms = want[e["backend"]]
+        assert e["ttft_ms"] == pytest.approx(ttft_ms) and e["decode_latency"]["p50_ms"] == pytest.approx(step_ms)
+        assert e["decode_tokens_per_s"] == pytest.approx(e["batch"] * 1e3 / step_ms)
+        # Rows of a backend other than ort, where ort ran at the same precision and batch: the share of native.
         if e["backend"] == "torch":
-            ort = natives[(e["precision"], e["batch"])]
-            assert e["native_share"] == pytest.approx(e["decode_tokens_per_s"] / ort["decode_tokens_per_s"])
-            assert e["native_ttft_ratio"] == pytest.approx(e["ttft_ms"] / ort["ttft_ms"])
+            assert e["native_share"] == pytest.approx(2 / 4) and e["native_ttft_ratio"] == pytest.approx(7 / 5)
         else:
-            assert "native_share" not in e
+            assert "native_share" not in e and "native_ttft_ratio" not in e
     validate(json.loads(json.dumps(result)), BENCH_SCHEMA)  # serialisable as is, every field the README names
-    assert result["schema_version"] == 3 and result["speculative"] == []  # no --draft: no rows, the list is there
+    assert result["schema_version"] == 4 and result["speculative"] == []  # no --draft: no rows, the list is there
     assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
     assert len(result["speed"]) == 4 and result["skipped"] == []
     for e in result["speed"]:
@@ -262,8 +332,8 @@ def rendered(result: dict) -> str:
 
 
 @pytest.mark.parametrize("kwargs,option", [
-    ({"warmup": -1}, "warmup"), ({"batches": [0]}, "batch"), ({"draft_tokens": 0}, "draft_tokens"),
-    ({"draft_tokens": 33}, "draft_tokens"), ({"prompt_text": ""}, "prompt_text"),
+    ({"warmup": -1}, "warmup"), ({"batches": [0]}, "batch"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 33}, "num_speculative_tokens"), ({"prompt_text": ""}, "prompt_text"),
 ])
 def test_bench_settings_refuse_bad_values(kwargs, option):
     from gpt2x.errors import UsageError
@@ -284,11 +354,15 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
     the batches, each against plain decoding of the same target in the same run; a backend that cannot
     roll back has none, and says why."""
     model, source = tiny
-    monkeypatch.chdir(tmp_path)  # exports, the int8 draft's too, land in ./exported
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)  # not what this test checks
     s = bench.BenchSettings(model=source.name, backends=[BackendKind.torch, BackendKind.ort], precisions=[Precision.fp32],
-                            batches=[2], prompt_len=4, new_tokens=10, repeat=1, drafts=["ngram", "int8"], draft_tokens=3,
+                            batches=[2], prompt_len=4, new_tokens=10, repeat=1, drafts=["ngram", "int8"], num_speculative_tokens=3,
                             prompt_text=GROUNDED)
+    # Each forward of the target costs 2 + 0.5 per new position ms: a plain step 2.5 ms, a verification of
+    # d drafted tokens 2.5 + 0.5 d ms, the prefill of the P-token prompt 2 + 0.5 P; the drafts' cost nothing.
+    clock = StepClock(monkeypatch, {TorchBackend: (2, 0.5), OrtBackend: (2, 0.5)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     validate(json.loads(json.dumps(result)), BENCH_SCHEMA)
     assert is_export(default_export_dir(source.name, Precision.int8))  # exported on first use, here
@@ -296,18 +370,29 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
     rows = result["speculative"]
     assert [(r["backend"], r["precision"], r["draft"]) for r in rows] == [
         ("torch", "fp32", "ngram"), ("torch", "fp32", "int8"), ("ort", "fp32", "ngram"), ("ort", "fp32", "int8")]
-    for r in rows:
-        assert (r["prompt_len"], r["new_tokens"], r["draft_tokens"], r["adaptive"]) == (len(encode(GROUNDED)), 10, 3, True)
+    assert len(clock.spec_runs) == len(rows) * (s.warmup + s.repeat)
+    for i, r in enumerate(rows):
+        assert (r["prompt_len"], r["new_tokens"], r["num_speculative_tokens"], r["adaptive"]) == (len(encode(GROUNDED)), 10, 3, True)
         assert 0 <= r["accepted"] <= r["drafted"] <= 3 * r["drafts"]
-        if r["drafts"]:
-            assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_rate"] == r["accepted"] / r["drafted"]
-            assert r["mean_acceptance_length"] == 1 + r["accepted"] / r["drafts"]
+        # The timed run's proposals, counted against its tokens (9 decoded after the prefill's one).
+        rounds, sequence = clock.spec_runs[i * (s.warmup + s.repeat) + s.warmup]
+        drafted, accepted, drafts, open_end = greedy_counts(rounds, sequence)
+        assert len(sequence) == len(encode(GROUNDED)) + 10 and not open_end
+        assert (r["drafted"], r["accepted"], r["drafts"], r["plain_steps"]) == (drafted, accepted, drafts, 9 - accepted - drafts)
+        if drafts:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_rate"] == pytest.approx(accepted / drafted)
+            assert r["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
         else:
             assert r["acceptance_rate"] is None and r["mean_acceptance_length"] is None
-        assert r["decode_tokens_per_s"] > 0 and r["plain_decode_tokens_per_s"] > 0 and r["ttft_ms"] > 0
-        assert r["speedup"] == pytest.approx(r["decode_tokens_per_s"] / r["plain_decode_tokens_per_s"])
-        assert len(r["step_cost_ms"]) == 8 and min(r["step_cost_ms"]) > 0
-        assert r["step_cost_ratio"][0] == 1.0 and r["step_cost_ratio"][7] == pytest.approx(r["step_cost_ms"][7] / r["step_cost_ms"][0])
+        # Times from the clock's costs: plain decoding 2.5 ms a token; speculative 9 tokens in
+        # 2.5 ms per round (9 - accepted rounds) plus 0.5 ms per drafted token.
+        prefill_ms = 2 + 0.5 * len(encode(GROUNDED))
+        assert r["ttft_ms"] == pytest.approx(prefill_ms) and r["plain_ttft_ms"] == pytest.approx(prefill_ms)
+        spec_tps = 9e3 / (2.5 * (9 - accepted) + 0.5 * drafted)
+        assert r["plain_decode_tokens_per_s"] == pytest.approx(1e3 / 2.5) and r["decode_tokens_per_s"] == pytest.approx(spec_tps)
+        assert r["speedup"] == pytest.approx(spec_tps / 400)
+        assert r["step_cost_ms"] == pytest.approx([2 + 0.5 * n for n in range(1, 9)])
+        assert r["step_cost_ratio"][0] == 1.0 and r["step_cost_ratio"] == pytest.approx([(2 + 0.5 * n) / 2.5 for n in range(1, 9)])
         if r["draft"] == "ngram":  # an fp32 target with prompt lookup: plain greedy decoding's tokens
             assert r["greedy_identical"] is True and r["first_difference"] is None
         else:  # a model draft proposes from the first speculative round on (the second decode step)
@@ -325,26 +410,29 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
 
 
 def test_bench_cli_draft_json(tiny, tmp_path, monkeypatch, capsys):
-    """`gpt2x bench --draft ngram --json F` writes the speculative rows (torch: no export to make)."""
+    """`gpt2x bench --draft ngram --output F` writes the speculative rows (torch: no export to make)."""
     _, source = tiny
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)
     out_json = tmp_path / "b.json"
+    text = tmp_path / "short.txt"  # perplexity on one line: not what this test checks
+    text.write_text("ROMEO: But soft, what light through yonder window breaks?")
     code, out, err = cli(capsys, "bench", "--model", source.name, "--backends", "torch", "--precisions", "fp32",
-                         "--prompt-len", "4", "--new-tokens", "6", "--repeat", "1", "--draft", "ngram",
-                         "--draft-tokens", "2", "--json", str(out_json))
+                         "--text", str(text), "--prompt-len", "4", "--new-tokens", "6", "--repeat", "1", "--draft", "ngram",
+                         "--num-speculative-tokens", "2", "--output", str(out_json))
     assert code == 0, err
     result = json.loads(out_json.read_text())
-    assert result["schema_version"] == 3 and result["settings"]["drafts"] == ["ngram"]
+    assert result["schema_version"] == 4 and result["settings"]["drafts"] == ["ngram"]
     [row] = result["speculative"]
-    assert (row["backend"], row["draft"], row["draft_tokens"], row["prompt_len"]) == ("torch", "ngram", 2, 4)
+    assert (row["backend"], row["draft"], row["num_speculative_tokens"], row["prompt_len"]) == ("torch", "ngram", 2, 4)
     assert "Speculative decoding" in out
 
 
 @pytest.mark.parametrize("args,error,fragment", [
-    (["--draft", "foo"], None, "draft foo is neither ngram"),
+    (["--draft", "foo"], "HubError", "draft foo is neither ngram"),  # looked up on the hub: offline in the tests
     (["--draft", "fp16"], "ProviderError", "draft fp16"),
-    (["--draft", "ngram", "--draft-tokens", "0"], "UsageError", "--draft-tokens"),
+    (["--draft", "ngram", "--num-speculative-tokens", "0"], "UsageError", "--num-speculative-tokens"),
     (["--draft", "ngram", "--prompt-text", ""], "UsageError", "--prompt-text"),
 ])
 def test_bench_cli_bad_draft_is_one_line(tmp_path, monkeypatch, capsys, args, error, fragment):
@@ -352,10 +440,7 @@ def test_bench_cli_bad_draft_is_one_line(tmp_path, monkeypatch, capsys, args, er
     from gpt2x import errors
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     code, _, err = cli(capsys, "bench", "--backends", "ort", *args)
-    if error is None:  # the model lookup's error: HubError offline, ModelNotFoundError online
-        assert code in (errors.HubError.exit_code, errors.ModelNotFoundError.exit_code), err
-        assert_one_line_error(code, err, code, fragment)
-    else:
-        assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
+    assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
     assert not (tmp_path / "exported").exists()

@@ -9,6 +9,7 @@ import pytest
 
 from gpt2x.cli.app import main
 from gpt2x.errors import HubError, ModelNotFoundError, UsageError
+from gpt2x.onnx.artifact import EXPORTS_ENV
 
 from .conftest import run_cli
 
@@ -86,7 +87,7 @@ def test_bad_prompts_file(capsys, tmp_path, content, fragment):
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--temperature", "0"], "--temperature"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),  # 0 is greedy (tests/test_cli_agreement.py)
     (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--num-beams", "0"], "--num-beams"),
@@ -141,6 +142,7 @@ def test_combinations_that_cannot_run_are_refused_before_any_work(capsys, monkey
     from gpt2x import errors
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     code, out, err = cli(capsys, "generate", "hi", "--model", "random:gpt2", *args)
     assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
     assert out == "" and not (tmp_path / "exported").exists()
@@ -165,5 +167,5 @@ def test_bench_cuda_without_gpu_and_ctrl_c(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench, "run_bench", interrupted)
     out_json = tmp_path / "b.json"
-    code, _, err = cli(capsys, "bench", "--json", str(out_json))
+    code, _, err = cli(capsys, "bench", "--output", str(out_json))
     assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and not out_json.exists()

@@ -151,7 +151,7 @@ def test_speculative_greedy_on_cuda_equals_plain(tiny):
     settings = SamplingSettings(max_new_tokens=40, greedy=True)
     plain = generate(backend, PROMPTS, settings)
     for drafter in (NgramDrafter(), fp16_draft):
-        for draft_settings in (DraftSettings(max_tokens=4, adaptive=False), DraftSettings()):
+        for draft_settings in (DraftSettings(num_speculative_tokens=4, adaptive=False), DraftSettings()):
             spec = generate(backend, PROMPTS, settings, draft=drafter, draft_settings=draft_settings)
             assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert fp16_draft.backend.provider is ProviderKind.cuda

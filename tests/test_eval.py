@@ -31,9 +31,10 @@ from gpt2x.lmeval.model import sampling_from  # noqa: E402
 from gpt2x.lmeval.run import task_manager  # noqa: E402
 from gpt2x.model.weights import load_model  # noqa: E402
 from gpt2x.numerics import log_softmax, positions  # noqa: E402
+from gpt2x.onnx.artifact import EXPORTS_ENV
 from gpt2x.runtime.pytorch import TorchBackend  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, bpe_file, decode, encode  # noqa: E402
-from gpt2x.workflows import export_backend, export_model  # noqa: E402
+from gpt2x.workflows import export_backend  # noqa: E402
 
 from .conftest import REPO, make_hf_model  # noqa: E402
 from .test_architecture import run_gpt2x  # noqa: E402
@@ -93,17 +94,9 @@ def torch_backend(shakespeare):
 
 
 @pytest.fixture(scope="module")
-def exports(shakespeare, tmp_path_factory):
-    """The bundled model's exports in a tmp folder, made on first use (each through its parity gate)."""
-    root = tmp_path_factory.mktemp("exported")
-    made = {}
-
-    def get(precision: Precision):
-        if precision not in made:
-            made[precision] = export_model(*shakespeare, root / f"shakespeare-{precision.value}", precision)
-        return made[precision]
-
-    return get
+def exports(bundled_export):
+    """The bundled model's exports (the run's shared ones, each made once through its parity gate)."""
+    return bundled_export
 
 
 @pytest.fixture(scope="module")
@@ -363,9 +356,10 @@ def test_sampled_generate_until_is_gpt2xs_seeded_sampling(torch_backend):
 
 def test_cli_eval_prints_a_table_and_writes_json(capsys, exports, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     folder = exports(Precision.fp32).folder
     code, out, err = cli(capsys, "eval", "--model", "shakespeare", "--backend", "ort", "--precision", "fp32", "--onnx", str(folder),
-                         "--tasks", MC, "--include-path", str(TASKS), "--limit", "8", "--json", "r.json", "--threads", "2")
+                         "--tasks", MC, "--include-path", str(TASKS), "--limit", "8", "--output", "r.json", "--threads", "2")
     assert code == 0, err
     assert MC in out and "acc" in out and "acc_norm" in out
     result = json.loads((tmp_path / "r.json").read_text())
@@ -375,8 +369,26 @@ def test_cli_eval_prints_a_table_and_writes_json(capsys, exports, tmp_path, monk
     assert not (tmp_path / "exported").exists()
 
 
+def test_cli_eval_json_prints_the_result_alone_on_stdout(capsys, exports, tmp_path, monkeypatch):
+    """--json: lm-eval's result on stdout and nothing else (the tables go to stderr); the old
+    `--json PATH` writes the file with a one-line deprecation notice."""
+    monkeypatch.chdir(tmp_path)
+    args = ("eval", "--onnx", str(exports(Precision.fp32).folder), "--tasks", MC, "--include-path", str(TASKS), "--limit", "4",
+            "--threads", "2")
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["results"][MC]["sample_len"] == 4 and result["gpt2x"]["tasks"] == [MC]
+    assert "acc_norm" in err and "deprecated" not in err
+    code, out, err = cli(capsys, *args, "--json", "old.json")
+    assert code == 0 and "acc_norm" in out, err
+    assert json.loads((tmp_path / "old.json").read_text())["results"][MC]["sample_len"] == 4
+    assert "warning: --json PATH is deprecated; use --output PATH (--json now prints the JSON on stdout)" in err.splitlines()
+
+
 def test_cli_eval_unknown_task_is_one_line_before_any_export(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     code, _, err = cli(capsys, "eval", "--tasks", f"{MC}x", "--include-path", str(TASKS), "--precision", "int8")
     assert_one_line_error(code, err, UsageError.exit_code, f"unknown task '{MC}x' (did you mean {MC}")
     assert not (tmp_path / "exported").exists()
@@ -385,6 +397,7 @@ def test_cli_eval_unknown_task_is_one_line_before_any_export(capsys, tmp_path, m
 def test_cli_eval_a_data_set_that_cannot_be_loaded_is_one_line(capsys, tmp_path, monkeypatch):
     """Offline (the tests are), a task whose data set is on the hub and not cached: a HubError, not a traceback."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "remote.yaml").write_text(
         "task: gpt2x_remote\ndataset_path: gpt2x-tests/no-such-dataset\noutput_type: loglikelihood_rolling\n"

@@ -9,9 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("lm_eval")
-
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -36,7 +33,7 @@ LOGLIK_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def base_url(export_dir):
-    pytest.importorskip("uvicorn")
+    import uvicorn  # noqa: F401 (uvicorn_server's: missing, the tests fail)
     service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
     with uvicorn_server(local_app(service)) as port:
         yield f"http://127.0.0.1:{port}/v1/completions"

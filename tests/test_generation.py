@@ -76,7 +76,7 @@ def test_sampling_frequencies_follow_the_distribution():
     np.testing.assert_allclose(np.bincount(draws, minlength=3) / len(draws), p, atol=0.02)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
+@pytest.mark.parametrize("kw", [dict(temperature=-0.5), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1),
                                 dict(max_new_tokens=0), dict(num_beams=0)])
 def test_bad_settings_are_refused(kw):
     with pytest.raises(UsageError):

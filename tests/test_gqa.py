@@ -24,7 +24,7 @@ from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
 from gpt2x.runtime import ort as runtime
-from gpt2x.runtime.ort import OrtBackend, SharedKVCache
+from gpt2x.runtime.ort import InPlaceKVCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows import export_model as export
 
@@ -64,8 +64,8 @@ def test_rewrite_replaces_every_attention_and_keeps_the_interface(tiny_gqa):
     assert "MultiHeadAttention" not in ops and "Split" not in ops
     assert [i.name for i in after.graph.input] == [i.name for i in before.graph.input]
     assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
-    assert info.attention == {"op": "GroupQueryAttention", "shared_kv_buffer": True, "batched_multi_token_past": False}
-    assert mha_info.attention["shared_kv_buffer"] is False
+    assert info.attention == {"op": "GroupQueryAttention", "in_place_kv": True, "batched_multi_token_past": False}
+    assert mha_info.attention["in_place_kv"] is False
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -73,8 +73,8 @@ def test_gqa_graph_passes_the_fp32_gate(tiny_gqa, shared):
     """Random shapes incl. empty past, left padding and batched multi-token steps on a past, plus
     greedy agreement: the whole fp32 gate, against the PyTorch model."""
     model, _, info = tiny_gqa
-    backend = OrtBackend(info, shared_kv=shared)
-    assert backend.shared_kv is shared
+    backend = OrtBackend(info, in_place_kv=shared)
+    assert backend.in_place_kv is shared
     result = parity.check(TorchBackend(model), backend, Precision.fp32)
     assert result["status"] == "passed", result["message"]
     assert any(c["batch"] > 1 and c["past"] > 0 and c["seq"] > 1 for c in result["logits"]["cases"])
@@ -85,7 +85,7 @@ def test_shared_cache_is_written_in_place(tiny_gqa):
     backend = OrtBackend(info)
     ids = np.array([[10, 20, 30, 40]])
     logits, cache = backend.run(ids, np.ones((1, 4), np.int64), np.arange(4)[None], None)
-    assert isinstance(cache, SharedKVCache) and cache.length == 4
+    assert isinstance(cache, InPlaceKVCache) and cache.length == 4
     buffers = [a.ctypes.data for a in cache.arrays]
     logits2, cache2 = backend.run(np.array([[50]]), np.ones((1, 5), np.int64), np.array([[4]]), cache)
     assert cache2.length == 5 and [a.ctypes.data for a in cache2.arrays] == buffers  # no new allocation
@@ -112,8 +112,8 @@ def test_generation_matches_torch_through_cache_growth(tiny_gqa, monkeypatch):
     ref = TorchBackend(model)
     grown = []
     backend = OrtBackend(info)
-    real_buffers = backend._shared_buffers
-    backend._shared_buffers = lambda b, cap, keep=None: grown.append(cap) or real_buffers(b, cap, keep)
+    real_buffers = backend._in_place_buffers
+    backend._in_place_buffers = lambda b, cap, keep=None: grown.append(cap) or real_buffers(b, cap, keep)
     for s in (SamplingSettings(max_new_tokens=40, greedy=True), SamplingSettings(max_new_tokens=40, seed=7, top_k=50)):
         grown.clear()
         want = [r.tokens for r in generate(ref, PROMPTS, s)]
@@ -139,17 +139,17 @@ def test_beam_search_reorders_the_shared_cache(tiny_gqa):
         assert generate(OrtBackend(info), [prompt], s)[0].tokens == want
 
 
-def test_int8_export_uses_gqa_and_passes_its_gate(tmp_path):
-    model, source = load_model("shakespeare")
-    info = export(model, source, tmp_path / "sh-int8", Precision.int8)
+def test_int8_export_uses_gqa_and_passes_its_gate(bundled_export):
+    model, _ = load_model("shakespeare")
+    info = bundled_export(Precision.int8)  # made by the export, through its gate
     assert info.meta["fused_operators"]["GroupQueryAttention"] == model.config.n_layer
-    assert info.meta["attention"]["shared_kv_buffer"] is True
+    assert info.meta["attention"]["in_place_kv"] is True
     assert info.meta["parity"]["status"] == "passed"
     backend = OrtBackend(read_export(info.folder))
-    assert backend.shared_kv
+    assert backend.in_place_kv
     # The shared cache and the growing cache are the same graph: same tokens either way.
     s = SamplingSettings(max_new_tokens=48, greedy=True)
-    growing = OrtBackend(read_export(info.folder), shared_kv=False)
+    growing = OrtBackend(read_export(info.folder), in_place_kv=False)
     assert [r.tokens for r in generate(backend, PROMPTS, s)] == [r.tokens for r in generate(growing, PROMPTS, s)]
 
 
@@ -177,7 +177,7 @@ def test_batched_multi_token_step_on_a_shared_cache(tiny_gqa):
     assert cache.capacity > 9
     buffers = [a.ctypes.data for a in cache.arrays]
     logits, cache2 = backend.run(ids[:, 5:], mask, positions(mask, 4), cache)
-    assert isinstance(cache2, SharedKVCache) and cache2.length == 9
+    assert isinstance(cache2, InPlaceKVCache) and cache2.length == 9
     assert [a.ctypes.data for a in cache2.arrays] == buffers  # written in place, row by row
     ref = torch_last_logits(model, ids, mask)[:, 5:]
     assert np.abs(ref - logits).max() <= 1e-4 * np.abs(ref).max()
@@ -222,3 +222,25 @@ def test_a_stale_shared_cache_is_refused(tiny_gqa, monkeypatch):
     with pytest.raises(ValueError, match="already stepped from"):
         small.run(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]), c2)
     backend.run(np.array([[5]]), np.ones((1, 5), np.int64), np.array([[4]]), newer)
+
+
+def test_in_place_kv_is_read_under_either_key_and_the_old_keyword_still_works(tiny_gqa):
+    """Exports record the in-place cache as `in_place_kv`, those made before as `shared_kv_buffer`; a
+    reader takes either key. `OrtBackend(shared_kv=...)` and `.shared_kv` still work for one release, warning."""
+    from gpt2x.errors import ProviderError
+    from gpt2x.onnx.artifact import ExportInfo
+
+    _, mha_info, info = tiny_gqa
+    layout = dict(info.attention)
+    assert layout.pop("in_place_kv") is True  # what artifact.py writes
+    for key in ("in_place_kv", "shared_kv_buffer"):  # today's key, and older exports'
+        for flag in (True, False):
+            named = ExportInfo(info.folder, {**info.meta, "attention": {**layout, key: flag}})
+            assert OrtBackend(named).in_place_kv is flag
+    with pytest.warns(DeprecationWarning, match="in_place_kv"):
+        old = OrtBackend(info, shared_kv=False)
+    assert old.in_place_kv is False
+    with pytest.warns(DeprecationWarning, match="in_place_kv"):
+        assert OrtBackend(info).shared_kv is True
+    with pytest.raises(ProviderError, match="in place"):
+        OrtBackend(mha_info, in_place_kv=True)  # MultiHeadAttention: no in-place cache

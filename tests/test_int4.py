@@ -72,7 +72,7 @@ def test_int4_export_is_gated_and_has_4bit_blocks_and_an_8bit_head(tiny_model, i
     assert {(a["bits"], a["block_size"]) for a in blocks} == {(4, INT4_BLOCK)}
     assert {a["accuracy_level"] for _, a in nodes} == {4}  # int8 activations on the CPU
 
-    assert meta["attention"] == {"op": "GroupQueryAttention", "shared_kv_buffer": True, "batched_multi_token_past": False}
+    assert meta["attention"] == {"op": "GroupQueryAttention", "in_place_kv": True, "batched_multi_token_past": False}
     genai = json.loads((info.folder / GENAI_CONFIG_FILE).read_text())
     assert genai["search"]["past_present_share_buffer"] is True
 
@@ -81,9 +81,9 @@ def test_int4_generation_runs_with_the_in_place_cache(int4_export):
     settings = SamplingSettings(max_new_tokens=12, greedy=True)
     prompts = ["ROMEO:", "The meaning of life is"]
     shared = OrtBackend(int4_export)
-    assert shared.shared_kv
+    assert shared.in_place_kv
     got = generate(shared, prompts, settings)
-    growing = generate(OrtBackend(int4_export, shared_kv=False), prompts, settings)
+    growing = generate(OrtBackend(int4_export, in_place_kv=False), prompts, settings)
     for a, b in zip(got, growing):
         assert len(a.tokens) == 12 or a.finish_reason == "eos"
         assert a.tokens == b.tokens  # the in-place cache decodes the same tokens as the growing one

@@ -22,6 +22,7 @@ from gpt2x.model.config import GPT2Config
 from gpt2x.model.weights import load_model
 from gpt2x.onnx import interop
 from gpt2x.onnx.artifact import MODEL_FILE, read_export
+from gpt2x.onnx.names import in_place_kv
 from gpt2x.workflows import export_model as export
 
 SAMPLES = [
@@ -152,7 +153,7 @@ def test_export_writes_and_hashes_the_interop_files(exported):
     assert set(interop.INTEROP_FILES) <= set(info.meta["files"])  # sized (checked on load) and hashed (gpt2x verify)
     assert info.config == load_model(str(exported[1]))[0].config
     genai = json.loads((copy / interop.GENAI_CONFIG_FILE).read_text())
-    assert genai["search"]["past_present_share_buffer"] is info.attention["shared_kv_buffer"] is False
+    assert genai["search"]["past_present_share_buffer"] is in_place_kv(info.attention) is False
 
 
 def test_share_buffer_only_where_asked(tmp_path):

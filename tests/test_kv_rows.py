@@ -22,7 +22,7 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.base import right_aligned_rows
 from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_stale
-from gpt2x.runtime.ort import OrtBackend, SharedKVCache
+from gpt2x.runtime.ort import InPlaceKVCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row, _layout
 from gpt2x.tokenizer import encode
@@ -224,7 +224,7 @@ def test_backends_merge_as_the_reference_and_decode_on(tiny, scenario):
     on from it gives the same logits on every backend."""
     model, mha, gqa = tiny
     batch, joiners, rows, how = SCENARIOS[scenario]
-    backends = {"in-place": OrtBackend(gqa, shared_kv=True), "growing": OrtBackend(gqa, shared_kv=False),
+    backends = {"in-place": OrtBackend(gqa, in_place_kv=True), "growing": OrtBackend(gqa, in_place_kv=False),
                 "mha": OrtBackend(mha), "torch": TorchBackend(model)}
     try:
         from gpt2x.runtime.openvino import OpenVinoBackend
@@ -249,7 +249,7 @@ def test_backends_merge_as_the_reference_and_decode_on(tiny, scenario):
         width = {"same": mask.shape[1], "wide": max(mask.shape[1], jmask.shape[1] if joiners else 0) + 2, "narrow": used}[how]
         merged = b.merge(past, np.asarray(rows), jpast, width)
         if name == "in-place":
-            assert isinstance(merged, SharedKVCache) and merged.length == width
+            assert isinstance(merged, InPlaceKVCache) and merged.length == width
             assert past.stale and (jpast is None or not jpast.stale)
         want = reference(caches[0], caches[1] if joiners else None, rows, width)
         assert all(np.array_equal(g, w) for g, w in zip(b.present_to_numpy(merged), want))
@@ -275,7 +275,7 @@ class Recorded:
         return getattr(self.inner, name)
 
     def merge(self, past, rows, joiner, width):
-        if isinstance(past, SharedKVCache):
+        if isinstance(past, InPlaceKVCache):
             self.merges.append((past.rows, past.length, rows.tolist(), width, past.buffers.batch))
         else:
             self.merges.append((past[0].shape()[0], past[0].shape()[2], rows.tolist(), width, None))
@@ -342,13 +342,13 @@ def test_rows_leave_and_join_inside_the_in_place_cache(tiny):
     with fp32 weights), and those of the same scenario on the growing cache; the scenario went
     through every kind of merge."""
     _, _, gqa = tiny
-    in_place = OrtBackend(gqa, threads=1, shared_kv=True)
+    in_place = OrtBackend(gqa, threads=1, in_place_kv=True)
     got, recorded, stats = run_scenario(in_place)
     for name, (ids, settings, _) in scenario_rows().items():
         alone = generate(in_place, [""], settings, prompt_ids=[ids])[0].tokens
         assert got[name] == alone, name
         assert len(got[name]) == settings.max_new_tokens  # random weights: no row ends early
-    growing, growing_recorded, _ = run_scenario(OrtBackend(gqa, threads=1, shared_kv=False))
+    growing, growing_recorded, _ = run_scenario(OrtBackend(gqa, threads=1, in_place_kv=False))
     assert growing == got
     assert [m[2:4] for m in growing_recorded.merges] == [m[2:4] for m in recorded.merges]
     assert stats["joins"] >= 4 and stats["compactions"] >= 1 and stats["errors"] == 0

@@ -4,18 +4,17 @@ request counts, stopped at the end of the module): the measured latencies bracke
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 import pytest
-
-pytest.importorskip("httpx")
 
 from gpt2x.bench.loadtest import LoadtestSettings, base_url, run_loadtest  # noqa: E402
 from gpt2x.errors import EndpointError, UsageError  # noqa: E402
 
+from .conftest import refusing_port  # noqa: E402
 from .test_cli import assert_one_line_error, cli  # noqa: E402
 
 FIRST_S, BETWEEN_S, CHUNKS = 0.020, 0.005, 8
@@ -98,12 +97,6 @@ def stub(server):
     Stub.mode = "ok"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_latencies_bracket_the_stub_delays(stub):
     url = stub("ok")
     result = run_loadtest(LoadtestSettings(url=url + "/v1", requests=12, concurrency=[1, 4], max_tokens=16, timeout=10), {})
@@ -161,16 +154,16 @@ def test_bad_settings_and_unreachable_server():
                    {"url": "http://x", "concurrency": [0]}, {"url": "http://x", "rate": -1}, {"url": "http://x", "max_tokens": 0}):
         with pytest.raises(UsageError):
             run_loadtest(LoadtestSettings(**kwargs), {})
-    with pytest.raises(EndpointError, match="cannot reach"):
-        run_loadtest(LoadtestSettings(url=f"http://127.0.0.1:{free_port()}", requests=1, timeout=5), {})
+    with refusing_port() as port, pytest.raises(EndpointError, match="cannot reach"):
+        run_loadtest(LoadtestSettings(url=f"http://127.0.0.1:{port}", requests=1, timeout=5), {})
     assert base_url("http://h:1/v1/") == base_url("http://h:1") == "http://h:1"
 
 
 def test_cli_table_json_and_plot(stub, capsys, tmp_path):
     url = stub("fail_every_3")
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 (the plot's: missing, the test fails)
     code, out, err = cli(capsys, "loadtest", url, "--requests", "6", "--concurrency", "1,2", "--max-tokens", "8",
-                         "--json", str(tmp_path / "lt.json"), "--plot", str(tmp_path / "lt.png"))
+                         "--output", str(tmp_path / "lt.json"), "--plot", str(tmp_path / "lt.png"))
     assert code == 0, err
     assert "loadtest" in out and "TTFT p50" in out and "http_500" in out
     data = json.loads((tmp_path / "lt.json").read_text())
@@ -179,12 +172,32 @@ def test_cli_table_json_and_plot(stub, capsys, tmp_path):
     assert (tmp_path / "lt.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_json_switch_and_the_old_json_path(stub, capsys, tmp_path):
+    """--json prints the JSON alone on stdout (the table goes to stderr); the old `--json PATH` still
+    writes the file, with a one-line deprecation notice; a URL after --json is the server's."""
+    url = stub("ok")
+    code, out, err = cli(capsys, "loadtest", url, "--requests", "3", "--concurrency", "1", "--max-tokens", "4", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [lv["concurrency"] for lv in data["levels"]] == [1] and data["levels"][0]["completed"] == 3
+    assert "TTFT p50" in err and "deprecated" not in err
+    code, out, err = cli(capsys, "loadtest", "--json", url, "--requests", "2", "--concurrency", "1", "--max-tokens", "4")
+    assert code == 0 and json.loads(out)["settings"]["requests"] == 2, err
+    code, out, err = cli(capsys, "loadtest", url, "--requests", "2", "--concurrency", "1", "--max-tokens", "4",
+                         "--json", str(tmp_path / "old.json"))
+    assert code == 0 and "TTFT p50" in out, err
+    assert json.loads((tmp_path / "old.json").read_text())["settings"]["requests"] == 2
+    assert [line for line in err.splitlines() if "deprecated" in line] == [
+        "warning: --json PATH is deprecated; use --output PATH (--json now prints the JSON on stdout)"]
+
+
 def test_cli_errors_are_one_line(stub, capsys, monkeypatch):
     url = stub("429")
     code, out, err = cli(capsys, "loadtest", url, "--requests", "2", "--concurrency", "1")
     assert_one_line_error(code, err, EndpointError.exit_code, "every request failed: 2 x http_429")
     assert "loadtest" in out  # the table is printed first
-    code, _, err = cli(capsys, "loadtest", f"http://127.0.0.1:{free_port()}", "--requests", "1")
+    with refusing_port() as port:
+        code, _, err = cli(capsys, "loadtest", f"http://127.0.0.1:{port}", "--requests", "1")
     assert_one_line_error(code, err, EndpointError.exit_code, "cannot reach")
     code, _, err = cli(capsys, "loadtest", "not-a-url")
     assert_one_line_error(code, err, UsageError.exit_code, "'not-a-url' is not an http:// or https:// URL")

@@ -43,12 +43,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    """The bundled model and its fp32 export (made once for the module)."""
+def bundled(bundled_export):
+    """The bundled model, and the folder of its exports (the run's shared ones; fp32 made here if first)."""
     model, source = load_model("shakespeare")
-    root = tmp_path_factory.mktemp("bundled")
-    export(model, source, root / "shakespeare-fp32")
-    return model, source, root
+    return model, source, bundled_export(Precision.fp32).folder.parent
 
 
 def rel_err(ref: np.ndarray, got: np.ndarray) -> float:
@@ -364,9 +362,9 @@ def test_beam_search_on_ort_equals_torch(bundled):
         [r.tokens for r in generate(OrtBackend(info), ["ROMEO:"], s)]
 
 
-def test_int8_export_passes_its_gate(bundled):
+def test_int8_export_passes_its_gate(bundled, bundled_export):
     model, source, root = bundled
-    info = export(model, source, root / "shakespeare-int8", Precision.int8)
+    info = bundled_export(Precision.int8)  # made by the export, through its gate
     p = info.meta["parity"]
     assert p["status"] == "passed"
     assert info.meta["fused_operators"].get("MatMulNBits", 0) == 4 * model.config.n_layer + 1  # unembedding too

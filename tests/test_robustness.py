@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gpt2x.choices import Precision
@@ -14,7 +15,7 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.workflows import export_model as export
+from gpt2x.tokenizer import EOT_ID
 
 from .test_cli import cli
 
@@ -43,24 +44,38 @@ def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
     from gpt2x.runtime.pytorch import TorchBackend
 
     monkeypatch.setattr(sampling.Sampler, "__call__", real)
-    [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, seed=3, top_k=50))
+    [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, seed=3))  # the CLI's defaults: top-k off
     from gpt2x.tokenizer import decode
 
     assert out == "ROMEO:" + decode(r.tokens)  # exactly the five tokens streamed before Ctrl-C
 
 
 @pytest.fixture(scope="module")
-def bundled_ort(tmp_path_factory):
-    model, source = load_model("shakespeare")
-    info = export(model, source, tmp_path_factory.mktemp("soak") / "fp32", Precision.fp32)
-    return OrtBackend(info)
+def bundled_ort(bundled_export):
+    return OrtBackend(bundled_export(Precision.fp32))
+
+
+class NoEndOfText:
+    """A backend whose next-token logits never let end of text be drawn (its logit -inf), so that a run
+    can end only at the context or its token budget; the rest is the wrapped backend's."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def step(self, *args):
+        logits, present = self.backend.step(*args)
+        logits = np.array(logits, copy=True)
+        logits[:, EOT_ID] = -np.inf
+        return logits, present
 
 
 def test_generation_up_to_the_context_limit(bundled_ort):
-    [r] = generate(bundled_ort, ["ROMEO:"], SamplingSettings(max_new_tokens=1000, seed=1, top_k=0))
-    if r.finish_reason != "eos":
-        assert r.finish_reason == "context"
-        assert len(r.prompt_tokens) + len(r.tokens) == bundled_ort.n_positions
+    [r] = generate(NoEndOfText(bundled_ort), ["ROMEO:"], SamplingSettings(max_new_tokens=1000, seed=1, top_k=0))
+    assert r.finish_reason == "context" and EOT_ID not in r.tokens
+    assert len(r.prompt_tokens) + len(r.tokens) == bundled_ort.n_positions
 
 
 def test_soak_300_generations_memory_is_flat(bundled_ort):

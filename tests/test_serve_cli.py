@@ -12,15 +12,15 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("ray")
-
+import ray  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 
 from .conftest import run_cli  # noqa: E402
 from .test_cli import assert_one_line_error  # noqa: E402
-from .test_serve import free_port  # noqa: E402
+
+# Every test that starts Ray runs in one pytest-xdist worker, one after another (conftest.RAY_TESTS).
+pytestmark = pytest.mark.xdist_group("ray")
 
 KEY = "sekret-key-42"
 
@@ -60,8 +60,8 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     raise AssertionError(f"no line from gpt2x serve within {timeout} s: {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
-def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir):
-    port = free_port()
+def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port):
+    port = reserve_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPT2X_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
                              "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -86,11 +86,11 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir):
             proc.wait()
 
 
-def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir):
+def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, reserve_port):
     """`ray start --head` (blocking, so that stopping it stops its processes), then `gpt2x serve
     --address` onto it: it answers, and SIGTERM removes the application, not the cluster."""
     ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
-    gcs_port, http_port = free_port(), free_port()
+    gcs_port, http_port = reserve_port(), reserve_port()
     # A throwaway cluster without Ray's token authentication (the command would otherwise need the
     # cluster's token, as any Ray driver does); its own process group, so that it can be stopped whole.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}

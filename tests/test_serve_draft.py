@@ -32,23 +32,19 @@ from gpt2x.serve.draft import prepare_draft
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
-from gpt2x.workflows import export_by_name
 
 from .conftest import run_cli
 from .test_cli import assert_one_line_error
 from .test_serve_engine import LINES, Collect
+from .test_speculative import DraftSpy, greedy_counts
 
-FIXED = DraftSettings(max_tokens=4, adaptive=False)  # every round drafts K: a seeded sampled run is reproducible
+FIXED = DraftSettings(num_speculative_tokens=4, adaptive=False)  # every round drafts K: a seeded sampled run is reproducible
 ONE = EngineSettings(max_batch_size=1, batch_wait_s=0)
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    folders = {}
-    for precision in (Precision.fp32, Precision.int8):
-        folders[precision] = tmp_path_factory.mktemp("draft") / f"shakespeare-{precision.value}"
-        export_by_name("shakespeare", folders[precision], precision)
-    return folders
+def exports(bundled_export):
+    return {precision: bundled_export(precision).folder for precision in (Precision.fp32, Precision.int8)}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +101,7 @@ def test_greedy_with_a_draft_equals_the_plain_engine(exports, fp32, int8_draft, 
     """Adaptive K (the default): the rows mix plain steps and rounds of any K; greedy tokens are the
     target's own either way (the int8 target with its cache in place, rolled back by its length)."""
     backend = fp32 if target == "fp32" else OrtBackend(read_export(exports[Precision.int8]), threads=1)
-    assert backend.shared_kv == (target == "int8-in-place")
+    assert backend.in_place_kv == (target == "int8-in-place")
     todo = cases()
     plain = Engine(backend, ONE).start()
     spec = Engine(backend, ONE, make_drafter(kind, int8_draft)).start()
@@ -227,9 +223,11 @@ def test_a_draft_needs_max_batch_size_1(fp32):
 def test_stop_strings_and_health_through_the_service(fp32):
     """A completion request through the replica's service (no HTTP): the stop string cuts the text
     where the plain engine's answer is cut, and /health's answer carries the draft and its acceptance."""
-    full = decode(generate(fp32, [""], SamplingSettings(max_new_tokens=60, greedy=True), prompt_ids=[encode("ROMEO:")])[0].tokens)
+    ref = generate(fp32, [""], SamplingSettings(max_new_tokens=60, greedy=True), prompt_ids=[encode("ROMEO:")])[0].tokens
+    full = decode(ref)
     stop = full[10:13]
-    service = CompletionService(fp32, ONE, "shakespeare", drafter=NgramDrafter(), draft_settings=FIXED, draft_name="ngram")
+    spy = DraftSpy(NgramDrafter())  # the proposals the engine received, to count acceptance from the tokens
+    service = CompletionService(fp32, ONE, "shakespeare", drafter=spy, draft_settings=FIXED, draft_name="ngram")
 
     async def ask(**body):
         req = service.parse(json.dumps({"prompt": "ROMEO:", **body}).encode())
@@ -245,7 +243,12 @@ def test_stop_strings_and_health_through_the_service(fp32):
         assert whole["choices"][0]["text"] == full and whole["usage"]["completion_tokens"] == 60
         h = service.health()
         assert h["draft"] == "ngram" and h["drafted"] >= h["accepted"] and h["drafts"] > 0 and h["rows"] == 2
-        assert h["acceptance_rate"] == h["accepted"] / h["drafted"]
+        # Both requests' proposals, counted against the plain greedy tokens (both answers are a prefix of them).
+        counts = [greedy_counts(rounds, encode("ROMEO:") + ref) for rounds in spy.runs]
+        assert len(counts) == 2 and not any(open_end for *_, open_end in counts)
+        drafted, accepted, drafts = (sum(c[i] for c in counts) for i in range(3))
+        assert (h["drafted"], h["accepted"], h["drafts"]) == (drafted, accepted, drafts)
+        assert h["acceptance_rate"] == accepted / drafted
     finally:
         service.close()
 
@@ -267,31 +270,32 @@ def test_prepare_draft_resolves_before_ray(exports, tmp_path):
     (["--draft", "ngram", "--max-batch-size", "4"], 2,
      "--max-batch-size is 4 with a draft; speculative serving runs at max batch size 1"),
     (["--draft", "./no-such-draft"], 3, "draft ./no-such-draft is neither ngram"),
-    (["--draft", "ngram", "--draft-tokens", "0"], 2, "--draft-tokens must be in 1..32"),
+    (["--draft", "ngram", "--num-speculative-tokens", "0"], 2, "--num-speculative-tokens must be in 1..32"),
 ])
 def test_bad_draft_options_are_one_line(exports, args, code, fragment):
     r = run_cli("serve", "--onnx", str(exports[Precision.fp32]), *args, timeout=120)
     assert_one_line_error(r.returncode, r.stderr, code, fragment)
 
 
-def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32):
+@pytest.mark.xdist_group("ray")  # with the other tests that start Ray, in one worker
+def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32, reserve_port):
     """`gpt2x serve --draft ngram --no-draft-adaptive` (max batch size 1 by default with a draft): a
     greedy and a seeded sampled request equal `generate(..., draft=ngram)`, and /health counts the
     draft's tokens. Stopped with SIGTERM."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("ray")
-    from .test_serve import free_port
+    import httpx
+    import ray  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
+
     from .test_serve_cli import read_line
 
-    port = free_port()
+    port = reserve_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(exports[Precision.fp32]), "--port",
-                             str(port), "--json", "--threads", "1", "--draft", "ngram", "--draft-tokens", "4",
+                             str(port), "--json", "--threads", "1", "--draft", "ngram", "--num-speculative-tokens", "4",
                              "--no-draft-adaptive"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         ready = json.loads(read_line(proc, 180))
         assert ready["draft"] == "ngram" and ready["engine"]["max_batch_size"] == 1
-        assert ready["draft_settings"]["max_tokens"] == 4 and ready["draft_settings"]["adaptive"] is False
+        assert ready["draft_settings"]["num_speculative_tokens"] == 4 and ready["draft_settings"]["adaptive"] is False
         for body, settings in (({"temperature": 0}, SamplingSettings(max_new_tokens=40, greedy=True)),
                                ({"temperature": 0.9, "top_p": 0.95, "seed": 7},
                                 SamplingSettings(max_new_tokens=40, temperature=0.9, top_p=0.95, top_k=0, seed=7))):

@@ -21,7 +21,6 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve import protocol as api
 from gpt2x.serve.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 from gpt2x.tokenizer import EOT_ID, decode, encode
-from gpt2x.workflows import export_by_name
 
 from .conftest import REPO
 
@@ -30,20 +29,16 @@ LONG = encode(" ".join(LINES[300:340]))[:150]  # a prompt that only fits beside 
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    folders = {}
-    for precision in (Precision.fp32, Precision.int8):
-        folders[precision] = tmp_path_factory.mktemp("engine") / f"shakespeare-{precision.value}"
-        export_by_name("shakespeare", folders[precision], precision)
-    return folders
+def exports(bundled_export):
+    return {precision: bundled_export(precision).folder for precision in (Precision.fp32, Precision.int8)}
 
 
 @pytest.fixture(params=["fp32", "int8-in-place", "int8-growing"])
 def backend(request, exports):
     """fp32's growing cache, and int8's graph with its cache in place (serve's default) and growing."""
     precision = Precision.fp32 if request.param == "fp32" else Precision.int8
-    b = OrtBackend(read_export(exports[precision]), threads=1, shared_kv=False if request.param == "int8-growing" else None)
-    assert b.shared_kv == (request.param == "int8-in-place")
+    b = OrtBackend(read_export(exports[precision]), threads=1, in_place_kv=False if request.param == "int8-growing" else None)
+    assert b.in_place_kv == (request.param == "int8-in-place")
     return b
 
 

@@ -96,17 +96,16 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bundled(tmp_path_factory):
-    """The bundled model in PyTorch, and its fp32, int8 and int4 exports in a temporary folder."""
-    model, source = load_model("shakespeare")
-    root = tmp_path_factory.mktemp("spec-bundled")
-    infos = {p: export_model(model, source, root / f"shakespeare-{p.value}", p, check_parity=False)
-             for p in (Precision.fp32, Precision.int8, Precision.int4)}
+def bundled(bundled_export):
+    """The bundled model in PyTorch, and its fp32, int8 and int4 exports (the run's shared ones)."""
+    model, _ = load_model("shakespeare")
+    infos = {p: bundled_export(p) for p in (Precision.fp32, Precision.int8, Precision.int4)}
     return SimpleNamespace(model=model, infos=infos)
 
 
 def openvino_backend(info):
-    pytest.importorskip("openvino")
+    import openvino  # noqa: F401 (the test extra's: missing, the test fails)
+
     from gpt2x.runtime.openvino import OpenVinoBackend
 
     return OpenVinoBackend(info, threads=1)
@@ -147,7 +146,7 @@ def test_truncate_then_step_matches_a_no_cache_forward(bundled, kind):
     way)."""
     b = make_backend(bundled, kind)
     if kind.startswith("ort"):
-        assert b.shared_kv is (kind == "ort-int8")  # both ONNX Runtime caches are covered
+        assert b.in_place_kv is (kind == "ort-int8")  # both ONNX Runtime caches are covered
     rng = np.random.default_rng(0)
     P, K = 6, 4
     ids = rng.integers(0, b.vocab_size, size=P + K).tolist()
@@ -244,7 +243,7 @@ def test_ngram_drafter_uses_its_settings():
     assert p.tokens == [12, 1] and p.q is None
 
 
-@pytest.mark.parametrize("kw", [dict(max_tokens=0), dict(max_tokens=33), dict(ngram_min=3, ngram_max=2),
+@pytest.mark.parametrize("kw", [dict(num_speculative_tokens=0), dict(num_speculative_tokens=33), dict(ngram_min=3, ngram_max=2),
                                 dict(ngram_min=0)])
 def test_bad_draft_settings_are_refused(kw):
     with pytest.raises(UsageError):
@@ -275,25 +274,92 @@ def assert_greedy_equal(target, plain: Generation, spec: Generation, margin: flo
     assert logits[b[i]] >= top2[1] - margin, "the speculative token is not one of a near-tie"
 
 
-def assert_stats(g: Generation, settings: DraftSettings) -> None:
+class DraftSpy:
+    """What the decode loop asked of a drafter and got back, one list per sequence (`reset` starts one)
+    of (the sequence it drafted for, the drafted tokens): DraftSpy(drafter) wraps one drafter, handed
+    to the loop in its place; DraftSpy.on records every drafter of the classes given (those the code
+    under test opens itself)."""
+
+    def __init__(self, drafter=None):
+        self.drafter = drafter
+        self.runs: list[list[tuple[list[int], list[int]]]] = []
+
+    def __getattr__(self, name):  # name, n_positions, sync, keep: the wrapped drafter's
+        return getattr(self.__dict__["drafter"], name)
+
+    def reset(self) -> None:
+        self.runs.append([])
+        self.drafter.reset()
+
+    def propose(self, tokens, k, sampler):
+        proposal = self.drafter.propose(tokens, k, sampler)
+        self.runs[-1].append((list(tokens), list(proposal.tokens)))
+        return proposal
+
+    @classmethod
+    def on(cls, monkeypatch, *classes) -> DraftSpy:
+        spy = cls()
+        for klass in classes:
+            def reset(drafter, original=klass.reset):
+                spy.runs.append([])
+                original(drafter)
+
+            def propose(drafter, tokens, k, sampler, original=klass.propose):
+                proposal = original(drafter, tokens, k, sampler)
+                spy.runs[-1].append((list(tokens), list(proposal.tokens)))
+                return proposal
+
+            monkeypatch.setattr(klass, "reset", reset)
+            monkeypatch.setattr(klass, "propose", propose)
+        return spy
+
+
+def greedy_counts(rounds, sequence: list[int]) -> tuple[int, int, int, bool]:
+    """(drafted, accepted, drafts, open) of a greedy run's proposals (DraftSpy), counted from the
+    sequence the run produced (prompt and output), not from its counters: a drafted token is accepted
+    while it is the sequence's token at its place (greedy verification replaces the first one it
+    rejects by the target's argmax, another token). `open`: a round agreed up to the end of `sequence`
+    (one cut short at end of text), so it may have accepted more than counted."""
+    drafted = accepted = drafts = 0
+    open_end = False
+    for tokens, d in rounds:
+        assert sequence[: len(tokens)] == tokens  # drafted for the sequence the run produced
+        if not d:
+            continue  # nothing drafted: the round was a plain step
+        following = sequence[len(tokens) : len(tokens) + len(d)]
+        agreed = next((i for i, (x, y) in enumerate(zip(d, following)) if x != y), len(following))
+        open_end |= len(tokens) + agreed == len(sequence)
+        drafts, drafted, accepted = drafts + 1, drafted + len(d), accepted + agreed
+    return drafted, accepted, drafts, open_end
+
+
+def assert_stats(g: Generation, settings: DraftSettings, rounds) -> None:
+    """A greedy run's counters; drafted, accepted and their ratios against its proposals (`rounds`, one
+    sequence of a DraftSpy) counted from its tokens."""
     s = g.speculation
     assert s is not None
     assert 0 <= s["accepted"] <= s["drafted"]
     assert s["drafts"] <= s["drafted"]  # a draft round drafts at least one token
     if not settings.adaptive:
-        assert s["drafted"] <= settings.max_tokens * s["drafts"]
+        assert s["drafted"] <= settings.num_speculative_tokens * s["drafts"]
     # every round yields its accepted tokens and one of the target's; the prefill one token
     assert s["tokens"] == 1 + s["plain_steps"] + s["drafts"] + s["accepted"]
     if g.finish_reason == "eos":
         assert s["tokens"] >= len(g.tokens) + 1
     else:
         assert s["tokens"] == len(g.tokens)
-    assert s["acceptance_rate"] == (s["accepted"] / s["drafted"] if s["drafted"] else None)
-    assert s["mean_acceptance_length"] == (1 + s["accepted"] / s["drafts"] if s["drafts"] else None)
+    drafted, accepted, drafts, open_end = greedy_counts(rounds, g.prompt_tokens + padded(g))
+    assert (s["drafted"], s["drafts"]) == (drafted, drafts)
+    if open_end:  # agreed up to the end of text, which cut the run short: more may have been accepted
+        assert g.finish_reason == "eos" and s["accepted"] >= accepted and s["acceptance_rate"] >= accepted / drafted
+        return
+    assert s["accepted"] == accepted
+    assert s["acceptance_rate"] == (accepted / drafted if drafted else None)
+    assert s["mean_acceptance_length"] == (1 + accepted / drafts if drafts else None)
 
 
-DRAFT_SETTINGS = {"k1": DraftSettings(max_tokens=1, adaptive=False), "k3": DraftSettings(max_tokens=3, adaptive=False),
-                  "k8": DraftSettings(max_tokens=8, adaptive=False), "adaptive": DraftSettings(max_tokens=5)}
+DRAFT_SETTINGS = {"k1": DraftSettings(num_speculative_tokens=1, adaptive=False), "k3": DraftSettings(num_speculative_tokens=3, adaptive=False),
+                  "k8": DraftSettings(num_speculative_tokens=8, adaptive=False), "adaptive": DraftSettings(num_speculative_tokens=5)}
 BUNDLED_PROMPTS = ["ROMEO:", "To be, or not to be, that is the question: to be, or not"]
 
 
@@ -302,7 +368,7 @@ def bundled_runs(bundled):
     """Targets (fp32, and int8 with its cache in place), drafts, and the targets' plain greedy runs."""
     settings = SamplingSettings(greedy=True, max_new_tokens=40)
     targets = {p: OrtBackend(bundled.infos[p], threads=1) for p in (Precision.fp32, Precision.int8)}
-    assert targets[Precision.int8].shared_kv
+    assert targets[Precision.int8].in_place_kv
     drafts = {"int4": ModelDrafter(OrtBackend(bundled.infos[Precision.int4], threads=1), "shakespeare int4"),
               "int8": ModelDrafter(OrtBackend(bundled.infos[Precision.int8], threads=1), "shakespeare int8")}
     plain = {p: generate(t, BUNDLED_PROMPTS, settings) for p, t in targets.items()}
@@ -316,13 +382,14 @@ def bundled_runs(bundled):
 def test_greedy_bundled_model_equals_plain_greedy(bundled_runs, target, draft, setting):
     r = bundled_runs
     ds = DRAFT_SETTINGS[setting]
-    drafter = NgramDrafter(ds) if draft == "ngram" else r.drafts[draft]
+    drafter = DraftSpy(NgramDrafter(ds) if draft == "ngram" else r.drafts[draft])
     backend = r.targets[Precision(target)]
     spec = generate(backend, BUNDLED_PROMPTS, r.settings, draft=drafter, draft_settings=ds)
-    for plain, s in zip(r.plain[Precision(target)], spec):
+    assert len(drafter.runs) == len(spec)
+    for plain, s, rounds in zip(r.plain[Precision(target)], spec, drafter.runs):
         assert s.prompt_tokens == plain.prompt_tokens
         assert_greedy_equal(backend, plain, s, MARGIN if target == "fp32" else MARGIN_INT8)
-        assert_stats(s, ds)
+        assert_stats(s, ds, rounds)
     if not ds.adaptive:  # every round drafted: the drafts ran, and the quantized model mostly agrees
         assert all(s.speculation["drafts"] > 0 for s in spec)
         if draft != "ngram":
@@ -366,12 +433,12 @@ def tiny_drafter(tiny, target, draft: str, ds: DraftSettings):
 def test_greedy_tiny_models_equal_plain_greedy(tiny, tiny_plain, target_kind, draft, setting):
     target, plains = tiny_plain[target_kind]
     ds = DRAFT_SETTINGS[setting]
-    drafter = tiny_drafter(tiny, target, draft, ds)
+    drafter = DraftSpy(tiny_drafter(tiny, target, draft, ds))
     for (prompt, n), plain in zip(TINY_CASES, plains):
         [spec] = generate(target, [prompt], SamplingSettings(greedy=True, max_new_tokens=n), draft=drafter,
                           draft_settings=ds)
         assert_greedy_equal(target, plain, spec, MARGIN)
-        assert_stats(spec, ds)
+        assert_stats(spec, ds, drafter.runs[-1])
         if n == 64:
             assert spec.finish_reason == plain.finish_reason == "context"
         if not ds.adaptive and draft != "ngram":
@@ -594,7 +661,7 @@ def test_verify_point_mass_draft():
 
 def test_seeded_speculative_sampling_is_reproducible(tiny):
     target = OrtBackend(tiny.infos[Precision.fp32], threads=1)
-    ds = DraftSettings(max_tokens=3, adaptive=False)
+    ds = DraftSettings(num_speculative_tokens=3, adaptive=False)
     drafter = ModelDrafter(TorchBackend(tiny.draft_model), "tiny draft")
 
     def run(seed: int) -> list[int]:
@@ -614,7 +681,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny):
 def test_draft_control_grows_and_shrinks_k():
     """K: starts at start_tokens, + grow after full acceptance (capped), - 1 after a rejection (>= 1),
     capped by what is left. Rounds here are fast (they pay), so no backoff interferes."""
-    c = DraftControl(max_tokens=6, start_tokens=1, grow=2)
+    c = DraftControl(num_speculative_tokens=6, start_tokens=1, grow=2)
     assert c.next_k(10) == 0 and c.next_k(10) == 0  # the first decode steps are plain: they measure plain steps
     c.plain(0.01)
     c.plain(0.01)  # 100 tokens/s
@@ -638,7 +705,7 @@ def test_draft_control_grows_and_shrinks_k():
 
 
 def test_draft_control_backs_off_probes_and_resumes():
-    c = DraftControl(max_tokens=4, start_tokens=4, min_backoff=8, backoff_growth=2, max_backoff=32, skip_cold=False)
+    c = DraftControl(num_speculative_tokens=4, start_tokens=4, min_backoff=8, backoff_growth=2, max_backoff=32, skip_cold=False)
     for _ in range(2):
         assert c.next_k(10) == 0
         c.plain(0.01)  # plain: 100 tokens/s
@@ -675,7 +742,7 @@ def test_draft_control_backs_off_probes_and_resumes():
 def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
     """A fully accepted round that grows K is not judged while it runs near plain's rate and a full
     round of max_tokens at its costs would beat plain; a draft costlier than the target is."""
-    c = DraftControl(max_tokens=8, start_tokens=1, skip_cold=False)
+    c = DraftControl(num_speculative_tokens=8, start_tokens=1, skip_cold=False)
     c.plain(0.01)
     c.plain(0.01)  # 100 tokens/s
     # A cheap draft (1 ms a token) behind a 12 ms verification: 2 tokens in 13 ms is below plain's rate,
@@ -683,7 +750,7 @@ def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
     c.speculated(1, 1, 0.001, 0.012)
     assert not c.backing_off and c.k == 3
     # A draft as slow as the target (10 ms a token): even a full round of 8 could not pay.
-    d = DraftControl(max_tokens=8, start_tokens=1, skip_cold=False)
+    d = DraftControl(num_speculative_tokens=8, start_tokens=1, skip_cold=False)
     d.plain(0.01)
     d.plain(0.01)
     d.speculated(1, 1, 0.010, 0.012)
@@ -693,14 +760,14 @@ def test_draft_control_judges_growing_rounds_only_when_they_could_pay():
 def test_draft_control_skips_the_first_round_of_each_k():
     """The first verification of a length pays one-off costs: a fully accepted round of a new K is
     neither judged nor counted; the next round of the same K is. A rejected round is judged at once."""
-    c = DraftControl(max_tokens=2, start_tokens=2)
+    c = DraftControl(num_speculative_tokens=2, start_tokens=2)
     c.plain(0.01)
     c.plain(0.01)
     c.speculated(2, 2, 0.05, 0.05)  # slow, fully accepted, the first K = 2: not judged
     assert not c.backing_off and c.spec_rate is None and c.k == 2
     c.speculated(2, 2, 0.05, 0.05)  # K = 2 again: judged, slower than plain
     assert c.backing_off
-    d = DraftControl(max_tokens=8, start_tokens=1)
+    d = DraftControl(num_speculative_tokens=8, start_tokens=1)
     d.plain(0.01)
     d.plain(0.01)
     d.speculated(1, 0, 0.05, 0.05)  # the first K = 1, rejected and slow: judged
@@ -708,7 +775,7 @@ def test_draft_control_skips_the_first_round_of_each_k():
 
 
 def test_draft_control_not_adaptive_always_drafts_k():
-    c = DraftControl(max_tokens=5, adaptive=False)
+    c = DraftControl(num_speculative_tokens=5, adaptive=False)
     assert c.next_k(10) == 5  # no plain first step
     c.speculated(5, 0, 5.0, 5.0)  # rejected and slow: nothing changes
     assert c.next_k(10) == 5 and not c.backing_off
@@ -767,10 +834,11 @@ def cli_json(capsys, *args: str) -> dict:
     return json.loads(out)
 
 
-def test_cli_greedy_with_ngram_draft_equals_without(capsys, bundled):
+def test_cli_greedy_with_ngram_draft_equals_without(capsys, bundled, monkeypatch):
     args = ["generate", "ROMEO:", "--greedy", "--max-new-tokens", "20", "--json", "--threads", "1",
             "--onnx", str(bundled.infos[Precision.fp32].folder)]
     plain = cli_json(capsys, *args)
+    spy = DraftSpy.on(monkeypatch, NgramDrafter)  # the drafter the command opens
     spec = cli_json(capsys, *args, "--draft", "ngram")
     assert "speculation" not in plain
     assert spec["prompt_tokens"] == plain["prompt_tokens"] == encode("ROMEO:")
@@ -778,4 +846,5 @@ def test_cli_greedy_with_ngram_draft_equals_without(capsys, bundled):
     g_spec = Generation("ROMEO:", spec["prompt_tokens"], spec["tokens"], spec["finish_reason"], spec["speculation"])
     assert_greedy_equal(OrtBackend(bundled.infos[Precision.fp32], threads=1), g_plain, g_spec, MARGIN)
     assert spec["draft"] == "ngram"
-    assert_stats(g_spec, DraftSettings())
+    [rounds] = spy.runs
+    assert_stats(g_spec, DraftSettings(), rounds)

@@ -27,7 +27,7 @@ from gpt2x.fileio import sha256
 from gpt2x.onnx import interop
 from gpt2x.onnx import names as io
 from gpt2x.onnx import transformers_js as tjs
-from gpt2x.onnx.artifact import read_export
+from gpt2x.onnx.artifact import EXPORTS_ENV, read_export
 
 from .conftest import REPO
 from .test_cli import assert_one_line_error, cli
@@ -36,12 +36,14 @@ PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """exported/shakespeare-{fp32,int8,int4} under a tmp folder (the layout ensure_export looks for)."""
+def exports(tmp_path_factory, bundled_export):
+    """A tmp folder whose exported/ holds shakespeare-{fp32,int8,int4} (links to the run's shared
+    exports: the layout ensure_export looks for under GPT2X_EXPORTS)."""
     root = tmp_path_factory.mktemp("tjs-exports")
-    model, source = workflows.load_model("shakespeare")
-    infos = {p: workflows.export_model(model, source, root / "exported" / f"shakespeare-{p.value}", p, check_parity=False)
-             for p in PRECISIONS}
+    infos = {p: bundled_export(p) for p in PRECISIONS}
+    (root / "exported").mkdir()
+    for info in infos.values():
+        (root / "exported" / info.folder.name).symlink_to(info.folder, target_is_directory=True)
     return root, infos
 
 
@@ -171,9 +173,10 @@ def test_cli_and_workflow(exports, capsys, monkeypatch):
     exported/MODEL-PRECISION reused, the default folder, --json, --force, the one-line errors."""
     root, infos = exports
     monkeypatch.chdir(root)
+    monkeypatch.setenv(EXPORTS_ENV, str(root / "exported"))
     code, out, err = cli(capsys, "export", "--layout", "transformers.js", "--precision", "int4")
     assert code == 0, err
-    folder = Path("exported/shakespeare-transformers.js")
+    folder = root / "exported/shakespeare-transformers.js"
     lines = out.strip().splitlines()
     assert lines[0] == f"wrote shakespeare for transformers.js to {folder}"
     assert lines[1].startswith("  onnx/model_q4.onnx  dtype q4  (from ") and "shakespeare-int4" in lines[1]

@@ -20,7 +20,7 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
-from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo, default_export_dir
+from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, ExportInfo, default_export_dir
 from gpt2x.runtime import web
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
@@ -29,7 +29,7 @@ from gpt2x.workflows import export_backend, require_provider
 from gpt2x.workflows import export_model as export
 
 from .conftest import PROMPTS, make_hf_model, run_cli
-from .test_bench import BENCH_SCHEMA, validate
+from .test_bench import BENCH_SCHEMA, StepClock, validate
 from .test_greedy_step import check_step_greedy
 
 PRECISIONS = [Precision.fp32, Precision.int8, Precision.int4]
@@ -84,7 +84,7 @@ def test_logits_match_native_onnx_runtime(tiny, pages, precision):
     """The same graph on native ONNX Runtime: fp32 to summation order; int8 and int4 within what the
     two builds' MatMulNBits kernels differ by (native computes with int8 activations)."""
     _, infos = tiny
-    native = OrtBackend(infos[precision], shared_kv=False)
+    native = OrtBackend(infos[precision], in_place_kv=False)
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 50257, (2, 9))
     mask = np.ones_like(ids)
@@ -244,21 +244,32 @@ def test_bench_rows_against_native(tiny, tmp_path, monkeypatch):
     from gpt2x.bench import run as bench
 
     model, infos = tiny
-    monkeypatch.chdir(tmp_path)  # the bench looks for exports in ./exported: the fixture's, copied there
+    monkeypatch.chdir(tmp_path)  # the bench looks for exports under GPT2X_EXPORTS: the fixture's, copied there
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
     shutil.copytree(infos[Precision.int8].folder, default_export_dir(SOURCES["tiny"].name, Precision.int8))
     text = tmp_path / "text.txt"  # perplexity on a short text: the web backend brings every position's logits back
     text.write_text("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.")
     s = bench.BenchSettings(model=SOURCES["tiny"].name, backends=[BackendKind.ort, BackendKind.web], precisions=[Precision.int8],
                             prompt_len=4, new_tokens=6, repeat=1, text=text, greedy_tokens=8)
+    # On the bench's clock a forward costs 1 + 1 per new position ms on ort (the prefill 5, a step 2: 500
+    # tokens/s) and 4 + 1 on the web backend (8 and 5: 200 tokens/s); the page's own times are its own.
+    clock = StepClock(monkeypatch, {OrtBackend: (1, 1), WebBackend: (4, 1)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 2}, loaded=(model, SOURCES["tiny"]))
     assert result["passed"] is True
     assert [p["backend"] for p in result["parity"]] == ["ort", "web"]
     assert result["parity"][1]["source"] == "measured against torch fp32"
     ort, page = result["speed"]
     assert "native_share" not in ort and "page_memory_mb" not in ort
-    assert page["native_share"] == pytest.approx(page["decode_tokens_per_s"] / ort["decode_tokens_per_s"])
-    assert page["page_decode_tokens_per_s"] > page["decode_tokens_per_s"] > 0  # the page's own time excludes the trip
-    assert page["page_native_share"] > 0 and page["page_memory_mb"] > 10
+    assert [ort["ttft_ms"], ort["decode_tokens_per_s"], page["ttft_ms"], page["decode_tokens_per_s"]] == pytest.approx([5, 500, 8, 200])
+    assert page["native_share"] == pytest.approx(200 / 500) and page["native_ttft_ratio"] == pytest.approx(8 / 5)
+    # The timed run's decode steps in the page: the page's own time of each (as it reported it) is below
+    # the wall time of the same step measured here (it excludes the trip), and makes the page's figures.
+    steps = [f for f in clock.forwards if isinstance(f[0], WebBackend)][-(s.new_tokens - 1):]
+    assert len(steps) == s.new_tokens - 1 and all(t == 1 and 0 < page_ms < wall_s * 1e3 for _, t, wall_s, page_ms in steps)
+    page_rate = len(steps) / (sum(page_ms for *_, page_ms in steps) / 1e3)
+    assert page_rate > len(steps) / sum(wall_s for _, _, wall_s, _ in steps)
+    assert page["page_decode_tokens_per_s"] == pytest.approx(page_rate) and page["page_native_share"] == pytest.approx(page_rate / 500)
+    assert page["page_memory_mb"] > 10
     assert page["page"]["crossOriginIsolated"] is True and page["page"]["threads"] == 2
     validate(json.loads(json.dumps(result)), BENCH_SCHEMA)
 

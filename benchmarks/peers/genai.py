@@ -11,6 +11,7 @@ import numpy as np
 
 from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE, genai_config
+from gpt2x.onnx.names import in_place_kv
 
 from .core import Context, StampedLoop, error_line
 from .gpt2x import ensure_exports
@@ -40,7 +41,7 @@ class Genai(StampedLoop):
         if (export_folder / GENAI_CONFIG_FILE).is_file():
             cfg = json.loads((export_folder / GENAI_CONFIG_FILE).read_text())
         else:  # an export made before gpt2x wrote interop files: the same file gpt2x writes now
-            cfg = genai_config(info.config, share_buffer=info.attention["shared_kv_buffer"])
+            cfg = genai_config(info.config, share_buffer=in_place_kv(info.attention))
         cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
         (work / GENAI_CONFIG_FILE).write_text(json.dumps(cfg, indent=1))
         for p in export_folder.iterdir():

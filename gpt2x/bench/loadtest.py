@@ -24,6 +24,7 @@ from rich.table import Table
 
 from ..errors import EndpointError, UsageError
 from ..evaluate.metrics import summarize_latencies
+from ..generation.settings import SamplingSettings
 from .report import require_matplotlib, save_png
 
 SCHEMA_VERSION = 1
@@ -46,7 +47,7 @@ class LoadtestSettings:
     rate: float | None = None  # requests/s, Poisson arrivals; None: closed loop
     max_tokens: int = 64
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    temperature: float = 1.0
+    temperature: float = SamplingSettings.temperature  # OpenAI's default, as gpt2x's
     api_key: str | None = None
     timeout: float = 60.0  # seconds, per request (connect to last byte)
     max_duration: float | None = None  # seconds per level; requests unfinished by then count as failures

@@ -72,7 +72,8 @@ def speculative_table(result: dict) -> Table | None:
     first = rows[0] if rows else {}
     title = "Speculative decoding (greedy, batch 1"
     if first:
-        title += f", K up to {first['draft_tokens']}{' adaptive' if first['adaptive'] else ''}, " \
+        k = first.get("num_speculative_tokens", first.get("draft_tokens"))  # draft_tokens: schema 2 and 3 files
+        title += f", K up to {k}{' adaptive' if first['adaptive'] else ''}, " \
                  f"prompt of {first['prompt_len']} tokens, {first['new_tokens']} new"
     table = Table(title=title + ")")
     for col in ("backend", "precision", "draft", "accept rate", "mean accept len", "decode tok/s", "plain tok/s",

@@ -36,12 +36,14 @@ from ..model.anatomy import total_params
 from ..model.checkpoints import resolve_config
 from ..numerics import positions
 from ..runtime.base import Backend
+from ..runtime.providers import default_precisions
 from ..tokenizer import encode
 from .roofline import cpu_read_bandwidth, gpu_copy_bandwidth, roofline_tokens_per_s
 
 # 2: `speculative` rows, and the settings drafts, draft_tokens and prompt_text; 3: speed rows' native_share
-# and native_ttft_ratio (against ort), and the web backend's page_* figures
-SCHEMA_VERSION = 3
+# and native_ttft_ratio (against ort), and the web backend's page_* figures; 4: draft_tokens (settings and
+# speculative rows) renamed num_speculative_tokens, vLLM's name (report.py reads both)
+SCHEMA_VERSION = 4
 STEP_COST_MAX_N = 8  # the target's step cost is measured over N = 1..8 new tokens
 
 
@@ -50,7 +52,7 @@ class BenchSettings:
     model: str = "shakespeare"  # model name: bundled, preset, hub repo, local path or random:NAME
     provider: ProviderKind = ProviderKind.cpu
     backends: list[BackendKind] = field(default_factory=lambda: [BackendKind.torch, BackendKind.ort])
-    precisions: list[Precision] = field(default_factory=lambda: [Precision.fp32, Precision.int8])
+    precisions: list[Precision] | None = None  # None: the provider's own (providers.default_precisions)
     batches: list[int] = field(default_factory=lambda: [1])
     prompt_len: int = 32  # prompt tokens per row
     new_tokens: int = 128  # generated tokens per row (EOS does not stop a benchmark run)
@@ -62,12 +64,14 @@ class BenchSettings:
     # Speculative decoding, at batch 1: each draft (workflows.open_drafter: int4, int8, ngram, a model
     # or an export folder) on each backend x precision that rolls back its cache.
     drafts: list[str] = field(default_factory=list)
-    draft_tokens: int = DraftSettings.max_tokens  # K: the most tokens drafted per verification (adaptive below it)
+    num_speculative_tokens: int = DraftSettings.num_speculative_tokens  # K: the most tokens drafted per verification (adaptive below it)
     # The prompt of the speculative rows and their plain baseline, as text (its tokens, as many as it
     # encodes to); None: prompt_len random token ids, as the other rows.
     prompt_text: str | None = None
 
     def __post_init__(self) -> None:
+        if self.precisions is None:
+            self.precisions = default_precisions(self.provider)
         for name in ("prompt_len", "new_tokens", "repeat", "greedy_tokens"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be at least 1", option=name)
@@ -75,13 +79,13 @@ class BenchSettings:
             raise UsageError("warmup must be >= 0", option="warmup")
         if not self.batches or min(self.batches) < 1:
             raise UsageError("batch sizes must be at least 1", option="batch")
-        self.draft_settings()  # draft_tokens in range
+        self.draft_settings()  # num_speculative_tokens in range
         if self.prompt_text is not None and not encode(self.prompt_text):
             raise UsageError("prompt_text is empty: it encodes to no tokens", option="prompt_text")
 
     def draft_settings(self) -> DraftSettings:
-        """The drafts' settings: K up to draft_tokens, adaptive (as `gpt2x generate --draft`)."""
-        return DraftSettings(max_tokens=self.draft_tokens)
+        """The drafts' settings: K up to num_speculative_tokens, adaptive (as `gpt2x generate --draft`)."""
+        return DraftSettings(num_speculative_tokens=self.num_speculative_tokens)
 
 
 def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[dict]]:
@@ -254,7 +258,7 @@ def speculative_row(target: Backend, drafter: Drafter, prompt_ids: list[int], s:
     plain_tps = float(np.median([decode_rate(run) for run in plain]))
     spec_tps = float(np.median([decode_rate(run) for run in spec]))
     return {
-        "draft_tokens": settings.max_tokens, "adaptive": settings.adaptive,
+        "num_speculative_tokens": settings.num_speculative_tokens, "adaptive": settings.adaptive,
         "prompt_len": len(prompt_ids), "new_tokens": s.new_tokens, "timed_runs": s.repeat,
         "acceptance_rate": total.acceptance_rate, "mean_acceptance_length": total.mean_acceptance_length,
         "drafted": total.drafted, "accepted": total.accepted, "drafts": total.drafts, "plain_steps": total.plain_steps,

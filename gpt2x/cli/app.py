@@ -9,6 +9,7 @@ not a command name load them all."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Annotated
 
@@ -90,6 +91,53 @@ def register(args: list[str]) -> None:
         app.command(name, epilog=module.EPILOG)(getattr(module, name))
 
 
+# Spellings of the previous release still accepted, with a one-line notice on stderr: rewritten in
+# the arguments before Typer parses them (upgrade_args), so that each command declares only the new ones.
+RENAMED_OPTIONS = {"--draft-tokens": "--num-speculative-tokens"}
+JSON_PATH_COMMANDS = ("bench", "eval", "loadtest")  # where `--json PATH` wrote a file (now --output PATH)
+JSON_PATH_NOTICE = "--json PATH is deprecated; use --output PATH (--json now prints the JSON on stdout)"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|[\w.-]+:\d+(/|$)")  # scheme://..., or host:port
+
+
+def _json_path(command: str, value: str | None) -> bool:
+    """Whether the word after `--json` is the file the old `--json PATH` named: not an option, and for
+    loadtest, whose argument is the server's URL, not something that looks like a URL."""
+    if value is None or value.startswith("-"):
+        return False
+    return not (command == "loadtest" and _URL.match(value))
+
+
+def upgrade_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """`args` with the deprecated spellings rewritten (`--draft-tokens K`: `--num-speculative-tokens K`;
+    on bench, eval and loadtest, `--json PATH`: `--output PATH`), and a deprecation notice for each."""
+    at = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if at is None or args[at] not in COMMANDS:
+        return list(args), []
+    command = args[at]
+    new, notices = list(args[: at + 1]), []
+    i = at + 1
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if arg == "--":  # what follows is arguments, not options
+            new += args[i:]
+            break
+        if name in RENAMED_OPTIONS:
+            new.append(RENAMED_OPTIONS[name] + eq + value)
+            notices.append(f"{name} is deprecated; use {RENAMED_OPTIONS[name]}")
+        elif command in JSON_PATH_COMMANDS and name == "--json" and (eq or _json_path(command, args[i + 1] if i + 1 < len(args) else None)):
+            if eq:
+                new.append("--output=" + value)
+            else:
+                new += ["--output", args[i + 1]]
+                i += 1
+            notices.append(JSON_PATH_NOTICE)
+        else:
+            new.append(arg)
+        i += 1
+    return new, list(dict.fromkeys(notices))
+
+
 def cli_message(e: Gpt2xError) -> str:
     """The error's message, naming the command-line flag where the library names a parameter."""
     message = str(e)
@@ -105,9 +153,14 @@ _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Clic
 def main() -> None:
     """Console entry point: runs the app and maps every failure to one line and an exit code."""
     debug = os.environ.get("GPT2X_DEBUG") == "1"
-    register(sys.argv[1:])
+    args = sys.argv[1:]
+    if "_GPT2X_COMPLETE" not in os.environ:  # completion reads its words from the environment: left as typed
+        args, notices = upgrade_args(args)
+        for message in notices:
+            err.print(f"warning: {message}", markup=False, soft_wrap=True)
+    register(args)
     try:
-        code = app(standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
+        code = app(args=args, standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
     except (typer.Abort, KeyboardInterrupt):
         code = INTERRUPTED_EXIT_CODE
     except _CLICK_ERROR as e:  # usage errors: unknown option, bad choice, missing argument

@@ -9,12 +9,26 @@ import typer
 
 from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
-from ..fileio import write_atomic
-from .options import ModelOptional, PrecisionOpt, RevisionOpt, Status, ThreadsOpt, notice, out, parse_list, progress_to
+from .options import (
+    ExportsOpt,
+    JsonOpt,
+    ModelOptional,
+    OutputOpt,
+    PrecisionOpt,
+    RevisionOpt,
+    Status,
+    ThreadsOpt,
+    notice,
+    parse_list,
+    progress_to,
+    tables_console,
+    write_json,
+)
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x eval --model shakespeare --tasks gpt2x_shakespeare_mc,gpt2x_shakespeare_ppl --include-path tests/data/lm_eval_tasks\n\n"
-    "  gpt2x eval --model gpt2 --precision int8 --tasks lambada_openai,hellaswag --limit 200 --json gpt2-int8.json\n\n"
+    "  gpt2x eval --model gpt2 --precision int8 --tasks lambada_openai,hellaswag --limit 200 --output gpt2-int8.json\n\n"
+    "  gpt2x eval --tasks gpt2x_shakespeare_mc --include-path tests/data/lm_eval_tasks --limit 8 --json | jq .results\n\n"
     "  gpt2x eval --model gpt2 --backend torch --tasks arc_easy --num-fewshot 5 --batch-size 16")
 
 
@@ -22,11 +36,12 @@ def eval(
     tasks: Annotated[str, typer.Option(help="Comma-separated lm-eval task or group names (lm-eval's own, or those of --include-path).")],
     model: ModelOptional = None,
     revision: RevisionOpt = None,
+    exports: ExportsOpt = None,
     backend: Annotated[BackendKind, typer.Option(
         help="ort, openvino, genai, web: the export (made first if missing); torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/MODEL-PRECISION).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: EXPORTS/MODEL-PRECISION, see --exports).")] = None,
     threads: ThreadsOpt = None,
     include_path: Annotated[Optional[list[Path]], typer.Option(
         help="A folder of lm-eval task YAML files (repeatable); its tasks take precedence over lm-eval's.")] = None,
@@ -36,7 +51,8 @@ def eval(
     batch_size: Annotated[int, typer.Option(min=1, help="Requests scored or generated together.")] = 8,
     max_gen_toks: Annotated[int, typer.Option(min=1, help="Most tokens a generation task generates (unless the task says).")] = 256,
     seed: Annotated[int, typer.Option(help="Seeds lm-eval (few-shot examples) and sampled generation.")] = 1234,
-    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write lm-eval's results (and what ran) to this JSON file.")] = None,
+    as_json: JsonOpt = False,
+    output: OutputOpt = None,
 ) -> None:
     """Evaluate a model with lm-evaluation-harness: accuracy, perplexity and generation tasks, any backend."""
     if backend is BackendKind.torch and onnx_dir is not None:
@@ -58,7 +74,7 @@ def eval(
     with Status("starting") as status:
         manager, lm = prepare(settings, progress=progress_to(status), notice=notice)
     result = evaluate(settings, manager, lm)  # progress bars on stderr
-    if json_file:
-        write_atomic(json_file, result_json(result))
-    for table in result_tables(result):
-        out.print(table, markup=False)
+    write_json(result_json(result), as_json, output)  # lm-eval's results, and what ran
+    console = tables_console(as_json)
+    for table in result_tables(result) if console else ():
+        console.print(table, markup=False)

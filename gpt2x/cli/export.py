@@ -14,7 +14,7 @@ from ..errors import OutputError, UsageError
 from ..onnx.artifact import DEFAULT_OPSET, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows import export_by_name, export_transformers_js
-from .options import JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
+from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
 
 
 class Layout(str, Enum):
@@ -25,19 +25,20 @@ class Layout(str, Enum):
 EPILOG = ("Examples:\n\n"
     "  gpt2x export --model shakespeare\n\n"
     "  gpt2x export --model gpt2 --precision int8\n\n"
-    "  gpt2x export --model ./my-gpt2 --precision fp16 --out exported/my-fp16 --force\n\n"
+    "  gpt2x export --model ./my-gpt2 --precision fp16 --out my-fp16 --force\n\n"
     "  gpt2x export --model shakespeare --layout transformers.js")
 
 
 def export(
     model: ModelOpt = "shakespeare",
     revision: RevisionOpt = None,
+    exports: ExportsOpt = None,
     precision: Annotated[Optional[Precision], typer.Option(
         help="fp32 (reference, the default), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
              "int4 keeps the unembedding at 8 bits) or fp16 (CUDA). With --layout transformers.js: that one "
              "precision only (default: fp32, int8 and int4).")] = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: exported/MODEL-PRECISION; "
-                                                    "with --layout transformers.js, exported/MODEL-transformers.js).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: EXPORTS/MODEL-PRECISION, see --exports; "
+                                                    "with --layout transformers.js, EXPORTS/MODEL-transformers.js).")] = None,
     opset: Annotated[int, typer.Option(min=17, help="ONNX opset.")] = DEFAULT_OPSET,
     force: Annotated[bool, typer.Option(help="Replace an existing export (with --layout transformers.js: the "
                                              "transformers.js folder; the exports it copies are reused).")] = False,
@@ -45,7 +46,7 @@ def export(
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
-             "q8, q4), copied from the exports in exported/MODEL-PRECISION, exported first where missing.")] = Layout.gpt2x,
+             "q8, q4), copied from the exports in EXPORTS/MODEL-PRECISION, exported first where missing.")] = Layout.gpt2x,
     as_json: JsonOpt = False,
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""

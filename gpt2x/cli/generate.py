@@ -18,8 +18,10 @@ from ..generation.speculative import DraftSettings
 from ..tokenizer import StreamDecoder, decode
 from ..workflows import DRAFT_HELP, open_backend, open_drafter
 from .options import (
+    ExportsOpt,
     JsonOpt,
     ModelOptional,
+    NumSpeculativeTokensOpt,
     PrecisionOpt,
     RevisionOpt,
     Status,
@@ -32,36 +34,41 @@ from .options import (
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x generate \"ROMEO:\" --model shakespeare --backend torch --seed 1\n\n"
-    "  gpt2x generate \"Hello, my name is\" --model gpt2 --greedy --max-new-tokens 20\n\n"
+    "  gpt2x generate \"ROMEO:\" --seed 1 --temperature 0.8 --top-p 0.9 --top-k 40    (defaults: 1, 1, off, as OpenAI's API)\n\n"
+    "  gpt2x generate \"Hello, my name is\" --model gpt2 --temperature 0 --max-new-tokens 20    (0: greedy, as --greedy)\n\n"
     "  gpt2x generate --prompts-file prompts.txt --model shakespeare --backend torch --json\n\n"
-    "  gpt2x generate \"ROMEO:\" --greedy --draft int4 --draft-tokens 8")
+    "  gpt2x generate \"ROMEO:\" --greedy --draft int4 --num-speculative-tokens 8")
 
 
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="Text to continue (empty: start a new document).")] = None,
     model: ModelOptional = None,
     revision: RevisionOpt = None,
+    exports: ExportsOpt = None,
     backend: Annotated[BackendKind, typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
         "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: exported/MODEL-PRECISION).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: EXPORTS/MODEL-PRECISION, see --exports).")] = None,
     threads: ThreadsOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (stops earlier at <|endoftext|> or the context limit).")] = 64,
-    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token.")] = False,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = 50,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1].")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(
+        help="Tokens to generate (stops earlier at <|endoftext|> or the context limit).")] = SamplingSettings.max_new_tokens,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (as --temperature 0).")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (>= 0; 0: greedy).")] = SamplingSettings.temperature,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = SamplingSettings.top_k,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1].")] = SamplingSettings.top_p,
     seed: Annotated[Optional[int], typer.Option(help="Sampler seed: same seed, same text. Random if unset.")] = None,
-    num_beams: Annotated[int, typer.Option(help="Beam search with this many beams (1: off).")] = 1,
-    length_penalty: Annotated[float, typer.Option(help="Beam search length penalty (as in transformers).")] = 1.0,
-    early_stopping: Annotated[bool, typer.Option(help="Beam search stops once num_beams hypotheses are done.")] = False,
+    num_beams: Annotated[int, typer.Option(help="Beam search with this many beams (1: off).")] = SamplingSettings.num_beams,
+    length_penalty: Annotated[float, typer.Option(
+        help="Beam search length penalty (as in transformers).")] = SamplingSettings.length_penalty,
+    early_stopping: Annotated[bool, typer.Option(
+        help="Beam search stops once num_beams hypotheses are done.")] = SamplingSettings.early_stopping,
     prompts_file: Annotated[Optional[Path], typer.Option(help="One prompt per line, generated as one left-padded batch.")] = None,
     truncate: Annotated[bool, typer.Option(help="Keep the end of prompts longer than the context instead of failing.")] = False,
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own.")] = None,
-    draft_tokens: Annotated[int, typer.Option(help="Most tokens drafted per verification (K).")] = DraftSettings.max_tokens,
+    num_speculative_tokens: NumSpeculativeTokensOpt = DraftSettings.num_speculative_tokens,
     draft_adaptive: Annotated[bool, typer.Option(
         help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled run is reproduced exactly.")] = True,
@@ -80,7 +87,7 @@ def generate(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
     )
-    draft_settings = DraftSettings(max_tokens=draft_tokens, adaptive=draft_adaptive)
+    draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     if draft is not None and num_beams > 1:
         raise UsageError("--draft and --num-beams do not combine: speculative decoding samples or decodes greedily")
     with Status("starting") as status:

@@ -12,12 +12,13 @@ import typer
 from ..bench.report import require_matplotlib
 from ..bench.system import system_info
 from ..errors import EndpointError, MissingDependencyError
-from ..fileio import write_atomic
-from .options import Status, out, parse_list, progress_to, read_prompts_file
+from ..generation.settings import SamplingSettings
+from .options import JsonOpt, OutputOpt, Status, parse_list, progress_to, read_prompts_file, tables_console, write_json
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x loadtest http://127.0.0.1:8000 --requests 200 --concurrency 1,4,16\n\n"
-    "  gpt2x loadtest http://127.0.0.1:8080/v1 --rate 4 --max-tokens 128 --json lt.json --plot lt.png\n\n"
+    "  gpt2x loadtest http://127.0.0.1:8080/v1 --rate 4 --max-tokens 128 --output lt.json --plot lt.png\n\n"
+    "  gpt2x loadtest http://127.0.0.1:8000 --requests 50 --concurrency 4 --json | jq '.levels[0].ttft.p50_ms'\n\n"
     "  GPT2X_API_KEY=... gpt2x loadtest https://my-server.example --model my-model --prompts-file prompts.txt")
 
 
@@ -33,12 +34,13 @@ def loadtest(
     concurrency: Annotated[str, typer.Option(help="Comma-separated: requests in flight, one level after another.")] = "1,4,16",
     rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals at this many requests/s (default: closed loop).")] = None,
     max_tokens: Annotated[int, typer.Option(help="max_tokens of each request.")] = 64,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature sent to the server.")] = 1.0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature sent to the server (0: greedy).")] = SamplingSettings.temperature,
     prompts_file: Annotated[Optional[Path], typer.Option(help="UTF-8 file, one prompt per line (default: a few Shakespeare openings).")] = None,
     api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", help="Sent as Authorization: Bearer KEY.", show_default=False)] = None,
     timeout: Annotated[float, typer.Option(help="Seconds per request, connect to last token.")] = 60.0,
     max_duration: Annotated[Optional[float], typer.Option(help="Seconds per level; unfinished requests count as failed.")] = None,
-    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write every figure to this JSON file.")] = None,
+    as_json: JsonOpt = False,
+    output: OutputOpt = None,
     plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: latency against output tokens/s (needs matplotlib).")] = None,
 ) -> None:
     """TTFT, TPOT, inter-token and end-to-end latency, throughput and failures of a streaming completions endpoint."""
@@ -56,10 +58,11 @@ def loadtest(
         require_matplotlib()
     with Status(f"connecting to {url}") as status:
         result = lt.run_loadtest(settings, system_info(), progress=progress_to(status))
-    if json_file:
-        write_atomic(json_file, json.dumps(result, indent=1) + "\n")
+    write_json(json.dumps(result, indent=1) + "\n", as_json, output)
     if plot_file:
         lt.plot_loadtest(result, plot_file)
-    out.print(lt.loadtest_table(result))
+    console = tables_console(as_json)
+    if console:
+        console.print(lt.loadtest_table(result))
     if lt.all_failed(result):
         raise EndpointError(f"every request failed: {lt.failure_summary(result)}")

@@ -16,9 +16,12 @@ from rich.markup import escape
 from .. import __version__
 from ..choices import Precision
 from ..errors import UsageError
+from ..fileio import write_atomic
+from ..onnx.artifact import EXPORTS_ENV
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True, highlight=False)
+err_tables = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 220)  # tables, with --json
 
 ModelOpt = Annotated[
     str,
@@ -28,8 +31,25 @@ ModelOpt = Annotated[
         "a hub repo id, a local Hugging Face folder or a .safetensors file.",
     ),
 ]
+def _use_exports(value: Optional[Path]) -> Optional[Path]:
+    """--exports DIR (or GPT2X_EXPORTS): the one setting of where exports made by model name go, set for
+    this process and those it starts (artifact.exports_root reads it)."""
+    if value is not None:
+        os.environ[EXPORTS_ENV] = str(value.expanduser().resolve())
+    return value
+
+
+ExportsOpt = Annotated[Optional[Path], typer.Option(
+    "--exports", envvar=EXPORTS_ENV, callback=_use_exports, metavar="DIR", show_default=False,
+    help="Where exports made by model name are kept (DIR/MODEL-PRECISION); default ~/.cache/gpt2x/exported "
+         "(under XDG_CACHE_HOME when set).")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+OutputOpt = Annotated[Optional[Path], typer.Option(
+    "--output", help="Also write the JSON result to this file (atomically: whole or not at all).")]
+NumSpeculativeTokensOpt = Annotated[int, typer.Option(
+    "--num-speculative-tokens",
+    help="Most tokens the draft proposes per verification (K, vLLM's num_speculative_tokens).")]
 ModelOptional = Annotated[
     Optional[str],
     typer.Option("--model", "-m", help="As for `export` (default: shakespeare); checked against --onnx metadata when given."),
@@ -102,6 +122,23 @@ def parse_list(value: str, kind, option: str) -> list:
 def progress_to(status: Status):
     """A library Progress callback that updates `status`."""
     return lambda message: status.update(message + " ...")
+
+
+def write_json(text: str, as_json: bool, output: Optional[Path]) -> None:
+    """A command's JSON result: to the --output file (atomically) and, with --json, on stdout."""
+    if output is not None:
+        write_atomic(output, text)
+    if as_json:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def tables_console(as_json: bool) -> Optional[Console]:
+    """Where a command's tables go: stdout, or with --json (stdout holds the JSON alone) stderr, or
+    nowhere with --json and --quiet."""
+    if not as_json:
+        return out
+    return err_tables if Status.enabled else None
 
 
 def notice(message: str) -> None:

@@ -13,13 +13,25 @@ from ..choices import BackendKind, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
 from ..workflows import DRAFT_HELP, require_provider, resolve_export
-from .options import ModelOptional, PrecisionOpt, RevisionOpt, Status, ThreadsOpt, err, notice, out, progress_to
+from .options import (
+    ExportsOpt,
+    ModelOptional,
+    NumSpeculativeTokensOpt,
+    PrecisionOpt,
+    RevisionOpt,
+    Status,
+    ThreadsOpt,
+    err,
+    notice,
+    out,
+    progress_to,
+)
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x serve --model shakespeare\n\n"
-    "  gpt2x serve --onnx exported/gpt2-int8 --replicas 2 --port 8000\n\n"
+    "  gpt2x serve --onnx ~/.cache/gpt2x/exported/gpt2-int8 --replicas 2 --port 8000\n\n"
     "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
-    "  gpt2x serve --model gpt2 --draft int8 --draft-tokens 6\n\n"
+    "  gpt2x serve --model gpt2 --draft int8 --num-speculative-tokens 6\n\n"
     "  gpt2x serve --onnx /mnt/exports/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
@@ -43,8 +55,9 @@ def require_serve_extra() -> None:
 def serve(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
+    exports: ExportsOpt = None,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: exported/MODEL-PRECISION, made first if missing).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,
     backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
@@ -64,7 +77,7 @@ def serve(
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
         "Each replica then decodes one request at a time (max batch size 1).")] = None,
-    draft_tokens: Annotated[int, typer.Option(help="Most tokens drafted per verification (K).")] = DraftSettings.max_tokens,
+    num_speculative_tokens: NumSpeculativeTokensOpt = DraftSettings.num_speculative_tokens,
     draft_adaptive: Annotated[bool, typer.Option(
         help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled request is reproduced exactly "
@@ -87,7 +100,7 @@ def serve(
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
     if max_batch_size is None:
         max_batch_size = 1 if draft is not None else 16
-    draft_settings = DraftSettings(max_tokens=draft_tokens, adaptive=draft_adaptive)
+    draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=batch_wait_ms / 1000)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica)

@@ -13,7 +13,7 @@ from rich.markup import escape
 from ..onnx.artifact import verify_export
 from .options import JsonOpt, Status, out
 
-EPILOG = ("Examples:\n\n  gpt2x verify exported/shakespeare-fp32\n\n  gpt2x verify exported/gpt2-int8 --json")
+EPILOG = ("Examples:\n\n  gpt2x verify ~/.cache/gpt2x/exported/shakespeare-fp32\n\n  gpt2x verify my-exports/gpt2-int8 --json")
 
 
 def verify(

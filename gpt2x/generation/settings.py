@@ -1,4 +1,9 @@
-"""What to generate (SamplingSettings) and what came out (Generation)."""
+"""What to generate (SamplingSettings) and what came out (Generation).
+
+SamplingSettings' defaults are the sampling defaults of every entry point (`gpt2x generate`'s options,
+the completions API's request fields): OpenAI's and vLLM's, temperature 1, top-p 1 and top-k off, so
+that the same prompt, seed and settings give the same tokens whichever way they are asked for. A
+temperature of 0 means greedy decoding (as in OpenAI's API and vLLM), wherever the settings come from."""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ from ..errors import UsageError
 @dataclass(frozen=True)
 class SamplingSettings:
     max_new_tokens: int = 64  # tokens to generate per prompt (fewer if EOS or the context ends first)
-    greedy: bool = False  # argmax decoding; ignores temperature/top-k/top-p
-    temperature: float = 1.0  # logits are divided by this before sampling; > 0
+    greedy: bool = False  # argmax decoding; ignores temperature/top-k/top-p (temperature 0 sets it)
+    temperature: float = 1.0  # logits are divided by this before sampling; >= 0, 0 = greedy
     top_k: int = 0  # keep only the k most likely tokens; 0 = off
     top_p: float = 1.0  # nucleus: keep the smallest set whose probability reaches top_p; in (0, 1]
     seed: int = 0  # seeds the sampler; same seed, same logits -> same tokens
@@ -22,8 +27,10 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}", option="max_new_tokens")
-        if not self.temperature > 0:
-            raise UsageError(f"temperature must be > 0, got {self.temperature} (greedy decoding takes the argmax)", option="temperature")
+        if not self.temperature >= 0:  # NaN too
+            raise UsageError(f"temperature must be >= 0 (0: greedy), got {self.temperature}", option="temperature")
+        if self.temperature == 0:  # the one rule for every entry point: temperature 0 is greedy decoding
+            object.__setattr__(self, "greedy", True)
         if self.top_k < 0:
             raise UsageError(f"top_k must be >= 0, got {self.top_k}", option="top_k")
         if not 0 < self.top_p <= 1:

@@ -44,14 +44,15 @@ NGRAM_MAX = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
 
 @dataclass(frozen=True)
 class DraftSettings:
-    max_tokens: int = 8  # K: the most draft tokens one verification checks
+    num_speculative_tokens: int = 8  # K: the most draft tokens one verification checks (vLLM's name)
     adaptive: bool = True  # K (and whether to speculate at all) from measured costs and acceptance; False: always K
     ngram_max: int = NGRAM_MAX  # prompt lookup: the longest suffix matched
     ngram_min: int = 1  # ... and the shortest
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_tokens <= 32:
-            raise UsageError(f"draft_tokens must be in 1..32, got {self.max_tokens}", option="draft_tokens")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise UsageError(f"num_speculative_tokens must be in 1..32, got {self.num_speculative_tokens}",
+                             option="num_speculative_tokens")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -183,7 +184,7 @@ class DraftControl:
     """Chooses each round's K (0: a plain step) and measures whether speculating pays.
 
     - K starts at `start_tokens`, grows by `grow` after a round whose drafted tokens were all
-      accepted and shrinks by one after a rejection, within [1, max_tokens] (transformers' assisted
+      accepted and shrinks by one after a rejection, within [1, num_speculative_tokens] (transformers' assisted
       generation adapts its K the same way). Rounds that grow K are not judged below (unless far
       slower than plain): a draft that pays only at a large K is not given up on its way there.
     - Whether it pays is measured, not modelled: the tokens per second of recent speculative rounds
@@ -194,9 +195,9 @@ class DraftControl:
       that rarely agrees has shrunk it to 1 by then, so its probes cost little); a probe that does
       not pay multiplies the backoff by `backoff_growth` (up to max_backoff), one that does resumes
       speculation.
-    With adaptive False, every round drafts max_tokens (reproducible: no timing decides anything)."""
+    With adaptive False, every round drafts num_speculative_tokens (reproducible: no timing decides anything)."""
 
-    max_tokens: int
+    num_speculative_tokens: int
     adaptive: bool = True
     start_tokens: int = 1
     grow: int = 2
@@ -218,7 +219,7 @@ class DraftControl:
     seen: set[int] = field(default_factory=set)  # the K drafted so far
 
     def __post_init__(self) -> None:
-        self.k = min(self.start_tokens, self.max_tokens)
+        self.k = min(self.start_tokens, self.num_speculative_tokens)
         self.backoff = self.min_backoff
 
     def next_k(self, cap: int) -> int:
@@ -226,7 +227,7 @@ class DraftControl:
         if cap < 1:
             k = 0
         elif not self.adaptive:
-            k = min(self.max_tokens, cap)
+            k = min(self.num_speculative_tokens, cap)
         elif self.plain_steps < self.first_plain:
             k = 0  # measure plain decoding first
         elif self.backing_off:
@@ -259,15 +260,15 @@ class DraftControl:
         """A round drafted `drafted` tokens in `draft_seconds`, of which the target kept `accepted`, and
         verified them (and rolled back) in `verify_seconds`. A round whose tokens were all kept while
         K could still grow is not judged (K grows: a short round says little of a longer one), unless
-        it ran below ramp_floor of plain's rate or a fully accepted round of max_tokens at this
+        it ran below ramp_floor of plain's rate or a fully accepted round of num_speculative_tokens at this
         round's costs could not beat plain; the others are judged against plain steps. The first
         fully accepted round of each K is neither judged nor counted (skip_cold): its verification
         is of a length the runtime has not run yet, whose one-off costs say nothing of the next (a
         rejected round is judged all the same: a draft that disagrees is given up at once)."""
         seconds = draft_seconds + verify_seconds
         full = accepted >= drafted
-        growing = full and self.k < self.max_tokens
-        self.k = min(self.max_tokens, self.k + self.grow) if full else max(1, self.k - 1)
+        growing = full and self.k < self.num_speculative_tokens
+        self.k = min(self.num_speculative_tokens, self.k + self.grow) if full else max(1, self.k - 1)
         probe = self.backing_off
         cold = self.skip_cold and full and drafted not in self.seen and not probe
         self.seen.add(drafted)
@@ -277,7 +278,8 @@ class DraftControl:
         self.spec_sums = self._add(None if probe else self.spec_sums, accepted + 1, seconds)
         if not self.adaptive or self.plain_rate is None:
             return
-        best_case = (self.max_tokens + 1) / max(self.max_tokens * draft_seconds / max(drafted, 1) + verify_seconds, 1e-12)
+        k_max = self.num_speculative_tokens
+        best_case = (k_max + 1) / max(k_max * draft_seconds / max(drafted, 1) + verify_seconds, 1e-12)
         ramping = (growing and (accepted + 1) / max(seconds, 1e-12) >= self.ramp_floor * self.plain_rate
                    and best_case > self.plain_rate)
         if ramping or self.spec_rate >= self.plain_rate:
@@ -318,7 +320,7 @@ class SpecStats:
 
 
 def control_for(settings: DraftSettings) -> DraftControl:
-    return DraftControl(settings.max_tokens, settings.adaptive)
+    return DraftControl(settings.num_speculative_tokens, settings.adaptive)
 
 
 def refuse_unrollable(backend: Backend, role: str) -> None:

@@ -27,6 +27,7 @@ from ..errors import ArtifactError
 from ..fileio import sha256
 from ..model.config import GPT2Config
 from ..tokenizer import BPE_SHA256
+from .names import IN_PLACE_KV
 
 FORMAT = "gpt2x-onnx"
 FORMAT_VERSION = 1
@@ -37,6 +38,7 @@ DEFAULT_OPSET = 18
 IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads up to 10
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
+EXPORTS_ENV = "GPT2X_EXPORTS"  # the folder of the exports made by model name (exports_root)
 
 
 def safe_model_name(model_name: str) -> str:
@@ -44,8 +46,20 @@ def safe_model_name(model_name: str) -> str:
     return model_name.strip("/").replace("/", "--").replace(os.sep, "--").replace(":", "-").lstrip(".-~") or "model"
 
 
-def default_export_dir(model_name: str, precision: Precision, root: Path = Path("exported")) -> Path:
-    return root / f"{safe_model_name(model_name)}-{precision.value}"
+def exports_root() -> Path:
+    """Where exports made by name are kept (`default_export_dir`): the folder GPT2X_EXPORTS names, else
+    gpt2x/exported in the user's cache (XDG_CACHE_HOME, default ~/.cache), as an absolute path, so that
+    every working directory finds the same exports."""
+    named = os.environ.get(EXPORTS_ENV)
+    if named:
+        return Path(named).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return (Path(cache).expanduser() / "gpt2x" / "exported").resolve()
+
+
+def default_export_dir(model_name: str, precision: Precision, root: Path | None = None) -> Path:
+    """<root>/<model>-<precision>, root being exports_root() unless given."""
+    return (exports_root() if root is None else Path(root)) / f"{safe_model_name(model_name)}-{precision.value}"
 
 
 def is_export(folder: Path) -> bool:
@@ -59,7 +73,7 @@ def attention_layout(ops: dict[str, int]) -> dict:
     return {
         "op": "GroupQueryAttention" if gqa else "MultiHeadAttention",
         # past and present may be one fixed-capacity buffer, updated in place (optimize.mha_to_gqa)
-        "shared_kv_buffer": gqa,
+        IN_PLACE_KV: gqa,
         # a step of several tokens on top of a past may have batch > 1
         "batched_multi_token_past": not gqa,
     }

@@ -81,7 +81,7 @@ def export(
         # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
         attention = attention_layout(ops)
         write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
-                            share_buffer=attention["shared_kv_buffer"])
+                            share_buffer=io.in_place_kv(attention))
         files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}  # checked by `gpt2x verify`
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}  # checked on every load
         meta = {

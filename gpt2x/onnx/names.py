@@ -65,3 +65,16 @@ def dynamic_axes(n_layer: int) -> dict[str, dict[int, str]]:
         axes[past_key(i)] = axes[past_value(i)] = {0: BATCH, 2: PAST}
         axes[present_key(i)] = axes[present_value(i)] = {0: BATCH, 2: TOTAL}
     return axes
+
+
+# gpt2x.json's attention layout (artifact.attention_layout): whether the graph's past and present may be
+# one fixed-capacity buffer updated in place, the in-place KV cache. Exports write it under the key
+# "in_place_kv"; those made before this release wrote "shared_kv_buffer": readers ask `in_place_kv`,
+# which takes either key.
+IN_PLACE_KV = "in_place_kv"
+LEGACY_IN_PLACE_KV = "shared_kv_buffer"
+
+
+def in_place_kv(attention: dict) -> bool:
+    """Whether an export's attention layout (ExportInfo.attention) allows the in-place KV cache."""
+    return bool(attention.get(IN_PLACE_KV, attention.get(LEGACY_IN_PLACE_KV, False)))

@@ -46,7 +46,7 @@ from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, UsageError
 from ..fileio import folder_written_whole, sha256, write_atomic
 from . import interop
-from .artifact import MODEL_FILE, ExportInfo, external_data_locations, safe_model_name
+from .artifact import MODEL_FILE, ExportInfo, exports_root, external_data_locations, safe_model_name
 
 ONNX_FOLDER = "onnx"
 # transformers.js's dtype for each gpt2x precision, and the file name it loads for it
@@ -71,9 +71,10 @@ class TransformersJsFolder:
     meta: dict
 
 
-def default_layout_dir(model_name: str, root: Path = Path("exported")) -> Path:
-    """exported/<model>-transformers.js (the model name made safe as default_export_dir makes it)."""
-    return root / f"{safe_model_name(model_name)}-transformers.js"
+def default_layout_dir(model_name: str, root: Path | None = None) -> Path:
+    """<exports>/<model>-transformers.js (the model name made safe as default_export_dir makes it;
+    root: artifact.exports_root() unless given)."""
+    return (exports_root() if root is None else Path(root)) / f"{safe_model_name(model_name)}-transformers.js"
 
 
 def _model_identity(info: ExportInfo) -> tuple:

@@ -25,7 +25,7 @@ history with one `append_tokens` (a prefill), which is why a cache keeps the tok
   what it costs on ONNX Runtime, which gathers its cache in place.
 - position_ids are not passed on: genai makes its own, which equal gpt2x's in both layouts above.
 - The cache in gpt2x's layout: `present_to_numpy` reads genai's last present outputs (growing: the
-  filled length; shared buffer: the first filled positions of the fixed-capacity buffer).
+  filled length; in-place buffer: the first filled positions of the fixed-capacity buffer).
 
 Providers: cpu, and cuda through genai's provider settings (untested: written without a GPU).
 """

@@ -88,7 +88,7 @@ class OpenVinoBackend:
         self.provider = provider
         self.threads = threads or physical_cores()
         # GroupQueryAttention in OpenVINO runs one batch row per inference.
-        self.rows_only = bool(info.attention["shared_kv_buffer"])
+        self.rows_only = io.in_place_kv(info.attention)  # the GroupQueryAttention graphs (int8, int4)
         core = ov.Core()
         if DEVICE not in core.available_devices:
             raise ProviderError(f"OpenVINO {ov.__version__} finds no CPU device")

@@ -4,12 +4,15 @@ device between steps, and device-side cache reordering for beam search.
 Two ways to hold the cache, chosen from the export's metadata:
 - growing (every export): each step's present outputs, one position longer, are the next step's
   past, as in Optimum. ONNX Runtime allocates them and copies the whole cache into them every step.
-- shared (exports whose attention is GroupQueryAttention, i.e. int8 and int4): a fixed-capacity buffer per
-  layer is bound as both past and present, and each step writes only its new positions into it.
+- in place (`in_place_kv`; exports whose attention is GroupQueryAttention, i.e. int8 and int4): a
+  fixed-capacity buffer per layer is bound as both past and present, and each step writes only its
+  new positions into it.
   A serving batch's rows leave and join inside those buffers (`merge`, kvbuffers.merge_rows).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -47,8 +50,8 @@ class _KVBuffers(KVBuffers):
         self.binding = None  # an IOBinding with these buffers bound as past and present, reused
 
 
-class SharedKVCache(KVCacheView):
-    """A view of the shared KV buffers a GroupQueryAttention graph reads as past and writes as present
+class InPlaceKVCache(KVCacheView):
+    """A view of the in-place KV buffers a GroupQueryAttention graph reads as past and writes as present
     (kvbuffers.py: stepping from a stale view is refused)."""
 
     @property
@@ -58,15 +61,23 @@ class SharedKVCache(KVCacheView):
 
 class OrtBackend:
     """One export on one provider. The KV cache is a list of OrtValues that stay where ONNX Runtime
-    produced them (host memory on CPU, device memory on CUDA), or a SharedKVCache for graphs that
-    update it in place; only logits come back to the host."""
+    produced them (host memory on CPU, device memory on CUDA), or an InPlaceKVCache for graphs that
+    update it in place (`in_place_kv`); only logits come back to the host.
+
+    `in_place_kv`: None uses the in-place cache wherever the export allows it (GroupQueryAttention on
+    the CPU), False keeps the growing one, True requires the in-place one. `shared_kv` is its former
+    name, accepted for one release with a DeprecationWarning."""
 
     name = "ort"
     accepts_past = True
     rolls_back = True
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 shared_kv: bool | None = None):
+                 in_place_kv: bool | None = None, *, shared_kv: bool | None = None):
+        if shared_kv is not None:
+            warnings.warn("OrtBackend(shared_kv=...) is deprecated; use in_place_kv=...", DeprecationWarning, stacklevel=2)
+            if in_place_kv is None:
+                in_place_kv = shared_kv
         refuse_fp16_on_cpu(info, provider)
         self.info = info
         self.model_name = info.meta["model"]["name"]  # the model the export was made from
@@ -90,10 +101,16 @@ class OrtBackend:
         layout = info.attention
         self.batched_multi_token_past = layout["batched_multi_token_past"]
         # In-place cache updates: GroupQueryAttention graphs on the CPU (int8, int4), unless turned off.
-        can_share = layout["shared_kv_buffer"] and provider is ProviderKind.cpu
-        if shared_kv and not can_share:
-            raise ProviderError(f"{info.folder}: this export's attention cannot share its KV buffers on {provider.value}")
-        self.shared_kv = can_share if shared_kv is None else shared_kv
+        can = io.in_place_kv(layout) and provider is ProviderKind.cpu
+        if in_place_kv and not can:
+            raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
+        self.in_place_kv = can if in_place_kv is None else in_place_kv
+
+    @property
+    def shared_kv(self) -> bool:
+        """Deprecated: `in_place_kv`'s former name (for one release)."""
+        warnings.warn("OrtBackend.shared_kv is deprecated; use in_place_kv", DeprecationWarning, stacklevel=2)
+        return self.in_place_kv
 
     # -- the KV cache as OrtValues
 
@@ -103,37 +120,37 @@ class OrtBackend:
                 for _ in range(2 * self.cfg.n_layer)]
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
-        """The cache in the form this backend steps from: shared buffers (room to grow) for graphs that
+        """The cache in the form this backend steps from: in-place buffers (room to grow) for graphs that
         update it in place, else OrtValues on the device."""
-        if self.shared_kv:
+        if self.in_place_kv:
             capacity = min(self.n_positions, arrays[0].shape[2] + KV_CAPACITY_STEP)
             buffers = buffers_holding(arrays, capacity, self._spare_buffers)
-            return SharedKVCache(buffers, buffers.length)
+            return InPlaceKVCache(buffers, buffers.length)
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0)
                 for a in arrays]
 
     def present_to_numpy(self, present) -> list[np.ndarray]:
-        if isinstance(present, SharedKVCache):
+        if isinstance(present, InPlaceKVCache):
             return [a.astype(np.float32) for a in present.filled()]
         return [v.numpy().astype(np.float32) for v in present]
 
     def merge(self, past, rows: np.ndarray, joiner, width: int):
-        """Backend.merge: inside the shared buffers for the in-place cache (kvbuffers.merge_rows: only
+        """Backend.merge: inside the buffers of the in-place cache (kvbuffers.merge_rows: only
         the rows that move are copied, into rows the buffers already have where they fit; `past` is
         stale afterwards), through host arrays for the growing one."""
-        if not isinstance(past, SharedKVCache):
+        if not isinstance(past, InPlaceKVCache):
             return merge_on_host(self, past, rows, joiner, width)
-        arrays = None if joiner is None else joiner.filled() if isinstance(joiner, SharedKVCache) else self.present_to_numpy(joiner)
+        arrays = None if joiner is None else joiner.filled() if isinstance(joiner, InPlaceKVCache) else self.present_to_numpy(joiner)
         buffers = merge_rows(past, rows, arrays, width, self._spare_buffers, self.n_positions, KV_CAPACITY_STEP)
-        return SharedKVCache(buffers, buffers.length)
+        return InPlaceKVCache(buffers, buffers.length)
 
     def truncate(self, past, length: int):
         """Backend.truncate: the in-place cache sets its length back (nothing copied; the next step
         overwrites the dropped positions); the growing cache keeps its first `length` positions as new
         tensors (one copy of the kept positions: a (B, H, P, D) tensor's first positions are not
         contiguous), on the host for the CPU and with a one-node Slice graph on CUDA."""
-        if isinstance(past, SharedKVCache):
-            return SharedKVCache(truncated(past, length), length)
+        if isinstance(past, InPlaceKVCache):
+            return InPlaceKVCache(truncated(past, length), length)
         held = past[0].shape()[2]
         if not 0 <= length <= held:
             raise ValueError(f"cannot keep {length} positions of a cache holding {held}")
@@ -167,7 +184,7 @@ class OrtBackend:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
         """All logits (B, T, V) on the host, and the new cache: presents as device-resident OrtValues,
-        or the SharedKVCache, now `T` positions longer."""
+        or the InPlaceKVCache, now `T` positions longer."""
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
@@ -206,8 +223,8 @@ class OrtBackend:
     def _forward(self, input_ids, attention_mask, position_ids, past, keep: int):
         """Logits of the last `keep` positions (0: every position), where the graph has logits_to_keep
         (else every position), and the new cache."""
-        if isinstance(past, SharedKVCache) or (past is None and self.shared_kv):
-            return self._run_shared(input_ids, attention_mask, position_ids, past, keep)
+        if isinstance(past, InPlaceKVCache) or (past is None and self.in_place_kv):
+            return self._step_in_place(input_ids, attention_mask, position_ids, past, keep)
         if past is None:
             past = self.empty_past(input_ids.shape[0])
         if self._needs_rows(input_ids, attention_mask):
@@ -250,7 +267,7 @@ class OrtBackend:
         merged = [ort.OrtValue.ortvalue_from_numpy(np.concatenate(parts)) for parts in zip(*presents)]
         return np.concatenate(logits), merged
 
-    def _shared_buffers(self, batch: int, capacity: int, keep: SharedKVCache | None = None) -> _KVBuffers:
+    def _in_place_buffers(self, batch: int, capacity: int, keep: InPlaceKVCache | None = None) -> _KVBuffers:
         """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
         (with at least as many rows as its buffers had: rows may join it later)."""
         batch, rows = rows_to_keep(batch, keep)
@@ -265,18 +282,18 @@ class OrtBackend:
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
         return _KVBuffers([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
 
-    def _run_shared(self, input_ids, attention_mask, position_ids, cache: SharedKVCache | None, keep: int):
+    def _step_in_place(self, input_ids, attention_mask, position_ids, cache: InPlaceKVCache | None, keep: int):
         B, T = input_ids.shape
         length = 0 if cache is None else cache.length
         refuse_stale(cache)
         if attention_mask.shape[1] != length + T:
             raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions; the cache holds {length} + {T} new")
-        # A batch's prefill gets no spare positions: GroupQueryAttention's multi-token step over a shared
+        # A batch's prefill gets no spare positions: GroupQueryAttention's multi-token step over an in-place
         # buffer grows with its capacity, and the first decode step's move into larger buffers copies
         # only the prompt's positions. A single row's prefill keeps its room: there the spare positions
         # cost little and the move more. Both measured by benchmarks/engine_load.py.
         buffers = buffers_for_step(cache, T, self.n_positions, KV_CAPACITY_STEP,
-                                   lambda capacity, old: self._shared_buffers(B, capacity, old),
+                                   lambda capacity, old: self._in_place_buffers(B, capacity, old),
                                    first_room=0 if B > 1 else None)
         if self._needs_rows(input_ids, attention_mask):
             logits = np.concatenate([
@@ -287,7 +304,7 @@ class OrtBackend:
         else:
             logits = self._run_in_place(buffers, None, input_ids, attention_mask, position_ids, keep)
         buffers.length = length + T
-        return logits, SharedKVCache(buffers, length + T)
+        return logits, InPlaceKVCache(buffers, length + T)
 
     def _run_in_place(self, buffers: _KVBuffers, row_views: list[np.ndarray] | None, input_ids, attention_mask,
                       position_ids, keep: int) -> np.ndarray:
@@ -318,9 +335,9 @@ class OrtBackend:
 
     def reorder(self, past, rows: np.ndarray):
         """Gather batch rows of every cache tensor, on the device (a one-node Gather graph)."""
-        if isinstance(past, SharedKVCache):  # only the filled positions are copied, not the spare capacity
+        if isinstance(past, InPlaceKVCache):  # only the filled positions are copied, not the spare capacity
             buffers = buffers_holding([a[rows] for a in past.filled()], past.capacity, self._spare_buffers)
-            return SharedKVCache(buffers, past.length)
+            return InPlaceKVCache(buffers, past.length)
         if self.device == "cpu":
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[rows])) for v in past]
         if self._reorder_session is None:

@@ -19,6 +19,18 @@ CUDA_HELP = (
     "(CUDA 13 for 1.31) on the library path; `gpt2x info` shows which providers load"
 )
 
+# The precisions each provider runs natively, measured by `gpt2x bench` unless told otherwise: fp16's
+# kernels are CUDA's (the CPU provider has none), int8's weight-only MatMuls are the CPU's.
+DEFAULT_PRECISIONS = {
+    ProviderKind.cpu: (Precision.fp32, Precision.int8),
+    ProviderKind.cuda: (Precision.fp32, Precision.fp16),
+}
+
+
+def default_precisions(provider: ProviderKind) -> list[Precision]:
+    """The precisions to run on `provider` when none are named (cpu: fp32, int8; cuda: fp32, fp16)."""
+    return list(DEFAULT_PRECISIONS[ProviderKind(provider)])
+
 
 def physical_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -5,7 +5,8 @@ of a choice as tokens arrive (stop strings, UTF-8 split across tokens).
 
 Fields: `prompt` (a string, a list of strings, a list of token ids, or a list of lists of token ids;
 ids in [0, vocab)), `max_tokens` (default 16, as OpenAI's; capped by the context; 0 only with `echo`:
-the prompt scored, nothing generated), `temperature` (0 = greedy), `top_p`, `seed`, `stop` (a string
+the prompt scored, nothing generated), `temperature` (0 = greedy), `top_p`, `seed` (the sampling
+defaults are SamplingSettings', those of `gpt2x generate`: temperature 1, top-p 1, top-k off), `stop` (a string
 or up to 4), `n` (1), `best_of` (1), `stream`, `stream_options.include_usage`, `echo`, `logprobs`
 (0 to 5), `user` (ignored), and two of vLLM's extensions: `top_k` and `truncate_prompt_tokens`
 (keep the prompt's last k tokens). Fields that would change the output and are not supported (`n` >
@@ -45,6 +46,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..generation.settings import SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
@@ -123,9 +125,9 @@ class CompletionParams(BaseModel):
     model: str | None = Field(None, description="The served model's id (GET /v1/models); another is a 404.")
     max_tokens: Integer_(ge=0) | None = Field(DEFAULT_MAX_TOKENS, description="Tokens to generate per prompt, capped by "
                                    "the context; 0 only with `echo` (the prompt scored, nothing generated).")
-    temperature: float | None = Field(1.0, ge=0, le=2, description="0 = greedy.")
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: Integer_(ge=-1) | None = Field(None, description="vLLM's: keep the k most likely tokens; -1 or 0 = off.")
+    temperature: float | None = Field(SamplingSettings.temperature, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(SamplingSettings.top_p, gt=0, le=1)
+    top_k: Integer_(ge=-1) | None = Field(None, description="vLLM's: keep the k most likely tokens; -1 or 0 = off (the default).")
     seed: Integer_(ge=0, lt=2**63) | None = Field(None, description="Same seed, settings and prompt: same tokens.")
     stop: (StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None) = Field(
         None, description=f"Up to {MAX_STOP} non-empty strings; the text ends before the first one found.")
@@ -269,9 +271,9 @@ class CompletionRequest:
     prompts: list[str]  # each prompt's text (as sent; decoded from its ids for ids or a truncated prompt)
     prompt_ids: list[list[int]]
     max_tokens: list[int]  # per prompt, capped so that prompt and completion fit the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = SamplingSettings.temperature  # 0: greedy (SamplingSettings' rule)
+    top_p: float = SamplingSettings.top_p
+    top_k: int = SamplingSettings.top_k  # 0: off
     seed: int = 0
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -371,9 +373,9 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
     return CompletionRequest(
         prompts=prompts, prompt_ids=ids,
         max_tokens=[min(max_tokens, n_positions - len(t)) for t in ids],  # capped by the context
-        temperature=1.0 if p.temperature is None else p.temperature,
-        top_p=1.0 if p.top_p is None else p.top_p,
-        top_k=max(0, p.top_k or 0),
+        temperature=SamplingSettings.temperature if p.temperature is None else p.temperature,
+        top_p=SamplingSettings.top_p if p.top_p is None else p.top_p,
+        top_k=SamplingSettings.top_k if p.top_k is None else max(0, p.top_k),  # vLLM's -1: off, as 0
         seed=p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
         stop=stop, stream=bool(p.stream), include_usage=bool(options.include_usage),
         echo=echo, logprobs=p.logprobs, model=served_model,

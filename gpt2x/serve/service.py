@@ -108,7 +108,7 @@ class Pending:
         self.rows = []
         for index, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
             settings = SamplingSettings(
-                max_new_tokens=max(budget, 1), greedy=req.temperature == 0, temperature=req.temperature or 1.0,
+                max_new_tokens=max(budget, 1), temperature=req.temperature,  # 0: greedy (SamplingSettings' rule)
                 top_k=req.top_k, top_p=req.top_p, seed=req.seed,
             )
 
