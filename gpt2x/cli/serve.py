@@ -57,7 +57,8 @@ def serve(
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option(
+        "--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,
     backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
