@@ -22,7 +22,7 @@ from .model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerp
 from .onnx.artifact import DEFAULT_OPSET, EXPORTS_ENV, ExportInfo, default_export_dir, is_export, read_export
 from .onnx.transformers_js import ALL_PRECISIONS as TRANSFORMERS_JS_PRECISIONS
 from .onnx.transformers_js import TransformersJsFolder, check_precisions, default_layout_dir, write_transformers_js
-from .runtime.base import Backend
+from .runtime.base import Backend, Capabilities
 from .runtime.ort import OrtBackend
 from .runtime.providers import available_providers
 from .runtime.web import WebBackend, require_web
@@ -70,6 +70,44 @@ def require_runtime(kind: BackendKind) -> None:
             raise MissingDependencyError(f"the {kind.value} backend needs {module}, which this install lacks: {install}")
     if kind is BackendKind.web:
         require_web()  # Playwright, Chromium and onnxruntime-web from npm
+
+
+def backend_class(kind: BackendKind) -> type:
+    """The class open_backend builds for `kind`, its optional runtime checked first (one line naming
+    its install command where it is missing)."""
+    if kind is BackendKind.torch:
+        require_export_extra("the torch backend")
+        from .runtime.pytorch import TorchBackend
+
+        return TorchBackend
+    require_runtime(kind)
+    if kind is BackendKind.openvino:
+        from .runtime.openvino import OpenVinoBackend
+
+        return OpenVinoBackend
+    if kind is BackendKind.genai:
+        from .runtime.genai import GenaiBackend
+
+        return GenaiBackend
+    return {BackendKind.ort: OrtBackend, BackendKind.web: WebBackend}[kind]
+
+
+def capabilities_of(kind: BackendKind) -> Capabilities:
+    """What a backend of `kind` can do (its class's declared Capabilities), before one is opened."""
+    return backend_class(kind).capabilities
+
+
+def kinds_that(capability: str) -> str:
+    """The backends that have `capability`, for a message ("ort, openvino, web or torch")."""
+    names = [k.value for k in BackendKind if _declares(k, capability)]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
+
+
+def _declares(kind: BackendKind, capability: str) -> bool:
+    try:
+        return getattr(capabilities_of(kind), capability)
+    except MissingDependencyError:  # not installed here: its class says nothing
+        return False
 
 
 def torch_available() -> bool:
@@ -298,20 +336,11 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
     headless Chromium (each the same `Backend`). The optional runtimes' modules are imported only once they are known to import.
     `in_place_kv` (ONNX Runtime's KV cache): None updates it in place wherever the graph can, False
     keeps a growing cache, True requires the in-place one."""
+    if backend is BackendKind.torch:
+        raise UsageError(f"{backend.value} does not run export folders")
     if backend is BackendKind.ort:
         return OrtBackend(info, provider, threads, in_place_kv=in_place_kv)
-    require_runtime(backend)
-    if backend is BackendKind.openvino:
-        from .runtime.openvino import OpenVinoBackend
-
-        return OpenVinoBackend(info, provider, threads)
-    if backend is BackendKind.genai:
-        from .runtime.genai import GenaiBackend
-
-        return GenaiBackend(info, provider, threads)
-    if backend is BackendKind.web:
-        return WebBackend(info, provider, threads)
-    raise UsageError(f"{backend.value} does not run export folders")
+    return backend_class(backend)(info, provider, threads)
 
 
 # ---------------------------------------------------------------- drafts (speculative decoding)
@@ -330,12 +359,12 @@ def draft_runtime(backend: BackendKind) -> BackendKind:
 def check_draft(draft: str, backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
                 vocab_size: int | None = None, revision: str | None = None) -> None:
     """Refuse, before any work (no export, no load), a draft that cannot serve a target on `backend`:
-    a backend that cannot roll back its cache (genai), a precision the draft's runtime cannot run on
+    a backend that cannot roll back its cache (its capabilities), a precision the draft's runtime cannot run on
     `provider`, a model that does not resolve, or one whose vocabulary is not the target's
     (`vocab_size`) or whose tokenizer files are not GPT-2's."""
-    if backend is BackendKind.genai:
-        raise UsageError("speculative decoding needs a KV cache it can roll back; the genai backend cannot drop "
-                         "positions from its cache: use ort, openvino, web or torch")
+    if not capabilities_of(backend).rolls_back:
+        raise UsageError(f"speculative decoding needs a KV cache it can roll back; the {backend.value} backend cannot drop "
+                         f"positions from its cache: use {kinds_that('rolls_back')}")
     if draft == NGRAM_DRAFT:
         return
     runtime = draft_runtime(backend)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -400,7 +401,7 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
     text = rendered(result)
     assert "Speculative decoding" in text and "int8" in text and "step cost" in text
 
-    monkeypatch.setattr(OrtBackend, "rolls_back", False)
+    monkeypatch.setattr(OrtBackend, "capabilities", dataclasses.replace(OrtBackend.capabilities, rolls_back=False))
     s.backends, s.drafts = [BackendKind.ort], ["ngram"]
     again = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert again["speculative"] == [] and len(again["speed"]) == 1

@@ -24,6 +24,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE
+from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.genai import GenaiBackend
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
@@ -67,13 +68,18 @@ def rel_err(ref: np.ndarray, got: np.ndarray) -> float:
 def test_backend_attributes(tiny, backends):
     _, infos = tiny
     genai, _ = backends[Precision.fp32]
-    assert (genai.name, genai.provider.value, genai.accepts_past) == ("genai", "cpu", False)
+    # The generator owns its cache: no cache from elsewhere, no joining rows, no rollback, nor their methods.
+    assert (genai.name, genai.provider.value, genai.capabilities) == ("genai", "cpu", Capabilities())
+    assert not any(hasattr(genai, m) for m in ("past_from_numpy", "merge", "truncate", "step_greedy"))
     assert (genai.n_positions, genai.vocab_size) == (64, 50257)
     assert genai.model_name == infos[Precision.fp32].meta["model"]["name"]
     assert genai.peak_device_memory_mb() is None
-    with pytest.raises(NotImplementedError):
-        genai.past_from_numpy([])
-    assert isinstance(export_backend(BackendKind.genai, infos[Precision.fp32], threads=1), GenaiBackend)
+    with export_backend(BackendKind.genai, infos[Precision.fp32], threads=1) as other:
+        assert isinstance(other, GenaiBackend)
+        ids = np.array([[1, 2, 3]])
+        other.run(ids, np.ones_like(ids), np.arange(3)[None], None)
+    with pytest.raises(ProviderError, match="this genai backend is closed"):  # closed by the with block
+        other.run(ids, np.ones_like(ids), np.arange(3)[None], None)
 
 
 def test_fp32_passes_the_fp32_gate_against_torch(tiny, backends):

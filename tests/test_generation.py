@@ -19,6 +19,7 @@ from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.checkpoints import bundled_dir
 from gpt2x.model.weights import load_model
+from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID, encode
 
@@ -29,6 +30,7 @@ class ScriptedBackend:
     """Logits that put all mass on a scripted token per step (EOS once the script runs out)."""
 
     name = "scripted"
+    capabilities = Capabilities()  # steps only
 
     def __init__(self, script: list[int], n_positions: int = 64, vocab: int = 50257):
         self.script, self.n_positions, self.vocab = script, n_positions, vocab

@@ -22,6 +22,7 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, ExportInfo, default_export_dir
 from gpt2x.runtime import web
+from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.runtime.web import WebBackend
@@ -176,7 +177,9 @@ def test_workflows_open_it_and_refuse_cuda(tiny):
     backend = export_backend(BackendKind.web, infos[Precision.int8], threads=1)
     try:
         assert isinstance(backend, WebBackend)
-        assert (backend.name, backend.provider, backend.accepts_past, backend.rolls_back) == ("web", ProviderKind.cpu, True, True)
+        assert (backend.name, backend.provider) == ("web", ProviderKind.cpu)
+        assert backend.capabilities == Capabilities(takes_past=True, joins_rows=True, rolls_back=True,
+                                                    argmax_where_logits_are=True, page=True)
         assert backend.page_info["threads"] == 1
         peak = backend.page_memory_mb()
         assert peak > 10  # the renderer holding the page and its WebAssembly heap

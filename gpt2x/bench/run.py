@@ -111,7 +111,7 @@ def timed_generation(backend: Backend, prompt_ids: np.ndarray, new_tokens: int) 
     sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=new_tokens))
     steps: list[float] = []
     out: list[np.ndarray] = []
-    page_ms = getattr(backend, "page_ms", None)  # the web backend: each forward's time inside the page
+    page_ms = backend.page_ms if backend.capabilities.page else None  # each forward's time inside the page
     if page_ms is not None:
         page_ms.clear()
     ttft = None
@@ -274,7 +274,7 @@ def check_drafts(s: BenchSettings, pairs: list[tuple[BackendKind, Precision]]) -
     """Refuse, before any work, a draft that cannot serve a benchmarked target (workflows.check_draft)
     on a backend that rolls back (the others are skipped, with the reason)."""
     for draft in s.drafts:
-        for kind in {kind for kind, _ in pairs if kind is not BackendKind.genai}:
+        for kind in {kind for kind, _ in pairs if workflows.capabilities_of(kind).rolls_back}:
             workflows.check_draft(draft, kind, s.provider)
 
 
@@ -313,7 +313,7 @@ def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend
     A quantized draft of the model in memory (`loaded`) is exported from it when missing, rather
     than loaded again by open_drafter."""
     label = f"{kind.value}/{precision.value}"
-    if not getattr(backend, "rolls_back", False):
+    if not backend.capabilities.rolls_back:
         for draft in s.drafts:
             result["skipped"].append({"backend": kind.value, "precision": precision.value, "draft": draft,
                                       "reason": f"speculative decoding: the {backend.name} backend cannot roll back its KV cache"})
@@ -410,9 +410,8 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
         })
         for batch in s.batches:
             progress(f"{label}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
-            reset_page = getattr(backend, "reset_page_memory", None)  # the web backend's page: peak over these runs
-            if reset_page is not None:
-                reset_page()
+            if backend.capabilities.page:  # the page's memory: its peak over these runs
+                backend.reset_page_memory()
             for _ in range(s.warmup):
                 timed_generation(backend, prompts[batch], min(8, s.new_tokens))
             runs = [timed_generation(backend, prompts[batch], s.new_tokens) for _ in range(s.repeat)]
@@ -421,15 +420,14 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
             device_mb = backend.peak_device_memory_mb()
             if device_mb is not None:
                 entry["peak_gpu_mb"] = device_mb
-            page_memory = getattr(backend, "page_memory_mb", None)  # the web backend: the browser's renderer
-            if page_memory is not None:
-                entry["page_memory_mb"] = page_memory()
+            if backend.capabilities.page:  # the memory of the process that holds the page (a browser's renderer)
+                entry["page_memory_mb"] = backend.page_memory_mb()
                 page = backend.page_info  # what ran it: onnxruntime-web's version, threads, isolation, browser
                 entry["page"] = {k: page[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")}
             result["speed"].append(entry)
         if s.drafts:
             speculate(s, kind, precision, backend, spec_prompt, result, progress, loaded)
-        del backend
+        backend.close()
     # On a shared machine the bandwidth varies over minutes: measure again at the end and take the
     # higher figure, so that a transient slowdown cannot make the roofline look easy to reach.
     bandwidth["samples_bytes_per_s"].append(measure_bandwidth())

@@ -87,7 +87,7 @@ def compare_on_cases(reference: Backend, backend: Backend, seed: int = 0) -> dic
             flat_past = reference.present_to_numpy(ref_past)
         pos = positions(mask, c.seq)
         ref, ref_present = reference.run(ids[:, c.past :], mask, pos, ref_past)
-        if backend.accepts_past or not c.past:
+        if backend.capabilities.takes_past or not c.past:
             got_past = backend.past_from_numpy(flat_past) if flat_past is not None else None
             got, got_present = backend.run(ids[:, c.past :], mask, pos, got_past)
         else:  # a backend that owns its cache runs prefix and step as one sequence

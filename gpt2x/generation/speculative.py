@@ -324,7 +324,7 @@ def control_for(settings: DraftSettings) -> DraftControl:
 
 
 def refuse_unrollable(backend: Backend, role: str) -> None:
-    if not getattr(backend, "rolls_back", False):
+    if not backend.capabilities.rolls_back:
         raise UsageError(f"speculative decoding needs a KV cache it can roll back; the {backend.name} backend "
                          f"(the {role}) cannot drop positions from its cache: use ort, openvino, web or torch")
 

@@ -6,6 +6,11 @@ the cache is opaque to callers except through `reorder`, `merge`, `past_from_num
 `present_to_numpy`. Position ids come from the attention mask (gpt2x.numerics.positions) for every
 backend.
 
+Every backend has `run`, `step`, `reorder`, `present_to_numpy`, `close` (and is a context manager)
+and the model's facts. What else it can do it declares in one record, `capabilities`
+(`Capabilities`), which every caller reads: no caller asks which backend it holds to decide what the
+backend can do. A backend that lacks a capability lacks its method too.
+
 `merge_on_host` is `merge` for any backend, through host arrays (a copy of the whole cache): the
 backends whose cache is not in fixed-capacity buffers use it; those whose cache is (kvbuffers.py)
 move only the rows that move, inside their buffers.
@@ -13,25 +18,69 @@ move only the rows that move, inside their buffers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..choices import ProviderKind
+from ..errors import ProviderError
 from .kvbuffers import write_right_aligned
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond `run`, `step`, `reorder`, `present_to_numpy` and `close`. Each
+    capability comes with its method(s); a new capability is a field here, its method in the protocol
+    below, and the callers that need it read the field."""
+
+    # `past_from_numpy`: it can be handed a cache made elsewhere (parity's cases with a past). A
+    # backend that owns its cache (onnxruntime-genai's generator) is compared on whole sequences.
+    takes_past: bool = False
+    # `merge`: rows leave and join a running batch's cache (continuous batching); else static batches.
+    joins_rows: bool = False
+    # `truncate`: a cache's last positions dropped (speculative decoding's rollback).
+    rolls_back: bool = False
+    # `step_greedy`: a greedy step takes the argmax where the logits are (on the device, in the page),
+    # so that one token per row comes back instead of the logits.
+    argmax_where_logits_are: bool = False
+    # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: its forwards run outside this
+    # process (a browser page), which times them and measures its own memory.
+    page: bool = False
+
+
+class Closable:
+    """`close()` and the context manager every backend has: `with open_backend(...) as b:`. A backend
+    with something to release overrides `close` (idempotent)."""
+
+    def close(self) -> None:
+        """Release what the backend holds (sessions, a browser, a generator). Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Released:
+    """What a closed backend holds in place of a session, a compiled model or a generator: any use of
+    it is one clear error, and the steps that run it need no check of their own."""
+
+    def __init__(self, backend: str):
+        self._backend = backend
+
+    def __getattr__(self, name: str):
+        raise ProviderError(f"this {self._backend} backend is closed")
+
+
 class Backend(Protocol):
-    name: str  # "torch" or "ort": the runtime (BackendKind's values)
+    name: str  # the runtime (BackendKind's values), for reports; never to decide what it can do
     provider: ProviderKind  # where it runs
     n_positions: int  # the model's context length
     vocab_size: int  # columns of the logits
     model_name: str  # the model it runs, as the user named it (an export records it)
-    # Whether past_from_numpy can hand it a cache made elsewhere; a backend that owns its cache (such
-    # as onnxruntime-genai's generator) is compared on whole sequences instead.
-    accepts_past: bool
-    # Whether `truncate` can drop a cache's last positions (speculative decoding's rollback).
-    rolls_back: bool
+    capabilities: Capabilities  # what else it can do (above)
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             past: Any) -> tuple[np.ndarray, Any]:
@@ -48,6 +97,12 @@ class Backend(Protocol):
         """The cache with its batch rows gathered by `rows` (beam search)."""
         ...
 
+    def close(self) -> None:
+        """Release what it holds; the backend is not used afterwards. Backends are context managers."""
+        ...
+
+    # -- with capabilities.joins_rows
+
     def merge(self, past: Any, rows: np.ndarray, joiner: Any | None, width: int) -> Any:
         """Rows leaving and joining a batch (serving): the cache whose row i is row `rows[i]` of `past`'s
         rows and `joiner`'s (another cache of this backend, or None) stacked, joiner's numbered after
@@ -57,15 +112,21 @@ class Backend(Protocol):
         may reuse its buffers); `joiner` may be."""
         ...
 
+    # -- with capabilities.rolls_back
+
     def truncate(self, past: Any, length: int) -> Any:
         """The cache holding only its first `length` positions (speculative decoding drops the positions
         of rejected draft tokens), copying no more than the backend's cache layout needs: the in-place
         buffers only set their length back. `past` must not be used afterwards."""
         ...
 
+    # -- with capabilities.takes_past
+
     def past_from_numpy(self, arrays: list[np.ndarray]) -> Any:
         """A cache from 2 * n_layer arrays (B, H, P, D), key then value per layer."""
         ...
+
+    # -- every backend
 
     def present_to_numpy(self, present: Any) -> list[np.ndarray]:
         """The cache as 2 * n_layer float32 arrays (B, H, P, D), key then value per layer."""
@@ -76,17 +137,19 @@ class Backend(Protocol):
         ...
 
 
-# A backend may also have `step_greedy(input_ids, attention_mask, position_ids, past) -> (tokens (B,)
-# int64, cache)`: `step`'s argmax (NumPy's: the first of equal maxima) taken where the logits are, so
-# that greedy decoding moves one token per row instead of the logits (the web backend: from the page).
-# The decode loop uses it for greedy sampling (greedy_step).
+# With capabilities.argmax_where_logits_are, a backend has `step_greedy(input_ids, attention_mask,
+# position_ids, past) -> (tokens (B,) int64, cache)`: `step`'s argmax (NumPy's: the first of equal
+# maxima) taken where the logits are, so that greedy decoding moves one token per row instead of the
+# logits (the web backend: from the page; ONNX Runtime on CUDA: on the device). The decode loop uses
+# it for greedy sampling (greedy_step).
 
 
 def greedy_step(backend: Backend):
-    """The backend's step_greedy, or a step followed by NumPy's argmax. Only a step_greedy of the
-    backend's own class counts: a wrapper that changes `step` and hands other attributes on to the
-    backend it wraps (__getattr__) must not have its `step` bypassed."""
-    if getattr(type(backend), "step_greedy", None) is not None:
+    """The backend's step_greedy where it declares one, or a step followed by NumPy's argmax. Only a
+    step_greedy of the backend's own class counts: a wrapper that changes `step` and hands other
+    attributes (its capabilities too) on to the backend it wraps (__getattr__) must not have its
+    `step` bypassed."""
+    if backend.capabilities.argmax_where_logits_are and getattr(type(backend), "step_greedy", None) is not None:
         return backend.step_greedy
 
     def step(input_ids, attention_mask, position_ids, past):

@@ -44,6 +44,7 @@ from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.interop import GENAI_CONFIG_FILE
 from ..tokenizer import EOT_ID
+from .base import Capabilities, Closable, Released
 from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
@@ -95,14 +96,15 @@ class GenaiState:
         return any(lane.owner is not self for lane in self.lanes)
 
 
-class GenaiBackend:
+class GenaiBackend(Closable):
     """One export folder on onnxruntime-genai (`og.Model` on the folder's genai_config.json, with
     gpt2x's thread count and provider laid over it). See the module docstring for how batches,
     padding, EOS and beam search map onto genai's generator."""
 
     name = "genai"
-    accepts_past = False  # the generator owns its cache: parity compares whole sequences
-    rolls_back = False  # nor can gpt2x drop positions from it (speculative decoding declines genai)
+    # The generator owns its cache: it takes none made elsewhere (parity compares whole sequences), no
+    # rows join it (serving batches statically), and no positions are dropped from it (no speculation).
+    capabilities = Capabilities()
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         refuse_fp16_on_cpu(info, provider)
@@ -180,6 +182,11 @@ class GenaiBackend:
         out = lane.gen.get_output(io.LOGITS)
         return out[:, out.shape[1] - n :]
 
+    def close(self) -> None:
+        """Release the model and its generator parameters; a later step is one ProviderError."""
+        self.model = Released(self.name)
+        self._params.clear()
+
     # -- running
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
@@ -191,6 +198,8 @@ class GenaiBackend:
         return self._feed(input_ids, attention_mask, past, last_only=True)
 
     def _feed(self, ids: np.ndarray, mask: np.ndarray, past: GenaiState | None, last_only: bool):
+        if isinstance(self.model, Released):  # closed: onnxruntime-genai would be handed the stand-in
+            self.model.model  # noqa: B018 (raises the one-line ProviderError)
         B, T = ids.shape
         width = 0 if past is None else past.width
         if mask.shape != (B, width + T) or (past is not None and past.batch != B):
@@ -291,17 +300,6 @@ class GenaiBackend:
         return GenaiState([self._new_lane(rows.size, gathered)], True, mask)
 
     # -- the cache in gpt2x's layout
-
-    def past_from_numpy(self, arrays: list[np.ndarray]):
-        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; it cannot be handed one (accepts_past is False)")
-
-    def truncate(self, past: GenaiState, length: int):
-        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; gpt2x cannot drop positions from it "
-                                  "(rolls_back is False)")
-
-    def merge(self, past: GenaiState, rows: np.ndarray, joiner: GenaiState | None, width: int):
-        raise NotImplementedError("onnxruntime-genai's generator owns its KV cache; rows cannot join it (accepts_past is False: "
-                                  "serving batches it statically)")
 
     def present_to_numpy(self, present: GenaiState) -> list[np.ndarray]:
         """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold

@@ -39,6 +39,7 @@ from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
+from .base import Capabilities, Closable, Released
 from .kvbuffers import (
     KV_CAPACITY_STEP,
     KVBuffers,
@@ -68,13 +69,12 @@ class OpenVinoKVCache(KVCacheView):
     stale view is refused)."""
 
 
-class OpenVinoBackend:
+class OpenVinoBackend(Closable):
     """One export compiled by OpenVINO for the CPU; the KV cache is an OpenVinoKVCache of host arrays
     that OpenVINO reads without a copy."""
 
     name = "openvino"
-    accepts_past = True
-    rolls_back = True
+    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:
@@ -153,6 +153,10 @@ class OpenVinoBackend:
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""
         return None
+
+    def close(self) -> None:
+        """Release the compiled model and its request; a later step is one ProviderError."""
+        self.request = self.compiled = Released(self.name)
 
     # -- running
 

@@ -21,7 +21,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .base import merge_on_host
+from .base import Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     KV_CAPACITY_STEP,
     KVBuffers,
@@ -59,7 +59,7 @@ class InPlaceKVCache(KVCacheView):
         return self.buffers.values
 
 
-class OrtBackend:
+class OrtBackend(Closable):
     """One export on one provider. The KV cache is a list of OrtValues that stay where ONNX Runtime
     produced them (host memory on CPU, device memory on CUDA), or an InPlaceKVCache for graphs that
     update it in place (`in_place_kv`); only logits come back to the host.
@@ -69,8 +69,8 @@ class OrtBackend:
     name, accepted for one release with a DeprecationWarning."""
 
     name = "ort"
-    accepts_past = True
-    rolls_back = True
+    # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
+    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  in_place_kv: bool | None = None, *, shared_kv: bool | None = None):
@@ -111,6 +111,11 @@ class OrtBackend:
         """Deprecated: `in_place_kv`'s former name (for one release)."""
         warnings.warn("OrtBackend.shared_kv is deprecated; use in_place_kv", DeprecationWarning, stacklevel=2)
         return self.in_place_kv
+
+    def close(self) -> None:
+        """Release the sessions and the spare cache buffers; a later step is one ProviderError."""
+        self.session = Released(self.name)
+        self._reorder_session = self._truncate_session = self._argmax_session = None
 
     # -- the KV cache as OrtValues
 

@@ -7,14 +7,14 @@ import torch
 
 from ..choices import ProviderKind
 from ..model.gpt2 import GPT2, KVCache
+from .base import Capabilities, Closable
 
 
-class TorchBackend:
+class TorchBackend(Closable):
     """The PyTorch reference: our GPT2 module with its tensor KV cache kept on the model's device."""
 
     name = "torch"
-    accepts_past = True
-    rolls_back = True
+    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):
         self.model = model.to(device).eval()

@@ -47,7 +47,7 @@ import numpy as np
 from ..choices import ProviderKind
 from ..errors import ArtifactError, MissingDependencyError, ProviderError
 from ..onnx.artifact import DATA_FILE, MODEL_FILE, ExportInfo
-from .base import merge_on_host
+from .base import Capabilities, Closable, merge_on_host
 from .providers import physical_cores
 
 WEB_DIR = Path(__file__).parent / "web"  # the page, and package.json for onnxruntime-web
@@ -336,12 +336,13 @@ class WebCache:
         self.backend._released.append(self.handle)  # released in the page with the next call
 
 
-class WebBackend:
+class WebBackend(Closable):
     """One export run by onnxruntime-web (WebAssembly) in headless Chromium (module docstring)."""
 
     name = "web"
-    accepts_past = True
-    rolls_back = True
+    # Greedy steps take the argmax in the page; its forwards are timed there, and its memory is the
+    # renderer's (page_ms, page_info, page_memory_mb, reset_page_memory).
+    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:

@@ -24,7 +24,7 @@ from ray import serve
 
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
 from ..errors import ServeError, UsageError
-from ..generation.speculative import DraftSettings
+from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import read_export
 from ..workflows import export_backend, open_drafter
 from .engine import EngineSettings, refuse_batched_draft
@@ -138,8 +138,10 @@ class Gpt2xReplica:
 
     def __del__(self) -> None:
         service = getattr(self, "service", None)
-        if service is not None:
-            service.close()
+        if service is not None and service.close():  # the engine stopped: release what this replica opened
+            service.backend.close()
+            if isinstance(service.drafter, ModelDrafter):
+                service.drafter.backend.close()
 
 
 def application(config: ReplicaConfig, settings: ServeSettings):

@@ -151,8 +151,8 @@ class Engine:
         self.settings = settings
         self.drafter = drafter  # speculative decoding, one row at a time (see the module's docstring)
         self.draft_settings = draft_settings or DraftSettings()
-        # Joining needs a cache that can be built from arrays (not onnxruntime-genai's): else static.
-        self.joins = settings.continuous and backend.accepts_past and settings.max_batch_size > 1
+        # Joining needs a backend whose rows can join a running batch's cache: else static batches.
+        self.joins = settings.continuous and backend.capabilities.joins_rows and settings.max_batch_size > 1
         self._waiting: deque[Row] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -198,9 +198,11 @@ class Engine:
         with self._cond:
             return {"running": self.running, "waiting": len(self._waiting), **self.counters}
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
         """Refuse new rows, let the thread finish the batch in flight (rows still waiting are told the
-        server is shutting down), and join it."""
+        server is shutting down), and join it. True once the thread has stopped; False, with a warning
+        in the log, when it is still running after `timeout` seconds (a step that does not return):
+        the backend is then left open, for the thread still uses it."""
         with self._cond:
             self._closed = True
             left = list(self._waiting)
@@ -210,6 +212,10 @@ class Engine:
             self._tell(row, "error", "the server is shutting down")
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine's thread did not stop within %.0f s (a step is still running); left running", timeout)
+            return False
+        return True
 
     # -- the engine thread
 

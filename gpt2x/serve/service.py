@@ -34,8 +34,10 @@ class CompletionService:
         self.draft_name = draft_name or (drafter.name if drafter is not None else None)  # as the user named it
         self.engine = Engine(backend, engine, drafter, draft_settings).start()
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self) -> bool:
+        """Stop the engine (Engine.close: False when its thread could not be stopped). The backend and
+        the draft are the caller's, who made them, to close."""
+        return self.engine.close()
 
     def models(self) -> dict:
         return api.model_list(self.model_id, self.created, self.backend.n_positions)

@@ -1,0 +1,129 @@
+"""What every backend shares: a capabilities record that matches its methods and that callers read
+(a backend declaring less is treated as having less, whatever runtime it is), `close()` and the
+context manager, and an engine whose `close` says when it could not stop its thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from gpt2x import workflows
+from gpt2x.choices import BackendKind, Precision
+from gpt2x.errors import ProviderError, UsageError
+from gpt2x.evaluate.parity import compare_on_cases
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.generation.speculative import NgramDrafter, refuse_unrollable
+from gpt2x.runtime.base import Capabilities, greedy_step
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.tokenizer import encode
+
+# The methods each capability brings (runtime/base.py); a backend without it has none of them.
+METHODS = {"takes_past": ("past_from_numpy",), "joins_rows": ("merge",), "rolls_back": ("truncate",),
+           "argmax_where_logits_are": ("step_greedy",), "page": ("page_memory_mb", "reset_page_memory")}
+EXPORT_KINDS = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
+
+
+@pytest.mark.parametrize("kind", list(BackendKind))
+def test_each_capability_comes_with_its_methods(kind):
+    cls = workflows.backend_class(kind)
+    caps = workflows.capabilities_of(kind)
+    assert isinstance(caps, Capabilities) and caps is cls.capabilities
+    for field, methods in METHODS.items():
+        for method in methods:
+            assert callable(getattr(cls, method, None)) is getattr(caps, field), (kind, field, method)
+    for method in ("run", "step", "reorder", "present_to_numpy", "close", "__enter__", "__exit__", "peak_device_memory_mb"):
+        assert callable(getattr(cls, method, None)), (kind, method)
+
+
+@pytest.mark.parametrize("kind", EXPORT_KINDS)
+def test_a_closed_backend_is_one_error_and_a_with_block_closes_it(kind, bundled_export):
+    ids = np.array([encode("ROMEO:")])
+    mask, pos = np.ones_like(ids), np.arange(ids.shape[1])[None]
+    with workflows.export_backend(kind, bundled_export(Precision.fp32), threads=1) as backend:
+        logits, _ = backend.step(ids, mask, pos, None)
+        assert logits.shape == (1, backend.vocab_size)
+    with pytest.raises(ProviderError, match=f"^this {kind.value} backend is closed$"):
+        backend.step(ids, mask, pos, None)
+    backend.close()  # twice: nothing more happens
+
+
+class Declaring:
+    """An ONNX Runtime backend that declares fewer capabilities than it has: callers must go by the record."""
+
+    def __init__(self, backend: OrtBackend, **caps: bool):
+        self.backend = backend
+        self.capabilities = dataclasses.replace(backend.capabilities, **caps)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+@pytest.fixture(scope="module")
+def ort(bundled_export):
+    return OrtBackend(bundled_export(Precision.fp32), threads=1)
+
+
+def test_callers_go_by_the_record(ort, bundled_export):
+    # Speculative decoding refuses a backend that declares no rollback, whatever it is.
+    with pytest.raises(UsageError, match="cannot drop positions"):
+        refuse_unrollable(Declaring(ort, rolls_back=False), "target")
+    s = SamplingSettings(max_new_tokens=6, greedy=True)
+    with pytest.raises(UsageError, match="cannot drop positions"):
+        generate(Declaring(ort, rolls_back=False), ["ROMEO:"], s, draft=NgramDrafter())
+    # The engine batches statically when rows cannot join.
+    assert Engine(ort, EngineSettings(max_batch_size=4)).joins is True
+    assert Engine(Declaring(ort, joins_rows=False), EngineSettings(max_batch_size=4)).joins is False
+    # Greedy steps use step_greedy only where it is declared.
+    assert greedy_step(ort) == ort.step_greedy
+    assert greedy_step(Declaring(ort, argmax_where_logits_are=False)) != ort.step_greedy
+    # The parity cases hand no cache to a backend that takes none: it runs whole sequences instead,
+    # with the same logits (within fp32's rounding) as when it is handed the reference's cache.
+    from gpt2x.model.weights import load_model
+    from gpt2x.runtime.pytorch import TorchBackend
+
+    reference = TorchBackend(load_model("shakespeare")[0])
+    calls = []
+    owner = Declaring(ort, takes_past=False)
+    owner.past_from_numpy = lambda arrays: calls.append(arrays)  # must not be called
+    whole, handed = compare_on_cases(reference, owner), compare_on_cases(reference, ort)
+    assert calls == [] and whole["max_rel"] < 1e-4 and handed["max_rel"] < 1e-4
+
+
+def test_capabilities_of_a_kind_before_opening_it():
+    assert workflows.capabilities_of(BackendKind.genai).rolls_back is False
+    with pytest.raises(UsageError, match="the genai backend cannot drop positions from its cache: use torch, ort, openvino or web$"):
+        workflows.check_draft("ngram", BackendKind.genai)
+    workflows.check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
+
+
+class Stuck:
+    """A backend whose step waits for `release` (a step that does not return in time)."""
+
+    capabilities = Capabilities()
+
+    def __init__(self, backend):
+        self.backend, self.release, self.entered = backend, threading.Event(), threading.Event()
+
+    def step(self, *args):
+        self.entered.set()
+        self.release.wait(30)
+        return self.backend.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def test_engine_close_says_when_its_thread_could_not_stop(ort, caplog):
+    stuck = Stuck(ort)
+    engine = Engine(stuck, EngineSettings(max_batch_size=1)).start()
+    engine.submit([Row(encode("ROMEO:"), SamplingSettings(max_new_tokens=3, greedy=True), lambda kind, value: None)])
+    assert stuck.entered.wait(30)
+    assert engine.close(timeout=0.2) is False and engine.alive
+    assert "did not stop" in caplog.text
+    stuck.release.set()
+    assert engine.close(timeout=30) is True and not engine.alive
