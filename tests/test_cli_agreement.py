@@ -261,3 +261,24 @@ def test_bench_precisions_default_to_the_providers_own(capsys, monkeypatch):
     cli(capsys, "bench")
     cli(capsys, "bench", "--precisions", "fp32,fp16")
     assert [s.precisions for s in seen] == [[Precision.fp32, Precision.int8], [Precision.fp32, Precision.fp16]]
+
+
+# ---------------------------------------------------------------- where exports are kept
+
+
+def test_commands_that_export_say_where_even_quiet(capsys, own_exports, quick_bench, tmp_path, monkeypatch):
+    """GPT2X_EXPORTS (here TMP/exported) is where exports made by name go; the command says so on
+    stderr, on one line, with --quiet too; --exports DIR names another folder for one command."""
+    code, _, err = cli(capsys, "-q", "generate", "hi", "--greedy", "--max-new-tokens", "2")
+    assert code == 0, err
+    fp32 = own_exports / "shakespeare-fp32"
+    assert err.splitlines() == [f"no export at {fp32}: exporting shakespeare (fp32) first"] and (fp32 / "gpt2x.json").is_file()
+    args = ["ort" if a == "torch" else a for a in quick_bench]  # the ort backend, on the export just made
+    code, out, err = cli(capsys, "-q", *args, "--json")
+    assert code == 0 and "no export" not in err and json.loads(out)["speed"], err  # found where it was made
+    other = tmp_path / "elsewhere"
+    args[args.index("--precisions") + 1] = "int8"
+    code, _, err = cli(capsys, "-q", *args, "--exports", str(other), "--json")
+    assert code == 0, err
+    assert f"no export at {other / 'shakespeare-int8'}: exporting shakespeare (int8) first" in err.splitlines()
+    assert (other / "shakespeare-int8" / "gpt2x.json").is_file() and not (own_exports / "shakespeare-int8").exists()

@@ -308,7 +308,7 @@ def full_logits_fn(backend: Backend) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend: Backend, prompt_ids: list[int],
-              result: dict, progress: Progress, loaded: tuple | None = None) -> None:
+              result: dict, progress: Progress, loaded: tuple | None = None, notice: Progress = no_progress) -> None:
     """The speculative rows of one backend x precision, one per draft, or the reason it has none.
     A quantized draft of the model in memory (`loaded`) is exported from it when missing, rather
     than loaded again by open_drafter."""
@@ -322,9 +322,9 @@ def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend
     costs = step_costs(backend, prompt_ids, repeat=max(5, s.repeat))
     for draft in s.drafts:
         if loaded is not None and draft in {p.value for p in Precision} and backend.model_name == s.model:
-            workflows.ensure_export(s.model, Precision(draft), loaded=loaded, progress=progress, notice=progress)
+            workflows.ensure_export(s.model, Precision(draft), loaded=loaded, progress=progress, notice=notice)
         drafter = workflows.open_drafter(draft, backend, kind, s.provider, None, s.draft_settings(),
-                                         progress=progress, notice=progress)
+                                         progress=progress, notice=notice)
         progress(f"{label}: draft {draft}, {s.warmup} warm-up + {s.repeat} timed rounds (plain, speculative)")
         row = speculative_row(backend, drafter, prompt_ids, s, costs)
         result["speculative"].append({"backend": kind.value, "precision": precision.value, "draft": draft,
@@ -333,9 +333,10 @@ def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend
 
 
 def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progress,
-              loaded: tuple | None = None) -> dict:
+              loaded: tuple | None = None, notice: Progress = no_progress) -> dict:
     """Every figure of the benchmark as one JSON-ready dict; `passed` is False when a gate fails.
-    `loaded` is the PyTorch model and its source when the caller has it in memory already."""
+    `loaded` is the PyTorch model and its source when the caller has it in memory already; `notice`
+    hears that an export is about to be made, and where."""
     cfg = loaded[0].config if loaded else resolve_config(s.model)
     if s.prompt_len + s.new_tokens > cfg.n_positions:
         raise UsageError(f"prompt length + new tokens ({s.prompt_len + s.new_tokens}) exceed the context ({cfg.n_positions})")
@@ -382,7 +383,7 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
         label = f"{kind.value}/{precision.value}"
         info = folder = None
         if kind is not BackendKind.torch:
-            info = workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=progress)
+            info = workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=notice)
             folder = info.folder
         progress(f"{label}: loading")
         reset_peak_rss()  # cold start and peak memory exclude the one-off export
@@ -426,7 +427,7 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
                 entry["page"] = {k: page[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")}
             result["speed"].append(entry)
         if s.drafts:
-            speculate(s, kind, precision, backend, spec_prompt, result, progress, loaded)
+            speculate(s, kind, precision, backend, spec_prompt, result, progress, loaded, notice)
         backend.close()
     # On a shared machine the bandwidth varies over minutes: measure again at the end and take the
     # higher figure, so that a transient slowdown cannot make the roofline look easy to reach.

@@ -23,6 +23,7 @@ from .options import (
     OutputOpt,
     Status,
     ThreadsOpt,
+    notice,
     parse_list,
     progress_to,
     tables_console,
@@ -76,7 +77,7 @@ def bench(
         require_matplotlib()
     require_provider(settings.backends, provider)
     with Status("starting") as status:
-        result = run_bench(settings, system_info(), progress=progress_to(status))
+        result = run_bench(settings, system_info(), progress=progress_to(status), notice=notice)
     write_json(json.dumps(result, indent=1) + "\n", as_json, output)
     if plot_file:
         plot(result, plot_file)

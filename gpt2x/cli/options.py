@@ -142,5 +142,5 @@ def tables_console(as_json: bool) -> Optional[Console]:
 
 
 def notice(message: str) -> None:
-    """A message the user sees even with --quiet (an export about to start)."""
-    err.print(message, markup=False)
+    """A message the user sees even with --quiet (an export about to start), on one line."""
+    err.print(message, markup=False, soft_wrap=True)
