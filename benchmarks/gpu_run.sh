@@ -47,7 +47,7 @@ print("CUDA provider:", status)
 sys.exit(0 if status == "ok" else "the CUDA provider does not load: stopping (no CUDA figure from a CPU run)")
 EOF
             ;;
-        tests) python3 -m pytest -m cuda -q -rA 2>&1 | tee "$out/cuda-tests.log" ;;
+        tests) python3 -m pytest -m cuda -n 0 -q -rA 2>&1 | tee "$out/cuda-tests.log" ;;  # one process: one CUDA context
         small) bench_matrix random:gpt2 ;;
         medium|large|xl) bench_matrix "random:gpt2-$stage" ;;
         spec)
