@@ -31,6 +31,8 @@ ModelOpt = Annotated[
         "a hub repo id, a local Hugging Face folder or a .safetensors file.",
     ),
 ]
+
+
 def _use_exports(value: Optional[Path]) -> Optional[Path]:
     """--exports DIR (or GPT2X_EXPORTS): the one setting of where exports made by model name go, set for
     this process and those it starts (artifact.exports_root reads it)."""
