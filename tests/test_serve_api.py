@@ -372,7 +372,7 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
         assert [t for t, _ in entries[i][2]] == [int(t) for t in np.argsort(-lp[i - 1], kind="stable")[:2]]
     kinds = [k for k, _ in generating.events]
     assert kinds[0] == "prompt" and kinds[-1] == "done"
-    assert kinds[1:-1] == ["logprob", "token"] * len(generating.tokens) + (["logprob"] if generating.events[-1] == ("done", "stop") else [])
+    assert kinds[1:-1] == ["logprob", "token"] * len(generating.tokens) + (["logprob"] if generating.events[-1] == ("done", "eos") else [])
     told = [v for k, v in generating.events if k == "logprob"]
     assert [e[0] for e in told[: len(generating.tokens)]] == generating.tokens
     if kind == "fp32":  # batch-invariant: the generated tokens' logprobs are those of the row alone
@@ -611,3 +611,15 @@ def test_nan_and_infinity_are_not_json(client):
         r = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body is not valid JSON")
     assert math.isfinite(post(client, prompt="a", max_tokens=1, logprobs=5)["choices"][0]["logprobs"]["token_logprobs"][0])
+
+
+def test_one_finish_list_mapped_to_openais_at_the_edge():
+    """The engine's Finish (generation.settings), as OpenAI's finish_reason: end of text and a stop
+    string are "stop"; the budget and the context that caps it are "length"."""
+    from gpt2x.generation.settings import Finish
+
+    plain = api.ChoiceText()
+    assert [api.finish_reason(f, plain) for f in (Finish.eos, Finish.length, Finish.context)] == ["stop", "length", "length"]
+    cut = api.ChoiceText(stop=("lo",))
+    cut.push(encode("Hello")[0])
+    assert cut.stopped and api.finish_reason(Finish.length, cut) == "stop"

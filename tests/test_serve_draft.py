@@ -89,7 +89,7 @@ def run_rows(engine: Engine, todo) -> list[Collect]:
 
 
 def expected_end(tokens: list[int], settings: SamplingSettings) -> tuple[str, str]:
-    return "done", "stop" if len(tokens) < settings.max_new_tokens else "length"
+    return "done", "eos" if len(tokens) < settings.max_new_tokens else "length"
 
 
 # ------------------------------------------------------------------ the engine
@@ -184,7 +184,7 @@ def test_end_of_text_inside_a_round_ends_the_row(exports):
         engine.close()
     plain = generate(target, [""], settings, prompt_ids=[prompt])[0]
     assert plain.finish_reason == "eos" and len(plain.tokens) == 7
-    assert got.tokens == plain.tokens and got.end == ("done", "stop")
+    assert got.tokens == plain.tokens and got.end == ("done", "eos")
     assert engine.stats()["tokens"] == 7 and engine.stats()["rows"] == 1
 
 

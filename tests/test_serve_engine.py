@@ -115,7 +115,7 @@ def test_every_row_equals_generate_alone(backend, mode):
                 continue
             expected = reference_tokens(backend, ids, s)
             assert sink.tokens == expected, (decode(ids)[:40], s)
-            assert sink.end == ("done", "stop" if len(expected) < s.max_new_tokens else "length")
+            assert sink.end == ("done", "eos" if len(expected) < s.max_new_tokens else "length")
             compared += 1
         assert compared >= 4
         stats = engine.stats()

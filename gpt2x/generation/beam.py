@@ -27,7 +27,7 @@ import numpy as np
 from ..numerics import log_softmax
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID
-from .settings import Generation, SamplingSettings
+from .settings import Finish, Generation, SamplingSettings
 
 NEG = np.float32(-1.0e9)  # transformers' "impossible" score, added to masked entries
 
@@ -93,8 +93,8 @@ def still_improvable(best_running: np.float32, fin: Finished, gen_len: int, leng
 def result(prompt: str, prompt_ids: list[int], fin: Finished, cut_by_context: bool) -> Generation:
     seq = fin.seqs[0]
     if seq and seq[-1] == EOT_ID:
-        return Generation(prompt, list(prompt_ids), seq[:-1], "eos")
-    return Generation(prompt, list(prompt_ids), seq, "context" if cut_by_context else "length")
+        return Generation(prompt, list(prompt_ids), seq[:-1], Finish.eos)
+    return Generation(prompt, list(prompt_ids), seq, Finish.context if cut_by_context else Finish.length)
 
 
 def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: SamplingSettings) -> Generation:
@@ -102,7 +102,7 @@ def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: 
     n, p_len = settings.num_beams, len(prompt_ids)
     n_new = min(settings.max_new_tokens, backend.n_positions - p_len)  # never past the context
     if n_new < 1:
-        return Generation(prompt, list(prompt_ids), [], "context")
+        return Generation(prompt, list(prompt_ids), [], Finish.context)
 
     ids = np.asarray([prompt_ids], dtype=np.int64)  # (1, P)
     logits, past = backend.step(ids, np.ones_like(ids), np.arange(p_len, dtype=np.int64)[None], None)

@@ -17,7 +17,7 @@ from ..runtime.base import Backend, greedy_step
 from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
 from .sampling import Sampler
-from .settings import Generation, SamplingSettings
+from .settings import Finish, Generation, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 
 
@@ -112,7 +112,7 @@ def generate(
                 continue
             if tok == EOT_ID:
                 done[row] = True
-                results[row].finish_reason = "eos"
+                results[row].finish_reason = Finish.eos
                 continue
             results[row].tokens.append(tok)
             if on_token:
@@ -120,8 +120,8 @@ def generate(
         if done.all():
             break
     for r in results:
-        if r.finish_reason != "eos" and n_new < settings.max_new_tokens and len(r.tokens) == n_new:
-            r.finish_reason = "context"
+        if r.finish_reason is not Finish.eos and n_new < settings.max_new_tokens and len(r.tokens) == n_new:
+            r.finish_reason = Finish.context
     return results
 
 
@@ -138,15 +138,15 @@ def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_i
     for chunk in loop:
         for tok in chunk:
             if tok == EOT_ID:
-                result.finish_reason = "eos"
+                result.finish_reason = Finish.eos
                 break
             result.tokens.append(tok)
             if on_token:
                 on_token(row, tok)
-        if result.finish_reason == "eos":
+        if result.finish_reason is Finish.eos:
             loop.close()
             break
-    if result.finish_reason != "eos" and n_new < settings.max_new_tokens and len(result.tokens) == n_new:
-        result.finish_reason = "context"
+    if result.finish_reason is not Finish.eos and n_new < settings.max_new_tokens and len(result.tokens) == n_new:
+        result.finish_reason = Finish.context
     result.speculation = stats.to_dict()
     return result

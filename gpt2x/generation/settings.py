@@ -8,6 +8,7 @@ temperature of 0 means greedy decoding (as in OpenAI's API and vLLM), wherever t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from ..errors import UsageError
 
@@ -39,10 +40,24 @@ class SamplingSettings:
             raise UsageError(f"num_beams must be at least 1, got {self.num_beams}", option="num_beams")
 
 
+class Finish(str, Enum):
+    """Why a row stopped: the one list every decoding path uses (generate, beam search, speculative
+    decoding, the serving engine). The API maps it to OpenAI's `finish_reason` at its edge
+    (serve.protocol.finish_reason): eos -> "stop", length and context -> "length"."""
+
+    eos = "eos"  # the model wrote <|endoftext|>
+    length = "length"  # the row's token budget (max_new_tokens, the API's max_tokens)
+    context = "context"  # the model's context is full
+    cancelled = "cancelled"  # the caller left (a client that went away)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Generation:
     prompt: str
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS
-    finish_reason: str = "length"  # "eos", "length" (max_new_tokens) or "context" (model context full)
+    finish_reason: Finish = Finish.length
     speculation: dict | None = None  # with a draft: SpecStats.to_dict() (drafted, accepted, acceptance rate, ...)

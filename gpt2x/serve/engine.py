@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import UsageError
 from ..generation.generate import left_pad
 from ..generation.sampling import Sampler
-from ..generation.settings import SamplingSettings
+from ..generation.settings import Finish, SamplingSettings
 from ..generation.speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 from ..numerics import log_softmax, positions
 from ..runtime.base import Backend
@@ -68,10 +68,10 @@ from ..tokenizer import EOT_ID
 
 log = logging.getLogger(__name__)
 
-# What a row's callback hears: ("token", id) for each token, then once ("done", reason) with reason
-# "stop" (end of text), "length" (its token budget) or "cancelled", or ("error", message). A row with
-# logprobs also hears ("logprob", (id, logprob, [(id, logprob), ...])) before each ("token", id), and
-# before the ("done", "stop") of the end-of-text token; with prompt_logprobs, first ("prompt", [entry
+# What a row's callback hears: ("token", id) for each token, then once ("done", reason) with reason a
+# generation.settings.Finish: eos (end of text), length (its token budget) or cancelled; or ("error",
+# message). A row with logprobs also hears ("logprob", (id, logprob, [(id, logprob), ...])) before
+# each ("token", id), and before the ("done", Finish.eos) of the end-of-text token; with prompt_logprobs, first ("prompt", [entry
 # per prompt token]), the first entry (id, None, None).
 Sink = Callable[[str, object], None]
 LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
@@ -340,10 +340,10 @@ class Engine:
                     if self._deliver(row, tok):
                         return
                 if row.cancelled:  # cancelled with the round's last token: no further round
-                    self._end(row, "cancelled")
+                    self._end(row, Finish.cancelled)
                     return
             if not row.finished:  # the loop yields the budget exactly, whose last token ended the row: a safeguard
-                self._end(row, "length")
+                self._end(row, Finish.length)
         finally:
             loop.close()
 
@@ -354,12 +354,12 @@ class Engine:
         going = []
         for row in rows:
             if row.cancelled:
-                self._end(row, "cancelled")
+                self._end(row, Finish.cancelled)
                 continue
             if row.prompt_logprobs:
                 self._tell(row, "prompt", self._score(row))
             if row.remaining <= 0:
-                self._end(row, "length")
+                self._end(row, Finish.length)
             else:
                 going.append(row)
         return going
@@ -373,7 +373,7 @@ class Engine:
         self.counters["steps"] += 1
         return [(row.prompt_ids[0], None, None)] + token_logprobs(logits[0, :-1], row.prompt_ids[1:], row.logprobs or 0)
 
-    def _end(self, row: Row, reason: str) -> None:
+    def _end(self, row: Row, reason: Finish) -> None:
         row.finished = True
         self.counters["rows"] += 1
         self._tell(row, "done", reason)
@@ -382,16 +382,16 @@ class Engine:
         """Tell a row its next token (or that it ended: cancelled, end of text, its budget); whether it
         has finished. A row with logprobs was told the token's logprobs just before."""
         if row.cancelled:
-            self._end(row, "cancelled")
+            self._end(row, Finish.cancelled)
             return True
         if tok == EOT_ID:
-            self._end(row, "stop")
+            self._end(row, Finish.eos)
             return True
         row.produced += 1
         self.counters["tokens"] += 1
         self._tell(row, "token", tok)
         if row.remaining <= 0:
-            self._end(row, "length")
+            self._end(row, Finish.length)
             return True
         return False
 
@@ -452,7 +452,7 @@ class Engine:
             if row.finished:  # riding along until the batch is compacted
                 continue
             if row.cancelled:
-                self._end(row, "cancelled")
+                self._end(row, Finish.cancelled)
                 continue
             tok = int(row.sampler(logits[i : i + 1])[0])
             nxt[i] = tok

@@ -46,7 +46,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from ..generation.settings import SamplingSettings
+from ..generation.settings import Finish, SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
@@ -488,9 +488,10 @@ class ChoiceLogprobs:
                 "top_logprobs": self.top_logprobs[n:], "text_offset": self.text_offset[n:]}
 
 
-def finish_reason(engine_reason: str, text: ChoiceText) -> str:
-    """OpenAI's finish_reason: "stop" for end of text or a stop string, "length" for the budget."""
-    return "stop" if text.stopped or engine_reason == "stop" else "length"
+def finish_reason(reason: Finish, text: ChoiceText) -> str:
+    """OpenAI's finish_reason for a row's Finish: "stop" for end of text or a stop string, "length" for
+    the budget (and the context, which caps it)."""
+    return "stop" if text.stopped or reason is Finish.eos else "length"
 
 
 def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:

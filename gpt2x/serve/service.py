@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from ..generation.settings import SamplingSettings
+from ..generation.settings import Finish, SamplingSettings
 from ..generation.speculative import Drafter, DraftSettings
 from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
@@ -166,9 +166,9 @@ class Pending:
                 elif kind == "done":
                     open_rows -= 1
                     rest = text.finish()
-                    if value == "stop":  # the end-of-text token, whose logprobs were told before
+                    if value is Finish.eos:  # the end-of-text token, whose logprobs were told before
                         self._note(index, self._start[index] + len(text.text))
-                    yield index, rest, api.finish_reason(str(value), text), self._taken(index)
+                    yield index, rest, api.finish_reason(Finish(value), text), self._taken(index)
                 else:
                     raise api.APIError(500, str(value), "server_error")
         finally:
