@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 # each ("token", id), and before the ("done", Finish.eos) of the end-of-text token; with prompt_logprobs, first ("prompt", [entry
 # per prompt token]), the first entry (id, None, None).
 Sink = Callable[[str, object], None]
+# What the engine tells of one token: its id, its log-probability (None for a prompt's first token)
+# and the k most likely tokens with theirs (None for a prompt's first token). Defined here only.
 LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
 SCORE_CHUNK = 64  # positions whose log_softmax is computed at once (float64, vocab wide)
 

@@ -48,15 +48,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..generation.settings import Finish, SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
+from .engine import LogprobEntry
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
 MAX_PROMPTS = 64  # prompts per request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
 
-# What the engine tells of one token: its id, its log-probability (None for a prompt's first token)
-# and the k most likely tokens with theirs (None for a prompt's first token).
-LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
 class APIError(Exception):

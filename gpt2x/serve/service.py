@@ -19,7 +19,7 @@ from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
 from ..tokenizer import VOCAB_SIZE
 from . import protocol as api
-from .engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
+from .engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
 
 
 class CompletionService:
@@ -105,7 +105,7 @@ class Pending:
         self.texts = [api.ChoiceText(req.stop) for _ in req.prompts]
         self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs() for _ in req.prompts]
         self.scored = req.echo and req.logprobs is not None  # the prompt's logprobs come from the engine
-        self._told: list[api.LogprobEntry | None] = [None] * len(req.prompts)  # a token's logprobs, before it
+        self._told: list[LogprobEntry | None] = [None] * len(req.prompts)  # a token's logprobs, before it
         self._start = [len(p) if req.echo else 0 for p in req.prompts]  # where the completion's text starts
         self.rows = []
         for index, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
