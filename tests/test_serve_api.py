@@ -285,7 +285,7 @@ def test_concurrent_mixed_requests_each_equal_their_reference(client, reference,
         if b["logprobs"] is None:
             assert c["logprobs"] is None
     after = service.health()
-    assert after["rows"] - before["rows"] == len(bodies) and after["errors"] == before["errors"] == 0
+    assert after.rows - before.rows == len(bodies) and after.errors == before.errors == 0
 
 
 def test_logprobs_with_a_draft_are_decoded_without_it(export_dir, reference):
@@ -299,9 +299,9 @@ def test_logprobs_with_a_draft_are_decoded_without_it(export_dir, reference):
     try:
         with TestClient(local_app(service)) as c:
             plain = post(c, prompt=prompt, max_tokens=30, temperature=0)
-            drafts = service.health()["drafts"]
+            drafts = service.health().drafts
             scored = post(c, prompt=prompt, max_tokens=30, temperature=0, logprobs=2, echo=True)
-            assert service.health()["drafts"] == drafts > 0  # no draft round for the logprobs request
+            assert service.health().drafts == drafts > 0  # no draft round for the logprobs request
     finally:
         service.close()
     assert scored["choices"][0]["text"] == prompt + plain["choices"][0]["text"]

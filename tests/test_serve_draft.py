@@ -239,16 +239,16 @@ def test_stop_strings_and_health_through_the_service(fp32):
 
     try:
         cut, whole = asyncio.run(both())
-        assert cut["choices"][0]["text"] == full[: full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
-        assert whole["choices"][0]["text"] == full and whole["usage"]["completion_tokens"] == 60
+        assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+        assert whole.choices[0].text == full and whole.usage.completion_tokens == 60
         h = service.health()
-        assert h["draft"] == "ngram" and h["drafted"] >= h["accepted"] and h["drafts"] > 0 and h["rows"] == 2
+        assert h.draft == "ngram" and h.drafted >= h.accepted and h.drafts > 0 and h.rows == 2
         # Both requests' proposals, counted against the plain greedy tokens (both answers are a prefix of them).
         counts = [greedy_counts(rounds, encode("ROMEO:") + ref) for rounds in spy.runs]
         assert len(counts) == 2 and not any(open_end for *_, open_end in counts)
         drafted, accepted, drafts = (sum(c[i] for c in counts) for i in range(3))
-        assert (h["drafted"], h["accepted"], h["drafts"]) == (drafted, accepted, drafts)
-        assert h["acceptance_rate"] == accepted / drafted
+        assert (h.drafted, h.accepted, h.drafts) == (drafted, accepted, drafts)
+        assert h.acceptance_rate == accepted / drafted
     finally:
         service.close()
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from .. import __version__
@@ -92,23 +93,32 @@ def new_app() -> FastAPI:
     return app
 
 
-def error_response(e: APIError) -> JSONResponse:
+class JSONBody(Response):
+    """A response body model (protocol.py), serialised once (protocol.to_json)."""
+
+    media_type = "application/json"
+
+    def render(self, content: BaseModel) -> bytes:
+        return api.to_json(content).encode()
+
+
+def error_response(e: APIError) -> Response:
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     if e.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONBody(e.body(), status_code=e.status, headers=headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """Unknown routes, wrong methods and anything FastAPI itself refuses answer in OpenAI's error shape."""
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: HTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
         return error_response(api.validation_error(list(e.errors())))
 
 
@@ -152,22 +162,22 @@ class HttpApi:
             return StreamingResponse(self.service.stream(pending), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return JSONResponse(await self.service.complete(pending))
+            return JSONBody(await self.service.complete(pending))
         except APIError as e:
             return error_response(e)
 
-    def _authorized(self, request: Request, answer: Callable[[], dict]) -> JSONResponse:
+    def _authorized(self, request: Request, answer: Callable[[], BaseModel]) -> Response:
         """`answer()` as JSON once the request's key checks out, else the 401."""
         try:
             self.authorize(request)
         except APIError as e:
             return error_response(e)
-        return JSONResponse(answer())
+        return JSONBody(answer())
 
-    def models(self, request: Request) -> JSONResponse:
+    def models(self, request: Request) -> Response:
         return self._authorized(request, self.service.models)
 
-    def health(self, request: Request) -> JSONResponse:
+    def health(self, request: Request) -> Response:
         return self._authorized(request, self.service.health)
 
 

@@ -69,8 +69,8 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -492,28 +492,35 @@ def finish_reason(reason: Finish, text: ChoiceText) -> str:
     return "stop" if text.stopped or reason is Finish.eos else "length"
 
 
-def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+# The response bodies are the models above (the schema /openapi.json publishes), built once here and
+# serialised once (to_json): what a client receives is what the schema says.
 
 
-def usage(req: CompletionRequest, texts: list[ChoiceText]) -> dict:
+def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> Choice:
+    return Choice(index=index, text=text, logprobs=None if logprobs is None else Logprobs(**logprobs), finish_reason=reason)
+
+
+def usage(req: CompletionRequest, texts: list[ChoiceText]) -> Usage:
     prompt = sum(len(p) for p in req.prompt_ids)
     completion = sum(t.tokens for t in texts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def completion(req: CompletionRequest, choices: list[dict], usage_: dict | None) -> dict:
-    body = {"id": req.id, "object": "text_completion", "created": req.created, "model": req.model, "choices": choices}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | None) -> CompletionResponse:
+    return CompletionResponse(id=req.id, created=req.created, model=req.model, choices=choices, usage=usage_)
 
 
-def sse(obj: dict | str) -> str:
+def to_json(body: BaseModel) -> str:
+    """A response body as JSON. A completion without usage (a stream's chunks) leaves the key out, as
+    OpenAI's does; every other field is there, null where it has no value."""
+    exclude = {"usage"} if isinstance(body, CompletionResponse) and body.usage is None else None
+    return body.model_dump_json(exclude=exclude)
+
+
+def sse(body: BaseModel | str) -> str:
     """One server-sent event: `data: JSON` (or `data: [DONE]`) and a blank line."""
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+    return f"data: {body if isinstance(body, str) else to_json(body)}\n\n"
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "gpt2x",
-                                         "max_model_len": max_model_len}]}
+def model_list(model: str, created: int, max_model_len: int) -> ModelList:
+    return ModelList(data=[ModelCard(id=model, created=created, owned_by="gpt2x", max_model_len=max_model_len)])

@@ -39,16 +39,16 @@ class CompletionService:
         the draft are the caller's, who made them, to close."""
         return self.engine.close()
 
-    def models(self) -> dict:
+    def models(self) -> api.ModelList:
         return api.model_list(self.model_id, self.created, self.backend.n_positions)
 
-    def health(self) -> dict:
+    def health(self) -> api.Health:
         stats = self.engine.stats()
         if self.drafter is not None:  # the draft, and its acceptance over every request so far (vLLM's terms)
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-        return {"status": "ok", "model": self.model_id, "replica": self.replica, "backend": self.backend.name,
-                "provider": self.backend.provider.value, **stats, "max_rss_mb": peak_rss_mb(), "rss_mb": rss_mb()}
+        return api.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
+                          provider=self.backend.provider.value, **stats, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
         return api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
@@ -66,7 +66,7 @@ class CompletionService:
             raise api.APIError(503, "the server is shutting down", "server_error", code="unavailable") from None
         return pending
 
-    async def complete(self, pending: Pending) -> dict:
+    async def complete(self, pending: Pending) -> api.CompletionResponse:
         """The whole response, as OpenAI's non-streaming completions answer."""
         req = pending.req
         parts: list[list[str]] = [[] for _ in req.prompts]
