@@ -29,12 +29,18 @@ class KVBuffers:
     def __init__(self, arrays: list[np.ndarray], length: int = 0, rows: int | None = None):
         self.arrays = arrays
         self.generation = 0
+        self.retired = False  # the cache moved to other buffers (retire)
         self._length = length
         self._rows = arrays[0].shape[0] if rows is None else rows
 
+    def retire(self) -> None:
+        """The cache has moved to other buffers: every view of these is stale from now on."""
+        self.retired = True
+        self.generation += 1
+
     @property
     def length(self) -> int:
-        """Positions written (-1 once the cache moved to other buffers)."""
+        """Positions written."""
         return self._length
 
     @length.setter
@@ -95,6 +101,12 @@ class KVCacheView:
         return [a[: self.rows, :, : self.length] for a in self.buffers.arrays]
 
 
+# How every cache form gets buffers: allocate(batch, capacity, keep) -> KVBuffers of `batch` rows and
+# `capacity` positions, holding `keep`'s filled rows and positions when given (a cache that grows into
+# larger buffers). What else they hold is the allocator's: its cache form knows what its kernels read.
+Allocate = Callable[[int, int, "KVCacheView | None"], KVBuffers]
+
+
 def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView | None = None) -> list[np.ndarray]:
     """`count` zeroed arrays of `shape`, holding `keep`'s filled rows and positions if given."""
     arrays = [np.zeros(shape, dtype=dtype) for _ in range(count)]
@@ -110,12 +122,12 @@ def rows_to_keep(batch: int, keep: KVCacheView | None) -> tuple[int, int | None]
     return (batch, None) if keep is None else (max(batch, keep.buffers.batch), keep.rows)
 
 
-def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Callable[[int, int], KVBuffers]) -> KVBuffers:
-    """Buffers of `capacity` positions from `allocate(batch, capacity)`, holding `arrays` (B, H, P, D)
+def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Allocate) -> KVBuffers:
+    """Buffers of `capacity` positions from `allocate(batch, capacity, None)`, holding `arrays` (B, H, P, D)
     as their first P positions: a cache made elsewhere (past_from_numpy) or gathered rows (reorder),
     copied once, filled positions only."""
     batch, length = arrays[0].shape[0], arrays[0].shape[2]
-    buffers = allocate(batch, capacity)
+    buffers = allocate(batch, capacity, None)
     for buf, a in zip(buffers.arrays, arrays):
         buf[:, :, :length] = a
     buffers.length = length
@@ -145,19 +157,19 @@ def grown_capacity(capacity: int, needed: int, n_positions: int, capacity_step: 
     return max(needed, min(n_positions, capacity + max(capacity_step, capacity)))
 
 
-def buffers_for_step(cache: KVCacheView | None, seq: int, n_positions: int, capacity_step: int,
-                     allocate: Callable[[int, KVCacheView | None], KVBuffers], first_room: int | None = None) -> KVBuffers:
-    """The buffers a step of `seq` new positions on `cache` writes into: new ones for the first step
-    (with `first_room` spare positions, default `capacity_step`), larger ones (made by
-    `allocate(capacity, keep)`) when the step would overflow, else the cache's."""
+def buffers_for_step(cache: KVCacheView | None, batch: int, seq: int, n_positions: int, capacity_step: int,
+                     allocate: Allocate, first_room: int | None = None) -> KVBuffers:
+    """The buffers a step of `batch` rows and `seq` new positions on `cache` writes into: new ones for
+    the first step (with `first_room` spare positions, default `capacity_step`), larger ones holding
+    the cache (`allocate(batch, capacity, cache)`) when the step would overflow, else the cache's."""
     length = 0 if cache is None else cache.length
     if length + seq > n_positions:
         raise ValueError(f"{length} + {seq} positions exceed the model's context ({n_positions})")
     if cache is None:
-        return allocate(min(n_positions, seq + (capacity_step if first_room is None else first_room)), None)
+        return allocate(batch, min(n_positions, seq + (capacity_step if first_room is None else first_room)), None)
     if length + seq > cache.capacity:
-        buffers = allocate(grown_capacity(cache.capacity, length + seq, n_positions, capacity_step), cache)
-        cache.buffers.length = -1  # retired: every view of the old buffers is stale now
+        buffers = allocate(batch, grown_capacity(cache.capacity, length + seq, n_positions, capacity_step), cache)
+        cache.buffers.retire()
         return buffers
     return cache.buffers
 
@@ -179,7 +191,7 @@ def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, pa
 
 
 def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
-               allocate: Callable[[int, int], KVBuffers], n_positions: int,
+               allocate: Allocate, n_positions: int,
                capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
     """`Backend.merge` inside fixed-capacity buffers: buffers whose row i holds row `rows[i]` of the
     cache's rows and `joiner`'s (arrays (Bj, H, Pj, D), numbered after the cache's) stacked, every row
@@ -190,7 +202,7 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
     same width is not touched, and only the rows that move (to another row, or along the positions
     when the width changes) are written, their filled positions and the zeros before them; rows read
     from the cache are gathered before any is written, so a row may move onto one that moves too.
-    Else larger buffers from `allocate(batch, capacity)` (twice the rows, doubled capacity), every
+    Else larger buffers from `allocate(batch, capacity, None)` (twice the rows, doubled capacity), every
     row copied once, and the old buffers retired. Either way every earlier view of the cache is
     stale."""
     refuse_stale(cache)
@@ -204,7 +216,7 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
     if len(rows) > buffers.batch or width > buffers.capacity:
         capacity = buffers.capacity if width < buffers.capacity else \
             grown_capacity(buffers.capacity, min(width + 1, n_positions), n_positions, capacity_step)
-        target = allocate(max(len(rows), 2 * buffers.batch) if len(rows) > buffers.batch else buffers.batch, capacity)
+        target = allocate(max(len(rows), 2 * buffers.batch) if len(rows) > buffers.batch else buffers.batch, capacity, None)
         moving = np.ones(len(rows), dtype=bool)
     else:
         target = buffers
@@ -214,7 +226,7 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
         parts = [buffers.arrays[i][:n, :, :length]] + ([] if joiner is None else [joiner[i]])
         write_right_aligned(out, dst, rows, parts, width)
     if target is not buffers:
-        buffers.length = -1  # retired: every view of the old buffers is stale now
+        buffers.retire()
     target.rows = len(rows)
     target.length = width
     return target

@@ -177,8 +177,7 @@ class OpenVinoBackend(Closable):
                              f"and the step {seq} new ones for {batch} rows")
         if cache is not None and cache.rows != batch:
             raise ValueError(f"the KV cache holds {cache.rows} rows; the step has {batch}")
-        return buffers_for_step(cache, seq, self.n_positions, KV_CAPACITY_STEP,
-                                lambda capacity, keep: self._buffers(batch, capacity, keep))
+        return buffers_for_step(cache, batch, seq, self.n_positions, KV_CAPACITY_STEP, self._buffers)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: OpenVinoKVCache | None, last_only: bool):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)

@@ -279,13 +279,18 @@ class OrtBackend(Closable):
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
         return _KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, self.kv_dtype, keep), keep.length if keep else 0, rows)
 
-    def _spare_buffers(self, batch: int, capacity: int) -> _KVBuffers:
+    def _spare_buffers(self, batch: int, capacity: int, keep: InPlaceKVCache | None = None) -> _KVBuffers:
         """Buffers of `capacity` positions for a cache the caller fills (positions below its length, of
-        the rows it uses). The spare capacity (and rows) is left unset, not zeroed: GroupQueryAttention
-        writes each position before it reads it, and zeroing capacity nobody reads was most of the
-        cost of moving a cache."""
+        the rows it uses), holding `keep`'s filled rows and positions if given. The spare capacity (and
+        rows) is left unset, not zeroed: GroupQueryAttention writes each position before it reads it,
+        and zeroing capacity nobody reads was most of the cost of moving a cache."""
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        return _KVBuffers([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)])
+        arrays = [np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)]
+        if keep is None:
+            return _KVBuffers(arrays)
+        for new, old in zip(arrays, keep.filled()):
+            new[: old.shape[0], :, : keep.length] = old
+        return _KVBuffers(arrays, keep.length, keep.rows)
 
     def _step_in_place(self, input_ids, attention_mask, position_ids, cache: InPlaceKVCache | None, keep: int):
         B, T = input_ids.shape
@@ -297,8 +302,7 @@ class OrtBackend(Closable):
         # buffer grows with its capacity, and the first decode step's move into larger buffers copies
         # only the prompt's positions. A single row's prefill keeps its room: there the spare positions
         # cost little and the move more. Both measured by benchmarks/engine_load.py.
-        buffers = buffers_for_step(cache, T, self.n_positions, KV_CAPACITY_STEP,
-                                   lambda capacity, old: self._in_place_buffers(B, capacity, old),
+        buffers = buffers_for_step(cache, B, T, self.n_positions, KV_CAPACITY_STEP, self._in_place_buffers,
                                    first_room=0 if B > 1 else None)
         if self._needs_rows(input_ids, attention_mask):
             logits = np.concatenate([
