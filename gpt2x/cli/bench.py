@@ -25,8 +25,8 @@ from .options import (
     ThreadsOpt,
     notice,
     parse_list,
+    print_tables,
     progress_to,
-    tables_console,
     write_json,
 )
 
@@ -81,9 +81,7 @@ def bench(
     write_json(json.dumps(result, indent=1) + "\n", as_json, output)
     if plot_file:
         plot(result, plot_file)
-    console = tables_console(as_json)
-    for table in bench_tables(result) if console else ():
-        console.print(table)
+    print_tables(bench_tables(result), as_json)
     if not result["passed"]:
         failed = [f"{p['backend']}/{p['precision']}: {p['message']}" for p in result["parity"] if not p["passed"]]
         raise ParityError("parity gate failed: " + "; ".join(failed))

@@ -20,8 +20,8 @@ from .options import (
     ThreadsOpt,
     notice,
     parse_list,
+    print_tables,
     progress_to,
-    tables_console,
     write_json,
 )
 
@@ -75,6 +75,4 @@ def eval(
         manager, lm = prepare(settings, progress=progress_to(status), notice=notice)
     result = evaluate(settings, manager, lm)  # progress bars on stderr
     write_json(result_json(result), as_json, output)  # lm-eval's results, and what ran
-    console = tables_console(as_json)
-    for table in result_tables(result) if console else ():
-        console.print(table, markup=False)
+    print_tables(result_tables(result), as_json, markup=False)

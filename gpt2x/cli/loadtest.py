@@ -13,7 +13,7 @@ from ..bench.report import require_matplotlib
 from ..bench.system import system_info
 from ..errors import EndpointError, MissingDependencyError
 from ..generation.settings import SamplingSettings
-from .options import JsonOpt, OutputOpt, Status, parse_list, progress_to, read_prompts_file, tables_console, write_json
+from .options import JsonOpt, OutputOpt, Status, parse_list, print_tables, progress_to, read_prompts_file, write_json
 
 EPILOG = ("Examples:\n\n"
     "  gpt2x loadtest http://127.0.0.1:8000 --requests 200 --concurrency 1,4,16\n\n"
@@ -61,8 +61,6 @@ def loadtest(
     write_json(json.dumps(result, indent=1) + "\n", as_json, output)
     if plot_file:
         lt.plot_loadtest(result, plot_file)
-    console = tables_console(as_json)
-    if console:
-        console.print(lt.loadtest_table(result))
+    print_tables([lt.loadtest_table(result)], as_json)
     if lt.all_failed(result):
         raise EndpointError(f"every request failed: {lt.failure_summary(result)}")

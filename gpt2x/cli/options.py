@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -135,12 +136,12 @@ def write_json(text: str, as_json: bool, output: Optional[Path]) -> None:
         sys.stdout.flush()
 
 
-def tables_console(as_json: bool) -> Optional[Console]:
-    """Where a command's tables go: stdout, or with --json (stdout holds the JSON alone) stderr, or
-    nowhere with --json and --quiet."""
-    if not as_json:
-        return out
-    return err_tables if Status.enabled else None
+def print_tables(tables: Iterable, as_json: bool, **options) -> None:
+    """A command's tables: on stdout, or with --json (stdout holds the JSON alone) on stderr, or
+    nowhere with --json and --quiet. `options` go to Console.print."""
+    console = out if not as_json else err_tables if Status.enabled else None
+    for table in tables if console is not None else ():
+        console.print(table, **options)
 
 
 def notice(message: str) -> None:

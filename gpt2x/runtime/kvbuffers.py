@@ -107,13 +107,17 @@ class KVCacheView:
 Allocate = Callable[[int, int, "KVCacheView | None"], KVBuffers]
 
 
-def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView | None = None) -> list[np.ndarray]:
-    """`count` zeroed arrays of `shape`, holding `keep`'s filled rows and positions if given."""
-    arrays = [np.zeros(shape, dtype=dtype) for _ in range(count)]
+def holding(arrays: list[np.ndarray], keep: KVCacheView | None) -> list[np.ndarray]:
+    """`arrays` (new buffers, larger than `keep`'s) with `keep`'s filled rows and positions copied in, if given."""
     if keep is not None:
         for new, old in zip(arrays, keep.filled()):
             new[: old.shape[0], :, : keep.length] = old
     return arrays
+
+
+def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView | None = None) -> list[np.ndarray]:
+    """`count` zeroed arrays of `shape`, holding `keep`'s filled rows and positions if given."""
+    return holding([np.zeros(shape, dtype=dtype) for _ in range(count)], keep)
 
 
 def rows_to_keep(batch: int, keep: KVCacheView | None) -> tuple[int, int | None]:

@@ -28,6 +28,7 @@ from .kvbuffers import (
     KVCacheView,
     buffers_for_step,
     buffers_holding,
+    holding,
     merge_rows,
     refuse_stale,
     rows_to_keep,
@@ -285,12 +286,8 @@ class OrtBackend(Closable):
         rows) is left unset, not zeroed: GroupQueryAttention writes each position before it reads it,
         and zeroing capacity nobody reads was most of the cost of moving a cache."""
         shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        arrays = [np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)]
-        if keep is None:
-            return _KVBuffers(arrays)
-        for new, old in zip(arrays, keep.filled()):
-            new[: old.shape[0], :, : keep.length] = old
-        return _KVBuffers(arrays, keep.length, keep.rows)
+        arrays = holding([np.empty(shape, dtype=self.kv_dtype) for _ in range(2 * self.cfg.n_layer)], keep)
+        return _KVBuffers(arrays) if keep is None else _KVBuffers(arrays, keep.length, keep.rows)
 
     def _step_in_place(self, input_ids, attention_mask, position_ids, cache: InPlaceKVCache | None, keep: int):
         B, T = input_ids.shape
