@@ -93,9 +93,9 @@ def drive(engine: Engine, concurrency: int, requests: int, max_tokens: int) -> d
 
 
 def timed_calls(backend) -> dict[str, list[float]]:
-    """Wrap the backend's step and merge so each call's milliseconds are recorded by kind."""
+    """Wrap the backend's step and its caches' merge so each call's milliseconds are recorded by kind."""
     calls: dict[str, list[float]] = defaultdict(list)
-    step, merge = backend.step, backend.merge
+    step = backend.step
 
     def timed_step(ids, mask, pos, past):
         t = time.perf_counter()
@@ -104,14 +104,25 @@ def timed_calls(backend) -> dict[str, list[float]]:
         calls[kind].append((time.perf_counter() - t) * 1e3)
         return out
 
-    def timed_merge(*args):
-        t = time.perf_counter()
-        out = merge(*args)
-        calls["merge"].append((time.perf_counter() - t) * 1e3)
-        return out
-
-    backend.step, backend.merge = timed_step, timed_merge
+    backend.step = timed_step
+    MERGE_CALLS[id(backend)] = calls
+    for form in backend.cache_forms:  # merges are the cache's: timed per form, recorded per owner
+        if not getattr(form.merge, "timed", False):
+            form.merge = timed_merge(form.merge)
     return calls
+
+
+MERGE_CALLS: dict[int, dict[str, list[float]]] = {}  # id(backend) -> its calls
+
+
+def timed_merge(merge):
+    def timed(cache, *args):
+        t = time.perf_counter()
+        out = merge(cache, *args)
+        MERGE_CALLS[id(cache.owner)]["merge"].append((time.perf_counter() - t) * 1e3)
+        return out
+    timed.timed = True
+    return timed
 
 
 def spare_room_prefill(info, rows: int = 16, tokens: int = 15, rounds: int = 7, decode: int = 0) -> dict:

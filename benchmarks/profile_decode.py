@@ -19,8 +19,7 @@ import onnxruntime as ort
 
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
-from gpt2x.generation.generate import decode_loop
-from gpt2x.generation.sampling import Sampler
+from gpt2x.generation.decode import Sequence, decode_steps
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.providers import physical_cores, session_options
@@ -40,8 +39,8 @@ def profile(info, tokens: int, prompt_len: int, threads: int, folder: Path) -> d
     # session is replaced: profiling is a session option only).
     backend.session = ort.InferenceSession(str(info.model_path), sess_options=so, providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(0).integers(0, info.config.vocab_size, (1, prompt_len), dtype=np.int64)
-    sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=tokens))
-    for _ in decode_loop(backend, ids, np.ones_like(ids), sampler, tokens):
+    settings = SamplingSettings(greedy=True, max_new_tokens=tokens, ignore_eos=True)
+    for _ in decode_steps(backend, [Sequence(ids[0].tolist(), settings)]):
         pass
     events = json.loads(Path(backend.session.end_profiling()).read_text())
     runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])

@@ -110,7 +110,7 @@ def main() -> None:
         info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                              progress=log, notice=log)
         backend = OrtBackend(info, threads=threads)
-        if backend._logits_to_keep is None:
+        if backend.logits_to_keep is None:
             raise SystemExit(f"{info.folder} predates logits_to_keep: export it again")
         for n in lens:
             ids = np.random.default_rng(n).integers(0, info.config.vocab_size, (1, n), dtype=np.int64)

@@ -31,6 +31,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ import numpy as np
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import BackendKind, Precision
-from gpt2x.generation.generate import decode_loop
+from gpt2x.generation.decode import Sequence, decode_steps
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.generation.speculative import DraftSettings, SpecStats, control_for, speculative_loop
@@ -68,13 +69,13 @@ def log(msg: str) -> None:
 
 
 def plain_run(target, prompt: list[int], n: int) -> dict:
-    ids = np.asarray([prompt], dtype=np.int64)
-    out, t0 = [], time.perf_counter()
+    seq = Sequence(prompt, replace(GREEDY, ignore_eos=True), max_tokens=n)
+    t0 = time.perf_counter()
     t1 = None
-    for nxt in decode_loop(target, ids, np.ones_like(ids), Sampler(GREEDY), n):
+    for _ in decode_steps(target, [seq]):
         if t1 is None:
             t1 = time.perf_counter()
-        out.append(int(nxt[0]))
+    out = seq.tokens
     end = time.perf_counter()
     return {"tokens": out, "ttft_s": t1 - t0, "decode_s": end - t1}
 

@@ -55,7 +55,7 @@ def main() -> None:
             ids = rng.integers(0, info.config.vocab_size, (1, past_len + args.max_n), dtype=np.int64)
             mask = np.ones_like(ids)
             _, cache = backend.run(ids[:, :past_len], mask[:, :past_len], positions(mask[:, :past_len], past_len), None)
-            arrays = backend.present_to_numpy(cache)
+            arrays = cache.to_numpy()
             times: dict[int, list[float]] = {n: [] for n in range(1, args.max_n + 1)}
             log(f"{name}, past {past_len}")
             for r in range(args.repeat + 1):

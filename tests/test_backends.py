@@ -22,9 +22,11 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.tokenizer import encode
 
-# The methods each capability brings (runtime/base.py); a backend without it has none of them.
-METHODS = {"takes_past": ("past_from_numpy",), "joins_rows": ("merge",), "rolls_back": ("truncate",),
-           "argmax_where_logits_are": ("step_greedy",), "page": ("page_memory_mb", "reset_page_memory")}
+# The methods each capability brings (runtime/base.py), on the backend or on each of its cache forms;
+# a backend without it has none of them.
+METHODS = {"takes_past": ("past_from_numpy",), "argmax_where_logits_are": ("step_greedy",),
+           "page": ("page_memory_mb", "reset_page_memory")}
+CACHE_METHODS = {"joins_rows": ("merge",), "rolls_back": ("truncate",)}
 EXPORT_KINDS = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
 
 
@@ -36,8 +38,15 @@ def test_each_capability_comes_with_its_methods(kind):
     for field, methods in METHODS.items():
         for method in methods:
             assert callable(getattr(cls, method, None)) is getattr(caps, field), (kind, field, method)
-    for method in ("run", "step", "reorder", "present_to_numpy", "close", "__enter__", "__exit__", "peak_device_memory_mb"):
+    for method in ("run", "step", "close", "__enter__", "__exit__", "peak_device_memory_mb"):
         assert callable(getattr(cls, method, None)), (kind, method)
+    assert cls.cache_forms
+    for form in cls.cache_forms:
+        for field, methods in CACHE_METHODS.items():
+            for method in methods:
+                assert callable(getattr(form, method, None)) is getattr(caps, field), (kind, form, field, method)
+        for method in ("reorder", "to_numpy"):
+            assert callable(getattr(form, method, None)), (kind, form, method)
 
 
 @pytest.mark.parametrize("kind", EXPORT_KINDS)

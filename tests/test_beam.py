@@ -124,11 +124,19 @@ class Recording:
         self.widest = max(self.widest, attention_mask.shape[1])
         self.last_position = max(self.last_position, int(position_ids.max()))
         self.steps += 1
-        return self.inner.step(input_ids, attention_mask, position_ids, past)
+        logits, cache = self.inner.step(input_ids, attention_mask, position_ids, None if past is None else past.cache)
+        return logits, RecordingCache(cache)
 
-    def reorder(self, past, rows):
+
+class RecordingCache:
+    """The inner backend's cache, whose reorder checks the rows it is given."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def reorder(self, rows):
         assert rows.dtype == np.int64
-        return self.inner.reorder(past, rows)
+        return RecordingCache(self.cache.reorder(rows))
 
 
 def test_context_limit_stops_at_n_positions(plain):
@@ -171,17 +179,22 @@ class Scripted:
         self.table, self.n_positions = table, n_positions
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        rows = [list(r) for r in input_ids] if past is None else [p + list(r) for p, r in zip(past, input_ids)]
+        rows = [list(r) for r in input_ids] if past is None else [p + list(r) for p, r in zip(past.rows, input_ids)]
         for r, m, pos in zip(rows, attention_mask, position_ids):
             assert len(m) == len(r) and m.all() and pos[-1] == len(r) - 1
         logits = np.full((len(rows), 50257), -30.0, dtype=np.float32)
         for i, r in enumerate(rows):
             for tok, p in self.table[int(r[-1])].items():
                 logits[i, tok] = math.log(p)
-        return logits, rows
+        return logits, TokenCache(rows)
 
-    def reorder(self, past, rows):
-        return [list(past[r]) for r in rows.tolist()]
+
+class TokenCache:
+    def __init__(self, rows: list[list[int]]):
+        self.rows = rows
+
+    def reorder(self, rows):
+        return TokenCache([list(self.rows[r]) for r in rows.tolist()])
 
 
 def run_scripted(lp: float, es: bool = True, max_new: int = 5, **kw):

@@ -14,6 +14,7 @@ import pytest
 from gpt2x.bench import roofline
 from gpt2x.bench import run as bench
 from gpt2x.bench.report import bench_tables
+from gpt2x.bench.results import BenchResult
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.evaluate import metrics
 from gpt2x.evaluate.metrics import kl_divergence, logit_stats
@@ -26,7 +27,7 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import encode
 
-from .conftest import make_hf_model
+from .conftest import REPO, make_hf_model
 from .test_cli import assert_one_line_error, cli
 from .test_speculative import DraftSpy, greedy_counts
 
@@ -260,40 +261,80 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     # a decode step 4 and 2 ms (250 and 500 tokens/s per row).
     StepClock(monkeypatch, {TorchBackend: (3, 1), OrtBackend: (1, 1)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
-    assert result["passed"] is True
-    want = {"torch": (7.0, 4.0), "ort": (5.0, 2.0)}  # (time to first token, decode step) in ms
-    for e in result["speed"]:
-        ttft_ms, step_ms = want[e["backend"]]
-        assert e["ttft_ms"] == pytest.approx(ttft_ms) and e["decode_latency"]["p50_ms"] == pytest.approx(step_ms)
-        assert e["decode_tokens_per_s"] == pytest.approx(e["batch"] * 1e3 / step_ms)
+    assert result.passed is True
+    want = {BackendKind.torch: (7.0, 4.0), BackendKind.ort: (5.0, 2.0)}  # (time to first token, decode step) in ms
+    for e in result.speed:
+        ttft_ms, step_ms = want[e.backend]
+        assert e.ttft_ms == pytest.approx(ttft_ms) and e.decode_latency["p50_ms"] == pytest.approx(step_ms)
+        assert e.decode_tokens_per_s == pytest.approx(e.batch * 1e3 / step_ms)
         # Rows of a backend other than ort, where ort ran at the same precision and batch: the share of native.
-        if e["backend"] == "torch":
-            assert e["native_share"] == pytest.approx(2 / 4) and e["native_ttft_ratio"] == pytest.approx(7 / 5)
+        if e.backend is BackendKind.torch:
+            assert e.native_share == pytest.approx(2 / 4) and e.native_ttft_ratio == pytest.approx(7 / 5)
         else:
-            assert "native_share" not in e and "native_ttft_ratio" not in e
-    validate(json.loads(json.dumps(result)), BENCH_SCHEMA)  # serialisable as is, every field the README names
-    assert result["schema_version"] == 4 and result["speculative"] == []  # no --draft: no rows, the list is there
-    assert [(p["backend"], p["precision"]) for p in result["parity"]] == [("torch", "fp32"), ("ort", "fp32")]
-    assert len(result["speed"]) == 4 and result["skipped"] == []
-    for e in result["speed"]:
-        assert e["decode_tokens_per_s"] > 0 and 0 < e["roofline_share"]
-        assert set(e["decode_latency"]) == {"p50_ms", "p90_ms", "p99_ms", "mean_ms"}
-        assert e["latency_by_context"][0]["context"] >= 5
-    ort_ppl = result["parity"][1]["perplexity"]
-    assert ort_ppl == pytest.approx(result["reference"]["perplexity"], rel=1e-4)
+            assert e.native_share is None and e.native_ttft_ratio is None
+    written = json.loads(result.to_json())
+    validate(written, BENCH_SCHEMA)  # every field the README names, and no other
+    assert [("native_share" in e, "native_ttft_ratio" in e) for e in written["speed"]] == \
+        [(e["backend"] == "torch",) * 2 for e in written["speed"]]  # ort's rows have no share of themselves
+    assert BenchResult.from_json(result.to_json()) == result  # read back, every figure as it was
+    assert written["schema_version"] == 4 and result.speculative == []  # no --draft: no rows, the list is there
+    assert written["speculative"] == []
+    assert [(p.backend, p.precision) for p in result.parity] == [(BackendKind.torch, Precision.fp32), (BackendKind.ort, Precision.fp32)]
+    assert len(result.speed) == 4 and result.skipped == []
+    for e in result.speed:
+        assert e.decode_tokens_per_s > 0 and 0 < e.roofline_share
+        assert set(e.decode_latency) == {"p50_ms", "p90_ms", "p99_ms", "mean_ms"}
+        assert e.latency_by_context[0].context >= 5
+    ort_ppl = result.parity[1].perplexity
+    assert ort_ppl == pytest.approx(result.reference.perplexity, rel=1e-4)
 
     # Every torch backend the bench opens is perturbed, the reference included; the reference is
     # compared with itself only through a second instance, so the noise (seeded per call) differs.
     monkeypatch.setattr(pytorch, "TorchBackend", Perturbed)
     s.backends = [BackendKind.ort]
-    assert bench.run_bench(s, {"cores": 1}, loaded=(model, source))["passed"] is False
+    failed = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
+    assert failed.passed is False and json.loads(failed.to_json())["passed"] is False
+
+
+def upgraded(old: dict) -> dict:
+    """A result file of an earlier schema as schema 4 writes it (the README's history of the schema):
+    schema 1 had no speculative rows nor their settings; schemas 2 and 3 called K `draft_tokens`."""
+    new = json.loads(json.dumps(old))
+    new["schema_version"] = 4
+    settings = new["settings"]
+    if old["schema_version"] == 1:
+        settings.update(drafts=[], num_speculative_tokens=None, prompt_text=None)
+        new["speculative"] = []
+    if "draft_tokens" in settings:
+        settings["num_speculative_tokens"] = settings.pop("draft_tokens")
+    for row in new["speculative"]:
+        row["num_speculative_tokens"] = row.pop("draft_tokens", row.get("num_speculative_tokens"))
+    return new
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "results").glob("bench-*.json")), ids=lambda p: p.name)
+def test_result_files_of_earlier_schemas_read_back(path):
+    """The bench results kept in benchmarks/results (schemas 1 to 3) read as results, with every figure
+    they hold, and their tables render: the schema's renames are read under the old names."""
+    old = json.loads(path.read_text())
+    assert old["schema_version"] < 4  # written before the typed results; a file of schema 4 tests nothing new
+    result = BenchResult.from_json(path.read_text())
+    assert result.schema_version == old["schema_version"]
+    assert json.loads(result.to_json()) == upgraded(old)
+    assert result.passed is old["passed"]
+    text = rendered(result)
+    assert "parity vs torch" in text and f"{old['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s" in text
+    if old.get("speculative"):
+        assert f"K up to {old['speculative'][0]['draft_tokens']}" in text
 
 
 def test_combos_say_what_is_left_out():
     s = bench.BenchSettings(precisions=[Precision.fp32, Precision.int8, Precision.fp16])
     pairs, skipped = bench.combos(s)
     assert pairs == [(BackendKind.torch, Precision.fp32), (BackendKind.ort, Precision.fp32), (BackendKind.ort, Precision.int8)]
-    assert {(x["backend"], x["precision"]) for x in skipped} == {("torch", "int8"), ("torch", "fp16"), ("ort", "fp16")}
+    assert {(x.backend, x.precision) for x in skipped} == {
+        (BackendKind.torch, Precision.int8), (BackendKind.torch, Precision.fp16), (BackendKind.ort, Precision.fp16)}
+    assert all(x.draft is None and x.reason for x in skipped)
 
 
 @pytest.mark.parametrize("precision", [Precision.int8, Precision.int4])
@@ -323,7 +364,7 @@ def test_roofline_counts_the_bytes_the_export_stores(tiny, tmp_path, precision):
 GROUNDED = "to be or not to be, that is the question: to be or not to be, that is"
 
 
-def rendered(result: dict) -> str:
+def rendered(result: BenchResult) -> str:
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=300)
@@ -365,48 +406,50 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
     # d drafted tokens 2.5 + 0.5 d ms, the prefill of the P-token prompt 2 + 0.5 P; the drafts' cost nothing.
     clock = StepClock(monkeypatch, {TorchBackend: (2, 0.5), OrtBackend: (2, 0.5)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
-    validate(json.loads(json.dumps(result)), BENCH_SCHEMA)
+    validate(json.loads(result.to_json()), BENCH_SCHEMA)
+    assert BenchResult.from_json(result.to_json()) == result
     assert is_export(default_export_dir(source.name, Precision.int8))  # exported on first use, here
-    assert [e["batch"] for e in result["speed"]] == [2, 2]
-    rows = result["speculative"]
-    assert [(r["backend"], r["precision"], r["draft"]) for r in rows] == [
-        ("torch", "fp32", "ngram"), ("torch", "fp32", "int8"), ("ort", "fp32", "ngram"), ("ort", "fp32", "int8")]
+    assert [e.batch for e in result.speed] == [2, 2]
+    rows = result.speculative
+    torch, ort, fp32 = BackendKind.torch, BackendKind.ort, Precision.fp32
+    assert [(r.backend, r.precision, r.draft) for r in rows] == [
+        (torch, fp32, "ngram"), (torch, fp32, "int8"), (ort, fp32, "ngram"), (ort, fp32, "int8")]
     assert len(clock.spec_runs) == len(rows) * (s.warmup + s.repeat)
     for i, r in enumerate(rows):
-        assert (r["prompt_len"], r["new_tokens"], r["num_speculative_tokens"], r["adaptive"]) == (len(encode(GROUNDED)), 10, 3, True)
-        assert 0 <= r["accepted"] <= r["drafted"] <= 3 * r["drafts"]
+        assert (r.prompt_len, r.new_tokens, r.num_speculative_tokens, r.adaptive) == (len(encode(GROUNDED)), 10, 3, True)
+        assert 0 <= r.accepted <= r.drafted <= 3 * r.drafts
         # The timed run's proposals, counted against its tokens (9 decoded after the prefill's one).
         rounds, sequence = clock.spec_runs[i * (s.warmup + s.repeat) + s.warmup]
         drafted, accepted, drafts, open_end = greedy_counts(rounds, sequence)
         assert len(sequence) == len(encode(GROUNDED)) + 10 and not open_end
-        assert (r["drafted"], r["accepted"], r["drafts"], r["plain_steps"]) == (drafted, accepted, drafts, 9 - accepted - drafts)
+        assert (r.drafted, r.accepted, r.drafts, r.plain_steps) == (drafted, accepted, drafts, 9 - accepted - drafts)
         if drafts:
-            assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_rate"] == pytest.approx(accepted / drafted)
-            assert r["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+            assert 0 <= r.acceptance_rate <= 1 and r.acceptance_rate == pytest.approx(accepted / drafted)
+            assert r.mean_acceptance_length == pytest.approx(1 + accepted / drafts)
         else:
-            assert r["acceptance_rate"] is None and r["mean_acceptance_length"] is None
+            assert r.acceptance_rate is None and r.mean_acceptance_length is None
         # Times from the clock's costs: plain decoding 2.5 ms a token; speculative 9 tokens in
         # 2.5 ms per round (9 - accepted rounds) plus 0.5 ms per drafted token.
         prefill_ms = 2 + 0.5 * len(encode(GROUNDED))
-        assert r["ttft_ms"] == pytest.approx(prefill_ms) and r["plain_ttft_ms"] == pytest.approx(prefill_ms)
+        assert r.ttft_ms == pytest.approx(prefill_ms) and r.plain_ttft_ms == pytest.approx(prefill_ms)
         spec_tps = 9e3 / (2.5 * (9 - accepted) + 0.5 * drafted)
-        assert r["plain_decode_tokens_per_s"] == pytest.approx(1e3 / 2.5) and r["decode_tokens_per_s"] == pytest.approx(spec_tps)
-        assert r["speedup"] == pytest.approx(spec_tps / 400)
-        assert r["step_cost_ms"] == pytest.approx([2 + 0.5 * n for n in range(1, 9)])
-        assert r["step_cost_ratio"][0] == 1.0 and r["step_cost_ratio"] == pytest.approx([(2 + 0.5 * n) / 2.5 for n in range(1, 9)])
-        if r["draft"] == "ngram":  # an fp32 target with prompt lookup: plain greedy decoding's tokens
-            assert r["greedy_identical"] is True and r["first_difference"] is None
+        assert r.plain_decode_tokens_per_s == pytest.approx(1e3 / 2.5) and r.decode_tokens_per_s == pytest.approx(spec_tps)
+        assert r.speedup == pytest.approx(spec_tps / 400)
+        assert r.step_cost_ms == pytest.approx([2 + 0.5 * n for n in range(1, 9)])
+        assert r.step_cost_ratio[0] == 1.0 and r.step_cost_ratio == pytest.approx([(2 + 0.5 * n) / 2.5 for n in range(1, 9)])
+        if r.draft == "ngram":  # an fp32 target with prompt lookup: plain greedy decoding's tokens
+            assert r.greedy_identical is True and r.first_difference is None
         else:  # a model draft proposes from the first speculative round on (the second decode step)
-            assert r["drafts"] >= 1 and r["draft_name"] == f"{source.name} int8"
+            assert r.drafts >= 1 and r.draft_name == f"{source.name} int8"
     text = rendered(result)
     assert "Speculative decoding" in text and "int8" in text and "step cost" in text
 
     monkeypatch.setattr(OrtBackend, "capabilities", dataclasses.replace(OrtBackend.capabilities, rolls_back=False))
     s.backends, s.drafts = [BackendKind.ort], ["ngram"]
     again = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
-    assert again["speculative"] == [] and len(again["speed"]) == 1
-    [skip] = again["skipped"]
-    assert (skip["backend"], skip["precision"], skip["draft"]) == ("ort", "fp32", "ngram") and "roll back" in skip["reason"]
+    assert again.speculative == [] and len(again.speed) == 1
+    [skip] = again.skipped
+    assert (skip.backend, skip.precision, skip.draft) == (ort, fp32, "ngram") and "roll back" in skip.reason
     assert "not run: ort/fp32 with ngram" in rendered(again)
 
 
@@ -423,10 +466,10 @@ def test_bench_cli_draft_json(tiny, tmp_path, monkeypatch, capsys):
                          "--text", str(text), "--prompt-len", "4", "--new-tokens", "6", "--repeat", "1", "--draft", "ngram",
                          "--num-speculative-tokens", "2", "--output", str(out_json))
     assert code == 0, err
-    result = json.loads(out_json.read_text())
-    assert result["schema_version"] == 4 and result["settings"]["drafts"] == ["ngram"]
-    [row] = result["speculative"]
-    assert (row["backend"], row["draft"], row["num_speculative_tokens"], row["prompt_len"]) == ("torch", "ngram", 2, 4)
+    result = BenchResult.from_json(out_json.read_text())
+    assert result.schema_version == 4 and result.settings.drafts == ["ngram"]
+    [row] = result.speculative
+    assert (row.backend, row.draft, row.num_speculative_tokens, row.prompt_len) == (BackendKind.torch, "ngram", 2, 4)
     assert "Speculative decoding" in out
 
 

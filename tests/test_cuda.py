@@ -50,13 +50,13 @@ def test_presents_stay_on_the_device(tiny):
     mask = np.ones_like(ids)
     logits, past = backend.step(ids, mask, positions(mask, 3), None)
     assert logits.shape == (2, 50257) and logits.dtype == np.float32
-    assert all(v.device_name().lower() == "cuda" for v in past)
+    assert all(v.device_name().lower() == "cuda" for v in past.values)
     mask = np.ones((2, 4), np.int64)
     _, past2 = backend.step(np.array([[7], [8]]), mask, positions(mask, 1), past)
-    assert all(v.device_name().lower() == "cuda" for v in past2) and past2[0].shape()[2] == 4
-    reordered = backend.reorder(past2, np.array([1, 0]))
-    assert all(v.device_name().lower() == "cuda" for v in reordered)
-    np.testing.assert_array_equal(reordered[0].numpy()[0], past2[0].numpy()[1])
+    assert all(v.device_name().lower() == "cuda" for v in past2.values) and past2.length == 4
+    reordered = past2.reorder(np.array([1, 0]))
+    assert all(v.device_name().lower() == "cuda" for v in reordered.values)
+    np.testing.assert_array_equal(reordered.values[0].numpy()[0], past2.values[0].numpy()[1])
 
 
 def test_beam_search_on_cuda_equals_cpu(tiny):
@@ -129,8 +129,8 @@ def test_truncate_on_cuda_keeps_the_device_and_the_logits(tiny, precision):
     ids = np.arange(1, 13, dtype=np.int64)[None]
     mask = np.ones_like(ids)
     _, past = backend.run(ids, mask, positions(mask, 12), None)
-    past = backend.truncate(past, 7)
-    assert all(v.device_name().lower() == "cuda" and v.shape()[2] == 7 for v in past)
+    past = past.truncate(7)
+    assert all(v.device_name().lower() == "cuda" and v.shape()[2] == 7 for v in past.values)
     nxt = np.array([[99]], dtype=np.int64)
     mask = np.ones((1, 8), np.int64)
     stepped, _ = backend.step(nxt, mask, positions(mask, 1), past)
@@ -164,7 +164,7 @@ def test_greedy_steps_take_the_argmax_on_the_device(tiny, precision):
     _, infos = tiny
     backend = OrtBackend(infos[precision], ProviderKind.cuda)
     greedy_past = check_step_greedy(backend)
-    assert all(v.device_name().lower() == "cuda" for v in greedy_past)
+    assert all(v.device_name().lower() == "cuda" for v in greedy_past.values)
     if precision is Precision.fp32:
         settings = SamplingSettings(max_new_tokens=16, greedy=True)
         cpu = [r.tokens for r in generate(OrtBackend(infos[precision]), PROMPTS, settings)]

@@ -147,11 +147,11 @@ def scripted(backend, ids: np.ndarray, mask: np.ndarray, script: list[np.ndarray
     for i, tokens in enumerate(script):
         if reorders and i in reorders:
             rows = reorders[i]
-            past, mask = backend.reorder(past, rows), mask[rows]
+            past, mask = past.reorder(rows), mask[rows]
         mask = np.concatenate([mask, np.ones((len(tokens), 1), dtype=np.int64)], axis=1)
         logits, past = backend.step(tokens[:, None], mask, positions(mask, 1), past)
         out.append(logits)
-    return out, backend.present_to_numpy(past), mask
+    return out, past.to_numpy(), mask
 
 
 E = EOT_ID
@@ -207,7 +207,7 @@ def test_run_returns_every_position_and_continues(backends, pad_at):
     for b in (ort, genai):
         first, past = b.run(ids[:, :5], mask[:, :5], positions(mask[:, :5], 5), None)
         second, past = b.run(ids[:, 5:], mask, positions(mask, 4), past)
-        results.append((first, second, b.present_to_numpy(past)))
+        results.append((first, second, past.to_numpy()))
     (w1, w2, w_cache), (g1, g2, g_cache) = results
     real1, real2, keep = mask[:, :5].astype(bool), mask[:, 5:].astype(bool), mask.astype(bool)
     assert rel_err(w1[real1], g1[real1]) < REL_TOL and rel_err(w2[real2], g2[real2]) < REL_TOL

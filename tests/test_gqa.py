@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import numpy as np
 import onnx
@@ -24,8 +25,10 @@ from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
 from gpt2x.runtime import ort as runtime
-from gpt2x.runtime.ort import InPlaceKVCache, OrtBackend
+from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.tokenizer import encode
 from gpt2x.workflows import export_model as export
 
 from .conftest import PROMPTS, make_hf_model
@@ -85,14 +88,14 @@ def test_shared_cache_is_written_in_place(tiny_gqa):
     backend = OrtBackend(info)
     ids = np.array([[10, 20, 30, 40]])
     logits, cache = backend.run(ids, np.ones((1, 4), np.int64), np.arange(4)[None], None)
-    assert isinstance(cache, InPlaceKVCache) and cache.length == 4
+    assert isinstance(cache, InPlaceCache) and cache.length == 4
     buffers = [a.ctypes.data for a in cache.arrays]
     logits2, cache2 = backend.run(np.array([[50]]), np.ones((1, 5), np.int64), np.array([[4]]), cache)
     assert cache2.length == 5 and [a.ctypes.data for a in cache2.arrays] == buffers  # no new allocation
     with torch.no_grad():
         ref, ref_present = model(torch.tensor([[10, 20, 30, 40, 50]]), torch.ones(1, 5, dtype=torch.long), torch.arange(5)[None])
     assert np.abs(ref[0, -1].numpy() - logits2[0, -1]).max() <= 1e-4 * np.abs(ref.numpy()).max()
-    for want, got in zip([t for kv in ref_present for t in kv], backend.present_to_numpy(cache2)):
+    for want, got in zip([t for kv in ref_present for t in kv], cache2.to_numpy()):
         assert np.abs(want.numpy() - got).max() <= 1e-4 * max(np.abs(want.numpy()).max(), 1e-6)
 
 
@@ -108,12 +111,12 @@ def test_generation_matches_torch_through_cache_growth(tiny_gqa, monkeypatch):
     """Greedy and sampled tokens, a left-padded batch, with a cache that starts at 3 + prompt
     positions and has to grow several times."""
     model, _, info = tiny_gqa
-    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 3)
+    monkeypatch.setattr(InPlaceCache, "capacity_step", 3)
     ref = TorchBackend(model)
     grown = []
     backend = OrtBackend(info)
-    real_buffers = backend._in_place_buffers
-    backend._in_place_buffers = lambda b, cap, keep=None: grown.append(cap) or real_buffers(b, cap, keep)
+    real = InPlaceCache.allocate
+    monkeypatch.setattr(InPlaceCache, "allocate", classmethod(lambda cls, owner, b, cap, keep: grown.append(cap) or real(owner, b, cap, keep)))
     for s in (SamplingSettings(max_new_tokens=40, greedy=True), SamplingSettings(max_new_tokens=40, seed=7, top_k=50)):
         grown.clear()
         want = [r.tokens for r in generate(ref, PROMPTS, s)]
@@ -173,11 +176,11 @@ def test_batched_multi_token_step_on_a_shared_cache(tiny_gqa):
     mask[1, :2] = 0
     _, cache = backend.run(ids[:, :5], mask[:, :5], positions(mask[:, :5], 5), None)
     assert cache.capacity == 5  # a batch's prefill leaves no room (its next step moves the cache) ...
-    cache = backend.past_from_numpy(backend.present_to_numpy(cache))  # ... a cache built from arrays has room
+    cache = backend.past_from_numpy(cache.to_numpy())  # ... a cache built from arrays has room
     assert cache.capacity > 9
     buffers = [a.ctypes.data for a in cache.arrays]
     logits, cache2 = backend.run(ids[:, 5:], mask, positions(mask, 4), cache)
-    assert isinstance(cache2, InPlaceKVCache) and cache2.length == 9
+    assert isinstance(cache2, InPlaceCache) and cache2.length == 9
     assert [a.ctypes.data for a in cache2.arrays] == buffers  # written in place, row by row
     ref = torch_last_logits(model, ids, mask)[:, 5:]
     assert np.abs(ref - logits).max() <= 1e-4 * np.abs(ref).max()
@@ -185,7 +188,7 @@ def test_batched_multi_token_step_on_a_shared_cache(tiny_gqa):
 
 def test_shared_cache_grows_up_to_the_context_and_no_further(tiny_gqa, monkeypatch):
     model, _, info = tiny_gqa
-    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 16)
+    monkeypatch.setattr(InPlaceCache, "capacity_step", 16)
     backend = OrtBackend(info)
     n = info.config.n_positions  # 96
     rng = np.random.default_rng(4)
@@ -213,7 +216,7 @@ def test_a_stale_shared_cache_is_refused(tiny_gqa, monkeypatch):
     with pytest.raises(ValueError, match="already stepped from"):
         backend.run(np.array([[5]]), np.ones((1, 4), np.int64), np.array([[3]]), cache)
     # The newer cache still steps, and after it moves to larger buffers, it is stale in turn.
-    monkeypatch.setattr(runtime, "KV_CAPACITY_STEP", 1)
+    monkeypatch.setattr(InPlaceCache, "capacity_step", 1)
     small = OrtBackend(info)
     _, c1 = small.run(np.array([[1, 2]]), np.ones((1, 2), np.int64), np.arange(2)[None], None)
     _, c2 = small.run(np.array([[3]]), np.ones((1, 3), np.int64), np.array([[2]]), c1)
@@ -244,3 +247,49 @@ def test_in_place_kv_is_read_under_either_key_and_the_old_keyword_still_works(ti
         assert OrtBackend(info).shared_kv is True
     with pytest.raises(ProviderError, match="in place"):
         OrtBackend(mha_info, in_place_kv=True)  # MultiHeadAttention: no in-place cache
+
+
+def test_unset_buffer_values_are_never_read(tiny_gqa, monkeypatch):
+    """The in-place cache leaves new buffers unset (runtime.ort.unset_arrays): filled with NaN instead,
+    a left-padded batch that grows its buffers several times, and a served batch whose rows join a
+    running one (rows and positions merged into unset buffers), give the PyTorch reference's tokens,
+    and every logit stays finite."""
+    model, _, info = tiny_gqa
+    monkeypatch.setattr(runtime, "unset_arrays", lambda shape, count, dtype: [np.full(shape, np.nan, dtype=dtype) for _ in range(count)])
+    monkeypatch.setattr(InPlaceCache, "capacity_step", 3)
+    ref, backend = TorchBackend(model), OrtBackend(info)
+    assert backend.in_place_kv
+    finite, step = [], backend.step
+
+    def checked_step(*args):
+        logits, cache = step(*args)
+        finite.append(bool(np.isfinite(logits).all()))
+        return logits, cache
+
+    backend.step = checked_step
+    for s in (SamplingSettings(max_new_tokens=30, greedy=True), SamplingSettings(max_new_tokens=30, seed=7, top_k=50)):
+        assert [r.tokens for r in generate(backend, PROMPTS, s)] == [r.tokens for r in generate(ref, PROMPTS, s)]
+    s = SamplingSettings(max_new_tokens=12, greedy=True)
+    want = [generate(ref, [p], s)[0].tokens for p in PROMPTS]  # each alone: no padding in the reference
+    engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0, max_join_delay_s=0)).start()
+    got: list[list[int]] = [[] for _ in PROMPTS]
+    ended = threading.Semaphore(0)
+
+    def sink(i: int):
+        def on(kind, value):
+            if kind == "token":
+                got[i].append(value)
+                if i == 0 and len(got[0]) == 3:  # the others join the running batch
+                    engine.submit([Row(encode(p), s, sink(j)) for j, p in enumerate(PROMPTS) if j])
+            else:
+                assert kind == "done", value
+                ended.release()
+        return on
+
+    try:
+        engine.submit([Row(encode(PROMPTS[0]), s, sink(0))])
+        assert all(ended.acquire(timeout=60) for _ in PROMPTS)
+    finally:
+        engine.close()
+    assert got == want and engine.counters["joins"] >= 1
+    assert finite and all(finite)

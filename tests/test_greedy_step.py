@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from gpt2x.choices import Precision
-from gpt2x.generation.generate import decode_loop
+from gpt2x.generation.decode import Sequence, decode_steps
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
@@ -82,7 +82,9 @@ def test_greedy_decode_loop_equals_the_samplers_argmax(tiny, kind):
     ids = np.random.default_rng(2).integers(0, 50257, (2, 4))
     mask = np.ones_like(ids)
     sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=12))
-    got = np.stack(list(decode_loop(backend, ids, mask, sampler, 12)), axis=1)
+    seqs = [Sequence(row.tolist(), SamplingSettings(greedy=True, max_new_tokens=12, ignore_eos=True)) for row in ids]
+    list(decode_steps(backend, seqs))
+    got = np.array([s.tokens for s in seqs])
     want = []
     logits, past = backend.step(ids, mask, positions(mask, 4), None)
     for _ in range(12):
@@ -113,6 +115,6 @@ def test_a_wrapper_that_changes_step_is_not_bypassed(tiny):
             logits[:, 11] = logits.max() + 1
             return logits, past
 
-    ids = np.array([[5, 6, 7]])
-    tokens = list(decode_loop(Forced(OrtBackend(info)), ids, np.ones_like(ids), Sampler(SamplingSettings(greedy=True)), 3))
-    assert [int(t[0]) for t in tokens] == [11, 11, 11]
+    seq = Sequence([5, 6, 7], SamplingSettings(greedy=True, max_new_tokens=3))
+    list(decode_steps(Forced(OrtBackend(info)), [seq]))
+    assert seq.tokens == [11, 11, 11]

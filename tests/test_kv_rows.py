@@ -22,9 +22,10 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.base import right_aligned_rows
 from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_stale
-from gpt2x.runtime.ort import InPlaceKVCache, OrtBackend
+from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row, _layout
+from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.scheduler import layout
 from gpt2x.tokenizer import encode
 from gpt2x.workflows import export_model as export
 
@@ -160,13 +161,13 @@ def test_the_host_path_equals_the_reference(case):
 
 def test_layouts_keep_live_rows_in_place_and_fill_holes():
     # rows 1 and 3 left; two join: they take the holes, nothing else moves
-    assert _layout([0, 2, 4], 5, [5, 6]).tolist() == [0, 5, 2, 6, 4]
+    assert layout([0, 2, 4], 5, [5, 6]).tolist() == [0, 5, 2, 6, 4]
     # rows 0 and 1 left, nobody joins: the last live rows move into the holes
-    assert _layout([2, 3, 4, 5], 6, []).tolist() == [4, 5, 2, 3]
+    assert layout([2, 3, 4, 5], 6, []).tolist() == [4, 5, 2, 3]
     # more join than left: the holes, then new rows at the end
-    assert _layout([0, 2], 3, [3, 4, 5]).tolist() == [0, 3, 2, 4, 5]
+    assert layout([0, 2], 3, [3, 4, 5]).tolist() == [0, 3, 2, 4, 5]
     # a joiner that ended at its first token (not in joining) leaves its number unused
-    assert _layout([1], 2, [3]).tolist() == [3, 1]
+    assert layout([1], 2, [3]).tolist() == [3, 1]
 
 
 # ------------------------------------------------------------------ backends
@@ -238,22 +239,22 @@ def test_backends_merge_as_the_reference_and_decode_on(tiny, scenario):
     for name, b in backends.items():
         mask, logits, past = prefill(b, [PROMPT_IDS[i] for i in batch])
         mask, _, past = decode(b, mask, logits.argmax(-1), past, 3)
-        masks, caches, tokens = [mask], [b.present_to_numpy(past)], [np.full(len(batch), 7)]
+        masks, caches, tokens = [mask], [past.to_numpy()], [np.full(len(batch), 7)]
         jpast = None
         if joiners:
             jmask, jlogits, jpast = prefill(b, [PROMPT_IDS[i] for i in joiners])
             masks.append(jmask)
-            caches.append(b.present_to_numpy(jpast))
+            caches.append(jpast.to_numpy())
             tokens.append(jlogits.argmax(-1))
         kept = mask[[r for r in rows if r < len(batch)]]
         used = kept.shape[1] - int(np.argmax(kept.any(0)))  # the columns the kept rows use
         width = {"same": mask.shape[1], "wide": max(mask.shape[1], jmask.shape[1] if joiners else 0) + 2, "narrow": used}[how]
-        merged = b.merge(past, np.asarray(rows), jpast, width)
+        merged = past.merge(np.asarray(rows), jpast, width)
         if name == "in-place":
-            assert isinstance(merged, InPlaceKVCache) and merged.length == width
+            assert isinstance(merged, InPlaceCache) and merged.length == width
             assert past.stale and (jpast is None or not jpast.stale)
         want = reference(caches[0], caches[1] if joiners else None, rows, width)
-        assert all(np.array_equal(g, w) for g, w in zip(b.present_to_numpy(merged), want))
+        assert all(np.array_equal(g, w) for g, w in zip(merged.to_numpy(), want))
         merged_mask = np.concatenate([fit(m, width) for m in masks])[rows]
         _, logits, _ = decode(b, merged_mask, np.concatenate(tokens)[rows], merged, 4)
         results[name] = np.stack(logits)
@@ -266,8 +267,9 @@ def test_backends_merge_as_the_reference_and_decode_on(tiny, scenario):
 
 
 class Recorded:
-    """A backend whose merges are recorded: (rows before, width before, rows picked, width, rows the
-    buffers had), the last only for the in-place cache."""
+    """A backend whose caches' merges are recorded: (rows before, width before, rows picked, width,
+    rows the buffers had), the last only for the in-place cache. Its steps hand out the backend's
+    caches wrapped (RecordedCache), which the backend steps from as its own."""
 
     def __init__(self, inner):
         self.inner, self.merges = inner, []
@@ -275,12 +277,22 @@ class Recorded:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def merge(self, past, rows, joiner, width):
-        if isinstance(past, InPlaceKVCache):
-            self.merges.append((past.rows, past.length, rows.tolist(), width, past.buffers.batch))
-        else:
-            self.merges.append((past[0].shape()[0], past[0].shape()[2], rows.tolist(), width, None))
-        return self.inner.merge(past, rows, joiner, width)
+    def step(self, input_ids, attention_mask, position_ids, past):
+        logits, cache = self.inner.step(input_ids, attention_mask, position_ids, past)
+        return logits, RecordedCache(self, cache)
+
+
+class RecordedCache:
+    def __init__(self, recorded: Recorded, cache):
+        self.recorded, self.cache = recorded, cache
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def merge(self, rows, joiner, width):
+        c = self.cache
+        self.recorded.merges.append((c.rows, c.length, rows.tolist(), width, c.buffers.batch if isinstance(c, InPlaceCache) else None))
+        return RecordedCache(self.recorded, c.merge(rows, None if joiner is None else joiner.cache, width))
 
 
 LINES = [line for line in (REPO / "tests/data/tinyshakespeare.txt").read_text().splitlines() if len(line) > 12]

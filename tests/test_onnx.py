@@ -70,11 +70,12 @@ def test_ort_logits_and_presents_match_torch(tiny, batch, past, seq, pad):
     real = mask[:, past:].bool().numpy()
     assert got.shape == (batch, seq, 50257)
     assert rel_err(ref.numpy()[real], got[real]) <= REL_TOL
-    for (k, v), ok, ov in zip(ref_present, present[0::2], present[1::2]):
-        assert ok.numpy().shape == (batch, model.config.n_head, past + seq, model.config.head_dim)
+    arrays = present.to_numpy()
+    for (k, v), ok, ov in zip(ref_present, arrays[0::2], arrays[1::2]):
+        assert ok.shape == (batch, model.config.n_head, past + seq, model.config.head_dim)
         rows = real.any(-1)
-        assert rel_err(k.numpy()[rows], ok.numpy()[rows]) <= REL_TOL
-        assert rel_err(v.numpy()[rows], ov.numpy()[rows]) <= REL_TOL
+        assert rel_err(k.numpy()[rows], ok[rows]) <= REL_TOL
+        assert rel_err(v.numpy()[rows], ov[rows]) <= REL_TOL
 
 
 def test_step_by_step_onnx_equals_full_torch_forward(tiny):
@@ -110,7 +111,7 @@ def test_logits_to_keep_gives_the_last_positions_of_the_full_logits(tiny, batch,
     cache = backend.run(ids[:, :past], mask[:, :past], pos[:, :past], None)[1] if past else None
     full, _ = backend.run(ids[:, past:], mask, pos[:, past:], cache)
     feeds = {io.INPUT_IDS: ids[:, past:], io.ATTENTION_MASK: mask, io.POSITION_IDS: pos[:, past:]}
-    past_arrays = backend.present_to_numpy(cache) if past else \
+    past_arrays = cache.to_numpy() if past else \
         [np.zeros((batch, model.config.n_head, 0, model.config.head_dim), np.float32)] * (2 * model.config.n_layer)
     feeds |= dict(zip(io.input_names(model.config.n_layer)[3:], past_arrays))
     for k in (1, 3, seq + 5):
@@ -126,7 +127,7 @@ def test_logits_to_keep_gives_the_last_positions_of_the_full_logits(tiny, batch,
     last, _ = backend.step(ids[:, past:], mask, pos[:, past:], cache)
     np.testing.assert_allclose(last, full[:, -1], rtol=0, atol=1e-5)
     assert rel_err(ref[:, -1].numpy(), last) <= REL_TOL
-    assert isinstance(backend._logits_to_keep[1], ort.OrtValue)  # the graph has the input: step used it
+    assert isinstance(backend.logits_to_keep[1], ort.OrtValue)  # the graph has the input: step used it
 
 
 def test_graph_io_names_and_fusions(tiny):

@@ -18,7 +18,6 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo
-from gpt2x.runtime import openvino as ov_runtime
 from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.openvino import OpenVinoBackend, OpenVinoKVCache
 from gpt2x.runtime.ort import OrtBackend
@@ -80,7 +79,7 @@ def test_steps_write_new_positions_into_the_same_buffers(tiny):
         ref, ref_present = model(torch.tensor(ids), torch.ones(1, 6, dtype=torch.long), torch.arange(6)[None])
     assert logits.shape == (1, backend.vocab_size)
     assert np.abs(ref[0, -1].numpy() - logits[0]).max() <= 1e-4 * np.abs(ref.numpy()).max()
-    for want, got in zip([t for kv in ref_present for t in kv], backend.present_to_numpy(cache2)):
+    for want, got in zip([t for kv in ref_present for t in kv], cache2.to_numpy()):
         assert got.shape == want.shape
         assert np.abs(want.numpy() - got).max() <= 1e-4 * np.abs(want.numpy()).max()
     with pytest.raises(ValueError, match="already stepped from"):  # `cache` is stale now
@@ -94,11 +93,11 @@ def test_generation_equals_ort_through_cache_growth(tiny, graph, monkeypatch):
     """Greedy and seeded sampled tokens for a left-padded batch, with a cache that starts at 3 +
     prompt positions and has to grow several times, equal ONNX Runtime's on the same export."""
     _, _, infos = tiny
-    monkeypatch.setattr(ov_runtime, "KV_CAPACITY_STEP", 3)
+    monkeypatch.setattr(OpenVinoKVCache, "capacity_step", 3)
     backend, ort_backend = OpenVinoBackend(infos[graph]), OrtBackend(infos[graph])
     grown = []
-    real_buffers = backend._buffers
-    backend._buffers = lambda b, cap, keep=None: grown.append(cap) or real_buffers(b, cap, keep)
+    real = OpenVinoKVCache.allocate
+    monkeypatch.setattr(OpenVinoKVCache, "allocate", classmethod(lambda cls, owner, b, cap, keep: grown.append(cap) or real(owner, b, cap, keep)))
     for s in (SamplingSettings(max_new_tokens=40, greedy=True), SamplingSettings(max_new_tokens=40, seed=7, top_k=50)):
         grown.clear()
         want = [r.tokens for r in generate(ort_backend, PROMPTS, s)]
@@ -136,9 +135,9 @@ def test_beam_search_equals_ort(tiny, graph):
     outs = []
     for b in (backend, ort_backend):
         _, past = b.run(ids, mask[:, :6], np.tile(np.arange(6), (3, 1)), None)
-        before = b.present_to_numpy(past)
-        past = b.reorder(past, rows)
-        assert all(np.array_equal(got, want[rows]) for got, want in zip(b.present_to_numpy(past), before))
+        before = past.to_numpy()
+        past = past.reorder(rows)
+        assert all(np.array_equal(got, want[rows]) for got, want in zip(past.to_numpy(), before))
         outs.append(b.step(step_ids, mask, pos, past)[0])
     assert np.abs(outs[0] - outs[1]).max() <= 1e-4 * np.abs(outs[1]).max()
 

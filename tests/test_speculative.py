@@ -157,9 +157,9 @@ def test_truncate_then_step_matches_a_no_cache_forward(bundled, kind):
         _, past = b.step(np.asarray([ids[:P]]), mask, positions(mask, P), None)
         mask = np.ones((1, P + K), dtype=np.int64)
         _, past = b.run(np.asarray([ids[P:]]), mask, positions(mask, K), past)
-        kept = [a[:, :, : P + j].copy() for a in b.present_to_numpy(past)]
-        past = b.truncate(past, P + j)
-        for a, want in zip(b.present_to_numpy(past), kept):  # the first P + j positions, unchanged
+        kept = [a[:, :, : P + j].copy() for a in past.to_numpy()]
+        past = past.truncate(P + j)
+        for a, want in zip(past.to_numpy(), kept):  # the first P + j positions, unchanged
             np.testing.assert_array_equal(a, want)
         ref_past = b.past_from_numpy(kept)
 
@@ -187,24 +187,24 @@ def test_truncate_refuses_a_longer_length_and_stale_views(bundled, kind):
     mask = np.ones((1, 5), dtype=np.int64)
     _, past = b.step(np.asarray([[1, 2, 3, 4, 5]]), mask, positions(mask, 5), None)
     with pytest.raises(ValueError, match="cannot keep 6 positions"):
-        b.truncate(past, 6)
+        past.truncate(6)
     with pytest.raises(ValueError):
-        b.truncate(past, -1)
-    assert all(a.shape[2] == 5 for a in b.present_to_numpy(past))  # a refused truncation changed nothing
-    shorter = b.truncate(past, 3)
-    assert all(a.shape[2] == 3 for a in b.present_to_numpy(shorter))
+        past.truncate(-1)
+    assert all(a.shape[2] == 5 for a in past.to_numpy())  # a refused truncation changed nothing
+    shorter = past.truncate(3)
+    assert all(a.shape[2] == 3 for a in shorter.to_numpy())
     mask = np.ones((1, 4), dtype=np.int64)
     if in_place(kind):
         with pytest.raises(ValueError, match="stepped from"):  # the view from before the rollback
             b.step(np.asarray([[9]]), mask, positions(mask, 1), past)
         with pytest.raises(ValueError, match="stepped from"):
-            b.truncate(past, 2)
+            past.truncate(2)
     _, newer = b.step(np.asarray([[9]]), mask, positions(mask, 1), shorter)
-    assert all(a.shape[2] == 4 for a in b.present_to_numpy(newer))
+    assert all(a.shape[2] == 4 for a in newer.to_numpy())
     if in_place(kind):
         with pytest.raises(ValueError, match="stepped from"):  # the rolled-back view, once stepped from
-            b.truncate(shorter, 2)
-    assert all(a.shape[2] == 2 for a in b.present_to_numpy(b.truncate(newer, 2)))
+            shorter.truncate(2)
+    assert all(a.shape[2] == 2 for a in newer.truncate(2).to_numpy())
 
 
 # ---------------------------------------------------------------- 2. prompt lookup

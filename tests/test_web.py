@@ -127,7 +127,7 @@ def test_beam_search_equals_native(tiny, pages):
 
 
 def test_cache_round_trip_truncate_and_reorder(tiny, pages):
-    """past_from_numpy / present_to_numpy are exact; truncate keeps the first positions, as a fresh
+    """past_from_numpy / to_numpy are exact; truncate keeps the first positions, as a fresh
     run of the shorter sequence computes them; reorder gathers rows."""
     _, infos = tiny
     page = pages[Precision.fp32]
@@ -135,19 +135,19 @@ def test_cache_round_trip_truncate_and_reorder(tiny, pages):
     ids = rng.integers(0, 50257, (3, 10))
     mask = np.ones_like(ids)
     _, past = page.run(ids, mask, positions(mask, 10), None)
-    arrays = page.present_to_numpy(past)
+    arrays = past.to_numpy()
     assert len(arrays) == 2 * infos[Precision.fp32].config.n_layer and arrays[0].shape == (3, 4, 10, 8)
-    assert all(np.array_equal(a, b) for a, b in zip(page.present_to_numpy(page.past_from_numpy(arrays)), arrays))
-    short = page.truncate(past, 6)
+    assert all(np.array_equal(a, b) for a, b in zip(page.past_from_numpy(arrays).to_numpy(), arrays))
+    short = past.truncate(6)
     assert short.length == 6
     _, fresh = page.run(ids[:, :6], mask[:, :6], positions(mask[:, :6], 6), None)
-    for a, b in zip(page.present_to_numpy(short), page.present_to_numpy(fresh)):
+    for a, b in zip(short.to_numpy(), fresh.to_numpy()):
         assert np.abs(a - b).max() <= 1e-5 * max(np.abs(b).max(), 1e-6)
     rows = np.array([2, 0, 0])
-    gathered = page.present_to_numpy(page.reorder(past, rows))
+    gathered = past.reorder(rows).to_numpy()
     assert all(np.array_equal(g, a[rows]) for g, a in zip(gathered, arrays))
     with pytest.raises(ValueError, match="cannot keep 11"):
-        page.truncate(past, 11)
+        past.truncate(11)
 
 
 def test_caches_are_released_in_the_page(pages):
@@ -258,23 +258,25 @@ def test_bench_rows_against_native(tiny, tmp_path, monkeypatch):
     # tokens/s) and 4 + 1 on the web backend (8 and 5: 200 tokens/s); the page's own times are its own.
     clock = StepClock(monkeypatch, {OrtBackend: (1, 1), WebBackend: (4, 1)})
     result = bench.run_bench(s, {"cpu": "test", "cores": 2}, loaded=(model, SOURCES["tiny"]))
-    assert result["passed"] is True
-    assert [p["backend"] for p in result["parity"]] == ["ort", "web"]
-    assert result["parity"][1]["source"] == "measured against torch fp32"
-    ort, page = result["speed"]
-    assert "native_share" not in ort and "page_memory_mb" not in ort
-    assert [ort["ttft_ms"], ort["decode_tokens_per_s"], page["ttft_ms"], page["decode_tokens_per_s"]] == pytest.approx([5, 500, 8, 200])
-    assert page["native_share"] == pytest.approx(200 / 500) and page["native_ttft_ratio"] == pytest.approx(8 / 5)
+    assert result.passed is True
+    assert [p.backend for p in result.parity] == [BackendKind.ort, BackendKind.web]
+    assert result.parity[1].source == "measured against torch fp32"
+    ort, browser = result.speed
+    assert ort.native_share is None and ort.page is None
+    assert [ort.ttft_ms, ort.decode_tokens_per_s, browser.ttft_ms, browser.decode_tokens_per_s] == pytest.approx([5, 500, 8, 200])
+    assert browser.native_share == pytest.approx(200 / 500) and browser.native_ttft_ratio == pytest.approx(8 / 5)
     # The timed run's decode steps in the page: the page's own time of each (as it reported it) is below
     # the wall time of the same step measured here (it excludes the trip), and makes the page's figures.
     steps = [f for f in clock.forwards if isinstance(f[0], WebBackend)][-(s.new_tokens - 1):]
     assert len(steps) == s.new_tokens - 1 and all(t == 1 and 0 < page_ms < wall_s * 1e3 for _, t, wall_s, page_ms in steps)
     page_rate = len(steps) / (sum(page_ms for *_, page_ms in steps) / 1e3)
     assert page_rate > len(steps) / sum(wall_s for _, _, wall_s, _ in steps)
-    assert page["page_decode_tokens_per_s"] == pytest.approx(page_rate) and page["page_native_share"] == pytest.approx(page_rate / 500)
-    assert page["page_memory_mb"] > 10
-    assert page["page"]["crossOriginIsolated"] is True and page["page"]["threads"] == 2
-    validate(json.loads(json.dumps(result)), BENCH_SCHEMA)
+    assert browser.page.decode_tokens_per_s == pytest.approx(page_rate) and browser.page.native_share == pytest.approx(page_rate / 500)
+    assert browser.page.memory_mb > 10
+    assert browser.page.info["crossOriginIsolated"] is True and browser.page.info["threads"] == 2
+    written = json.loads(result.to_json())
+    validate(written, BENCH_SCHEMA)
+    assert "native_share" not in written["speed"][0] and "page_memory_mb" not in written["speed"][0]
 
 
 def test_cli_generate_and_its_errors(tiny, tmp_path):

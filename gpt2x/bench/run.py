@@ -10,15 +10,19 @@ with speculative decoding at batch 1 (`speculative` rows): greedy, each timed sp
 interleaved with a plain run of the same target on the same prompt, against which it is compared
 (speed, and whether the tokens are the same); plus the target's step cost over N = 1..8 new tokens,
 which bounds what any draft can gain.
+
+`run_bench` returns a `results.BenchResult`: typed rows, built once, serialised once (its `to_json`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,24 +31,41 @@ from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progres
 from ..errors import UsageError
 from ..evaluate.metrics import heldout_text, perplexity, summarize_latencies
 from ..evaluate.parity import check
-from ..generation.generate import decode_loop
+from ..generation.decode import Sequence, decode_steps
 from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
 from ..generation.speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 from ..memory import peak_rss_mb, reset_peak_rss
 from ..model.anatomy import total_params
 from ..model.checkpoints import resolve_config
+from ..model.config import GPT2Config
 from ..numerics import positions
+from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import default_precisions
 from ..tokenizer import encode
+from .results import (
+    Bandwidth,
+    BenchResult,
+    ContextLatency,
+    Environment,
+    ModelFacts,
+    PageFigures,
+    ParityRow,
+    Reference,
+    RunSettings,
+    Skipped,
+    SpeculativeRow,
+    SpeedRow,
+)
 from .roofline import cpu_read_bandwidth, gpu_copy_bandwidth, roofline_tokens_per_s
 
-# 2: `speculative` rows, and the settings drafts, draft_tokens and prompt_text; 3: speed rows' native_share
-# and native_ttft_ratio (against ort), and the web backend's page_* figures; 4: draft_tokens (settings and
-# speculative rows) renamed num_speculative_tokens, vLLM's name (report.py reads both)
-SCHEMA_VERSION = 4
 STEP_COST_MAX_N = 8  # the target's step cost is measured over N = 1..8 new tokens
+# The reference every row is compared with: PyTorch on the model in memory, the one backend that
+# runs no export (the others run the model's export, made first when missing).
+REFERENCE = BackendKind.torch
+# Native ONNX Runtime: each other backend's speed is also given as a share of its row (`native_*`).
+NATIVE = BackendKind.ort
 
 
 @dataclass
@@ -87,8 +108,33 @@ class BenchSettings:
         """The drafts' settings: K up to num_speculative_tokens, adaptive (as `gpt2x generate --draft`)."""
         return DraftSettings(num_speculative_tokens=self.num_speculative_tokens)
 
+    def recorded(self, threads: int) -> RunSettings:
+        """These settings as the result records them: the thread count used, the text by its path."""
+        return RunSettings(
+            model=self.model, provider=self.provider, backends=list(self.backends), precisions=list(self.precisions),
+            batches=list(self.batches), prompt_len=self.prompt_len, new_tokens=self.new_tokens, repeat=self.repeat,
+            warmup=self.warmup, threads=threads, text=str(self.text or "bundled held-out Shakespeare"),
+            greedy_tokens=self.greedy_tokens, drafts=list(self.drafts), num_speculative_tokens=self.num_speculative_tokens,
+            prompt_text=self.prompt_text)
 
-def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[dict]]:
+
+def label(kind: BackendKind, precision: Precision) -> str:
+    return f"{kind.value}/{precision.value}"
+
+
+# ---------------------------------------------------------------- before any work
+
+
+def check_context(s: BenchSettings, cfg: GPT2Config) -> None:
+    """Refuse settings whose prompts and new tokens do not fit the model's context."""
+    if s.prompt_len + s.new_tokens > cfg.n_positions:
+        raise UsageError(f"prompt length + new tokens ({s.prompt_len + s.new_tokens}) exceed the context ({cfg.n_positions})")
+    if s.drafts and s.prompt_text is not None and len(encode(s.prompt_text)) + s.new_tokens > cfg.n_positions:
+        raise UsageError(f"prompt_text's {len(encode(s.prompt_text))} tokens + new tokens ({s.new_tokens}) exceed "
+                         f"the context ({cfg.n_positions})", option="prompt_text")
+
+
+def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[Skipped]]:
     """Backend x precision pairs that exist, and the ones left out with the reason: fp16 needs CUDA;
     PyTorch runs fp32 (fp16 on CUDA), the quantized precisions are ONNX exports; OpenVINO has no
     CUDA device."""
@@ -97,35 +143,58 @@ def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[
         for p in s.precisions:
             reason = workflows.unsupported(b, s.provider, p)
             if reason:
-                skipped.append({"backend": b.value, "precision": p.value, "reason": str(reason)})
+                skipped.append(Skipped(backend=b, precision=p, reason=str(reason)))
             else:
                 run.append((b, p))
     return run, skipped
 
 
+def check_drafts(s: BenchSettings, pairs: list[tuple[BackendKind, Precision]]) -> None:
+    """Refuse, before any work, a draft that cannot serve a benchmarked target (workflows.check_draft)
+    on a backend that rolls back (the others are skipped, with the reason)."""
+    for draft in s.drafts:
+        for kind in {kind for kind, _ in pairs if workflows.capabilities_of(kind).rolls_back}:
+            workflows.check_draft(draft, kind, s.provider)
+
+
+# ---------------------------------------------------------------- memory bandwidth
+
+
+def bandwidth_kind(provider: ProviderKind, threads: int) -> str:
+    return "device-to-device copy (read + write)" if provider is ProviderKind.cuda else f"{threads}-thread sequential read"
+
+
+def measure_bandwidth(provider: ProviderKind, threads: int, progress: Progress = no_progress) -> float:
+    """One sample of the bandwidth the roofline divides, in bytes/s."""
+    progress("measuring memory bandwidth")
+    return gpu_copy_bandwidth() if provider is ProviderKind.cuda else cpu_read_bandwidth(threads)
+
+
+# ---------------------------------------------------------------- timing
+
+
 def timed_generation(backend: Backend, prompt_ids: np.ndarray, new_tokens: int) -> dict:
-    """One greedy run through the shared decode loop that never stops early: time to first token,
-    then each decode step (the sampler's tokens are on the host, so every step has finished).
-    `decode_s` is the time from the first token to the last, over which each row decoded `decoded`
-    tokens; `tokens` are each row's."""
-    sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=new_tokens))
+    """One greedy run of the prompts (B, L) through the decode loop (generation.decode.decode_steps)
+    that never stops early (ignore_eos): time to first token, then each decode step (the tokens are
+    on the host, so every step has finished). `decode_s` is the time from the first token to the
+    last, over which each row decoded `decoded` tokens; `tokens` are each row's."""
+    settings = SamplingSettings(greedy=True, max_new_tokens=new_tokens, ignore_eos=True)
+    seqs = [Sequence(row.tolist(), settings) for row in prompt_ids]
     steps: list[float] = []
-    out: list[np.ndarray] = []
     page_ms = backend.page_ms if backend.capabilities.page else None  # each forward's time inside the page
     if page_ms is not None:
         page_ms.clear()
     ttft = None
     t0 = last = time.perf_counter()
-    for nxt in decode_loop(backend, prompt_ids, np.ones_like(prompt_ids), sampler, new_tokens):
+    for _ in decode_steps(backend, seqs):
         now = time.perf_counter()
         if ttft is None:
             ttft = now - t0
         else:
             steps.append(now - last)
         last = now
-        out.append(nxt)
     return {"ttft_s": ttft, "steps_s": steps, "decode_s": sum(steps), "decoded": len(steps),
-            "total_s": time.perf_counter() - t0, "tokens": np.stack(out, axis=1).tolist(),
+            "total_s": time.perf_counter() - t0, "tokens": [s.tokens for s in seqs],
             "page_ms": None if page_ms is None else list(page_ms)}
 
 
@@ -160,36 +229,177 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["total_s"])[len(runs) // 2]
 
 
-def speed_entry(run: dict, batch: int, new_tokens: int, prompt_len: int, cold_s: float, roof: Callable[[int], float]) -> dict:
+def open_timed(s: BenchSettings, kind: BackendKind, precision: Precision, info: ExportInfo | None, prompt: np.ndarray,
+               threads: int, loaded: tuple | None, progress: Progress = no_progress) -> tuple[Backend, float]:
+    """The backend of `kind` at `precision` (on `info`'s export, or the model in memory), and its cold
+    start: opening it and its first step on `prompt` (peak memory is counted from here on, so the
+    one-off export is left out of both)."""
+    progress(f"{label(kind, precision)}: loading")
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    folder = info.folder if info is not None else None
+    backend = workflows.open_backend(kind, s.provider, None if folder else s.model, precision=precision,
+                                     onnx_dir=folder, threads=threads, loaded=loaded)
+    backend.step(prompt, np.ones_like(prompt), positions(np.ones_like(prompt), s.prompt_len), None)
+    return backend, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One backend x precision x batch as timed: the median run (timed_generation's) and the memory
+    it took. Its speed row is made once every pair has run (speed_row): the roofline needs the
+    bandwidth measured last, the share of native ort's row."""
+
+    backend: BackendKind
+    precision: Precision
+    batch: int
+    run: dict
+    cold_start_s: float
+    peak_rss_mb: float
+    peak_gpu_mb: float | None
+    page_memory_mb: float | None  # capabilities.page: the page's process, peak over these runs
+    page_info: dict[str, Any] | None  # capabilities.page: what ran it (onnxruntime-web's version, threads, ...)
+
+
+def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt: np.ndarray, cold_s: float,
+               s: BenchSettings) -> Timing:
+    """s.warmup untimed runs, then s.repeat timed ones of `backend` on `prompt` (one row per batch
+    item); the median run, and the peak memory of process, device and page."""
+    page = backend.capabilities.page
+    if page:  # the page's memory: its peak over these runs
+        backend.reset_page_memory()
+    for _ in range(s.warmup):
+        timed_generation(backend, prompt, min(8, s.new_tokens))
+    runs = [timed_generation(backend, prompt, s.new_tokens) for _ in range(s.repeat)]
+    rss = peak_rss_mb()
+    device_mb = backend.peak_device_memory_mb()
+    page_mb = backend.page_memory_mb() if page else None
+    info = backend.page_info if page else None
+    return Timing(backend=kind, precision=precision, batch=prompt.shape[0], run=median_run(runs), cold_start_s=cold_s,
+                  peak_rss_mb=rss, peak_gpu_mb=device_mb, page_memory_mb=page_mb,
+                  page_info=None if info is None else {k: info[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")})
+
+
+def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> SpeedRow:
+    """A timed row's figures; `roof_tps` is the roofline's tokens/s halfway through the run's context."""
+    run, batch = t.run, t.batch
     steps = run["steps_s"]
     decode = decode_rate(run, batch)
-    mid_context = prompt_len + new_tokens // 2
-    roof_tps = roof(mid_context)
     # Per-token latency along the context, in 8 buckets, for the plot.
     buckets = np.array_split(np.arange(len(steps)), min(8, max(1, len(steps))))
-    by_context = [{"context": int(prompt_len + 1 + b[len(b) // 2]), "ms": float(np.median([steps[i] for i in b]) * 1e3)}
+    by_context = [ContextLatency(context=int(prompt_len + 1 + b[len(b) // 2]), ms=float(np.median([steps[i] for i in b]) * 1e3))
                   for b in buckets if len(b)]
-    return {
-        "cold_start_s": cold_s,
-        "ttft_ms": run["ttft_s"] * 1e3,
-        "decode_latency": summarize_latencies(steps) if steps else {},
-        "decode_tokens_per_s": decode,
-        "e2e_tokens_per_s": batch * new_tokens / run["total_s"],
-        "roofline_tokens_per_s": roof_tps,
-        "roofline_share": decode / roof_tps,
-        "latency_by_context": by_context,
-        **page_figures(run, batch),
-    }
+    return SpeedRow(
+        backend=t.backend, precision=t.precision, batch=batch, cold_start_s=t.cold_start_s, ttft_ms=run["ttft_s"] * 1e3,
+        decode_latency=summarize_latencies(steps) if steps else {}, decode_tokens_per_s=decode,
+        e2e_tokens_per_s=batch * new_tokens / run["total_s"], roofline_tokens_per_s=roof_tps,
+        roofline_share=decode / roof_tps, latency_by_context=by_context, peak_rss_mb=t.peak_rss_mb,
+        peak_gpu_mb=t.peak_gpu_mb, page=page_figures(t),
+    )
 
 
-def page_figures(run: dict, batch: int) -> dict:
+def page_figures(t: Timing) -> PageFigures | None:
     """The web backend's speed inside the page (its forwards' own times: no trip to Python), where
-    the run recorded them: the prefill's time and the decode steps' tokens per second."""
-    page = run.get("page_ms")
+    the run recorded them: the prefill's time and the decode steps' tokens per second; with the
+    page's memory and what ran it. None for a backend without a page."""
+    if t.page_info is None:
+        return None
+    page = t.run.get("page_ms")
     if not page or len(page) < 2:
-        return {}
-    return {"page_ttft_ms": page[0], "page_decode_tokens_per_s": batch * (len(page) - 1) / (sum(page[1:]) / 1e3),
-            "page_decode_latency": summarize_latencies([ms / 1e3 for ms in page[1:]])}
+        return PageFigures(memory_mb=t.page_memory_mb, info=t.page_info)
+    return PageFigures(memory_mb=t.page_memory_mb, info=t.page_info, ttft_ms=page[0],
+                       decode_tokens_per_s=t.batch * (len(page) - 1) / (sum(page[1:]) / 1e3),
+                       decode_latency=summarize_latencies([ms / 1e3 for ms in page[1:]]))
+
+
+def speed_rows(timings: list[Timing], s: BenchSettings, cfg: GPT2Config, bytes_per_s: float) -> list[SpeedRow]:
+    """The speed rows, against the roofline at `bytes_per_s` and against native ort's rows."""
+    mid_context = s.prompt_len + s.new_tokens // 2
+    return native_shares([speed_row(t, s.new_tokens, s.prompt_len,
+                                    roofline_tokens_per_s(bytes_per_s, cfg, t.precision, t.batch, mid_context))
+                          for t in timings])
+
+
+def native_shares(speed: list[SpeedRow]) -> list[SpeedRow]:
+    """Each row of another backend, against native ONNX Runtime's row at the same precision and batch
+    in the same run (where there is one): `native_share`, its decode tok/s over ort's,
+    `native_ttft_ratio`, its time to first token over ort's, and for the web backend
+    `page.native_share`, the page's own decode tok/s over ort's."""
+    native = {(e.precision, e.batch): e for e in speed if e.backend is NATIVE}
+    out = []
+    for e in speed:
+        ort = native.get((e.precision, e.batch))
+        if ort is not None and e is not ort:
+            page = e.page
+            if page is not None and page.decode_tokens_per_s is not None:
+                page = dataclasses.replace(page, native_share=page.decode_tokens_per_s / ort.decode_tokens_per_s)
+            e = dataclasses.replace(e, native_share=e.decode_tokens_per_s / ort.decode_tokens_per_s,
+                                    native_ttft_ratio=e.ttft_ms / ort.ttft_ms, page=page)
+        out.append(e)
+    return out
+
+
+# ---------------------------------------------------------------- parity
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What every backend's parity is measured against: the reference backend (None without
+    PyTorch), the perplexity text's tokens, the window it is scored in, and the reference's perplexity."""
+
+    reference: Backend | None
+    text_ids: list[int]
+    window: int
+    perplexity: float | None
+
+
+def read_text(path: Path | None) -> str:
+    if path is None:
+        return heldout_text()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the perplexity text {path}: {e}") from None
+
+
+def full_logits_fn(backend: Backend) -> Callable[[np.ndarray], np.ndarray]:
+    def run(x: np.ndarray) -> np.ndarray:
+        mask = np.ones_like(x)
+        return backend.run(x, mask, positions(mask, x.shape[1]), None)[0]
+
+    return run
+
+
+def baseline(s: BenchSettings, cfg: GPT2Config, loaded: tuple | None, threads: int) -> Baseline:
+    """The reference on the CPU (where the model is loaded) and its perplexity on the bench's text."""
+    text_ids = encode(read_text(s.text))
+    window = min(cfg.n_positions, 256)
+    reference = workflows.torch_backend(loaded[0], ProviderKind.cpu, s.model, threads=threads) if loaded else None
+    ref_ppl = perplexity(full_logits_fn(reference), text_ids, window) if reference else None
+    return Baseline(reference=reference, text_ids=text_ids, window=window, perplexity=ref_ppl)
+
+
+def gate_figures(base: Baseline, backend: Backend, precision: Precision, info: ExportInfo | None,
+                 greedy_tokens: int) -> dict[str, Any]:
+    """A parity row's gate: measured against the reference, or, with no PyTorch here to measure, the
+    gate the export passed when it was made (its metadata's)."""
+    if base.reference is not None or info is None:
+        gate = check(base.reference, backend, precision, greedy_tokens)
+        return {"source": "measured against torch fp32", "passed": gate["status"] == "passed",
+                "message": gate["message"], "logits": gate["logits"], "greedy": gate["greedy"],
+                "tolerance": gate["tolerance"]}
+    recorded = info.meta.get("parity", {})
+    return {"source": "recorded at export (no PyTorch installed to measure)",
+            "passed": recorded.get("status") == "passed", "message": recorded.get("message", recorded.get("status", "")),
+            "logits": recorded.get("logits"), "greedy": recorded.get("greedy"), "tolerance": recorded.get("tolerance")}
+
+
+def parity_row(base: Baseline, kind: BackendKind, precision: Precision, backend: Backend, info: ExportInfo | None,
+               greedy_tokens: int) -> ParityRow:
+    """One backend x precision's parity gate and perplexity, against the baseline."""
+    ppl = perplexity(full_logits_fn(backend), base.text_ids, base.window)
+    return ParityRow(backend=kind, precision=precision, **gate_figures(base, backend, precision, info, greedy_tokens),
+                     perplexity=ppl, perplexity_rel_change=ppl / base.perplexity - 1 if base.perplexity else None)
 
 
 # ---------------------------------------------------------------- speculative decoding
@@ -215,11 +425,10 @@ def step_costs(backend: Backend, prompt_ids: list[int], max_n: int = STEP_COST_M
             t0 = time.perf_counter()
             _, past = forward(extra[:, :n], m, positions(m, n), past)
             seconds = time.perf_counter() - t0
-            past = backend.truncate(past, n_past)
+            past = past.truncate(n_past)
             if r:  # round 0 warms up
                 times[n].append(seconds)
     return [float(np.median(times[n]) * 1e3) for n in times]
-
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where two token sequences differ (the shorter one's length when one is a
@@ -230,8 +439,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def speculative_row(target: Backend, drafter: Drafter, prompt_ids: list[int], s: BenchSettings,
-                    costs: list[float]) -> dict:
+def speculative_row(kind: BackendKind, precision: Precision, draft: str, target: Backend, drafter: Drafter,
+                    prompt_ids: list[int], s: BenchSettings, costs: list[float]) -> SpeculativeRow:
     """Speculative decoding with `drafter` against plain decoding of `target`, greedy, batch 1: after
     s.warmup untimed runs of each, s.repeat rounds of one plain run then one speculative run (so a
     machine's slow minutes hit both alike); speeds and time to first token are medians over the
@@ -257,25 +466,18 @@ def speculative_row(target: Backend, drafter: Drafter, prompt_ids: list[int], s:
     differences = [d for d in (first_difference(run["tokens"][0], reference) for run in spec) if d is not None]
     plain_tps = float(np.median([decode_rate(run) for run in plain]))
     spec_tps = float(np.median([decode_rate(run) for run in spec]))
-    return {
-        "num_speculative_tokens": settings.num_speculative_tokens, "adaptive": settings.adaptive,
-        "prompt_len": len(prompt_ids), "new_tokens": s.new_tokens, "timed_runs": s.repeat,
-        "acceptance_rate": total.acceptance_rate, "mean_acceptance_length": total.mean_acceptance_length,
-        "drafted": total.drafted, "accepted": total.accepted, "drafts": total.drafts, "plain_steps": total.plain_steps,
-        "decode_tokens_per_s": spec_tps, "plain_decode_tokens_per_s": plain_tps, "speedup": spec_tps / plain_tps,
-        "ttft_ms": float(np.median([run["ttft_s"] for run in spec]) * 1e3),
-        "plain_ttft_ms": float(np.median([run["ttft_s"] for run in plain]) * 1e3),
-        "step_cost_ms": costs, "step_cost_ratio": [c / costs[0] for c in costs],
-        "greedy_identical": not differences, "first_difference": min(differences) if differences else None,
-    }
-
-
-def check_drafts(s: BenchSettings, pairs: list[tuple[BackendKind, Precision]]) -> None:
-    """Refuse, before any work, a draft that cannot serve a benchmarked target (workflows.check_draft)
-    on a backend that rolls back (the others are skipped, with the reason)."""
-    for draft in s.drafts:
-        for kind in {kind for kind, _ in pairs if workflows.capabilities_of(kind).rolls_back}:
-            workflows.check_draft(draft, kind, s.provider)
+    return SpeculativeRow(
+        backend=kind, precision=precision, draft=draft, draft_name=drafter.name,
+        num_speculative_tokens=settings.num_speculative_tokens, adaptive=settings.adaptive,
+        prompt_len=len(prompt_ids), new_tokens=s.new_tokens, timed_runs=s.repeat,
+        acceptance_rate=total.acceptance_rate, mean_acceptance_length=total.mean_acceptance_length,
+        drafted=total.drafted, accepted=total.accepted, drafts=total.drafts, plain_steps=total.plain_steps,
+        decode_tokens_per_s=spec_tps, plain_decode_tokens_per_s=plain_tps, speedup=spec_tps / plain_tps,
+        ttft_ms=float(np.median([run["ttft_s"] for run in spec]) * 1e3),
+        plain_ttft_ms=float(np.median([run["ttft_s"] for run in plain]) * 1e3),
+        step_cost_ms=costs, step_cost_ratio=[c / costs[0] for c in costs],
+        greedy_identical=not differences, first_difference=min(differences) if differences else None,
+    )
 
 
 def speculative_prompt(s: BenchSettings, prompts: dict[int, np.ndarray], vocab_size: int) -> list[int]:
@@ -287,175 +489,84 @@ def speculative_prompt(s: BenchSettings, prompts: dict[int, np.ndarray], vocab_s
     return first[0].tolist()
 
 
-# ---------------------------------------------------------------- the whole benchmark
-
-
-def read_text(path: Path | None) -> str:
-    if path is None:
-        return heldout_text()
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read the perplexity text {path}: {e}") from None
-
-
-def full_logits_fn(backend: Backend) -> Callable[[np.ndarray], np.ndarray]:
-    def run(x: np.ndarray) -> np.ndarray:
-        mask = np.ones_like(x)
-        return backend.run(x, mask, positions(mask, x.shape[1]), None)[0]
-
-    return run
-
-
 def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend: Backend, prompt_ids: list[int],
-              result: dict, progress: Progress, loaded: tuple | None = None, notice: Progress = no_progress) -> None:
-    """The speculative rows of one backend x precision, one per draft, or the reason it has none.
-    A quantized draft of the model in memory (`loaded`) is exported from it when missing, rather
-    than loaded again by open_drafter."""
-    label = f"{kind.value}/{precision.value}"
+              progress: Progress = no_progress, loaded: tuple | None = None,
+              notice: Progress = no_progress) -> tuple[list[SpeculativeRow], list[Skipped]]:
+    """The speculative rows of one backend x precision, one per draft, or, where its cache cannot
+    roll back, each draft skipped with the reason. A quantized draft of the model in memory
+    (`loaded`) is exported from it when missing, rather than loaded again by open_drafter."""
     if not backend.capabilities.rolls_back:
-        for draft in s.drafts:
-            result["skipped"].append({"backend": kind.value, "precision": precision.value, "draft": draft,
-                                      "reason": f"speculative decoding: the {backend.name} backend cannot roll back its KV cache"})
-        return
-    progress(f"{label}: step cost over N = 1..{STEP_COST_MAX_N} new tokens")
+        reason = f"speculative decoding: the {backend.name} backend cannot roll back its KV cache"
+        return [], [Skipped(backend=kind, precision=precision, draft=draft, reason=reason) for draft in s.drafts]
+    progress(f"{label(kind, precision)}: step cost over N = 1..{STEP_COST_MAX_N} new tokens")
     costs = step_costs(backend, prompt_ids, repeat=max(5, s.repeat))
+    rows = []
     for draft in s.drafts:
         if loaded is not None and draft in {p.value for p in Precision} and backend.model_name == s.model:
             workflows.ensure_export(s.model, Precision(draft), loaded=loaded, progress=progress, notice=notice)
         drafter = workflows.open_drafter(draft, backend, kind, s.provider, None, s.draft_settings(),
                                          progress=progress, notice=notice)
-        progress(f"{label}: draft {draft}, {s.warmup} warm-up + {s.repeat} timed rounds (plain, speculative)")
-        row = speculative_row(backend, drafter, prompt_ids, s, costs)
-        result["speculative"].append({"backend": kind.value, "precision": precision.value, "draft": draft,
-                                      "draft_name": drafter.name, **row})
+        progress(f"{label(kind, precision)}: draft {draft}, {s.warmup} warm-up + {s.repeat} timed rounds (plain, speculative)")
+        rows.append(speculative_row(kind, precision, draft, backend, drafter, prompt_ids, s, costs))
         del drafter
+    return rows, []
+
+
+# ---------------------------------------------------------------- the whole benchmark
+
+
+def prepare_export(s: BenchSettings, kind: BackendKind, precision: Precision, loaded: tuple | None,
+                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo | None:
+    """The export a backend of `kind` runs at `precision`, made first when missing (from the model
+    in memory where there is one); None for the reference, which runs the model itself."""
+    if kind is REFERENCE:
+        return None
+    return workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=notice)
 
 
 def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progress,
-              loaded: tuple | None = None, notice: Progress = no_progress) -> dict:
-    """Every figure of the benchmark as one JSON-ready dict; `passed` is False when a gate fails.
-    `loaded` is the PyTorch model and its source when the caller has it in memory already; `notice`
-    hears that an export is about to be made, and where."""
+              loaded: tuple | None = None, notice: Progress = no_progress) -> BenchResult:
+    """Every figure of the benchmark; its `passed` is False when a gate fails. `environment` is the
+    machine's record (system.system_info); `loaded` is the PyTorch model and its source when the
+    caller has it in memory already; `notice` hears that an export is about to be made, and where."""
+    env = Environment.from_dict(environment)
     cfg = loaded[0].config if loaded else resolve_config(s.model)
-    if s.prompt_len + s.new_tokens > cfg.n_positions:
-        raise UsageError(f"prompt length + new tokens ({s.prompt_len + s.new_tokens}) exceed the context ({cfg.n_positions})")
-    if s.drafts and s.prompt_text is not None and len(encode(s.prompt_text)) + s.new_tokens > cfg.n_positions:
-        raise UsageError(f"prompt_text's {len(encode(s.prompt_text))} tokens + new tokens ({s.new_tokens}) exceed "
-                         f"the context ({cfg.n_positions})", option="prompt_text")
+    check_context(s, cfg)
     pairs, skipped = combos(s)
     check_drafts(s, pairs)
-    threads = s.threads or environment.get("cores") or os.cpu_count() or 1
-    have_torch = workflows.torch_available()
-    if loaded is None and (have_torch or BackendKind.torch in s.backends):
+    threads = s.threads or env.cores or os.cpu_count() or 1
+    if loaded is None and (workflows.torch_available() or REFERENCE in s.backends):
         progress(f"loading {s.model}")
         loaded = workflows.load_model(s.model)  # a missing torch is one clear error here
-
-    def measure_bandwidth() -> float:
-        progress("measuring memory bandwidth")
-        return gpu_copy_bandwidth() if s.provider is ProviderKind.cuda else cpu_read_bandwidth(threads)
-
-    kind = "device-to-device copy (read + write)" if s.provider is ProviderKind.cuda else f"{threads}-thread sequential read"
-    bandwidth = {"kind": kind, "samples_bytes_per_s": [measure_bandwidth()]}
-    bandwidth["bytes_per_s"] = bandwidth["samples_bytes_per_s"][0]
-    text_ids = encode(read_text(s.text))
-    window = min(cfg.n_positions, 256)
-    reference = workflows.torch_backend(loaded[0], ProviderKind.cpu, s.model, threads=threads) if loaded else None
-    ref_ppl = perplexity(full_logits_fn(reference), text_ids, window) if reference else None
+    first_sample = measure_bandwidth(s.provider, threads, progress)
+    base = baseline(s, cfg, loaded, threads)
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(0, cfg.vocab_size, (b, s.prompt_len), dtype=np.int64) for b in s.batches}
-    result = {
-        "schema_version": SCHEMA_VERSION,
-        "settings": {**asdict(s), "provider": s.provider.value, "backends": [b.value for b in s.backends],
-                     "precisions": [p.value for p in s.precisions], "text": str(s.text or "bundled held-out Shakespeare"),
-                     "threads": threads},
-        "environment": environment,
-        "model": {"name": s.model, "config": cfg.to_dict(), "parameters": total_params(cfg)},
-        "bandwidth": bandwidth,
-        "reference": {"backend": "torch", "precision": "fp32", "perplexity": ref_ppl, "text_tokens": len(text_ids)},
-        "parity": [],
-        "speed": [],
-        "speculative": [],
-        "skipped": skipped,
-    }
     spec_prompt = speculative_prompt(s, prompts, cfg.vocab_size)
+    parity: list[ParityRow] = []
+    timings: list[Timing] = []
+    speculative: list[SpeculativeRow] = []
     for kind, precision in pairs:
-        label = f"{kind.value}/{precision.value}"
-        info = folder = None
-        if kind is not BackendKind.torch:
-            info = workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=notice)
-            folder = info.folder
-        progress(f"{label}: loading")
-        reset_peak_rss()  # cold start and peak memory exclude the one-off export
-        t0 = time.perf_counter()
-        backend = workflows.open_backend(kind, s.provider, None if folder else s.model, precision=precision,
-                                         onnx_dir=folder, threads=threads, loaded=loaded)
-        first = prompts[s.batches[0]]
-        backend.step(first, np.ones_like(first), positions(np.ones_like(first), s.prompt_len), None)
-        cold = time.perf_counter() - t0
-        progress(f"{label}: parity")
-        ppl = perplexity(full_logits_fn(backend), text_ids, window)
-        if reference is not None or info is None:
-            gate = check(reference, backend, precision, s.greedy_tokens)
-            parity = {"source": "measured against torch fp32", "passed": gate["status"] == "passed",
-                      "message": gate["message"], "logits": gate["logits"], "greedy": gate["greedy"],
-                      "tolerance": gate["tolerance"]}
-        else:  # no PyTorch here: the gate this export passed when it was made
-            recorded = info.meta.get("parity", {})
-            parity = {"source": "recorded at export (no PyTorch installed to measure)",
-                      "passed": recorded.get("status") == "passed", "message": recorded.get("message", recorded.get("status", "")),
-                      "logits": recorded.get("logits"), "greedy": recorded.get("greedy"), "tolerance": recorded.get("tolerance")}
-        result["parity"].append({
-            "backend": kind.value, "precision": precision.value, **parity, "perplexity": ppl,
-            "perplexity_rel_change": ppl / ref_ppl - 1 if ref_ppl else None,
-        })
-        for batch in s.batches:
-            progress(f"{label}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
-            if backend.capabilities.page:  # the page's memory: its peak over these runs
-                backend.reset_page_memory()
-            for _ in range(s.warmup):
-                timed_generation(backend, prompts[batch], min(8, s.new_tokens))
-            runs = [timed_generation(backend, prompts[batch], s.new_tokens) for _ in range(s.repeat)]
-            entry = {"run": median_run(runs), "cold": cold, "backend": kind.value, "precision": precision.value,
-                     "batch": batch, "peak_rss_mb": peak_rss_mb()}
-            device_mb = backend.peak_device_memory_mb()
-            if device_mb is not None:
-                entry["peak_gpu_mb"] = device_mb
-            if backend.capabilities.page:  # the memory of the process that holds the page (a browser's renderer)
-                entry["page_memory_mb"] = backend.page_memory_mb()
-                page = backend.page_info  # what ran it: onnxruntime-web's version, threads, isolation, browser
-                entry["page"] = {k: page[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")}
-            result["speed"].append(entry)
-        if s.drafts:
-            speculate(s, kind, precision, backend, spec_prompt, result, progress, loaded, notice)
-        backend.close()
+        info = prepare_export(s, kind, precision, loaded, progress, notice)
+        backend, cold_s = open_timed(s, kind, precision, info, prompts[s.batches[0]], threads, loaded, progress)
+        with backend:
+            progress(f"{label(kind, precision)}: parity")
+            parity.append(parity_row(base, kind, precision, backend, info, s.greedy_tokens))
+            for batch in s.batches:
+                progress(f"{label(kind, precision)}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
+                timings.append(time_batch(backend, kind, precision, prompts[batch], cold_s, s))
+            if s.drafts:
+                rows, skips = speculate(s, kind, precision, backend, spec_prompt, progress, loaded, notice)
+                speculative += rows
+                skipped += skips
     # On a shared machine the bandwidth varies over minutes: measure again at the end and take the
     # higher figure, so that a transient slowdown cannot make the roofline look easy to reach.
-    bandwidth["samples_bytes_per_s"].append(measure_bandwidth())
-    bandwidth["bytes_per_s"] = max(bandwidth["samples_bytes_per_s"])
-    for i, e in enumerate(result["speed"]):
-        precision, batch = Precision(e["precision"]), e["batch"]
-
-        def roof(context, batch=batch, precision=precision):
-            return roofline_tokens_per_s(bandwidth["bytes_per_s"], cfg, precision, batch, context)
-
-        figures = speed_entry(e.pop("run"), batch, s.new_tokens, s.prompt_len, e.pop("cold"), roof)
-        result["speed"][i] = {**figures, **e}
-    native_shares(result["speed"])
-    result["passed"] = all(p["passed"] for p in result["parity"])
-    return result
-
-
-def native_shares(speed: list[dict]) -> None:
-    """Each row of another backend, against native ONNX Runtime's row at the same precision and batch
-    in the same run (where there is one): `native_share`, its decode tok/s over ort's,
-    `native_ttft_ratio`, its time to first token over ort's, and for the web backend
-    `page_native_share`, the page's own decode tok/s over ort's."""
-    native = {(e["precision"], e["batch"]): e for e in speed if e["backend"] == BackendKind.ort.value}
-    for e in speed:
-        ort = native.get((e["precision"], e["batch"]))
-        if ort is not None and e is not ort:
-            e["native_share"] = e["decode_tokens_per_s"] / ort["decode_tokens_per_s"]
-            e["native_ttft_ratio"] = e["ttft_ms"] / ort["ttft_ms"]
-            if "page_decode_tokens_per_s" in e:
-                e["page_native_share"] = e["page_decode_tokens_per_s"] / ort["decode_tokens_per_s"]
+    samples = [first_sample, measure_bandwidth(s.provider, threads, progress)]
+    bandwidth = Bandwidth(kind=bandwidth_kind(s.provider, threads), samples_bytes_per_s=samples, bytes_per_s=max(samples))
+    return BenchResult(
+        settings=s.recorded(threads), environment=env,
+        model=ModelFacts(name=s.model, config=cfg.to_dict(), parameters=total_params(cfg)),
+        bandwidth=bandwidth, reference=Reference(backend=REFERENCE, precision=Precision.fp32, perplexity=base.perplexity,
+                                                 text_tokens=len(base.text_ids)),
+        parity=parity, speed=speed_rows(timings, s, cfg, bandwidth.bytes_per_s), speculative=speculative, skipped=skipped,
+    )

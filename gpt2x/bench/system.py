@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..runtime.providers import available_providers, physical_cores
+from .results import Environment
 
 
 def cpu_model() -> str:
@@ -61,22 +62,28 @@ def git_revision() -> str | None:
     return out.stdout.strip() or None
 
 
-def system_info() -> dict:
+def environment() -> Environment:
+    """This machine and its software, as a bench result records them."""
     from huggingface_hub import constants
 
     providers = available_providers()
-    return {
-        "gpt2x": __version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cores": physical_cores(),
-        "gpu": gpu_info() or "none found",
-        "packages": package_versions(),
-        "providers listed": ", ".join(providers["listed"]),
-        "providers loadable": providers["loadable"],
-        "hub cache": constants.HF_HUB_CACHE,
-        "hub offline": bool(constants.HF_HUB_OFFLINE),
-        "exports": str(Path("exported").resolve()),
-        "git": git_revision() or "n/a",
-    }
+    return Environment(
+        gpt2x=__version__,
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        platform=platform.platform(),
+        cpu=cpu_model(),
+        cores=physical_cores(),
+        gpu=gpu_info() or "none found",
+        packages=package_versions(),
+        providers_listed=", ".join(providers["listed"]),
+        providers_loadable=providers["loadable"],
+        hub_cache=constants.HF_HUB_CACHE,
+        hub_offline=bool(constants.HF_HUB_OFFLINE),
+        exports=str(Path("exported").resolve()),
+        git=git_revision() or "n/a",
+    )
+
+
+def system_info() -> dict:
+    """environment() as the JSON object every result file and `gpt2x info` hold."""
+    return environment().to_dict()

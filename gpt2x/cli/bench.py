@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -78,10 +77,10 @@ def bench(
     require_provider(settings.backends, provider)
     with Status("starting") as status:
         result = run_bench(settings, system_info(), progress=progress_to(status), notice=notice)
-    write_json(json.dumps(result, indent=1) + "\n", as_json, output)
+    write_json(result.to_json(), as_json, output)
     if plot_file:
         plot(result, plot_file)
     print_tables(bench_tables(result), as_json)
-    if not result["passed"]:
-        failed = [f"{p['backend']}/{p['precision']}: {p['message']}" for p in result["parity"] if not p["passed"]]
+    if not result.passed:
+        failed = [f"{p.backend.value}/{p.precision.value}: {p.message}" for p in result.parity if not p.passed]
         raise ParityError("parity gate failed: " + "; ".join(failed))

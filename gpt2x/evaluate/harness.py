@@ -6,8 +6,8 @@ gpt2x/lmeval/model.py), on any Backend, in NumPy: no torch, no lm_eval.
   `loglikelihood_rolling`) asks. Requests run as left-padded batches through `backend.run` on whole
   sequences (all logits, no cache), longest first; an input longer than the context keeps its end,
   as lm-eval's Hugging Face model truncates it.
-- `generate_until`: greedy or sampled text from gpt2x's decode loop, stopped once every row has met
-  one of the stop strings (or EOS, or its token limit) and cut at the first stop string.
+- `generate_until`: greedy or sampled text from gpt2x's decode loop (generation.decode), each row
+  ended at its first stop string (cancelled with Finish.stop), EOS or its token limit, and cut there.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..errors import UsageError
-from ..generation.generate import decode_loop, left_pad
+from ..generation import decode as decoding
+from ..generation.decode import left_pad
 from ..generation.sampling import Sampler
-from ..generation.settings import SamplingSettings
+from ..generation.settings import Finish, SamplingSettings
 from ..numerics import log_softmax, positions
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID, StreamDecoder, decode
@@ -115,25 +116,14 @@ def generate_until(backend: Backend, prompts: list[list[int]], settings: Samplin
     settings.max_new_tokens tokens or the context's end; decoding stops once every row has ended."""
     if settings.num_beams > 1:
         raise UsageError("beam search does not stop at stop strings; generate_until decodes greedily or samples")
-    ids, mask = left_pad(prompts)
-    n_new = min(settings.max_new_tokens, backend.n_positions - ids.shape[1])
-    tokens: list[list[int]] = [[] for _ in prompts]
-    if n_new < 1:
-        return ["" for _ in prompts]
+    sampler = Sampler(settings)  # one seeded stream for the batch, as generate() draws
+    seqs = [decoding.Sequence(p, settings, sampler=sampler) for p in prompts]
     streams = [StreamDecoder() for _ in prompts]
     texts = ["" for _ in prompts]
-    ended = np.zeros(len(prompts), dtype=bool)
-    for nxt in decode_loop(backend, ids, mask, Sampler(settings), n_new):
-        for row, tok in enumerate(nxt.tolist()):
-            if ended[row]:
-                continue
-            if tok == EOT_ID:
-                ended[row] = True
-                continue
-            tokens[row].append(tok)
-            texts[row] += streams[row].push(tok)
-            if any(s and s in texts[row] for s in stop):
-                ended[row] = True
-        if ended.all():
-            break
-    return [cut_at_stop(decode(t), stop) for t in tokens]
+    for event in decoding.decode(backend, seqs):
+        if event.token is None:
+            continue
+        texts[event.row] += streams[event.row].push(event.token)
+        if any(s and s in texts[event.row] for s in stop):
+            seqs[event.row].cancel(Finish.stop)
+    return [cut_at_stop(decode(s.tokens), stop) for s in seqs]

@@ -84,7 +84,7 @@ def compare_on_cases(reference: Backend, backend: Backend, seed: int = 0) -> dic
         ref_past = flat_past = None
         if c.past:
             _, ref_past = reference.run(ids[:, : c.past], mask[:, : c.past], positions(mask[:, : c.past], c.past), None)
-            flat_past = reference.present_to_numpy(ref_past)
+            flat_past = ref_past.to_numpy()
         pos = positions(mask, c.seq)
         ref, ref_present = reference.run(ids[:, c.past :], mask, pos, ref_past)
         if backend.capabilities.takes_past or not c.past:
@@ -98,8 +98,8 @@ def compare_on_cases(reference: Backend, backend: Backend, seed: int = 0) -> dic
         gots.append(got[real])
         # Cache entries of real positions only: what a padding slot holds is never attended to.
         keep = mask.astype(bool)  # (B, P+T)
-        want = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in reference.present_to_numpy(ref_present)])
-        have = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in backend.present_to_numpy(got_present)])
+        want = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in ref_present.to_numpy()])
+        have = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in got_present.to_numpy()])
         present_err = max(present_err, float(np.abs(want - have).max() / max(np.abs(want).max(), 1e-12)))
     stats = logit_stats(np.concatenate(refs), np.concatenate(gots))
     stats["present_max_rel"] = present_err

@@ -1,2 +1,3 @@
-"""The generation layer: settings and results, the seeded sampler, the shared decode loop with greedy
-and sampled generation, and beam search. Runs on any gpt2x.runtime.base.Backend."""
+"""The generation layer: settings and results, the seeded sampler and its logits processors, the one
+decode loop (decode.py: Sequence, Event, decode, decode_steps) that greedy, sampled and speculative
+generation run on, token logprobs, and beam search. Runs on any gpt2x.runtime.base.Backend."""

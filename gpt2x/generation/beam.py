@@ -1,7 +1,7 @@
 """Beam search over any Backend, with the semantics of transformers' `generate(num_beams=N, do_sample=False)`.
 
 One prompt at a time. The prompt is run once at batch 1, its KV cache is then copied to N rows with
-`backend.reorder`, and every later step feeds the last token of each of the N running beams. Each step
+`past.reorder`, and every later step feeds the last token of each of the N running beams. Each step
 (as transformers 5.x `GenerationMixin._beam_search` does it):
 
 1. scores = running beam score + log_softmax(logits), in float32, over N * V continuations;
@@ -107,7 +107,7 @@ def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: 
     ids = np.asarray([prompt_ids], dtype=np.int64)  # (1, P)
     logits, past = backend.step(ids, np.ones_like(ids), np.arange(p_len, dtype=np.int64)[None], None)
     logits = np.repeat(logits, n, axis=0)  # (N, V): N identical beams ...
-    past = backend.reorder(past, np.zeros(n, dtype=np.int64))  # ... sharing the prompt's cache
+    past = past.reorder(np.zeros(n, dtype=np.int64))  # ... sharing the prompt's cache
     run_scores = np.full(n, NEG, dtype=np.float32)  # (N,) only beam 0 may start, so beams differ
     run_scores[0] = 0.0
     run_seqs: list[list[int]] = [[] for _ in range(n)]
@@ -125,7 +125,7 @@ def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: 
         all_full = settings.early_stopping and fin.done.all()
         if hits.all() or all_full or not improvable:
             break
-        past = backend.reorder(past, cand.rows[pick])
+        past = past.reorder(cand.rows[pick])
         mask = np.ones((n, p_len + gen_len), dtype=np.int64)  # (N, P + t)
         pos = np.full((n, 1), p_len + gen_len - 1, dtype=np.int64)  # (N, 1)
         logits, past = backend.step(cand.tokens[pick][:, None], mask, pos, past)

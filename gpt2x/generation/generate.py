@@ -1,5 +1,6 @@
-"""Backend-agnostic generation: prompts to token ids, left-padded batches, the decode loop, greedy and
-sampled generation (beam search is beam.py).
+"""Backend-agnostic generation: prompts to token ids, greedy and sampled generation over the one
+decode loop (decode.py; left_pad is there too), speculative generation with a draft (the same loop),
+beam search (beam.py).
 
 A backend only has to run forward steps on numpy arrays (gpt2x.runtime.base.Backend); sampling
 happens here, so every backend produces the same tokens for the same seed wherever its logits agree.
@@ -7,18 +8,18 @@ happens here, so every backend produces the same tokens for the same seed wherev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-import numpy as np
+from collections.abc import Callable
 
 from ..errors import UsageError
-from ..numerics import positions
-from ..runtime.base import Backend, greedy_step
+from ..runtime.base import Backend
 from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
+from .decode import Sequence, decode, left_pad
 from .sampling import Sampler
 from .settings import Finish, Generation, SamplingSettings
-from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
+from .speculative import Drafter, DraftSettings, SpecStats
+
+__all__ = ["OnToken", "generate", "generate_speculative", "left_pad", "prepare_prompts"]
 
 
 def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, truncate: bool) -> list[list[int]]:
@@ -39,42 +40,6 @@ def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, t
     return out
 
 
-def left_pad(batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Ids and attention mask (B, L), padded on the left with EOS ids and mask 0."""
-    width = max(len(r) for r in batch)
-    ids = np.full((len(batch), width), EOT_ID, dtype=np.int64)
-    mask = np.zeros((len(batch), width), dtype=np.int64)
-    for i, r in enumerate(batch):
-        ids[i, width - len(r) :] = r
-        mask[i, width - len(r) :] = 1
-    return ids, mask
-
-
-def decode_loop(backend: Backend, ids: np.ndarray, mask: np.ndarray, sampler: Sampler, n_new: int) -> Iterator[np.ndarray]:
-    """The decode loop every caller shares (generation and the bench): prefill the prompt batch
-    (B, L) with its mask, then yield each step's next tokens (B,) int64, at most `n_new` times.
-    Stopping early is the caller's: leave the loop (the generator is then closed). Greedy sampling
-    takes the backend's own argmax where it has one (base.greedy_step: the same tokens)."""
-    if sampler.s.greedy:
-        step = greedy_step(backend)
-        nxt, past = step(ids, mask, positions(mask, ids.shape[1]), None)
-        for i in range(n_new):
-            yield nxt
-            if i == n_new - 1:
-                return
-            mask = np.concatenate([mask, np.ones((len(nxt), 1), dtype=np.int64)], axis=1)
-            nxt, past = step(nxt[:, None], mask, positions(mask, 1), past)
-        return
-    logits, past = backend.step(ids, mask, positions(mask, ids.shape[1]), None)
-    for i in range(n_new):
-        nxt = sampler(logits)
-        yield nxt
-        if i == n_new - 1:
-            return
-        mask = np.concatenate([mask, np.ones((len(nxt), 1), dtype=np.int64)], axis=1)
-        logits, past = backend.step(nxt[:, None], mask, positions(mask, 1), past)
-
-
 OnToken = Callable[[int, int], None]  # (row, token id), called as each token is produced
 
 
@@ -88,9 +53,9 @@ def generate(
     draft: Drafter | None = None,
     draft_settings: DraftSettings | None = None,
 ) -> list[Generation]:
-    """Generate for all prompts as one left-padded batch. Stops each row at EOS; all rows at
-    max_new_tokens or at the model's context limit. With a `draft`, each prompt is decoded on its
-    own, speculatively (speculative.py)."""
+    """Generate for all prompts as one left-padded batch (decode.decode). Stops each row at EOS (unless
+    settings.ignore_eos); all rows at max_new_tokens or at the model's context limit. With a `draft`,
+    each prompt is decoded on its own, speculatively (speculative.py)."""
     if not prompts and not prompt_ids:
         raise UsageError("no prompts given")
     if prompt_ids is None:
@@ -102,27 +67,16 @@ def generate(
                 for row, (p, ids) in enumerate(zip(prompts, prompt_ids))]
     if settings.num_beams > 1:
         return [beam_search(backend, p, ids, settings) for p, ids in zip(prompts, prompt_ids)]
-    results = [Generation(p, ids) for p, ids in zip(prompts, prompt_ids)]
-    ids, mask = left_pad(prompt_ids)
-    n_new = min(settings.max_new_tokens, backend.n_positions - ids.shape[1])
-    done = np.zeros(len(results), dtype=bool)
-    for nxt in decode_loop(backend, ids, mask, Sampler(settings), n_new):
-        for row, tok in enumerate(nxt.tolist()):
-            if done[row]:
-                continue
-            if tok == EOT_ID:
-                done[row] = True
-                results[row].finish_reason = Finish.eos
-                continue
-            results[row].tokens.append(tok)
-            if on_token:
-                on_token(row, tok)
-        if done.all():
-            break
-    for r in results:
-        if r.finish_reason is not Finish.eos and n_new < settings.max_new_tokens and len(r.tokens) == n_new:
-            r.finish_reason = Finish.context
-    return results
+    sampler = Sampler(settings)  # one seeded stream for the batch, drawn row by row at each step
+    seqs = [Sequence(ids, settings, sampler=sampler) for _, ids in zip(prompts, prompt_ids)]
+    for event in decode(backend, seqs):
+        if on_token and event.token is not None:
+            on_token(event.row, event.token)
+    return [_result(p, s) for p, s in zip(prompts, seqs)]
+
+
+def _result(prompt: str, seq: Sequence) -> Generation:
+    return Generation(prompt, seq.prompt_ids, seq.tokens, seq.finish or Finish.length)
 
 
 def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_ids: list[int], settings: SamplingSettings,
@@ -130,23 +84,10 @@ def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_i
                          on_token: OnToken | None = None) -> Generation:
     """One prompt decoded with a draft (batch 1): the tokens the target alone would give (greedy), or a
     sample from the target's distribution (speculative sampling), with the run's draft statistics."""
-    result = Generation(prompt, prompt_ids)
-    n_new = min(settings.max_new_tokens, backend.n_positions - len(prompt_ids))
-    stats = SpecStats()
-    loop = speculative_loop(backend, draft, prompt_ids, Sampler(settings), n_new,
-                            control_for(draft_settings or DraftSettings()), stats)
-    for chunk in loop:
-        for tok in chunk:
-            if tok == EOT_ID:
-                result.finish_reason = Finish.eos
-                break
-            result.tokens.append(tok)
-            if on_token:
-                on_token(row, tok)
-        if result.finish_reason is Finish.eos:
-            loop.close()
-            break
-    if result.finish_reason is not Finish.eos and n_new < settings.max_new_tokens and len(result.tokens) == n_new:
-        result.finish_reason = Finish.context
-    result.speculation = stats.to_dict()
+    seq = Sequence(prompt_ids, settings)
+    for event in decode(backend, [seq], draft, draft_settings):
+        if on_token and event.token is not None:
+            on_token(row, event.token)
+    result = _result(prompt, seq)
+    result.speculation = seq.speculation.to_dict() if seq.speculation else SpecStats().to_dict()
     return result

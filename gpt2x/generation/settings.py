@@ -24,6 +24,7 @@ class SamplingSettings:
     num_beams: int = 1  # beam search when > 1 (deterministic)
     length_penalty: float = 1.0  # beam score = sum logprob / length ** length_penalty (transformers' definition)
     early_stopping: bool = False  # beam search stops as soon as num_beams hypotheses are finished
+    ignore_eos: bool = False  # <|endoftext|> does not end a row and is kept as a token (vLLM's field)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -42,10 +43,11 @@ class SamplingSettings:
 
 class Finish(str, Enum):
     """Why a row stopped: the one list every decoding path uses (generate, beam search, speculative
-    decoding, the serving engine). The API maps it to OpenAI's `finish_reason` at its edge
-    (serve.protocol.finish_reason): eos -> "stop", length and context -> "length"."""
+    decoding, the serving engine, the evaluation harness). The API maps it to OpenAI's `finish_reason`
+    at its edge (serve.protocol.finish_reason): eos and stop -> "stop", length and context -> "length"."""
 
     eos = "eos"  # the model wrote <|endoftext|>
+    stop = "stop"  # a stop string ended the row
     length = "length"  # the row's token budget (max_new_tokens, the API's max_tokens)
     context = "context"  # the model's context is full
     cancelled = "cancelled"  # the caller left (a client that went away)
@@ -58,6 +60,6 @@ class Finish(str, Enum):
 class Generation:
     prompt: str
     prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS
+    tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS (kept with ignore_eos)
     finish_reason: Finish = Finish.length
     speculation: dict | None = None  # with a draft: SpecStats.to_dict() (drafted, accepted, acceptance rate, ...)

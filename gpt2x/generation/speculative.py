@@ -15,7 +15,7 @@ The output is the target's own:
   kept if the draw equals it. Temperature, top-k and top-p shape p and q alike
   (Sampler.probabilities), and every draw uses the sampler's one seeded generator.
 
-Both caches roll back the positions of rejected tokens (`Backend.truncate`): the target's holds the
+Both caches roll back the positions of rejected tokens (`KVCache.truncate`): the target's holds the
 K + 1 verified positions and drops the rejected ones; the draft's, which ran one token ahead, drops
 what the target rejected, and catches up (one multi-token step) on whatever it has not seen.
 
@@ -172,7 +172,7 @@ class ModelDrafter:
 
     def keep(self, length: int) -> None:
         if self.cached > length:
-            self.past = self.backend.truncate(self.past, length)
+            self.past = self.past.truncate(length)
             self.cached = length
 
 
@@ -366,7 +366,7 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
                      control: DraftControl, stats: SpecStats | None = None,
                      clock: Clock = time.perf_counter) -> Iterator[list[int]]:
     """The decode loop with a draft, at batch 1: prefill the prompt, then yield each round's tokens
-    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's, as decode_loop."""
+    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's (leave the loop)."""
     refuse_unrollable(target, "target")
     stats = stats if stats is not None else SpecStats()
     stats.k_history = control.history  # the same list: the control appends each round's K
@@ -401,7 +401,7 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
             new = verify(all_logits[0], proposal, sampler)
             kept = len(tokens) + len(new) - 1  # positions that stand: the sequence but its newest token
             if kept < mask.shape[1]:
-                past = target.truncate(past, kept)
+                past = past.truncate(kept)
             drafter.keep(kept)
             accepted = len(new) - 1
             control.speculated(len(d), accepted, t1 - t0, clock() - t1)

@@ -295,7 +295,7 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     (so left padding works as before) and every row's length as the mask's width. What it adds is
     that its present key/value may be the very buffers passed as past: given a fixed-capacity cache
     bound as both input and output, it writes the new positions in place instead of copying the
-    whole cache into a new present every step (see runtime.ort.InPlaceKVCache). Its CPU kernel has one
+    whole cache into a new present every step (see runtime.ort.InPlaceCache). Its CPU kernel has one
     restriction the MultiHeadAttention graph lacks: a step of more than one token on top of a past
     must have batch 1 (runtime.ort.OrtBackend runs such batches row by row)."""
     graph = proto.graph

@@ -1,25 +1,31 @@
-"""The Backend protocol: what generation, evaluation and the bench ask of a runtime, and all they ask.
+"""The Backend protocol and the KVCache protocol: what generation, evaluation, the bench and the
+serving engine ask of a runtime, and all they ask.
 
-A backend runs forward steps on int64 numpy arrays and keeps its KV cache in whatever form suits it
-(torch tensors on the model's device, OrtValues on the provider's device, a shared in-place buffer);
-the cache is opaque to callers except through `reorder`, `merge`, `past_from_numpy` and
-`present_to_numpy`. Position ids come from the attention mask (gpt2x.numerics.positions) for every
-backend.
+A backend runs forward steps on int64 numpy arrays. Its KV cache is an object of the backend's own
+(`KVCache`): a growing list of device tensors, fixed-capacity buffers written in place, tensors held
+in a web page, a generator's state. Callers never look inside it: they step from it (`Backend.step`
+takes it as `past` and returns the next one) and ask it to `reorder` its rows (beam search),
+`truncate` its positions (speculative decoding's rollback), `merge` rows leaving and joining (the
+serving engine), or give its arrays (`to_numpy`). Position ids come from the attention mask
+(gpt2x.numerics.positions) for every backend.
 
-Every backend has `run`, `step`, `reorder`, `present_to_numpy`, `close` (and is a context manager)
-and the model's facts. What else it can do it declares in one record, `capabilities`
-(`Capabilities`), which every caller reads: no caller asks which backend it holds to decide what the
-backend can do. A backend that lacks a capability lacks its method too.
+Every backend has `run`, `step`, `close` (and is a context manager) and the model's facts. What else
+it and its caches can do it declares in one record, `capabilities` (`Capabilities`), which every
+caller reads: no caller asks which backend it holds to decide what the backend can do. A backend that
+lacks a capability lacks its method too.
 
-`merge_on_host` is `merge` for any backend, through host arrays (a copy of the whole cache): the
-backends whose cache is not in fixed-capacity buffers use it; those whose cache is (kvbuffers.py)
-move only the rows that move, inside their buffers.
+Where a new cache form goes: a class implementing KVCache beside its backend (runtime/<backend>.py),
+listed in the backend's `cache_forms`; caches in fixed-capacity host buffers build on
+kvbuffers.BufferCache, which already has the operations. `merge_on_host` is `merge` for any cache,
+through host arrays (a copy of the whole cache): the forms whose cache is not in fixed-capacity
+buffers use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -30,16 +36,17 @@ from .kvbuffers import write_right_aligned
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do beyond `run`, `step`, `reorder`, `present_to_numpy` and `close`. Each
-    capability comes with its method(s); a new capability is a field here, its method in the protocol
-    below, and the callers that need it read the field."""
+    """What a backend (and its caches) can do beyond `run`, `step`, `close` and the caches' `reorder`
+    and `to_numpy`. Each capability comes with its method(s); a new capability is a field here, its
+    method in the protocols below, and the callers that need it read the field."""
 
-    # `past_from_numpy`: it can be handed a cache made elsewhere (parity's cases with a past). A
-    # backend that owns its cache (onnxruntime-genai's generator) is compared on whole sequences.
+    # `Backend.past_from_numpy`: it can be handed a cache made elsewhere (parity's cases with a past).
+    # A backend that owns its cache (onnxruntime-genai's generator) is compared on whole sequences.
     takes_past: bool = False
-    # `merge`: rows leave and join a running batch's cache (continuous batching); else static batches.
+    # `KVCache.merge`: rows leave and join a running batch's cache (continuous batching); else static
+    # batches.
     joins_rows: bool = False
-    # `truncate`: a cache's last positions dropped (speculative decoding's rollback).
+    # `KVCache.truncate`: a cache's last positions dropped (speculative decoding's rollback).
     rolls_back: bool = False
     # `step_greedy`: a greedy step takes the argmax where the logits are (on the device, in the page),
     # so that one token per row comes back instead of the logits.
@@ -74,6 +81,41 @@ class Released:
         raise ProviderError(f"this {self._backend} backend is closed")
 
 
+class KVCache(Protocol):
+    """A backend's KV cache: `rows` batch rows of `length` positions, in the backend's own form. Every
+    operation returns the cache to use next; the one it was called on may be stale afterwards (a form
+    that writes in place refuses a stale one in one clear error), except where a method says so."""
+
+    rows: int  # batch rows
+    length: int  # positions held (the attention mask's width)
+
+    def reorder(self, rows: np.ndarray) -> KVCache:
+        """The cache with its batch rows gathered by `rows` (beam search); this one stays usable."""
+        ...
+
+    def to_numpy(self) -> list[np.ndarray]:
+        """The cache as 2 * n_layer float32 arrays (B, H, P, D), key then value per layer (copies)."""
+        ...
+
+    # -- with capabilities.rolls_back
+
+    def truncate(self, length: int) -> KVCache:
+        """The cache holding only its first `length` positions (speculative decoding drops the positions
+        of rejected draft tokens), copying no more than the form needs: fixed-capacity buffers only
+        set their length back."""
+        ...
+
+    # -- with capabilities.joins_rows
+
+    def merge(self, rows: np.ndarray, joiner: KVCache | None, width: int) -> KVCache:
+        """Rows leaving and joining a batch (serving): the cache whose row i is row `rows[i]` of this
+        cache's rows and `joiner`'s (another cache of the same backend, or None) stacked, joiner's
+        numbered after this one's, every row right-aligned to `width` positions: zeros (to be masked
+        out) before a shorter row, and positions further than `width` from the end dropped (the
+        caller drops only positions masked out in every row it keeps). `joiner` stays usable."""
+        ...
+
+
 class Backend(Protocol):
     name: str  # the runtime (BackendKind's values), for reports; never to decide what it can do
     provider: ProviderKind  # where it runs
@@ -81,59 +123,31 @@ class Backend(Protocol):
     vocab_size: int  # columns of the logits
     model_name: str  # the model it runs, as the user named it (an export records it)
     capabilities: Capabilities  # what else it can do (above)
+    cache_forms: tuple[type, ...]  # the KVCache classes its steps return
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            past: Any) -> tuple[np.ndarray, Any]:
+            past: KVCache | None) -> tuple[np.ndarray, KVCache]:
         """input_ids (B, T), attention_mask (B, P+T), position_ids (B, T), past (None at first)
         -> all logits (B, T, V) float32 on the host, and the new cache (P+T positions)."""
         ...
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-             past: Any) -> tuple[np.ndarray, Any]:
+             past: KVCache | None) -> tuple[np.ndarray, KVCache]:
         """As run, but only the last position's logits (B, V)."""
-        ...
-
-    def reorder(self, past: Any, rows: np.ndarray) -> Any:
-        """The cache with its batch rows gathered by `rows` (beam search)."""
         ...
 
     def close(self) -> None:
         """Release what it holds; the backend is not used afterwards. Backends are context managers."""
         ...
 
-    # -- with capabilities.joins_rows
-
-    def merge(self, past: Any, rows: np.ndarray, joiner: Any | None, width: int) -> Any:
-        """Rows leaving and joining a batch (serving): the cache whose row i is row `rows[i]` of `past`'s
-        rows and `joiner`'s (another cache of this backend, or None) stacked, joiner's numbered after
-        past's, every row right-aligned to `width` positions: zeros (to be masked out) before a
-        shorter row, and positions further than `width` from the end dropped (the caller drops only
-        positions masked out in every row it keeps). `past` must not be used afterwards (a backend
-        may reuse its buffers); `joiner` may be."""
-        ...
-
-    # -- with capabilities.rolls_back
-
-    def truncate(self, past: Any, length: int) -> Any:
-        """The cache holding only its first `length` positions (speculative decoding drops the positions
-        of rejected draft tokens), copying no more than the backend's cache layout needs: the in-place
-        buffers only set their length back. `past` must not be used afterwards."""
+    def peak_device_memory_mb(self) -> float | None:
+        """Peak accelerator memory the backend allocated, where it can tell (None otherwise)."""
         ...
 
     # -- with capabilities.takes_past
 
-    def past_from_numpy(self, arrays: list[np.ndarray]) -> Any:
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> KVCache:
         """A cache from 2 * n_layer arrays (B, H, P, D), key then value per layer."""
-        ...
-
-    # -- every backend
-
-    def present_to_numpy(self, present: Any) -> list[np.ndarray]:
-        """The cache as 2 * n_layer float32 arrays (B, H, P, D), key then value per layer."""
-        ...
-
-    def peak_device_memory_mb(self) -> float | None:
-        """Peak accelerator memory the backend allocated, where it can tell (None otherwise)."""
         ...
 
 
@@ -173,8 +187,9 @@ def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: i
     return out
 
 
-def merge_on_host(backend: Backend, past: Any, rows: np.ndarray, joiner: Any | None, width: int) -> Any:
-    """`Backend.merge` through host arrays: both caches copied out (present_to_numpy), their rows
-    gathered and right-aligned, and the result copied back (past_from_numpy)."""
-    parts = [backend.present_to_numpy(past)] + ([] if joiner is None else [backend.present_to_numpy(joiner)])
-    return backend.past_from_numpy(right_aligned_rows(parts, rows, width))
+def merge_on_host(cache: KVCache, rows: np.ndarray, joiner: KVCache | None, width: int,
+                  from_numpy: Callable[[list[np.ndarray]], KVCache]) -> KVCache:
+    """`KVCache.merge` through host arrays: both caches copied out (to_numpy), their rows gathered and
+    right-aligned, and the result copied back (`from_numpy`, the backend's past_from_numpy)."""
+    parts = [cache.to_numpy()] + ([] if joiner is None else [joiner.to_numpy()])
+    return from_numpy(right_aligned_rows(parts, rows, width))

@@ -24,7 +24,7 @@ history with one `append_tokens` (a prefill), which is why a cache keeps the tok
   Every beam step is then a prefill of the beams' whole histories: beam search costs several times
   what it costs on ONNX Runtime, which gathers its cache in place.
 - position_ids are not passed on: genai makes its own, which equal gpt2x's in both layouts above.
-- The cache in gpt2x's layout: `present_to_numpy` reads genai's last present outputs (growing: the
+- The cache in gpt2x's layout: `GenaiState.to_numpy` reads genai's last present outputs (growing: the
   filled length; in-place buffer: the first filled positions of the fixed-capacity buffer).
 
 Providers: cpu, and cuda through genai's provider settings (untested: written without a GPU).
@@ -74,9 +74,10 @@ class GenaiState:
     or one single-row generator per row, with the attention mask that places each row's real
     tokens. Stepping from a state makes it stale, as the generators it holds move on."""
 
-    __slots__ = ("lanes", "batched", "mask")
+    __slots__ = ("owner", "lanes", "batched", "mask")
 
-    def __init__(self, lanes: list[_Lane], batched: bool, mask: np.ndarray):
+    def __init__(self, owner: GenaiBackend, lanes: list[_Lane], batched: bool, mask: np.ndarray):
+        self.owner = owner
         self.lanes = lanes
         self.batched = batched
         self.mask = mask  # (B, positions so far): the columns each row's tokens occupy
@@ -84,16 +85,26 @@ class GenaiState:
             lane.owner = self
 
     @property
-    def batch(self) -> int:
+    def rows(self) -> int:
         return self.mask.shape[0]
 
     @property
-    def width(self) -> int:
+    def length(self) -> int:
         return self.mask.shape[1]
 
     @property
     def stale(self) -> bool:
         return any(lane.owner is not self for lane in self.lanes)
+
+    def reorder(self, rows: np.ndarray) -> GenaiState:
+        """The state with its rows gathered by `rows`, by replaying (genai cannot gather its cache):
+        see the module docstring."""
+        return self.owner.reordered(self, rows)
+
+    def to_numpy(self) -> list[np.ndarray]:
+        """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold
+        no token (padding of a per-row state) are zeros."""
+        return self.owner.present_arrays(self)
 
 
 class GenaiBackend(Closable):
@@ -105,6 +116,7 @@ class GenaiBackend(Closable):
     # The generator owns its cache: it takes none made elsewhere (parity compares whole sequences), no
     # rows join it (serving batches statically), and no positions are dropped from it (no speculation).
     capabilities = Capabilities()
+    cache_forms = (GenaiState,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         refuse_fp16_on_cpu(info, provider)
@@ -201,9 +213,9 @@ class GenaiBackend(Closable):
         if isinstance(self.model, Released):  # closed: onnxruntime-genai would be handed the stand-in
             self.model.model  # noqa: B018 (raises the one-line ProviderError)
         B, T = ids.shape
-        width = 0 if past is None else past.width
-        if mask.shape != (B, width + T) or (past is not None and past.batch != B):
-            rows = B if past is None else past.batch
+        width = 0 if past is None else past.length
+        if mask.shape != (B, width + T) or (past is not None and past.rows != B):
+            rows = B if past is None else past.rows
             raise ValueError(f"attention_mask is {mask.shape}; the cache holds {rows} rows of {width} positions, "
                              f"and {B} x {T} new ids were given")
         if width + T > self.n_positions:
@@ -214,13 +226,13 @@ class GenaiBackend(Closable):
         if past is None:
             if new_mask.all():
                 lane = self._new_lane(B, ids)
-                return self._logits(lane, T, last_only), GenaiState([lane], True, mask)
-            past = GenaiState([_Lane(None, 1, self.n_positions) for _ in range(B)], False, mask[:, :0])
+                return self._logits(lane, T, last_only), GenaiState(self, [lane], True, mask)
+            past = GenaiState(self, [_Lane(None, 1, self.n_positions) for _ in range(B)], False, mask[:, :0])
         elif past.batched and not new_mask.all():
             past = self._split(past)
         if past.batched:
-            return self._step_batched(past.lanes[0], ids, last_only), GenaiState(past.lanes, True, mask)
-        return self._step_rows(past.lanes, ids, new_mask, last_only), GenaiState(past.lanes, False, mask)
+            return self._step_batched(past.lanes[0], ids, last_only), GenaiState(self, past.lanes, True, mask)
+        return self._step_rows(past.lanes, ids, new_mask, last_only), GenaiState(self, past.lanes, False, mask)
 
     def _step_batched(self, lane: _Lane, ids: np.ndarray, last_only: bool) -> np.ndarray:
         T = ids.shape[1]
@@ -268,11 +280,10 @@ class GenaiBackend(Closable):
         """A batched state as single-row generators (for a step that brings padding)."""
         lane = past.lanes[0]
         rows = [self._new_lane(1, lane.tokens[r : r + 1, : lane.length]) for r in range(lane.batch)]
-        return GenaiState(rows, False, past.mask)
+        return GenaiState(self, rows, False, past.mask)
 
-    def reorder(self, past: GenaiState, rows: np.ndarray) -> GenaiState:
-        """The state with its rows gathered by `rows`, by replaying (genai cannot gather its cache):
-        see the module docstring."""
+    def reordered(self, past: GenaiState, rows: np.ndarray) -> GenaiState:
+        """GenaiState.reorder."""
         if past.stale:
             raise ValueError("this cache was already stepped from (or reordered); reorder the cache the last step returned")
         rows = np.asarray(rows, dtype=np.int64)
@@ -288,22 +299,21 @@ class GenaiBackend(Closable):
                     src = _Lane(None, 1, self.n_positions)
                 taken.add(r)
                 lanes.append(src)
-            return GenaiState(lanes, False, mask)
+            return GenaiState(self, lanes, False, mask)
         lane = past.lanes[0]
         if rows.size == lane.batch and np.array_equal(rows, np.arange(lane.batch)):
-            return GenaiState([lane], True, mask)
+            return GenaiState(self, [lane], True, mask)
         gathered = lane.tokens[rows, : lane.length]
         if rows.size == lane.batch and lane.batch > 1:  # the same batch size: rewind this generator
             lane.tokens[:, : lane.length] = gathered
             self._replay(lane)
-            return GenaiState([lane], True, mask)
-        return GenaiState([self._new_lane(rows.size, gathered)], True, mask)
+            return GenaiState(self, [lane], True, mask)
+        return GenaiState(self, [self._new_lane(rows.size, gathered)], True, mask)
 
     # -- the cache in gpt2x's layout
 
-    def present_to_numpy(self, present: GenaiState) -> list[np.ndarray]:
-        """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold
-        no token (padding of a per-row state) are zeros."""
+    def present_arrays(self, present: GenaiState) -> list[np.ndarray]:
+        """GenaiState.to_numpy."""
         if present.stale:
             raise ValueError("this cache was already stepped from (or reordered); read the cache the last step returned")
         if present.batched:

@@ -2,7 +2,9 @@
 Runtime's in-place cache for GroupQueryAttention graphs, OpenVINO's cache): one (batch capacity, H,
 capacity, D) array per layer and key/value, views of their filled rows and positions, the policy that
 grows them, and the row operations a serving batch needs (`merge_rows`: rows leave and join inside the
-buffers).
+buffers). `BufferCache` is the cache object over them (runtime/base.py's KVCache): each runtime's
+form of it subclasses it with its one allocator (`allocate`: what its kernels read decides whether
+new buffers are zeroed or left unset) and its step.
 
 The cache is the first `rows` rows and `length` positions of the buffers; a step binds those rows
 only (`a[:rows]` of a C-contiguous array is contiguous: no copy), so buffers can hold more rows than
@@ -16,6 +18,7 @@ rows."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -197,7 +200,7 @@ def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, pa
 def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
                allocate: Allocate, n_positions: int,
                capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
-    """`Backend.merge` inside fixed-capacity buffers: buffers whose row i holds row `rows[i]` of the
+    """`KVCache.merge` inside fixed-capacity buffers: buffers whose row i holds row `rows[i]` of the
     cache's rows and `joiner`'s (arrays (Bj, H, Pj, D), numbered after the cache's) stacked, every row
     right-aligned to `width` positions (zeros before a shorter row; positions further than `width`
     from its end dropped). Returns them with `rows` = len(rows) and `length` = width.
@@ -234,3 +237,58 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
     target.rows = len(rows)
     target.length = width
     return target
+
+
+class BufferCache(KVCacheView):
+    """A KV cache in fixed-capacity buffers (base.KVCache): a view of them with the cache's operations,
+    done inside the buffers where they can be (truncate sets the length back; merge moves only the
+    rows that move). A form subclasses it with `allocate`, its one way to get buffers, and its step;
+    `owner` is the backend (its `n_positions`, and whatever its allocator needs)."""
+
+    capacity_step = KV_CAPACITY_STEP  # positions a new cache holds beyond its first step, and grows by at least
+
+    def __init__(self, buffers: KVBuffers, length: int, owner: Any):
+        super().__init__(buffers, length)
+        self.owner = owner
+
+    @classmethod
+    def allocate(cls, owner: Any, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
+        """Buffers of `batch` rows and `capacity` positions, holding `keep`'s filled rows and positions
+        if given (an Allocate)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_numpy(cls, owner: Any, arrays: list[np.ndarray]):
+        """A cache holding `arrays` (B, H, P, D), with room to grow (Backend.past_from_numpy)."""
+        capacity = min(owner.n_positions, arrays[0].shape[2] + cls.capacity_step)
+        buffers = buffers_holding(arrays, capacity, lambda b, c, k: cls.allocate(owner, b, c, k))
+        return cls(buffers, buffers.length, owner)
+
+    def buffers_for_step(self, batch: int, seq: int) -> KVBuffers:
+        """The buffers a step of `seq` new positions on this cache writes into (larger ones when it
+        would overflow; stale views refused)."""
+        refuse_stale(self)
+        return buffers_for_step(self, batch, seq, self.owner.n_positions, self.capacity_step, self._allocate)
+
+    def _allocate(self, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
+        return self.allocate(self.owner, batch, capacity, keep)
+
+    def to_numpy(self) -> list[np.ndarray]:
+        return [a.astype(np.float32) for a in self.filled()]  # copies
+
+    def reorder(self, rows: np.ndarray):
+        """New buffers with the batch rows gathered by `rows`: only the filled positions are copied."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return type(self)(buffers_holding([a[rows] for a in self.filled()], self.capacity, self._allocate),
+                          self.length, self.owner)
+
+    def truncate(self, length: int):
+        """The buffers' length set back (kvbuffers.truncated): nothing copied."""
+        return type(self)(truncated(self, length), length, self.owner)
+
+    def merge(self, rows: np.ndarray, joiner: BufferCache | None, width: int):
+        """Inside the buffers (merge_rows: only the rows that move are copied); this view is stale
+        afterwards."""
+        buffers = merge_rows(self, rows, None if joiner is None else joiner.filled(), width, self._allocate,
+                             self.owner.n_positions, self.capacity_step)
+        return type(self)(buffers, buffers.length, self.owner)

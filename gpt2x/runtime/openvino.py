@@ -21,8 +21,9 @@ longer each step would be a new shape for OpenVINO's CPU plugin every step (on t
 two measured within noise of each other). The buffer cannot also be bound as the present: OpenVINO
 would reshape it to the concatenation's (B, H, capacity + T, D) and write that over it.
 
-A serving batch's rows leave and join inside the buffers (`merge`, kvbuffers.merge_rows); a step
-binds the rows in use only.
+The cache is an OpenVinoKVCache (kvbuffers.BufferCache): a serving batch's rows leave and join inside
+the buffers (`merge`), a rollback sets the length back (`truncate`); a step binds the rows in use
+only.
 
 OpenVINO's GroupQueryAttention runs batch 1 only (its decomposition reshapes the per-row lengths to
 a single value; batch 2 fails inside OpenVINO): a batch of a GroupQueryAttention graph runs one row
@@ -40,18 +41,7 @@ from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from .base import Capabilities, Closable, Released
-from .kvbuffers import (
-    KV_CAPACITY_STEP,
-    KVBuffers,
-    KVCacheView,
-    buffers_for_step,
-    buffers_holding,
-    merge_rows,
-    refuse_stale,
-    rows_to_keep,
-    truncated,
-    zeroed_arrays,
-)
+from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -64,9 +54,18 @@ def _first_line(e: Exception) -> str:
     return (useful or lines or [type(e).__name__])[-1]
 
 
-class OpenVinoKVCache(KVCacheView):
-    """A view of the cache's buffers holding positions [0, length) (kvbuffers.py: stepping from a
+class OpenVinoKVCache(BufferCache):
+    """The cache's buffers holding positions [0, length) (kvbuffers.BufferCache: stepping from a
     stale view is refused)."""
+
+    @classmethod
+    def allocate(cls, owner: OpenVinoBackend, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
+        """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
+        (with at least as many rows as its buffers had). Zeroed, not left unset: the graph reads the
+        whole capacity, masked, and a masked slot must still hold a finite number."""
+        batch, rows = rows_to_keep(batch, keep)
+        shape = (batch, owner.cfg.n_head, capacity, owner.cfg.head_dim)
+        return KVBuffers(zeroed_arrays(shape, 2 * owner.cfg.n_layer, np.float32, keep), keep.length if keep else 0, rows)
 
 
 class OpenVinoBackend(Closable):
@@ -75,6 +74,7 @@ class OpenVinoBackend(Closable):
 
     name = "openvino"
     capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
+    cache_forms = (OpenVinoKVCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:
@@ -116,39 +116,8 @@ class OpenVinoBackend(Closable):
 
     # -- the KV cache
 
-    def _buffers(self, batch: int, capacity: int, keep: OpenVinoKVCache | None = None) -> KVBuffers:
-        """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
-        (with at least as many rows as its buffers had). Zeroed, not left unset: the graph reads the
-        whole capacity, masked, and a masked slot must still hold a finite number."""
-        batch, rows = rows_to_keep(batch, keep)
-        shape = (batch, self.cfg.n_head, capacity, self.cfg.head_dim)
-        return KVBuffers(zeroed_arrays(shape, 2 * self.cfg.n_layer, np.float32, keep), keep.length if keep else 0, rows)
-
     def past_from_numpy(self, arrays: list[np.ndarray]) -> OpenVinoKVCache:
-        capacity = min(self.n_positions, arrays[0].shape[2] + KV_CAPACITY_STEP)
-        buffers = buffers_holding(arrays, capacity, self._buffers)
-        return OpenVinoKVCache(buffers, buffers.length)
-
-    def present_to_numpy(self, present: OpenVinoKVCache) -> list[np.ndarray]:
-        return [a.astype(np.float32) for a in present.filled()]  # copies
-
-    def reorder(self, past: OpenVinoKVCache, rows: np.ndarray) -> OpenVinoKVCache:
-        """New buffers with the batch rows gathered by `rows` (beam search)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        buffers = buffers_holding([a[rows] for a in past.filled()], past.capacity, self._buffers)
-        return OpenVinoKVCache(buffers, past.length)
-
-    def merge(self, past: OpenVinoKVCache, rows: np.ndarray, joiner: OpenVinoKVCache | None, width: int) -> OpenVinoKVCache:
-        """Backend.merge inside the buffers (kvbuffers.merge_rows: only the rows that move are copied;
-        `past` is stale afterwards)."""
-        arrays = None if joiner is None else joiner.filled()
-        buffers = merge_rows(past, rows, arrays, width, self._buffers, self.n_positions, KV_CAPACITY_STEP)
-        return OpenVinoKVCache(buffers, buffers.length)
-
-    def truncate(self, past: OpenVinoKVCache, length: int) -> OpenVinoKVCache:
-        """Backend.truncate: the buffers' length set back, nothing copied. The dropped slots keep finite
-        values and are masked as empty slots until the next step overwrites them."""
-        return OpenVinoKVCache(truncated(past, length), length)
+        return OpenVinoKVCache.from_numpy(self, arrays)
 
     def peak_device_memory_mb(self) -> float | None:
         """None: OpenVINO runs on the host here."""
@@ -175,9 +144,12 @@ class OpenVinoBackend(Closable):
         if attention_mask.shape != (batch, length + seq):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
                              f"and the step {seq} new ones for {batch} rows")
-        if cache is not None and cache.rows != batch:
+        if cache is None:
+            return buffers_for_step(None, batch, seq, self.n_positions, OpenVinoKVCache.capacity_step,
+                                    lambda b, c, k: OpenVinoKVCache.allocate(self, b, c, k))
+        if cache.rows != batch:
             raise ValueError(f"the KV cache holds {cache.rows} rows; the step has {batch}")
-        return buffers_for_step(cache, batch, seq, self.n_positions, KV_CAPACITY_STEP, self._buffers)
+        return cache.buffers_for_step(batch, seq)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache: OpenVinoKVCache | None, last_only: bool):
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
@@ -198,7 +170,7 @@ class OpenVinoBackend(Closable):
         else:
             logits[:] = self._infer(buffers, None, input_ids, mask, position_ids, length, last_only)
         buffers.length = length + T
-        return logits, OpenVinoKVCache(buffers, length + T)
+        return logits, OpenVinoKVCache(buffers, length + T, self)
 
     def _infer(self, buffers: KVBuffers, row: int | None, input_ids, mask, position_ids, length: int,
                last_only: bool) -> np.ndarray:

@@ -10,11 +10,57 @@ from ..model.gpt2 import GPT2, KVCache
 from .base import Capabilities, Closable
 
 
+class TorchCache:
+    """The model's cache (a (key, value) tensor pair per layer, (B, H, P, D), on the model's device) as
+    a base.KVCache. Its tensors are never written in place: every operation returns new ones (or views)."""
+
+    __slots__ = ("owner", "layers")
+
+    def __init__(self, owner: TorchBackend, layers: KVCache):
+        self.owner = owner
+        self.layers = layers
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0][0].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    def to_numpy(self) -> list[np.ndarray]:
+        return [t.float().cpu().numpy() for kv in self.layers for t in kv]
+
+    def truncate(self, length: int) -> TorchCache:
+        """Views of the first `length` positions (no copy; the next step concatenates)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot keep {length} positions of a cache holding {self.length}")
+        return TorchCache(self.owner, [(k[:, :, :length], v[:, :, :length]) for k, v in self.layers])
+
+    def reorder(self, rows: np.ndarray) -> TorchCache:
+        idx = self.owner.tensor(rows)
+        return TorchCache(self.owner, [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers])
+
+    @torch.inference_mode()
+    def merge(self, rows: np.ndarray, joiner: TorchCache | None, width: int) -> TorchCache:
+        """With torch ops on the model's device: each cache right-aligned to `width` positions (zeros
+        before, or its first positions dropped), stacked, and `rows` gathered."""
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            P = t.shape[2]
+            return t[:, :, P - width :] if P >= width else torch.nn.functional.pad(t, (0, 0, width - P, 0))
+
+        idx = self.owner.tensor(np.asarray(rows, dtype=np.int64))
+        parts = [self.layers] + ([] if joiner is None else [joiner.layers])
+        return TorchCache(self.owner, [tuple(torch.cat([fit(p[layer][j]) for p in parts]).index_select(0, idx) for j in (0, 1))
+                                       for layer in range(len(self.layers))])
+
+
 class TorchBackend(Closable):
     """The PyTorch reference: our GPT2 module with its tensor KV cache kept on the model's device."""
 
     name = "torch"
     capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
+    cache_forms = (TorchCache,)
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):
         self.model = model.to(device).eval()
@@ -24,54 +70,27 @@ class TorchBackend(Closable):
         self.n_positions = model.config.n_positions
         self.vocab_size = model.config.vocab_size
 
-    def _t(self, a: np.ndarray) -> torch.Tensor:
+    def tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     @torch.inference_mode()
-    def run(self, input_ids, attention_mask, position_ids, past: KVCache | None):
+    def run(self, input_ids, attention_mask, position_ids, past: TorchCache | None):
         """All logits (B, T, V) as float32 numpy, and the new cache (tensors on the device)."""
-        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past)
-        return logits.float().cpu().numpy(), present
+        logits, present = self.model(self.tensor(input_ids), self.tensor(attention_mask), self.tensor(position_ids),
+                                      None if past is None else past.layers)
+        return logits.float().cpu().numpy(), TorchCache(self, present)
 
     @torch.inference_mode()
-    def step(self, input_ids, attention_mask, position_ids, past: KVCache | None):
-        logits, present = self.model(self._t(input_ids), self._t(attention_mask), self._t(position_ids), past,
-                                     logits_to_keep=1)
-        return logits[:, -1].float().cpu().numpy(), present
+    def step(self, input_ids, attention_mask, position_ids, past: TorchCache | None):
+        logits, present = self.model(self.tensor(input_ids), self.tensor(attention_mask), self.tensor(position_ids),
+                                      None if past is None else past.layers, logits_to_keep=1)
+        return logits[:, -1].float().cpu().numpy(), TorchCache(self, present)
 
-    def past_from_numpy(self, arrays: list[np.ndarray]) -> KVCache:
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> TorchCache:
         dtype = self.model.wte.weight.dtype
         t = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype) for a in arrays]
-        return list(zip(t[0::2], t[1::2]))
-
-    @staticmethod
-    def present_to_numpy(present: KVCache) -> list[np.ndarray]:
-        return [t.float().cpu().numpy() for kv in present for t in kv]
+        return TorchCache(self, list(zip(t[0::2], t[1::2])))
 
     def peak_device_memory_mb(self) -> float | None:
         """Peak CUDA memory PyTorch allocated (None on the CPU)."""
         return torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
-
-    def truncate(self, past: KVCache, length: int) -> KVCache:
-        """Backend.truncate: views of the first `length` positions (no copy; the next step concatenates)."""
-        held = past[0][0].shape[2]
-        if not 0 <= length <= held:
-            raise ValueError(f"cannot keep {length} positions of a cache holding {held}")
-        return [(k[:, :, :length], v[:, :, :length]) for k, v in past]
-
-    def reorder(self, past: KVCache, rows: np.ndarray) -> KVCache:
-        idx = self._t(rows)
-        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in past]
-
-    @torch.inference_mode()
-    def merge(self, past: KVCache, rows: np.ndarray, joiner: KVCache | None, width: int) -> KVCache:
-        """Backend.merge with torch ops on the model's device: each cache right-aligned to `width`
-        positions (zeros before, or its first positions dropped), stacked, and `rows` gathered."""
-        def fit(t: torch.Tensor) -> torch.Tensor:
-            P = t.shape[2]
-            return t[:, :, P - width :] if P >= width else torch.nn.functional.pad(t, (0, 0, width - P, 0))
-
-        idx = self._t(np.asarray(rows, dtype=np.int64))
-        parts = [past] + ([] if joiner is None else [joiner])
-        return [tuple(torch.cat([fit(p[layer][j]) for p in parts]).index_select(0, idx) for j in (0, 1))
-                for layer in range(len(past))]

@@ -325,15 +325,36 @@ def _first_line(e: BaseException) -> str:
 
 
 class WebCache:
-    """A KV cache held by the page under `handle`; the page drops it once no WebCache refers to it."""
+    """A KV cache held by the page under `handle` (base.KVCache); the page drops it once no WebCache
+    refers to it. Its operations run in the page (gather, truncate) or through the host (merge)."""
 
-    __slots__ = ("backend", "handle", "batch", "length")
+    __slots__ = ("owner", "handle", "rows", "length")
 
-    def __init__(self, backend: WebBackend, handle: int, batch: int, length: int):
-        self.backend, self.handle, self.batch, self.length = backend, handle, batch, length
+    def __init__(self, owner: WebBackend, handle: int, rows: int, length: int):
+        self.owner, self.handle, self.rows, self.length = owner, handle, rows, length
 
     def __del__(self) -> None:
-        self.backend._released.append(self.handle)  # released in the page with the next call
+        self.owner._released.append(self.handle)  # released in the page with the next call
+
+    def to_numpy(self) -> list[np.ndarray]:
+        reply = self.owner._call("(h) => window.gpt2x.get(h)", self.handle)
+        return [_b64_floats(a, reply["dims"]).copy() for a in reply["arrays"]]
+
+    def reorder(self, rows: np.ndarray) -> WebCache:
+        rows = [int(r) for r in np.asarray(rows)]
+        return self.owner._cache(self.owner._call("([h, r]) => window.gpt2x.gather(h, r)", [self.handle, rows]),
+                                 len(rows), self.length)
+
+    def merge(self, rows: np.ndarray, joiner: WebCache | None, width: int) -> WebCache:
+        return merge_on_host(self, rows, joiner, width, self.owner.past_from_numpy)
+
+    def truncate(self, length: int) -> WebCache:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot keep {length} positions of a cache holding {self.length}")
+        if length == self.length:
+            return self
+        return self.owner._cache(self.owner._call("([h, n]) => window.gpt2x.truncate(h, n)", [self.handle, length]),
+                                 self.rows, length)
 
 
 class WebBackend(Closable):
@@ -343,6 +364,7 @@ class WebBackend(Closable):
     # Greedy steps take the argmax in the page; its forwards are timed there, and its memory is the
     # renderer's (page_ms, page_info, page_memory_mb, reset_page_memory).
     capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
+    cache_forms = (WebCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         if provider is not ProviderKind.cpu:
@@ -463,24 +485,6 @@ class WebBackend(Closable):
         encoded = [base64.b64encode(np.ascontiguousarray(a, dtype=np.float32).tobytes()).decode() for a in arrays]
         handle = self._call("([a, d]) => window.gpt2x.put(a, d)", [encoded, dims])
         return self._cache(handle, dims[0], dims[2])
-
-    def present_to_numpy(self, present: WebCache) -> list[np.ndarray]:
-        reply = self._call("(h) => window.gpt2x.get(h)", present.handle)
-        return [_b64_floats(a, reply["dims"]).copy() for a in reply["arrays"]]
-
-    def reorder(self, past: WebCache, rows: np.ndarray) -> WebCache:
-        rows = [int(r) for r in np.asarray(rows)]
-        return self._cache(self._call("([h, r]) => window.gpt2x.gather(h, r)", [past.handle, rows]), len(rows), past.length)
-
-    def merge(self, past, rows: np.ndarray, joiner, width: int):
-        return merge_on_host(self, past, rows, joiner, width)
-
-    def truncate(self, past: WebCache, length: int) -> WebCache:
-        if not 0 <= length <= past.length:
-            raise ValueError(f"cannot keep {length} positions of a cache holding {past.length}")
-        if length == past.length:
-            return past
-        return self._cache(self._call("([h, n]) => window.gpt2x.truncate(h, n)", [past.handle, length]), past.batch, length)
 
     def peak_device_memory_mb(self) -> float | None:
         return None

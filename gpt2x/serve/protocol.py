@@ -46,9 +46,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..generation.logprobs import LogprobEntry
 from ..generation.settings import Finish, SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
-from .engine import LogprobEntry
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
 MAX_PROMPTS = 64  # prompts per request
@@ -489,7 +489,7 @@ class ChoiceLogprobs:
 def finish_reason(reason: Finish, text: ChoiceText) -> str:
     """OpenAI's finish_reason for a row's Finish: "stop" for end of text or a stop string, "length" for
     the budget (and the context, which caps it)."""
-    return "stop" if text.stopped or reason is Finish.eos else "length"
+    return "stop" if text.stopped or reason in (Finish.eos, Finish.stop) else "length"
 
 
 # The response bodies are the models above (the schema /openapi.json publishes), built once here and

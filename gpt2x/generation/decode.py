@@ -1,0 +1,275 @@
+"""The decode loop: one streaming iterator that drives a backend token by token for every caller
+(`generate`, the evaluation harness's `generate_until`, the serving engine, the bench).
+
+A `Sequence` is one row being generated: its prompt, settings, sampler, budget and, as it goes, its
+tokens and why it ended (`Finish`, the one list of reasons). `Sequence.accept` is the one place a
+row's end is decided (cancelled, end of text, its budget, the context), so every loop over rows ends
+them alike. `decode_steps` prefills a left-padded static batch and yields one list of `Event`s per
+model step (the bench times steps); `decode` is the same, flattened. A caller that wants a row to end
+early (a stop string, a client that left) calls `Sequence.cancel` with its reason.
+
+Sampling: each unfinished row draws from its sampler, one uniform per step (generation.sampling).
+Rows that share one Sampler (generate's and generate_until's batch: one seeded stream, as they have
+always drawn) draw together, row by row, every row of the group while any of them is unfinished, so
+that a row that ends does not move the draws of the others. A row with a sampler of its own (the
+serving engine's) draws only while it runs: its tokens are those of the same prompt decoded alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UsageError
+from ..numerics import positions
+from ..runtime.base import Backend, greedy_step
+from ..tokenizer import EOT_ID
+from .logprobs import LogprobEntry, token_logprobs
+from .sampling import Sampler
+from .settings import Finish, SamplingSettings
+from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
+
+
+def left_pad(batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and attention mask (B, L), padded on the left with EOS ids and mask 0."""
+    width = max(len(r) for r in batch)
+    ids = np.full((len(batch), width), EOT_ID, dtype=np.int64)
+    mask = np.zeros((len(batch), width), dtype=np.int64)
+    for i, r in enumerate(batch):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What one row did at one step: a token, its end, or both (its last token)."""
+
+    row: int  # index into the sequences given to decode()
+    token: int | None  # None when the row ended without a new token (eos, cancelled, no room)
+    finish: Finish | None  # set on the row's last event
+    logprob: LogprobEntry | None = None  # with Sequence.logprobs: the sampled token's (the EOT's too)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One row being generated. `limit` is its budget: max_tokens, or less when the context ends
+    first; whoever places the row in a batch sets it (decode_steps does). `cancel` may be called from
+    any thread."""
+
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    max_tokens: int | None = None  # tokens to generate; None: settings.max_new_tokens
+    logprobs: int | None = None  # None: none; k: each token's LogprobEntry with the k most likely
+    sampler: Sampler | None = None  # None: a Sampler(settings) of its own; rows may share one (see the module)
+    tokens: list[int] = field(default_factory=list, init=False)  # generated ids (EOT only with ignore_eos)
+    finish: Finish | None = field(default=None, init=False)  # why it ended; None while it runs
+    limit: int = field(default=0, init=False)  # its budget in the batch (max_tokens until placed)
+    cancelled: Finish | None = field(default=None, init=False)  # the reason a cancel() asked for, until it ends
+    speculation: SpecStats | None = field(default=None, init=False)  # decoded with a draft: the run's statistics
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            self.max_tokens = self.settings.max_new_tokens
+        if self.sampler is None:
+            self.sampler = Sampler(self.settings)
+        self.limit = self.max_tokens
+
+    def cancel(self, reason: Finish = Finish.cancelled) -> None:
+        """End the row at its next token, or before the next step when it is cancelled between steps,
+        reporting `reason`. Any thread; no effect on a row that has ended."""
+        self.cancelled = reason
+
+    def accept(self, token: int) -> tuple[int | None, Finish | None]:
+        """The row's next sampled token: (the token it keeps, or None; why it ended, or None). The one
+        place a row's end is decided: a pending cancel drops the token; <|endoftext|> ends the row
+        (unless settings.ignore_eos); reaching the budget ends it after the token, as `context` when
+        the context cut the budget."""
+        if self.cancelled is not None:
+            self.finish = self.cancelled
+            return None, self.finish
+        if token == EOT_ID and not self.settings.ignore_eos:
+            self.finish = Finish.eos
+            return None, Finish.eos
+        self.tokens.append(token)
+        if len(self.tokens) >= self.limit:
+            self.finish = Finish.context if self.limit < self.max_tokens else Finish.length
+        return token, self.finish
+
+
+def _accept(seqs: list[Sequence], tokens: list[int], rows: Iterable[int], logits: np.ndarray | None) -> tuple[np.ndarray, list[Event]]:
+    """Each unfinished row of `rows` accepts its token of `tokens` (B); the next step's input (B,)
+    (EOT_ID where no token was kept) and the events, in row order. `logits` (B, V) give logprobs to
+    the rows that ask."""
+    events: list[Event] = []
+    for i in rows:
+        seq = seqs[i]
+        if seq.finish is not None:
+            tokens[i] = EOT_ID
+            continue
+        tok = tokens[i]
+        lp = None
+        if seq.logprobs is not None and seq.cancelled is None and logits is not None:
+            lp = token_logprobs(logits[i : i + 1], [tok], seq.logprobs)[0]
+        kept, finish = seq.accept(tok)
+        if kept is None:
+            tokens[i] = EOT_ID
+        events.append(Event(i, kept, finish, lp))
+    return np.asarray(tokens, dtype=np.int64), events
+
+
+def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None) -> tuple[np.ndarray, list[Event]]:
+    """Sample the next token of every unfinished row among `rows` (None: all) of a batch whose step
+    gave `logits` (B, V): each row draws from its sampler (rows sharing one draw together, see the
+    module), is given its logprobs if it asks, and accepts the token. Returns the tokens to feed
+    (B,) int64 (EOT_ID for rows finished or not sampled) and the events, in row order."""
+    index = range(len(seqs)) if rows is None else rows
+    groups: dict[int, list[int]] = {}
+    for i in index:
+        groups.setdefault(id(seqs[i].sampler), []).append(i)
+    drawn = np.full(len(logits), EOT_ID, dtype=np.int64)
+    for members in groups.values():
+        if all(seqs[i].finish is not None for i in members):
+            continue
+        sampler = seqs[members[0]].sampler
+        if len(members) == 1:
+            drawn[members[0]] = sampler(logits[members[0] : members[0] + 1])[0]
+        else:  # every row of the group, finished or not, in row order: the stream moves as it always has
+            drawn[members] = sampler(logits if rows is None and len(members) == len(logits) else logits[members])
+    return _accept(seqs, drawn.tolist(), index, logits)
+
+
+def _end_cancelled(seqs: list[Sequence]) -> list[Event]:
+    """Rows cancelled since the last step end now, without a token (no step is run for them)."""
+    events = []
+    for i, seq in enumerate(seqs):
+        if seq.finish is None and seq.cancelled is not None:
+            seq.finish = seq.cancelled
+            events.append(Event(i, None, seq.finish))
+    return events
+
+
+def decode_steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
+                 draft_settings: DraftSettings | None = None) -> Iterator[list[Event]]:
+    """Decode `seqs` as one left-padded static batch: prefill, then one list of events per model step
+    (a last list without a step when the rows left were cancelled), until every row has finished.
+    Leaving the loop early closes it. Rows with no room (a budget of 0) end before the prefill.
+
+    Greedy rows that ask for no logprobs take the backend's argmax where the logits are
+    (base.greedy_step). With a `drafter`, the one sequence is decoded speculatively
+    (speculative.speculative_loop: one list per round, its tokens accepted in turn, the run's
+    statistics in `Sequence.speculation`), unless it asks for logprobs: those are the target's,
+    decoded plainly."""
+    first = _place(backend, seqs, drafter)
+    if len(first) == len(seqs):
+        if first:
+            yield first
+        return
+    if _speculative(seqs[0], drafter):
+        yield from _speculative_steps(backend, seqs[0], drafter, draft_settings or DraftSettings())
+    else:
+        yield from _batch_steps(backend, seqs, first)
+
+
+def _place(backend: Backend, seqs: list[Sequence], drafter: Drafter | None) -> list[Event]:
+    """Set each row's budget in the batch (the context left after the widest prompt caps it); the
+    events of rows that end before the prefill (cancelled, or no room)."""
+    if drafter is not None and len(seqs) != 1:
+        raise UsageError(f"speculative decoding decodes one sequence at a time, not {len(seqs)}")
+    room = backend.n_positions - max((len(s.prompt_ids) for s in seqs), default=0)
+    first: list[Event] = []
+    for i, seq in enumerate(seqs):
+        if seq.finish is not None or seq.tokens:
+            raise UsageError("a Sequence is decoded once: this one has been")
+        seq.limit = min(seq.max_tokens, room)
+        if seq.cancelled is not None or seq.limit <= 0:
+            seq.finish = seq.cancelled or (Finish.context if seq.limit < seq.max_tokens else Finish.length)
+            first.append(Event(i, None, seq.finish))
+    return first
+
+
+def _batch_steps(backend: Backend, seqs: list[Sequence], first: list[Event]) -> Iterator[list[Event]]:
+    """decode_steps without a draft; `first`: the events of rows that ended before the prefill."""
+    ids, mask = left_pad([s.prompt_ids for s in seqs])  # (B, L)
+    if all(s.settings.greedy and s.logprobs is None for s in seqs):
+        step = greedy_step(backend)
+        tokens, past = step(ids, mask, positions(mask, ids.shape[1]), None)  # (B,)
+        nxt, events = _accept(seqs, tokens.tolist(), range(len(seqs)), None)
+    else:
+        step = None
+        logits, past = backend.step(ids, mask, positions(mask, ids.shape[1]), None)  # (B, V)
+        nxt, events = sample_rows(seqs, logits)
+    yield first + events
+    ones = np.ones((len(seqs), 1), dtype=np.int64)
+    while True:
+        ended = _end_cancelled(seqs)
+        if all(s.finish is not None for s in seqs):
+            if ended:
+                yield ended
+            return
+        mask = np.concatenate([mask, ones], axis=1)  # (B, P+1)
+        if step is not None:
+            tokens, past = step(nxt[:, None], mask, positions(mask, 1), past)
+            nxt, events = _accept(seqs, tokens.tolist(), range(len(seqs)), None)
+        else:
+            logits, past = backend.step(nxt[:, None], mask, positions(mask, 1), past)
+            nxt, events = sample_rows(seqs, logits)
+        yield ended + events if ended else events
+
+
+def _speculative(seq: Sequence, drafter: Drafter | None) -> bool:
+    """Whether `seq` is decoded with the draft: one that asks for logprobs is decoded plainly."""
+    return drafter is not None and seq.logprobs is None
+
+
+def _rounds(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings) -> Iterator[list[int]]:
+    """The speculative loop's rounds for one sequence (the prefill's first token, then 1 to K + 1
+    tokens a round), its statistics kept in `seq.speculation`."""
+    seq.speculation = stats = SpecStats()
+    yield from speculative_loop(backend, drafter, seq.prompt_ids, seq.sampler, seq.limit, control_for(settings), stats)
+
+
+def _speculative_steps(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings) -> Iterator[list[Event]]:
+    """One sequence decoded with a draft: one list of events per round, the round's tokens accepted
+    in turn."""
+    for chunk in _rounds(backend, seq, drafter, settings):
+        events = []
+        for tok in chunk:
+            kept, finish = seq.accept(tok)
+            events.append(Event(0, kept, finish))
+            if finish is not None:
+                break
+        yield events
+        if seq.finish is not None:
+            return
+        ended = _end_cancelled([seq])
+        if ended:  # cancelled while its round was read: no further round
+            yield ended
+            return
+
+
+def decode(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
+           draft_settings: DraftSettings | None = None) -> Iterator[Event]:
+    """decode_steps' events one by one. With a draft, a round's tokens are accepted one at a time, as
+    each event is read, so that a row cancelled while its round is read ends at its next token."""
+    if drafter is None or len(seqs) != 1 or not _speculative(seqs[0], drafter):
+        for events in decode_steps(backend, seqs, drafter, draft_settings):
+            yield from events
+        return
+    seq = seqs[0]
+    first = _place(backend, seqs, drafter)
+    if first:
+        yield from first
+        return
+    for chunk in _rounds(backend, seq, drafter, draft_settings or DraftSettings()):
+        for tok in chunk:
+            kept, finish = seq.accept(tok)
+            yield Event(0, kept, finish)
+            if finish is not None:
+                return
+        ended = _end_cancelled([seq])
+        if ended:  # cancelled with its round's last token: no further round
+            yield from ended
+            return

@@ -1,0 +1,30 @@
+"""Token log-probabilities, as a row that asks for them (the API's `logprobs`) is told them: at each
+token, the raw model distribution, log_softmax of the step's logits before temperature, top-k and
+top-p (vLLM's `raw_logprobs`), gives the chosen token's log-probability and the k most likely tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..numerics import log_softmax
+
+# One token told: its id, its log-probability (None for a prompt's first token) and the k most likely
+# tokens with theirs, most likely first (None for a prompt's first token).
+LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
+SCORE_CHUNK = 64  # positions whose log_softmax is computed at once (float64, vocab wide)
+
+
+def token_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list[LogprobEntry]:
+    """For each row of `logits` (T, V) and its chosen token: (token, its log-probability, the k most
+    likely tokens with theirs, most likely first), under the raw distribution log_softmax(logits)."""
+    out: list[LogprobEntry] = []
+    for start in range(0, len(chosen), SCORE_CHUNK):
+        lp = log_softmax(logits[start : start + SCORE_CHUNK])
+        for row, tok in zip(lp, chosen[start : start + SCORE_CHUNK]):
+            top: list[tuple[int, float]] = []
+            if k:
+                best = np.argpartition(-row, k - 1)[:k]
+                best = best[np.argsort(-row[best], kind="stable")]
+                top = [(int(t), float(row[t])) for t in best]
+            out.append((int(tok), float(row[tok]), top))
+    return out

@@ -1,0 +1,312 @@
+"""The one decode loop (generation/decode.py): against a no-cache loop over transformers' model, and
+on a Markov-chain backend whose next-token distributions are known, so that tokens, draws, finish
+reasons and the steps run are computed by hand."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2x.errors import UsageError
+from gpt2x.generation.decode import Event, Sequence, decode, decode_steps, sample_rows
+from gpt2x.generation.sampling import Sampler
+from gpt2x.generation.settings import Finish, SamplingSettings
+from gpt2x.generation.speculative import DraftSettings, NgramDrafter
+from gpt2x.model.weights import load_model
+from gpt2x.runtime.base import Capabilities
+from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.tokenizer import EOT_ID
+
+GREEDY = SamplingSettings(greedy=True, max_new_tokens=8)
+V = 50257
+
+
+class Count:
+    """A Markov backend's cache: only how many positions it holds."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def truncate(self, length: int) -> Count:
+        return Count(length)
+
+
+class Markov:
+    """Each row's next-token distribution depends only on its last token: `chain[t]` is {token:
+    probability}; a token with no entry is followed by <|endoftext|> for sure. Counts its steps and
+    records what each step was fed."""
+
+    name = "markov"
+    vocab_size = V
+    model_name = "markov"
+    capabilities = Capabilities(rolls_back=True)
+
+    def __init__(self, chain: dict[int, dict[int, float]], n_positions: int = 64):
+        self.chain, self.n_positions = chain, n_positions
+        self.fed: list[list[int]] = []  # each step's last input token per row
+
+    def logits(self, token: int) -> np.ndarray:
+        row = np.full(V, -1e9, dtype=np.float32)
+        for t, p in self.chain.get(token, {EOT_ID: 1.0}).items():
+            row[t] = math.log(p)
+        return row
+
+    def run(self, ids, mask, pos, past):
+        assert mask.shape[1] == (0 if past is None else past.length) + ids.shape[1]
+        out = np.stack([np.stack([self.logits(int(t)) for t in row]) for row in ids])  # (B, T, V)
+        return out, Count(mask.shape[1])
+
+    def step(self, ids, mask, pos, past):
+        self.fed.append(ids[:, -1].tolist())
+        logits, past = self.run(ids[:, -1:], mask[:, -1:] if past is None else mask, pos, past)
+        return logits[:, -1], Count(mask.shape[1])
+
+    def truncate(self, past, length):
+        return past.truncate(length)
+
+
+class ArgmaxMarkov(Markov):
+    """A Markov backend that takes the argmax where its logits are (step_greedy), counting its uses."""
+
+    capabilities = Capabilities(rolls_back=True, argmax_where_logits_are=True)
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.greedy_steps = 0
+
+    def step_greedy(self, ids, mask, pos, past):
+        self.greedy_steps += 1
+        logits, past = self.step(ids, mask, pos, past)
+        return logits.argmax(axis=-1).astype(np.int64), past
+
+
+def cycle(*tokens: int) -> dict[int, dict[int, float]]:
+    """A chain that walks `tokens` in a circle, for sure."""
+    return {t: {tokens[(i + 1) % len(tokens)]: 1.0} for i, t in enumerate(tokens)}
+
+
+def rows_of(events: list[Event], n: int) -> list[list[Event]]:
+    out: list[list[Event]] = [[] for _ in range(n)]
+    for e in events:
+        out[e.row].append(e)
+    return out
+
+
+# ---------------------------------------------------------------- a real model, no cache
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf):
+    folder, hf = tiny_hf
+    return TorchBackend(load_model(str(folder))[0]), hf
+
+
+def hf_last_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].double().numpy()
+
+
+def test_greedy_decode_equals_a_no_cache_argmax_loop(tiny):
+    """Left-padded rows of different lengths against each prompt alone, recomputed whole at every token
+    by transformers' model (no cache, no padding)."""
+    backend, hf = tiny
+    prompts = [[464, 3290], [15496, 11, 995, 318, 257, 1332, 13], [50256]]
+    seqs = [Sequence(p, GREEDY, max_tokens=10) for p in prompts]
+    events = list(decode(backend, seqs))
+    for p, seq, mine in zip(prompts, seqs, rows_of(events, 3)):
+        ids, want = list(p), []
+        while len(want) < 10:
+            tok = int(hf_last_logits(hf, ids).argmax())
+            if tok == EOT_ID:
+                break
+            want.append(tok)
+            ids.append(tok)
+        assert seq.tokens == want and [e.token for e in mine if e.token is not None] == want
+        assert seq.finish is (Finish.length if len(want) == 10 else Finish.eos) and mine[-1].finish is seq.finish
+
+
+def test_rows_with_samplers_of_their_own_draw_as_each_prompt_alone(tiny):
+    """Each row samples with its own seeded stream, one uniform per step: inverse-CDF draws from
+    softmax(logits / T) of transformers' no-cache logits, with numpy's generator for that seed."""
+    backend, hf = tiny
+    prompts = [[464, 3290], [15496, 11, 995, 318]]
+    settings = [SamplingSettings(temperature=0.9, seed=s, max_new_tokens=8, ignore_eos=True) for s in (3, 11)]
+    seqs = [Sequence(p, s) for p, s in zip(prompts, settings)]
+    list(decode(backend, seqs))
+    for p, s, seq in zip(prompts, settings, seqs):
+        rng, ids, want = np.random.default_rng(s.seed), list(p), []
+        for _ in range(8):
+            z = hf_last_logits(hf, ids) / 0.9
+            cdf = np.cumsum(np.exp(z - z.max()))
+            want.append(int(np.argmax(cdf >= rng.random() * cdf[-1])))
+            ids.append(want[-1])
+        assert seq.tokens == want and seq.finish is Finish.length
+
+
+# ---------------------------------------------------------------- draws, by hand
+
+
+def test_a_shared_sampler_draws_for_every_row_while_any_runs():
+    """Rows sharing one sampler (generate's batch) take the step's uniforms in row order, a finished
+    row's included; a row with a sampler of its own takes one of its own stream per step."""
+    uniform = {t: {100: 0.25, 101: 0.25, 102: 0.25, 103: 0.25} for t in (5, 100, 101, 102, 103)}
+    backend = Markov({**uniform, 7: {EOT_ID: 1.0}})
+    s = SamplingSettings(seed=4, max_new_tokens=6)
+    shared = Sampler(s)
+    seqs = [Sequence([7], s, sampler=shared), Sequence([5], s, sampler=shared), Sequence([5], s)]
+    list(decode(backend, seqs))
+    u = np.random.default_rng(4).random((6, 2))  # (steps, shared rows)
+    assert seqs[0].tokens == [] and seqs[0].finish is Finish.eos
+    assert seqs[1].tokens == [100 + int(x * 4) for x in u[:, 1]]
+    assert seqs[2].tokens == [100 + int(x * 4) for x in np.random.default_rng(4).random(6)]
+
+
+def test_sample_rows_samples_only_the_rows_asked_and_feeds_eot_elsewhere():
+    s = SamplingSettings(seed=1, max_new_tokens=4)
+    seqs = [Sequence([1], s), Sequence([1], s), Sequence([1], GREEDY)]
+    logits = np.stack([Markov({1: {42: 1.0}}).logits(1)] * 3)
+    nxt, events = sample_rows(seqs, logits, rows=[0, 2])
+    assert nxt.tolist() == [42, EOT_ID, 42]
+    assert events == [Event(0, 42, None), Event(2, 42, None)] and seqs[1].tokens == []
+
+
+def test_logprobs_are_the_raw_distributions():
+    """The chosen token's log-probability and the k most likely tokens, from the step's logits before
+    temperature; the end-of-text token's too, on the event that ends the row."""
+    backend = Markov({5: {100: 0.5, 101: 0.3, 102: 0.2}, 100: {EOT_ID: 0.6, 9: 0.4}})
+    [seq] = seqs = [Sequence([5], SamplingSettings(greedy=True, max_new_tokens=5), logprobs=2)]
+    events = list(decode(backend, seqs))
+    assert [(e.token, e.finish) for e in events] == [(100, None), (None, Finish.eos)]
+    tok, lp, top = events[0].logprob
+    assert tok == 100 and lp == pytest.approx(math.log(0.5))
+    assert [t for t, _ in top] == [100, 101] and [x for _, x in top] == pytest.approx([math.log(0.5), math.log(0.3)])
+    assert events[1].logprob[:2] == (EOT_ID, pytest.approx(math.log(0.6)))
+
+
+# ---------------------------------------------------------------- how rows end
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_keeps_the_end_of_text_token(ignore_eos):
+    backend = Markov({5: {EOT_ID: 1.0}, EOT_ID: {EOT_ID: 1.0}})
+    seq = Sequence([5], SamplingSettings(greedy=True, max_new_tokens=4, ignore_eos=ignore_eos))
+    events = list(decode(backend, [seq]))
+    if ignore_eos:
+        assert seq.tokens == [EOT_ID] * 4 and seq.finish is Finish.length and len(backend.fed) == 4
+        assert events[-1] == Event(0, EOT_ID, Finish.length)
+    else:
+        assert seq.tokens == [] and events == [Event(0, None, Finish.eos)] and len(backend.fed) == 1
+
+
+def test_rows_finishing_at_different_times():
+    """A static batch: one list of events per step, each row's events ending with its finish, rows that
+    ended fed <|endoftext|> until the last row ends, and no step after it."""
+    backend = Markov({**cycle(10, 11, 12), 20: {21: 1.0}})  # 20 -> 21 -> end of text
+    seqs = [Sequence([10], GREEDY, max_tokens=2), Sequence([10], GREEDY, max_tokens=5), Sequence([20], GREEDY)]
+    steps = list(decode_steps(backend, seqs))
+    assert [len(s) for s in steps] == [3, 3, 1, 1, 1] and len(backend.fed) == 5
+    assert [s.tokens for s in seqs] == [[11, 12], [11, 12, 10, 11, 12], [21]]
+    assert [s.finish for s in seqs] == [Finish.length, Finish.length, Finish.eos]
+    for row, mine in enumerate(rows_of([e for s in steps for e in s], 3)):
+        assert mine[-1].finish is seqs[row].finish and all(e.finish is None for e in mine[:-1])
+    assert backend.fed[2:] == [[12, 12, EOT_ID], [EOT_ID, 10, EOT_ID], [EOT_ID, 11, EOT_ID]]
+
+
+def test_a_budget_cut_by_the_context_ends_with_context():
+    backend = Markov(cycle(10, 11), n_positions=16)
+    seqs = [Sequence([10] * 10, GREEDY, max_tokens=20), Sequence([10], GREEDY, max_tokens=3),
+            Sequence([10], GREEDY, max_tokens=6)]
+    list(decode(backend, seqs))
+    assert [len(s.tokens) for s in seqs] == [6, 3, 6]
+    assert [s.limit for s in seqs] == [6, 3, 6]
+    assert [s.finish for s in seqs] == [Finish.context, Finish.length, Finish.length]
+
+
+def test_rows_with_no_room_end_before_the_prefill():
+    backend = Markov(cycle(10, 11), n_positions=4)
+    seqs = [Sequence([10] * 4, GREEDY), Sequence([10], GREEDY, max_tokens=0)]
+    assert list(decode_steps(backend, seqs)) == [[Event(0, None, Finish.context), Event(1, None, Finish.length)]]
+    assert backend.fed == []
+    seq = Sequence([10], GREEDY, max_tokens=0)
+    assert list(decode(Markov(cycle(10, 11)), [seq])) == [Event(0, None, Finish.length)]
+
+
+def test_cancel_mid_stream_ends_that_row_with_its_reason():
+    backend = Markov(cycle(10, 11, 12))
+    seqs = [Sequence([10], GREEDY), Sequence([11], GREEDY), Sequence([12], GREEDY)]
+    events = []
+    for e in decode(backend, seqs):
+        events.append(e)
+        if e.row == 1 and len(seqs[1].tokens) == 3 and e.token is not None:
+            seqs[1].cancel(Finish.stop)
+    mine = rows_of(events, 3)
+    assert [e.token for e in mine[1]] == [12, 10, 11, None] and mine[1][-1].finish is Finish.stop
+    assert seqs[1].tokens == [12, 10, 11] and seqs[1].finish is Finish.stop
+    assert [len(s.tokens) for s in (seqs[0], seqs[2])] == [8, 8]
+    assert seqs[0].finish is seqs[2].finish is Finish.length
+
+
+def test_cancelling_every_row_runs_no_further_step():
+    backend = Markov(cycle(10, 11))
+    seqs = [Sequence([10], GREEDY), Sequence([11], GREEDY)]
+    steps = decode_steps(backend, seqs)
+    next(steps), next(steps)
+    seqs[0].cancel()
+    other = threading.Thread(target=seqs[1].cancel, args=(Finish.stop,))  # from another thread
+    other.start()
+    other.join()
+    assert list(steps) == [[Event(0, None, Finish.cancelled), Event(1, None, Finish.stop)]]
+    assert len(backend.fed) == 2 and [len(s.tokens) for s in seqs] == [2, 2]
+
+
+# ---------------------------------------------------------------- the greedy fast path, the bench's loop
+
+
+def test_greedy_rows_take_the_backends_argmax_unless_one_asks_for_logprobs():
+    backend = ArgmaxMarkov(cycle(10, 11, 12))
+    seqs = [Sequence([10], GREEDY, max_tokens=4), Sequence([12], GREEDY, max_tokens=3)]
+    list(decode(backend, seqs))
+    assert backend.greedy_steps == 4 and [s.tokens for s in seqs] == [[11, 12, 10, 11], [10, 11, 12]]
+    backend = ArgmaxMarkov(cycle(10, 11, 12))
+    seqs = [Sequence([10], GREEDY, max_tokens=4), Sequence([12], GREEDY, max_tokens=3, logprobs=0)]
+    list(decode(backend, seqs))
+    assert backend.greedy_steps == 0 and [s.tokens for s in seqs] == [[11, 12, 10, 11], [10, 11, 12]]
+
+
+def test_ignore_eos_runs_every_step_through_the_end_of_text():
+    """The bench's runs: every row decodes its whole budget, <|endoftext|> ending none (kept as a token)."""
+    backend = Markov({5: {EOT_ID: 1.0}, EOT_ID: {6: 1.0}, 6: {EOT_ID: 1.0}})
+    settings = replace(GREEDY, ignore_eos=True)
+    seqs = [Sequence([5, 5], settings, max_tokens=4), Sequence([6], settings, max_tokens=4)]
+    steps = list(decode_steps(backend, seqs))
+    assert len(steps) == 4 and [s.tokens for s in seqs] == [[EOT_ID, 6, EOT_ID, 6], [EOT_ID, 6, EOT_ID, 6]]
+    assert all(s.finish is Finish.length for s in seqs)
+
+
+# ---------------------------------------------------------------- with a draft
+
+
+def test_a_draft_gives_the_same_tokens_and_a_cancel_ends_within_its_round():
+    backend = Markov(cycle(10, 11, 12, 13))
+    prompt = [10, 11, 12, 13, 10, 11]
+    plain = Sequence(prompt, GREEDY, max_tokens=12)
+    list(decode(backend, [plain]))
+    fixed = DraftSettings(num_speculative_tokens=4, adaptive=False)
+    spec = Sequence(prompt, GREEDY, max_tokens=12)
+    steps = list(decode_steps(backend, [spec], NgramDrafter(fixed), fixed))
+    assert spec.tokens == plain.tokens and spec.finish is Finish.length
+    assert [len(s) for s in steps] == [1, 5, 5, 1] and spec.speculation.accepted == 8
+    cancelled = Sequence(prompt, GREEDY, max_tokens=12)
+    events = []
+    for e in decode(backend, [cancelled], NgramDrafter(fixed), fixed):
+        events.append(e)
+        if len(events) == 3:  # the second token of the first round
+            cancelled.cancel()
+    assert [e.token for e in events] == plain.tokens[:3] + [None] and events[-1].finish is Finish.cancelled
+    with pytest.raises(UsageError, match="one sequence"):
+        list(decode(backend, [Sequence(prompt, GREEDY), Sequence(prompt, GREEDY)], NgramDrafter(fixed)))
