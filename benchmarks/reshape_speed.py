@@ -1,6 +1,8 @@
 """Speed before and after a reshaping of the runtime band (issue 28): `gpt2x bench` at batch 1
 (decode tokens/s and time to first token, ONNX Runtime on the CPU) run from a base commit and from
-this checkout, alternating, in one run of this script, so that both see the same machine.
+this checkout, alternating, in one run of this script, so that both see the same machine; then, with
+`--engine-load`, each version's own `benchmarks/engine_load.py` (the serving engine alone under
+concurrent load), once each, one after the other.
 
     python benchmarks/reshape_speed.py --base 0b8f387 --out benchmarks/results/reshape-speed-cpu-2core
 
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engine-load", default="", help="concurrency levels for engine_load.py (e.g. 1,4,16); empty: skip")
     ap.add_argument("--out", type=Path, required=True, help="output path without extension (.json, .md)")
     args = ap.parse_args()
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
@@ -78,6 +81,7 @@ def main() -> None:
                         rows.append({"round": r, "version": name, "precision": e["precision"], "batch": e["batch"],
                                      "decode_tokens_per_s": e["decode_tokens_per_s"], "ttft_ms": e["ttft_ms"]})
                     machine = result["environment"].get("cpu")
+            engine = engine_load(versions, tmp, args) if args.engine_load else []
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     summary = []
@@ -88,7 +92,7 @@ def main() -> None:
                         "decode_ratio": med["after"]["decode_tokens_per_s"] / med["before"]["decode_tokens_per_s"],
                         "ttft_ratio": med["after"]["ttft_ms"] / med["before"]["ttft_ms"]})
     data = {"base": base, "head": head, "machine": machine, "settings": {k: str(v) for k, v in vars(args).items()},
-            "rows": rows, "summary": summary}
+            "rows": rows, "summary": summary, "engine_load": engine}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     lines = [f"# gpt2x bench at batch 1, before ({base}) and after ({head}), {args.rounds} alternating rounds", "",
@@ -99,8 +103,46 @@ def main() -> None:
     for s in summary:
         lines.append(f"| {s['precision']} | {s['before_decode_tokens_per_s']:.1f} | {s['after_decode_tokens_per_s']:.1f} | "
                      f"{s['decode_ratio']:.3f} | {s['before_ttft_ms']:.1f} | {s['after_ttft_ms']:.1f} | {s['ttft_ratio']:.3f} |")
+    if engine:
+        lines += engine_table(engine)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def engine_load(versions: dict[str, Path], tmp: Path, args) -> list[dict]:
+    """Each version's benchmarks/engine_load.py, once, in turn (before first), its exports in its own
+    folder; the rows of its results (output tokens/s by configuration and concurrency, and the median
+    decode step at that level)."""
+    rows = []
+    for name, source in versions.items():
+        print(f"engine_load: {name}", file=sys.stderr, flush=True)
+        env = {**os.environ, "PYTHONPATH": str(source), "HF_HUB_OFFLINE": "1"}
+        out = tmp / name / "engine"
+        cmd = [sys.executable, str(source / "benchmarks" / "engine_load.py"), "--model", args.model, "--concurrency",
+               args.engine_load, "--exports", str(tmp / name / "exported"), "--out", str(out)]
+        r = subprocess.run(cmd, cwd=tmp / name, env=env, capture_output=True, text=True, timeout=3600)
+        if r.returncode != 0:
+            raise SystemExit(f"{name}: engine_load.py failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        for e in json.loads(out.with_suffix(".json").read_text())["results"]:
+            decode = [v["median"] for k, v in e["backend_calls_ms"].items() if k.startswith("decode step")]
+            rows.append({"version": name, "config": e["config"], "concurrency": e["concurrency"],
+                         "output_tokens_per_s": e["output_tokens_per_s"], "decode_step_ms": decode[0] if decode else None,
+                         "merge_ms": e["backend_calls_ms"].get("merge", {}).get("median")})
+    return rows
+
+
+def engine_table(rows: list[dict]) -> list[str]:
+    lines = ["", "## benchmarks/engine_load.py, each version's own, one run each (before, then after)", "",
+             "| cache | concurrency | output tok/s before | after | after/before | decode step ms before | after | merge ms before | after |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def cell(v):
+        return "" if v is None else f"{v:.1f}"
+    for b in (r for r in rows if r["version"] == "before"):
+        a = next(r for r in rows if r["version"] == "after" and r["config"] == b["config"] and r["concurrency"] == b["concurrency"])
+        lines.append(f"| {b['config']} | {b['concurrency']} | {b['output_tokens_per_s']:.1f} | {a['output_tokens_per_s']:.1f} | "
+                     f"{a['output_tokens_per_s'] / b['output_tokens_per_s']:.3f} | {cell(b['decode_step_ms'])} | "
+                     f"{cell(a['decode_step_ms'])} | {cell(b['merge_ms'])} | {cell(a['merge_ms'])} |")
+    return lines
 
 
 if __name__ == "__main__":
