@@ -91,10 +91,57 @@ def test_bad_prompts_file(capsys, tmp_path, content, fragment):
     (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--num-beams", "0"], "--num-beams"),
+    (["--presence-penalty", "3"], "--presence-penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+    (["--min-tokens", "65"], "--min-tokens must be at most max_new_tokens (64)"),
+    (["--n", "0"], "--n must be at least 1"),
+    (["--logit-bias", "198"], "--logit-bias: '198' is not TOKEN_ID=BIAS"),
+    (["--logit-bias", "198=x"], "--logit-bias: '198=x' is not TOKEN_ID=BIAS"),
+    (["--logit-bias", "198=101"], "--logit-bias must hold biases in [-100, 100]"),
+    (["--logit-bias", "50257=1"], "--logit-bias must hold token ids in [0, 50257)"),
+    (["--stop-token-ids", "13,x"], "--stop-token-ids: '13,x' is not a comma-separated list of integers"),
+    (["--num-beams", "2", "--repetition-penalty", "1.2"], "--num-beams is 2: beam search takes none of repetition_penalty"),
 ])
 def test_bad_sampling_values(capsys, args, fragment):
     code, _, err = cli(capsys, "generate", "hi", "--backend", "torch", *args)
     assert_one_line_error(code, err, UsageError.exit_code, fragment)
+
+
+def test_generate_sampling_flags_reach_the_processors(capsys):
+    """Every processor flag (repeatable and comma lists alike) gives generate()'s tokens for the same
+    settings, which differ from those without them; --n samples are seeded seed + i."""
+    from dataclasses import replace
+
+    from gpt2x.generation.generate import generate
+    from gpt2x.generation.settings import SamplingSettings
+    from gpt2x.model.weights import load_model
+    from gpt2x.runtime.pytorch import TorchBackend
+
+    backend = TorchBackend(load_model("shakespeare")[0])
+    args = ["generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "12", "--json"]
+    flags = ["--presence-penalty", "0.5", "--frequency-penalty", "0.3", "--repetition-penalty", "1.3", "--logit-bias",
+             "198=-100", "--logit-bias", "11=2.5,13=-1", "--min-p", "0.05", "--min-tokens", "3", "--ignore-eos"]
+    settings = SamplingSettings(max_new_tokens=12, seed=3, presence_penalty=0.5, frequency_penalty=0.3,
+                                repetition_penalty=1.3, logit_bias={198: -100, 11: 2.5, 13: -1.0}, min_p=0.05,
+                                min_tokens=3, ignore_eos=True)
+    code, out, _ = cli(capsys, *args, "--seed", "3", *flags)
+    assert code == 0
+    got = json.loads(out)
+    assert got["tokens"] == generate(backend, ["ROMEO:"], settings)[0].tokens
+    assert got["tokens"] != json.loads(cli(capsys, *args, "--seed", "3")[1])["tokens"] and 198 not in got["tokens"]
+    code, out, _ = cli(capsys, *args, "--seed", "3", "--greedy", *flags)
+    assert json.loads(out)["tokens"] == generate(backend, ["ROMEO:"], replace(settings, greedy=True))[0].tokens
+    code, out, _ = cli(capsys, *args, "--seed", "4", "--num-return-sequences", "3", "--top-k", "20")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [(r["sample"], r["seed"]) for r in rows] == [(0, 4), (1, 5), (2, 6)]
+    for r in rows:
+        assert r["tokens"] == generate(backend, ["ROMEO:"], SamplingSettings(max_new_tokens=12, top_k=20, seed=r["seed"]))[0].tokens
+    greedy = generate(backend, ["ROMEO:"], SamplingSettings(max_new_tokens=12, greedy=True))[0].tokens
+    code, out, _ = cli(capsys, *args, "--greedy", "--stop-token-ids", f"{greedy[4]},50000")
+    r = json.loads(out)
+    assert (r["tokens"], r["finish_reason"]) == (greedy[: greedy.index(greedy[4])], "stop")
 
 
 def test_prompt_longer_than_context(capsys):

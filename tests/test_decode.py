@@ -310,3 +310,66 @@ def test_a_draft_gives_the_same_tokens_and_a_cancel_ends_within_its_round():
     assert [e.token for e in events] == plain.tokens[:3] + [None] and events[-1].finish is Finish.cancelled
     with pytest.raises(UsageError, match="one sequence"):
         list(decode(backend, [Sequence(prompt, GREEDY), Sequence(prompt, GREEDY)], NgramDrafter(fixed)))
+
+
+# ---------------------------------------------------------------- logits processors and stop token ids
+
+
+def test_a_stop_token_id_ends_the_row_as_stop_without_the_token():
+    backend = Markov(cycle(10, 11, 12, 13))
+    seq = Sequence([10], replace(GREEDY, stop_token_ids=(12, 99)))
+    events = list(decode(backend, [seq]))
+    assert events == [Event(0, 11, None), Event(0, None, Finish.stop)] and seq.tokens == [11]
+    assert len(backend.fed) == 2  # no step after it
+    fixed = DraftSettings(num_speculative_tokens=4, adaptive=False)  # inside a round of drafted tokens too
+    spec = Sequence([10, 11, 12, 13, 10], replace(GREEDY, stop_token_ids=(13,)))
+    list(decode(Markov(cycle(10, 11, 12, 13)), [spec], NgramDrafter(fixed), fixed))
+    assert spec.tokens == [11, 12] and spec.finish is Finish.stop
+
+
+def test_min_tokens_masks_end_of_text_and_stop_ids_until_reached():
+    """Greedy: end of text (0.9) and token 7 (a stop id) are masked until 3 tokens; the backend's
+    argmax is not taken (it would end the row at once)."""
+    chain = {t: {EOT_ID: 0.6, 7: 0.3, 6: 0.1} for t in (5, 6, 7)}
+    backend = ArgmaxMarkov(chain)
+    seq = Sequence([5], replace(GREEDY, min_tokens=3, stop_token_ids=(7,)))
+    list(decode(backend, [seq]))
+    assert seq.tokens == [6, 6, 6] and seq.finish is Finish.eos and backend.greedy_steps == 0
+    plain = ArgmaxMarkov(chain)
+    seq = Sequence([5], replace(GREEDY, stop_token_ids=(7,)))
+    list(decode(plain, [seq]))
+    assert seq.tokens == [] and seq.finish is Finish.eos and plain.greedy_steps == 1  # the fast path, unchanged
+
+
+def test_penalties_read_each_rows_own_history_in_a_shared_sampler_batch():
+    """Greedy with the CTRL repetition penalty 1.5 over a chain where every token is followed by 100
+    (0.4), 101 (0.35) or 102 (0.25). By hand (logits log p, negative: multiplied by 1.5 once seen):
+    prompt [100]: 101 (-1.050 beats -1.374), then 100 (-1.374 beats -1.386 and -1.575), then 100;
+    prompt [5]: 100, then 101 (-1.050), then 100 (-1.374 beats -1.386), then 100. Presence 2 (generated
+    tokens only): 100, 101, 102, then 100 for ever (every one seen once: the same penalty for all)."""
+    chain = {t: {100: 0.4, 101: 0.35, 102: 0.25} for t in (5, 100, 101, 102)}
+    settings = replace(GREEDY, max_new_tokens=4, repetition_penalty=1.5)
+    shared = Sampler(settings)
+    seqs = [Sequence([100], settings, sampler=shared), Sequence([5], settings, sampler=shared)]
+    list(decode(ArgmaxMarkov(chain), seqs))
+    assert [s.tokens for s in seqs] == [[101, 100, 100, 100], [100, 101, 100, 100]]
+    presence = replace(GREEDY, max_new_tokens=6, presence_penalty=2.0)
+    seqs = [Sequence([100], presence), Sequence([5, 101], presence)]  # the prompts' tokens do not count
+    list(decode(Markov(chain), seqs))
+    assert [s.tokens for s in seqs] == [[100, 101, 102, 100, 100, 100]] * 2
+    frequency = replace(GREEDY, max_new_tokens=6, frequency_penalty=2.0)
+    seqs = [Sequence([100], frequency)]
+    list(decode(Markov(chain), seqs))
+    assert seqs[0].tokens == [100, 101, 102, 100, 101, 102]
+
+
+def test_sampled_rows_draw_from_the_processed_distribution():
+    """A logit bias of -100 on the likeliest token and min-p 0.7: of the rest, only tokens at least 0.7
+    times as likely as the most likely (0.2) stay: 101 and 102, drawn 0.2 : 0.18 over 1000 steps."""
+    dist = {100: 0.5, 101: 0.2, 102: 0.18, 103: 0.12}
+    settings = SamplingSettings(max_new_tokens=1000, seed=3, logit_bias={100: -100.0}, min_p=0.7)
+    seq = Sequence([5], settings)
+    list(decode(Markov(dict.fromkeys((5, 100, 101, 102, 103), dist), n_positions=1001), [seq]))
+    counts = np.bincount(seq.tokens, minlength=104)[100:]
+    assert counts[0] == 0 and counts[3] == 0 and counts.sum() == 1000  # banned; below 0.7 x 0.2
+    assert abs(counts[1] / 1000 - 0.2 / 0.38) < 0.06  # 0.526, within about 4 standard deviations (0.016 each)

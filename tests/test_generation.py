@@ -198,3 +198,21 @@ def test_bundled_model_heldout_loss(shakespeare):
     assert loss <= 5.2
     card = json.loads((bundled_dir() / "training.json").read_text())
     assert abs(card["heldout_loss_fp16"] - loss) < 1e-3  # the model card tells the truth
+
+
+def test_n_samples_per_prompt_are_the_batch_with_seed_plus_i(shakespeare):
+    """settings.n: prompt by prompt, n samples each; sample i of every prompt is what the batch gives
+    alone with seed + i (vLLM's rule for n's seeds), so sample 0 is n = 1's; on_token counts rows so."""
+    from dataclasses import replace
+
+    b = TorchBackend(shakespeare)
+    prompts = ["ROMEO:", "JULIET:"]
+    s = SamplingSettings(max_new_tokens=16, seed=9, top_k=20)  # top-k: no draw at a tail boundary batch noise moves
+    seen: dict[int, list[int]] = {}
+    got = generate(b, prompts, replace(s, n=3), on_token=lambda row, tok: seen.setdefault(row, []).append(tok))
+    assert [g.prompt for g in got] == [p for p in prompts for _ in range(3)]
+    assert [seen[row] for row in range(6)] == [g.tokens for g in got]
+    for i in range(3):
+        alone = generate(b, prompts, replace(s, seed=9 + i))
+        assert [got[p * 3 + i].tokens for p in range(2)] == [a.tokens for a in alone]
+    assert len({tuple(g.tokens) for g in got[:3]}) == 3

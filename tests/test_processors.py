@@ -1,23 +1,51 @@
-"""The logits processors against transformers' own (TemperatureLogitsWarper, TopKLogitsWarper,
-TopPLogitsWarper, applied in generate's order) on the same logits, and the order the sampler applies."""
+"""The logits processors against transformers' own on the same logits (TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor), OpenAI's presence and frequency
+penalties and logit_bias on hand-computed cases, and the order the sampler applies them in (vLLM's)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from gpt2x.generation.processors import Temperature, TopK, TopP, processors_for
+from gpt2x.errors import UsageError
+from gpt2x.generation.processors import (
+    History,
+    LogitBias,
+    MinP,
+    MinTokens,
+    PresenceFrequencyPenalty,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopP,
+    processors_for,
+)
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
+from gpt2x.tokenizer import EOT_ID
+
+V = 1000
 
 
-def transformers_scores(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    scores = torch.from_numpy(logits)
+def transformers_scores(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """transformers' warpers in vLLM's order (min-p after temperature, before top-k and top-p)."""
+    scores = torch.from_numpy(logits.copy())
     ids = torch.zeros((logits.shape[0], 1), dtype=torch.long)
     if temperature != 1.0:
         scores = TemperatureLogitsWarper(temperature)(ids, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(ids, scores)
     if top_k:
         scores = TopKLogitsWarper(top_k)(ids, scores)
     if top_p < 1.0:
@@ -25,30 +53,193 @@ def transformers_scores(logits: np.ndarray, temperature: float, top_k: int, top_
     return scores.numpy()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 40, 1.0), (1.0, 0, 0.9), (0.8, 50, 0.95), (1.0, 5, 0.5), (2.0, 1, 1.0),
-])
-def test_the_chain_keeps_and_scales_what_transformers_does(temperature, top_k, top_p):
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(4, 1000)) * 3  # float64: no ties, rounding far from every threshold
-    settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
-    ours = logits
-    for process in processors_for(settings):
-        ours = process(ours)
-    theirs = transformers_scores(logits, temperature, top_k, top_p)
+def assert_same_scores(ours: np.ndarray, theirs: np.ndarray) -> None:
     assert np.array_equal(np.isinf(ours), np.isinf(theirs))
     kept = ~np.isinf(theirs)
     np.testing.assert_allclose(ours[kept], theirs[kept], rtol=1e-12)
+
+
+def random_logits(seed: int = 0, rows: int = 4) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(rows, V)) * 3  # float64: no ties, rounding far from thresholds
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 40, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 5, 0.5, 0.0),
+    (2.0, 1, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 0, 1.0, 0.2), (1.3, 40, 0.9, 0.01), (1.0, 0, 1.0, 1.0),
+])
+def test_the_chain_keeps_and_scales_what_transformers_does(temperature, top_k, top_p, min_p):
+    logits = random_logits()
+    settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    ours = logits.copy()  # a processor may write in place (the sampler hands it its own copy)
+    for process in processors_for(settings):
+        ours = process(ours)
+    theirs = transformers_scores(logits, temperature, top_k, top_p, min_p)
+    assert_same_scores(ours, theirs)
     p = Sampler(settings).probabilities(logits)
     want = torch.softmax(torch.from_numpy(theirs), dim=-1).numpy()
     np.testing.assert_allclose(p, want, rtol=1e-9, atol=1e-15)
+    if min_p:  # the test can fail: min-p removed something, and the most likely token stayed
+        assert np.isinf(ours).any(axis=-1).all() and (np.isfinite(ours[np.arange(4), logits.argmax(-1)])).all()
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.01, 0.1, 0.5, 0.99, 1.0])
+def test_min_p_is_transformers_min_p_warper(min_p):
+    logits = random_logits(3)
+    theirs = MinPLogitsWarper(min_p)(torch.zeros((4, 1), dtype=torch.long), torch.from_numpy(logits.copy())).numpy()
+    assert_same_scores(MinP(min_p)(logits.copy()), theirs)
+
+
+def histories(prompts: list[list[int]], outputs: list[list[int]]) -> list[History]:
+    return [History(p, o) for p, o in zip(prompts, outputs)]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 2.0])
+def test_repetition_penalty_is_transformers_on_prompt_and_output(penalty):
+    """transformers' input_ids are the prompt and the generated tokens together: the same tokens. Rows
+    of equal total length (transformers takes a rectangle), different prompt/output splits, repeats,
+    and logits of both signs on the penalised tokens."""
+    rng = np.random.default_rng(1)
+    logits = random_logits(1)
+    whole = [rng.integers(0, V, 12).tolist() + [7, 7, 8] for _ in range(4)]
+    splits = [0, 3, 12, 15]
+    rows = histories([w[:s] for w, s in zip(whole, splits)], [w[s:] for w, s in zip(whole, splits)])
+    ours = RepetitionPenalty(penalty)(logits.copy(), rows)
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor(whole), torch.from_numpy(logits.copy())).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+    seen = np.zeros_like(logits, dtype=bool)
+    for i, w in enumerate(whole):
+        seen[i, w] = True
+    assert not np.allclose(ours[seen], logits[seen]) and np.array_equal(ours[~seen], logits[~seen])
+    assert (logits[seen] > 0).any() and (logits[seen] < 0).any()
+
+
+def test_min_tokens_is_transformers_min_new_tokens():
+    """End-of-text and the stop token ids masked in the rows that have generated fewer than
+    min_tokens tokens (transformers: new tokens = input length - prompt length)."""
+    logits = np.random.default_rng(2).normal(size=(3, 50257))
+    stops = [13, 198]
+    prompt = [5, 6, 7]
+    for generated in (0, 3, 4, 9):
+        rows = histories([prompt] * 3, [[11] * generated] * 3)
+        ours = MinTokens(4, [EOT_ID, *stops])(logits.copy(), rows)
+        ids = torch.tensor([prompt + [11] * generated] * 3)
+        theirs = MinNewTokensLengthLogitsProcessor(len(prompt), 4, [EOT_ID, *stops])(ids, torch.from_numpy(logits.copy()))
+        assert_same_scores(ours, theirs.numpy())
+        assert np.isinf(ours[:, [EOT_ID, *stops]]).all() == (generated < 4)
+    # rows of one call are masked each by its own length; ids beyond a small vocabulary are left out
+    mixed = MinTokens(2, [EOT_ID, 3])(np.zeros((2, 6)), histories([[1], [1]], [[], [2, 2]]))
+    assert mixed.tolist() == [[0, 0, 0, -np.inf, 0, 0], [0] * 6]
+
+
+def test_logit_bias_is_transformers_sequence_bias_of_single_tokens():
+    logits = random_logits(4)
+    bias = {3: 5.0, 17: -100.0, 999: 0.25}
+    ours = LogitBias(bias)(logits.copy())
+    theirs = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(
+        torch.zeros((4, 1), dtype=torch.long), torch.from_numpy(logits.copy())).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)
+
+
+def test_hand_computed_logit_bias_and_presence_frequency_penalties():
+    """OpenAI's definition (platform.openai.com/docs/advanced-usage, "frequency and presence penalties"):
+    mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence, c[j] counted over the generated
+    tokens only: the prompt's tokens are not penalised."""
+    x = np.array([[1.0, 2.0, 3.0, -1.0, 0.5]])
+    rows = [History([3, 3, 4], [2, 2, 0, 2])]  # generated: token 0 once, token 2 three times
+    got = PresenceFrequencyPenalty(presence=0.25, frequency=0.5)(x.copy(), rows)
+    np.testing.assert_allclose(got, [[1.0 - 0.5 - 0.25, 2.0, 3.0 - 1.5 - 0.25, -1.0, 0.5]])
+    negative = PresenceFrequencyPenalty(presence=-1.0, frequency=0.0)(x.copy(), rows)  # < 0 encourages repeats
+    np.testing.assert_allclose(negative, [[2.0, 2.0, 4.0, -1.0, 0.5]])
+    np.testing.assert_allclose(LogitBias({1: 0.5, 4: -100})(x.copy()), [[1.0, 2.5, 3.0, -1.0, -99.5]])
+    np.testing.assert_allclose(RepetitionPenalty(2.0)(x.copy(), rows), [[0.5, 2.0, 1.5, -2.0, 0.25]])  # 0, 2, 3, 4 seen
+    two = PresenceFrequencyPenalty(0.0, 1.0)(np.zeros((2, 3)), [History([], [1, 1]), History([1], [2])])
+    assert two.tolist() == [[0, -2, 0], [0, 0, -1]]  # each row by its own output
+    every = SamplingSettings(presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=2.0, logit_bias={1: 0.5},
+                             min_tokens=9, stop_token_ids=[3])
+    Sampler(every).scores(x.astype(np.float32), rows)
+    assert x.tolist() == [[1.0, 2.0, 3.0, -1.0, 0.5]]  # the sampler's processors write on its own copy only
+    f64 = x.copy()
+    Sampler(every).scores(f64, rows)
+    assert f64.tolist() == x.tolist()  # float64 logits are copied too
 
 
 def test_the_order_and_what_is_left_out():
     s = SamplingSettings(temperature=0.5, top_k=3, top_p=0.9)
     assert [type(p) for p in processors_for(s)] == [Temperature, TopK, TopP]
     assert processors_for(SamplingSettings()) == []  # OpenAI's defaults change nothing
-    assert processors_for(SamplingSettings(greedy=True, top_k=3)) == []  # greedy draws nothing
+    assert processors_for(SamplingSettings(greedy=True, top_k=3, min_p=0.5)) == []  # greedy draws nothing
+    every = dict(min_tokens=2, logit_bias={1: 1.0}, repetition_penalty=1.2, presence_penalty=0.1,
+                 frequency_penalty=0.1, min_p=0.1, top_k=3, top_p=0.9, temperature=0.5)
+    assert [type(p) for p in processors_for(SamplingSettings(**every))] == [
+        MinTokens, LogitBias, RepetitionPenalty, PresenceFrequencyPenalty, Temperature, MinP, TopK, TopP]  # vLLM's
+    greedy = processors_for(SamplingSettings(greedy=True, **every))  # what can move the argmax stays
+    assert [type(p) for p in greedy] == [MinTokens, LogitBias, RepetitionPenalty, PresenceFrequencyPenalty]
+    assert not any(p.argmax_invariant for p in greedy)
+    assert all(p.argmax_invariant for p in processors_for(SamplingSettings(**every))[4:])
+
+
+def test_the_whole_chain_against_transformers_in_vllms_order():
+    """Every processor at once, on rows with their own histories, against transformers' processors
+    (and OpenAI's formula for the penalties transformers has not) in vLLM's order."""
+    logits = random_logits(5)
+    prompts = [[1, 2, 3], [4, 4, 5], [6, 7, 8], [9, 9, 9]]
+    outputs = [[10, 11, 10], [12, 1, 12], [13, 13, 13], [14, 2, 15]]
+    settings = SamplingSettings(min_tokens=4, stop_token_ids=[20], logit_bias={10: 1.5, 21: -3.0}, repetition_penalty=1.3,
+                                presence_penalty=0.4, frequency_penalty=0.3, temperature=0.8, min_p=0.02, top_k=200,
+                                top_p=0.95)
+    rows = histories(prompts, outputs)
+    ours = Sampler(settings).scores(logits, rows)
+    ids = torch.tensor([p + o for p, o in zip(prompts, outputs)])
+    t = torch.from_numpy(logits.copy())
+    t = MinNewTokensLengthLogitsProcessor(3, 4, [20])(ids, t)  # end-of-text (50256) is outside V = 1000
+    t = SequenceBiasLogitsProcessor([[[10], 1.5], [[21], -3.0]])(ids, t)
+    t = RepetitionPenaltyLogitsProcessor(1.3)(ids, t)
+    for i, out in enumerate(outputs):  # OpenAI's formula
+        tokens, counts = np.unique(out, return_counts=True)
+        t[i, torch.from_numpy(tokens)] -= torch.from_numpy(counts * 0.3 + 0.4)
+    theirs = transformers_scores(t.numpy(), 0.8, 200, 0.95, 0.02)
+    assert_same_scores(ours, theirs)
+    assert np.isinf(ours[:, 20]).all()
+
+
+def test_greedy_takes_the_argmax_of_the_processed_scores():
+    x = np.log(np.array([[0.5, 0.3, 0.2]]))
+    plain = Sampler(SamplingSettings(greedy=True))
+    assert plain.argmax_only and plain(x).tolist() == [0]
+    penalised = Sampler(SamplingSettings(greedy=True, presence_penalty=1.0))
+    assert not penalised.argmax_only
+    assert penalised(x, [History([0], [])]).tolist() == [0]  # the prompt's tokens are not penalised
+    assert penalised(x, [History([], [0])]).tolist() == [1]  # log 0.5 - 1 < log 0.3
+    assert Sampler(SamplingSettings(greedy=True, logit_bias={2: 1.0})).greedy(x).tolist() == [2]
+    with pytest.raises(ValueError, match="history"):
+        penalised(x)  # a processor that reads histories is never given none
+
+
+def test_a_drafted_position_sees_the_drafted_tokens_before_it():
+    h = History([1, 2], [3], row="r")
+    assert h.extended([]) is h
+    e = h.extended([4, 5])
+    assert (list(e.prompt), list(e.output), e.row) == ([1, 2], [3, 4, 5], "r") and list(h.output) == [3]
+
+
+@pytest.mark.parametrize("kw,option", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.1), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=float("nan")), "min_p"), (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logit_bias={50257: 1.0}), "logit_bias"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=65, max_new_tokens=64), "min_tokens"), (dict(n=0), "n"),
+    (dict(num_beams=2, repetition_penalty=1.2), "num_beams"), (dict(num_beams=2, n=2), "num_beams"),
+])
+def test_bad_processor_settings_are_refused_naming_the_option(kw, option):
+    with pytest.raises(UsageError) as e:
+        SamplingSettings(**kw)
+    assert e.value.option == option and str(e.value).startswith(option)
+
+
+def test_settings_normalise_bias_and_stop_ids():
+    s = SamplingSettings(logit_bias={9: 1, 3: -2.5}, stop_token_ids=[7, 5, 7])
+    assert s.logit_bias == ((3, -2.5), (9, 1.0)) and s.stop_token_ids == (7, 5)
+    assert hash(s) == hash(SamplingSettings(logit_bias=[(3, -2.5), (9, 1.0)], stop_token_ids=(7, 5)))
 
 
 def test_hand_computed_cases():
@@ -56,4 +247,16 @@ def test_hand_computed_cases():
     assert np.isinf(TopP(0.75)(x)).tolist() == [[False, False, True, True]]  # 0.5 + 0.3 reach 0.75
     assert np.isinf(TopP(0.85)(x)).tolist() == [[False, False, False, True]]  # 0.8 before 0.15; 0.95 before 0.05
     assert np.isinf(TopK(2)(x)).tolist() == [[False, False, True, True]]
+    assert np.isinf(MinP(0.31)(x)).tolist() == [[False, False, True, True]]  # 0.15 < 0.31 * 0.5
+    assert np.isinf(MinP(0.29)(x)).tolist() == [[False, False, False, True]]  # 0.05 < 0.145 <= 0.15
     np.testing.assert_allclose(Temperature(0.5)(x), 2 * x)
+
+
+def test_overflowing_scores_give_their_mass_to_the_overflowed_tokens():
+    """A repetition penalty of 1e-308 divides positive logits of seen tokens to +inf (a temperature of
+    1e-310 likewise): no NaN, the +inf tokens share the mass, and nothing else is drawn."""
+    x = np.array([[3.0, 2.0, -1.0, 2.5]])
+    p = Sampler(SamplingSettings(repetition_penalty=1e-308)).probabilities(x, [History([0, 2], [3])])
+    np.testing.assert_array_equal(p, [[0.5, 0.0, 0.0, 0.5]])  # 0 and 3 overflowed (> 1.8e308); 2 went to -1e-308
+    p = Sampler(SamplingSettings(temperature=1e-310, top_p=0.9)).probabilities(x)
+    assert not np.isnan(p).any() and p[0, 2] == 0 and p.sum() == pytest.approx(1.0)

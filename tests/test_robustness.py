@@ -31,11 +31,11 @@ def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
     real = sampling.Sampler.__call__
     calls = {"n": 0}
 
-    def interrupt_on_sixth(self, logits):
+    def interrupt_on_sixth(self, logits, *rows):
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
-        return real(self, logits)
+        return real(self, logits, *rows)
 
     monkeypatch.setattr(sampling.Sampler, "__call__", interrupt_on_sixth)
     # Sampled (seeded): greedy decoding takes the backend's argmax (base.greedy_step), not the sampler.

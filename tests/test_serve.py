@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -28,6 +29,7 @@ from gpt2x.serve.engine import EngineSettings  # noqa: E402
 from gpt2x.tokenizer import decode, encode  # noqa: E402
 
 from .conftest import REPO  # noqa: E402
+from .test_serve_metrics import counts, expected_moves, scrape, streamed, value  # noqa: E402
 
 # Every test that starts Ray runs in one pytest-xdist worker, one after another (conftest.RAY_TESTS).
 pytestmark = pytest.mark.xdist_group("ray")
@@ -191,7 +193,7 @@ def test_models_and_health(server, client):
     h = health(client, f"{server}/main")
     assert h["status"] == "ok" and h["model"] == "shakespeare" and h["waiting"] >= 0
     schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as http.py declares it
-    assert set(schema["paths"]) == {"/v1/completions", "/v1/models", "/health"}
+    assert set(schema["paths"]) == {"/v1/completions", "/v1/models", "/health", "/tokenize", "/detokenize"}
     assert "CompletionRequest" in schema["components"]["schemas"]
     assert client.get(f"{server}/small/openapi.json").status_code == 200  # the description needs no key
 
@@ -208,6 +210,56 @@ def test_logprobs_and_echo_scoring_through_ray(server, client, reference):
     assert lps["token_logprobs"][1 : len(ids)] == pytest.approx([want[i - 1, ids[i]] for i in range(1, len(ids))], abs=1e-5)
 
 
+def test_metrics_are_summed_over_both_replicas(server, client):
+    """A known set of requests spread over /main's two replicas, then one scrape (answered by either):
+    every count is the responses' (tests/test_serve_metrics.py's accounting), so both replicas' counts
+    are in it; while a long stream runs, the running gauge counts it."""
+    url = f"{server}/main"
+    before = scrape(client.get(f"{url}/metrics").text)
+    assert value(before, "gpt2x:num_replicas") == 2
+    answers, replicas = [], set()
+    for i in range(16):
+        body = {"prompt": PROMPTS[i] if i % 4 else PROMPTS[i : i + 3], "max_tokens": 8 + i, "temperature": 0.8, "seed": i}
+        if i % 5 == 4:
+            answers.append(streamed(client, {**body}, url, AUTH))
+        else:
+            r = complete(client, url, **body)
+            answers.append((r["usage"], [c["finish_reason"] for c in r["choices"]]))
+        replicas.add(health(client, url)["replica"])
+    after = scrape(client.get(f"{url}/metrics").text)
+    moved = {k: v - counts(before)[k] for k, v in counts(after).items()}
+    assert moved == expected_moves(answers, stop_strings=False)
+    assert len(replicas) == 2 and value(after, "gpt2x:num_replicas") == 2
+
+    # The gauges: a replica's own at the scrape, the other's as of its last report (every REPORT_S).
+    async def long_ones():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 250, "temperature": 0})
+                                          for p in PROMPTS[:6]])
+
+    load = threading.Thread(target=lambda: asyncio.run(long_ones()))
+    load.start()
+    running = []
+    while load.is_alive():
+        running.append(value(scrape(client.get(f"{url}/metrics").text), "gpt2x:num_requests_running"))
+        time.sleep(0.05)
+    assert max(running) >= 1, running
+    deadline = time.time() + 10
+    while value(scrape(client.get(f"{url}/metrics").text), "gpt2x:num_requests_running") and time.time() < deadline:
+        time.sleep(0.1)
+    assert value(scrape(client.get(f"{url}/metrics").text), "gpt2x:num_requests_running") == 0
+
+
+def test_tokenize_through_ray(server, client):
+    ids = encode("ROMEO: wherefore art thou")
+    r = client.post(f"{server}/main/tokenize", json={"model": "shakespeare", "prompt": "ROMEO: wherefore art thou"})
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    assert client.post(f"{server}/main/detokenize", json={"tokens": ids}).json() == {"prompt": decode(ids)}
+    bad = client.post(f"{server}/main/detokenize", json={"tokens": [50257]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert client.post(f"{server}/small/tokenize", json={"prompt": "a"}).status_code == 401  # /small has a key
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -221,10 +273,10 @@ BAD = [
     ({"prompt": "a", "top_p": 0}, 400, "top_p"), ({"prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "a", "top_p": "high"}, 400, "top_p"),
     ({"prompt": "a", "temperature": -0.5}, 400, "temperature"), ({"prompt": "a", "temperature": 9}, 400, "temperature"),
-    ({"prompt": "a", "seed": -3}, 400, "seed"), ({"prompt": "a", "n": 2}, 400, "n"), ({"prompt": "a", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "a", "seed": -3}, 400, "seed"), ({"prompt": "a", "n": 0}, 400, "n"), ({"prompt": "a", "best_of": 3}, 400, "best_of"),
     ({"prompt": "a", "logprobs": 6}, 400, "logprobs"), ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": "a", "stop": [""]}, 400, "stop"), ({"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "a", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "word " * 400}, 400, "prompt"),
     ({"prompt": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ({"prompt": "a", "model": "gpt2-xl"}, 404, "model"), ({"prompt": "a", "model": "/etc/passwd"}, 404, "model"),

@@ -381,6 +381,185 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
             assert value == pytest.approx(lp[len(gen_ids) - 1 + j, tok], abs=TOL)
 
 
+# ------------------------------------------------------------------ the sampling fields and n choices
+
+
+def settings_of(body: dict, max_tokens: int) -> SamplingSettings:
+    """The SamplingSettings a request body's sampling fields name (the reference's, for generate())."""
+    kw = {k: v for k, v in body.items() if k in SamplingSettings.__dataclass_fields__}
+    if "logit_bias" in kw:
+        kw["logit_bias"] = {int(t): b for t, b in kw["logit_bias"].items()}
+    return SamplingSettings(max_new_tokens=max_tokens, **kw)
+
+
+GREEDY_BODY = dict(temperature=0)
+SAMPLED_BODY = dict(temperature=0.8, seed=11)
+
+
+@pytest.mark.parametrize("base,field", [
+    *[(base, field) for base in (GREEDY_BODY, SAMPLED_BODY) for field in (
+        dict(presence_penalty=1.5), dict(frequency_penalty=1.2), dict(repetition_penalty=1.6),
+        dict(logit_bias={"198": -100, "11": 4.0}),  # no newline, commas favoured
+        dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=0.8))],
+    (SAMPLED_BODY, dict(min_p=0.2)), (SAMPLED_BODY, dict(min_p=0.05, top_k=40, repetition_penalty=1.2)),
+])
+def test_each_sampling_field_changes_the_text_as_generate_does(client, reference, base, field):
+    """Each field, greedy and sampled: the text generate() gives for the same settings (the
+    processors themselves are checked against transformers' in test_processors.py), and not the text
+    the request gives without it."""
+    prompt = PROMPTS[0]
+    body = post(client, prompt=prompt, max_tokens=24, **base, **field)
+    want = generate(reference, [prompt], settings_of({**base, **field}, 24))[0]
+    c = body["choices"][0]
+    assert c["text"] == decode(want.tokens) and body["usage"]["completion_tokens"] == len(want.tokens)
+    assert c["text"] != post(client, prompt=prompt, max_tokens=24, **base)["choices"][0]["text"]
+    if "logit_bias" in field:
+        assert "\n" not in c["text"] and c["text"].count(",") >= 3
+
+
+def test_n_choices_are_seeded_seed_plus_i_as_vllm_does(client, reference):
+    """n = 3 for two prompts: six choices, prompt p's i-th at index p * 3 + i, each the text generate()
+    gives with seed + i (vLLM's ParentRequest: child i's seed is seed + i), so a choice equals the
+    request with n = 1 and that seed; usage counts each prompt once (as vLLM) and every choice's
+    tokens; streamed, each choice equals the whole response's.
+
+    (top_k 20: a left-padded row's fp32 logits differ from the row alone's by about 1e-6, which moves
+    the inverse-CDF draw between two neighbouring tail tokens when the uniform lands within that of
+    their boundary: measured at seed 7 without top-k. Cutting the tail leaves no such boundaries.)"""
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    body = post(client, prompt=prompts, n=3, seed=7, temperature=0.9, top_k=20, max_tokens=12, presence_penalty=0.5)
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    completion = 0
+    for p, prompt in enumerate(prompts):
+        for i in range(3):
+            want = generate(reference, [prompt], SamplingSettings(max_new_tokens=12, temperature=0.9, top_k=20,
+                                                                  seed=7 + i, presence_penalty=0.5))[0]
+            assert body["choices"][p * 3 + i]["text"] == decode(want.tokens)
+            completion += len(want.tokens)
+    assert len({c["text"] for c in body["choices"][:3]}) == 3  # three samples, not one thrice
+    alone = post(client, prompt=prompts[1], seed=8, temperature=0.9, top_k=20, max_tokens=12, presence_penalty=0.5)
+    assert alone["choices"][0]["text"] == body["choices"][4]["text"]
+    assert body["usage"] == {"prompt_tokens": sum(len(encode(p)) for p in prompts), "completion_tokens": completion,
+                             "total_tokens": sum(len(encode(p)) for p in prompts) + completion}
+    got, _ = streamed(client, prompt=prompts, n=3, seed=7, temperature=0.9, top_k=20, max_tokens=12, presence_penalty=0.5)
+    assert {i: (g["text"], g["finish_reason"]) for i, g in got.items()} == \
+        {c["index"]: (c["text"], c["finish_reason"]) for c in body["choices"]}
+    echoed = post(client, prompt=prompts[0], n=2, echo=True, max_tokens=3, seed=1)
+    assert [c["text"][: len(prompts[0])] for c in echoed["choices"]] == [prompts[0]] * 2
+
+
+class Prefills(OrtBackend):
+    """ONNX Runtime, recording the rows of every prefill (a step with no cache)."""
+
+    def step(self, ids, mask, pos, past):
+        if past is None:
+            self.prefills.append(ids.shape[0])
+        return super().step(ids, mask, pos, past)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place"])
+def test_identical_prompts_are_prefilled_once(export_dir, bundled_export, kind):
+    """The runner prefills the distinct prompts of a batch and duplicates their cache rows
+    (KVCache.reorder, the growing cache's and the in-place one's): three choices of one prompt and
+    another prompt are a prefill of two rows, and every row then decodes as it would alone (fp32:
+    generate's tokens; int8, whose graph is not batch-invariant: the duplicates of one greedy prompt
+    alike)."""
+    from gpt2x.serve.runner import Runner
+    from gpt2x.serve.scheduler import Row
+
+    folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
+    backend = Prefills(read_export(folder), threads=1)
+    backend.prefills = []
+    assert backend.in_place_kv == (kind == "int8-in-place")
+    sampled = kind == "fp32"
+    settings = [SamplingSettings(max_new_tokens=10, temperature=0.9 if sampled else 0, top_k=20, seed=3 + i)
+                for i in range(3)]  # top_k: see test_n_choices_are_seeded_seed_plus_i_as_vllm_does
+    ids = [encode(PROMPTS[1])] * 3 + [encode(PROMPTS[0])]
+    rows = [Row(p, s, lambda kind, value: None) for p, s in zip(ids, settings + settings[:1])]
+    runner = Runner(backend, {"steps": 0})
+    batch, _ = runner.prefill(rows)
+    assert backend.prefills == [2] and batch.past.rows == 4 and batch.mask.shape == (4, len(ids[1]))
+    while batch.live():
+        runner.step(batch)
+    if sampled:
+        ref = OrtBackend(read_export(folder), threads=1)
+        for row, prompt, s in zip(rows, ids, settings + settings[:1]):
+            assert row.tokens == generate(ref, [""], s, prompt_ids=[prompt])[0].tokens
+        assert rows[0].tokens != rows[1].tokens
+    else:
+        assert rows[0].tokens == rows[1].tokens == rows[2].tokens and len(rows[0].tokens) == 10
+
+
+def test_a_stop_token_id_ends_the_choice_with_stop(client, reference):
+    """A token of the greedy text as a stop token id: the choice ends before it ("stop"), without its
+    text or its count in usage, and lists it last in its logprobs (as the end-of-text token); with
+    min_tokens beyond it, it cannot be sampled until then (the text is generate()'s with both)."""
+    prompt = PROMPTS[1]
+    g = generate(reference, [prompt], SamplingSettings(max_new_tokens=16, greedy=True))[0]
+    stop = g.tokens[5]
+    first = g.tokens.index(stop)
+    body = post(client, prompt=prompt, max_tokens=16, temperature=0, stop_token_ids=[50000, stop], logprobs=1)
+    c = body["choices"][0]
+    assert (c["finish_reason"], c["text"]) == ("stop", decode(g.tokens[:first]))
+    assert body["usage"]["completion_tokens"] == first
+    assert len(c["logprobs"]["tokens"]) == first + 1 and c["logprobs"]["tokens"][-1] == api.token_text(stop)
+    got, _ = streamed(client, prompt=prompt, max_tokens=16, temperature=0, stop_token_ids=[50000, stop], logprobs=1)
+    assert (got[0]["text"], got[0]["finish_reason"], got[0]["logprobs"]) == (c["text"], "stop", c["logprobs"])
+    held = post(client, prompt=prompt, max_tokens=16, temperature=0, stop_token_ids=[stop], min_tokens=first + 2)
+    want = generate(reference, [prompt], SamplingSettings(max_new_tokens=16, greedy=True, stop_token_ids=[stop],
+                                                          min_tokens=first + 2))[0]
+    assert held["choices"][0]["text"] == decode(want.tokens) and len(want.tokens) >= first + 2
+    assert stop not in want.tokens[: first + 2]
+
+
+class EndsFrom(EndsAt):
+    """The backend, with <|endoftext|> made the most likely token from sequence position `at` on."""
+
+    def step(self, ids, mask, pos, past):
+        logits, past = self.inner.step(ids, mask, pos, past)
+        if mask.shape[1] >= self.at:
+            logits[:, EOT_ID] = logits.max() + 10
+        return logits, past
+
+
+def test_min_tokens_and_ignore_eos_on_a_model_that_wants_to_end(export_dir):
+    """A model whose next token is always <|endoftext|>: a choice is empty ("stop"); with min_tokens 4
+    it has 4 tokens first (greedy: generate()'s with the same settings, on the same model); with
+    ignore_eos it runs to max_tokens, the end-of-text tokens kept ("length"); min_tokens also keeps a
+    stop string from ending the text before its tokens."""
+    prompt = encode("ROMEO:")
+    service = CompletionService(EndsFrom(OrtBackend(read_export(export_dir), threads=1), len(prompt)),
+                                EngineSettings(), "shakespeare")
+    ref = EndsFrom(OrtBackend(read_export(export_dir), threads=1), len(prompt))
+    try:
+        with TestClient(local_app(service)) as c:
+            plain = post(c, prompt=[prompt], max_tokens=10, temperature=0)
+            held = post(c, prompt=[prompt], max_tokens=10, temperature=0, min_tokens=4)
+            sampled = post(c, prompt=[prompt], max_tokens=10, temperature=1, seed=5, min_tokens=6)
+            kept = post(c, prompt=[prompt], max_tokens=5, temperature=0, ignore_eos=True)
+            first = decode(generate(ref, [""], SamplingSettings(max_new_tokens=1, greedy=True, min_tokens=1),
+                                    prompt_ids=[prompt])[0].tokens)
+            deferred = post(c, prompt=[prompt], max_tokens=10, temperature=0, min_tokens=4, stop=[first])
+    finally:
+        service.close()
+    assert (plain["choices"][0]["text"], plain["choices"][0]["finish_reason"]) == ("", "stop")
+    want = generate(ref, [""], SamplingSettings(max_new_tokens=10, greedy=True, min_tokens=4), prompt_ids=[prompt])[0]
+    assert len(want.tokens) == 4 and want.finish_reason == "eos"
+    assert (held["choices"][0]["text"], held["choices"][0]["finish_reason"]) == (decode(want.tokens), "stop")
+    assert held["usage"]["completion_tokens"] == 4 and sampled["usage"]["completion_tokens"] == 6
+    assert (kept["choices"][0]["text"], kept["choices"][0]["finish_reason"]) == ("<|endoftext|>" * 5, "length")
+    assert deferred["choices"][0]["text"] == decode(want.tokens)  # the stop string was the first token's text
+
+
+def test_min_tokens_defers_stop_strings():
+    """ChoiceText: a stop string is looked for only after the text of the first min_tokens tokens."""
+    ids = encode(" to be or not to be")
+    assert [decode([t]) for t in ids] == [" to", " be", " or", " not", " to", " be"]
+    for min_tokens, want in ((0, ""), (1, " to be or not"), (3, " to be or not"), (5, " to be or not to be")):
+        text = api.ChoiceText(stop=(" to",), min_tokens=min_tokens)
+        assert "".join(text.push(t) for t in ids) + text.finish() == want, min_tokens
+
+
 # ------------------------------------------------------------------ validation and the schema
 
 
@@ -393,7 +572,19 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
     ({"prompt": [1.5]}, "prompt"), ({"prompt": [[1]] * 65}, "prompt"), ({"prompt": [1] * 256}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": 1}}, "stream_options"),
     ({"prompt": "a", "echo": "true"}, "echo"), ({"prompt": "a", "best_of": 2}, "best_of"),
-    ({"prompt": "a", "suffix": "x"}, "suffix"), ({"prompt": "a", "logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"prompt": "a", "suffix": "x"}, "suffix"),
+    # the sampling fields: OpenAI's ranges for its own, vLLM's for its extensions
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": "a", "repetition_penalty": -1.5}, "repetition_penalty"),
+    ({"prompt": "a", "min_p": 1.5}, "min_p"), ({"prompt": "a", "min_p": -0.1}, "min_p"),
+    ({"prompt": "a", "logit_bias": {"50257": 1}}, "logit_bias"), ({"prompt": "a", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"), ({"prompt": "a", "logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [5]}, "logit_bias"), ({"prompt": "a", "stop_token_ids": [50257]}, "stop_token_ids"),
+    ({"prompt": "a", "stop_token_ids": "13"}, "stop_token_ids"), ({"prompt": "a", "stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"prompt": "a", "min_tokens": 17}, "min_tokens"), ({"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "n": 129}, "n"), ({"prompt": ["a"] * 64, "n": 3}, "n"),
+    ({"prompt": "a", "n": 2.5}, "n"),
 ])
 def test_bad_fields_are_400_naming_the_field(client, body, param):
     r = client.post("/v1/completions", json=body)
@@ -564,7 +755,7 @@ def test_fuzz_from_the_openapi_schema(fuzz_app):
 
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
     ops = {op.path: op for op in (r.ok() for r in schema.get_all_operations())}
-    assert set(ops) == {"/v1/completions", "/v1/models", "/health"}
+    assert {"/v1/completions", "/v1/models", "/health"} <= set(ops)  # and whatever other routes the app has
     completions = ops["/v1/completions"]
 
     def served(case):  # a valid body names the served model or none (any other name is a 404, also tried)
@@ -576,7 +767,7 @@ def test_fuzz_from_the_openapi_schema(fuzz_app):
                          completions.as_strategy(GenerationMode.POSITIVE).map(served),
                          completions.as_strategy(GenerationMode.POSITIVE),
                          completions.as_strategy(GenerationMode.NEGATIVE),
-                         ops["/v1/models"].as_strategy(), ops["/health"].as_strategy())
+                         *[op.as_strategy() for path, op in sorted(ops.items()) if path != "/v1/completions"])
     statuses: dict[int, int] = {}
     kinds: set[tuple] = set()  # (prompt's type, echo, logprobs, stream) of the requests answered 200
     started = time.monotonic()

@@ -1,8 +1,12 @@
 """`gpt2x serve` as a user runs it: bad options are one line and a non-zero exit before anything
-starts; a running server answers, and SIGTERM stops it cleanly (exit 0, its port free again)."""
+starts; a running server answers, and SIGTERM stops it cleanly (exit 0, its port free again). The
+stop as process managers and terminals send it: SIGTERM to the server's whole process group, SIGINT
+to its pid, with requests in flight: exit 0 within 10 s, one "stopped" line, every request answered
+in full or ended with a clean error, and no process of the server's (Ray's included) left."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -10,11 +14,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import psutil  # Ray's dependency, and the test extra's
 import pytest
 import ray  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
+
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx.artifact import read_export
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.serve.engine import Engine, EngineClosed, EngineSettings, Row
+from gpt2x.tokenizer import encode
 
 from .conftest import run_cli  # noqa: E402
 from .test_cli import assert_one_line_error  # noqa: E402
@@ -123,3 +135,145 @@ def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, 
                 break
             time.sleep(3)
         head.wait(30)
+
+
+# ------------------------------------------------------------------ the stop under a process manager
+
+
+STOP_WITHIN_S = 10.0
+
+
+def live(processes: dict[int, float]) -> list[int]:
+    """The pids of `processes` ({pid: create_time}) still running (the same process, not a zombie)."""
+    alive = []
+    for pid, created in processes.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+async def in_flight(url: str, n: int) -> list[tuple]:
+    """n long requests, half streamed, sent together: what each ended as (status, how it ended)."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        async def one(i: int) -> tuple:
+            body = {"prompt": "ROMEO:", "max_tokens": 250, "temperature": 1.0, "seed": i}
+            if i % 2:
+                async with c.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+                return "stream", r.status_code, lines
+            r = await c.post(f"{url}/v1/completions", json=body)
+            return "whole", r.status_code, r.json()
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+
+def assert_clean(answers: list[tuple]) -> dict:
+    """Each request was answered in full or ended with a clean error: a JSON error in OpenAI's shape
+    (the queue full: 429; the server stopping: 5xx), or a stream whose last events are an error and
+    [DONE]. Returns how many ended each way."""
+    ways: dict[str, int] = {}
+    for kind, status, body in answers:
+        if kind == "whole" and status == 200:
+            way = "done"
+            assert body["choices"][0]["finish_reason"] in ("length", "stop")
+        elif kind == "whole":
+            way = f"error {status}"
+            assert status in (429, 500, 503) and set(body["error"]) == {"message", "type", "param", "code"}
+        elif status != 200:  # refused before the stream began: one JSON error
+            way = f"error {status}"
+            assert status in (429, 500, 503) and set(json.loads("".join(body))["error"]) == {"message", "type", "param", "code"}
+        else:
+            assert body[-1] == "data: [DONE]", body[-3:]
+            last = json.loads(body[-2][len("data: "):])
+            if "error" in last:
+                way = "stream error"
+                assert last["error"]["message"] == "the server is shutting down"
+            else:
+                way = "done"
+        ways[way] = ways.get(way, 0) + 1
+    return ways
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-the-group", "sigint-to-the-pid"])
+def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port, how):
+    """`gpt2x serve` in a session of its own (as systemd and most process managers start it), signalled
+    with requests in flight: every request ends cleanly, the command exits 0 within 10 s with one
+    "stopped" line, and nothing it started (Ray's GCS, raylet, agents, replicas: its descendants while
+    it ran, and its session) is left."""
+    port = reserve_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
+                             "--json", "--threads", "1", "--replicas", "2", "--max-batch-size", "2", "--max-waiting", "6"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        ready = json.loads(read_line(proc, 180))
+        url = ready["url"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3}, timeout=60).status_code == 200
+        started = {p.pid: p.create_time() for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(started) >= 4  # Ray's processes and the replicas, under this one
+
+        result: dict = {}
+        load = threading.Thread(target=lambda: result.update(answers=asyncio.run(in_flight(url, 24))))
+        load.start()
+        time.sleep(1.0)  # the requests are in: two replicas each decode two, queue up to six, refuse the rest
+        signalled = time.monotonic()
+        if how == "sigterm-to-the-group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGINT)
+        code = proc.wait(STOP_WITHIN_S + 20)
+        took = time.monotonic() - signalled
+        load.join(60)
+        out, err = proc.communicate()
+        print(f"{how}: exit {code} {took:.2f} s after the signal; requests: {assert_clean(result['answers'])}")
+        assert code == 0, err
+        assert took <= STOP_WITHIN_S, f"stopped {took:.1f} s after the signal"
+        lines = err.strip().splitlines()
+        assert lines[-1] == "stopped" and lines.count("stopped") == 1, err
+        assert "Traceback" not in err and "SIGTERM received" not in err and "Aborted" not in err, err
+        assert out == "", out  # stdout holds the ready line alone (read above)
+        time.sleep(0.5)
+        assert live(started) == [], [psutil.Process(pid).cmdline()[:2] for pid in live(started)]
+        session = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert session == [], session
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # the port is free again
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_engines_stop_ends_what_its_grace_does_not_finish(export_dir):
+    """Engine.stop, as a replica's stop runs it: new rows refused, waiting rows told the error at once,
+    the row in flight given the grace, then ended with the error, nothing told after; the thread ends."""
+    told: dict[int, list] = {0: [], 1: []}
+
+    def sink(i: int):
+        def tell(kind: str, value: object) -> None:
+            told[i].append((time.monotonic(), kind, value))
+            if kind == "token":
+                time.sleep(0.02)  # a slow client: 250 tokens take 5 s, far past the grace
+        return tell
+
+    engine = Engine(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=1)).start()
+    prompt = encode("ROMEO:")
+    rows = [Row(prompt, SamplingSettings(max_new_tokens=250), sink(i), max_tokens=250) for i in (0, 1)]
+    engine.submit(rows)  # one runs, one waits (max batch size 1)
+    while not told[0]:
+        time.sleep(0.01)
+    began = time.monotonic()
+    assert engine.stop(0.5, "the server is shutting down")
+    stopped = time.monotonic()
+    assert not engine.alive and 0.5 <= stopped - began < 2.0
+    assert [k for _, k, _ in told[1]] == ["error"] and told[1][0][0] - began < 0.2  # the waiting row: at once
+    kinds = [k for _, k, _ in told[0]]
+    assert kinds[-1] == "error" and set(kinds[:-1]) == {"token"} and 10 < len(kinds) < 250
+    assert told[0][-1][2] == "the server is shutting down" and told[0][-1][0] - began >= 0.5
+    with pytest.raises(EngineClosed):
+        engine.submit([Row(prompt, SamplingSettings(max_new_tokens=2), sink(1), max_tokens=2)])
+    engine.backend.close()

@@ -30,6 +30,7 @@ from gpt2x import workflows
 from gpt2x.choices import Precision
 from gpt2x.errors import UsageError
 from gpt2x.generation.generate import generate
+from gpt2x.generation.processors import History
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import Generation, SamplingSettings
 from gpt2x.generation.speculative import (
@@ -257,16 +258,19 @@ def padded(g: Generation) -> list[int]:
     return g.tokens + ([EOT_ID] if g.finish_reason == "eos" else [])
 
 
-def assert_greedy_equal(target, plain: Generation, spec: Generation, margin: float) -> None:
+def assert_greedy_equal(target, plain: Generation, spec: Generation, margin: float,
+                        settings: SamplingSettings | None = None) -> None:
     """spec's tokens are plain's, or first differ where the plain run's top-2 logits (by a no-cache
-    forward of the plain sequence so far) are within `margin` of each other, the speculative token
-    being the other of the two."""
+    forward of the plain sequence so far; with `settings`, the scores its processors make of them)
+    are within `margin` of each other, the speculative token being the other of the two."""
     a, b = padded(plain), padded(spec)
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None:
         assert (len(a), plain.finish_reason) == (len(b), spec.finish_reason), (a, b)
         return
     logits = no_cache_logits(target, plain.prompt_tokens + a[:i])[-1].astype(np.float64)
+    if settings is not None:
+        logits = Sampler(settings).scores(logits[None], [History(plain.prompt_tokens, a[:i])])[0]
     top2 = np.sort(logits)[-2:]
     assert top2[1] - top2[0] < margin, (
         f"speculative greedy differs from plain greedy at token {i} ({b[i]} instead of {a[i]}), where "
@@ -291,8 +295,8 @@ class DraftSpy:
         self.runs.append([])
         self.drafter.reset()
 
-    def propose(self, tokens, k, sampler):
-        proposal = self.drafter.propose(tokens, k, sampler)
+    def propose(self, tokens, k, sampler, history=None):
+        proposal = self.drafter.propose(tokens, k, sampler, history)
         self.runs[-1].append((list(tokens), list(proposal.tokens)))
         return proposal
 
@@ -304,8 +308,8 @@ class DraftSpy:
                 spy.runs.append([])
                 original(drafter)
 
-            def propose(drafter, tokens, k, sampler, original=klass.propose):
-                proposal = original(drafter, tokens, k, sampler)
+            def propose(drafter, tokens, k, sampler, history=None, original=klass.propose):
+                proposal = original(drafter, tokens, k, sampler, history)
                 spy.runs[-1].append((list(tokens), list(proposal.tokens)))
                 return proposal
 
@@ -394,6 +398,29 @@ def test_greedy_bundled_model_equals_plain_greedy(bundled_runs, target, draft, s
         assert all(s.speculation["drafts"] > 0 for s in spec)
         if draft != "ngram":
             assert sum(s.speculation["accepted"] for s in spec) > sum(s.speculation["drafted"] for s in spec) / 2
+
+
+PENALISED = SamplingSettings(greedy=True, max_new_tokens=40, repetition_penalty=1.3, presence_penalty=0.4,
+                             frequency_penalty=0.3, logit_bias={13: -1.0}, min_tokens=5)
+
+
+@pytest.mark.parametrize("draft,setting", [("int4", "k3"), ("int4", "adaptive"), ("ngram", "k3"), ("ngram", "k8")])
+def test_greedy_with_penalties_equals_plain_greedy_with_them(bundled_runs, draft, setting):
+    """Greedy with penalties, a logit bias and min_tokens (none of which the backend's own argmax
+    knows): the drafts are verified against the argmax of the processed scores at each drafted
+    position, each with its own history, so the tokens are plain greedy's with the same settings."""
+    r = bundled_runs
+    ds = DRAFT_SETTINGS[setting]
+    backend = r.targets[Precision.fp32]
+    plain = generate(backend, BUNDLED_PROMPTS, PENALISED)
+    assert all(p.tokens != q.tokens for p, q in zip(plain, r.plain[Precision.fp32]))  # the settings change the text
+    drafter = DraftSpy(NgramDrafter(ds) if draft == "ngram" else r.drafts[draft])
+    spec = generate(backend, BUNDLED_PROMPTS, PENALISED, draft=drafter, draft_settings=ds)
+    for p, s, rounds in zip(plain, spec, drafter.runs):
+        assert_greedy_equal(backend, p, s, MARGIN, PENALISED)
+        assert_stats(s, ds, rounds)
+    if not ds.adaptive:
+        assert sum(s.speculation["accepted"] for s in spec) > 0 and all(s.speculation["drafts"] > 0 for s in spec)
 
 
 # Tiny random models: "ROMEO:" with 64 new tokens runs into the 64-position context (the drafts'
@@ -527,7 +554,12 @@ STAT_RUNS = 3000
 # the last drafted position; ngram drafts always kept): each fails these tests.
 STAT_ALPHA = 1e-3 / 5
 STAT_SAMPLING = {"t1.0": SamplingSettings(temperature=1.0, top_k=0, max_new_tokens=STAT_NEW),
-                 "t0.8-k4-p0.9": SamplingSettings(temperature=0.8, top_k=4, top_p=0.9, max_new_tokens=STAT_NEW)}
+                 "t0.8-k4-p0.9": SamplingSettings(temperature=0.8, top_k=4, top_p=0.9, max_new_tokens=STAT_NEW),
+                 # the penalties read each drafted position's history (the prompt's tokens for the repetition
+                 # penalty, the generated ones for all three): a wrong history moves the joint distribution
+                 "penalties": SamplingSettings(temperature=0.9, repetition_penalty=1.8, presence_penalty=0.6,
+                                               frequency_penalty=0.5, logit_bias={4: 0.5}, min_p=0.02,
+                                               max_new_tokens=STAT_NEW)}
 
 
 @pytest.fixture(scope="module")
@@ -544,13 +576,15 @@ def stat_models(tmp_path_factory):
 
 def exact_sequence_distribution(backend, prompt: list[int], settings: SamplingSettings, n: int) -> np.ndarray:
     """P(t1 .. tn) (shape (V,) * n) under the sampler's filtered distributions of the model's no-cache
-    logits: every continuation of n - 1 tokens forwarded in one batch."""
+    logits: every continuation of n - 1 tokens forwarded in one batch, token i's distribution processed
+    with the history of the prompt and the continuation's first i tokens."""
     V = backend.vocab_size
     conts = list(itertools.product(range(V), repeat=n - 1))
     ids = np.asarray([prompt + list(c) for c in conts], dtype=np.int64)
     mask = np.ones_like(ids)
     logits = backend.run(ids, mask, positions(mask, ids.shape[1]), None)[0][:, len(prompt) - 1 :]  # (C, n, V)
-    p = Sampler(settings).probabilities(logits.reshape(-1, V)).reshape(logits.shape)
+    rows = [History(prompt, list(c[:i])) for c in conts for i in range(n)]  # in the order of reshape(-1, V)
+    p = Sampler(settings).probabilities(logits.reshape(-1, V), rows).reshape(logits.shape)
     joint = np.zeros((V,) * n)
     for row, c in enumerate(conts):
         prefix = np.prod([p[row, i, c[i]] for i in range(n - 1)])
@@ -585,7 +619,8 @@ def test_sampling_follows_the_target_distribution(stat_models, draft, setting):
         # Power against keeping every drafted token: token 2 would follow sum_t1 p(t1) q(. | t1).
         ids = np.asarray([STAT_PROMPT + [t] for t in range(STAT_V)], dtype=np.int64)
         mask = np.ones_like(ids)
-        q2 = Sampler(settings).probabilities(draft_model.run(ids, mask, positions(mask, ids.shape[1]), None)[0][:, -1])
+        q2 = Sampler(settings).probabilities(draft_model.run(ids, mask, positions(mask, ids.shape[1]), None)[0][:, -1],
+                                             [History(STAT_PROMPT, [t]) for t in range(STAT_V)])
         p1 = joint.sum(axis=(1, 2, 3))
         wrong = p1 @ q2  # q2[t1] = q(. | t1)
         right = joint.sum(axis=(0, 2, 3))

@@ -12,6 +12,7 @@ import typer
 
 from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
+from ..generation.constraints import ConstraintSpec
 from ..generation.generate import generate as run_generation
 from ..generation.settings import SamplingSettings
 from ..generation.speculative import DraftSettings
@@ -28,8 +29,11 @@ from .options import (
     ThreadsOpt,
     err,
     notice,
+    parse_logit_bias,
+    parse_token_ids,
     progress_to,
     read_prompts_file,
+    read_text_file,
 )
 
 EPILOG = ("Examples:\n\n"
@@ -37,7 +41,27 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x generate \"ROMEO:\" --seed 1 --temperature 0.8 --top-p 0.9 --top-k 40    (defaults: 1, 1, off, as OpenAI's API)\n\n"
     "  gpt2x generate \"Hello, my name is\" --model gpt2 --temperature 0 --max-new-tokens 20    (0: greedy, as --greedy)\n\n"
     "  gpt2x generate --prompts-file prompts.txt --model shakespeare --backend torch --json\n\n"
-    "  gpt2x generate \"ROMEO:\" --greedy --draft int4 --num-speculative-tokens 8")
+    "  gpt2x generate \"ROMEO:\" --greedy --draft int4 --num-speculative-tokens 8\n\n"
+    "  gpt2x generate \"ROMEO:\" --seed 1 --repetition-penalty 1.3 --min-p 0.05 --n 3    (3 samples: seeds 1, 2, 3)\n\n"
+    "  gpt2x generate \"ROMEO:\" --greedy --presence-penalty 0.5 --logit-bias 198=-100 --stop-token-ids 13 --min-tokens 8")
+
+
+def constraint_from(json_schema: Path | None, regex: str | None, choice: list[str] | None,
+                    grammar: Path | None) -> ConstraintSpec | None:
+    """The structured-output constraint the options ask for (at most one), its files read."""
+    given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice),
+                                      ("--grammar", grammar)) if value]
+    if len(given) > 1:
+        raise UsageError(f"give one structured-output option, not {' and '.join(given)}")
+    if json_schema is not None:
+        return ConstraintSpec.json_schema(read_text_file(json_schema, "JSON schema file"))
+    if regex is not None:
+        return ConstraintSpec.regex(regex)
+    if choice:
+        return ConstraintSpec.choice(choice)
+    if grammar is not None:
+        return ConstraintSpec.grammar(read_text_file(grammar, "grammar file"))
+    return None
 
 
 def generate(
@@ -59,6 +83,37 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = SamplingSettings.top_k,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1].")] = SamplingSettings.top_p,
     seed: Annotated[Optional[int], typer.Option(help="Sampler seed: same seed, same text. Random if unset.")] = None,
+    min_p: Annotated[float, typer.Option(
+        help="Drop tokens less likely than MIN_P times the most likely one, in [0, 1] (0: off; vLLM's and "
+        "transformers' min_p).")] = SamplingSettings.min_p,
+    presence_penalty: Annotated[float, typer.Option(
+        help="Subtracted from the logit of every token already generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.presence_penalty,
+    frequency_penalty: Annotated[float, typer.Option(
+        help="Subtracted from a token's logit once per time it was generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.frequency_penalty,
+    repetition_penalty: Annotated[float, typer.Option(
+        help="The logits of tokens in the prompt or the output divided by it (multiplied where negative); "
+        "> 0, 1: off (transformers' and vLLM's).")] = SamplingSettings.repetition_penalty,
+    logit_bias: Annotated[Optional[list[str]], typer.Option(
+        "--logit-bias", metavar="ID=BIAS",
+        help="Add BIAS (in [-100, 100]) to token ID's logit, greedy included; repeatable, or a comma list "
+        "(-100: never, 100: always).")] = None,
+    stop_token_ids: Annotated[Optional[list[str]], typer.Option(
+        "--stop-token-ids", metavar="IDS",
+        help="A sample ends when it generates one of these token ids (not kept); comma list, repeatable.")] = None,
+    min_tokens: Annotated[int, typer.Option(
+        help="<|endoftext|> and --stop-token-ids cannot be generated before this many tokens.")] = SamplingSettings.min_tokens,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Do not stop at <|endoftext|> (it is kept as a token).")] = SamplingSettings.ignore_eos,
+    n: Annotated[int, typer.Option(
+        "--n", "--num-return-sequences",
+        help="Samples per prompt; sample i is seeded SEED + i (vLLM's rule), so sample 0 is what --n 1 gives.")] = SamplingSettings.n,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        "--json-schema", metavar="FILE", help="Structured output: the text is JSON satisfying this JSON schema file.")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Structured output: the text fully matches this regular expression.")] = None,
+    choice: Annotated[Optional[list[str]], typer.Option(
+        "--choice", help="Structured output: the text is one of these (repeatable).")] = None,
+    grammar: Annotated[Optional[Path], typer.Option(
+        "--grammar", metavar="FILE", help="Structured output: the text satisfies this Lark (start:) or GBNF (root ::=) grammar.")] = None,
     num_beams: Annotated[int, typer.Option(help="Beam search with this many beams (1: off).")] = SamplingSettings.num_beams,
     length_penalty: Annotated[float, typer.Option(
         help="Beam search length penalty (as in transformers).")] = SamplingSettings.length_penalty,
@@ -86,6 +141,10 @@ def generate(
     settings = SamplingSettings(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, logit_bias=parse_logit_bias(logit_bias or []),
+        stop_token_ids=parse_token_ids(stop_token_ids or [], "--stop-token-ids"), min_tokens=min_tokens,
+        ignore_eos=ignore_eos, n=n, constraint=constraint_from(json_schema, regex, choice, grammar),
     )
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     if draft is not None and num_beams > 1:
@@ -95,7 +154,7 @@ def generate(
                               progress=progress_to(status), notice=notice)
         drafter = None if draft is None else open_drafter(draft, runner, backend, provider, None, draft_settings, revision,
                                                           progress=progress_to(status), notice=notice)
-    stream = len(prompts) == 1 and not as_json and num_beams == 1
+    stream = len(prompts) == 1 and not as_json and num_beams == 1 and n == 1
     decoder = StreamDecoder()
 
     def write_token(row: int, tok: int) -> None:
@@ -110,10 +169,12 @@ def generate(
     if stream:
         sys.stdout.write(decoder.flush() + "\n")
     elif as_json:
-        for r in results:
+        for i, r in enumerate(results):
             print(json.dumps({
                 "prompt": r.prompt, "prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": decode(r.tokens),
-                "finish_reason": r.finish_reason, "model": runner.model_name, "backend": runner.name, "seed": seed,
+                "finish_reason": r.finish_reason, "model": runner.model_name, "backend": runner.name,
+                "seed": seed + i % n,  # sample i of a prompt: seed + i
+                **({"sample": i % n} if n > 1 else {}),
                 **({"draft": drafter.name, "speculation": r.speculation} if drafter is not None else {}),
             }))
     else:

@@ -98,6 +98,18 @@ class Status:
             self._status = None
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file's contents, or one UsageError line naming `what` it is."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{what} not found: {path}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} is not UTF-8 text: {path}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
 def read_prompts_file(path: Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -120,6 +132,31 @@ def parse_list(value: str, kind, option: str) -> list:
     except ValueError:
         choices = ", ".join(e.value for e in kind) if isinstance(kind, type) and issubclass(kind, Enum) else "integers"
         raise UsageError(f"{option}: {value!r} is not a comma-separated list of {choices}") from None
+
+
+def parse_logit_bias(values: Iterable[str], option: str = "--logit-bias") -> dict[int, float]:
+    """`ID=BIAS` pairs, each value one pair or a comma-separated list of them (repeatable options)."""
+    bias: dict[int, float] = {}
+    for value in values:
+        for item in (v.strip() for v in value.split(",")):
+            if not item:
+                continue
+            token, sep, amount = item.partition("=")
+            try:
+                if not sep:
+                    raise ValueError
+                bias[int(token)] = float(amount)
+            except ValueError:
+                raise UsageError(f"{option}: {item!r} is not TOKEN_ID=BIAS (such as 50256=-100)") from None
+    return bias
+
+
+def parse_token_ids(values: Iterable[str], option: str) -> list[int]:
+    """Token ids from repeatable values, each one id or a comma-separated list of them."""
+    ids: list[int] = []
+    for value in values:
+        ids += parse_list(value, int, option)
+    return ids
 
 
 def progress_to(status: Status):

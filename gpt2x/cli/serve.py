@@ -36,7 +36,7 @@ EPILOG = ("Examples:\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
 
-SERVE_MODULES = ("ray", "fastapi", "httpx")
+SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client")
 
 
 def _installed(module: str) -> bool:
@@ -85,7 +85,8 @@ def serve(
         "(as gpt2x generate --draft D --no-draft-adaptive gives it).")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
-    """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health) until Ctrl-C or SIGTERM."""
+    """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics, /tokenize,
+    /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops."""
     require_serve_extra()
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
     from ..serve.deploy import ReplicaConfig, ServeSettings, describe, serve_until_stopped

@@ -3,12 +3,14 @@
 
 A `Sequence` is one row being generated: its prompt, settings, sampler, budget and, as it goes, its
 tokens and why it ended (`Finish`, the one list of reasons). `Sequence.accept` is the one place a
-row's end is decided (cancelled, end of text, its budget, the context), so every loop over rows ends
-them alike. `decode_steps` prefills a left-padded static batch and yields one list of `Event`s per
-model step (the bench times steps); `decode` is the same, flattened. A caller that wants a row to end
+row's end is decided (cancelled, end of text, a stop token id, its budget, the context), so every
+loop over rows ends them alike. `decode_steps` prefills a left-padded static batch and yields one
+list of `Event`s per model step (the bench times steps); `decode` is the same, flattened. A caller that wants a row to end
 early (a stop string, a client that left) calls `Sequence.cancel` with its reason.
 
-Sampling: each unfinished row draws from its sampler, one uniform per step (generation.sampling).
+Sampling: each unfinished row draws from its sampler, one uniform per step (generation.sampling),
+through the logits processors (generation.processors), given each row's `History` (its prompt and
+the tokens it has kept: `Sequence.history`, live).
 Rows that share one Sampler (generate's and generate_until's batch: one seeded stream, as they have
 always drawn) draw together, row by row, every row of the group while any of them is unfinished, so
 that a row that ends does not move the draws of the others. A row with a sampler of its own (the
@@ -27,6 +29,7 @@ from ..numerics import positions
 from ..runtime.base import Backend, greedy_step
 from ..tokenizer import EOT_ID
 from .logprobs import LogprobEntry, token_logprobs
+from .processors import History
 from .sampling import Sampler
 from .settings import Finish, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
@@ -69,6 +72,7 @@ class Sequence:
     limit: int = field(default=0, init=False)  # its budget in the batch (max_tokens until placed)
     cancelled: Finish | None = field(default=None, init=False)  # the reason a cancel() asked for, until it ends
     speculation: SpecStats | None = field(default=None, init=False)  # decoded with a draft: the run's statistics
+    history: History = field(init=False, repr=False)  # what the logits processors read: prompt, tokens (live), the row
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -76,6 +80,8 @@ class Sequence:
         if self.sampler is None:
             self.sampler = Sampler(self.settings)
         self.limit = self.max_tokens
+        self.history = History(self.prompt_ids, self.tokens, self)
+        self._stops = frozenset(self.settings.stop_token_ids)
 
     def cancel(self, reason: Finish = Finish.cancelled) -> None:
         """End the row at its next token, or before the next step when it is cancelled between steps,
@@ -85,7 +91,8 @@ class Sequence:
     def accept(self, token: int) -> tuple[int | None, Finish | None]:
         """The row's next sampled token: (the token it keeps, or None; why it ended, or None). The one
         place a row's end is decided: a pending cancel drops the token; <|endoftext|> ends the row
-        (unless settings.ignore_eos); reaching the budget ends it after the token, as `context` when
+        (unless settings.ignore_eos); a stop token id (settings.stop_token_ids) ends it as `stop`, the
+        token not kept (vLLM's default); reaching the budget ends it after the token, as `context` when
         the context cut the budget."""
         if self.cancelled is not None:
             self.finish = self.cancelled
@@ -93,6 +100,9 @@ class Sequence:
         if token == EOT_ID and not self.settings.ignore_eos:
             self.finish = Finish.eos
             return None, Finish.eos
+        if token in self._stops:
+            self.finish = Finish.stop
+            return None, Finish.stop
         self.tokens.append(token)
         if len(self.tokens) >= self.limit:
             self.finish = Finish.context if self.limit < self.max_tokens else Finish.length
@@ -123,8 +133,8 @@ def _accept(seqs: list[Sequence], tokens: list[int], rows: Iterable[int], logits
 def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None) -> tuple[np.ndarray, list[Event]]:
     """Sample the next token of every unfinished row among `rows` (None: all) of a batch whose step
     gave `logits` (B, V): each row draws from its sampler (rows sharing one draw together, see the
-    module), is given its logprobs if it asks, and accepts the token. Returns the tokens to feed
-    (B,) int64 (EOT_ID for rows finished or not sampled) and the events, in row order."""
+    module) given its history, is given its logprobs if it asks, and accepts the token. Returns the
+    tokens to feed (B,) int64 (EOT_ID for rows finished or not sampled) and the events, in row order."""
     index = range(len(seqs)) if rows is None else rows
     groups: dict[int, list[int]] = {}
     for i in index:
@@ -135,9 +145,10 @@ def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None
             continue
         sampler = seqs[members[0]].sampler
         if len(members) == 1:
-            drawn[members[0]] = sampler(logits[members[0] : members[0] + 1])[0]
+            drawn[members[0]] = sampler(logits[members[0] : members[0] + 1], [seqs[members[0]].history])[0]
         else:  # every row of the group, finished or not, in row order: the stream moves as it always has
-            drawn[members] = sampler(logits if rows is None and len(members) == len(logits) else logits[members])
+            drawn[members] = sampler(logits if rows is None and len(members) == len(logits) else logits[members],
+                                     [seqs[i].history for i in members])
     return _accept(seqs, drawn.tolist(), index, logits)
 
 
@@ -157,8 +168,9 @@ def decode_steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None
     (a last list without a step when the rows left were cancelled), until every row has finished.
     Leaving the loop early closes it. Rows with no room (a budget of 0) end before the prefill.
 
-    Greedy rows that ask for no logprobs take the backend's argmax where the logits are
-    (base.greedy_step). With a `drafter`, the one sequence is decoded speculatively
+    Greedy rows that ask for no logprobs, and whose settings hold nothing that moves the argmax
+    (penalties, logit_bias, min_tokens: Sampler.argmax_only), take the backend's argmax where the
+    logits are (base.greedy_step). With a `drafter`, the one sequence is decoded speculatively
     (speculative.speculative_loop: one list per round, its tokens accepted in turn, the run's
     statistics in `Sequence.speculation`), unless it asks for logprobs: those are the target's,
     decoded plainly."""
@@ -193,7 +205,7 @@ def _place(backend: Backend, seqs: list[Sequence], drafter: Drafter | None) -> l
 def _batch_steps(backend: Backend, seqs: list[Sequence], first: list[Event]) -> Iterator[list[Event]]:
     """decode_steps without a draft; `first`: the events of rows that ended before the prefill."""
     ids, mask = left_pad([s.prompt_ids for s in seqs])  # (B, L)
-    if all(s.settings.greedy and s.logprobs is None for s in seqs):
+    if all(s.sampler.argmax_only and s.logprobs is None for s in seqs):
         step = greedy_step(backend)
         tokens, past = step(ids, mask, positions(mask, ids.shape[1]), None)  # (B,)
         nxt, events = _accept(seqs, tokens.tolist(), range(len(seqs)), None)
@@ -228,7 +240,8 @@ def _rounds(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSe
     """The speculative loop's rounds for one sequence (the prefill's first token, then 1 to K + 1
     tokens a round), its statistics kept in `seq.speculation`."""
     seq.speculation = stats = SpecStats()
-    yield from speculative_loop(backend, drafter, seq.prompt_ids, seq.sampler, seq.limit, control_for(settings), stats)
+    yield from speculative_loop(backend, drafter, seq.prompt_ids, seq.sampler, seq.limit, control_for(settings), stats,
+                                row=seq)
 
 
 def _speculative_steps(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings) -> Iterator[list[Event]]:

@@ -9,6 +9,7 @@ happens here, so every backend produces the same tokens for the same seed wherev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..errors import UsageError
 from ..runtime.base import Backend
@@ -54,25 +55,33 @@ def generate(
     draft_settings: DraftSettings | None = None,
 ) -> list[Generation]:
     """Generate for all prompts as one left-padded batch (decode.decode). Stops each row at EOS (unless
-    settings.ignore_eos); all rows at max_new_tokens or at the model's context limit. With a `draft`,
-    each prompt is decoded on its own, speculatively (speculative.py)."""
+    settings.ignore_eos) or a stop token id; all rows at max_new_tokens or at the model's context
+    limit. With a `draft`, each prompt is decoded on its own, speculatively (speculative.py).
+
+    With settings.n > 1, n samples per prompt, returned prompt by prompt (prompt 0's n samples, then
+    prompt 1's, ...; `on_token`'s row counts them so): sample i of every prompt is what the batch
+    gives alone with seed + i (vLLM's rule for n's seeds), so sample 0 is what n = 1 gives, and one
+    prompt's samples are the API's n choices for it."""
     if not prompts and not prompt_ids:
         raise UsageError("no prompts given")
     if prompt_ids is None:
         prompt_ids = prepare_prompts(prompts, backend.n_positions, settings.max_new_tokens, truncate)
+    n = settings.n
+    children = [replace(settings, seed=settings.seed + i, n=1) for i in range(n)]  # sample i: seed + i
     if draft is not None:
         if settings.num_beams > 1:
             raise UsageError("beam search and a draft do not combine: speculative decoding samples or decodes greedily")
-        return [generate_speculative(backend, draft, p, ids, settings, draft_settings or DraftSettings(), row, on_token)
-                for row, (p, ids) in enumerate(zip(prompts, prompt_ids))]
+        return [generate_speculative(backend, draft, p, ids, children[i], draft_settings or DraftSettings(), row * n + i,
+                                     on_token)
+                for row, (p, ids) in enumerate(zip(prompts, prompt_ids)) for i in range(n)]
     if settings.num_beams > 1:
         return [beam_search(backend, p, ids, settings) for p, ids in zip(prompts, prompt_ids)]
-    sampler = Sampler(settings)  # one seeded stream for the batch, drawn row by row at each step
-    seqs = [Sequence(ids, settings, sampler=sampler) for _, ids in zip(prompts, prompt_ids)]
+    samplers = [Sampler(child) for child in children]  # one seeded stream per sample, drawn row by row at each step
+    seqs = [Sequence(ids, children[i], sampler=samplers[i]) for _, ids in zip(prompts, prompt_ids) for i in range(n)]
     for event in decode(backend, seqs):
         if on_token and event.token is not None:
             on_token(event.row, event.token)
-    return [_result(p, s) for p, s in zip(prompts, seqs)]
+    return [_result(p, s) for p, s in zip([p for p in prompts for _ in range(n)], seqs)]
 
 
 def _result(prompt: str, seq: Sequence) -> Generation:

@@ -12,8 +12,12 @@ The output is the target's own:
   from the draft's q is kept with probability min(1, p(d) / q(d)); the first that is not is replaced
   by a draw from max(0, p - q) normalised; after K kept tokens a bonus token is drawn from p. A draft
   without probabilities (ngram) is a point mass: a token is drawn from p and the draft token is
-  kept if the draw equals it. Temperature, top-k and top-p shape p and q alike
-  (Sampler.probabilities), and every draw uses the sampler's one seeded generator.
+  kept if the draw equals it. The logits processors (penalties, logit_bias, min_tokens, temperature,
+  min-p, top-k, top-p) shape p and q alike (Sampler.probabilities), each position with its own
+  history (generation.processors.History: the output so far followed by the drafted tokens before
+  it, as vLLM applies penalties to drafted positions), and every draw uses the sampler's one seeded
+  generator. Greedy takes the argmax of the processed scores the same way (of the logits themselves
+  when no processor moves it), so greedy with a penalty still gives plain greedy's tokens.
 
 Both caches roll back the positions of rejected tokens (`KVCache.truncate`): the target's holds the
 K + 1 verified positions and drops the rejected ones; the draft's, which ran one token ahead, drops
@@ -37,6 +41,7 @@ import numpy as np
 from ..errors import UsageError
 from ..numerics import positions
 from ..runtime.base import Backend
+from .processors import History
 from .sampling import Sampler
 
 NGRAM_MAX = 3  # prompt lookup matches the last 3 tokens first, then 2, then 1
@@ -76,8 +81,10 @@ class Drafter(Protocol):
         steps or at the start), so that `propose` times drafting alone."""
         ...
 
-    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
-        """Up to `k` tokens to follow `tokens` (prompt and output so far)."""
+    def propose(self, tokens: list[int], k: int, sampler: Sampler, history: History | None = None) -> Proposal:
+        """Up to `k` tokens to follow `tokens` (prompt and output so far); `history`: the same sequence
+        as the logits processors read it (its prompt and output; None: all of `tokens` as the prompt).
+        A draft that samples draws through `sampler`'s processors, so that q is shaped as p is."""
         ...
 
     def keep(self, length: int) -> None:
@@ -102,7 +109,7 @@ class NgramDrafter:
     def sync(self, tokens: list[int]) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+    def propose(self, tokens: list[int], k: int, sampler: Sampler, history: History | None = None) -> Proposal:
         return Proposal(lookup(tokens, k, self.n_max, self.n_min))
 
     def keep(self, length: int) -> None:
@@ -151,18 +158,20 @@ class ModelDrafter:
         self.cached = total
         return logits[0]
 
-    def propose(self, tokens: list[int], k: int, sampler: Sampler) -> Proposal:
+    def propose(self, tokens: list[int], k: int, sampler: Sampler, history: History | None = None) -> Proposal:
         k = min(k, self.n_positions - len(tokens) + 1)
         if k < 1:
             return Proposal([])
+        history = History(tokens, ()) if history is None else history
         logits = self._feed(tokens[self.cached :], len(tokens))  # catch up: at least the newest token
         out: list[int] = []
         qs = []
         for i in range(k):
+            rows = [history.extended(out)] if sampler.reads_history else None
             if sampler.s.greedy:
-                tok = int(logits.argmax())
+                tok = int(sampler.greedy(logits[None], rows)[0])
             else:
-                q = sampler.probabilities(logits[None])[0]
+                q = sampler.probabilities(logits[None], rows)[0]
                 tok = int(sampler.draw(q[None])[0])
                 qs.append(q)
             out.append(tok)
@@ -329,20 +338,25 @@ def refuse_unrollable(backend: Backend, role: str) -> None:
                          f"(the {role}) cannot drop positions from its cache: use ort, openvino, web or torch")
 
 
-def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler) -> list[int]:
+def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: History | None = None) -> list[int]:
     """The tokens a round yields: the drafted tokens the target keeps, then one of the target's own
     (the correction of the first rejected token, or the bonus token after all K). `logits` (K + 1, V)
-    are the target's at the pending token and at each drafted token."""
+    are the target's at the pending token and at each drafted token; `history` is the sequence before
+    the round (the processors read it at position i followed by the first i drafted tokens; None only
+    where they read no history)."""
     d = proposal.tokens
+    rows = None
+    if history is not None and sampler.reads_history:
+        rows = [history.extended(d[:i]) for i in range(len(d) + 1)]
     out: list[int] = []
     if sampler.s.greedy:
-        choice = logits.argmax(axis=-1)
+        choice = sampler.greedy(logits, rows)
         for i, tok in enumerate(d):
             if int(choice[i]) != tok:
                 return out + [int(choice[i])]
             out.append(tok)
         return out + [int(choice[len(d)])]
-    p = sampler.probabilities(logits)  # (K + 1, V)
+    p = sampler.probabilities(logits, rows)  # (K + 1, V)
     for i, tok in enumerate(d):
         if proposal.q is None:  # a point mass at tok: draw from p, keep tok if the draw is tok
             x = int(sampler.draw(p[i : i + 1])[0])
@@ -364,18 +378,23 @@ Clock = Callable[[], float]
 
 def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampler: Sampler, n_new: int,
                      control: DraftControl, stats: SpecStats | None = None,
-                     clock: Clock = time.perf_counter) -> Iterator[list[int]]:
+                     clock: Clock = time.perf_counter, row: object = None) -> Iterator[list[int]]:
     """The decode loop with a draft, at batch 1: prefill the prompt, then yield each round's tokens
-    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's (leave the loop)."""
+    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's (leave the loop).
+    `row`: who the sequence is, for processors with per-row state (History.row; the decode loop's
+    Sequence)."""
     refuse_unrollable(target, "target")
     stats = stats if stats is not None else SpecStats()
     stats.k_history = control.history  # the same list: the control appends each round's K
     drafter.reset()
     tokens = list(prompt)
+    generated: list[int] = []
+    history = History(prompt, generated, row)  # live: generated grows with tokens
     mask = np.ones((1, len(tokens)), dtype=np.int64)
     logits, past = target.step(np.asarray([tokens], dtype=np.int64), mask, positions(mask, len(tokens)), None)
-    first = int(sampler(logits)[0])
+    first = int(sampler(logits, [history])[0])
     tokens.append(first)
+    generated.append(first)
     produced = 1
     stats.tokens = 1
     yield [first]
@@ -386,19 +405,19 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
         if k:
             drafter.sync(tokens)
         t0 = clock()
-        proposal = drafter.propose(tokens, k, sampler) if k else Proposal([])
+        proposal = drafter.propose(tokens, k, sampler, history) if k else Proposal([])
         t1 = clock()
         d = proposal.tokens
         feed = np.asarray([tokens[cached:] + d], dtype=np.int64)
         mask = np.ones((1, cached + feed.shape[1]), dtype=np.int64)
         if not d:
             logits, past = target.step(feed, mask, positions(mask, feed.shape[1]), past)
-            new = [int(sampler(logits)[0])]
+            new = [int(sampler(logits, [history])[0])]
             control.plain(clock() - t1)
             stats.plain_steps += 1
         else:
             all_logits, past = target.run(feed, mask, positions(mask, feed.shape[1]), past)
-            new = verify(all_logits[0], proposal, sampler)
+            new = verify(all_logits[0], proposal, sampler, history)
             kept = len(tokens) + len(new) - 1  # positions that stand: the sequence but its newest token
             if kept < mask.shape[1]:
                 past = past.truncate(kept)
@@ -409,6 +428,7 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
             stats.accepted += accepted
             stats.drafts += 1
         tokens.extend(new)
+        generated.extend(new)
         produced += len(new)
         stats.tokens = produced
         yield new

@@ -5,22 +5,48 @@ The same application runs on a local Ray instance started here (the default, on 
 existing Ray cluster (`address`), where Ray Serve places the replicas and runs the HTTP proxies;
 nothing in the application changes between the two. On a cluster every node needs gpt2x installed
 and the export folder at the same path (a shared filesystem, or the same image).
+
+Beside the replicas, one small actor per application, its hub (`MetricsHub`): each replica hands it
+its metrics' snapshot (serve/metrics.py) every REPORT_S and as each request is answered, and
+`/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
+it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
+are a 503, waiting ones end at once with an error, the ones in flight get STOP_GRACE_S to finish and
+then end with an error too: an error event in a stream, a JSON error otherwise), and once every
+replica says it has drained, Ray Serve removes them with nothing in flight, and Ray is shut down.
+
+Stopping on a signal (`serve_until_stopped`): SIGTERM and SIGINT, to this process or to its whole
+process group, stop the server cleanly. The local Ray instance's own processes (GCS, raylet, log
+monitor, their agents and workers) are started in sessions of their own
+(`ray_processes_in_their_own_session`), so that a signal sent to our group reaches this process alone,
+which then stops the application and Ray in order; sent to them too, it would take the GCS down under
+Ray Serve (whose shutdown then waits out its timeouts, or the driver aborts). Ray's own SIGTERM
+handlers are kept out of this process (`rays_sigterm_handlers_left_out`: they exit on the spot), and
+abseil's failure handler, which ray.init installs under Python's and which arms a 3-second alarm that
+aborts the process (exit code 134), is replaced by ours as soon as ray.init returns. Our handler only
+notes the signal; the main thread stops between steps (`StopRequested` while starting).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' `Request` annotations at
 # runtime, through Ray Serve's ingress wrapper.
+import asyncio
 import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import ray
 from fastapi import Request
 from ray import serve
+from ray._private import services as ray_services  # Ray's process launcher (ray_processes_in_their_own_session)
+from ray._private import utils as ray_utils  # where Ray installs its SIGTERM handlers (rays_sigterm_handlers_left_out)
+from ray.exceptions import RayError
 
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
 from ..errors import ServeError, UsageError
@@ -28,11 +54,31 @@ from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import read_export
 from ..workflows import export_backend, open_drafter
 from .engine import EngineSettings, refuse_batched_draft
-from .http import COMPLETIONS_ROUTE, HEALTH_ROUTE, MAX_BODY_BYTES, MODELS_ROUTE, HttpApi, new_app
+from .http import (
+    COMPLETIONS_ROUTE,
+    DETOKENIZE_ROUTE,
+    HEALTH_ROUTE,
+    MAX_BODY_BYTES,
+    METRICS_ROUTE,
+    MODELS_ROUTE,
+    TOKENIZE_ROUTE,
+    HttpApi,
+    new_app,
+)
+from .metrics import STALE_S
 from .service import CompletionService
+
+log = logging.getLogger(__name__)
 
 APP_NAME = "gpt2x"
 REFUSAL_HEADROOM = 64  # requests per replica beyond its batch and queue that reach it only to be refused
+STOP_GRACE_S = 3.0  # at a stop, requests in flight get this long to finish before they end with an error
+REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
+HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
+PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
+HUB_NAMESPACE = "gpt2x"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTTING_DOWN = "the server is shutting down"
 app = new_app()  # /openapi.json and /docs describe the routes below (http.py); they need no API key
 
 
@@ -63,6 +109,9 @@ class ReplicaConfig:
     draft: str | None = None
     draft_source: str | None = None
     draft_settings: DraftSettings = field(default_factory=DraftSettings)
+    # The application's hub (MetricsHub), by name in HUB_NAMESPACE: set by `application`. None: each
+    # replica's /metrics is its own, and a stop is Ray Serve's alone.
+    metrics_hub: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +146,79 @@ class ServeSettings:
         return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
 
 
-@serve.deployment(name="gpt2x", max_constructor_retry_count=3, graceful_shutdown_timeout_s=20,
-                  health_check_period_s=5)
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """One per application: each replica's last metrics snapshot (kept when a replica dies: counters
+    do not go down), and the stop (when it began, and for how long requests in flight may run)."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, tuple[float, dict]] = {}  # replica -> (when the hub received it, snapshot)
+        self.stop_at: float | None = None
+
+    def report(self, replica: str, snapshot: dict) -> float | None:
+        """A replica's snapshot; the answer: None, or the seconds its requests in flight have left (a stop)."""
+        self.snapshots[replica] = (time.monotonic(), snapshot)
+        return None if self.stop_at is None else max(0.0, self.stop_at - time.monotonic())
+
+    def exchange(self, replica: str, snapshot: dict) -> list[dict]:
+        """A replica's snapshot in, every replica's out, each with its `age` in seconds (on the hub's clock)."""
+        self.report(replica, snapshot)
+        now = time.monotonic()
+        return [{**snap, "age": now - received} for received, snap in self.snapshots.values()]
+
+    def stop(self, grace: float) -> None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic() + grace
+
+    def drained(self) -> bool:
+        """Every replica that reported lately has stopped its engine."""
+        now = time.monotonic()
+        return all(snap["drained"] for received, snap in self.snapshots.values() if now - received < STALE_S)
+
+
+class HubExchange:
+    """A replica's side of the hub (http.Exchange): its snapshot handed in, everyone's taken out."""
+
+    shared = True
+
+    def __init__(self, hub, replica: str):
+        self.hub = hub
+        self.replica = replica
+        self._warned = False
+
+    def _unreachable(self, e: BaseException) -> None:
+        if not self._warned:  # once: a hub that is gone stays gone
+            log.warning("the metrics hub did not answer (%s); /metrics shows this replica's alone", type(e).__name__)
+            self._warned = True
+
+    async def publish(self, snapshot: dict) -> None:
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.hub.report.remote(self.replica, snapshot).future()),
+                                   PUBLISH_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError) as e:
+            self._unreachable(e)
+
+    async def gather(self, own: dict) -> list[dict]:
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.hub.exchange.remote(self.replica, own).future()),
+                                          HUB_TIMEOUT_S)
+        except (RayError, asyncio.TimeoutError) as e:
+            self._unreachable(e)
+            return [own]
+
+    def report(self, snapshot: dict) -> float | None:
+        """From the replica's reporting thread: the hub's answer (a stop's grace, or None)."""
+        try:
+            return ray.get(self.hub.report.remote(self.replica, snapshot), timeout=HUB_TIMEOUT_S)
+        except RayError as e:  # GetTimeoutError is one
+            self._unreachable(e)
+            return None
+
+
+# Ray Serve's own drain (a replica removed waits for its requests) backs the hub's up: a replica that
+# did not hear of the stop gets STOP_GRACE_S + 2 s, and is then killed with whatever it still runs.
+@serve.deployment(name="gpt2x", max_constructor_retry_count=3, graceful_shutdown_timeout_s=STOP_GRACE_S + 2.0,
+                  graceful_shutdown_wait_loop_s=0.1, health_check_period_s=5)
 @serve.ingress(app)
 class Gpt2xReplica:
     """One replica: the export loaded once, an engine batching the requests routed here."""
@@ -117,7 +237,27 @@ class Gpt2xReplica:
         replica = serve.get_replica_context().replica_id.unique_id
         self.service = CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
                                          config.draft)
-        self.http = HttpApi(self.service, config.api_key, config.max_body_bytes)
+        self.exchange = None
+        if config.metrics_hub is not None:
+            try:
+                self.exchange = HubExchange(ray.get_actor(config.metrics_hub, namespace=HUB_NAMESPACE), replica)
+            except ValueError:  # no such actor: the driver that made it is gone
+                log.warning("no metrics hub %r: /metrics shows this replica's alone", config.metrics_hub)
+        self.http = HttpApi(self.service, config.api_key, config.max_body_bytes, self.exchange)
+        self._closing = threading.Event()
+        if self.exchange is not None:
+            threading.Thread(target=self._report, name="gpt2x-metrics", daemon=True).start()
+
+    def _report(self) -> None:
+        """Every REPORT_S: this replica's snapshot to the hub. When the hub answers that a stop has
+        begun, the engine stops (its requests in flight get the grace the hub says), and the replica
+        says it has drained."""
+        while not self._closing.wait(REPORT_S):
+            grace = self.exchange.report(self.http.metrics.snapshot())
+            if grace is not None and not self.http.metrics.drained:
+                self.service.engine.stop(grace, SHUTTING_DOWN)
+                self.http.metrics.drained = True
+                self.exchange.report(self.http.metrics.snapshot())
 
     @app.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def completions(self, request: Request):
@@ -131,12 +271,28 @@ class Gpt2xReplica:
     def health(self, request: Request):
         return self.http.health(request)
 
+    @app.get("/metrics", **METRICS_ROUTE)
+    async def metrics(self, request: Request):
+        return await self.http.prometheus(request)
+
+    @app.post("/tokenize", **TOKENIZE_ROUTE)
+    async def tokenize(self, request: Request):
+        return await self.http.tokenize(request)
+
+    @app.post("/detokenize", **DETOKENIZE_ROUTE)
+    async def detokenize(self, request: Request):
+        return await self.http.detokenize(request)
+
     def check_health(self) -> None:
-        """Ray Serve's periodic check: a replica whose engine thread died is replaced."""
-        if not self.service.engine.alive:
+        """Ray Serve's periodic check: a replica whose engine thread died is replaced (not one that a
+        stop has drained)."""
+        if not self.service.engine.alive and not self.http.metrics.drained:
             raise RuntimeError("the engine thread has stopped")
 
     def __del__(self) -> None:
+        closing = getattr(self, "_closing", None)
+        if closing is not None:
+            closing.set()
         service = getattr(self, "service", None)
         if service is not None and service.close():  # the engine stopped: release what this replica opened
             service.backend.close()
@@ -144,8 +300,18 @@ class Gpt2xReplica:
                 service.drafter.backend.close()
 
 
-def application(config: ReplicaConfig, settings: ServeSettings):
-    """The Ray Serve application: the deployment with its replicas and bounded queues."""
+def hub_name(settings: ServeSettings) -> str:
+    return f"metrics-hub:{settings.app_name}"
+
+
+_hubs: dict = {}  # the hubs this process made, by name: a named actor lives while a handle to it does
+
+
+def application(config: ReplicaConfig, settings: ServeSettings, metrics_hub: str | None = None):
+    """The Ray Serve application: the deployment with its replicas and bounded queues (and, with
+    `metrics_hub`, the name of the hub its replicas report to)."""
+    if metrics_hub is not None:
+        config = replace(config, metrics_hub=metrics_hub)
     engine = config.engine
     return Gpt2xReplica.options(
         num_replicas=settings.replicas,
@@ -167,67 +333,253 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = no_progress) -> str:
-    """Start (or join) Ray, run the application and return its URL once every replica has loaded."""
+class StopRequested(Exception):
+    """SIGTERM or SIGINT while the server was starting."""
+
+
+@contextmanager
+def ray_processes_in_their_own_session(started: list[subprocess.Popen]) -> Iterator[None]:
+    """Ray's processes started meanwhile (ray.init's local instance: GCS, raylet, log monitor, and the
+    raylet's agents and workers after them) each start a session of their own (setsid), out of this
+    process's group: a signal sent to the group (a process manager's SIGTERM, a terminal's Ctrl-C)
+    reaches this process, which stops them in order, and not them. They still die with this process
+    where Ray shares their fate with it (Linux: a parent-death signal). Each process started is added
+    to `started` (its group is its own: `end_process_groups` ends what ray.shutdown left, or what an
+    interrupted ray.init had started). Ray starts them through `ray._private.services.ConsolePopen`;
+    where a Ray release has none, nothing changes (a warning)."""
+    original = getattr(ray_services, "ConsolePopen", None)  # no public way to choose their session
+    if not (isinstance(original, type) and issubclass(original, subprocess.Popen)):
+        log.warning("this Ray release starts its processes without ConsolePopen; a signal sent to this "
+                    "process's group reaches them too")
+        yield
+        return
+
+    class OwnSession(original):
+        def __init__(self, *args, **kwargs):
+            kwargs["start_new_session"] = True
+            kwargs["preexec_fn"] = _unblocking(kwargs.get("preexec_fn"))
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    ray_services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        ray_services.ConsolePopen = original
+
+
+@contextmanager
+def rays_sigterm_handlers_left_out() -> Iterator[None]:
+    """ray.init without its SIGTERM handlers in this process (`ray._private.utils.set_sigterm_handler`,
+    called by ray.init and by the local node it starts: they exit on the spot, half-way through
+    whatever runs, or tear the node down behind Ray Serve's back); the process's own stay in place, and
+    a stop is theirs to make, in order."""
+    original = getattr(ray_utils, "set_sigterm_handler", None)  # no public way to leave them out
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+def _unblocking(preexec: Callable[[], None] | None) -> Callable[[], None]:
+    """A child's preexec_fn that first unblocks the stop signals (blocked here while ray.init runs,
+    and a child inherits its parent's mask), then does what Ray's own does (it blocks SIGINT)."""
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if preexec is not None:
+            preexec()
+    return run
+
+
+def end_process_groups(processes: list[subprocess.Popen], wait_s: float = 3.0) -> None:
+    """Each process's group (each leads its own: ray_processes_in_their_own_session) ended: given
+    `wait_s` in all to empty by itself (ray.shutdown's own stop), then killed (SIGKILL). The list is
+    emptied."""
+    deadline = time.monotonic() + wait_s
+    for process in processes:
+        while _group_alive(process) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _group_alive(process):
+            log.warning("Ray's process %d (%s) outlived the stop; killed", process.pid, process.args[0] if process.args else "?")
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        process.poll()  # reaped, where it was this process's child
+    processes.clear()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    process.poll()  # a child that exited is reaped (not a zombie that keeps its group)
+    try:
+        os.killpg(process.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+_local_processes: list[subprocess.Popen] = []  # the processes of the local Ray instance this process started
+
+
+def _cancel_alarm() -> None:
+    """Disarm abseil's abort timer (Ray's failure signal handler arms a 3 s SIGALRM that aborts the
+    process when a SIGTERM reached it); gpt2x sets no alarm of its own."""
+    if hasattr(signal, "alarm"):
+        signal.alarm(0)
+
+
+def _init_ray(settings: ServeSettings) -> None:
+    """ray.init: a local instance (its processes in their own session) or the cluster at `address`,
+    with this process's signal handlers left in place (Ray's own SIGTERM handlers exit mid-start). In
+    the main thread SIGTERM and SIGINT are also held (blocked) meanwhile, and the threads ray.init
+    starts inherit that: a signal reaches this process's main thread, never a thread of Ray's where
+    abseil's failure handler (installed by ray.init under Python's) would take it first. The handlers
+    this process had are put back (over abseil's) before the signals are unblocked; one that came
+    meanwhile is then handled by them."""
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None
+    try:
+        with ray_processes_in_their_own_session(_local_processes if settings.address is None else []), \
+                rays_sigterm_handlers_left_out():
+            # "local": a new instance even where `ray start` left a cluster running on this machine
+            # (which ray.init() would otherwise join, and stop() would then shut down).
+            ray.init(address=settings.address or "local", include_dashboard=False, logging_level=logging.WARNING,
+                     configure_logging=True, namespace="gpt2x")
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        ray.shutdown()
+        end_process_groups(_local_processes, wait_s=1.0)  # what a failed ray.init had started
+        raise ServeError(f"could not start or reach Ray at {settings.address or 'a local instance'}: {e}") from None
+    finally:
+        _restore(handlers)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _deploy(config: ReplicaConfig, settings: ServeSettings, stopping: threading.Event | None) -> None:
+    """The application deployed, and waited for until it runs (every replica loaded): StopRequested
+    as soon as `stopping` is set meanwhile, ServeError if its replicas fail to start."""
+    serve._run(application(config, settings, hub_name(settings)), _blocking=False, name=settings.app_name,
+               route_prefix=settings.route_prefix, logging_config={"log_level": "WARNING", "enable_access_log": False})
+    while True:
+        if stopping is not None and stopping.is_set():
+            raise StopRequested("stopped while the replicas were loading")
+        app = serve.status().applications.get(settings.app_name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status == "DEPLOY_FAILED":  # Ray Serve's report of replicas that failed
+            raise ServeError(f"the replicas failed to start: {str(app.message).strip().splitlines()[-1][:500]}")
+        time.sleep(0.1)
+
+
+def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = no_progress,
+          stopping: threading.Event | None = None) -> str:
+    """Start (or join) Ray, run the application and return its URL once every replica has loaded.
+    With `stopping`: StopRequested, between steps and while the replicas load, once it is set."""
     settings.validate()
     if config.draft is not None:
         refuse_batched_draft(config.engine.max_batch_size)
     if settings.address is None and settings.port and not ray.is_initialized() and not port_free(settings.host, settings.port):
         raise UsageError(f"port {settings.port} on {settings.host} is in use", option="port")
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the driver's own Serve messages
+
+    def check() -> None:
+        if stopping is not None and stopping.is_set():
+            raise StopRequested("stopped while starting")
+
     if not ray.is_initialized():
         progress(f"starting Ray ({settings.address or 'a local instance'})")
-        try:
-            # "local": a new instance even where `ray start` left a cluster running on this machine
-            # (which ray.init() would otherwise join, and stop() would then shut down).
-            ray.init(address=settings.address or "local", include_dashboard=False, logging_level=logging.WARNING,
-                     configure_logging=True, namespace="gpt2x")
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ServeError(f"could not start or reach Ray at {settings.address or 'a local instance'}: {e}") from None
+        _init_ray(settings)
+    check()
+    # The hub: owned by this process (it ends with it, or when its handle here is dropped: `stop`), in a
+    # namespace of its own, one per application.
+    _hubs[hub_name(settings)] = MetricsHub.options(name=hub_name(settings), namespace=HUB_NAMESPACE,
+                                                   get_if_exists=True).remote()
     serve.start(http_options={"host": settings.host, "port": settings.port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
+    check()
     progress(f"loading {settings.replicas} replica(s) of {config.model_id}")
-    try:
-        serve.run(application(config, settings), name=settings.app_name, route_prefix=settings.route_prefix,
-                  logging_config={"log_level": "WARNING", "enable_access_log": False})
-    except RuntimeError as e:  # Ray Serve's report of replicas that failed to start
-        raise ServeError(f"the replicas failed to start: {str(e).strip().splitlines()[-1][:500]}") from None
+    _deploy(config, settings, stopping)
     return settings.url
 
 
-def stop(settings: ServeSettings) -> None:
-    """Remove the application; a local Ray (and its Serve) is shut down, a cluster keeps running."""
+def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
+    """Tell the application's replicas to stop (through its hub) and wait until each has: requests in
+    flight get `grace` seconds, then end with an error. True once every replica has drained; False
+    when there is no hub or it did not say so within grace + 2 s."""
     try:
-        if settings.address is None:
-            serve.shutdown()
-        else:
+        hub = ray.get_actor(hub_name(settings), namespace=HUB_NAMESPACE)
+        ray.get(hub.stop.remote(grace), timeout=HUB_TIMEOUT_S)
+        deadline = time.monotonic() + grace + 2.0
+        while time.monotonic() < deadline:
+            if ray.get(hub.drained.remote(), timeout=HUB_TIMEOUT_S):
+                return True
+            time.sleep(0.05)
+    except (RayError, ValueError):  # no hub, or it is gone: Ray Serve's own drain does the rest
+        return False
+    return False
+
+
+def stop(settings: ServeSettings, grace: float = STOP_GRACE_S) -> None:
+    """Drain the replicas (`drain`), then remove the application; a local Ray (and its Serve, and every
+    process of both) is shut down, a cluster keeps running."""
+    try:
+        if ray.is_initialized():
+            drain(settings, grace)
+            # Ray Serve removes the replicas once their last responses are out. A local instance then
+            # goes whole with Ray (serve.shutdown would have the controller kill itself under its own
+            # graceful_shutdown call, which Ray then reports as a failed task, on stdout).
             serve.delete(settings.app_name)
     finally:
+        _hubs.pop(hub_name(settings), None)  # the hub ends with its last handle
         ray.shutdown()
+        end_process_groups(_local_processes)  # what ray.shutdown left of the local instance (nothing, normally)
 
 
 def serve_until_stopped(config: ReplicaConfig, settings: ServeSettings, ready: Callable[[str], None],
-                        progress: Progress = no_progress) -> None:
-    """start(), tell `ready` the URL, serve until SIGTERM or Ctrl-C, then stop() cleanly."""
+                        progress: Progress = no_progress, grace: float = STOP_GRACE_S) -> None:
+    """start(), tell `ready` the URL, serve until SIGTERM or SIGINT (to this process or its group),
+    then stop() cleanly: requests in flight get `grace` seconds, and Ray's processes are gone when it
+    returns. A signal while starting stops what has started, once the step under way (starting Ray,
+    starting Serve) is done, or at once while the replicas load; `ready` is then not called. The
+    handler only notes the signal: nothing is interrupted inside Ray's code."""
     stopping = threading.Event()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def on_signal(signum, frame) -> None:
+        _cancel_alarm()
         stopping.set()
 
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     try:
-        url = start(config, settings, progress)
-        for sig in previous:  # installed after ray.init, which sets its own
-            signal.signal(sig, on_signal)
-        ready(url)
-        while not stopping.wait(1.0):
+        try:
+            url = start(config, settings, progress, stopping)
+            if not stopping.is_set():
+                ready(url)
+            while not stopping.wait(0.5):
+                pass
+        except StopRequested:
             pass
         progress("stopping")
+        stop(settings, grace)
     finally:
-        for sig, handler in previous.items():
+        stopping.set()
+        try:
+            if ray.is_initialized() or _local_processes:  # start() failed, or the stop was cut short
+                stop(settings, grace=0.0)
+        finally:
+            _restore(previous)
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
             signal.signal(sig, handler)
-        if ray.is_initialized():
-            stop(settings)
 
 
 def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:

@@ -30,6 +30,12 @@ verifications (`drafts`), as SpecStats counts them. A row that asks for logprobs
 draft (plain steps, on its own): its logprobs are the target's distribution at each of its tokens,
 and its tokens those of `gpt2x generate` without a draft.
 
+Observing (serve/metrics.py): an `observer` given to the engine hears, on the engine's thread, each
+token a row samples and when (`token(row, now)`, time.monotonic; the end-of-text or stop token that
+ends a row too, which its text leaves out), which times a row's first token from its `queued_at` and
+the gaps between its tokens. `abort` ends every row in flight with an error,
+from any thread: what a server's stop does to the requests its grace did not let finish.
+
 Logprobs (a row's `logprobs` = k, for rows that ask only): at each token the row samples, the raw
 model distribution (generation.logprobs) gives the chosen token's log-probability and the k most
 likely tokens. A row that also asks for its prompt's (`prompt_logprobs`, the API's echo with
@@ -43,6 +49,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import Protocol
 
 from ..errors import UsageError
 from ..generation.decode import Event
@@ -53,11 +61,19 @@ from ..runtime.base import Backend
 from .runner import Batch, Runner
 from .scheduler import EngineClosed, EngineSettings, QueueFull, Row, Scheduler, Sink, unused_columns
 
-__all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "QueueFull", "Row", "Sink", "refuse_batched_draft"]
+__all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "Observer", "QueueFull", "Row", "Sink",
+           "refuse_batched_draft"]
 
 log = logging.getLogger(__name__)
 
+_SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 SPECULATIVE_BATCH = "speculative serving runs at max batch size 1 (one request decoded at a time with its draft)"
+
+
+class Observer(Protocol):
+    """What hears the engine's tokens as they are told (on the engine's thread; it must not block)."""
+
+    def token(self, row: Row, now: float) -> None: ...
 
 
 def refuse_batched_draft(max_batch_size: int, option: str = "max_batch_size") -> None:
@@ -87,6 +103,7 @@ class Engine:
         self.runner = Runner(backend, self.counters, drafter, draft_settings)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self._batch: list[Row] = []  # the rows of the batch in flight, told of a failure (the engine thread's)
+        self.observer: Observer | None = None  # told each token as it is told (serve/metrics.py)
 
     # -- the callers' side (any thread)
 
@@ -106,6 +123,11 @@ class Engine:
     def running(self) -> int:
         return self.scheduler.running
 
+    @property
+    def closing(self) -> bool:
+        """Whether it is stopping (or stopped): it takes no more rows."""
+        return self.scheduler.closed
+
     def stats(self) -> dict:
         running, waiting = self.scheduler.counts()
         return {"running": running, "waiting": waiting, **self.counters}
@@ -123,6 +145,34 @@ class Engine:
             log.warning("the engine's thread did not stop within %.0f s (a step is still running); left running", timeout)
             return False
         return True
+
+    def stop(self, grace: float, message: str = "the server is shutting down") -> bool:
+        """A server's stop: new rows refused, rows still waiting told `message` at once, the batch in
+        flight given `grace` seconds to finish, then what is left of it ended with `message` (`abort`),
+        and the thread joined (`close`). True once the thread has stopped."""
+        for row in self.scheduler.close():
+            self._tell(row, "error", message)
+        self._thread.join(grace)
+        if self._thread.is_alive():
+            self.abort(message)
+        return self.close()
+
+    def abort(self, message: str) -> int:
+        """End every row of the batch in flight that has not finished with an error (`message`), from
+        any thread: each is cancelled (it leaves the batch before the next step), its callback told
+        ("error", message) and then nothing more (not the "done" of its cancel). Returns how many rows
+        it ended."""
+        ended = 0
+        for row in list(self._batch):
+            if not row.finished and row.cancelled is None:
+                tell, row.sink = row.sink, _told_nothing
+                row.cancel()
+                try:
+                    tell("error", message)
+                except Exception:  # its client is gone: nothing to tell
+                    log.exception("a row's callback failed")
+                ended += 1
+        return ended
 
     # -- the engine thread
 
@@ -223,6 +273,8 @@ class Engine:
         """A row's event told as its callback hears it: the token's logprobs, the token, its end."""
         if event.logprob is not None:
             self._tell(row, "logprob", event.logprob)
+        if self.observer is not None and (event.token is not None or event.finish in _SAMPLED_ENDS):
+            self.observer.token(row, time.monotonic())
         if event.token is not None:
             self.counters["tokens"] += 1
             self._tell(row, "token", event.token)
@@ -236,6 +288,10 @@ class Engine:
         except Exception:  # a callback that fails (its client is gone) cancels its row, nothing more
             log.exception("a row's callback failed; cancelling the row")
             row.cancel()
+
+
+def _told_nothing(kind: str, value: object) -> None:
+    """The callback of a row that was told its end already (Engine.abort)."""
 
 
 def _unused(batch: Batch, live: list[int]) -> int:

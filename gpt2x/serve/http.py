@@ -6,22 +6,34 @@ this process without Ray, by `local_app`; both with the route descriptions decla
 The completions route reads and validates its body itself (protocol.parse_request, with the pydantic
 model protocol.CompletionParams), after the API key and the body's size are checked: FastAPI does not
 parse it, and the schema of the body is added to the OpenAPI description by `Gpt2xApp.openapi`.
-Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a bad field.
+Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a bad field. The
+tokenizer routes read theirs the same way (`TokenizeParams`, `DetokenizeParams`: vLLM's request and
+response shapes, answered by gpt2x's tokenizer).
+
+`/metrics` is Prometheus' text format (serve/metrics.py): the replica's own counters, which the HTTP
+side adds to as each request is answered in full (its usage, each choice's finish reason and time),
+summed with the other replicas' through `exchange` (metrics.LocalExchange in one process, deploy.py's
+hub under Ray Serve, to which each answered request's counts are handed before its last byte is sent).
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..tokenizer import decode, encode
+from . import metrics as prom
 from . import protocol as api
 from .protocol import APIError
 from .service import CompletionService
@@ -63,6 +75,59 @@ COMPLETIONS_ROUTE = dict(
 )
 MODELS_ROUTE = dict(summary="The served model", response_model=api.ModelList, responses=_AUTH_ERRORS)
 HEALTH_ROUTE = dict(summary="The replica's state and counters", response_model=api.Health, responses=_AUTH_ERRORS)
+# Prometheus' text format, not JSON: left out of the OpenAPI description, as vLLM leaves its /metrics.
+METRICS_ROUTE = dict(summary="Prometheus metrics, summed over every replica", include_in_schema=False)
+
+
+class TokenizeParams(BaseModel):
+    """The body of POST /tokenize: vLLM's TokenizeCompletionRequest."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="TokenizeRequest")
+
+    prompt: str = Field(description="The text to tokenize, as a completion's prompt is (<|endoftext|> is its token).")
+    model: str | None = Field(None, description="The served model's id; another is a 404.")
+    add_special_tokens: bool | None = Field(True, description="Accepted for vLLM's sake: GPT-2's tokenizer adds none.")
+    return_token_strs: bool | None = Field(False, description="Also each token's text (`token_strs`).")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeParams(BaseModel):
+    """The body of POST /detokenize: vLLM's DetokenizeRequest."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="DetokenizeRequest")
+
+    tokens: list[api.TokenId] = Field(description="Token ids, each in [0, vocabulary).")
+    model: str | None = Field(None, description="The served model's id; another is a 404.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+_BODY_ERRORS = {
+    400: {**_ERROR, "description": "A bad field (`param` names it) or a body that is not JSON"},
+    **_AUTH_ERRORS,
+    404: {**_ERROR, "description": "A model other than the one served"},
+    413: {**_ERROR, "description": "A body over the limit"},
+}
+
+
+def _body(schema: str) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
+
+
+TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_model=TokenizeResponse,
+                      responses=_BODY_ERRORS, openapi_extra=_body("TokenizeRequest"))
+DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=DetokenizeResponse,
+                        responses=_BODY_ERRORS, openapi_extra=_body("DetokenizeRequest"))
+# The bodies the routes read themselves, added to the OpenAPI description under these names.
+BODIES = {"CompletionRequest": api.CompletionParams, "TokenizeRequest": TokenizeParams, "DetokenizeRequest": DetokenizeParams}
 
 
 class Gpt2xApp(FastAPI):
@@ -73,13 +138,14 @@ class Gpt2xApp(FastAPI):
         if self.openapi_schema is None:
             schema = get_openapi(title=self.title, version=self.version, description=self.description,
                                  routes=self.routes)
-            body = api.CompletionParams.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {})
-            components.setdefault("schemas", {}).update(body.pop("$defs", {}), CompletionRequest=body)
+            for name, model in BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.setdefault("schemas", {}).update(body.pop("$defs", {}), **{name: body})
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "description": (
                 "The server's API key (--api-key), when it has one")}}
-            for path in ("/v1/completions", "/v1/models", "/health"):
-                for operation in schema.get("paths", {}).get(path, {}).values():
+            for path in schema.get("paths", {}).values():  # every route asks for the key (not /openapi.json, /docs)
+                for operation in path.values():
                     operation["security"] = [{"bearer": []}, {}]  # the key, or none where the server has none
             self.openapi_schema = schema
         return self.openapi_schema
@@ -122,13 +188,26 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(api.validation_error(list(e.errors())))
 
 
-class HttpApi:
-    """Request handling shared by the routes: authorization, body, errors."""
+class Exchange(Protocol):
+    """Where the replicas' metrics meet (metrics.LocalExchange; deploy.py's hub)."""
 
-    def __init__(self, service: CompletionService, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES):
+    shared: bool  # False: this replica alone (nothing to publish)
+
+    async def publish(self, snapshot: dict) -> None: ...
+
+    async def gather(self, own: dict) -> list[dict]: ...
+
+
+class HttpApi:
+    """Request handling shared by the routes: authorization, body, errors, and the replica's metrics."""
+
+    def __init__(self, service: CompletionService, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES,
+                 exchange: Exchange | None = None):
         self.service = service
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
+        self.metrics = prom.ReplicaMetrics(service.engine)
+        self.exchange: Exchange = exchange or prom.LocalExchange()
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -152,6 +231,7 @@ class HttpApi:
         return bytes(data)
 
     async def completions(self, request: Request):
+        started = time.monotonic()
         try:
             self.authorize(request)
             req = self.service.parse(await self.body(request))
@@ -159,12 +239,39 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
         if req.stream:
-            return StreamingResponse(self.service.stream(pending), media_type="text/event-stream",
+            return StreamingResponse(self._counted_stream(self.service.stream(pending), pending, started),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            return JSONBody(await self.service.complete(pending))
+            body = await self.service.complete(pending)
         except APIError as e:
             return error_response(e)
+        seconds = time.monotonic() - started
+        await self._answered(body.usage.prompt_tokens, body.usage.completion_tokens,
+                             [(c.finish_reason or "stop", seconds) for c in body.choices])
+        return JSONBody(body)
+
+    async def _counted_stream(self, events: AsyncIterator[str], pending: Any, started: float) -> AsyncIterator[str]:
+        """A stream's events, passed on as they come; each choice's end timed as its finish_reason goes
+        out, and the request counted (and published) before its last event, `[DONE]`, unless the stream
+        ended in an error (its last events: the error, then `[DONE]`)."""
+        ended: list[tuple[str, float]] = []
+        failed = False
+        async for event in events:
+            if event.startswith('data: {"error":'):
+                failed = True
+            elif '"finish_reason":"' in event:
+                chunk = json.loads(event[len("data: "):])
+                ended += [(c["finish_reason"], time.monotonic() - started) for c in chunk["choices"] if c["finish_reason"]]
+            elif event.startswith("data: [DONE]") and not failed:
+                usage = api.usage(pending.req, pending.texts)  # what the usage chunk says
+                await self._answered(usage.prompt_tokens, usage.completion_tokens, ended)
+            yield event
+
+    async def _answered(self, prompt_tokens: int, generation_tokens: int, choices: list[tuple[str, float]]) -> None:
+        self.metrics.answered(prompt_tokens, generation_tokens, choices)
+        if self.exchange.shared:  # before the answer's end: a scrape after it counts it
+            await self.exchange.publish(self.metrics.snapshot())
 
     def _authorized(self, request: Request, answer: Callable[[], BaseModel]) -> Response:
         """`answer()` as JSON once the request's key checks out, else the 401."""
@@ -179,6 +286,59 @@ class HttpApi:
 
     def health(self, request: Request) -> Response:
         return self._authorized(request, self.service.health)
+
+    async def prometheus(self, request: Request) -> Response:
+        """Every replica's metrics summed, in Prometheus' text format."""
+        try:
+            self.authorize(request)
+        except APIError as e:
+            return error_response(e)
+        snapshots = await self.exchange.gather(self.metrics.snapshot())
+        text = prom.render(prom.merge(snapshots), self.service.model_id)
+        return Response(text, media_type=prom.CONTENT_TYPE)
+
+    async def _params(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body read and validated as `model` (after the key and the size), a 404 for another model."""
+        self.authorize(request)
+        raw = await self.body(request)
+        try:
+            data = json.loads(raw, parse_constant=_not_json)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise api.bad(f"the body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise api.bad("the body must be a JSON object")
+        served = self.service.model_id
+        if isinstance(data.get("model"), str) and data["model"] != served:
+            raise APIError(404, f"the model {data['model'][:100]!r} does not exist; this server serves {served!r}",
+                           param="model", code="model_not_found")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            errors = e.errors(include_url=False)
+            if errors[0]["loc"][:1] == ("prompt",) and str(errors[0]["type"]).endswith("_type"):
+                raise api.bad("prompt must be a string (the text to tokenize)", "prompt") from None
+            raise api.validation_error(errors) from None
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            p = await self._params(request, TokenizeParams)
+        except APIError as e:
+            return error_response(e)
+        tokens = encode(p.prompt)
+        strs = [api.token_text(t) for t in tokens] if p.return_token_strs else None
+        return JSONBody(TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
+                                         token_strs=strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            p = await self._params(request, DetokenizeParams)
+        except APIError as e:
+            return error_response(e)
+        return JSONBody(DetokenizeResponse(prompt=decode(p.tokens)))
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -196,7 +356,19 @@ def local_app(service: CompletionService, api_key: str | None = None, max_body_b
     def health(request: Request):
         return http.health(request)
 
+    async def metrics(request: Request):
+        return await http.prometheus(request)
+
+    async def tokenize(request: Request):
+        return await http.tokenize(request)
+
+    async def detokenize(request: Request):
+        return await http.detokenize(request)
+
     app.post("/v1/completions", **COMPLETIONS_ROUTE)(completions)
     app.get("/v1/models", **MODELS_ROUTE)(models)
     app.get("/health", **HEALTH_ROUTE)(health)
+    app.get("/metrics", **METRICS_ROUTE)(metrics)
+    app.post("/tokenize", **TOKENIZE_ROUTE)(tokenize)
+    app.post("/detokenize", **DETOKENIZE_ROUTE)(detokenize)
     return app

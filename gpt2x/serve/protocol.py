@@ -7,11 +7,14 @@ Fields: `prompt` (a string, a list of strings, a list of token ids, or a list of
 ids in [0, vocab)), `max_tokens` (default 16, as OpenAI's; capped by the context; 0 only with `echo`:
 the prompt scored, nothing generated), `temperature` (0 = greedy), `top_p`, `seed` (the sampling
 defaults are SamplingSettings', those of `gpt2x generate`: temperature 1, top-p 1, top-k off), `stop` (a string
-or up to 4), `n` (1), `best_of` (1), `stream`, `stream_options.include_usage`, `echo`, `logprobs`
-(0 to 5), `user` (ignored), and two of vLLM's extensions: `top_k` and `truncate_prompt_tokens`
-(keep the prompt's last k tokens). Fields that would change the output and are not supported (`n` >
-1, `best_of` > 1, `suffix`, penalties other than 0, `logit_bias`) are refused, not ignored; unknown
-fields are ignored, as OpenAI's server does.
+or up to 4), `n` (choices per prompt, up to 128 choices in all: choice i of a prompt seeded seed + i,
+vLLM's rule), `best_of` (1), `stream`, `stream_options.include_usage`, `echo`, `logprobs` (0 to 5),
+`presence_penalty` and `frequency_penalty` (OpenAI's, [-2, 2]), `logit_bias` (token id -> bias in
+[-100, 100]), `user` (ignored), and vLLM's extensions: `top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos` and `truncate_prompt_tokens` (keep the prompt's last k
+tokens). Each maps to a SamplingSettings field (generation.processors applies them). Fields that
+would change the output and are not supported (`best_of` > 1, `suffix`) are refused, not ignored;
+unknown fields are ignored, as OpenAI's server does.
 
 Logprobs (`logprobs: k`), as OpenAI's legacy completions give them: per token, `tokens` (its text),
 `token_logprobs` (its log-probability), `top_logprobs` ({token: logprob} of the k most likely tokens,
@@ -46,14 +49,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..errors import MissingDependencyError, UsageError
+from ..generation.constraints import ConstraintKind, ConstraintSpec
 from ..generation.logprobs import LogprobEntry
-from ..generation.settings import Finish, SamplingSettings
+from ..generation.settings import BIAS_RANGE, PENALTY_RANGE, Finish, SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
 MAX_PROMPTS = 64  # prompts per request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
+MAX_CHOICES = 128  # n x prompts per request (OpenAI's n is at most 128)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 
 
 
@@ -90,6 +97,8 @@ def Integer_(**bounds: int) -> Any:  # noqa: N802 (a type)
 
 
 TokenId = Integer_(ge=0, le=VOCAB_SIZE - 1)
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias's keys: token ids as JSON object keys
+Bias = Annotated[float, Field(ge=-BIAS_RANGE, le=BIAS_RANGE)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1)]
 
@@ -107,6 +116,37 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool | None = Field(None, description="A last chunk (before `[DONE]`) with the usage and no choices.")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str | None = Field(None, description="The schema's name (not used).")
+    description: str | None = Field(None, description="Not used.")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="The JSON schema the text satisfies.")
+    strict: bool | None = Field(None, description="Accepted; the output always satisfies the schema.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON satisfying a schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a list of choices, a grammar
+    (Lark or GBNF), or any JSON object."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json", description="A JSON schema (an object or its text).")
+    regex: str | None = Field(None, description="The text fully matches this regular expression.")
+    choice: Annotated[list[str], Field(min_length=1)] | None = Field(None, description="The text is one of these.")
+    grammar: str | None = Field(None, description="A Lark (`start:`) or GBNF (`root ::=`) grammar the text satisfies.")
+    json_object: bool | None = Field(None, description="The text is any JSON object.")
 
 
 class CompletionParams(BaseModel):
@@ -131,8 +171,11 @@ class CompletionParams(BaseModel):
         None, description=f"Up to {MAX_STOP} non-empty strings; the text ends before the first one found.")
     # What is refused beyond a type (n > 1, a suffix, ...) is refused by parse_request, in its own words;
     # the schema says it too (`only`), so that a body valid by the schema is answered.
-    n: Integer_(ge=1) | None = Field(1, description="Only 1.", json_schema_extra=_only(maximum=1))
-    best_of: Integer_(ge=1) | None = Field(None, description="Only 1.", json_schema_extra=_only(maximum=1))
+    n: Integer_(ge=1, le=MAX_CHOICES) | None = Field(1, description=(
+        f"Choices per prompt (n x prompts at most {MAX_CHOICES}), each sampled on its own; with a seed, choice i "
+        "is seeded seed + i (vLLM's rule). A prompt is prefilled once for its n choices."))
+    best_of: Integer_(ge=1) | None = Field(None, description="Only 1 (deprecated by OpenAI, removed in vLLM).",
+                                           json_schema_extra=_only(maximum=1))
     logprobs: Integer_(ge=0, le=MAX_LOGPROBS) | None = Field(None, description=(
         "Per token: its log-probability under the raw model distribution (log_softmax of the logits, "
         "before temperature, top-k and top-p) and the `logprobs` most likely tokens."))
@@ -142,10 +185,34 @@ class CompletionParams(BaseModel):
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: Integer_(ge=1) | None = Field(None, description="vLLM's: keep the prompt's last k tokens.")
     suffix: str | None = Field(None, description="Not supported: refused unless null or empty.", json_schema_extra=_only(maxLength=0))
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0.", json_schema_extra=_only(minimum=0, maximum=0))
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="Only 0.", json_schema_extra=_only(minimum=0, maximum=0))
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: refused unless empty.",
-                                                json_schema_extra=_only(maxProperties=0))
+    presence_penalty: float | None = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "OpenAI's: subtracted from the logit of every token already generated (not the prompt's)."))
+    frequency_penalty: float | None = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "OpenAI's: subtracted from a token's logit once per time it was generated (not in the prompt)."))
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(None, description=(
+        "Token id (as a string) -> bias added to its logit before sampling, in [-100, 100] (OpenAI's range; "
+        "vLLM clamps to it). Applied to greedy decoding too."), json_schema_extra=_only(additionalProperties=False))
+    repetition_penalty: float | None = Field(None, gt=0, description=(
+        "vLLM's (transformers'): the logit of every token in the prompt or the output is divided by it where "
+        "positive, multiplied by it where negative; 1 = off (the default)."))
+    min_p: float | None = Field(None, ge=0, le=1, description=(
+        "vLLM's: drop tokens less likely than min_p times the most likely one; 0 = off (the default)."))
+    min_tokens: Integer_(ge=0) | None = Field(None, description=(
+        "vLLM's: the end-of-text token and stop_token_ids cannot be sampled, and stop strings do not "
+        "end the text, before this many tokens (at most max_tokens)."))
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(None, description=(
+        "vLLM's: a choice ends (finish_reason \"stop\") when it samples one of these tokens, which is not "
+        "in its text (listed last in its logprobs, as the end-of-text token is)."))
+    ignore_eos: bool | None = Field(None, description=(
+        "vLLM's: the end-of-text token does not end a choice (it is kept, as text that decodes to "
+        "\"<|endoftext|>\")."))
+    response_format: ResponseFormat | None = Field(None, description=(
+        "OpenAI's: {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}: "
+        "each choice's text is kept to it while it is generated (llguidance); a choice cut off by max_tokens "
+        "ends with finish_reason \"length\"."))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "vLLM's: one of `json` (a schema), `regex`, `choice`, `grammar` or `json_object`, kept to as "
+        "response_format is."))
     user: str | None = Field(None, description="Ignored.")
 
 
@@ -278,24 +345,118 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # the k most likely tokens to list per token (None: no logprobs)
+    n: int = 1  # choices per prompt (choice i of a prompt seeded seed + i)
+    presence_penalty: float = SamplingSettings.presence_penalty
+    frequency_penalty: float = SamplingSettings.frequency_penalty
+    repetition_penalty: float = SamplingSettings.repetition_penalty
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = SamplingSettings.min_p
+    min_tokens: int = SamplingSettings.min_tokens
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    constraint: ConstraintSpec | None = None  # structured output (response_format or structured_outputs)
     model: str = ""
     id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def choices(self) -> int:
+        """Choices in the response: n per prompt, prompt by prompt (choice p * n + i: prompt p's i-th)."""
+        return len(self.prompts) * self.n
+
+    def settings(self, budget: int, i: int = 0) -> SamplingSettings:
+        """The sampling settings of a prompt's choice i, whose token budget is `budget` (its max_tokens
+        capped by the context): the request's seed + i (vLLM's rule for n's seeds)."""
+        return SamplingSettings(
+            max_new_tokens=max(budget, 1), temperature=self.temperature,  # 0: greedy (SamplingSettings' rule)
+            top_k=self.top_k, top_p=self.top_p, seed=self.seed + i, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p,
+            min_tokens=min(self.min_tokens, max(budget, 1)), stop_token_ids=self.stop_token_ids,
+            constraint=self.constraint,
+        )
+
 
 def _refuse_unsupported(p: CompletionParams) -> None:
     """Fields that would change the output and that gpt2x does not implement: refused, not ignored."""
-    if p.n not in (None, 1):
-        raise bad("only n=1 is supported: send one request per completion", "n")
     if p.best_of not in (None, 1):
-        raise bad("best_of is not supported", "best_of")
+        raise bad("best_of is not supported (deprecated by OpenAI and removed from vLLM): use n for several "
+                  "choices", "best_of")
     if p.suffix:
         raise bad("suffix is not supported", "suffix")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(p, name) not in (None, 0.0):
-            raise bad(f"{name} is not supported (only 0)", name)
-    if p.logit_bias:
-        raise bad("logit_bias is not supported", "logit_bias")
+
+
+def _token_ids_in(ids: list[int], vocab_size: int, name: str) -> None:
+    for tok in ids:
+        if not 0 <= tok < vocab_size:
+            raise bad(f"{name}: token id {tok} is outside the vocabulary [0, {vocab_size})", name)
+
+
+def _sampling(p: CompletionParams, n_prompts: int, max_tokens: int, vocab_size: int) -> dict[str, Any]:
+    """The sampling fields of the request, checked as SamplingSettings checks them (one 400 naming the
+    field), beyond their types and ranges: n x prompts, token ids in the model's vocabulary,
+    min_tokens at most max_tokens."""
+    n = 1 if p.n is None else p.n
+    if n * n_prompts > MAX_CHOICES:
+        raise bad(f"n x prompts is {n} x {n_prompts} = {n * n_prompts} choices; at most {MAX_CHOICES} per request", "n")
+    bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
+    _token_ids_in(list(bias), vocab_size, "logit_bias")
+    stop_ids = list(p.stop_token_ids or [])
+    _token_ids_in(stop_ids, vocab_size, "stop_token_ids")
+    min_tokens = p.min_tokens or 0
+    if max_tokens and min_tokens > max_tokens:
+        raise bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+    constraint, constraint_param = _constraint(p)
+    fields = dict(
+        constraint=constraint,
+        presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
+        repetition_penalty=SamplingSettings.repetition_penalty if p.repetition_penalty is None else p.repetition_penalty,
+        logit_bias=bias, min_p=p.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_ids,
+        ignore_eos=bool(p.ignore_eos),
+    )
+    try:
+        checked = SamplingSettings(max_new_tokens=max(max_tokens, min_tokens, 1), **fields)
+    except UsageError as e:  # what the schema's ranges let through and the settings refuse
+        raise bad(str(e), constraint_param if e.option in {k.value for k in ConstraintKind} else e.option) from None
+    return dict(fields, n=n, logit_bias=checked.logit_bias, stop_token_ids=checked.stop_token_ids)
+
+
+def _constraint(p: CompletionParams) -> tuple[ConstraintSpec | None, str | None]:
+    """The request's structured-output constraint and the field it came from (one of response_format
+    and structured_outputs, with one constraint), or (None, None)."""
+    given = []
+    if p.response_format is not None and p.response_format.type != "text":
+        fmt = p.response_format
+        if fmt.type == "json_object":
+            given.append((ConstraintSpec.json_object(), "response_format"))
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad("response_format of type json_schema needs json_schema.schema", "response_format")
+        else:
+            given.append((_spec(ConstraintSpec.json_schema, fmt.json_schema.schema_, "response_format"), "response_format"))
+    if p.structured_outputs is not None:
+        so = p.structured_outputs
+        kinds = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                                    ("grammar", so.grammar)) if value is not None]
+        kinds += [("json_object", True)] if so.json_object else []
+        if len(kinds) != 1:
+            raise bad("structured_outputs takes exactly one of json, regex, choice, grammar and json_object, got "
+                      + (", ".join(k for k, _ in kinds) or "none"), "structured_outputs")
+        name, value = kinds[0]
+        build = {"json": ConstraintSpec.json_schema, "regex": ConstraintSpec.regex, "choice": ConstraintSpec.choice,
+                 "grammar": ConstraintSpec.grammar, "json_object": lambda _: ConstraintSpec.json_object()}[name]
+        given.append((_spec(build, value, "structured_outputs"), "structured_outputs"))
+    if len(given) > 1:
+        raise bad("response_format and structured_outputs each set a constraint: send one", "structured_outputs")
+    return given[0] if given else (None, None)
+
+
+def _spec(build: Callable[[Any], ConstraintSpec], value: Any, param: str) -> ConstraintSpec:
+    try:
+        return build(value).validate()  # an invalid schema, regex or grammar: a 400, before any work
+    except UsageError as e:
+        raise bad(f"{param}: {e}", param) from None
+    except MissingDependencyError as e:
+        raise APIError(501, str(e), param=param, code="not_implemented") from None
 
 
 def _prompts(p: CompletionParams, vocab_size: int) -> tuple[list[str | None], list[list[int] | None]]:
@@ -368,6 +529,7 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
         ids.append(tokens)
     stop = _stop(p)
     options = p.stream_options or StreamOptions()
+    sampling = _sampling(p, len(ids), max_tokens, vocab_size)
     return CompletionRequest(
         prompts=prompts, prompt_ids=ids,
         max_tokens=[min(max_tokens, n_positions - len(t)) for t in ids],  # capped by the context
@@ -376,7 +538,7 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
         top_k=SamplingSettings.top_k if p.top_k is None else max(0, p.top_k),  # vLLM's -1: off, as 0
         seed=p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
         stop=stop, stream=bool(p.stream), include_usage=bool(options.include_usage),
-        echo=echo, logprobs=p.logprobs, model=served_model,
+        echo=echo, logprobs=p.logprobs, model=served_model, **sampling,
     )
 
 
@@ -385,15 +547,19 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
 
 class ChoiceText:
     """The text of one choice as its tokens arrive: decoded without splitting UTF-8 characters, cut
-    at the first stop string, and released only once no stop string can still begin in it."""
+    at the first stop string, and released only once no stop string can still begin in it. With
+    `min_tokens` (vLLM's), a stop string is looked for only after the text of the first min_tokens
+    tokens: none ends the choice before it has that many."""
 
-    def __init__(self, stop: tuple[str, ...] = ()):
+    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.stop = stop
+        self.min_tokens = min_tokens
         self._decoder = StreamDecoder()
         self.text = ""  # decoded so far (cut at a stop string once one is found)
         self.sent = 0  # characters of text released
         self.stopped = False  # a stop string was found
         self.tokens = 0  # completion tokens counted for usage
+        self.floor = 0  # where a stop string may begin: after the text of the first min_tokens tokens
 
     def push(self, token: int) -> str:
         """Text that can be released after `token` (nothing once a stop string has ended the text)."""
@@ -401,6 +567,8 @@ class ChoiceText:
             return ""
         self.tokens += 1
         self.text += self._decoder.push(token)
+        if self.tokens <= self.min_tokens:
+            self.floor = len(self.text)
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -412,7 +580,7 @@ class ChoiceText:
 
     def _release(self, final: bool) -> str:
         if self.stop and not self.stopped:
-            start = max(0, self.sent - max(len(s) for s in self.stop))
+            start = max(self.floor, self.sent - max(len(s) for s in self.stop))
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
@@ -420,7 +588,8 @@ class ChoiceText:
                 final = True
         end = len(self.text)
         if not final and self.stop:
-            end -= max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end -= max((k for s in self.stop for k in range(1, len(s))
+                        if self.text.endswith(s[:k]) and end - k >= self.floor), default=0)
         out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out

@@ -49,10 +49,23 @@ class Runner:
         self.draft_settings = draft_settings or DraftSettings()
 
     def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
-        """The rows as a new left-padded batch, prefilled, each row's first token sampled."""
-        ids, mask = left_pad([r.prompt_ids for r in rows])  # (B, L)
-        logits, past = self.backend.step(ids, mask, positions(mask, ids.shape[1]), None)  # (B, V)
+        """The rows as a new left-padded batch, prefilled, each row's first token sampled. Rows with
+        the same prompt ids (a request's n choices) are prefilled once: the distinct prompts run, and
+        their cache rows (`KVCache.reorder`), mask rows and logits are duplicated for the others. (On a
+        backend whose cache rows do not move, capabilities.joins_rows False, every row is prefilled:
+        onnxruntime-genai reorders by replaying, which would prefill them all again.)"""
+        prompts = [r.prompt_ids for r in rows]
+        index = None
+        if self.backend.capabilities.joins_rows:
+            distinct: dict[tuple[int, ...], int] = {}
+            which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+            if len(distinct) < len(rows):
+                prompts, index = [list(p) for p in distinct], np.asarray(which, dtype=np.int64)
+        ids, mask = left_pad(prompts)  # (U, L): U distinct prompts
+        logits, past = self.backend.step(ids, mask, positions(mask, ids.shape[1]), None)  # (U, V)
         self.counters["steps"] += 1
+        if index is not None:
+            logits, mask, past = logits[index], mask[index], past.reorder(index)  # (B, V), (B, L), B rows
         nxt, events = sample_rows(rows, logits)
         return Batch(rows, mask, nxt, past), events
 

@@ -126,6 +126,11 @@ class Scheduler:
             self._cond.notify_all()
         return left
 
+    @property
+    def closed(self) -> bool:
+        """Whether it takes no more rows (the engine is stopping or stopped)."""
+        return self._closed
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._cond:

@@ -5,6 +5,11 @@ The engine's thread hands each token (and, for a request with logprobs, each tok
 its prompt's) to the request's asyncio loop (call_soon_threadsafe); a request whose consumer goes
 away (client disconnected, stop string found, server stopping) cancels its rows, which leave the
 batch before the next decode step.
+
+A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
+p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled
+together are prefilled once (runner.Runner.prefill). `usage` counts each prompt's tokens once, as vLLM
+does, and every choice's completion tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from ..generation.settings import Finish, SamplingSettings
+from ..generation.settings import Finish
 from ..generation.speculative import Drafter, DraftSettings
 from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
@@ -54,9 +59,15 @@ class CompletionService:
         return api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
 
     def submit(self, req: api.CompletionRequest) -> Pending:
-        """Queue the request's prompts in the engine (all or none), before any response is started:
-        a full queue is a 429, a server shutting down a 503."""
-        pending = Pending(req, asyncio.get_running_loop())
+        """Queue the request's rows (its choices) in the engine (all or none), before any response is
+        started: more rows than the engine can ever hold waiting and running is a 400, a full queue a
+        429, a server shutting down a 503."""
+        pending = Pending(req, asyncio.get_running_loop(), self.engine)
+        most = self.engine.settings.max_waiting + self.engine.settings.max_batch_size
+        if len(pending.rows) > most:
+            param = "n" if req.n > 1 else "prompt"
+            raise api.APIError(400, f"{len(pending.rows)} choices ({len(req.prompts)} prompts x n = {req.n}) exceed the "
+                               f"{most} rows this server queues and runs at once; send fewer", param=param)
         try:
             self.engine.submit(pending.rows)
         except QueueFull as e:
@@ -69,8 +80,8 @@ class CompletionService:
     async def complete(self, pending: Pending) -> api.CompletionResponse:
         """The whole response, as OpenAI's non-streaming completions answer."""
         req = pending.req
-        parts: list[list[str]] = [[] for _ in req.prompts]
-        reasons: list[str | None] = [None] * len(req.prompts)
+        parts: list[list[str]] = [[] for _ in range(req.choices)]
+        reasons: list[str | None] = [None] * req.choices
         async for index, delta, reason, _ in pending.events():
             parts[index].append(delta)
             reasons[index] = reason or reasons[index]
@@ -96,28 +107,26 @@ class CompletionService:
 
 
 class Pending:
-    """A request's rows in the engine, the queue their tokens arrive on, and each choice's text and
-    logprobs."""
+    """A request's rows in the engine (one per choice: n per prompt), the queue their tokens arrive on,
+    and each choice's text and logprobs."""
 
-    def __init__(self, req: api.CompletionRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, req: api.CompletionRequest, loop: asyncio.AbstractEventLoop, engine: Engine):
         self.req = req
+        self.engine = engine  # a row's error while it stops is a 503, not a 500
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.texts = [api.ChoiceText(req.stop) for _ in req.prompts]
-        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs() for _ in req.prompts]
+        self.prompts = [p for p in req.prompts for _ in range(req.n)]  # each choice's prompt text
+        self.texts = [api.ChoiceText(req.stop, req.min_tokens) for _ in self.prompts]
+        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs() for _ in self.prompts]
         self.scored = req.echo and req.logprobs is not None  # the prompt's logprobs come from the engine
-        self._told: list[LogprobEntry | None] = [None] * len(req.prompts)  # a token's logprobs, before it
-        self._start = [len(p) if req.echo else 0 for p in req.prompts]  # where the completion's text starts
+        self._told: list[LogprobEntry | None] = [None] * len(self.prompts)  # a token's logprobs, before it
+        self._start = [len(p) if req.echo else 0 for p in self.prompts]  # where the completion's text starts
         self.rows = []
-        for index, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
-            settings = SamplingSettings(
-                max_new_tokens=max(budget, 1), temperature=req.temperature,  # 0: greedy (SamplingSettings' rule)
-                top_k=req.top_k, top_p=req.top_p, seed=req.seed,
-            )
+        for p, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
+            for i in range(req.n):
+                def sink(kind: str, value: object, index: int = p * req.n + i) -> None:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
 
-            def sink(kind: str, value: object, index: int = index) -> None:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
-
-            self.rows.append(Row(ids, settings, sink, req.logprobs, self.scored, budget))
+                self.rows.append(Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget))
 
     def cancel(self) -> None:
         for row in self.rows:
@@ -139,7 +148,7 @@ class Pending:
         ends with one event carrying its finish_reason. With echo the prompt comes first (once scored,
         with logprobs). Leaving early cancels every row."""
         if self.req.echo and not self.scored:
-            for i, prompt in enumerate(self.req.prompts):
+            for i, prompt in enumerate(self.prompts):
                 yield i, prompt, None, self._taken(i)
         open_rows = len(self.rows)
         try:
@@ -152,7 +161,7 @@ class Pending:
                     self._told[index] = value
                 elif kind == "prompt":
                     self.logprobs[index].add_prompt(value)
-                    yield index, self.req.prompts[index], None, self._taken(index)
+                    yield index, self.prompts[index], None, self._taken(index)
                 elif kind == "token":
                     offset = self._start[index] + len(text.text)
                     delta = text.push(int(value))
@@ -166,9 +175,11 @@ class Pending:
                 elif kind == "done":
                     open_rows -= 1
                     rest = text.finish()
-                    if value is Finish.eos:  # the end-of-text token, whose logprobs were told before
+                    if value in (Finish.eos, Finish.stop):  # the end-of-text or stop token, its logprobs told before
                         self._note(index, self._start[index] + len(text.text))
                     yield index, rest, api.finish_reason(Finish(value), text), self._taken(index)
+                elif self.engine.closing:  # waiting or cut short by the server's stop
+                    raise api.APIError(503, str(value), "server_error", code="unavailable")
                 else:
                     raise api.APIError(500, str(value), "server_error")
         finally:

@@ -1,0 +1,436 @@
+"""Structured output: what a row's generated text must be (a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or a grammar), enforced as a mask on each step's logits.
+
+`ConstraintSpec` is the request (validated before any decoding: an invalid schema, regex or grammar
+is one `UsageError` line naming the spec's kind as its option). `Constraint` is one row's matcher:
+`mask` sets the logits of tokens that cannot continue a valid output to -inf, `advance` takes the
+sampled token, `rollback` drops tokens (speculative decoding's rejected ones), `mask_draft` masks a
+draft's K + 1 positions at once. `mask_rows` masks a whole batch (B, V) with one parallel fill of a
+(B, words) bitmask and one NumPy pass, as the decode loop samples every row per step.
+
+End of text: <|endoftext|> is allowed exactly when the output so far satisfies the constraint
+(`accepting`); once nothing but end of text can follow (`done`), it is the only token left.
+
+The matcher is llguidance's (the `structured` extra): its masks are plain bitmasks that apply to NumPy
+logits without torch. It and jsonschema are imported on first use, not with this module, so that
+the decode loop imports without them; a missing one is one MissingDependencyError naming the install.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..errors import Gpt2xError, MissingDependencyError, UsageError
+from ..tokenizer import EOT_ID, VOCAB_SIZE, get_encoding
+
+log = logging.getLogger(__name__)
+
+STRUCTURED_INSTALL = "pip install 'gpt2x[structured]'"
+# JSON as json.dumps writes it ("a": 1, "b": 2): a fixed layout, no free whitespace. A small model
+# given free whitespace between tokens tends to spend its budget on it. A schema's own "x-guidance"
+# options (llguidance's, e.g. {"whitespace_flexible": true}) override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+PARALLEL_FILL_MIN_CORES = 4  # a batch's masks filled on llguidance's thread pool from this many cores
+MESSAGE_CHARS = 300  # an error line is cut to this
+
+
+class ConstraintKind(str, Enum):
+    json_schema = "json_schema"  # the text is JSON valid under a JSON schema
+    json_object = "json_object"  # the text is a JSON object (OpenAI's response_format json_object)
+    regex = "regex"  # the whole text matches a regular expression (Rust regex syntax: no look-around, no backreferences)
+    choice = "choice"  # the text is exactly one of a list of strings
+    grammar = "grammar"  # the text is in a context-free grammar: llguidance's Lark syntax or llama.cpp's GBNF
+
+
+# ---------------------------------------------------------------- the optional libraries
+
+
+def _llguidance() -> ModuleType:
+    """llguidance with its NumPy helpers, or MissingDependencyError naming the install command."""
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(f"structured output needs llguidance, which this install lacks: {STRUCTURED_INSTALL}") from None
+    return llguidance
+
+
+def _jsonschema() -> ModuleType:
+    try:
+        import jsonschema
+    except ImportError:
+        raise MissingDependencyError(f"JSON schemas need jsonschema, which this install lacks: {STRUCTURED_INSTALL}") from None
+    return jsonschema
+
+
+def require_structured() -> None:
+    """Raise MissingDependencyError unless everything structured output needs imports."""
+    _llguidance()
+    _jsonschema()
+
+
+@lru_cache(maxsize=4)
+def lltokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """llguidance's view of GPT-2's BPE (gpt2x's shipped files, no download), end of text = EOT_ID;
+    `vocab_size` is the logits' width (50257; more for an export with padded rows, never allowed).
+    Built once per process (~0.2 s). llguidance keeps a lone 0xFF byte (token 187) as its marker of
+    special tokens, so that token is never allowed: 0xFF is never part of UTF-8 text."""
+    llg = _llguidance()
+    enc = get_encoding()
+    if vocab_size < enc.n_vocab:
+        raise UsageError(f"logits of {vocab_size} columns cannot hold GPT-2's {enc.n_vocab} tokens", option="vocab_size")
+    return llg.LLTokenizer.from_tiktoken(encoder=enc._mergeable_ranks, special_tokens=enc._special_tokens,
+                                         pattern=enc._pat_str, eos_token=EOT_ID, n_vocab=vocab_size)
+
+
+@lru_cache(maxsize=1)
+def _executor() -> Any:
+    """llguidance's thread pool for a batch's masks (its default size: most of the cores)."""
+    return _llguidance().LLExecutor()
+
+
+# ---------------------------------------------------------------- the request
+
+
+def _one_line(message: str) -> str:
+    """An llguidance or jsonschema message on one line: source echoes and caret markers dropped,
+    regex parsers' `error: ...` detail kept."""
+    lines = [s.strip() for s in message.splitlines()]
+    lines = [s for s in lines if s and not set(s) <= set("^~- ") and not re.match(r"^\d+\s*\|", s)]
+    detail = next((s.removeprefix("error: ") for s in lines if s.startswith("error: ")), None)
+    head = lines[0] if lines else "invalid"
+    text = f"{head.rstrip(':')}: {detail}" if detail and detail != head else head
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What the generated text must be. `value`: the schema as JSON text (json_schema), the pattern
+    (regex), the options (choice, a tuple), the grammar text (grammar), "" (json_object). Build it
+    with the class methods; `validate()` checks it before any decoding."""
+
+    kind: ConstraintKind
+    value: str | tuple[str, ...] = ""
+
+    def __post_init__(self) -> None:
+        try:
+            kind = ConstraintKind(self.kind)
+        except ValueError:
+            kinds = ", ".join(k.value for k in ConstraintKind)
+            raise UsageError(f"unknown constraint kind {self.kind!r} (one of {kinds})", option="constraint") from None
+        object.__setattr__(self, "kind", kind)
+        if kind is ConstraintKind.choice:
+            options = (self.value,) if isinstance(self.value, str) else tuple(self.value)
+            if not options or not all(isinstance(o, str) for o in options):
+                raise UsageError("choice needs a non-empty list of strings", option=kind.value)
+            object.__setattr__(self, "value", options)
+        elif kind is ConstraintKind.json_object and self.value:
+            raise UsageError("json_object takes no schema (json_schema does)", option=kind.value)
+        elif not isinstance(self.value, str):
+            raise UsageError(f"{kind.value} takes text, not {type(self.value).__name__}", option=kind.value)
+        elif kind in (ConstraintKind.regex, ConstraintKind.grammar, ConstraintKind.json_schema) and not self.value.strip():
+            raise UsageError(f"the {kind.value} is empty", option=kind.value)
+
+    @classmethod
+    def json_schema(cls, schema: str | Mapping[str, Any] | bool) -> ConstraintSpec:
+        """A JSON schema, as JSON text or as its parsed value."""
+        return cls(ConstraintKind.json_schema, schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        return cls(ConstraintKind.json_object)
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        return cls(ConstraintKind.regex, pattern)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> ConstraintSpec:
+        return cls(ConstraintKind.choice, tuple(options))
+
+    @classmethod
+    def grammar(cls, text: str) -> ConstraintSpec:
+        """A context-free grammar in llguidance's Lark syntax (`start: ...`) or llama.cpp's GBNF (`root ::= ...`)."""
+        return cls(ConstraintKind.grammar, text)
+
+    @property
+    def option(self) -> str:
+        """The name UsageErrors give as their option: the kind."""
+        return self.kind.value
+
+    def validate(self) -> ConstraintSpec:
+        """Self, once its schema, regex or grammar compiles; else one UsageError line. Cached."""
+        _compiled(self)
+        return self
+
+    def schema(self) -> Any:
+        """The JSON schema this spec enforces (json_schema, json_object), parsed; None for the others."""
+        if self.kind is ConstraintKind.json_object:
+            return {"type": "object"}
+        if self.kind is ConstraintKind.json_schema:
+            return json.loads(self.value)
+        return None
+
+
+def _check_schema(spec: ConstraintSpec) -> Any:
+    """The parsed JSON schema, checked against its JSON Schema meta-schema (the draft its $schema
+    names, 2020-12 by default)."""
+    try:
+        schema = json.loads(spec.value)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"the JSON schema is not JSON: {e}", option=spec.option) from None
+    if not isinstance(schema, (dict, bool)):
+        raise UsageError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}", option=spec.option)
+    jsonschema = _jsonschema()
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise UsageError(f"invalid JSON schema{f' at /{where}' if where else ''}: {_one_line(e.message)}", option=spec.option) from None
+    return schema
+
+
+def _grammar_text(spec: ConstraintSpec) -> str:
+    """The spec as an llguidance grammar (not yet checked)."""
+    llg = _llguidance()
+    kind = spec.kind
+    if kind is ConstraintKind.json_schema:
+        schema = _check_schema(spec)
+        if schema is False:
+            raise UsageError("invalid JSON schema: false admits no value", option=spec.option)
+        try:  # `true` admits any value: {} says the same, and takes options
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema or {}), defaults=JSON_DEFAULTS)
+        except ValueError as e:
+            raise UsageError(f"invalid JSON schema: {_one_line(str(e))}", option=spec.option) from None
+    if kind is ConstraintKind.json_object:
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
+    if kind is ConstraintKind.regex:
+        return llg.LLMatcher.grammar_from_regex(spec.value)
+    if kind is ConstraintKind.choice:  # literals in Lark, JSON-escaped as llguidance's own grammar_from("choice") writes them
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in spec.value))
+    try:  # Lark as it is, GBNF converted
+        return llg.grammar_from("grammar", spec.value)
+    except ValueError as e:
+        raise UsageError(f"invalid grammar: {_one_line(str(e))}", option=spec.option) from None
+
+
+WHAT = {ConstraintKind.json_schema: "JSON schema", ConstraintKind.json_object: "JSON object constraint",
+        ConstraintKind.regex: "regex", ConstraintKind.choice: "choice", ConstraintKind.grammar: "grammar"}
+
+
+@lru_cache(maxsize=256)
+def _compiled(spec: ConstraintSpec) -> str:
+    """The spec's llguidance grammar, validated against GPT-2's tokenizer; one UsageError line if invalid."""
+    llg = _llguidance()
+    grammar = _grammar_text(spec)
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltokenizer())
+    if failed:
+        message = _one_line(messages[0] if messages else "rejected")
+        if spec.kind is ConstraintKind.regex:  # its position is in llguidance's wrapper grammar, not the user's text
+            message = re.sub(r'^at \d+\(\d+\): invalid regex .*?: regex parse error', "regex parse error", message)
+        raise UsageError(f"invalid {WHAT[spec.kind]}: {message}", option=spec.option)
+    for warning in messages:
+        log.debug("%s: %s", WHAT[spec.kind], warning)
+    return grammar
+
+
+@lru_cache(maxsize=64)
+def _template(spec: ConstraintSpec, vocab_size: int) -> Any:
+    """A matcher at the start, never advanced: each Constraint is a deep copy (microseconds, where
+    building one is about a millisecond)."""
+    llg = _llguidance()
+    return llg.LLMatcher(lltokenizer(vocab_size), _compiled(spec), log_level=0)
+
+
+# ---------------------------------------------------------------- one row
+
+
+def words(vocab_size: int) -> int:
+    """32-bit words of a bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+@lru_cache(maxsize=4)
+def _bias_table(dtype: np.dtype) -> np.ndarray:
+    """(256, 8) of `dtype`: for each byte of a bitmask, 0 where its bit (least significant first) is
+    set and -inf where not; a bitmask's bytes index it to give the additive mask."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+    return np.where(bits, 0.0, -np.inf).astype(dtype)
+
+
+_scratch = threading.local()  # each thread's bias buffers, reused from step to step
+
+
+def _bias_buffer(rows: int, n_words: int, dtype: np.dtype) -> np.ndarray:
+    """A (rows, 4 words, 8) buffer of `dtype`, this thread's, grown to the largest batch seen."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get((n_words, dtype))
+    if buf is None or buf.shape[0] < rows:
+        buf = buffers[(n_words, dtype)] = np.empty((rows, 4 * n_words, 8), dtype=dtype)
+    return buf[:rows]
+
+
+def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """Set to -inf, in place, the logits (B, V) whose bit in `bitmask` (B, words) int32 is clear
+    (token t is bit t % 32 of word t // 32); columns past the bitmask's are -inf too. Returns logits.
+    One table lookup into a reused buffer and one add: at batch 16 on 2 cores, 0.9 ms where an
+    unpack and a masked assignment took 4 to 5 and llguidance.numpy's own apply about 4."""
+    if logits.ndim != 2 or bitmask.ndim != 2 or logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"logits (B, V) and a bitmask (B, words) row for row, not {logits.shape} and {bitmask.shape}")
+    dtype = np.dtype(logits.dtype)
+    rows, n_words = bitmask.shape
+    cover = n_words * 32
+    bias = _bias_buffer(rows, n_words, dtype)  # (B, 4 words, 8): one table row per bitmask byte
+    np.take(_bias_table(dtype), np.ascontiguousarray(bitmask).view(np.uint8), axis=0, out=bias)
+    bias = bias.reshape(rows, cover)  # (B, 32 words)
+    v = logits.shape[1]
+    if v <= cover:
+        logits += bias[:, :v]
+    else:
+        logits[:, :cover] += bias
+        logits[:, cover:] = -np.inf
+    return logits
+
+
+class Constraint:
+    """One row's matcher over GPT-2's vocabulary: which tokens may come next, given the tokens the row
+    has generated so far (the prompt is not constrained). Not thread-safe: one row, one thread."""
+
+    def __init__(self, spec: ConstraintSpec, vocab_size: int = VOCAB_SIZE):
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.matcher = _template(spec, vocab_size).deep_copy()
+        self.consumed = 0  # tokens advanced (end of text included) and not rolled back
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.spec.kind.value}, consumed={self.consumed}, accepting={self.accepting}, done={self.done})"
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far satisfies the constraint: end of text is allowed now."""
+        return self.matcher.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """Nothing but end of text can follow (the text is complete, or end of text was taken): a
+        row may end here without sampling another token."""
+        return self.matcher.is_stopped()
+
+    def check(self) -> None:
+        """Gpt2xError if the matcher failed (a token it refused; a grammar past llguidance's limits) or
+        stopped short of a valid text: its next mask would leave nothing valid to sample."""
+        if self.matcher.is_error():
+            raise Gpt2xError(f"the {WHAT[self.spec.kind]} cannot continue: {_one_line(self.matcher.get_error())}")
+        if self.matcher.is_stopped() and not self.matcher.is_accepting():
+            raise Gpt2xError(f"the {WHAT[self.spec.kind]} stopped before a valid text ({self.matcher.stop_reason()})")
+
+    def fill(self, bitmask: np.ndarray) -> None:
+        """Write the next token's bitmask into `bitmask` (words,) int32, C-contiguous."""
+        self.check()
+        if bitmask.dtype != np.int32 or bitmask.shape != (words(self.vocab_size),) or not bitmask.flags.c_contiguous:
+            raise ValueError(f"a bitmask is ({words(self.vocab_size)},) C-contiguous int32, not {bitmask.shape} {bitmask.dtype}")
+        self.matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+
+    def bitmask(self) -> np.ndarray:
+        """The next token's bitmask (words,) int32."""
+        out = np.empty(words(self.vocab_size), dtype=np.int32)
+        self.fill(out)
+        return out
+
+    def allowed(self) -> np.ndarray:
+        """The tokens that may come next: (vocab_size,) bool."""
+        bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """Logits (V,) or (1, V) with the next token's disallowed tokens at -inf, in place; returns them."""
+        if logits.ndim == 1:
+            apply_bitmask(logits[None], self.bitmask()[None])  # (1, V), a view: the add lands in `logits`
+        elif logits.ndim == 2 and logits.shape[0] == 1:
+            apply_bitmask(logits, self.bitmask()[None])
+        else:
+            raise ValueError(f"one row's logits are (V,) or (1, V), not {logits.shape}: mask_rows masks a batch")
+        return logits
+
+    def advance(self, token: int) -> None:
+        """Take the row's sampled token (end of text included). A token the mask did not allow is a
+        Gpt2xError, and leaves the matcher failed: a row so refused must end."""
+        if not self.matcher.consume_token(int(token)):
+            raise Gpt2xError(f"token {int(token)} is not allowed by the {WHAT[self.spec.kind]} here: "
+                             f"{_one_line(self.matcher.get_error())}")
+        self.consumed += 1
+
+    def accepts(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order from the current state, the constraint would take (none is taken)."""
+        return self.matcher.validate_tokens([int(t) for t in tokens]) if len(tokens) else 0
+
+    def rollback(self, n: int) -> None:
+        """Drop the last `n` advanced tokens (speculative decoding's rejected drafts, with the cache)."""
+        if n < 0 or n > self.consumed:
+            raise ValueError(f"cannot roll back {n} tokens of {self.consumed}")
+        if n and not self.matcher.rollback(n):
+            raise Gpt2xError(f"the {WHAT[self.spec.kind]} could not roll back {n} tokens: {_one_line(self.matcher.get_error())}")
+        self.consumed -= n
+
+    def mask_draft(self, logits: np.ndarray, draft: Sequence[int]) -> np.ndarray:
+        """Speculative decoding's verify step: logits (K + 1, V), the target's at the pending position
+        and after each of the K `draft` tokens, each masked in place for the state it follows; the
+        matcher is where it was. Positions after the first drafted token the constraint refuses stay
+        unmasked: that token has probability 0 at its position, so verification ends there."""
+        k = len(draft)
+        if logits.ndim != 2 or logits.shape[0] != k + 1:
+            raise ValueError(f"a draft of {k} tokens is verified on logits (K + 1, V) = ({k + 1}, V), not {logits.shape}")
+        self.check()
+        llg = _llguidance()
+        bitmask = np.full((k + 1, words(self.vocab_size)), -1, dtype=np.int32)  # (K + 1, words); all allowed where not written
+        llg.numpy.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(self.matcher, 0, [int(t) for t in draft])], bitmask)
+        return apply_bitmask(logits, bitmask)
+
+
+# ---------------------------------------------------------------- a batch
+
+
+def fill_rows(constraints: Sequence[Constraint], bitmask: np.ndarray) -> None:
+    """Row i of `bitmask` (B, words) int32 gets constraints[i]'s next mask: row by row on a machine of
+    at most PARALLEL_FILL_MIN_CORES cores (on 2 cores llguidance's thread pool was slower at batch 16:
+    benchmarks/results/constraint-cost-cpu-2core.md), else one parallel call for the batch."""
+    if len(constraints) == 1 or (os.cpu_count() or 1) < PARALLEL_FILL_MIN_CORES:
+        for i, c in enumerate(constraints):
+            c.fill(bitmask[i])
+        return
+    for c in constraints:
+        c.check()
+    _llguidance().numpy.fill_next_token_bitmask_par(_executor(), [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
+
+
+def mask_rows(logits: np.ndarray, constraints: Sequence[Constraint | None]) -> np.ndarray:
+    """Mask a batch's logits (B, V) in place, row i by constraints[i] (None: that row is left as it is);
+    returns the logits. The masks of every constrained row are filled at once (llguidance's thread
+    pool) into one bitmask and applied in one NumPy pass."""
+    if len(constraints) != logits.shape[0]:
+        raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits
+    chosen = [constraints[i] for i in rows]
+    if len({c.vocab_size for c in chosen}) > 1:
+        raise ValueError("the rows' constraints are over different vocabulary sizes")
+    bitmask = np.empty((len(rows), words(chosen[0].vocab_size)), dtype=np.int32)  # (n, words)
+    fill_rows(chosen, bitmask)
+    if len(rows) == logits.shape[0]:
+        apply_bitmask(logits, bitmask)
+    else:
+        logits[rows] = apply_bitmask(logits[rows], bitmask)  # (n, V): a copy, masked, written back
+    return logits

@@ -1,0 +1,220 @@
+"""The served API's Prometheus metrics (`GET /metrics`), named as vLLM names its own with gpt2x's
+prefix (`vllm:prompt_tokens_total` is `gpt2x:prompt_tokens_total`), summed over every replica.
+
+Each replica keeps plain counters and histogram buckets (`ReplicaMetrics`): the engine's thread times
+each token a row samples (engine.Observer: a row's first token from when it was queued, then the gap
+since its previous token; the end-of-text token that ends a row is one), and the HTTP side counts each request it answered, from what the client
+received (its usage, its choices' finish reasons, how long each choice took). A `snapshot()` is plain
+values; a replica hands its snapshot to one place shared by the replicas (deploy.py's hub under Ray
+Serve, the replica itself in one process: `LocalExchange`), and `/metrics` sums the snapshots
+(`merge`) and writes them in Prometheus' text format with prometheus-client (`render`).
+
+What counts as a request is vLLM's: vLLM splits a completions request with k prompts into k requests,
+so a choice is a request here: `request_success_total` counts choices by finish reason, and the
+time-to-first-token and end-to-end histograms have one observation per choice. Token counts are the
+responses' usage. The running and waiting gauges are rows in the engines (choices), as vLLM's are
+requests in its scheduler; a replica that stopped reporting (it died) adds its counters, which
+Prometheus expects never to go down, and no longer its gauges.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from .engine import Engine, Row
+
+PREFIX = "gpt2x:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+STALE_S = 10.0  # a replica whose last snapshot is older than this no longer adds its gauges
+FINISH_REASONS = ("stop", "length")  # always written, 0 until counted (vLLM writes each of its reasons)
+
+
+@dataclass(frozen=True)
+class HistogramSpec:
+    name: str  # without the prefix
+    help: str
+    buckets: tuple[float, ...]  # upper bounds, ascending; +Inf is added
+
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), with finer ones below its first where a small model on
+# a CPU lands: gaps between tokens of a few milliseconds, whole requests under 0.3 s.
+TTFT = HistogramSpec("time_to_first_token_seconds", "Histogram of time to first token in seconds.", (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0))
+ITL = HistogramSpec("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0))
+E2E = HistogramSpec("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", (
+    0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0))
+HISTOGRAMS = (TTFT, ITL, E2E)
+
+# The engine's speculative counters (engine.stats(): a replica with a draft) and their vLLM names.
+SPEC_COUNTERS = {"drafts": "spec_decode_num_drafts", "drafted": "spec_decode_num_draft_tokens",
+                 "accepted": "spec_decode_num_accepted_tokens"}
+
+
+class Histogram:
+    """Bucket counts (not cumulative; the last is +Inf) and the sum of what was observed."""
+
+    def __init__(self, spec: HistogramSpec):
+        self.spec = spec
+        self.counts = [0] * (len(spec.buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.spec.buckets, value)] += 1  # the first bucket whose bound is >= value
+        self.sum += value
+
+
+class ReplicaMetrics:
+    """One replica's counters and histograms. Thread-safe: the engine's thread calls `token`, the
+    event loop `answered`, any thread `snapshot`. Given an engine, it is that engine's observer (the
+    one: a second ReplicaMetrics on the same engine takes its place) and reads its gauges."""
+
+    def __init__(self, engine: Engine | None = None):
+        self._lock = threading.Lock()
+        self._engine = engine
+        self._last: weakref.WeakKeyDictionary[Row, float] = weakref.WeakKeyDictionary()  # a row's last token
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success = dict.fromkeys(FINISH_REASONS, 0)
+        self.histograms = {spec.name: Histogram(spec) for spec in HISTOGRAMS}
+        self.drained = False  # this replica's engine has stopped (a server's stop), said in its snapshots
+        if engine is not None:
+            engine.observer = self
+
+    def token(self, row: Row, now: float) -> None:
+        """engine.Observer: a token told to `row` at `now` (time.monotonic)."""
+        with self._lock:
+            last = self._last.get(row)
+            if last is None:
+                self.histograms[TTFT.name].observe(max(0.0, now - row.queued_at))
+            else:
+                self.histograms[ITL.name].observe(max(0.0, now - last))
+            self._last[row] = now
+
+    def answered(self, prompt_tokens: int, generation_tokens: int, choices: Iterable[tuple[str, float]]) -> None:
+        """A request answered in full: its usage, and each choice's finish reason and seconds from the
+        request's arrival to the choice's end."""
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            for reason, seconds in choices:
+                self.success[reason] = self.success.get(reason, 0) + 1
+                self.histograms[E2E.name].observe(max(0.0, seconds))
+
+    def snapshot(self) -> dict:
+        """Plain values (sent between processes): counters, histograms, the engine's gauges and
+        speculative counters, when it was taken (time.time) and whether the replica has drained."""
+        stats = self._engine.stats() if self._engine is not None else {}
+        with self._lock:
+            counters = {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                        **{name: stats[key] for key, name in SPEC_COUNTERS.items() if key in stats}}
+            return {
+                "at": time.time(), "drained": self.drained, "counters": counters, "success": dict(self.success),
+                "gauges": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0)},
+                "histograms": {name: {"counts": list(h.counts), "sum": h.sum} for name, h in self.histograms.items()},
+            }
+
+
+def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
+    """The replicas' snapshots summed: counters, finish reasons and histograms of every snapshot; gauges
+    of those no older than STALE_S (their `age` where the hub gave one, on its clock; else from their
+    `at` to `now`, time.time); `replicas`, how many those are."""
+    now = time.time() if now is None else now
+    total: dict = {"counters": {}, "success": dict.fromkeys(FINISH_REASONS, 0), "gauges": {"running": 0, "waiting": 0},
+                   "histograms": {spec.name: {"counts": [0] * (len(spec.buckets) + 1), "sum": 0.0} for spec in HISTOGRAMS},
+                   "replicas": 0}
+    for snap in snapshots:
+        for name, value in snap["counters"].items():
+            total["counters"][name] = total["counters"].get(name, 0) + value
+        for reason, value in snap["success"].items():
+            total["success"][reason] = total["success"].get(reason, 0) + value
+        for name, h in snap["histograms"].items():
+            into = total["histograms"].get(name)
+            if into is not None and len(into["counts"]) == len(h["counts"]):  # the same buckets (same code)
+                into["counts"] = [a + b for a, b in zip(into["counts"], h["counts"])]
+                into["sum"] += h["sum"]
+        if snap.get("age", now - snap["at"]) < STALE_S:
+            total["replicas"] += 1
+            for name, value in snap["gauges"].items():
+                total["gauges"][name] = total["gauges"].get(name, 0) + value
+    return total
+
+
+class _Collector:
+    """A merged snapshot as prometheus-client's metric families (a custom collector)."""
+
+    def __init__(self, merged: dict, model: str):
+        self.merged = merged
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        m, labels, model = self.merged, ["model_name"], [self.model]
+        gauges = (("num_requests_running", "running", "Number of requests in model execution batches."),
+                  ("num_requests_waiting", "waiting", "Number of requests waiting to be processed."))
+        for name, key, text in gauges:
+            g = GaugeMetricFamily(PREFIX + name, text, labels=labels)
+            g.add_metric(model, m["gauges"].get(key, 0))
+            yield g
+        replicas = GaugeMetricFamily(PREFIX + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
+        replicas.add_metric(model, m["replicas"])
+        yield replicas
+        counters = (("prompt_tokens", "Number of prefill tokens processed."),
+                    ("generation_tokens", "Number of generation tokens processed."))
+        for name, text in counters:
+            c = CounterMetricFamily(PREFIX + name, text, labels=labels)
+            c.add_metric(model, m["counters"].get(name, 0))
+            yield c
+        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, value in sorted(m["success"].items()):
+            success.add_metric([self.model, reason], value)
+        yield success
+        spec = {name: value for name, value in m["counters"].items() if name in SPEC_COUNTERS.values()}
+        texts = {"spec_decode_num_drafts": "Number of spec decoding drafts.",
+                 "spec_decode_num_draft_tokens": "Number of draft tokens.",
+                 "spec_decode_num_accepted_tokens": "Number of accepted tokens."}
+        for name in SPEC_COUNTERS.values():  # only where a replica decodes with a draft (vLLM: only with one)
+            if name in spec:
+                c = CounterMetricFamily(PREFIX + name, texts[name], labels=labels)
+                c.add_metric(model, spec[name])
+                yield c
+        for hspec in HISTOGRAMS:
+            h = m["histograms"][hspec.name]
+            cumulative, buckets = 0, []
+            for bound, count in zip((*hspec.buckets, float("inf")), h["counts"]):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            family = HistogramMetricFamily(PREFIX + hspec.name, hspec.help, labels=labels)
+            family.add_metric(model, buckets, h["sum"])
+            yield family
+
+
+def render(merged: dict, model: str) -> bytes:
+    """A merged snapshot in Prometheus' text format (CONTENT_TYPE), every metric labelled model_name."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(merged, model))
+    return generate_latest(registry)
+
+
+class LocalExchange:
+    """Where a replica served in one process (http.local_app) finds the replicas' snapshots: itself."""
+
+    shared = False
+
+    async def publish(self, snapshot: dict) -> None:
+        return None
+
+    async def gather(self, own: dict) -> list[dict]:
+        return [own]
