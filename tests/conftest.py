@@ -218,7 +218,10 @@ def cuda_loads() -> bool:
 # another, so that two Ray clusters never share the 2 cores. xdist's own loadgroup scheduling reads
 # that mark by rewriting node ids, which pytest 9.2 no longer lets it do; the scheduler below groups
 # by this list instead, and the collection hook checks that the list and the marks agree.
-RAY_TESTS = ("tests/test_serve.py::", "tests/test_serve_cli.py::",
+RAY_TESTS = ("tests/test_serve.py::",
+             "tests/test_serve_cli.py::test_serve_answers_and_stops_cleanly_on_sigterm[ray]",
+             "tests/test_serve_cli.py::test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running",
+             "tests/test_serve_cli.py::test_a_signal_stops_the_server_cleanly_within_10_s[ray-",
              "tests/test_serve_draft.py::test_a_replica_with_a_draft_answers_as_generate_does")
 
 

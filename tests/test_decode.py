@@ -14,6 +14,7 @@ import torch
 
 from gpt2x.errors import UsageError
 from gpt2x.generation.decode import Event, Sequence, decode, decode_steps, sample_rows
+from gpt2x.generation.processors import History
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import Finish, SamplingSettings
 from gpt2x.generation.speculative import DraftSettings, NgramDrafter
@@ -373,3 +374,37 @@ def test_sampled_rows_draw_from_the_processed_distribution():
     counts = np.bincount(seq.tokens, minlength=104)[100:]
     assert counts[0] == 0 and counts[3] == 0 and counts.sum() == 1000  # banned; below 0.7 x 0.2
     assert abs(counts[1] / 1000 - 0.2 / 0.38) < 0.06  # 0.526, within about 4 standard deviations (0.016 each)
+
+
+def test_rows_with_samplers_of_their_own_sample_together_as_each_alone():
+    """16 rows with samplers of their own and mixed settings (temperatures, top-k with ties, top-p,
+    min-p, greedy, penalties, a bias, min_tokens) sampled in one sample_rows call per step give
+    exactly the tokens each row's Sampler gives called alone on its row, over several steps of random
+    logits (rounded, so that top-k meets ties); one row finishes early and stops drawing."""
+    S = SamplingSettings
+    settings = [
+        S(seed=1, top_p=0.9), S(seed=2, top_p=0.5), S(seed=3, temperature=0.7, top_p=0.9),
+        S(seed=4, temperature=1.3, top_p=0.95), S(seed=5, top_k=5), S(seed=6, top_k=50),
+        S(seed=7, top_k=V + 3), S(seed=8, temperature=0.5), S(seed=9), S(seed=10, min_p=0.05, top_k=40),
+        S(seed=11, repetition_penalty=1.3, top_p=0.9), replace(GREEDY, seed=12),
+        replace(GREEDY, presence_penalty=0.5), S(seed=13, logit_bias={7: 5.0}, min_tokens=3, top_p=0.8),
+        S(seed=14, top_p=0.9, max_new_tokens=2), S(seed=15, temperature=0.9, top_k=20, top_p=0.7),
+    ]
+    settings = [replace(s, ignore_eos=True, max_new_tokens=s.max_new_tokens if s.seed == 14 else 64) for s in settings]
+    prompts = [[3 + i, 7, 7 + i] for i in range(len(settings))]
+    seqs = [Sequence(p, s) for p, s in zip(prompts, settings)]
+    refs = [Sampler(s) for s in settings]
+    want: list[list[int]] = [[] for _ in settings]
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        logits = np.round(rng.standard_normal((len(seqs), V)) * 3, 1).astype(np.float32)
+        logits[:, 7] += 4.0  # a token the penalties and the bias move near the top
+        for i, (seq, ref) in enumerate(zip(seqs, refs)):
+            if seq.finish is None:
+                want[i].append(int(ref(logits[i : i + 1], [History(prompts[i], list(want[i]), i)])[0]))
+        sample_rows(seqs, logits)
+        assert [s.tokens for s in seqs] == want, step
+    assert seqs[14].finish is Finish.length and len(seqs[14].tokens) == 2
+    assert len({tuple(t) for t in want}) == len(want)  # the rows differ: each drew its own
+    # their generators moved as they would alone: the next uniform is the same
+    assert [s.sampler.rng.random() for s in seqs] == [r.rng.random() for r in refs]

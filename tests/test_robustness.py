@@ -10,7 +10,6 @@ import pytest
 
 from gpt2x.choices import Precision
 from gpt2x.errors import INTERRUPTED_EXIT_CODE
-from gpt2x.generation import sampling
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
@@ -28,22 +27,22 @@ def rss_mb() -> float:
 
 
 def test_ctrl_c_during_generation_keeps_streamed_text(capsys, monkeypatch):
-    real = sampling.Sampler.__call__
-    calls = {"n": 0}
-
-    def interrupt_on_sixth(self, logits, *rows):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return real(self, logits, *rows)
-
-    monkeypatch.setattr(sampling.Sampler, "__call__", interrupt_on_sixth)
-    # Sampled (seeded): greedy decoding takes the backend's argmax (base.greedy_step), not the sampler.
-    code, out, err = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--seed", "3", "--max-new-tokens", "50")
-    assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and "Traceback" not in err
     from gpt2x.runtime.pytorch import TorchBackend
 
-    monkeypatch.setattr(sampling.Sampler, "__call__", real)
+    real = TorchBackend.step
+    calls = {"n": 0}
+
+    def interrupt_on_sixth(self, *args):
+        calls["n"] += 1  # the prefill, then one step per token: the sixth comes after five tokens
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(TorchBackend, "step", interrupt_on_sixth)
+    code, out, err = cli(capsys, "generate", "ROMEO:", "--backend", "torch", "--seed", "3", "--max-new-tokens", "50")
+    assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and "Traceback" not in err
+
+    monkeypatch.setattr(TorchBackend, "step", real)
     [r] = generate(TorchBackend(load_model("shakespeare")[0]), ["ROMEO:"], SamplingSettings(max_new_tokens=5, seed=3))  # the CLI's defaults: top-k off
     from gpt2x.tokenizer import decode
 

@@ -1,5 +1,7 @@
 """`gpt2x serve` as a user runs it: bad options are one line and a non-zero exit before anything
-starts; a running server answers, and SIGTERM stops it cleanly (exit 0, its port free again). The
+starts; a running server answers, and SIGTERM stops it cleanly (exit 0, its port free again). Each
+test that starts a server runs on both paths: the embedded default (one replica in the command's
+process, no Ray) and Ray Serve (`--ray`, or `--replicas 2`), marked for conftest's Ray group. The
 stop as process managers and terminals send it: SIGTERM to the server's whole process group, SIGINT
 to its pid, with requests in flight: exit 0 within 10 s, one "stopped" line, every request answered
 in full or ended with a clean error, and no process of the server's (Ray's included) left."""
@@ -32,7 +34,8 @@ from .conftest import run_cli  # noqa: E402
 from .test_cli import assert_one_line_error  # noqa: E402
 
 # Every test that starts Ray runs in one pytest-xdist worker, one after another (conftest.RAY_TESTS).
-pytestmark = pytest.mark.xdist_group("ray")
+RAY = pytest.mark.xdist_group("ray")
+MODES = ["embedded", pytest.param("ray", marks=RAY)]
 
 KEY = "sekret-key-42"
 
@@ -72,19 +75,52 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     raise AssertionError(f"no line from gpt2x serve within {timeout} s: {proc.stderr.read() if proc.poll() is not None else ''}")
 
 
-def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port):
+def scrape(url: str, **kw) -> dict[str, float]:
+    """/metrics as {sample name with its labels: value}."""
+    r = httpx.get(f"{url}/metrics", timeout=30, **kw)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port, mode):
     port = reserve_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPT2X_API_KEY": KEY}
+    ray_args = ["--ray"] if mode == "ray" else []
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
-                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--json", "--threads", "1", *ray_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
         ready = json.loads(read_line(proc, 180))
         assert ready["url"] == f"http://127.0.0.1:{port}" and ready["model"] == "shakespeare" and ready["api_key"] is True
+        assert ready["ray"] == ("local" if mode == "ray" else None) and ready["replicas"] == 1
         assert KEY not in json.dumps(ready)
-        r = httpx.post(f"{ready['url']}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(f"{ready['url']}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0},
+                       headers=auth, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
-        assert httpx.get(f"{ready['url']}/health", timeout=10).status_code == 401
+        whole = r.json()["choices"][0]["text"]
+        with httpx.stream("POST", f"{ready['url']}/v1/completions", headers=auth, timeout=60,
+                          json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0, "stream": True}) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole  # greedy: the same text either way
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        metrics = scrape(ready["url"], headers=auth)
+        assert metrics['gpt2x:request_success_total{finished_reason="length",model_name="shakespeare"}'] \
+            + metrics['gpt2x:request_success_total{finished_reason="stop",model_name="shakespeare"}'] == 2
+        assert metrics['gpt2x:prompt_tokens_total{model_name="shakespeare"}'] == 2 * r.json()["usage"]["prompt_tokens"]
+        assert metrics['gpt2x:num_replicas{model_name="shakespeare"}'] == 1
+        for route in ("/health", "/metrics", "/v1/models"):
+            assert httpx.get(f"{ready['url']}{route}", timeout=10).status_code == 401
+        assert httpx.get(f"{ready['url']}/openapi.json", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(90)
         err = proc.stderr.read()
@@ -98,6 +134,7 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port):
             proc.wait()
 
 
+@RAY
 def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, reserve_port):
     """`ray start --head` (blocking, so that stopping it stops its processes), then `gpt2x serve
     --address` onto it: it answers, and SIGTERM removes the application, not the cluster."""
@@ -198,28 +235,31 @@ def assert_clean(answers: list[tuple]) -> dict:
     return ways
 
 
-@pytest.mark.parametrize("how", ["sigterm-to-the-group", "sigint-to-the-pid"])
-def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port, how):
+@pytest.mark.parametrize("mode,how", [
+    pytest.param(mode, how, id=f"{mode}-{how}", marks=[RAY] if mode == "ray" else [])
+    for mode in ("embedded", "ray") for how in ("sigterm-to-the-group", "sigint-to-the-pid")])
+def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port, mode, how):
     """`gpt2x serve` in a session of its own (as systemd and most process managers start it), signalled
     with requests in flight: every request ends cleanly, the command exits 0 within 10 s with one
     "stopped" line, and nothing it started (Ray's GCS, raylet, agents, replicas: its descendants while
-    it ran, and its session) is left."""
+    it ran, and its session) is left. Embedded: one replica in the command's process; on Ray: two."""
     port = reserve_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    replicas = ["--replicas", "2"] if mode == "ray" else []
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
-                             "--json", "--threads", "1", "--replicas", "2", "--max-batch-size", "2", "--max-waiting", "6"],
+                             "--json", "--threads", "1", *replicas, "--max-batch-size", "2", "--max-waiting", "6"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         ready = json.loads(read_line(proc, 180))
         url = ready["url"]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3}, timeout=60).status_code == 200
         started = {p.pid: p.create_time() for p in psutil.Process(proc.pid).children(recursive=True)}
-        assert len(started) >= 4  # Ray's processes and the replicas, under this one
+        assert len(started) >= 4 if mode == "ray" else started == {}  # Ray's processes and the replicas; or none
 
         result: dict = {}
         load = threading.Thread(target=lambda: result.update(answers=asyncio.run(in_flight(url, 24))))
         load.start()
-        time.sleep(1.0)  # the requests are in: two replicas each decode two, queue up to six, refuse the rest
+        time.sleep(1.0)  # the requests are in: each replica decodes two, queues up to six, refuses the rest
         signalled = time.monotonic()
         if how == "sigterm-to-the-group":
             os.killpg(proc.pid, signal.SIGTERM)
@@ -229,7 +269,7 @@ def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port,
         took = time.monotonic() - signalled
         load.join(60)
         out, err = proc.communicate()
-        print(f"{how}: exit {code} {took:.2f} s after the signal; requests: {assert_clean(result['answers'])}")
+        print(f"{mode} {how}: exit {code} {took:.2f} s after the signal; requests: {assert_clean(result['answers'])}")
         assert code == 0, err
         assert took <= STOP_WITHIN_S, f"stopped {took:.1f} s after the signal"
         lines = err.strip().splitlines()

@@ -1,4 +1,5 @@
-"""`gpt2x serve`: an export behind an OpenAI-compatible completions API on Ray Serve."""
+"""`gpt2x serve`: an export behind an OpenAI-compatible completions API, in this process (one replica on
+this machine: serve/embedded.py) or on Ray Serve (replicas, a cluster, or `--ray`: serve/deploy.py)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind (127.0.0.1: this machine only; 0.0.0.0 for every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
     address: Annotated[Optional[str], typer.Option(help="An existing Ray cluster (ray://HEAD:10001 or auto) instead of a local Ray instance.")] = None,
+    use_ray: Annotated[bool, typer.Option("--ray", help=(
+        "Serve through Ray Serve even with one replica on this machine (by default one replica runs in this "
+        "process, without Ray; more replicas, or --address, always use Ray)."))] = False,
     api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", show_default=False,
                                                    help="Require Authorization: Bearer KEY on every request.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the export's model name).")] = None,
@@ -86,11 +90,12 @@ def serve(
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
     """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics, /tokenize,
-    /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops."""
+    /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops.
+    One replica on this machine runs in this process; --replicas N > 1, --address or --ray serve through Ray Serve."""
     require_serve_extra()
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
-    from ..serve.deploy import ReplicaConfig, ServeSettings, describe, serve_until_stopped
     from ..serve.draft import prepare_draft
+    from ..serve.embedded import ReplicaConfig, ServeSettings, describe, serve_in_process
     from ..serve.engine import EngineSettings, refuse_batched_draft
 
     if backend is BackendKind.torch:
@@ -105,7 +110,8 @@ def serve(
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=batch_wait_ms / 1000)
-    settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica)
+    settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
+                             ray=use_ray)
     settings.validate()
     if draft is not None:
         refuse_batched_draft(max_batch_size)
@@ -129,15 +135,20 @@ def serve(
             print(json.dumps(describe(config, settings)), flush=True)
         else:
             with_draft = "" if draft is None else f", draft {draft}"
-            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s), {backend.value} on {provider.value}"
-                      f"{with_draft}); Ctrl-C to stop", markup=False)
+            where = "in this process" if settings.embedded else "on Ray Serve"
+            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s) {where}, {backend.value} on "
+                      f"{provider.value}{with_draft}); Ctrl-C to stop", markup=False)
         err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
 
-    status = Status("starting Ray Serve")
+    if settings.embedded:
+        run = serve_in_process
+    else:  # deferred further: importing Ray takes seconds the embedded path does not spend
+        from ..serve.deploy import serve_until_stopped as run
+    status = Status("starting" if settings.embedded else "starting Ray Serve")
     status.__enter__()
     try:
-        serve_until_stopped(config, settings, ready, progress_to(status))
+        run(config, settings, ready, progress_to(status))
     finally:
         status.__exit__(None, None, None)
     err.print("stopped", markup=False)

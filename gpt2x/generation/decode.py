@@ -14,7 +14,9 @@ the tokens it has kept: `Sequence.history`, live).
 Rows that share one Sampler (generate's and generate_until's batch: one seeded stream, as they have
 always drawn) draw together, row by row, every row of the group while any of them is unfinished, so
 that a row that ends does not move the draws of the others. A row with a sampler of its own (the
-serving engine's) draws only while it runs: its tokens are those of the same prompt decoded alone.
+serving engine's) draws only while it runs: its tokens are those of the same prompt decoded alone;
+such rows are sampled together (sampling.sample_many: one NumPy pass over the rows whose processor
+lists are of one shape, each row drawing from its own generator).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..runtime.base import Backend, greedy_step
 from ..tokenizer import EOT_ID
 from .logprobs import LogprobEntry, token_logprobs
 from .processors import History
-from .sampling import Sampler
+from .sampling import Sampler, sample_many
 from .settings import Finish, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
 
@@ -140,15 +142,19 @@ def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None
     for i in index:
         groups.setdefault(id(seqs[i].sampler), []).append(i)
     drawn = np.full(len(logits), EOT_ID, dtype=np.int64)
+    alone: list[int] = []  # unfinished rows with a sampler of their own: sampled together (sample_many)
     for members in groups.values():
         if all(seqs[i].finish is not None for i in members):
             continue
         sampler = seqs[members[0]].sampler
         if len(members) == 1:
-            drawn[members[0]] = sampler(logits[members[0] : members[0] + 1], [seqs[members[0]].history])[0]
+            alone.append(members[0])
         else:  # every row of the group, finished or not, in row order: the stream moves as it always has
             drawn[members] = sampler(logits if rows is None and len(members) == len(logits) else logits[members],
                                      [seqs[i].history for i in members])
+    if alone:
+        alone.sort()
+        drawn[alone] = sample_many([seqs[i].sampler for i in alone], logits[alone], [seqs[i].history for i in alone])
     return _accept(seqs, drawn.tolist(), index, logits)
 
 

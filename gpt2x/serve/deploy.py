@@ -1,4 +1,5 @@
-"""`gpt2x serve` on Ray Serve: one deployment whose replicas each load the export once and batch the
+"""`gpt2x serve` on Ray Serve (more than one replica, a cluster, or one replica asked to run on Ray;
+embedded.py serves one replica in this process without Ray): one deployment whose replicas each load the export once and batch the
 requests they are routed (engine.py), behind a FastAPI ingress with OpenAI's completions routes.
 
 The same application runs on a local Ray instance started here (the default, on 127.0.0.1) and on an
@@ -38,8 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 
 import ray
 from fastapi import Request
@@ -48,17 +48,24 @@ from ray._private import services as ray_services  # Ray's process launcher (ray
 from ray._private import utils as ray_utils  # where Ray installs its SIGTERM handlers (rays_sigterm_handlers_left_out)
 from ray.exceptions import RayError
 
-from ..choices import BackendKind, Progress, ProviderKind, no_progress
+from ..choices import Progress, no_progress
 from ..errors import ServeError, UsageError
-from ..generation.speculative import DraftSettings, ModelDrafter
-from ..onnx.artifact import read_export
-from ..workflows import export_backend, open_drafter
-from .engine import EngineSettings, refuse_batched_draft
+from .embedded import (  # what both paths share; re-exported here for the callers that use Ray Serve
+    APP_NAME,
+    SHUTTING_DOWN,
+    STOP_GRACE_S,
+    STOP_SIGNALS,
+    ReplicaConfig,
+    ServeSettings,
+    close_service,
+    describe,
+    open_service,
+)
+from .engine import refuse_batched_draft
 from .http import (
     COMPLETIONS_ROUTE,
     DETOKENIZE_ROUTE,
     HEALTH_ROUTE,
-    MAX_BODY_BYTES,
     METRICS_ROUTE,
     MODELS_ROUTE,
     TOKENIZE_ROUTE,
@@ -66,84 +73,18 @@ from .http import (
     new_app,
 )
 from .metrics import STALE_S
-from .service import CompletionService
+
+__all__ = ["APP_NAME", "SHUTTING_DOWN", "STOP_GRACE_S", "ReplicaConfig", "ServeSettings", "describe", "serve_until_stopped",
+           "start", "stop"]
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "gpt2x"
 REFUSAL_HEADROOM = 64  # requests per replica beyond its batch and queue that reach it only to be refused
-STOP_GRACE_S = 3.0  # at a stop, requests in flight get this long to finish before they end with an error
 REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
 HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
 PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
 HUB_NAMESPACE = "gpt2x"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-SHUTTING_DOWN = "the server is shutting down"
 app = new_app()  # /openapi.json and /docs describe the routes below (http.py); they need no API key
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    """What every replica needs to load and serve: sent to the replicas, so plain values only."""
-
-    export: str  # the export folder, an absolute path that exists on every node
-    model_id: str  # the name clients send as "model" (no request can name another, or a path)
-    backend: str = BackendKind.ort.value
-    provider: str = ProviderKind.cpu.value
-    threads: int | None = None
-    engine: EngineSettings = field(default_factory=EngineSettings)
-    api_key: str | None = None
-    max_body_bytes: int = MAX_BODY_BYTES
-    # ONNX Runtime's in-place KV cache (int8/int4 graphs). None: wherever the graph allows it when not
-    # batching, the growing cache when batching; True requires it, False refuses it. A batch's rows
-    # leave and join inside the in-place buffers (kvbuffers.merge_rows, copying only the rows that
-    # move), but a join that needs more rows than the buffers hold moves every row into fresh memory,
-    # whose first touch is slow on this kind of VM, while the growing cache reuses ONNX Runtime's
-    # arena: benchmarks/engine_load.py measured int8 at 16 concurrent requests at 471 tok/s growing
-    # against 399 in place (that one merge: 562 ms against 24).
-    in_place_kv: bool | None = None
-    # Speculative decoding (engine.py, at max batch size 1): the draft as the user named it (int4,
-    # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
-    # backend (workflows.open_drafter): `ngram` or the draft's export folder, resolved and exported by
-    # the command before Ray starts (draft.prepare_draft); None: `draft` itself.
-    draft: str | None = None
-    draft_source: str | None = None
-    draft_settings: DraftSettings = field(default_factory=DraftSettings)
-    # The application's hub (MetricsHub), by name in HUB_NAMESPACE: set by `application`. None: each
-    # replica's /metrics is its own, and a stop is Ray Serve's alone.
-    metrics_hub: str | None = None
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Where and how many: replicas, the HTTP address, and the Ray cluster (None: a local one)."""
-
-    replicas: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    address: str | None = None
-    cpus_per_replica: float = 1.0
-    route_prefix: str = "/"
-    app_name: str = APP_NAME
-
-    def validate(self) -> None:
-        if self.replicas < 1:
-            raise UsageError(f"replicas must be at least 1, got {self.replicas}", option="replicas")
-        if not 0 <= self.port <= 65535:
-            raise UsageError(f"port must be in [0, 65535], got {self.port}", option="port")
-        if self.cpus_per_replica < 0:
-            raise UsageError(f"cpus_per_replica must be >= 0, got {self.cpus_per_replica}", option="cpus_per_replica")
-        if self.address is None:
-            needed = self.replicas * self.cpus_per_replica
-            if needed > (os.cpu_count() or 1):
-                raise UsageError(f"replicas: {self.replicas} replicas of {self.cpus_per_replica:g} CPU need {needed:g} CPUs; "
-                                 f"this machine has {os.cpu_count()} (fewer replicas, or a smaller cpus_per_replica)",
-                                 option="replicas")
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
 
 
 @ray.remote(num_cpus=0)
@@ -224,19 +165,8 @@ class Gpt2xReplica:
     """One replica: the export loaded once, an engine batching the requests routed here."""
 
     def __init__(self, config: ReplicaConfig):
-        info = read_export(Path(config.export))
-        in_place = config.in_place_kv
-        if in_place is None and config.engine.max_batch_size > 1:
-            in_place = False  # a batching replica keeps the growing cache (see ReplicaConfig)
-        backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
-                                 in_place_kv=in_place)
-        drafter = None
-        if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
-            drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
-                                   ProviderKind(config.provider), None, config.draft_settings)
         replica = serve.get_replica_context().replica_id.unique_id
-        self.service = CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
-                                         config.draft)
+        self.service = open_service(config, replica)
         self.exchange = None
         if config.metrics_hub is not None:
             try:
@@ -294,11 +224,8 @@ class Gpt2xReplica:
         if closing is not None:
             closing.set()
         service = getattr(self, "service", None)
-        if service is not None and service.close():  # the engine stopped: release what this replica opened
-            service.backend.close()
-            if isinstance(service.drafter, ModelDrafter):
-                service.drafter.backend.close()
-
+        if service is not None:  # the engine stopped: release what this replica opened
+            close_service(service)
 
 def hub_name(settings: ServeSettings) -> str:
     return f"metrics-hub:{settings.app_name}"
@@ -580,11 +507,3 @@ def _restore(handlers: dict) -> None:
     for sig, handler in handlers.items():
         if handler is not None:
             signal.signal(sig, handler)
-
-
-def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:
-    """What is served, for the CLI's report (no API key)."""
-    draft = {} if config.draft is None else {"draft": config.draft, "draft_settings": asdict(config.draft_settings)}
-    return {"url": settings.url, "model": config.model_id, "export": config.export, "backend": config.backend,
-            "provider": config.provider, "replicas": settings.replicas, "ray": settings.address or "local",
-            "engine": asdict(config.engine), **draft, "api_key": config.api_key is not None}
