@@ -111,14 +111,7 @@ def read_text_file(path: Path, what: str) -> str:
 
 
 def read_prompts_file(path: Path) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"prompts file not found: {path}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"prompts file is not UTF-8 text: {path}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read prompts file {path}: {e.strerror}") from None
+    text = read_text_file(path, "prompts file")
     prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UsageError(f"prompts file has no prompts (one per line): {path}")

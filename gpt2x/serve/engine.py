@@ -214,7 +214,7 @@ class Engine:
                 return
             joiners: list[Row] = []
             if self.joins and self.scheduler.join_due(len(live)):
-                width = batch.mask.shape[1] - _unused(batch, live)
+                width = batch.mask.shape[1] - unused_columns(batch.mask[live])
                 joiners = self.scheduler.take([batch.rows[i] for i in live], width)
                 if joiners:
                     self._batch = batch.rows + joiners
@@ -293,7 +293,3 @@ class Engine:
 def _told_nothing(kind: str, value: object) -> None:
     """The callback of a row that was told its end already (Engine.abort)."""
 
-
-def _unused(batch: Batch, live: list[int]) -> int:
-    """Leading mask columns none of the live rows uses."""
-    return unused_columns(batch.mask[live])
