@@ -138,7 +138,8 @@ def test_echo_scoring_equals_a_no_cache_forward(client, reference):
     """echo + max_tokens 0 + logprobs: the prompts' text and logprobs only, as lm-eval scores them."""
     body = post(client, prompt=PROMPTS, max_tokens=0, echo=True, logprobs=5)
     assert body["usage"] == {"prompt_tokens": sum(len(encode(p)) for p in PROMPTS), "completion_tokens": 0,
-                             "total_tokens": sum(len(encode(p)) for p in PROMPTS)}
+                             "total_tokens": sum(len(encode(p)) for p in PROMPTS),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # scored only: never prefilled
     for i, prompt in enumerate(PROMPTS):
         c = body["choices"][i]
         assert c["index"] == i and c["text"] == prompt and c["finish_reason"] == "length"
@@ -440,7 +441,8 @@ def test_n_choices_are_seeded_seed_plus_i_as_vllm_does(client, reference):
     alone = post(client, prompt=prompts[1], seed=8, temperature=0.9, top_k=20, max_tokens=12, presence_penalty=0.5)
     assert alone["choices"][0]["text"] == body["choices"][4]["text"]
     assert body["usage"] == {"prompt_tokens": sum(len(encode(p)) for p in prompts), "completion_tokens": completion,
-                             "total_tokens": sum(len(encode(p)) for p in prompts) + completion}
+                             "total_tokens": sum(len(encode(p)) for p in prompts) + completion,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # prompts under one block
     got, _ = streamed(client, prompt=prompts, n=3, seed=7, temperature=0.9, top_k=20, max_tokens=12, presence_penalty=0.5)
     assert {i: (g["text"], g["finish_reason"]) for i, g in got.items()} == \
         {c["index"]: (c["text"], c["finish_reason"]) for c in body["choices"]}

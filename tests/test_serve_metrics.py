@@ -22,6 +22,8 @@ from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 KEY = "metrics-key-7"
+LINES_FOR_CACHE = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer",
+                   "The slings and arrows of outrageous fortune,", "Or to take arms against a sea of troubles"]
 # gpt2x's names and vLLM's (the README's table): every one of these is on /metrics.
 NAMES = {
     "gpt2x:num_requests_running": ("gauge", "vllm:num_requests_running"),
@@ -33,6 +35,8 @@ NAMES = {
     "gpt2x:inter_token_latency_seconds": ("histogram", "vllm:inter_token_latency_seconds"),
     "gpt2x:e2e_request_latency_seconds": ("histogram", "vllm:e2e_request_latency_seconds"),
     "gpt2x:num_replicas": ("gauge", None),
+    "gpt2x:prefix_cache_queries": ("counter", "vllm:prefix_cache_queries_total"),
+    "gpt2x:prefix_cache_hits": ("counter", "vllm:prefix_cache_hits_total"),
 }
 
 
@@ -275,6 +279,26 @@ def test_speculative_counters_are_the_engines(export_dir):
     assert value(families, "gpt2x:spec_decode_num_accepted_tokens",
                  "gpt2x:spec_decode_num_accepted_tokens_total") == h["accepted"]
     assert histogram_count(families, "time_to_first_token_seconds") == 3  # one per choice, drafted or not
+
+
+def test_prefix_cache_counters_are_what_the_responses_said(client):
+    """The prefix cache's counters (vLLM's, in tokens) move by the prompt tokens looked up and by the
+    cached tokens the responses state (usage.prompt_tokens_details): a prompt sent again finds every
+    whole block of it but the one holding its last token (16 tokens a block), streamed or not."""
+    prompt = " ".join(LINES_FOR_CACHE)
+    ids = encode(prompt)
+    before = scrape(client.get("/metrics").text)
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+    again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+    streamed_usage, _ = streamed(client, {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+    after = scrape(client.get("/metrics").text)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"] == streamed_usage["prompt_tokens_details"] == \
+        {"cached_tokens": (len(ids) - 1) // 16 * 16}
+    hits = [u["prompt_tokens_details"]["cached_tokens"] for u in (first["usage"], again["usage"], streamed_usage)]
+    moved = {name: value(after, f"gpt2x:{name}", f"gpt2x:{name}_total") - value(before, f"gpt2x:{name}", f"gpt2x:{name}_total")
+             for name in ("prefix_cache_queries", "prefix_cache_hits")}
+    assert moved == {"prefix_cache_queries": 3 * len(ids), "prefix_cache_hits": sum(hits)}
 
 
 def test_no_speculative_counters_without_a_draft(client):

@@ -13,6 +13,8 @@ import typer
 from ..choices import BackendKind, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
+from ..serve.prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from ..serve.scheduler import EngineSettings
 from ..workflows import DRAFT_HELP, require_provider, resolve_export
 from .options import (
     ExportsOpt,
@@ -78,6 +80,12 @@ def serve(
     max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
     continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
     batch_wait_ms: Annotated[float, typer.Option(help="A new batch waits this long for requests arriving together.")] = 2.0,
+    prefix_cache_mb: Annotated[float, typer.Option(
+        help="Host memory per replica for the KV of prompt prefixes, reused by later prompts that begin the same way "
+        "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
+    prefill_chunk: Annotated[int, typer.Option(
+        help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
+        "keep streaming (0: whole).")] = EngineSettings.prefill_chunk,
     cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
@@ -96,7 +104,7 @@ def serve(
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
     from ..serve.draft import prepare_draft
     from ..serve.embedded import ReplicaConfig, ServeSettings, describe, serve_in_process
-    from ..serve.engine import EngineSettings, refuse_batched_draft
+    from ..serve.engine import refuse_batched_draft
 
     if backend is BackendKind.torch:
         raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
@@ -109,7 +117,7 @@ def serve(
         max_batch_size = 1 if draft is not None else 16
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
-                            batch_wait_s=batch_wait_ms / 1000)
+                            batch_wait_s=batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)
     settings.validate()

@@ -8,11 +8,20 @@ Requests that arrive together start as one batch (prefill, then one decode step 
 rows). A row that finishes (end of text, its token budget, or cancelled because its client left or
 hit a stop string) stops being read at once and leaves the batch's cache at the next regrouping, so
 the batch stops computing rows nobody reads. With continuous batching on, waiting requests also join
-a running batch between decode steps: they are prefilled on their own (one batch of joiners), sample
-their first token, and their cache is merged into the batch's with the cache's `merge`
-(runtime.base.KVCache), every row right-aligned to the batch's width (left padding, masked out). A
-join is made only when every row keeps room in the model's context; a backend that cannot take a
-cache from elsewhere (onnxruntime-genai) batches statically.
+a running batch between decode steps: they are prefilled on their own (one batch of joiners), in
+chunks of `prefill_chunk` tokens, one chunk before each decode step of the running rows, so that a
+long prompt joining does not stall the rows streaming (chunked prefill; the rows' tokens are the
+same); then they sample their first token, and their cache is merged into the batch's with the
+cache's `merge` (runtime.base.KVCache), every row right-aligned to the batch's width (left padding,
+masked out). A join is made only when every row keeps room in the model's context, counting the
+steps its chunks take; a backend that cannot take a cache from elsewhere (onnxruntime-genai) batches
+statically.
+
+Prefix caching (serve/prefix_cache.py): every prefill keeps its prompts' whole blocks of KV in a
+host-memory cache under `prefix_cache_mb`, and a later prompt that begins with blocks held there
+takes them as its past and prefills only the rest (runner.Runner.begin); a row's `cached_tokens`
+says how many, and stats() counts the tokens looked up and found. On backends that take a cache
+made elsewhere (capabilities.takes_past): not onnxruntime-genai.
 
 Every row samples with its own Sampler seeded by its request, one uniform per step: the tokens are
 those `gpt2x generate` gives for the same prompt, settings and seed (generation.sampling).
@@ -58,7 +67,8 @@ from ..generation.logprobs import LogprobEntry
 from ..generation.settings import Finish
 from ..generation.speculative import Drafter, DraftSettings
 from ..runtime.base import Backend
-from .runner import Batch, Runner
+from .prefix_cache import PrefixCache
+from .runner import Batch, Prefill, Runner
 from .scheduler import EngineClosed, EngineSettings, QueueFull, Row, Scheduler, Sink, unused_columns
 
 __all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "Observer", "QueueFull", "Row", "Sink",
@@ -100,7 +110,11 @@ class Engine:
         if drafter is not None:
             self.counters.update(drafted=0, accepted=0, drafts=0)
         self.scheduler = Scheduler(settings, backend.n_positions)
-        self.runner = Runner(backend, self.counters, drafter, draft_settings)
+        # Prefix caching needs a backend that steps from a cache made elsewhere (its blocks): not
+        # onnxruntime-genai, whose generator owns its cache.
+        self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20)) \
+            if settings.prefix_cache_mb and backend.capabilities.takes_past else None
+        self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self._batch: list[Row] = []  # the rows of the batch in flight, told of a failure (the engine thread's)
         self.observer: Observer | None = None  # told each token as it is told (serve/metrics.py)
@@ -129,8 +143,13 @@ class Engine:
         return self.scheduler.closed
 
     def stats(self) -> dict:
+        """Gauges and counters: rows running and waiting, the counters, and with a prefix cache the
+        prompt tokens looked up in it and found (`prefix_cache_queries`, `prefix_cache_hits`)."""
         running, waiting = self.scheduler.counts()
-        return {"running": running, "waiting": waiting, **self.counters}
+        stats = {"running": running, "waiting": waiting, **self.counters}
+        if self.prefix_cache is not None:
+            stats.update(prefix_cache_queries=self.prefix_cache.queries, prefix_cache_hits=self.prefix_cache.hits)
+        return stats
 
     def close(self, timeout: float = 10.0) -> bool:
         """Refuse new rows, let the thread finish the batch in flight (rows still waiting are told the
@@ -202,45 +221,55 @@ class Engine:
             self.scheduler.set_running(0)
 
     def _run_batch(self, rows: list[Row]) -> None:
-        """Prefill `rows`, then decode until every row (including any that joined) has finished. Joins
-        wait until the scheduler says one is due; the batch regroups when rows join or half of it has
+        """Prefill `rows` (whole: no row is running yet), then decode until every row (including any
+        that joined) has finished. Joins wait until the scheduler says one is due; the joiners are
+        prefilled a chunk before each decode step (prefill_chunk tokens) while rows run, and join at
+        the step after their last chunk. The batch regroups when rows join or half of it has
         finished."""
         self.counters["batches"] += 1
         batch, events = self.runner.prefill(rows)
         self._tell_events(batch.rows, events)
+        pending: Prefill | None = None  # joiners being prefilled
         while True:
             live = batch.live()
-            if not live:
-                return
-            joiners: list[Row] = []
-            if self.joins and self.scheduler.join_due(len(live)):
+            if pending is None and live and self.joins and self.scheduler.join_due(len(live)):
                 width = batch.mask.shape[1] - unused_columns(batch.mask[live])
-                joiners = self.scheduler.take([batch.rows[i] for i in live], width)
+                joiners = self._start(self.scheduler.take([batch.rows[i] for i in live], width))
                 if joiners:
-                    self._batch = batch.rows + joiners
-                    joiners = self._start(joiners)
-            if self.scheduler.regroup_due(len(live), len(batch.rows), bool(joiners)):
-                self._batch = batch.rows + joiners  # told of a failure from here on
-                batch = self._regroup(batch, live, joiners)
-                self._batch = batch.rows
-            self.scheduler.set_running(sum(not r.finished for r in batch.rows))
+                    self.counters["joins"] += 1
+                    pending = self.runner.begin(joiners)
+            joined = None
+            if pending is not None:
+                self._batch = batch.rows + pending.rows  # told of a failure from here on
+                chunk = (self.settings.prefill_chunk or None) if live else None  # nobody to stall: whole
+                done = self.runner.advance(pending, chunk)
+                if done is not None:
+                    joined, events = done
+                    pending = None
+                    self._tell_events(joined.rows, events)
+            if not live and joined is None:
+                return
+            if self.scheduler.regroup_due(len(live), len(batch.rows), joined is not None):
+                batch = self._regroup(batch, live, joined)
+            self._batch = batch.rows + ([] if pending is None else pending.rows)
+            if not batch.live():
+                continue  # every row ended (joiners at their first token); a prefill may still be under way
+            self.scheduler.set_running(sum(not r.finished for r in self._batch))
             self._tell_events(batch.rows, self.runner.step(batch))
 
-    def _regroup(self, batch: Batch, live: list[int], joiners: list[Row]) -> Batch:
-        """The batch with its finished rows gone and `joiners` (prefilled here on their own, their first
-        token sampled) in, laid out as the scheduler plans."""
-        joined, jlive = None, []
-        if joiners:
-            self.counters["joins"] += 1
-            joined, events = self.runner.prefill(joiners)
-            self._tell_events(joiners, events)
-            jlive = joined.live()
-            if not jlive and 2 * len(live) > len(batch.rows):  # every joiner ended at its first token
-                return batch
+    def _regroup(self, batch: Batch, live: list[int], joined: Batch | None) -> Batch:
+        """The batch with its finished rows gone and the `joined` rows (prefilled, their first token
+        sampled) in, laid out as the scheduler plans."""
+        jlive = [] if joined is None else joined.live()
+        if joined is not None and not jlive and 2 * len(live) > len(batch.rows):  # every joiner ended at its first token
+            return batch
+        if not live and not jlive:
+            return batch  # nothing left to decode
         if not jlive:
             self.counters["compactions"] += 1
         jmask = joined.mask if joined is not None else batch.mask[:0]
-        order, width = self.scheduler.plan_regroup(batch.rows, batch.mask, live, joiners, jmask, jlive)
+        order, width = self.scheduler.plan_regroup(batch.rows, batch.mask, live, [] if joined is None else joined.rows,
+                                                   jmask, jlive)
         return self.runner.merge(batch, joined if jlive else None, order, width)
 
     def _start(self, rows: list[Row]) -> list[Row]:

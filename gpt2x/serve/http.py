@@ -264,7 +264,7 @@ class HttpApi:
                 chunk = json.loads(event[len("data: "):])
                 ended += [(c["finish_reason"], time.monotonic() - started) for c in chunk["choices"] if c["finish_reason"]]
             elif event.startswith("data: [DONE]") and not failed:
-                usage = api.usage(pending.req, pending.texts)  # what the usage chunk says
+                usage = pending.usage()  # what the usage chunk says
                 await self._answered(usage.prompt_tokens, usage.completion_tokens, ended)
             yield event
 

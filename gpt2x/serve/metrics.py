@@ -58,9 +58,19 @@ E2E = HistogramSpec("e2e_request_latency_seconds", "Histogram of e2e request lat
     240.0, 480.0, 960.0, 1920.0, 7680.0))
 HISTOGRAMS = (TTFT, ITL, E2E)
 
-# The engine's speculative counters (engine.stats(): a replica with a draft) and their vLLM names.
-SPEC_COUNTERS = {"drafts": "spec_decode_num_drafts", "drafted": "spec_decode_num_draft_tokens",
-                 "accepted": "spec_decode_num_accepted_tokens"}
+# The engine's counters that a replica may have (engine.stats(): speculative ones with a draft, the
+# prefix cache's with one) and their vLLM names.
+ENGINE_COUNTERS = {"drafts": "spec_decode_num_drafts", "drafted": "spec_decode_num_draft_tokens",
+                   "accepted": "spec_decode_num_accepted_tokens", "prefix_cache_queries": "prefix_cache_queries",
+                   "prefix_cache_hits": "prefix_cache_hits"}
+# Written only where a replica has them (vLLM writes its speculative ones only with a draft), with vLLM's help.
+OPTIONAL_COUNTERS = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+}
 
 
 class Histogram:
@@ -119,7 +129,7 @@ class ReplicaMetrics:
         stats = self._engine.stats() if self._engine is not None else {}
         with self._lock:
             counters = {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
-                        **{name: stats[key] for key, name in SPEC_COUNTERS.items() if key in stats}}
+                        **{name: stats[key] for key, name in ENGINE_COUNTERS.items() if key in stats}}
             return {
                 "at": time.time(), "drained": self.drained, "counters": counters, "success": dict(self.success),
                 "gauges": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0)},
@@ -181,14 +191,10 @@ class _Collector:
         for reason, value in sorted(m["success"].items()):
             success.add_metric([self.model, reason], value)
         yield success
-        spec = {name: value for name, value in m["counters"].items() if name in SPEC_COUNTERS.values()}
-        texts = {"spec_decode_num_drafts": "Number of spec decoding drafts.",
-                 "spec_decode_num_draft_tokens": "Number of draft tokens.",
-                 "spec_decode_num_accepted_tokens": "Number of accepted tokens."}
-        for name in SPEC_COUNTERS.values():  # only where a replica decodes with a draft (vLLM: only with one)
-            if name in spec:
-                c = CounterMetricFamily(PREFIX + name, texts[name], labels=labels)
-                c.add_metric(model, spec[name])
+        for name, text in OPTIONAL_COUNTERS.items():  # only where a replica has them
+            if name in m["counters"]:
+                c = CounterMetricFamily(PREFIX + name, text, labels=labels)
+                c.add_metric(model, m["counters"][name])
                 yield c
         for hspec in HISTOGRAMS:
             h = m["histograms"][hspec.name]

@@ -246,10 +246,15 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionResponse(BaseModel):
@@ -669,10 +674,13 @@ def choice(index: int, text: str, reason: str | None, logprobs: dict | None = No
     return Choice(index=index, text=text, logprobs=None if logprobs is None else Logprobs(**logprobs), finish_reason=reason)
 
 
-def usage(req: CompletionRequest, texts: list[ChoiceText]) -> Usage:
+def usage(req: CompletionRequest, texts: list[ChoiceText], cached_tokens: int = 0) -> Usage:
+    """Each prompt's tokens once (as vLLM counts them), every choice's completion tokens, and the
+    prompt tokens the prefix cache held."""
     prompt = sum(len(p) for p in req.prompt_ids)
     completion = sum(t.tokens for t in texts)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | None) -> CompletionResponse:

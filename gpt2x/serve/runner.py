@@ -20,6 +20,7 @@ from ..generation.logprobs import LogprobEntry, token_logprobs
 from ..generation.speculative import Drafter, DraftSettings
 from ..numerics import positions
 from ..runtime.base import Backend
+from .prefix_cache import PrefixCache
 from .scheduler import Row
 
 
@@ -37,23 +38,52 @@ class Batch:
         return [i for i, r in enumerate(self.rows) if not r.finished]
 
 
+@dataclass
+class Prefill:
+    """A prefill under way (Runner.begin, Runner.advance): its rows, the distinct prompts that run (U)
+    and which of them each row is (`index`, None when they are all distinct), the tokens to run
+    (U, T), left-padded, the attention mask over the past and them (U, K + T), the cache so far, and
+    how many of the T columns have run."""
+
+    rows: list[Row]
+    prompts: list[list[int]]
+    index: np.ndarray | None
+    ids: np.ndarray
+    mask: np.ndarray
+    past: Any
+    done: int = 0
+
+
 class Runner:
     """Steps batches of rows on one backend (not thread-safe: the engine's thread only). `counters`
     is the engine's: the runner counts its model steps in it."""
 
     def __init__(self, backend: Backend, counters: dict[str, int], drafter: Drafter | None = None,
-                 draft_settings: DraftSettings | None = None):
+                 draft_settings: DraftSettings | None = None, prefix_cache: PrefixCache | None = None):
         self.backend = backend
+        self.prefix_cache = prefix_cache  # with capabilities.takes_past only (a past made from its blocks)
         self.counters = counters
         self.drafter = drafter
         self.draft_settings = draft_settings or DraftSettings()
 
     def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
-        """The rows as a new left-padded batch, prefilled, each row's first token sampled. Rows with
-        the same prompt ids (a request's n choices) are prefilled once: the distinct prompts run, and
-        their cache rows (`KVCache.reorder`), mask rows and logits are duplicated for the others. (On a
+        """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end)."""
+        result = self.advance(self.begin(rows), None)
+        assert result is not None
+        return result
+
+    def begin(self, rows: list[Row]) -> Prefill:
+        """The rows' prefill, planned and not yet run (`advance` runs it). Rows with the same prompt ids
+        (a request's n choices) are prefilled once: the distinct prompts run, and their cache rows
+        (`KVCache.reorder`), mask rows and logits are duplicated for the others at the end. (On a
         backend whose cache rows do not move, capabilities.joins_rows False, every row is prefilled:
-        onnxruntime-genai reorders by replaying, which would prefill them all again.)"""
+        onnxruntime-genai reorders by replaying, which would prefill them all again.)
+
+        With a prefix cache, each distinct prompt's leading blocks held there are its past: the
+        prefill runs on T columns, T the longest rest of a prompt after its cached blocks, every row
+        fed its last T tokens (or all of them, left-padded) and its tokens before those taken from
+        the prefix cache, so that each row's tokens stay contiguous and right-aligned (as in any
+        left-padded batch). `row.cached_tokens` says how many tokens each row took from it."""
         prompts = [r.prompt_ids for r in rows]
         index = None
         if self.backend.capabilities.joins_rows:
@@ -61,13 +91,61 @@ class Runner:
             which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
             if len(distinct) < len(rows):
                 prompts, index = [list(p) for p in distinct], np.asarray(which, dtype=np.int64)
-        ids, mask = left_pad(prompts)  # (U, L): U distinct prompts
-        logits, past = self.backend.step(ids, mask, positions(mask, ids.shape[1]), None)  # (U, V)
+        hits = [self.prefix_cache.lookup(p) for p in prompts] if self.prefix_cache is not None else [[] for _ in prompts]
+        block = self.prefix_cache.block_tokens if self.prefix_cache is not None else 0
+        T = max(len(p) - len(h) * block for p, h in zip(prompts, hits))  # columns to run
+        cached = [max(0, len(p) - T) for p in prompts]  # tokens before a row's last T: from the prefix cache
+        ids, run_mask = left_pad([p[c:] for p, c in zip(prompts, cached)])  # (U, T)
+        K = max(cached)
+        past = None
+        if K:
+            layers, heads, _, dim = next(h for h in hits if h)[0].kv.shape
+            kv = np.zeros((layers, len(prompts), heads, K, dim), dtype=np.float32)  # (2L, U, H, K, D)
+            arrays = list(kv)
+            for u, (h, c) in enumerate(zip(hits, cached)):
+                if c:
+                    self.prefix_cache.gather(h, c, arrays, u)
+            past = self.backend.past_from_numpy(arrays)
+        past_mask = (np.arange(K)[None, :] >= K - np.asarray(cached)[:, None]).astype(np.int64)  # (U, K)
+        for row, c in zip(rows, cached if index is None else [cached[i] for i in index]):
+            row.cached_tokens = c
+        return Prefill(rows, prompts, index, ids, np.concatenate([past_mask, run_mask], axis=1), past)
+
+    def advance(self, prefill: Prefill, tokens: int | None) -> tuple[Batch, list[Event]] | None:
+        """Run the next chunk of a prefill: about `tokens` tokens (its rows share them: at least one
+        column), or all that is left (None). When its last column has run, each row's first token is
+        sampled and its prompt's whole blocks kept in the prefix cache: the batch and the events;
+        before that, None."""
+        U, T = prefill.ids.shape
+        cols = T - prefill.done if tokens is None else min(T - prefill.done, max(1, tokens // U))
+        K = prefill.mask.shape[1] - T
+        upto = K + prefill.done + cols
+        mask = prefill.mask[:, :upto]
+        logits, prefill.past = self.backend.step(prefill.ids[:, prefill.done : prefill.done + cols], mask,
+                                                 positions(mask, cols), prefill.past)  # (U, V)
         self.counters["steps"] += 1
-        if index is not None:
-            logits, mask, past = logits[index], mask[index], past.reorder(index)  # (B, V), (B, L), B rows
-        nxt, events = sample_rows(rows, logits)
-        return Batch(rows, mask, nxt, past), events
+        prefill.done += cols
+        if prefill.done < T:
+            return None
+        self._keep_prefixes(prefill)
+        mask, past = prefill.mask, prefill.past
+        if prefill.index is not None:
+            logits, mask, past = logits[prefill.index], mask[prefill.index], past.reorder(prefill.index)  # (B, V), (B, W), B rows
+        nxt, events = sample_rows(prefill.rows, logits)
+        return Batch(prefill.rows, mask, nxt, past), events
+
+    def _keep_prefixes(self, prefill: Prefill) -> None:
+        """The prompts' whole blocks that the prefix cache lacks, copied into it from the prefill's cache."""
+        cache = self.prefix_cache
+        if cache is None or cache.budget_bytes == 0:
+            return
+        new = [u for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
+        if not new:
+            return
+        kv = prefill.past.to_numpy()
+        width = prefill.mask.shape[1]
+        for u in new:
+            cache.store(prefill.prompts[u], kv, u, width)
 
     def step(self, batch: Batch) -> list[Event]:
         """One decode step of every row (finished rows ride along, masked and unread), and each

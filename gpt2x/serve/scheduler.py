@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import UsageError
 from ..generation.decode import Sequence
 from ..generation.settings import SamplingSettings
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 
 class QueueFull(RuntimeError):
@@ -44,12 +45,19 @@ class EngineSettings:
     continuous: bool = True  # waiting rows join a running batch between decode steps
     batch_wait_s: float = 0.002  # a new batch waits this long after its first request for others
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
+    # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
+    # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole).
+    prefill_chunk: int = 256
+    # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
+    # (serve/prefix_cache.py; 0: off).
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise UsageError(f"max_batch_size must be >= 1, got {self.max_batch_size}", option="max_batch_size")
-        if self.max_waiting < 0:
-            raise UsageError(f"max_waiting must be >= 0, got {self.max_waiting}", option="max_waiting")
+        for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
         for name in ("batch_wait_s", "max_join_delay_s"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
@@ -74,6 +82,7 @@ class Row(Sequence):
         super().__init__(prompt_ids, settings, max_tokens, logprobs)
         self.sink = sink
         self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
+        self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
         self.queued_at = time.monotonic()
 
     @property
@@ -179,15 +188,29 @@ class Scheduler:
         """Whether every row keeps room in the context for its remaining tokens once `joiners` join a
         batch whose cache can be made `width` wide (None: they start a new one). The merged cache is
         at least as wide as that and the joiners' prompts; a running row samples its next token one
-        position further, a joiner its first from its own prefill."""
+        position further, a joiner its first from its own prefill. Joiners prefilled in chunks join
+        `lag` steps later, the batch's rows that many positions further on (and as many tokens
+        nearer their end)."""
         joiners = [r for r in joiners if r.remaining > 0]  # a row that is only scored never joins the cache
         if not joiners:
             return True
         new_width = max(len(r.prompt_ids) for r in joiners)
+        lag = 0
         if width is not None:
-            new_width = max(width, new_width)
-        need = max([r.remaining for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
+            lag = self.prefill_steps(joiners) - 1
+            new_width = max(width + lag, new_width)
+        need = max([r.remaining - lag for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
         return new_width + need <= self.n_positions
+
+    def prefill_steps(self, joiners: list[Row]) -> int:
+        """The steps that prefilling `joiners` beside a running batch takes at most (chunks of
+        prefill_chunk tokens shared by its distinct prompts, at least a column each; fewer when the
+        prefix cache holds some of them)."""
+        chunk = self.settings.prefill_chunk
+        if not chunk:
+            return 1
+        distinct = len({tuple(r.prompt_ids) for r in joiners})
+        return -(-max(len(r.prompt_ids) for r in joiners) // max(1, chunk // distinct))
 
     def join_due(self, live: int) -> bool:
         """Whether waiting rows should join a running batch of `live` rows now: when enough wait (a

@@ -9,7 +9,8 @@ batch before the next decode step.
 A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
 p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled
 together are prefilled once (runner.Runner.prefill). `usage` counts each prompt's tokens once, as vLLM
-does, and every choice's completion tokens.
+does, every choice's completion tokens, and the prompt tokens the prefix cache held
+(`prompt_tokens_details.cached_tokens`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class CompletionService:
             reasons[index] = reason or reasons[index]
         choices = [api.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole())
                    for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
-        return api.completion(req, choices, api.usage(req, pending.texts))
+        return api.completion(req, choices, pending.usage())
 
     async def stream(self, pending: Pending) -> AsyncIterator[str]:
         """Server-sent events: one chunk per released piece of text (with the logprobs of the tokens
@@ -102,7 +103,7 @@ class CompletionService:
             yield api.sse("[DONE]")
             return
         if req.include_usage:
-            yield api.sse(api.completion(req, [], api.usage(req, pending.texts)))
+            yield api.sse(api.completion(req, [], pending.usage()))
         yield api.sse("[DONE]")
 
 
@@ -127,6 +128,12 @@ class Pending:
                     loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
 
                 self.rows.append(Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget))
+
+    def usage(self) -> api.Usage:
+        """The request's usage: its prompts counted once, and the tokens the prefix cache held for each
+        (its first choice's row: a prompt's choices are prefilled together)."""
+        cached = sum(self.rows[p * self.req.n].cached_tokens for p in range(len(self.req.prompt_ids)))
+        return api.usage(self.req, self.texts, cached)
 
     def cancel(self) -> None:
         for row in self.rows:

@@ -1,0 +1,150 @@
+"""Automatic prefix caching: the KV of prompts' leading token blocks, kept after their prefill and
+reused by a later prompt that starts with the same tokens, whose prefill then runs only on the rest
+(as vLLM caches prefixes by default, and llama.cpp's server keeps each slot's prompt).
+
+A prompt is cut into blocks of `block_tokens` tokens; a block is found by its tokens and the block
+before it (a chain from the prompt's first token: a block's KV depends on every token before it), so a
+lookup walks the prompt block by block and stops at the first block not held. The keys are the
+tokens themselves (a dict keyed by (parent block's id, block tokens)), so a hit is never a hash
+collision. A hit leaves at least the prompt's last token to run, for its logits.
+
+The blocks live in host memory as float32, one array (2 * n_layer, H, block_tokens, D) each (key then
+value per layer, as KVCache.to_numpy gives them), under a budget in bytes; when a new block does not
+fit, the least recently used blocks go first (a block's descendants with it: they cannot be found
+without it). A hit touches its blocks from the last to the first, and a stored chain likewise, so the
+blocks at the end of a chain are evicted before its beginning, which more prompts share.
+
+Positions: GPT-2's position ids count a row's real tokens (numerics.positions), so a block's KV is the
+same whatever padding or batch it was computed in, up to the runtime's numerics: exact in fp32
+(batch-invariant within 1e-5); in int8, whose dynamic quantization scales each forward's activations
+as a whole, as exact as a row in a batch is (the serving tests compare greedy tokens there).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK_TOKENS = 16  # vLLM's default block size
+DEFAULT_PREFIX_CACHE_MB = 512  # about 7,000 tokens of GPT-2 124M in float32 (72 KiB a token)
+
+
+@dataclass(eq=False)
+class _Block:
+    key: tuple[int, tuple[int, ...]]  # (the parent block's id, or -1 for a prompt's first block; its tokens)
+    id: int
+    parent: _Block | None
+    kv: np.ndarray  # (2 * n_layer, H, block_tokens, D) float32
+    children: set = field(default_factory=set)
+
+
+class PrefixCache:
+    """Blocks of prompts' KV under a budget of `budget_bytes`, least recently used evicted first.
+    Counts, in tokens, the prompt tokens looked up (`queries`) and those found (`hits`), as vLLM's
+    prefix_cache_queries and prefix_cache_hits do. Not thread-safe: the engine's thread only."""
+
+    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS):
+        if budget_bytes < 0 or block_tokens < 1:
+            raise ValueError(f"a prefix cache needs a budget >= 0 and blocks of >= 1 token, got {budget_bytes}, {block_tokens}")
+        self.budget_bytes = budget_bytes
+        self.block_tokens = block_tokens
+        self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()  # least recently used first
+        self._next_id = 0
+        self.bytes = 0
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def lookup(self, ids: list[int]) -> list[_Block]:
+        """The held blocks that begin `ids`, at most up to its last token but one (whose logits its
+        prefill must compute); counted, and touched."""
+        blocks = self._match(ids, (len(ids) - 1) // self.block_tokens)
+        self.queries += len(ids)
+        self.hits += len(blocks) * self.block_tokens
+        self._touch(blocks)
+        return blocks
+
+    def store(self, ids: list[int], kv: list[np.ndarray], row: int, end: int) -> None:
+        """Keep the KV of `ids`' whole blocks: `kv` is a cache as KVCache.to_numpy gives it (2 * n_layer
+        arrays (B, H, W, D)), whose row `row` holds `ids`' positions in columns end - len(ids) .. end - 1.
+        Blocks held already are only touched."""
+        n = len(ids) // self.block_tokens
+        chain = self._match(ids, n)
+        start = end - len(ids)
+        for j in range(len(chain), n):
+            if self.budget_bytes == 0:
+                break
+            a, b = start + j * self.block_tokens, start + (j + 1) * self.block_tokens
+            block_kv = np.stack([t[row, :, a:b] for t in kv]).astype(np.float32, copy=False)
+            if not self._make_room(block_kv.nbytes, chain):
+                break
+            parent = chain[-1] if chain else None
+            block = _Block((-1 if parent is None else parent.id, tuple(ids[j * self.block_tokens : (j + 1) * self.block_tokens])),
+                           self._next_id, parent, block_kv)
+            self._next_id += 1
+            self._blocks[block.key] = block
+            if parent is not None:
+                parent.children.add(block)
+            self.bytes += block_kv.nbytes
+            chain.append(block)
+        self._touch(chain)
+
+    def lacks(self, ids: list[int]) -> bool:
+        """Whether some whole block of `ids` is not held (`store` would add it)."""
+        n = len(ids) // self.block_tokens
+        return len(self._match(ids, n)) < n
+
+    def gather(self, blocks: list[_Block], length: int, out: list[np.ndarray], row: int) -> None:
+        """Write the first `length` tokens' KV of `blocks` into row `row` of `out` (2 * n_layer arrays
+        (B, H, W, D)), right-aligned: columns W - length .. W - 1."""
+        width = out[0].shape[2]
+        at = width - length
+        for j, block in enumerate(blocks):
+            n = min(self.block_tokens, length - j * self.block_tokens)
+            if n <= 0:
+                break
+            for t, src in zip(out, block.kv):
+                t[row, :, at : at + n] = src[:, :n]
+            at += n
+
+    # -- inside
+
+    def _match(self, ids: list[int], most: int) -> list[_Block]:
+        blocks: list[_Block] = []
+        parent = -1
+        for j in range(most):
+            block = self._blocks.get((parent, tuple(ids[j * self.block_tokens : (j + 1) * self.block_tokens])))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block.id
+        return blocks
+
+    def _touch(self, chain: list[_Block]) -> None:
+        for block in reversed(chain):  # the chain's first block ends most recently used
+            self._blocks.move_to_end(block.key)
+
+    def _make_room(self, nbytes: int, chain: list[_Block]) -> bool:
+        """Evict least recently used blocks until `nbytes` more fit; False (nothing evicted that
+        `chain`, the blocks being stored on, needs) when they cannot."""
+        if nbytes > self.budget_bytes:
+            return False
+        keep = {id(b) for b in chain}
+        while self.bytes + nbytes > self.budget_bytes:
+            oldest = next(iter(self._blocks.values()))
+            if id(oldest) in keep:
+                return False
+            self._evict(oldest)
+        return True
+
+    def _evict(self, block: _Block) -> None:
+        for child in list(block.children):
+            self._evict(child)
+        del self._blocks[block.key]
+        self.bytes -= block.kv.nbytes
+        if block.parent is not None:
+            block.parent.children.discard(block)
