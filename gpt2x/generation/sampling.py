@@ -64,9 +64,17 @@ class Sampler:
     def draw(self, p: np.ndarray) -> np.ndarray:
         """One token per row of the distributions `p` (B, V) (unnormalised is fine), by inverse CDF with
         one uniform per row, consumed in row order."""
-        u = self.rng.random(p.shape[0])[:, None]
-        cdf = np.cumsum(p, axis=-1)
-        return np.minimum((cdf < u * cdf[:, -1:]).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
+        return _inverse_cdf(p.copy(), self.rng.random(p.shape[0]))
+
+
+def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Row i's token (B,) int64 of the distributions `p` (B, V) (unnormalised is fine; overwritten by
+    its cumsum) for the uniform u[i]: the first index whose cumulative mass reaches u[i] of the row's
+    total, i.e. the count of those below it (a cumsum never decreases), found by bisection."""
+    cdf = np.cumsum(p, axis=-1, out=p)
+    cut = u * cdf[:, -1]
+    picked = [np.searchsorted(row, c, side="left") for row, c in zip(cdf, cut)]
+    return np.minimum(np.asarray(picked, dtype=np.int64), p.shape[-1] - 1)
 
 
 # The warpers sample_many applies to a group at once, with each row's parameter as a column.
@@ -153,10 +161,8 @@ def _sample_group(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequenc
                 scores[i : i + 1] = p(scores[i : i + 1], [rows[i]])
     if first.s.greedy:
         return scores.argmax(axis=-1).astype(np.int64)
-    p = softmax(scores)
-    u = np.array([s.rng.random(1)[0] for s in samplers])[:, None]  # one uniform per row from its own stream
-    cdf = np.cumsum(p, axis=-1)
-    return np.minimum((cdf < u * cdf[:, -1:]).sum(axis=-1), p.shape[-1] - 1).astype(np.int64)
+    u = np.array([s.rng.random(1)[0] for s in samplers])  # one uniform per row from its own stream
+    return _inverse_cdf(softmax(scores, inplace=True), u)  # `scores` is this function's own (astype copies)
 
 
 def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History]) -> np.ndarray:
