@@ -162,10 +162,11 @@ def reference(backend, ids, s) -> list[int]:
 @pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing", "openvino"])
 def test_cached_prefixes_give_the_uncached_tokens(kind, exports):
     """A first request leaves its prompt's blocks; then four prompts that begin with the same 100
-    tokens, together (one batch, rests of different lengths: 96 of them found in the cache) and one
-    by one (all their own whole blocks found), take their prefixes from the cache and give the tokens of each prompt alone with no cache: greedy everywhere, and seeded
-    sampling where the runtime is batch-invariant (fp32; int8's dynamic quantization scales each
-    forward's activations as a whole, so a row's logits move with what it is computed beside)."""
+    tokens, together (one batch, rests of different lengths: 96 of them found in the cache) and one by
+    one (all their own whole blocks found), take their prefixes from the cache and give the tokens of
+    each prompt alone with no cache: greedy everywhere, and seeded sampling where the runtime is batch-
+    invariant (fp32; int8's dynamic quantization scales each forward's activations as a whole, so a
+    row's logits move with what it is computed beside)."""
     backend = open_backend(kind, exports)
     exact = kind in ("fp32", "openvino")
     engine = Engine(backend, EngineSettings(max_batch_size=8, batch_wait_s=0.05)).start()
@@ -185,6 +186,28 @@ def test_cached_prefixes_give_the_uncached_tokens(kind, exports):
             assert 96 - 16 <= row.cached_tokens <= 96 and row1.cached_tokens == (len(ids) - 1) // 16 * 16
         stats = engine.stats()
         assert stats["prefix_cache_hits"] >= 96 * 8 and stats["errors"] == 0
+    finally:
+        engine.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing"])
+def test_a_batch_sharing_a_prefix_computes_it_once(kind, exports):
+    """Four prompts that begin with the same 100 tokens arrive together, the cache empty: the first is
+    prefilled, the others wait for its blocks and find 96 tokens each in the cache (one batch
+    still: their rows merged), and every row gives its tokens alone with no cache."""
+    backend = open_backend(kind, exports)
+    engine = Engine(backend, EngineSettings(max_batch_size=8, batch_wait_s=0.2)).start()
+    try:
+        prompts = [SHARED + s for s in SUFFIXES]
+        settings = [SamplingSettings(max_new_tokens=8, greedy=True) for _ in prompts]
+        rows = run_rows(engine, prompts, settings)
+        cached = [row.cached_tokens for _, row in rows]  # the three together feed their longest rest
+        assert cached[0] == 0 and all(96 - 16 <= c <= 96 for c in cached[1:])
+        for ids, s, (sink, _) in zip(prompts, settings, rows):
+            assert sink.tokens == reference(backend, ids, s)
+        stats = engine.stats()
+        assert stats["batches"] == 1 and stats["prefix_cache_hits"] == 3 * 96 and stats["errors"] == 0
     finally:
         engine.close()
         backend.close()

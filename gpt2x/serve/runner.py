@@ -23,6 +23,11 @@ from ..runtime.base import Backend
 from .prefix_cache import PrefixCache
 from .scheduler import Row
 
+# Rows sharing this many prompt tokens with an earlier row of their batch wait for its prefill and take
+# them from the prefix cache (Runner.prefill). The wait costs the batch one more forward and a merge:
+# a long shared text pays for them, a block or two may not (a threshold chosen, not tuned).
+SHARED_TO_WAIT = 64
+
 
 @dataclass
 class Batch:
@@ -67,10 +72,44 @@ class Runner:
         self.draft_settings = draft_settings or DraftSettings()
 
     def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
-        """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end)."""
-        result = self.advance(self.begin(rows), None)
-        assert result is not None
-        return result
+        """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end). With a prefix
+        cache, rows whose prompts share at least SHARED_TO_WAIT tokens, not yet in the cache, with an
+        earlier row's different prompt wait for that row's prefill, which leaves those blocks in the
+        cache, and are then prefilled on their rest (the two merged into one batch): a batch of
+        requests sharing a long system text computes it once, not once per request."""
+        later = self._sharing(rows)
+        if not later:
+            result = self.advance(self.begin(rows), None)
+            assert result is not None
+            return result
+        first = [r for i, r in enumerate(rows) if i not in later]
+        batch, events = self.prefill(first)
+        joined, jevents = self.prefill([rows[i] for i in sorted(later)])
+        width = max(batch.mask.shape[1], joined.mask.shape[1])
+        merged = self.merge(batch, joined, np.arange(len(first) + len(later)), width)
+        return merged, events + [Event(e.row + len(first), e.token, e.finish, e.logprob) for e in jevents]
+
+    def _sharing(self, rows: list[Row]) -> set[int]:
+        """The rows (indices) whose prompts share SHARED_TO_WAIT or more leading tokens, whole blocks the
+        prefix cache lacks, with the prompt of an earlier row (and differ from it: identical prompts
+        are prefilled once anyway)."""
+        cache = self.prefix_cache
+        if cache is None or len(rows) < 2 or not self.backend.capabilities.joins_rows:
+            return set()
+        block, later = cache.block_tokens, set()
+        leaders: dict[tuple[int, ...], list[int]] = {}  # first block -> the first prompt that began with it
+        for i, row in enumerate(rows):
+            ids = row.prompt_ids
+            if len(ids) <= SHARED_TO_WAIT:
+                continue
+            lead = leaders.setdefault(tuple(ids[:block]), ids)
+            if lead is ids or lead == ids:
+                continue
+            same = next((k for k, (a, b) in enumerate(zip(ids, lead)) if a != b), min(len(ids), len(lead)))
+            shared = ids[: min(same, len(ids) - 1) // block * block]
+            if len(shared) >= SHARED_TO_WAIT and cache.lacks(shared):
+                later.add(i)
+        return later
 
     def begin(self, rows: list[Row]) -> Prefill:
         """The rows' prefill, planned and not yet run (`advance` runs it). Rows with the same prompt ids
