@@ -79,7 +79,8 @@ def serve(
         help="Requests decoded together per replica (1: no batching). Default: 16, or 1 with --draft.", show_default=False)] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
     continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
-    batch_wait_ms: Annotated[float, typer.Option(help="A new batch waits this long for requests arriving together.")] = 2.0,
+    batch_wait_ms: Annotated[float, typer.Option(
+        help="A new batch waits this long for requests arriving together (0: later ones join at the next step).")] = 0.0,
     prefix_cache_mb: Annotated[float, typer.Option(
         help="Host memory per replica for the KV of prompt prefixes, reused by later prompts that begin the same way "
         "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
