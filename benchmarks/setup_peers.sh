@@ -4,8 +4,9 @@
 # the peers and gpt2x share this one instead. Usage: bash benchmarks/setup_peers.sh [VENV_DIR]
 # (default .venv-peers, git-ignored). Running it again reuses what is there: the venv, the unpacked
 # llama-cpp-python sdist, and a llama-cpp-python already built at the pinned version.
-# About 8.5 minutes on 2 cores from nothing (504 s measured), most of it compiling llama.cpp; run again
-# on a complete venv, about 10 s. Run it in the background
+# About 14 minutes on 2 cores from nothing (826 s measured, 2026-11-25: about 6.5 for the venv and
+# llama-cpp-python, about 7 for llama-server), most of it compiling llama.cpp twice; run again on a complete venv, about
+# 10 s (it prints how long it took). Run it in the background
 # (nohup bash benchmarks/setup_peers.sh > /tmp/setup-peers.log 2>&1 &) if your shell has a time limit.
 #
 # onnxruntime-genai goes in with --no-deps: its wheel requires the `onnxruntime` distribution, while
@@ -18,7 +19,8 @@
 # needs nothing more, but does not run with this transformers: compare_peers.py records why.
 # The `export` extra (onnxscript; torch is pinned above) is what gpt2x.workflows needs to load and export;
 # the `openvino` extra (OpenVINO's runtime) is what gpt2x's openvino backend needs (compare_peers.py
-# --gpt2x-backends ... openvino).
+# --gpt2x-backends ... openvino); the `serve` extra (Ray Serve, FastAPI, httpx) is what `gpt2x serve`
+# and `gpt2x loadtest` need (benchmarks/serve_peers.py).
 #
 # CTranslate2 (benchmarks/peers/ctranslate2.py): the PyPI wheel; compare_peers.py converts with its
 # `ct2-transformers-converter` (installed in VENV/bin) at float32 and int8.
@@ -31,7 +33,15 @@
 # bindings (llama_cpp.llama_model_quantize, what the llama-quantize tool calls). The converter's
 # imports (torch, transformers, numpy, sentencepiece, pyyaml) are in the venv; the llama.cpp commit the
 # sdist carries is in its CHANGELOG.md.
+#
+# llama.cpp's own HTTP server (`llama-server`, for benchmarks/serve_peers.py), built with cmake from that
+# same vendored llama.cpp source into VENV/llama.cpp-build (kept; skipped when
+# VENV/llama.cpp-build/bin/llama-server is there): Release, the same CPU defaults as the bindings
+# (GGML_NATIVE, OpenMP), static libraries (one self-contained binary), only the llama-server target.
+# No web UI (LLAMA_BUILD_UI=OFF, and LLAMA_USE_PREBUILT_UI=OFF so that nothing is downloaded from
+# Hugging Face), no HTTPS (LLAMA_OPENSSL=OFF; this llama.cpp has no LLAMA_CURL any more).
 set -euo pipefail
+start=$SECONDS
 venv=${1:-.venv-peers}
 genai_version=0.18.0
 ctranslate2_version=4.8.5
@@ -40,7 +50,7 @@ llama_cpp_version=0.3.36  # vendors llama.cpp ggml-org/llama.cpp@0c1e57098 (its 
 py="$venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
 "$py" -m pip install --quiet torch==2.13.0
-"$py" -m pip install --quiet -e ".[export,openvino]" "optimum-onnx" "transformers<4.58" matplotlib
+"$py" -m pip install --quiet -e ".[export,openvino,serve]" "optimum-onnx" "transformers<4.58" matplotlib
 "$py" -m pip install --quiet --no-deps "onnxruntime-genai==$genai_version"
 "$py" -m pip install --quiet "ctranslate2==$ctranslate2_version" sentencepiece pyyaml
 
@@ -62,3 +72,19 @@ fi
 
 "$py" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x, ctranslate2, llama_cpp, gguf; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__, '/ ctranslate2', ctranslate2.__version__, '/ llama-cpp-python', llama_cpp.__version__)"
 echo "llama.cpp converter: $sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py"
+
+# llama-server from the vendored llama.cpp.
+server_build="$venv/llama.cpp-build"
+server_bin="$server_build/bin/llama-server"
+if [ ! -x "$server_bin" ]; then
+    echo "building llama-server from $sdist_dir/vendor/llama.cpp into $server_build (several minutes)"
+    generator=()
+    if command -v ninja > /dev/null; then generator=(-G Ninja); fi
+    cmake -S "$sdist_dir/vendor/llama.cpp" -B "$server_build" "${generator[@]}" \
+        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    cmake --build "$server_build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+fi
+echo "llama-server: $server_bin ($("$server_bin" --version 2>&1 | grep -m1 version || true))"
+echo "setup_peers.sh took $((SECONDS - start)) s"

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 import pytest
 
-from gpt2x.bench.loadtest import LoadtestSettings, base_url, run_loadtest  # noqa: E402
+from gpt2x.bench.loadtest import LoadtestSettings, base_url, run_loadtest, stated_prompt_tokens  # noqa: E402
 from gpt2x.errors import EndpointError, UsageError  # noqa: E402
+from gpt2x.tokenizer import encode  # noqa: E402
 
 from .conftest import refusing_port  # noqa: E402
 from .test_cli import assert_one_line_error, cli  # noqa: E402
@@ -21,7 +22,7 @@ FIRST_S, BETWEEN_S, CHUNKS = 0.020, 0.005, 8
 
 
 class Stub(BaseHTTPRequestHandler):
-    mode = "ok"  # ok | fail_every_3 | 429 | malformed | no_usage
+    mode = "ok"  # ok | fail_every_3 | 429 | malformed | no_usage | cached_openai | cached_llamacpp
     count = 0
     lock = threading.Lock()
     seen: list[dict] = []
@@ -71,7 +72,16 @@ class Stub(BaseHTTPRequestHandler):
                 send("{not json")
                 return
             send(json.dumps({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" tok{i}"}]}))
-        if Stub.mode != "no_usage":  # two tokens per chunk: usage wins over counting chunks
+        # The cached modes: request n states 10 n prompt tokens, n * n of them cached (OpenAI's/vLLM's
+        # usage.prompt_tokens_details, or llama.cpp's server's timings.cache_n and prompt_n).
+        if Stub.mode == "cached_openai":
+            send(json.dumps({"id": "x", "choices": [], "usage": {
+                "prompt_tokens": 10 * n, "completion_tokens": 2 * CHUNKS, "prompt_tokens_details": {"cached_tokens": n * n}}}))
+        elif Stub.mode == "cached_llamacpp":
+            send(json.dumps({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                             "usage": {"completion_tokens": 2 * CHUNKS, "prompt_tokens": 10 * n},
+                             "timings": {"cache_n": n * n, "prompt_n": 10 * n - n * n, "predicted_n": 2 * CHUNKS}}))
+        elif Stub.mode != "no_usage":  # two tokens per chunk: usage wins over counting chunks
             send(json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2 * CHUNKS}}))
         send("[DONE]")
 
@@ -100,7 +110,7 @@ def stub(server):
 def test_latencies_bracket_the_stub_delays(stub):
     url = stub("ok")
     result = run_loadtest(LoadtestSettings(url=url + "/v1", requests=12, concurrency=[1, 4], max_tokens=16, timeout=10), {})
-    assert result["schema_version"] == 1 and result["settings"]["model"] == "stub-model"
+    assert result["schema_version"] == 2 and result["settings"]["model"] == "stub-model"
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
     assert Stub.count == 24 and all(r["model"] == "stub-model" and r["stream"] and r["max_tokens"] == 16 for r in Stub.seen)
     for lv in result["levels"]:
@@ -113,6 +123,9 @@ def test_latencies_bracket_the_stub_delays(stub):
         assert lv["tpot"]["p50_ms"] > 0
         assert lv["request_throughput"] == pytest.approx(12 / lv["wall_s"])
         assert lv["output_token_throughput"] == pytest.approx(lv["total_output_tokens"] / lv["wall_s"])
+        # prompt tokens stated (3 each), cached ones not: no hit rate
+        assert lv["prompt_tokens"] == 12 * 3 and lv["prompt_tokens_stated"] == 12
+        assert lv["cached_prompt_tokens"] is None and lv["prefix_cache_hit_rate"] is None
     # four in flight finish the same work faster than one
     assert result["levels"][1]["wall_s"] < result["levels"][0]["wall_s"]
     json.dumps(result)
@@ -213,3 +226,86 @@ def test_cli_errors_are_one_line(stub, capsys, monkeypatch):
 def test_help_has_examples(capsys):
     code, out, _ = cli(capsys, "loadtest", "--help")
     assert code == 0 and "Example" in out and "--concurrency" in out
+
+
+@pytest.mark.parametrize("mode", ["cached_openai", "cached_llamacpp"])
+def test_prefix_cache_hit_rate_from_what_the_server_states(stub, mode):
+    url = stub(mode)
+    lv = run_loadtest(LoadtestSettings(url=url, requests=4, concurrency=[2], timeout=10), {})["levels"][0]
+    assert lv["completed"] == 4
+    # requests 1..4 state 10, 20, 30, 40 prompt tokens, 1, 4, 9, 16 of them cached
+    assert lv["prompt_tokens"] == 100 and lv["cached_prompt_tokens"] == 30
+    assert lv["prefix_cache_hit_rate"] == pytest.approx(0.3)
+    assert all(r["stream_options"] == {"include_usage": True} for r in Stub.seen)
+
+
+def test_stated_prompt_tokens_field_styles():
+    assert stated_prompt_tokens({"usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}}) == (7, 5)
+    assert stated_prompt_tokens({"usage": {"prompt_tokens": 7, "prompt_tokens_details": None}}) == (7, None)  # vLLM without details
+    assert stated_prompt_tokens({"usage": {"prompt_tokens": 7}, "timings": {"cache_n": 4, "prompt_n": 3}}) == (7, 4)
+    assert stated_prompt_tokens({"timings": {"cache_n": 4, "prompt_n": 3}}) == (7, 4)  # llama.cpp's timings alone
+    assert stated_prompt_tokens({"choices": [{"text": "x"}]}) == (None, None)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix(stub):
+    url = stub("ok")
+    P, K, n = 64, 3, 9
+    s = LoadtestSettings(url=url, requests=n, concurrency=[1, 3], max_tokens=4, timeout=10,
+                         shared_prefix_tokens=P, prefixes=K, suffix_tokens=8, seed=5)
+    result = run_loadtest(s, {})
+    assert result["settings"]["prefix_token_counts"] == [P] * K and result["settings"]["prompts"] == n
+    prompts = [r["prompt"] for r in Stub.seen]
+    assert len(prompts) == 2 * n and len(set(prompts)) == 2 * n  # every suffix its own, across levels too
+    ids = [encode(p) for p in prompts]
+    newline = encode("\n")
+    for level in (ids[:n], ids[n:]):
+        groups: dict[tuple, int] = {}
+        for t in level:
+            assert t[P : P + 1] == newline  # the prefix is exactly P tokens, then the newline
+            assert 8 - 3 <= len(t) - P - 1 <= 8 + 3  # about suffix_tokens after it
+            groups[tuple(t[:P])] = groups.get(tuple(t[:P]), 0) + 1
+        assert sorted(groups.values()) == [n // K] * K  # K prefixes, each as often in every level
+    heads = {tuple(t[:P]) for t in ids}
+    assert len(heads) == K and len({h[:4] for h in heads}) == K  # different prefixes differ from their start
+    # seeded: the same settings send the same prompts; another seed, other ones
+    stub("ok")
+    run_loadtest(s, {})
+    assert sorted(r["prompt"] for r in Stub.seen) == sorted(prompts)
+    stub("ok")
+    s.seed = 6
+    run_loadtest(s, {})
+    assert {tuple(encode(r["prompt"])[:P]) for r in Stub.seen} != heads
+
+
+def test_cli_shared_prefix_table_json_and_bad_values(stub, capsys, tmp_path):
+    url = stub("cached_openai")
+    code, out, err = cli(capsys, "loadtest", url, "--requests", "4", "--concurrency", "1", "--max-tokens", "4",
+                         "--shared-prefix-tokens", "32", "--prefixes", "2", "--suffix-tokens", "8", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["settings"]["shared_prefix_tokens"] == 32 and data["settings"]["prefixes"] == 2
+    assert data["levels"][0]["prefix_cache_hit_rate"] == pytest.approx(0.3)
+    assert "cache hit" in err and "30.0%" in err and "shared prefix 32 tok x 2" in err
+    for args, message in ((["--prefixes", "0"], "--prefixes must be at least 1"),
+                          (["--suffix-tokens", "0"], "--suffix-tokens must be at least 1"),
+                          (["--shared-prefix-tokens", "-1"], "--shared-prefix-tokens must be >= 0"),
+                          (["--shared-prefix-tokens", "8", "--prompts-file", str(tmp_path / "p.txt")], "--prompts-file and --shared-prefix-tokens")):
+        code, _, err = cli(capsys, "loadtest", url, *args)
+        assert_one_line_error(code, err, UsageError.exit_code, message)
+
+
+def test_a_version_1_result_still_renders(stub):
+    from rich.console import Console
+
+    from gpt2x.bench.loadtest import loadtest_table
+
+    result = run_loadtest(LoadtestSettings(url=stub("cached_openai"), requests=2, concurrency=[1], timeout=10), {})
+    result["schema_version"] = 1
+    for key in ("shared_prefix_tokens", "prefixes", "suffix_tokens", "prefix_token_counts"):
+        del result["settings"][key]
+    for key in ("prompt_tokens", "prompt_tokens_stated", "cached_prompt_tokens", "prefix_cache_hit_rate"):
+        del result["levels"][0][key]
+    console = Console(width=400, record=True)
+    console.print(loadtest_table(result))
+    text = console.export_text()
+    assert "5 prompts" in text and "n/a" in text

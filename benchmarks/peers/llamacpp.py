@@ -123,6 +123,26 @@ def run_tool(cmd: list[str], what: str) -> float:
     return time.perf_counter() - t0
 
 
+def convert_f32(script: Path, hf_dir: Path, folder: Path) -> tuple[Path, float]:
+    """HF_DIR (with GPT-2's tokenizer files) -> FOLDER/gpt2-f32.gguf by llama.cpp's convert_hf_to_gguf.py;
+    the GGUF and the seconds it took."""
+    f32 = folder / "gpt2-f32.gguf"
+    log(f"llama.cpp: {script.name} -> {f32.name}")
+    return f32, run_tool([sys.executable, str(script), str(hf_dir), "--outfile", str(f32), "--outtype", "f32"], "convert_hf_to_gguf.py")
+
+
+def quantize(f32: Path, gguf_type: str, threads: int) -> tuple[Path, float]:
+    """gpt2-f32.gguf -> gpt2-TYPE.gguf beside it by llama.cpp's quantizer (llama_model_quantize, in a
+    subprocess); the GGUF and the seconds it took."""
+    import llama_cpp
+
+    path = f32.with_name(f"gpt2-{gguf_type}.gguf")
+    log(f"llama.cpp: quantizing to {gguf_type}")
+    ftype = getattr(llama_cpp, GGUF_TYPES[gguf_type][1])
+    return path, run_tool([sys.executable, "-c", QUANTIZE, str(f32), str(path), str(ftype), str(threads)],
+                          f"llama_model_quantize to {gguf_type}")
+
+
 def load(ctx: Context) -> list:
     import llama_cpp
 
@@ -140,22 +160,17 @@ def load(ctx: Context) -> list:
                                 "or set LLAMA_CPP_CONVERT)")
     folder = ctx.work / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
-    f32 = folder / "gpt2-f32.gguf"
-    log(f"llama.cpp: {script.name} -> {f32.name}")
-    record["seconds"] = {"f32": run_tool([sys.executable, str(script), str(ctx.hf_dir_with_tokenizer()), "--outfile", str(f32),
-                                          "--outtype", "f32"], "convert_hf_to_gguf.py")}
+    f32, seconds = convert_f32(script, ctx.hf_dir_with_tokenizer(), folder)
+    record["seconds"] = {"f32": seconds}
     n_ctx = ctx.max_prompt + ctx.new_tokens
     n_batch = max(512, ctx.max_prompt)
     contenders = []
     for gguf_type, precision in wanted.items():
         name = f"llama.cpp {gguf_type}"
-        path = folder / f"gpt2-{gguf_type}.gguf"
+        path = f32
         try:
             if gguf_type != "f32":
-                log(f"llama.cpp: quantizing to {gguf_type}")
-                ftype = getattr(llama_cpp, GGUF_TYPES[gguf_type][1])
-                record["seconds"][gguf_type] = run_tool([sys.executable, "-c", QUANTIZE, str(f32), str(path), str(ftype),
-                                                         str(ctx.threads)], f"llama_model_quantize to {gguf_type}")
+                path, record["seconds"][gguf_type] = quantize(f32, gguf_type, ctx.threads)
             contenders.append(LlamaCpp(path, gguf_type, precision, ctx.threads, n_ctx, n_batch))
         except Exception as e:
             ctx.skip(name, error_line(e))

@@ -5,6 +5,12 @@ Poisson arrivals at `rate` requests/s, still capped by `concurrency`) and report
 level, what vLLM's serving benchmark reports: TTFT, TPOT, inter-token latency and end-to-end latency
 percentiles, request and output-token throughput, and failures by kind. It only talks to the URL it
 is given, sends at most `requests` requests per level, and bounds every request by `timeout`.
+
+The shared-prefix workload (`shared_prefix_tokens` > 0), like vLLM's benchmark's prefix-repetition data
+set: every prompt is one of `prefixes` shared prefixes of `shared_prefix_tokens` GPT-2 tokens, a newline,
+then a suffix of about `suffix_tokens` tokens of its own; each level's requests take the prefixes in a
+seeded shuffled order (as many of each, give or take one). Per level it reports the prompt tokens and
+the cached prompt tokens the server states, and their ratio, the prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,9 +32,13 @@ from rich.table import Table
 from ..errors import EndpointError, UsageError
 from ..evaluate.metrics import summarize_latencies
 from ..generation.settings import SamplingSettings
+from ..tokenizer import decode, encode
 from .report import require_matplotlib, save_png
 
-SCHEMA_VERSION = 1
+# 2: each level's prompt_tokens, cached_prompt_tokens, prefix_cache_hit_rate and prompt_tokens_stated;
+# the settings' shared_prefix_tokens, prefixes, suffix_tokens and prefix_token_counts. Readers of a
+# version-1 file (loadtest_table, plot_loadtest) take the missing keys as "not stated".
+SCHEMA_VERSION = 2
 
 DEFAULT_PROMPTS = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?",
@@ -51,7 +62,10 @@ class LoadtestSettings:
     api_key: str | None = None
     timeout: float = 60.0  # seconds, per request (connect to last byte)
     max_duration: float | None = None  # seconds per level; requests unfinished by then count as failures
-    seed: int = 0  # Poisson arrival times
+    seed: int = 0  # Poisson arrival times; the shared-prefix prompts and their order
+    shared_prefix_tokens: int = 0  # > 0: the shared-prefix workload (replaces `prompts`)
+    prefixes: int = 1  # how many different shared prefixes
+    suffix_tokens: int = 32  # about this many tokens after each prompt's prefix, its own
 
     def validate(self) -> None:
         parts = urlsplit(self.url)
@@ -70,6 +84,97 @@ class LoadtestSettings:
             raise UsageError(f"temperature must be >= 0, got {self.temperature}", option="temperature")
         if not self.prompts:
             raise UsageError("prompts: no prompts given", option="prompts")
+        if self.shared_prefix_tokens < 0:
+            raise UsageError(f"shared_prefix_tokens must be >= 0 (0: no shared prefix), got {self.shared_prefix_tokens}",
+                             option="shared_prefix_tokens")
+        for name in ("prefixes", "suffix_tokens"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be at least 1, got {getattr(self, name)}", option=name)
+            if getattr(self, name) > MAX_WORKLOAD_SIZE:
+                raise UsageError(f"{name} must be at most {MAX_WORKLOAD_SIZE}, got {getattr(self, name)}", option=name)
+        if self.shared_prefix_tokens > MAX_WORKLOAD_SIZE:
+            raise UsageError(f"shared_prefix_tokens must be at most {MAX_WORKLOAD_SIZE}, got {self.shared_prefix_tokens}",
+                             option="shared_prefix_tokens")
+
+
+MAX_WORKLOAD_SIZE = 100_000  # tokens of a prefix or suffix, prefixes: beyond any model's context
+
+
+def _corpus() -> tuple[list[int], list[int]]:
+    """The bundled held-out Shakespeare's GPT-2 tokens, and the indices of those that start a line."""
+    tokens = encode((resources.files("gpt2x") / "data" / "heldout_shakespeare.txt").read_text(encoding="utf-8"))
+    starts = [i for i in range(1, len(tokens)) if decode(tokens[i - 1 : i]).endswith("\n") and decode(tokens[i : i + 1]).strip()]
+    return tokens, starts
+
+
+def _text_of_tokens(tokens: list[int], start: int, n: int) -> tuple[str, list[int]]:
+    """About `n` tokens of `tokens` (read cyclically) from about `start`, as text without surrounding
+    whitespace, and its tokens: exactly `n` of them where possible (decoding a window and encoding it
+    again may merge or split a token at its edges, and stripping drops whitespace tokens: windows a few
+    tokens wider or narrower, then starting a token or a few later, are tried), else the closest."""
+    best: tuple[str, list[int]] = ("", [])
+    for shift in range(8):
+        for width in sorted(range(max(1, n - 4), n + 5), key=lambda w: (abs(w - n), w)):
+            window = [tokens[(start + shift + j) % len(tokens)] for j in range(width)]
+            text = decode(window).strip()
+            ids = encode(text)
+            if len(ids) == n:
+                return text, ids
+            if abs(len(ids) - n) < abs(len(best[1]) - n):
+                best = (text, ids)
+    return best
+
+
+def _distinct_starts(tokens: list[int], starts: list[int], k: int, rng: random.Random) -> list[int]:
+    """`k` different line starts in a seeded order, those whose first two tokens no other chosen one
+    shares first (speakers' names open many lines: prefixes starting alike would share cached tokens)."""
+    pool = rng.sample(starts, len(starts))
+    chosen: list[int] = []
+    heads: set[tuple[int, ...]] = set()
+    for start in pool:
+        head = tuple(tokens[start : start + 2])
+        if head not in heads:
+            chosen.append(start)
+            heads.add(head)
+        if len(chosen) == k:
+            return chosen
+    rest = [s for s in pool if s not in chosen]
+    chosen += rest[: k - len(chosen)]
+    if len(chosen) < k:  # more prefixes than lines: other positions, different ones while the text lasts
+        taken = set(chosen)
+        others = [i for i in range(len(tokens)) if i not in taken]
+        chosen += rng.sample(others, min(k - len(chosen), len(others)))
+    while len(chosen) < k:
+        chosen.append(rng.randrange(len(tokens)))
+    return chosen
+
+
+def shared_prefix_prompts(prefix_tokens: int, prefixes: int, suffix_tokens: int, count: int, seed: int = 0,
+                          block: int | None = None) -> tuple[list[str], list[int], list[int]]:
+    """`count` prompts of the shared-prefix workload, from the bundled Shakespeare text (deterministic
+    for a seed): `prefixes` prefixes of `prefix_tokens` tokens, each starting at a different line (the
+    text read cyclically, so any length works), and `count` suffixes of about `suffix_tokens` tokens, each
+    from its own position in the text (different while `count` is below the text's 2,162 tokens); prompt
+    = prefix + "\n" + suffix. Neither has whitespace at its ends, so a prompt's tokens start with its
+    prefix's tokens exactly. Returns the prompts, each prompt's prefix index (a shuffled order, as many
+    of each prefix, give or take one, in every `block` prompts: a level's), and each prefix's token count."""
+    rng = random.Random(f"gpt2x-loadtest-shared-prefix-{seed}")
+    tokens, starts = _corpus()
+    chosen = _distinct_starts(tokens, starts, prefixes, rng)
+    heads = [_text_of_tokens(tokens, start, prefix_tokens) for start in chosen]
+    block = block or count
+    order: list[int] = []
+    for first in range(0, count, block):
+        part = [i % prefixes for i in range(min(block, count - first))]
+        rng.shuffle(part)
+        order += part
+    positions = list(range(len(tokens)))
+    offsets: list[int] = []
+    while len(offsets) < count:
+        rng.shuffle(positions)
+        offsets += positions[: count - len(offsets)]
+    prompts = [heads[k][0] + "\n" + _text_of_tokens(tokens, off, suffix_tokens)[0] for k, off in zip(order, offsets)]
+    return prompts, order, [len(ids) for _, ids in heads]
 
 
 def base_url(url: str) -> str:
@@ -91,6 +196,23 @@ class RequestRecord:
     e2e: float | None = None
     output_tokens: int = 0
     chunks: int = 0
+    prompt_tokens: int | None = None  # as the server states them (usage, else llama.cpp's timings)
+    cached_tokens: int | None = None  # of those, served from its prefix cache, where it says
+
+
+def stated_prompt_tokens(chunk: dict) -> tuple[int | None, int | None]:
+    """(prompt tokens, cached prompt tokens) a streamed chunk states, None where it does not: OpenAI's and
+    vLLM's `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, else llama.cpp's server's
+    `timings` (`cache_n` tokens reused from the slot's cache, `prompt_n` tokens evaluated)."""
+    usage = chunk.get("usage") or {}
+    timings = chunk.get("timings") or {}
+    prompt = usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and timings.get("cache_n") is not None:
+        cached = timings["cache_n"]
+        if prompt is None and timings.get("prompt_n") is not None:
+            prompt = int(timings["cache_n"]) + int(timings["prompt_n"])
+    return (None if prompt is None else int(prompt)), (None if cached is None else int(cached))
 
 
 def _headers(settings: LoadtestSettings) -> dict[str, str]:
@@ -146,6 +268,11 @@ async def one_request(client: httpx.AsyncClient, settings: LoadtestSettings, mod
                     text = choices[0].get("text") or "" if choices else ""
                     if chunk.get("usage"):
                         usage_tokens = int(chunk["usage"]["completion_tokens"])
+                    prompt_tokens, cached_tokens = stated_prompt_tokens(chunk)
+                    if prompt_tokens is not None:
+                        rec.prompt_tokens = prompt_tokens
+                    if cached_tokens is not None:
+                        rec.cached_tokens = cached_tokens
                 except (ValueError, KeyError, TypeError, AttributeError, IndexError):
                     rec.error, rec.detail = "malformed_stream", data[:200]
                     return rec
@@ -184,6 +311,11 @@ def summarize_level(concurrency: int, records: list[RequestRecord], wall: float,
             examples[r.error] = r.detail
     tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
+    stated = [r for r in ok if r.prompt_tokens is not None]
+    cache_stated = [r for r in stated if r.cached_tokens is not None]
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in stated) if stated else None
+    cached = sum(r.cached_tokens or 0 for r in cache_stated) if cache_stated else None
+    cache_prompt = sum(r.prompt_tokens or 0 for r in cache_stated)
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -200,11 +332,18 @@ def summarize_level(concurrency: int, records: list[RequestRecord], wall: float,
         "tpot": _summary(tpot),
         "itl": _summary([x for r in ok for x in r.itl]),
         "e2e": _summary([r.e2e for r in ok]),
+        "prompt_tokens": prompt_tokens,  # summed over the completed requests whose server stated them; None: none did
+        "prompt_tokens_stated": len(stated),  # requests that stated their prompt tokens
+        "cached_prompt_tokens": cached,  # None: the server stated no cached tokens
+        # cached / prompt tokens over the requests that stated both
+        "prefix_cache_hit_rate": cached / cache_prompt if cache_stated and cache_prompt > 0 else None,
     }
 
 
 async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model: str, concurrency: int,
-                    progress: Callable[[str], None]) -> dict:
+                    progress: Callable[[str], None], prompts: list[str] | None = None) -> dict:
+    """One level; request i sends prompts[i % len(prompts)] (default: the settings' prompts)."""
+    prompts = prompts or settings.prompts
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(settings.seed)
     records: list[RequestRecord] = []
@@ -212,7 +351,7 @@ async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model
 
     async def one(i: int) -> None:
         async with sem:
-            prompt = settings.prompts[i % len(settings.prompts)]
+            prompt = prompts[i % len(prompts)]
             try:
                 rec = await asyncio.wait_for(one_request(client, settings, model, prompt), settings.timeout)
             except asyncio.TimeoutError:
@@ -238,14 +377,26 @@ async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model
     return summarize_level(concurrency, records, wall, settings.requests)
 
 
-async def _run(settings: LoadtestSettings, progress: Callable[[str], None]) -> tuple[str, list[dict]]:
+def level_prompts(settings: LoadtestSettings) -> tuple[list[list[str]], list[int] | None]:
+    """Each level's prompts, and the shared prefixes' token counts (None: not the shared-prefix workload).
+    Shared prefix: `requests` prompts per level, every suffix different across the whole run (a prompt a
+    level before sent whole would be a cache hit beyond its prefix)."""
+    if not settings.shared_prefix_tokens:
+        return [settings.prompts] * len(settings.concurrency), None
+    n = settings.requests
+    prompts, _, counts = shared_prefix_prompts(settings.shared_prefix_tokens, settings.prefixes, settings.suffix_tokens,
+                                               n * len(settings.concurrency), settings.seed, block=n)
+    return [prompts[i * n : (i + 1) * n] for i in range(len(settings.concurrency))], counts
+
+
+async def _run(settings: LoadtestSettings, prompts: list[list[str]], progress: Callable[[str], None]) -> tuple[str, list[dict]]:
     limits = httpx.Limits(max_connections=max(settings.concurrency), max_keepalive_connections=max(settings.concurrency))
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout), limits=limits) as client:
         model = await discover_model(client, settings)
         levels = []
-        for c in settings.concurrency:
+        for c, level in zip(settings.concurrency, prompts):
             progress(f"concurrency {c}: starting")
-            levels.append(await run_level(client, settings, model, c, progress))
+            levels.append(await run_level(client, settings, model, c, progress, level))
         return model, levels
 
 
@@ -253,11 +404,13 @@ def run_loadtest(settings: LoadtestSettings, environment: dict, progress: Callab
     """Every concurrency level in turn; the result is JSON-ready. Raises EndpointError if the server
     cannot be reached at the start (requests that fail later are counted, not raised)."""
     settings.validate()
-    model, levels = asyncio.run(_run(settings, progress))
+    prompts, prefix_counts = level_prompts(settings)
+    model, levels = asyncio.run(_run(settings, prompts, progress))
     return {
         "schema_version": SCHEMA_VERSION,
         "settings": {**asdict(settings), "url": base_url(settings.url), "api_key": "***" if settings.api_key else None,
-                     "model": model, "prompts": len(settings.prompts)},
+                     "model": model, "prompts": len(prompts[0]) if prefix_counts else len(settings.prompts),
+                     "prefix_token_counts": prefix_counts},
         "environment": environment,
         "levels": levels,
     }
@@ -281,13 +434,28 @@ def _ms(summary: dict | None, key: str) -> str:
     return "-" if not summary else f"{summary[key]:.1f}"
 
 
+def hit_rate_text(level: dict) -> str:
+    """A level's prefix-cache hit rate as a percentage, "n/a" where the server stated no cached tokens
+    (and in version-1 results, which did not record them)."""
+    rate = level.get("prefix_cache_hit_rate")
+    return "n/a" if rate is None else f"{100 * rate:.1f}%"
+
+
+def workload_text(settings: dict) -> str:
+    """"shared prefix 512 tok x 4, suffix 32 tok" or "N prompts" (older results: the latter)."""
+    if settings.get("shared_prefix_tokens"):
+        return (f"shared prefix {settings['shared_prefix_tokens']} tok x {settings['prefixes']}, "
+                f"suffix {settings['suffix_tokens']} tok")
+    return f"{settings['prompts']} prompts"
+
+
 def loadtest_table(result: dict) -> Table:
     s = result["settings"]
     mode = f"Poisson {s['rate']:g} req/s" if s["rate"] else "closed loop"
     table = Table(title=f"loadtest {s['url']} (model {s['model']}, {s['requests']} requests per level, {mode}, "
-                        f"max_tokens {s['max_tokens']})")
+                        f"max_tokens {s['max_tokens']}, {workload_text(s)})")
     cols = ("conc.", "ok", "failed", "wall s", "req/s", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99",
-            "TPOT p50", "ITL p50", "ITL p90", "ITL p99", "e2e p50", "e2e p90", "e2e p99")
+            "TPOT p50", "ITL p50", "ITL p90", "ITL p99", "e2e p50", "e2e p90", "e2e p99", "prompt tok", "cache hit")
     for col in cols:
         table.add_column(col, justify="right")
     for lv in result["levels"]:
@@ -299,8 +467,10 @@ def loadtest_table(result: dict) -> Table:
             _ms(lv["ttft"], "p50_ms"), _ms(lv["ttft"], "p90_ms"), _ms(lv["ttft"], "p99_ms"), _ms(lv["tpot"], "p50_ms"),
             _ms(lv["itl"], "p50_ms"), _ms(lv["itl"], "p90_ms"), _ms(lv["itl"], "p99_ms"),
             _ms(lv["e2e"], "p50_ms"), _ms(lv["e2e"], "p90_ms"), _ms(lv["e2e"], "p99_ms"),
+            "-" if lv.get("prompt_tokens") is None else str(lv["prompt_tokens"]), hit_rate_text(lv),
         )
-    table.caption = "latencies in ms; TTFT: time to first token, TPOT: time per output token after the first, ITL: between chunks"
+    table.caption = ("latencies in ms; TTFT: time to first token, TPOT: time per output token after the first, ITL: between chunks; "
+                     "prompt tok: as the server states them; cache hit: its cached / prompt tokens (n/a: it states none)")
     return table
 
 

@@ -11,7 +11,7 @@ import typer
 
 from ..bench.report import require_matplotlib
 from ..bench.system import system_info
-from ..errors import EndpointError, MissingDependencyError
+from ..errors import EndpointError, MissingDependencyError, UsageError
 from ..generation.settings import SamplingSettings
 from .options import JsonOpt, OutputOpt, Status, parse_list, print_tables, progress_to, read_prompts_file, write_json
 
@@ -19,6 +19,7 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x loadtest http://127.0.0.1:8000 --requests 200 --concurrency 1,4,16\n\n"
     "  gpt2x loadtest http://127.0.0.1:8080/v1 --rate 4 --max-tokens 128 --output lt.json --plot lt.png\n\n"
     "  gpt2x loadtest http://127.0.0.1:8000 --requests 50 --concurrency 4 --json | jq '.levels[0].ttft.p50_ms'\n\n"
+    "  gpt2x loadtest http://127.0.0.1:8000 --shared-prefix-tokens 512 --prefixes 4 --suffix-tokens 32 --concurrency 1,16\n\n"
     "  GPT2X_API_KEY=... gpt2x loadtest https://my-server.example --model my-model --prompts-file prompts.txt")
 
 
@@ -39,6 +40,11 @@ def loadtest(
     api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", help="Sent as Authorization: Bearer KEY.", show_default=False)] = None,
     timeout: Annotated[float, typer.Option(help="Seconds per request, connect to last token.")] = 60.0,
     max_duration: Annotated[Optional[float], typer.Option(help="Seconds per level; unfinished requests count as failed.")] = None,
+    shared_prefix_tokens: Annotated[int, typer.Option(
+        help="Shared-prefix workload: each prompt is one of --prefixes prefixes of this many GPT-2 tokens (bundled "
+             "Shakespeare), a newline and its own suffix; the table shows the server's prefix-cache hit rate. 0: off.")] = 0,
+    prefixes: Annotated[int, typer.Option(help="How many different shared prefixes (with --shared-prefix-tokens).")] = 1,
+    suffix_tokens: Annotated[int, typer.Option(help="About this many tokens after the shared prefix, each prompt its own.")] = 32,
     as_json: JsonOpt = False,
     output: OutputOpt = None,
     plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: latency against output tokens/s (needs matplotlib).")] = None,
@@ -50,7 +56,11 @@ def loadtest(
     settings = lt.LoadtestSettings(
         url=url, model=model, requests=requests, concurrency=parse_list(concurrency, int, "--concurrency"), rate=rate,
         max_tokens=max_tokens, temperature=temperature, api_key=api_key, timeout=timeout, max_duration=max_duration,
+        shared_prefix_tokens=shared_prefix_tokens, prefixes=prefixes, suffix_tokens=suffix_tokens,
     )
+    if prompts_file and shared_prefix_tokens:
+        raise UsageError("--prompts-file and --shared-prefix-tokens cannot be used together (the shared-prefix prompts are generated)",
+                         option="prompts_file")
     if prompts_file:
         settings.prompts = read_prompts_file(prompts_file)
     settings.validate()
