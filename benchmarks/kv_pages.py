@@ -1,5 +1,5 @@
 """The in-place KV cache's buffers in memory with transparent huge pages (np.empty, the kernel's
-default here) against small pages only (small_page_arrays below, MADV_NOHUGEPAGE): what a fresh
+default here) against small pages only (runtime.kvbuffers.small_page_arrays, MADV_NOHUGEPAGE): what a fresh
 buffer costs when first written, and whether a decode step reading it slows down.
 
     python benchmarks/kv_pages.py --out benchmarks/results/kv-pages-cpu-2core
@@ -15,7 +15,6 @@ allocator, in interleaved rounds:
 from __future__ import annotations
 
 import argparse
-import mmap
 import statistics
 import sys
 import time
@@ -29,26 +28,8 @@ from gpt2x.choices import BackendKind, Precision
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime import ort as ort_runtime
+from gpt2x.runtime.kvbuffers import small_page_arrays
 from gpt2x.workflows import ensure_export, export_backend
-
-
-def small_page_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
-    """`count` zeroed arrays of `shape` in anonymous memory mapped with the kernel's small pages only
-    (MADV_NOHUGEPAGE, where the platform has it): zeroed by the kernel page by page as they are first
-    written. A KV buffer is written a few positions at a time in every (row, head) block spread over
-    its whole size; with transparent huge pages each first write zeroes a 2 MiB page, so a fresh
-    buffer costs as much as zeroing all of it (this script measures both)."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    out = []
-    for _ in range(count):
-        if size == 0 or not hasattr(mmap, "MADV_NOHUGEPAGE"):
-            out.append(np.zeros(shape, dtype=dtype))
-            continue
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_NOHUGEPAGE)
-        out.append(np.frombuffer(m, dtype=dtype).reshape(shape))  # the array holds the mapping
-    return out
-
 
 ALLOCATORS = {
     "huge pages allowed (np.empty)": lambda shape, count, dtype: [np.empty(shape, dtype=dtype) for _ in range(count)],

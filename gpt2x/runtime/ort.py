@@ -25,15 +25,26 @@ from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from .base import Capabilities, Closable, Released, merge_on_host
-from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, holding, refuse_stale, rows_to_keep
+from .kvbuffers import (
+    BufferCache,
+    KVBuffers,
+    KVCacheView,
+    buffers_for_step,
+    holding,
+    refuse_stale,
+    rows_to_keep,
+    small_page_arrays,
+)
 from .providers import create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
-    """`count` arrays of `shape` whose values are left unset (np.empty): the in-place cache's buffers.
+    """`count` arrays of `shape` whose values the in-place cache never reads before it writes them:
     GroupQueryAttention writes each position before it reads it, and reads no row or position beyond
-    those bound and filled (tests/test_gqa.py fills these with NaN to check it)."""
-    return [np.empty(shape, dtype=dtype) for _ in range(count)]
+    those bound and filled (tests/test_gqa.py fills these with NaN to check it). In small pages
+    (kvbuffers.small_page_arrays): only the pages a step or a merge writes are ever touched, where
+    huge pages would make the first write of every buffer zero all of it."""
+    return small_page_arrays(shape, count, dtype)
 
 
 class _KVBuffers(KVBuffers):

@@ -63,13 +63,14 @@ class ReplicaConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
-    # ONNX Runtime's in-place KV cache (int8/int4 graphs). None: wherever the graph allows it when not
-    # batching, the growing cache when batching; True requires it, False refuses it. A batch's rows
-    # leave and join inside the in-place buffers (kvbuffers.merge_rows, copying only the rows that
-    # move), but a join that needs more rows than the buffers hold moves every row into fresh memory,
-    # whose first touch is slow on this kind of VM, while the growing cache reuses ONNX Runtime's
-    # arena: benchmarks/engine_load.py measured int8 at 16 concurrent requests at 471 tok/s growing
-    # against 399 in place (that one merge: 562 ms against 24).
+    # ONNX Runtime's in-place KV cache (int8/int4 graphs). None: wherever the graph allows it; True
+    # requires it, False refuses it. A batch's rows leave and join inside the in-place buffers
+    # (kvbuffers.merge_rows, copying only the rows that move), and a step writes only its new
+    # positions, where the growing cache copies the whole cache into new tensors every step (at 16
+    # rows of ~560 positions, 0.7 GB a step). Fresh buffers are in small pages (ort.unset_arrays), so a
+    # join into larger ones no longer pays for zeroing them whole. Measured with gpt2x loadtest on the
+    # 2-core VM (2026-11-25, int8, c=16): 545 tok/s in place against 406 growing (TTFT p50 117 against
+    # 106 ms), and 97 against 41 tok/s with 544-token prompts sharing 512-token prefixes.
     in_place_kv: bool | None = None
     # Speculative decoding (engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
@@ -126,11 +127,8 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     """A replica's service: the export's backend (and draft) opened, its engine started."""
     info = read_export(Path(config.export))
     get_encoding()  # built now, not by the first request (~55 ms)
-    in_place = config.in_place_kv
-    if in_place is None and config.engine.max_batch_size > 1:
-        in_place = False  # a batching replica keeps the growing cache (see ReplicaConfig)
     backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
-                             in_place_kv=in_place)
+                             in_place_kv=config.in_place_kv)
     drafter = None
     if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
         drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
