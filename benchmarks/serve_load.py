@@ -11,7 +11,8 @@ export `gpt2x serve --model MODEL --precision P` would use:
 - static: max batch 32, requests that arrive together decode together; later arrivals wait for the
   whole batch to finish;
 - continuous: max batch 32, a finished row leaves and a waiting request joins between decode steps
-  (gpt2x serve's default: int8 on ONNX Runtime's growing KV cache, whose merges copy the whole
+  (int8 on ONNX Runtime's growing KV cache, gpt2x serve's default when this ran; since 2026-11-25
+  serving keeps int8's cache in place, measured by serve_peers.py; the growing cache's merges copy the whole
   cache through the host);
 - continuous-in-place (int8 only): the same on the in-place KV cache (`in_place_kv=True`), rows
   moving inside its buffers, for comparison.
@@ -45,12 +46,15 @@ from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.workflows import resolve_export
 
-MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: gpt2x serve's default, the growing cache when batching)
-    "off": (EngineSettings(max_batch_size=1, max_waiting=64, continuous=False), None),
-    "static": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=False), None),
-    "continuous": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), None),
+# The settings of the committed run (2026-11-23): a 2 ms batch wait and the growing cache when batching,
+# gpt2x serve's defaults then (now: no wait, the in-place cache; benchmarks/serve_peers.py).
+_THEN = {"max_waiting": 64, "batch_wait_s": 0.002}
+MODES = {  # engine, and ONNX Runtime's in-place KV cache (None: wherever the graph allows it; False: growing)
+    "off": (EngineSettings(max_batch_size=1, continuous=False, **_THEN), None),
+    "static": (EngineSettings(max_batch_size=32, continuous=False, **_THEN), False),
+    "continuous": (EngineSettings(max_batch_size=32, continuous=True, **_THEN), False),
     # int8 and int4 graphs only: continuous batching on the in-place cache, rows moving inside its buffers
-    "continuous-in-place": (EngineSettings(max_batch_size=32, max_waiting=64, continuous=True), True),
+    "continuous-in-place": (EngineSettings(max_batch_size=32, continuous=True, **_THEN), True),
 }
 
 
@@ -125,7 +129,7 @@ def main() -> None:
             info = resolve_export(args.model, precision=precision, progress=log, notice=log)
             for mode in modes:
                 engine, in_place = MODES[mode]
-                if in_place is not None and not in_place_kv(info.attention):
+                if in_place and not in_place_kv(info.attention):
                     continue  # fp32's MultiHeadAttention graph has no in-place cache: the mode is "continuous"
                 name = f"{precision.value}-{mode}"
                 config = ReplicaConfig(export=str(info.folder.resolve()), model_id=args.model, threads=args.threads,
