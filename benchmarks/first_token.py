@@ -165,7 +165,7 @@ def make_files(args, precisions: list[str], work: Path, threads: int) -> tuple[d
     {precision: GGUF path}, what was recorded about them)."""
     from peers.core import Context
     from peers.gpt2x import ensure_exports
-    from peers.llamacpp import GGUF_TYPES, QUANTIZE, converter, llama_cpp_commit, run_tool
+    from peers.llamacpp import convert_f32, converter, llama_cpp_commit, quantize
 
     from gpt2x import workflows
     from gpt2x.choices import BackendKind, Precision
@@ -188,19 +188,8 @@ def make_files(args, precisions: list[str], work: Path, threads: int) -> tuple[d
               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
     folder = work / "gguf"
     folder.mkdir()
-    f32 = folder / "gpt2-f32.gguf"
-    log(f"llama.cpp: {script.name} -> {f32.name}")
-    run_tool([sys.executable, str(script), str(ctx.hf_dir_with_tokenizer()), "--outfile", str(f32), "--outtype", "f32"],
-             "convert_hf_to_gguf.py")
-    ggufs = {}
-    for p in precisions:
-        gguf_type = GGUF_FOR[p]
-        path = folder / f"gpt2-{gguf_type}.gguf"
-        if gguf_type != "f32":
-            log(f"llama.cpp: quantizing to {gguf_type}")
-            run_tool([sys.executable, "-c", QUANTIZE, str(f32), str(path), str(getattr(llama_cpp, GGUF_TYPES[gguf_type][1])),
-                      str(threads)], f"llama_model_quantize to {gguf_type}")
-        ggufs[p] = str(path)
+    f32, _ = convert_f32(script, ctx.hf_dir_with_tokenizer(), folder)
+    ggufs = {p: str(f32 if GGUF_FOR[p] == "f32" else quantize(f32, GGUF_FOR[p], threads)[0]) for p in precisions}
     return exports, ggufs, record
 
 

@@ -76,8 +76,6 @@ class PrefixCache:
         chain = self._match(ids, n)
         start = end - len(ids)
         for j in range(len(chain), n):
-            if self.budget_bytes == 0:
-                break
             a, b = start + j * self.block_tokens, start + (j + 1) * self.block_tokens
             block_kv = np.stack([t[row, :, a:b] for t in kv]).astype(np.float32, copy=False)
             if not self._make_room(block_kv.nbytes, chain):

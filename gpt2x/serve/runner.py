@@ -176,7 +176,7 @@ class Runner:
     def _keep_prefixes(self, prefill: Prefill) -> None:
         """The prompts' whole blocks that the prefix cache lacks, copied into it from the prefill's cache."""
         cache = self.prefix_cache
-        if cache is None or cache.budget_bytes == 0:
+        if cache is None:
             return
         new = [u for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
         if not new:
