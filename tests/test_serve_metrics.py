@@ -183,7 +183,9 @@ def test_merge_sums_replicas_and_drops_the_gauges_of_silent_ones():
     sa["gauges"], sb["gauges"] = {"running": 2, "waiting": 1}, {"running": 3, "waiting": 0}
     merged = prom.merge([sa, {**sb, "age": prom.STALE_S + 1}])  # b has not reported lately (gone)
     assert merged["counters"] == {"prompt_tokens": 8, "generation_tokens": 11}
-    assert merged["success"] == {"stop": 1, "length": 2}
+    a.aborted(2)
+    assert prom.merge([a.snapshot()])["success"] == {"stop": 1, "length": 0, "abort": 2}
+    assert merged["success"] == {"stop": 1, "length": 2, "abort": 0}  # every reason written, aborts too
     assert merged["gauges"] == {"running": 2, "waiting": 1} and merged["replicas"] == 1
     e2e = merged["histograms"]["e2e_request_latency_seconds"]
     assert sum(e2e["counts"]) == 3 and e2e["sum"] == pytest.approx(2.24)

@@ -18,6 +18,8 @@ hub under Ray Serve, to which each answered request's counts are handed before i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -242,8 +244,26 @@ class HttpApi:
             return StreamingResponse(self._counted_stream(self.service.stream(pending), pending, started),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        # Raced against the client's disconnect: a client that gives up frees its rows at the engine's
+        # next step (and its places in the queue at once), as vLLM aborts a request whose client left.
+        work = asyncio.ensure_future(self.service.complete(pending))
+        gone = asyncio.ensure_future(client_gone(request))
         try:
-            body = await self.service.complete(pending)
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server cancelled the handler (Ray Serve does when the client leaves)
+            work.cancel()
+            self._aborted(pending, started)
+            raise
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work  # its rows cancelled now (Pending.events' finally)
+            self._aborted(pending, started)
+            return error_response(APIError(499, "the client closed the request", code="client_closed_request"))
+        try:
+            body = work.result()
         except APIError as e:
             return error_response(e)
         seconds = time.monotonic() - started
@@ -256,17 +276,34 @@ class HttpApi:
         out, and the request counted (and published) before its last event, `[DONE]`, unless the stream
         ended in an error (its last events: the error, then `[DONE]`)."""
         ended: list[tuple[str, float]] = []
-        failed = False
-        async for event in events:
-            if event.startswith('data: {"error":'):
-                failed = True
-            elif '"finish_reason":"' in event:
-                chunk = json.loads(event[len("data: "):])
-                ended += [(c["finish_reason"], time.monotonic() - started) for c in chunk["choices"] if c["finish_reason"]]
-            elif event.startswith("data: [DONE]") and not failed:
-                usage = pending.usage()  # what the usage chunk says
-                await self._answered(usage.prompt_tokens, usage.completion_tokens, ended)
-            yield event
+        failed = counted = False
+        try:
+            async for event in events:
+                if event.startswith('data: {"error":'):
+                    failed = True
+                elif '"finish_reason":"' in event:
+                    chunk = json.loads(event[len("data: "):])
+                    ended += [(c["finish_reason"], time.monotonic() - started) for c in chunk["choices"]
+                              if c["finish_reason"]]
+                elif event.startswith("data: [DONE]"):
+                    counted = True
+                    if not failed:
+                        usage = pending.usage()  # what the usage chunk says
+                        await self._answered(usage.prompt_tokens, usage.completion_tokens, ended)
+                yield event
+        finally:
+            if not counted:  # the client left mid-stream (the response was cancelled or closed)
+                self._aborted(pending, started, ended)
+
+    def _aborted(self, pending: Any, started: float, ended: list[tuple[str, float]] | None = None) -> None:
+        """A request whose client left: its choices that had not ended counted as aborted (vLLM's
+        finished_reason "abort"), those that had by their reasons, with the tokens of its usage so far.
+        Not published to the hub here (a cancelled task awaits nothing more): the replica's next report does."""
+        usage = pending.usage()
+        seconds = time.monotonic() - started
+        done = ended if ended is not None else [(r, seconds) for r in pending.reasons if r is not None]
+        self.metrics.answered(usage.prompt_tokens, usage.completion_tokens, done)
+        self.metrics.aborted(sum(r is None for r in pending.reasons))
 
     async def _answered(self, prompt_tokens: int, generation_tokens: int, choices: list[tuple[str, float]]) -> None:
         self.metrics.answered(prompt_tokens, generation_tokens, choices)
@@ -335,6 +372,16 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
         return JSONBody(DetokenizeResponse(prompt=decode(p.tokens)))
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has disconnected. The body has been read, so the next message the
+    server has for this request is its http.disconnect (Starlette's StreamingResponse listens so too)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a server that hands out empty body messages: no busy loop
 
 
 def _not_json(name: str) -> None:

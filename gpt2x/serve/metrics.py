@@ -35,7 +35,9 @@ from .engine import Engine, Row
 PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STALE_S = 10.0  # a replica whose last snapshot is older than this no longer adds its gauges
-FINISH_REASONS = ("stop", "length")  # always written, 0 until counted (vLLM writes each of its reasons)
+# Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
+# left before it ended (http.py notices a disconnect, streamed or not).
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,11 @@ class ReplicaMetrics:
             for reason, seconds in choices:
                 self.success[reason] = self.success.get(reason, 0) + 1
                 self.histograms[E2E.name].observe(max(0.0, seconds))
+
+    def aborted(self, choices: int) -> None:
+        """Choices abandoned by their client before they ended (vLLM's finished_reason "abort")."""
+        with self._lock:
+            self.success["abort"] = self.success.get("abort", 0) + choices
 
     def snapshot(self) -> dict:
         """Plain values (sent between processes): counters, histograms, the engine's gauges and

@@ -122,8 +122,7 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
-            if len(self._waiting) + len(rows) > self.settings.max_waiting:
-                self._waiting = deque(r for r in self._waiting if r.cancelled is None)  # clients that left
+            self._purge()
             if len(self._waiting) + len(rows) > self.settings.max_waiting + self._free_places():
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.settings.max_waiting})")
             self._waiting.extend(rows)
@@ -144,9 +143,16 @@ class Scheduler:
         return self._closed
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
+        """(running, waiting): rows whose clients left while they waited are not counted."""
         with self._cond:
+            self._purge()
             return self.running, len(self._waiting)
+
+    def _purge(self) -> None:
+        """Rows cancelled while they waited (their clients left) leave the queue, freeing their places
+        at once rather than when the engine reaches them (under the lock)."""
+        if any(r.cancelled is not None for r in self._waiting):
+            self._waiting = deque(r for r in self._waiting if r.cancelled is None)
 
     def _free_places(self) -> int:
         return max(0, self.settings.max_batch_size - self.running)

@@ -121,6 +121,7 @@ class Pending:
         self.scored = req.echo and req.logprobs is not None  # the prompt's logprobs come from the engine
         self._told: list[LogprobEntry | None] = [None] * len(self.prompts)  # a token's logprobs, before it
         self._start = [len(p) if req.echo else 0 for p in self.prompts]  # where the completion's text starts
+        self.reasons: list[str | None] = [None] * len(self.prompts)  # each choice's finish_reason, once it ended
         self.rows = []
         for p, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
             for i in range(req.n):
@@ -176,6 +177,7 @@ class Pending:
                     if text.stopped:  # a stop string ended it: the row need not run on
                         self.rows[index].cancel()
                         open_rows -= 1
+                        self.reasons[index] = "stop"
                         yield index, delta, "stop", self._taken(index)
                     elif delta:
                         yield index, delta, None, self._taken(index)
@@ -184,7 +186,8 @@ class Pending:
                     rest = text.finish()
                     if value in (Finish.eos, Finish.stop):  # the end-of-text or stop token, its logprobs told before
                         self._note(index, self._start[index] + len(text.text))
-                    yield index, rest, api.finish_reason(Finish(value), text), self._taken(index)
+                    self.reasons[index] = api.finish_reason(Finish(value), text)
+                    yield index, rest, self.reasons[index], self._taken(index)
                 elif self.engine.closing:  # waiting or cut short by the server's stop
                     raise api.APIError(503, str(value), "server_error", code="unavailable")
                 else:
