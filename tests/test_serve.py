@@ -193,7 +193,7 @@ def test_models_and_health(server, client):
     h = health(client, f"{server}/main")
     assert h["status"] == "ok" and h["model"] == "shakespeare" and h["waiting"] >= 0
     schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as http.py declares it
-    assert set(schema["paths"]) == {"/v1/completions", "/v1/models", "/health", "/tokenize", "/detokenize"}
+    assert set(schema["paths"]) == {"/v1/completions", "/v1/models", "/health", "/version", "/tokenize", "/detokenize"}
     assert "CompletionRequest" in schema["components"]["schemas"]
     assert client.get(f"{server}/small/openapi.json").status_code == 200  # the description needs no key
 
@@ -306,10 +306,12 @@ def test_wrong_routes_and_methods_are_json_errors(server, client):
 
 def test_api_key_is_checked_on_every_route(server, client):
     url = f"{server}/small"
-    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/health")):
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = client.request(method, url + path, json={"prompt": "a", "max_tokens": 1}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    for path in ("/health", "/version"):  # open, as vLLM's and llama-server's: a probe has no key
+        assert client.get(url + path).status_code == 200, path
     assert complete(client, url, prompt="ROMEO:", max_tokens=2)["usage"]["completion_tokens"] <= 2
 
 

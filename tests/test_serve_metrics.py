@@ -213,7 +213,7 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(client, text):
 
 def test_token_strings_and_raw_ids(client):
     body = client.post("/tokenize", json={"prompt": "Hello world<|endoftext|>", "return_token_strs": True}).json()
-    assert body["tokens"] == [15496, 995, EOT_ID] and body["token_strs"] == ["Hello", " world", "<|endoftext|>"]
+    assert body["tokens"] == [15496, 995, EOT_ID] and body["token_strs"] == ["Hello", "Ġworld", "<|endoftext|>"]
     split = encode("日")  # a character over more than one token: the pieces are no text alone
     assert len(split) > 1 and client.post("/detokenize", json={"tokens": split[:1]}).json()["prompt"] == decode(split[:1])
     assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}

@@ -69,6 +69,7 @@ from .http import (
     METRICS_ROUTE,
     MODELS_ROUTE,
     TOKENIZE_ROUTE,
+    VERSION_ROUTE,
     HttpApi,
     new_app,
 )
@@ -200,6 +201,10 @@ class Gpt2xReplica:
     @app.get("/health", **HEALTH_ROUTE)
     def health(self, request: Request):
         return self.http.health(request)
+
+    @app.get("/version", **VERSION_ROUTE)
+    def version(self, request: Request):
+        return self.http.version(request)
 
     @app.get("/metrics", **METRICS_ROUTE)
     async def metrics(self, request: Request):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..tokenizer import decode, encode
+from ..tokenizer import decode, encode, get_encoding
 from . import metrics as prom
 from . import protocol as api
 from .protocol import APIError
@@ -76,7 +77,7 @@ COMPLETIONS_ROUTE = dict(
         "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
 )
 MODELS_ROUTE = dict(summary="The served model", response_model=api.ModelList, responses=_AUTH_ERRORS)
-HEALTH_ROUTE = dict(summary="The replica's state and counters", response_model=api.Health, responses=_AUTH_ERRORS)
+HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=api.Health)
 # Prometheus' text format, not JSON: left out of the OpenAPI description, as vLLM leaves its /metrics.
 METRICS_ROUTE = dict(summary="Prometheus metrics, summed over every replica", include_in_schema=False)
 
@@ -97,6 +98,36 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class Version(BaseModel):
+    version: str
+
+
+VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=Version)
+OPEN_ROUTES = ("/health", "/version")  # answered without the API key, as vLLM's and llama-server's
+
+
+@functools.cache
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in its vocabulary
+    (printable bytes as themselves, the others shifted past 255: a space is "Ġ", a newline "Ċ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def token_str(token: int) -> str:
+    """A token as the tokenizer's vocabulary writes it (transformers' convert_ids_to_tokens, vLLM's
+    token_strs): " is" is "Ġis"."""
+    table = _byte_chars()
+    return "".join(table[b] for b in get_encoding().decode_single_token_bytes(token))
 
 
 class DetokenizeParams(BaseModel):
@@ -146,9 +177,10 @@ class Gpt2xApp(FastAPI):
                 components.setdefault("schemas", {}).update(body.pop("$defs", {}), **{name: body})
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "description": (
                 "The server's API key (--api-key), when it has one")}}
-            for path in schema.get("paths", {}).values():  # every route asks for the key (not /openapi.json, /docs)
+            for route, path in schema.get("paths", {}).items():  # every route asks for the key but the open ones
                 for operation in path.values():
-                    operation["security"] = [{"bearer": []}, {}]  # the key, or none where the server has none
+                    # the key, or none where the server has none (/openapi.json and /docs are not listed)
+                    operation["security"] = [] if route in OPEN_ROUTES else [{"bearer": []}, {}]
             self.openapi_schema = schema
         return self.openapi_schema
 
@@ -222,6 +254,10 @@ class HttpApi:
 
     async def body(self, request: Request) -> bytes:
         """The body, refused (413) once it exceeds the limit, without reading the rest."""
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media != "application/json":  # vLLM's check and words (its RequestValidationError: a 400)
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed (send Content-Type: "
+                           f"application/json; got {media[:60] or 'none'!r})", code="unsupported_media_type")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise APIError(413, f"the body is {declared} bytes; the limit is {self.max_body_bytes}", code="body_too_large")
@@ -322,7 +358,12 @@ class HttpApi:
         return self._authorized(request, self.service.models)
 
     def health(self, request: Request) -> Response:
-        return self._authorized(request, self.service.health)
+        """Open without the API key, as vLLM's and llama-server's /health: a load balancer's probe has none."""
+        return JSONBody(self.service.health())
+
+    def version(self, request: Request) -> Response:
+        """gpt2x's version, open without the API key (vLLM's /version)."""
+        return JSONBody(Version(version=__version__))
 
     async def prometheus(self, request: Request) -> Response:
         """Every replica's metrics summed, in Prometheus' text format."""
@@ -362,7 +403,7 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
         tokens = encode(p.prompt)
-        strs = [api.token_text(t) for t in tokens] if p.return_token_strs else None
+        strs = [token_str(t) for t in tokens] if p.return_token_strs else None
         return JSONBody(TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
                                          token_strs=strs))
 
@@ -403,6 +444,9 @@ def local_app(service: CompletionService, api_key: str | None = None, max_body_b
     def health(request: Request):
         return http.health(request)
 
+    def version(request: Request):
+        return http.version(request)
+
     async def metrics(request: Request):
         return await http.prometheus(request)
 
@@ -415,6 +459,7 @@ def local_app(service: CompletionService, api_key: str | None = None, max_body_b
     app.post("/v1/completions", **COMPLETIONS_ROUTE)(completions)
     app.get("/v1/models", **MODELS_ROUTE)(models)
     app.get("/health", **HEALTH_ROUTE)(health)
+    app.get("/version", **VERSION_ROUTE)(version)
     app.get("/metrics", **METRICS_ROUTE)(metrics)
     app.post("/tokenize", **TOKENIZE_ROUTE)(tokenize)
     app.post("/detokenize", **DETOKENIZE_ROUTE)(detokenize)

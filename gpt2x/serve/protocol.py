@@ -232,6 +232,14 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one candidate token of a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class Logprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -240,10 +248,16 @@ class Logprobs(BaseModel):
 
 
 class Choice(BaseModel):
+    """One choice (or a stream chunk's piece of one). vLLM's keys are always there, null unless asked
+    for: `prompt_logprobs` (prompt_logprobs), `prompt_token_ids` and `token_ids` (return_token_ids)."""
+
     index: int
     text: str
     logprobs: Logprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -309,6 +323,9 @@ _UNION_MESSAGES = {
 }
 
 
+_TOKEN_ID_FIELDS = ("prompt", "stop_token_ids", "allowed_token_ids", "tokens")
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 for pydantic's (or FastAPI's) validation errors: `param` the field at fault, the message
     its first informative error (a bound or a length rather than every type a union tried)."""
@@ -322,6 +339,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     param = str(loc[0]) if loc else None
     if param in _UNION_MESSAGES and not informative:
         return bad(_UNION_MESSAGES[param], param)
+    if param in _TOKEN_ID_FIELDS and error.get("type") == "less_than_equal" and isinstance(error.get("input"), int):
+        # a token id past the vocabulary (the schema's bound): vLLM's words for it
+        return bad(f"{param}: token id {error['input']} is out of vocabulary (ids are in [0, {VOCAB_SIZE}))", param)
     where = (param or "body") + "".join(f"[{x}]" for x in loc[1:] if isinstance(x, int))
     if len(loc) > 1 and isinstance(loc[1], str) and loc[1].isidentifier() and loc[1] not in ("str", "int", "float", "bool"):
         where += "." + loc[1]  # a nested object's field (stream_options.include_usage), not a union's member
@@ -394,7 +414,7 @@ def _refuse_unsupported(p: CompletionParams) -> None:
 def _token_ids_in(ids: list[int], vocab_size: int, name: str) -> None:
     for tok in ids:
         if not 0 <= tok < vocab_size:
-            raise bad(f"{name}: token id {tok} is outside the vocabulary [0, {vocab_size})", name)
+            raise bad(f"{name}: token id {tok} is out of vocabulary (ids are in [0, {vocab_size}))", name)
 
 
 def _sampling(p: CompletionParams, n_prompts: int, max_tokens: int, vocab_size: int) -> dict[str, Any]:
@@ -476,7 +496,7 @@ def _prompts(p: CompletionParams, vocab_size: int) -> tuple[list[str | None], li
         for j, tok in enumerate(ids):
             if not 0 <= tok < vocab_size:
                 at = f"prompt[{j}]" if lists is not prompt else f"prompt[{i}][{j}]"
-                raise bad(f"{at}: token id {tok} is outside the vocabulary [0, {vocab_size})", "prompt")
+                raise bad(f"{at}: token id {tok} is out of vocabulary (ids are in [0, {vocab_size}))", "prompt")
     return [None] * len(lists), [list(ids) for ids in lists]
 
 
@@ -505,6 +525,8 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
     _refuse_unsupported(p)
+    if p.stream_options is not None and not p.stream:
+        raise bad("stream_options can only be given with stream: true", "stream_options")
     echo = bool(p.echo)
     max_tokens = DEFAULT_MAX_TOKENS if p.max_tokens is None else p.max_tokens
     if max_tokens == 0 and not echo:

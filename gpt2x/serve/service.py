@@ -92,8 +92,9 @@ class CompletionService:
 
     async def stream(self, pending: Pending) -> AsyncIterator[str]:
         """Server-sent events: one chunk per released piece of text (with the logprobs of the tokens
-        it releases), a chunk with each choice's finish_reason, a usage chunk if asked for, then
-        `data: [DONE]`."""
+        it releases), each choice's finish_reason on the chunk of its last token (as vLLM's: a chunk
+        of its own only where the choice ends without a token of text, at end of text or a stop token
+        id), a usage chunk if asked for, then `data: [DONE]`."""
         req = pending.req
         try:
             async for index, delta, reason, logprobs in pending.events():
@@ -126,7 +127,10 @@ class Pending:
         for p, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
             for i in range(req.n):
                 def sink(kind: str, value: object, index: int = p * req.n + i) -> None:
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
+                    # A token that ends its row comes with the row's Finish (set before it is told), so
+                    # that its chunk carries the finish_reason, as vLLM's last chunk does.
+                    last = self.rows[index].finish if kind == "token" else None
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value, last))
 
                 self.rows.append(Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget))
 
@@ -161,10 +165,10 @@ class Pending:
         open_rows = len(self.rows)
         try:
             while open_rows:
-                index, kind, value = await self.queue.get()
+                index, kind, value, last = await self.queue.get()
                 text = self.texts[index]
-                if text.stopped:
-                    continue  # already ended by a stop string; what the row sent after is dropped
+                if text.stopped or self.reasons[index] is not None:
+                    continue  # already ended (a stop string, or its last token); what the row sent after is dropped
                 if kind == "logprob":
                     self._told[index] = value
                 elif kind == "prompt":
@@ -179,6 +183,11 @@ class Pending:
                         open_rows -= 1
                         self.reasons[index] = "stop"
                         yield index, delta, "stop", self._taken(index)
+                    elif last is not None:  # its last token: the rest of its text (held back) and its end
+                        open_rows -= 1
+                        delta += text.finish()
+                        self.reasons[index] = api.finish_reason(Finish(last), text)
+                        yield index, delta, self.reasons[index], self._taken(index)
                     elif delta:
                         yield index, delta, None, self._taken(index)
                 elif kind == "done":
