@@ -2,7 +2,7 @@
 
     python benchmarks/compare_peers.py --batch 1,4 --out benchmarks/results/cpu-2core
         [--prompt-len 32,512] [--precisions fp32,int8,int4] [--gpt2x-backends torch,ort,openvino,genai]
-        [--contenders optimum,ort-gpt2-tool,gpt2x,genai,llama.cpp,ctranslate2]
+        [--contenders optimum,ort-gpt2-tool,gpt2x,genai,llama.cpp,openvino-genai,ctranslate2]
 
 Runs GPT-2 124M (architecture of `gpt2`, seeded random weights saved in Hugging Face layout so that
 every library loads or converts the very same tensors), a prompt of --prompt-len random tokens (each
@@ -28,17 +28,21 @@ times for each prompt length and batch size (one module per peer in benchmarks/p
 - llama.cpp through llama-cpp-python: the folder converted by llama.cpp's convert_hf_to_gguf.py to
   GGUF f32, quantized by llama.cpp's quantizer to q8_0, q4_0 and q4_K_M (fp32, int8, int4, int4;
   batch 1) (peers/llamacpp.py);
+- OpenVINO GenAI: the folder converted by optimum-intel (`optimum-cli export openvino`) with int8 and
+  fp32 weights, each run by its LLMPipeline at OpenVINO's default compute precision on this CPU (bf16
+  where the CPU has it) and at f32 (INFERENCE_PRECISION_HINT) (batch 1) (peers/openvino_genai.py);
 - CTranslate2: the folder converted by ct2-transformers-converter at float32 and int8
   (peers/ctranslate2.py).
 --contenders narrows the peers (transformers always runs: it is the reference); --precisions also
-narrows onnxruntime-genai's, llama.cpp's and CTranslate2's precisions.
+narrows onnxruntime-genai's, llama.cpp's, OpenVINO GenAI's and CTranslate2's precisions.
 
 A contender that cannot run here (a runtime not installed, a conversion or export that fails, a
 backend that does not open or fails its warm-up) is recorded in OUT.json's "skipped" with the reason,
 and listed under the table; the run goes on without it.
 
 Every ONNX Runtime session has gpt2x's thread settings (gpt2x.runtime.providers.session_options: intra-op
-threads = cores, sequential); llama.cpp and CTranslate2 get threads = cores too. Timing is
+threads = cores, sequential); llama.cpp, OpenVINO GenAI (INFERENCE_NUM_THREADS) and CTranslate2 get
+threads = cores too. Timing is
 interleaved, because this VM's memory bandwidth drifts by tens of percent over minutes: per prompt
 length and batch size, each contender warms up (its first tokens are also checked against
 transformers'), then --repeat rounds run every contender once each, in an order rotated every round.
@@ -51,10 +55,12 @@ the call to the first token, the median over the rounds. The machine's memory ba
 in the same run and each decode figure is given as a share of its roofline (at the precision's bytes
 per weight as gpt2x stores it, gpt2x.bench.roofline; llama.cpp's and CTranslate2's formats differ a
 little). Under the table: each precision's gpt2x ort against the fastest peer of that precision,
-gpt2x ort's decode and TTFT against llama.cpp's and CTranslate2's matching precisions (targets at
-batch 1: decode ≥ llama.cpp's at fp32/f32, int8/q8_0, int4/q4_0 and q4_K_M, and TTFT ≤ llama.cpp's, at
-every prompt length; decode ≥ 2x CTranslate2's at fp32 and int8), and int4 decode against int8
-decode per runtime.
+gpt2x ort's decode and TTFT against llama.cpp's, OpenVINO GenAI's and CTranslate2's matching
+precisions (targets at batch 1: decode ≥ llama.cpp's at fp32/f32, int8/q8_0, int4/q4_0 and q4_K_M, and
+TTFT ≤ llama.cpp's, at every prompt length; decode ≥ OpenVINO GenAI's and TTFT ≤ its, int8 and fp32
+weights at each compute precision, issue 36; decode ≥ 2x CTranslate2's at fp32 and int8), and int4
+decode against int8 decode per runtime. The machine (CPU, cores) heads the table and is in OUT.json's
+environment.
 Writes OUT.json (every figure, every run, the environment), OUT.md (the table) and
 OUT.png (the plot).
 """
@@ -85,18 +91,20 @@ TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0, "gpt2x ort int4": 10.0}
 INT4_VS_INT8_TARGET = 1.3  # int4 decode tok/s over int8's on the same runtime, from the issue
 PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)  # what a CPU run can ask for (fp16: CUDA only)
 # gpt2x ort's decode tok/s over llama.cpp's and CTranslate2's at the matching precision, from the issue
-HEAD_TO_HEAD = ("llama.cpp", "CTranslate2")  # runtimes compared one to one with gpt2x ort
+HEAD_TO_HEAD = ("llama.cpp", "OpenVINO GenAI", "CTranslate2")  # runtimes compared one to one with gpt2x ort
 # Issue 18's targets at batch 1, per (peer runtime, precision): gpt2x ort's decode tok/s over the
-# peer's, and for llama.cpp also its TTFT no later than the peer's (at every prompt length).
+# peer's, and for llama.cpp also its TTFT no later than the peer's (at every prompt length); issue
+# 36's the same against OpenVINO GenAI (each of its compute precisions).
 PEER_DECODE_TARGETS = {("llama.cpp", "fp32"): 1.0, ("llama.cpp", "int8"): 1.0, ("llama.cpp", "int4"): 1.0,
+                       ("OpenVINO GenAI", "fp32"): 1.0, ("OpenVINO GenAI", "int8"): 1.0,
                        ("CTranslate2", "fp32"): 2.0, ("CTranslate2", "int8"): 2.0}
-PEER_TTFT_TARGET_RUNTIMES = ("llama.cpp",)
+PEER_TTFT_TARGET_RUNTIMES = ("llama.cpp", "OpenVINO GenAI")
 TARGET_BATCH = 1
 # What the issue measured on this 2-core VM (batch 1, 32-token prompt, 128 new tokens), for reference.
 ISSUE_FIGURES = {"transformers generate": 24.7, "Optimum's export in a hand loop": 57.8,
                  "ORT GPT-2 tool, fused Attention, fp32": 72.8, "ORT GPT-2 tool int8": 175.7}
-PEER_PACKAGES = ("optimum", "optimum-onnx", "onnxruntime-genai", "openvino", "tokenizers", "llama-cpp-python", "gguf",
-                 "ctranslate2")
+PEER_PACKAGES = ("optimum", "optimum-onnx", "onnxruntime-genai", "openvino", "openvino-genai", "openvino-tokenizers",
+                 "tokenizers", "llama-cpp-python", "gguf", "ctranslate2")
 
 
 def parse_list(text: str, enum, allowed, option: str, ap: argparse.ArgumentParser) -> list:
@@ -252,7 +260,7 @@ def markdown(results: dict) -> str:
         f"{results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {env['date']}, gpt2x git {env['git']}; "
         + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env.get("peer packages", {})).items()) + ".",
         f"ONNX Runtime sessions: {env.get('ort_intra_op_threads')} intra-op threads, sequential, spinning on "
-        "(ORT's default) in every session; llama.cpp and CTranslate2 with as many threads.",
+        "(ORT's default) in every session; llama.cpp, OpenVINO GenAI and CTranslate2 with as many threads.",
         "",
         "| engine | batch | prompt | end-to-end tok/s | spread (e2e) | decode tok/s | TTFT (ms) | x transformers (e2e) "
         f"| x transformers (decode) | % of roofline (decode) | first {k} tokens = transformers' | target |",
@@ -280,7 +288,7 @@ def markdown(results: dict) -> str:
                              f"fastest {precision} peer, {best['name']}, {best['e2e_tokens_per_s']:.1f}: "
                              f"{ours['e2e_tokens_per_s'] / best['e2e_tokens_per_s']:.2f}x")
     if results.get("vs_peers"):
-        lines += ["", "gpt2x ort against llama.cpp and CTranslate2 at the matching precision (decode = decode tok/s, "
+        lines += ["", "gpt2x ort against llama.cpp, OpenVINO GenAI and CTranslate2 at the matching precision (decode = decode tok/s, "
                   "gpt2x's over the peer's; TTFT = the peer's time to first token over gpt2x's, > 1: gpt2x answers first):", ""]
         for c in results["vs_peers"]:
             target = (f" (target ≥ {c['target']}x: {'met' if c['met'] else 'not met'})" if c["target"] else "")
@@ -323,9 +331,10 @@ def int4_vs_int8(runs: list[dict]) -> list[dict]:
 
 
 def vs_peers(runs: list[dict]) -> list[dict]:
-    """gpt2x ort against every llama.cpp and CTranslate2 row of the same precision, batch size and
-    prompt length: decode tok/s ratio (gpt2x's over the peer's; target PEER_DECODE_TARGETS) and
-    TTFT ratio (the peer's over gpt2x's; target ≥ 1 against llama.cpp), targets at batch 1."""
+    """gpt2x ort against every llama.cpp, OpenVINO GenAI and CTranslate2 row of the same precision,
+    batch size and prompt length: decode tok/s ratio (gpt2x's over the peer's; target
+    PEER_DECODE_TARGETS) and TTFT ratio (the peer's over gpt2x's; target ≥ 1 against llama.cpp and
+    OpenVINO GenAI), targets at batch 1."""
     out = []
     for peer in (r for r in runs if r["runtime"] in HEAD_TO_HEAD):
         ours = next((r for r in runs if r["name"] == f"gpt2x ort {peer['precision']}" and r["batch"] == peer["batch"]

@@ -27,6 +27,9 @@ class _Recorder:
     def __init__(self, backend):
         self.backend, self.tokens = backend, []
 
+    def __getattr__(self, name: str):  # everything else the decode loop asks of a backend (capabilities, ...)
+        return getattr(self.backend, name)
+
     def step(self, input_ids, attention_mask, position_ids, past):
         logits, present = self.backend.step(input_ids, attention_mask, position_ids, past)
         self.tokens.append(logits.argmax(-1))

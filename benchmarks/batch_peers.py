@@ -1,0 +1,278 @@
+"""16 prompts at once, in process: gpt2x's serving engine beside OpenVINO GenAI's continuous batching.
+
+    .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
+        [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
+        [--gpt2x-backends ort] [--contenders gpt2x,openvino-genai]
+
+The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
+prompts of --prompt-len random tokens (seeded), each generating --new-tokens greedy tokens that EOS
+neither stops nor is chosen for, all handed over at once; output tok/s = prompts x new tokens / the
+wall time from handing them over to the last token.
+
+- gpt2x: the serving engine `gpt2x serve` runs (gpt2x.serve.engine.Engine, max batch = --prompts, its
+  defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
+  precision (workflows.ensure_export, parity-gated when made; export_backend, threads = cores), every
+  prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
+- OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
+  same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
+  precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
+  KV cache, dynamic split-fuse), generate(list of the prompts' token tensors, greedy configs).
+
+Each contender runs once unmeasured (its tokens kept for the check), then --rounds rounds run each once,
+in an order rotated every round (this VM's memory bandwidth drifts over minutes); the figure is the
+median round. Every round has prompts of its own (the same for every contender in it), so neither
+engine's prefix cache finds a prompt it has seen. The check: how many rows' first 16 tokens equal gpt2x's at fp32 (bf16 compute may differ).
+Writes OUT.json (every run, the settings, the environment with the machine) and OUT.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+from peers.core import Context, error_line, log
+from peers.openvino_genai import F32, WEIGHT_FORMATS, compute_variants, convert, greedy_config, optimum_cli
+
+from gpt2x import workflows
+from gpt2x.bench.report import save_results
+from gpt2x.bench.system import installed_versions, system_info
+from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.weights import save_hf
+from gpt2x.onnx.artifact import default_export_dir
+from gpt2x.runtime.providers import physical_cores
+from gpt2x.serve.engine import Engine, EngineSettings, Row
+
+CHECK_TOKENS = 16
+CONTENDERS = ("gpt2x", "openvino-genai")
+
+
+class Gpt2xEngine:
+    """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all."""
+
+    def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int):
+        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}"
+        self.precision = info.precision.value
+        self.backend = workflows.export_backend(backend_kind, info, ProviderKind.cpu, threads)
+        self.settings = EngineSettings(max_batch_size=batch)
+        self.engine = Engine(self.backend, self.settings).start()
+        self.details = {"engine_settings": asdict(self.settings)}
+
+    def run(self, prompts: np.ndarray, n: int) -> dict:
+        B = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        first = [0.0] * B
+        left = [B]
+        done, lock = threading.Event(), threading.Lock()
+        errors: list[str] = []
+
+        def sink_for(i: int):
+            def sink(kind: str, value: object) -> None:
+                if kind == "token":
+                    if not tokens[i]:
+                        first[i] = time.perf_counter()
+                    tokens[i].append(int(value))
+                elif kind in ("done", "error"):
+                    if kind == "error":
+                        errors.append(str(value))
+                    with lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            done.set()
+            return sink
+
+        settings = SamplingSettings(max_new_tokens=n, greedy=True, min_tokens=n)
+        rows = [Row(p.tolist(), settings, sink_for(i)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        self.engine.submit(rows)
+        done.wait()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"{self.name}: {errors[0]}")
+        return {"wall_s": wall, "ttft_s": [f - t0 for f in first], "tokens": tokens}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class OvContinuousBatching:
+    """OpenVINO GenAI's ContinuousBatchingPipeline, its default SchedulerConfig; a run is one generate()."""
+
+    def __init__(self, folder: Path, weight_format: str, compute: str, properties: dict):
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        self.ov = ov
+        self.name = f"OpenVINO GenAI {weight_format} ({compute})"
+        self.precision = {v: k for k, v in WEIGHT_FORMATS.items()}[weight_format].value
+        scheduler = ov_genai.SchedulerConfig()
+        self.pipe = ov_genai.ContinuousBatchingPipeline(str(folder), scheduler, "CPU", properties)
+        self.details = {"ov_weight_format": weight_format, "ov_compute_precision": compute, "ov_properties": properties,
+                        "scheduler_config": scheduler.to_string()}
+
+    def run(self, prompts: np.ndarray, n: int) -> dict:
+        inputs = [self.ov.Tensor(np.ascontiguousarray(p[None, :], dtype=np.int64)) for p in prompts]
+        configs = [greedy_config(n)] * len(prompts)
+        t0 = time.perf_counter()
+        results = self.pipe.generate(inputs, configs)
+        wall = time.perf_counter() - t0
+        ttft = [r.perf_metrics.get_ttft().mean / 1e3 for r in results]  # its own per-request TTFT, ms
+        return {"wall_s": wall, "ttft_s": ttft, "tokens": [list(r.m_generation_ids[0]) for r in results]}
+
+    def close(self) -> None:
+        pass
+
+
+def parse_list(text: str, allowed, option: str, ap: argparse.ArgumentParser) -> list[str]:
+    values = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        ap.error(f"{option}: one or more of {', '.join(allowed)}")
+    return values
+
+
+def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
+    contenders = []
+    precisions = [Precision(p) for p in args.precisions]
+    if "gpt2x" in args.contenders:
+        for precision in precisions:
+            info = workflows.ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
+                                           loaded=(ctx.model, ctx.source), progress=log, notice=log)
+            for kind in args.gpt2x_backends:
+                try:
+                    contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts))
+                except Exception as e:
+                    skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+    if "openvino-genai" in args.contenders:
+        try:
+            variants = compute_variants(threads)
+        except ImportError as e:
+            skipped["OpenVINO GenAI"] = f"not importable here: {e}"
+            variants = {}
+        for precision in precisions if variants else []:
+            fmt = WEIGHT_FORMATS[precision]
+            try:
+                folder, _ = convert(ctx.hf_dir_with_tokenizer(), fmt, ctx.work / f"openvino-{fmt}")
+            except Exception as e:
+                skipped[f"OpenVINO GenAI {fmt}"] = error_line(e)
+                continue
+            for compute, properties in variants.items():
+                try:
+                    contenders.append(OvContinuousBatching(folder, fmt, compute, properties))
+                except Exception as e:
+                    skipped[f"OpenVINO GenAI {fmt} ({compute})"] = error_line(e)
+    for name, reason in skipped.items():
+        log(f"{name}: skipped ({reason})")
+    return contenders
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| engine | precision | output tok/s | spread | wall s | TTFT mean ms | rows = gpt2x fp32 (first 16 tokens) |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['name']} | {r['precision']} | {r['output_tokens_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
+                   f"{r['wall_s']:.2f} | {r['ttft_mean_ms']:.1f} | {r['rows_matching'] if r['rows_matching'] is not None else '-'} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch-peers-cpu-2core"))
+    ap.add_argument("--model", default="random:gpt2", help="gpt2x model name (default: GPT-2 124M, seeded random weights)")
+    ap.add_argument("--exports", type=Path, default=Path("exported"), help="where gpt2x's exports go")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
+    ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8 (default: %(default)s)")
+    ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino (default: %(default)s)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = ap.parse_args()
+    args.precisions = parse_list(args.precisions, [p.value for p in WEIGHT_FORMATS], "--precisions", ap)
+    args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
+    args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
+    if min(args.prompts, args.prompt_len, args.new_tokens, args.rounds) < 1:
+        ap.error("--prompts, --prompt-len, --new-tokens and --rounds must be at least 1")
+    threads = physical_cores()
+    env = system_info()
+    env["peer packages"] = installed_versions("openvino", "openvino-genai", "openvino-tokenizers", "onnxruntime", "onnxruntime-gpu")
+    model, source = workflows.load_model(args.model)
+    if args.prompt_len + args.new_tokens > model.config.n_positions:
+        ap.error("--prompt-len + --new-tokens exceeds the model's positions")
+    rng = np.random.default_rng(0)
+    prompt_sets = [rng.integers(0, model.config.vocab_size, (args.prompts, args.prompt_len), dtype=np.int64)
+                   for _ in range(args.rounds + 1)]  # [0]: the warm-up's (the check), then one per round
+    skipped: dict[str, str] = {}
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="gpt2x-batch-peers-") as tmp:
+        hf_dir = Path(tmp) / "hf"
+        save_hf(model, hf_dir)
+        ctx = Context(hf_dir=hf_dir, work=Path(tmp), threads=threads, model=model, source=source, model_name=args.model,
+                      exports_dir=args.exports, precisions=[], kinds=[], max_prompt=args.prompt_len,
+                      new_tokens=args.new_tokens, results={"skipped": skipped})
+        contenders = open_contenders(args, ctx, threads, skipped)
+        if not contenders:
+            raise SystemExit("no contender could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        checks = {}
+        for c in list(contenders):
+            log(f"{c.name}: warm-up")
+            try:
+                checks[c.name] = c.run(prompt_sets[0], args.new_tokens)["tokens"]
+            except Exception as e:
+                skipped[c.name] = f"warm-up failed: {error_line(e)}"
+                log(f"{c.name}: warm-up failed ({error_line(e)}); left out")
+                contenders.remove(c)
+        for r in range(args.rounds):
+            order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+            log(f"round {r + 1}/{args.rounds}")
+            for c in order:
+                run = c.run(prompt_sets[r + 1], args.new_tokens)
+                run["output_tokens"] = sum(len(t) for t in run.pop("tokens"))
+                runs.setdefault(c.name, []).append(run)
+                log(f"  {c.name}: {run['output_tokens'] / run['wall_s']:.1f} output tok/s")
+                time.sleep(0.05)
+        for c in contenders:
+            c.close()
+
+    reference = checks.get("gpt2x engine ort fp32") or next((checks[c.name] for c in contenders if c.name.startswith("gpt2x")), None)
+    rows = []
+    for c in contenders:
+        rs = runs[c.name]
+        tps = [x["output_tokens"] / x["wall_s"] for x in rs]
+        med = sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2]
+        matching = None if reference is None else sum(
+            a[:CHECK_TOKENS] == b[:CHECK_TOKENS] for a, b in zip(checks[c.name], reference, strict=True))
+        rows.append({"name": c.name, "precision": c.precision, "output_tokens_per_s": med["output_tokens"] / med["wall_s"],
+                     "min": min(tps), "max": max(tps), "wall_s": med["wall_s"], "output_tokens": med["output_tokens"],
+                     "ttft_mean_ms": 1e3 * statistics.fmean(med["ttft_s"]), "rows_matching": matching,
+                     "output_tokens_per_s_runs": tps, "runs": rs, **c.details})
+    record = {"command": f"{Path(sys.executable).name} " + " ".join(sys.argv), "settings": vars(args) | {
+                  "out": str(args.out), "exports": str(args.exports), "threads": threads, "check_tokens": CHECK_TOKENS},
+              "optimum_cli": str(optimum_cli()), "environment": env, "skipped": skipped, "rows": rows}
+    machine = f"{env['cpu']}, {env['cores']} cores"
+    lines = [f"# {args.prompts} prompts x {args.new_tokens} tokens in process: gpt2x's serving engine vs OpenVINO GenAI's "
+             "continuous batching", "",
+             f"{args.model} (GPT-2 124M, random weights), {args.prompts} prompts of {args.prompt_len} random tokens handed over "
+             f"at once, {args.new_tokens} greedy tokens each (EOS masked); output tok/s = all output tokens / wall time; "
+             f"{args.rounds} interleaved rounds, median shown, spread = min-max. {threads} threads each. TTFT: gpt2x's from "
+             "the submit to each row's first token, OpenVINO GenAI's its own per-request perf_metrics; the mean over rows.",
+             f"Machine: {machine}, {env['platform']}; {env['date']}, gpt2x git {env['git']}; "
+             + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env["peer packages"]).items()) + ".",
+             f"Command: `{record['command']}`", "", table(rows), ""]
+    lines += [f"- {name}: skipped. {reason}" for name, reason in skipped.items()]
+    if any(r["name"].endswith(f"({F32})") for r in rows):
+        lines.append(f"- OpenVINO GenAI ({F32}): INFERENCE_PRECISION_HINT=f32; the other its CPU plugin's default here.")
+    save_results(args.out, record, "\n".join(lines) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
