@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from gpt2x import __version__
+from gpt2x.generation.beam import beam_search
+from gpt2x.generation.processors import AllowedTokens
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.numerics import log_softmax
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.engine import EngineSettings
 from gpt2x.serve.http import local_app
 from gpt2x.serve.service import CompletionService
-from gpt2x.tokenizer import EOT_ID, encode
+from gpt2x.tokenizer import EOT_ID, decode, encode
 
 KEY = "vllm-shapes-key"
 VLLM_KEYS = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # on every choice, null unless asked for
@@ -131,3 +136,149 @@ def test_stream_options_need_stream(client, stream):
         body["stream"] = stream
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+# ------------------------------------------------------------------ vLLM's fields
+
+
+def forward_logprobs(reference, ids: list[int]) -> np.ndarray:
+    """log_softmax of every position's logits: one no-cache forward of `ids` alone (T, V)."""
+    x = np.asarray([ids], dtype=np.int64)
+    logits, _ = reference.run(x, np.ones_like(x), np.arange(len(ids), dtype=np.int64)[None], None)
+    return log_softmax(logits[0])
+
+
+def test_allowed_token_ids_greedy_is_the_argmax_over_the_set(client, reference):
+    allowed = sorted(set(encode(" the king and queen of a fair land, the")))
+    body = post(client, prompt="ROMEO:", max_tokens=8, temperature=0, allowed_token_ids=allowed, return_token_ids=True)
+    got = body["choices"][0]["token_ids"]
+    ids = encode("ROMEO:")
+    for tok in got:  # each step's argmax among the allowed tokens, from a no-cache forward made here
+        lp = forward_logprobs(reference, ids)[-1]
+        assert tok == allowed[int(np.argmax(lp[allowed]))]
+        ids.append(tok)
+    sampled = post(client, prompt=["ROMEO:", "KING:"], max_tokens=30, temperature=1.5, seed=4, n=2,
+                   allowed_token_ids=allowed, return_token_ids=True)
+    assert all(set(c["token_ids"]) <= set(allowed) and c["token_ids"] for c in sampled["choices"])
+
+
+def test_allowed_tokens_mask_every_row_of_a_batch():
+    scores = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float64)
+    out = AllowedTokens([4, 7, 49, 60])(scores.copy(), [])
+    assert np.isfinite(out[:, [4, 7, 49]]).all() and (out[:, [4, 7, 49]] == scores[:, [4, 7, 49]]).all()
+    assert np.isneginf(np.delete(out, [4, 7, 49], axis=1)).all()
+
+
+def test_return_token_ids_whole_and_streamed(client):
+    body = {"prompt": ["ROMEO:", "JULIET: O"], "max_tokens": 12, "temperature": 0.8, "seed": 3, "return_token_ids": True}
+    whole = post(client, **body)
+    for i, c in enumerate(whole["choices"]):
+        assert c["prompt_token_ids"] == encode(body["prompt"][i])
+        assert decode(c["token_ids"]) == c["text"] and len(c["token_ids"]) == 12
+    joined: dict[int, list[int]] = {}
+    for chunk in chunks_of(client, **body):
+        for c in chunk["choices"]:
+            first = c["index"] not in joined
+            assert (c["prompt_token_ids"] is not None) == first  # the prompt's ids with a choice's first chunk
+            joined.setdefault(c["index"], []).extend(c["token_ids"])
+    assert [joined[i] for i in range(2)] == [c["token_ids"] for c in whole["choices"]]
+
+
+def test_tokens_as_token_ids_in_logprobs(client):
+    c = post(client, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=2, return_tokens_as_token_ids=True,
+             return_token_ids=True)["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(client, reference):
+    prompt = "What light through yonder window breaks?"
+    ids = encode(prompt)
+    c = post(client, prompt=prompt, max_tokens=3, temperature=0, prompt_logprobs=2)["choices"][0]
+    lp = forward_logprobs(reference, ids)
+    entries = c["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        row, tok = lp[i - 1], ids[i]
+        best = np.argsort(-row, kind="stable")[:2]
+        assert set(entries[i]) == {str(t) for t in best} | {str(tok)}
+        mine = entries[i][str(tok)]
+        assert mine["logprob"] == pytest.approx(row[tok], abs=1e-5) and mine["decoded_token"] == decode([tok])
+        assert mine["rank"] == 1 + int((row > row[tok]).sum())
+        assert [entries[i][str(t)]["rank"] for t in best] == [1, 2]
+    assert c["logprobs"] is None and len(c["text"]) > 0
+    zero = post(client, prompt=prompt, max_tokens=1, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
+    assert [None if e is None else list(e) for e in zero] == [None] + [[str(t)] for t in ids[1:]]
+
+
+@pytest.mark.parametrize("k", [-1, 21, -2])
+def test_prompt_logprobs_out_of_range_is_refused(client, k):
+    r = client.post("/v1/completions", json={"prompt": "a", "prompt_logprobs": k})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_truncation_side(client, side):
+    prompt = "What light through yonder window breaks? It is the east"
+    ids = encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True}
+    if side:
+        body["truncation_side"] = side
+    c = post(client, **body)["choices"][0]
+    assert c["prompt_token_ids"] == (ids[:4] if side == "right" else ids[-4:])
+
+
+def test_continuous_usage_stats(client):
+    chunks = chunks_of(client, prompt="ROMEO:", max_tokens=10, temperature=0,
+                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    used = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert used == list(range(1, 11))  # one token a chunk, counted as it goes
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert all(c["usage"]["prompt_tokens"] == len(encode("ROMEO:")) for c in chunks)
+
+
+def test_include_stop_str_in_output(client):
+    full = post(client, prompt="ROMEO:", max_tokens=30, temperature=0)["choices"][0]["text"]
+    stop = full[8:11]
+    at = full.index(stop)
+    kept = post(client, prompt="ROMEO:", max_tokens=30, temperature=0, stop=stop, include_stop_str_in_output=True)
+    assert kept["choices"][0]["text"] == full[: at + len(stop)] and kept["choices"][0]["finish_reason"] == "stop"
+
+
+def test_beam_search_gives_the_n_best_beams(client, reference):
+    body = post(client, prompt="ROMEO:", max_tokens=8, n=3, use_beam_search=True, return_token_ids=True)
+    choices = body["choices"]
+    assert len(choices) == 3 and len({tuple(c["token_ids"]) for c in choices}) == 3
+    best = beam_search(reference, "ROMEO:", encode("ROMEO:"), SamplingSettings(max_new_tokens=8, num_beams=3))
+    assert choices[0]["token_ids"] == best.tokens
+    ids = encode("ROMEO:")
+
+    def score(tokens: list[int], ended: bool) -> float:  # summed log-probability / length, from a forward made here
+        seq = tokens + ([EOT_ID] if ended else [])
+        lp = forward_logprobs(reference, ids + seq)
+        return sum(lp[len(ids) - 1 + j, t] for j, t in enumerate(seq)) / len(seq)
+
+    scores = [score(c["token_ids"], c["finish_reason"] == "stop") for c in choices]
+    assert scores == sorted(scores, reverse=True)
+    streamed = chunks_of(client, prompt="ROMEO:", max_tokens=8, n=3, use_beam_search=True)
+    texts = ["".join(p["text"] for ch in streamed for p in ch["choices"] if p["index"] == i) for i in range(3)]
+    assert texts == [c["text"] for c in choices]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"use_beam_search": True, "n": 2, "temperature": 0.7}, "temperature"),
+    ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
+    ({"use_beam_search": True, "n": 2, "presence_penalty": 1}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"), ({"truncation_side": "right"}, "truncation_side"),
+    ({"bad_words": ["x"]}, "bad_words"), ({"guided_json": {}}, "guided_json"), ({"cache_salt": "s"}, "cache_salt"),
+    ({"logits_processors": ["a.b"]}, "logits_processors"), ({"allowed_token_ids": [50257]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"return_token_ids": 1}, "return_token_ids"),
+])
+def test_vllm_fields_not_served_so_are_400_naming_them(client, body, param):
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_request_id_and_unknown_fields(client):
+    body = post(client, prompt="a", max_tokens=1, request_id="abc-1", no_such_field=3, add_special_tokens=True)
+    assert body["id"] == "cmpl-abc-1"

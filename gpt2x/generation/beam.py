@@ -99,10 +99,29 @@ def result(prompt: str, prompt_ids: list[int], fin: Finished, cut_by_context: bo
 
 def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: SamplingSettings) -> Generation:
     """The best of settings.num_beams beams for one prompt; stops at EOS, max_new_tokens or the model's context."""
-    n, p_len = settings.num_beams, len(prompt_ids)
-    n_new = min(settings.max_new_tokens, backend.n_positions - p_len)  # never past the context
+    n_new = min(settings.max_new_tokens, backend.n_positions - len(prompt_ids))  # never past the context
     if n_new < 1:
         return Generation(prompt, list(prompt_ids), [], Finish.context)
+    return result(prompt, prompt_ids, _search(backend, prompt_ids, settings, n_new), n_new < settings.max_new_tokens)
+
+
+def beam_hypotheses(backend: Backend, prompt_ids: list[int], settings: SamplingSettings,
+                    k: int) -> list[tuple[list[int], Finish]]:
+    """The k best (k <= num_beams) finished hypotheses of the search beam_search makes, best first: each
+    one's generated ids (without its end-of-text token) and why it ended (vLLM's use_beam_search with
+    n = num_beams answers its n best)."""
+    n_new = min(settings.max_new_tokens, backend.n_positions - len(prompt_ids))
+    if n_new < 1:
+        return [([], Finish.context)] * k
+    fin = _search(backend, prompt_ids, settings, n_new)
+    cut = Finish.context if n_new < settings.max_new_tokens else Finish.length
+    return [(seq[:-1], Finish.eos) if seq and seq[-1] == EOT_ID else (seq, cut)
+            for seq, done in zip(fin.seqs[:k], fin.done[:k]) if done or seq]
+
+
+def _search(backend: Backend, prompt_ids: list[int], settings: SamplingSettings, n_new: int) -> Finished:
+    """The search itself (see the module's docstring): the finished slots, best first."""
+    n, p_len = settings.num_beams, len(prompt_ids)
 
     ids = np.asarray([prompt_ids], dtype=np.int64)  # (1, P)
     logits, past = backend.step(ids, np.ones_like(ids), np.arange(p_len, dtype=np.int64)[None], None)
@@ -129,5 +148,4 @@ def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: 
         mask = np.ones((n, p_len + gen_len), dtype=np.int64)  # (N, P + t)
         pos = np.full((n, 1), p_len + gen_len - 1, dtype=np.int64)  # (N, 1)
         logits, past = backend.step(cand.tokens[pick][:, None], mask, pos, past)
-
-    return result(prompt, prompt_ids, fin, n_new < settings.max_new_tokens)
+    return fin

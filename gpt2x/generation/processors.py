@@ -14,8 +14,8 @@ sequence's tokens up to its position (`History.extended`).
 
 The order is vLLM's (v1 sampler): the transforms that can move the argmax first, so that greedy
 decoding applies them too -
-  min_tokens (end-of-text and stop_token_ids masked), logit_bias, repetition_penalty,
-  frequency_penalty and presence_penalty;
+  allowed_token_ids (every other token masked), min_tokens (end-of-text and stop_token_ids
+  masked), logit_bias, repetition_penalty, frequency_penalty and presence_penalty;
 then the sampling warpers, which greedy decoding skips (none of them moves the argmax) -
   temperature, min_p, top-k, top-p.
 (transformers applies min_p after top-k and top-p; the two orders differ only when min_p is combined
@@ -162,6 +162,28 @@ class MinTokens:
         return scores
 
 
+class AllowedTokens:
+    """Only the given tokens can be sampled: every other gets -inf (vLLM's allowed_token_ids, which
+    it applies before the penalties and the bias). One mask, shared by every row of the call; ids
+    outside the model's vocabulary are left out."""
+
+    argmax_invariant = False
+    reads_history = False
+
+    def __init__(self, ids: Iterable[int]):
+        self.ids = np.unique(np.asarray(list(ids), dtype=np.int64))
+        self._banned: np.ndarray | None = None  # the complement, made once for the logits' width
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
+        vocab = scores.shape[-1]
+        if self._banned is None or self._banned.shape[0] != vocab:
+            banned = np.ones(vocab, dtype=bool)
+            banned[self.ids[self.ids < vocab]] = False
+            self._banned = banned
+        scores[:, self._banned] = -np.inf
+        return scores
+
+
 class LogitBias:
     """A bias added to given tokens' logits (OpenAI's and vLLM's logit_bias: -100 bans a token in
     practice, 100 all but forces it). Ids outside the model's vocabulary are left out."""
@@ -290,6 +312,8 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
     chain: list[LogitsProcessor] = []
     if settings.constraint is not None:
         chain.append(ConstraintMask(settings.constraint))
+    if settings.allowed_token_ids:
+        chain.append(AllowedTokens(settings.allowed_token_ids))
     if settings.min_tokens:
         chain.append(MinTokens(settings.min_tokens, end_token_ids(settings)))
     if settings.logit_bias:

@@ -47,6 +47,7 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()  # a row ends (Finish.stop) when it samples one; the token is not kept (vLLM's)
     constraint: ConstraintSpec | None = None  # structured output: a JSON schema, regex, choice or grammar (constraints.py)
     n: int = 1  # samples per prompt (generate(): sample i seeded seed + i, vLLM's rule; the API: n choices)
+    allowed_token_ids: tuple[int, ...] = ()  # only these tokens can be sampled; () = every token (vLLM's field)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -86,9 +87,10 @@ class SamplingSettings:
             raise UsageError(f"n must be at least 1, got {self.n}", option="n")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
         if self.num_beams > 1:
             changed = [name for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
-                                         "stop_token_ids", "constraint") if getattr(self, name)]
+                                         "stop_token_ids", "constraint", "allowed_token_ids") if getattr(self, name)]
             changed += ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
             changed += ["n"] if self.n > 1 else []
             if changed:
@@ -102,11 +104,11 @@ def _token_id(value: object, option: str) -> int:
     return int(value)
 
 
-def _token_ids(ids: object) -> tuple[int, ...]:
-    """Stop token ids as a tuple, in order, each once (vLLM drops repeats the same way)."""
+def _token_ids(ids: object, option: str = "stop_token_ids") -> tuple[int, ...]:
+    """Token ids as a tuple, in order, each once (vLLM drops repeats the same way)."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise UsageError(f"stop_token_ids must be a list of token ids, got {ids!r}", option="stop_token_ids")
-    return tuple(dict.fromkeys(_token_id(t, "stop_token_ids") for t in ids))  # type: ignore[union-attr]
+        raise UsageError(f"{option} must be a list of token ids, got {ids!r}", option=option)
+    return tuple(dict.fromkeys(_token_id(t, option) for t in ids))  # type: ignore[union-attr]
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:

@@ -62,6 +62,7 @@ import time
 from typing import Protocol
 
 from ..errors import UsageError
+from ..generation.beam import beam_hypotheses
 from ..generation.decode import Event
 from ..generation.logprobs import LogprobEntry
 from ..generation.settings import Finish
@@ -281,6 +282,9 @@ class Engine:
             if row.cancelled is not None:
                 self._end(row, Finish.cancelled)
                 continue
+            if row.beam_rows is not None:
+                self._beam_search(row)
+                continue
             if row.prompt_logprobs:
                 self._tell(row, "prompt", self.runner.score(row))
             if row.remaining <= 0:
@@ -288,6 +292,23 @@ class Engine:
             else:
                 going.append(row)
         return going
+
+    def _beam_search(self, row: Row) -> None:
+        """A beam search row (the API's use_beam_search), searched whole here on the engine's thread
+        (generation.beam: transformers' beam search; the other rows wait meanwhile): each of its
+        beam_rows told one of the best hypotheses, its tokens and its end."""
+        hypotheses = beam_hypotheses(self.backend, row.prompt_ids, row.settings, len(row.beam_rows))
+        self.counters["steps"] += 1
+        for target, (tokens, finish) in zip(row.beam_rows, hypotheses):
+            for i, token in enumerate(tokens):
+                target.tokens.append(token)
+                if i == len(tokens) - 1 and finish is not Finish.eos:
+                    target.finish = finish  # its last token, told as such
+                self.counters["tokens"] += 1
+                self._tell(target, "token", token)
+            self._end(target, finish)
+        for target in row.beam_rows[len(hypotheses):]:  # fewer hypotheses than asked (none finished)
+            self._end(target, Finish.length)
 
     def _end(self, row: Row, reason: Finish) -> None:
         row.finish = reason

@@ -11,10 +11,13 @@ or up to 4), `n` (choices per prompt, up to 128 choices in all: choice i of a pr
 vLLM's rule), `best_of` (1), `stream`, `stream_options.include_usage`, `echo`, `logprobs` (0 to 5),
 `presence_penalty` and `frequency_penalty` (OpenAI's, [-2, 2]), `logit_bias` (token id -> bias in
 [-100, 100]), `user` (ignored), and vLLM's extensions: `top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` and `truncate_prompt_tokens` (keep the prompt's last k
-tokens). Each maps to a SamplingSettings field (generation.processors applies them). Fields that
-would change the output and are not supported (`best_of` > 1, `suffix`) are refused, not ignored;
-unknown fields are ignored, as OpenAI's server does.
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `allowed_token_ids`, `truncate_prompt_tokens` and
+`truncation_side`, `prompt_logprobs`, `return_token_ids`, `return_tokens_as_token_ids`,
+`include_stop_str_in_output`, `use_beam_search` (generation.beam) and `request_id`. The sampling ones
+map to SamplingSettings fields (generation.processors applies them). Fields that would change the
+output and are not supported (`best_of` > 1, `suffix`, vLLM's in REFUSED_FIELDS) are refused with a
+400 naming them, not ignored; fields neither OpenAI nor vLLM defines are ignored (and logged once), as
+vLLM ignores them. docs/serving-fields.md lists every field.
 
 Logprobs (`logprobs: k`), as OpenAI's legacy completions give them: per token, `tokens` (its text),
 `token_logprobs` (its log-probability), `top_logprobs` ({token: logprob} of the k most likely tokens,
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 import os
 import time
@@ -55,12 +59,34 @@ from ..generation.logprobs import LogprobEntry
 from ..generation.settings import BIAS_RANGE, PENALTY_RANGE, Finish, SamplingSettings
 from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # unknown request fields already logged
+
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
 MAX_PROMPTS = 64  # prompts per request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
 MAX_CHOICES = 128  # n x prompts per request (OpenAI's n is at most 128)
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+# vLLM's request fields gpt2x does not implement: a 400 naming the field when given (not null), with why.
+REFUSED_FIELDS = {
+    "logits_processors": "custom logits processors are not served",
+    "bad_words": "bad_words is not implemented (logit_bias -100 bans single tokens)",
+    "prompt_embeds": "prompts as embeddings are not served",
+    "cache_salt": "cache_salt is not implemented: the prefix cache is shared by every request",
+    "kv_transfer_params": "disaggregated prefill is not served",
+    "vllm_xargs": "vllm_xargs is not served",
+    "priority": "request priority is not implemented",
+    "guided_json": "guided_json was removed from vLLM: send structured_outputs.json",
+    "guided_regex": "guided_regex was removed from vLLM: send structured_outputs.regex",
+    "guided_choice": "guided_choice was removed from vLLM: send structured_outputs.choice",
+    "guided_grammar": "guided_grammar was removed from vLLM: send structured_outputs.grammar",
+    "guided_decoding_backend": "the structured output backend is llguidance, not chosen per request",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not served",
+    "structural_tag": "structural_tag is not served",
+    "return_logprobs": "not a completions field: send logprobs",
+}
 
 
 
@@ -116,6 +142,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     include_usage: bool | None = Field(None, description="A last chunk (before `[DONE]`) with the usage and no choices.")
+    continuous_usage_stats: bool | None = Field(None, description=(
+        "vLLM's: with include_usage, every chunk also carries the usage so far."))
 
 
 class JsonSchemaFormat(BaseModel):
@@ -213,7 +241,35 @@ class CompletionParams(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "vLLM's: one of `json` (a schema), `regex`, `choice`, `grammar` or `json_object`, kept to as "
         "response_format is."))
-    user: str | None = Field(None, description="Ignored.")
+    user: str | None = Field(None, description="Ignored (OpenAI's end-user id, for its abuse monitoring).")
+    # vLLM's extensions beyond the sampling fields (docs/serving-fields.md lists every field).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(None, description=(
+        "vLLM's: only these tokens can be sampled (a logits processor; the end-of-text token only if listed)."))
+    prompt_logprobs: Integer_() | None = Field(None, description=(
+        f"vLLM's: each choice's `prompt_logprobs`, per prompt token (the first null) its log-probability and rank "
+        f"and the k most likely tokens', keyed by token id; 0 to {MAX_PROMPT_LOGPROBS} (-1, the whole vocabulary, "
+        "is refused)."), json_schema_extra=_only(minimum=0, maximum=MAX_PROMPT_LOGPROBS))
+    return_token_ids: bool | None = Field(None, description=(
+        "vLLM's: each choice's `prompt_token_ids` and `token_ids` (the ids its text is made of; streamed, "
+        "each chunk's own, the prompt's with a choice's first chunk)."))
+    return_tokens_as_token_ids: bool | None = Field(None, description=(
+        "vLLM's: logprobs name each token `token_id:ID` instead of its text."))
+    truncation_side: Literal["left", "right"] | None = Field(None, description=(
+        "vLLM's: with truncate_prompt_tokens, keep the prompt's last k tokens (left, the default) or its first k (right)."))
+    include_stop_str_in_output: bool | None = Field(None, description=(
+        "vLLM's: the stop string that ended a choice is kept at the end of its text."))
+    use_beam_search: bool | None = Field(None, description=(
+        "vLLM's: the n best of n beams (transformers' beam search, on the raw distribution), one choice each."))
+    length_penalty: float | None = Field(None, description=(
+        "vLLM's, with use_beam_search: a beam's score is its summed log-probability / length ** length_penalty."))
+    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(None, description=(
+        "vLLM's: the response's id is `cmpl-REQUEST_ID`."))
+    add_special_tokens: bool | None = Field(None, description="vLLM's: accepted; GPT-2's tokenizer adds none either way.")
+    skip_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: accepted and not applied: the one special token's text (<|endoftext|>) appears only with ignore_eos, "
+        "and is kept."))
+    spaces_between_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: accepted; no effect with GPT-2's one special token."))
 
 
 # ------------------------------------------------------------------ the response bodies
@@ -380,6 +436,14 @@ class CompletionRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     constraint: ConstraintSpec | None = None  # structured output (response_format or structured_outputs)
+    allowed_token_ids: tuple[int, ...] = ()  # only these can be sampled (() = all)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the k most likely
+    return_token_ids: bool = False  # vLLM's prompt_token_ids and token_ids on each choice
+    tokens_as_ids: bool = False  # logprobs name tokens `token_id:ID` (return_tokens_as_token_ids)
+    include_stop_str: bool = False  # the stop string that ended a choice stays in its text
+    continuous_usage: bool = False  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
+    beams: int = 0  # use_beam_search: the n best of n beams (0: sampling)
+    length_penalty: float = SamplingSettings.length_penalty
     model: str = ""
     id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -398,12 +462,29 @@ class CompletionRequest:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p,
             min_tokens=min(self.min_tokens, max(budget, 1)), stop_token_ids=self.stop_token_ids,
-            constraint=self.constraint,
+            constraint=self.constraint, allowed_token_ids=self.allowed_token_ids,
+            **(dict(num_beams=self.beams, length_penalty=self.length_penalty) if self.beams else {}),
         )
 
 
 def _refuse_unsupported(p: CompletionParams) -> None:
-    """Fields that would change the output and that gpt2x does not implement: refused, not ignored."""
+    """Fields that would change the output and that gpt2x does not implement: refused, not ignored.
+    Fields no API defines are ignored, as vLLM ignores them, and logged (once per name)."""
+    for name, value in (p.model_extra or {}).items():
+        if name in REFUSED_FIELDS:
+            if value is not None:
+                raise bad(f"{name} is not supported: {REFUSED_FIELDS[name]}", name)
+        elif name not in _warned:
+            _warned.add(name)
+            log.warning("ignoring the completions request field %r, which neither OpenAI nor vLLM defines", name[:64])
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+        whole = " (-1, the whole vocabulary, is not served)" if p.prompt_logprobs == -1 else ""
+        raise bad(f"prompt_logprobs must be between 0 and {MAX_PROMPT_LOGPROBS}, got {p.prompt_logprobs}{whole}",
+                  "prompt_logprobs")
+    if p.length_penalty not in (None, 1.0) and not p.use_beam_search:
+        raise bad("length_penalty applies to beam search only: send use_beam_search", "length_penalty")
+    if p.truncation_side is not None and p.truncate_prompt_tokens is None:
+        raise bad("truncation_side needs truncate_prompt_tokens", "truncation_side")
     if p.best_of not in (None, 1):
         raise bad("best_of is not supported (deprecated by OpenAI and removed from vLLM): use n for several "
                   "choices", "best_of")
@@ -428,6 +509,8 @@ def _sampling(p: CompletionParams, n_prompts: int, max_tokens: int, vocab_size: 
     _token_ids_in(list(bias), vocab_size, "logit_bias")
     stop_ids = list(p.stop_token_ids or [])
     _token_ids_in(stop_ids, vocab_size, "stop_token_ids")
+    allowed = list(p.allowed_token_ids or [])
+    _token_ids_in(allowed, vocab_size, "allowed_token_ids")
     min_tokens = p.min_tokens or 0
     if max_tokens and min_tokens > max_tokens:
         raise bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
@@ -437,13 +520,39 @@ def _sampling(p: CompletionParams, n_prompts: int, max_tokens: int, vocab_size: 
         presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
         repetition_penalty=SamplingSettings.repetition_penalty if p.repetition_penalty is None else p.repetition_penalty,
         logit_bias=bias, min_p=p.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_ids,
-        ignore_eos=bool(p.ignore_eos),
+        ignore_eos=bool(p.ignore_eos), allowed_token_ids=allowed,
     )
+    beams = {}
+    if p.use_beam_search:
+        _refuse_with_beams(p)
+        beams = dict(num_beams=n, length_penalty=1.0 if p.length_penalty is None else p.length_penalty) if n > 1 else {}
     try:
-        checked = SamplingSettings(max_new_tokens=max(max_tokens, min_tokens, 1), **fields)
+        checked = SamplingSettings(max_new_tokens=max(max_tokens, min_tokens, 1), **fields, **beams)
     except UsageError as e:  # what the schema's ranges let through and the settings refuse
-        raise bad(str(e), constraint_param if e.option in {k.value for k in ConstraintKind} else e.option) from None
-    return dict(fields, n=n, logit_bias=checked.logit_bias, stop_token_ids=checked.stop_token_ids)
+        param = "use_beam_search" if e.option == "num_beams" else e.option
+        raise bad(str(e).replace("num_beams", "use_beam_search with n"),
+                  constraint_param if e.option in {k.value for k in ConstraintKind} else param) from None
+    out = dict(fields, n=n, logit_bias=checked.logit_bias, stop_token_ids=checked.stop_token_ids,
+               allowed_token_ids=checked.allowed_token_ids)
+    if p.use_beam_search:  # n = 1: one beam, the argmax at every step
+        out.update(beams=n if n > 1 else 0, length_penalty=checked.length_penalty, greedy=n == 1)
+    return out
+
+
+def _refuse_with_beams(p: CompletionParams) -> None:
+    """What beam search (generation.beam: transformers' beam search on the raw distribution, one search
+    per prompt) does not combine with: a 400 naming the field."""
+    sampling = {"temperature": (p.temperature, (None, 1.0, 0.0)), "top_p": (p.top_p, (None, 1.0)),
+                "top_k": (p.top_k, (None, 0, -1)), "min_p": (p.min_p, (None, 0.0))}
+    for name, (value, neutral) in sampling.items():
+        if value not in neutral:
+            raise bad(f"{name} is {value}: beam search scores the raw distribution (use_beam_search takes no "
+                      "sampling settings)", name)
+    for name in ("stop", "logprobs", "prompt_logprobs", "min_tokens"):
+        if getattr(p, name):
+            raise bad(f"{name} is not served with use_beam_search", name)
+    if p.echo:
+        raise bad("echo is not served with use_beam_search", "echo")
 
 
 def _constraint(p: CompletionParams) -> tuple[ConstraintSpec | None, str | None]:
@@ -543,7 +652,7 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
         if tokens is None:
             tokens = encode(text) or [EOT_ID]  # an empty prompt starts a document, as gpt2x generate does
         if truncate is not None and len(tokens) > truncate:
-            tokens, text = tokens[-truncate:], None
+            tokens, text = (tokens[:truncate] if p.truncation_side == "right" else tokens[-truncate:]), None
         if text is not None and not text.isascii():
             try:
                 text.encode("utf-8")
@@ -557,15 +666,20 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
     stop = _stop(p)
     options = p.stream_options or StreamOptions()
     sampling = _sampling(p, len(ids), max_tokens, vocab_size)
+    one_beam = sampling.pop("greedy", False)  # use_beam_search with n = 1: greedy decoding
     return CompletionRequest(
         prompts=prompts, prompt_ids=ids,
         max_tokens=[min(max_tokens, n_positions - len(t)) for t in ids],  # capped by the context
-        temperature=SamplingSettings.temperature if p.temperature is None else p.temperature,
+        temperature=0.0 if one_beam else SamplingSettings.temperature if p.temperature is None else p.temperature,
         top_p=SamplingSettings.top_p if p.top_p is None else p.top_p,
         top_k=SamplingSettings.top_k if p.top_k is None else max(0, p.top_k),  # vLLM's -1: off, as 0
         seed=p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
         stop=stop, stream=bool(p.stream), include_usage=bool(options.include_usage),
-        echo=echo, logprobs=p.logprobs, model=served_model, **sampling,
+        continuous_usage=bool(options.include_usage and options.continuous_usage_stats),
+        echo=echo, logprobs=p.logprobs, model=served_model, prompt_logprobs=p.prompt_logprobs,
+        return_token_ids=bool(p.return_token_ids), tokens_as_ids=bool(p.return_tokens_as_token_ids),
+        include_stop_str=bool(p.include_stop_str_in_output), **sampling,
+        **({"id": "cmpl-" + p.request_id} if p.request_id else {}),
     )
 
 
@@ -576,11 +690,13 @@ class ChoiceText:
     """The text of one choice as its tokens arrive: decoded without splitting UTF-8 characters, cut
     at the first stop string, and released only once no stop string can still begin in it. With
     `min_tokens` (vLLM's), a stop string is looked for only after the text of the first min_tokens
-    tokens: none ends the choice before it has that many."""
+    tokens: none ends the choice before it has that many. `include_stop` (vLLM's
+    include_stop_str_in_output): the stop string found stays at the end of the text."""
 
-    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0):
+    def __init__(self, stop: tuple[str, ...] = (), min_tokens: int = 0, include_stop: bool = False):
         self.stop = stop
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self._decoder = StreamDecoder()
         self.text = ""  # decoded so far (cut at a stop string once one is found)
         self.sent = 0  # characters of text released
@@ -608,9 +724,10 @@ class ChoiceText:
     def _release(self, final: bool) -> str:
         if self.stop and not self.stopped:
             start = max(self.floor, self.sent - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, length = min(hits)  # the first stop string found (the shortest of those found there)
+                self.text = self.text[: at + (length if self.include_stop else 0)]
                 self.stopped = True
                 final = True
         end = len(self.text)
@@ -633,6 +750,32 @@ def token_text(token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+def token_namer(as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or `token_id:ID` (vLLM's return_tokens_as_token_ids)."""
+    return _token_id_name if as_ids else token_text
+
+
+def _token_id_name(token: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it."""
+    return f"token_id:{token}"
+
+
+def prompt_logprobs(entries: list[LogprobEntry], ranks: list[int | None], k: int,
+                    name: Callable[[int], str] = token_text) -> list[dict[str, PromptLogprob] | None]:
+    """A prompt's logprobs in vLLM's shape: per position (the first null) the k most likely tokens and
+    the prompt's own token, keyed by id, each with its log-probability, rank (1: the most likely) and text."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for (token, logprob, top), rank in zip(entries, ranks):
+        if logprob is None:
+            out.append(None)
+            continue
+        best = {str(t): PromptLogprob(logprob=_logprob(v), rank=r, decoded_token=name(t))
+                for r, (t, v) in enumerate((top or [])[:k], start=1)}
+        best.setdefault(str(token), PromptLogprob(logprob=_logprob(logprob), rank=rank, decoded_token=name(token)))
+        out.append(best)
+    return out
+
+
 def _logprob(value: float | None) -> float | None:
     """A log-probability JSON can carry: -inf (a token a backend masks out) as -9999.0, OpenAI's floor."""
     if value is None or math.isnan(value):
@@ -644,7 +787,8 @@ class ChoiceLogprobs:
     """One choice's logprobs in OpenAI's legacy shape, gathered as its tokens arrive; `take()` hands
     over what was gathered since the last take (a stream chunk carries the logprobs of its tokens)."""
 
-    def __init__(self):
+    def __init__(self, as_ids: bool = False):
+        self.name = _token_id_name if as_ids else token_text  # return_tokens_as_token_ids: `token_id:ID`
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] = []
@@ -653,13 +797,13 @@ class ChoiceLogprobs:
 
     def add(self, entry: LogprobEntry, offset: int) -> None:
         token, logprob, top = entry
-        self.tokens.append(token_text(token))
+        self.tokens.append(self.name(token))
         self.token_logprobs.append(_logprob(logprob))
         if top is None:
             self.top_logprobs.append(None)
         else:
-            best = {token_text(t): _logprob(v) for t, v in top}  # most likely first
-            best.setdefault(token_text(token), _logprob(logprob))  # the chosen token, as OpenAI includes it
+            best = {self.name(t): _logprob(v) for t, v in top}  # most likely first
+            best.setdefault(self.name(token), _logprob(logprob))  # the chosen token, as OpenAI includes it
             self.top_logprobs.append(best)
         self.text_offset.append(offset)
 
@@ -692,8 +836,10 @@ def finish_reason(reason: Finish, text: ChoiceText) -> str:
 # serialised once (to_json): what a client receives is what the schema says.
 
 
-def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None) -> Choice:
-    return Choice(index=index, text=text, logprobs=None if logprobs is None else Logprobs(**logprobs), finish_reason=reason)
+def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None, **extra: Any) -> Choice:
+    """A choice; `extra`: vLLM's prompt_logprobs, prompt_token_ids and token_ids where asked for."""
+    return Choice(index=index, text=text, logprobs=None if logprobs is None else Logprobs(**logprobs), finish_reason=reason,
+                  **extra)
 
 
 def usage(req: CompletionRequest, texts: list[ChoiceText], cached_tokens: int = 0) -> Usage:

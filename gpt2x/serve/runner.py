@@ -208,12 +208,18 @@ class Runner:
 
     def score(self, row: Row) -> list[LogprobEntry]:
         """The prompt's logprobs: one forward of the prompt alone, no cache, every position's logits;
-        position t's distribution scores token t + 1 (the first token has none)."""
+        position t's distribution scores token t + 1 (the first token has none). The k most likely
+        tokens listed are as many as the row's logprobs or prompt_k ask for, whichever is more; each
+        prompt token's rank (1: the most likely) is left in `row.prompt_ranks`."""
         ids = np.asarray([row.prompt_ids], dtype=np.int64)
         mask = np.ones_like(ids)
         logits, _ = self.backend.run(ids, mask, positions(mask, ids.shape[1]), None)
         self.counters["steps"] += 1
-        return [(row.prompt_ids[0], None, None)] + token_logprobs(logits[0, :-1], row.prompt_ids[1:], row.logprobs or 0)
+        scores = logits[0, :-1]  # (T - 1, V): a rank by the logits is the rank by log_softmax
+        chosen = scores[np.arange(len(scores)), row.prompt_ids[1:]]
+        row.prompt_ranks = [None] + [int(r) + 1 for r in (scores > chosen[:, None]).sum(axis=-1)]
+        k = max(row.logprobs or 0, row.prompt_k or 0)
+        return [(row.prompt_ids[0], None, None)] + token_logprobs(scores, row.prompt_ids[1:], k)
 
     def speculative(self, row: Row) -> Iterator[Event]:
         """One row decoded with the draft (generation.decode.decode: a round's tokens accepted one at a

@@ -87,6 +87,11 @@ class Row(Sequence):
         self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
         self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
         self.queued_at = time.monotonic()
+        self.prompt_k: int | None = None  # with prompt_logprobs: the most likely tokens listed per prompt position
+        self.prompt_ranks: list[int | None] | None = None  # each prompt token's rank, set as it is scored
+        # Beam search (settings.num_beams > 1): this row runs the search, and each of these rows (this
+        # one first) is told one of the best hypotheses, best first. Only this row is queued.
+        self.beam_rows: list[Row] | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,8 +122,8 @@ class Scheduler:
         for row in rows:
             if not row.prompt_ids or len(row.prompt_ids) + row.max_tokens > n or row.max_tokens < 0:
                 raise ValueError(f"{len(row.prompt_ids)} prompt tokens + {row.max_tokens} new exceed the context ({n})")
-            if row.settings.num_beams != 1:
-                raise ValueError("the engine samples; beam search is not served")
+            if row.settings.num_beams != 1 and row.beam_rows is None:
+                raise ValueError("a beam search row needs the rows its hypotheses are told to (beam_rows)")
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")

@@ -70,7 +70,7 @@ class CompletionService:
             raise api.APIError(400, f"{len(pending.rows)} choices ({len(req.prompts)} prompts x n = {req.n}) exceed the "
                                f"{most} rows this server queues and runs at once; send fewer", param=param)
         try:
-            self.engine.submit(pending.rows)
+            self.engine.submit(pending.queued)
         except QueueFull as e:
             raise api.APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_exceeded",
                                code="queue_full") from None
@@ -83,10 +83,13 @@ class CompletionService:
         req = pending.req
         parts: list[list[str]] = [[] for _ in range(req.choices)]
         reasons: list[str | None] = [None] * req.choices
-        async for index, delta, reason, _ in pending.events():
+        extras: list[dict] = [{} for _ in range(req.choices)]
+        async for index, delta, reason, _, extra in pending.events():
             parts[index].append(delta)
             reasons[index] = reason or reasons[index]
-        choices = [api.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole())
+            for key, value in extra.items():  # token_ids add up; the prompt's keys come once
+                extras[index][key] = extras[index].get(key, []) + value if key == "token_ids" else value
+        choices = [api.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole(), **extras[i])
                    for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
         return api.completion(req, choices, pending.usage())
 
@@ -97,8 +100,9 @@ class CompletionService:
         id), a usage chunk if asked for, then `data: [DONE]`."""
         req = pending.req
         try:
-            async for index, delta, reason, logprobs in pending.events():
-                yield api.sse(api.completion(req, [api.choice(index, delta, reason, logprobs)], None))
+            async for index, delta, reason, logprobs, extra in pending.events():
+                usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
+                yield api.sse(api.completion(req, [api.choice(index, delta, reason, logprobs, **extra)], usage))
         except api.APIError as e:  # the status line is sent already: the error is the last event
             yield api.sse(e.body())
             yield api.sse("[DONE]")
@@ -117,9 +121,13 @@ class Pending:
         self.engine = engine  # a row's error while it stops is a 503, not a 500
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompts = [p for p in req.prompts for _ in range(req.n)]  # each choice's prompt text
-        self.texts = [api.ChoiceText(req.stop, req.min_tokens) for _ in self.prompts]
-        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs() for _ in self.prompts]
-        self.scored = req.echo and req.logprobs is not None  # the prompt's logprobs come from the engine
+        self.texts = [api.ChoiceText(req.stop, req.min_tokens, req.include_stop_str) for _ in self.prompts]
+        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs(req.tokens_as_ids) for _ in self.prompts]
+        self.echo_scored = req.echo and req.logprobs is not None  # the echoed prompt's logprobs come from the engine
+        self.scored = self.echo_scored or req.prompt_logprobs is not None  # so do vLLM's prompt_logprobs
+        # return_token_ids: each choice's ids not yet sent, and whether its prompt's have been
+        self._ids: list[list[int]] = [[] for _ in self.prompts]
+        self._prompt_sent = [False] * len(self.prompts)
         self._told: list[LogprobEntry | None] = [None] * len(self.prompts)  # a token's logprobs, before it
         self._start = [len(p) if req.echo else 0 for p in self.prompts]  # where the completion's text starts
         self.reasons: list[str | None] = [None] * len(self.prompts)  # each choice's finish_reason, once it ended
@@ -132,7 +140,14 @@ class Pending:
                     last = self.rows[index].finish if kind == "token" else None
                     loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value, last))
 
-                self.rows.append(Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget))
+                row = Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget)
+                row.prompt_k = req.prompt_logprobs
+                self.rows.append(row)
+            if req.beams:  # one search per prompt, by its first row; each of its n rows one hypothesis
+                group = self.rows[p * req.n : (p + 1) * req.n]
+                group[0].beam_rows = group
+        # the rows the engine runs (a beam search's other rows are told by its first)
+        self.queued = [r for r in self.rows if not (req.beams and r.beam_rows is None)]
 
     def usage(self) -> api.Usage:
         """The request's usage: its prompts counted once, and the tokens the prefix cache held for each
@@ -154,14 +169,41 @@ class Pending:
         lp = self.logprobs[index]
         return None if lp is None else lp.take()
 
-    async def events(self) -> AsyncIterator[tuple[int, str, str | None, dict | None]]:
+    def _extra(self, index: int) -> dict:
+        """return_token_ids: the ids gathered since the choice's last event (`token_ids`), and with its
+        first event its prompt's (`prompt_token_ids`)."""
+        if not self.req.return_token_ids:
+            return {}
+        extra = {"token_ids": self._ids[index]}
+        self._ids[index] = []
+        if not self._prompt_sent[index]:
+            self._prompt_sent[index] = True
+            extra["prompt_token_ids"] = list(self.req.prompt_ids[index // self.req.n])
+        return extra
+
+    def _prompt_event(self, index: int, entries: list[LogprobEntry]) -> tuple[str, dict]:
+        """What a choice's scored prompt releases: the echoed prompt (with echo and logprobs, its
+        logprobs gathered) and vLLM's prompt_logprobs (when asked for)."""
+        extra = self._extra(index)
+        k = self.req.prompt_logprobs
+        if k is not None:
+            extra["prompt_logprobs"] = api.prompt_logprobs(entries, self.rows[index].prompt_ranks or [], k,
+                                                           api.token_namer(self.req.tokens_as_ids))
+        if not self.echo_scored:
+            return "", extra
+        n = self.req.logprobs or 0  # the engine listed max(logprobs, prompt_logprobs) most likely tokens
+        self.logprobs[index].add_prompt([(t, lp, None if top is None else top[:n]) for t, lp, top in entries])
+        return self.prompts[index], extra
+
+    async def events(self) -> AsyncIterator[tuple[int, str, str | None, dict | None, dict]]:
         """(choice index, text, finish_reason or None, logprobs of the tokens gathered since the
-        choice's last event, or None without logprobs) as each choice's text is released; each choice
-        ends with one event carrying its finish_reason. With echo the prompt comes first (once scored,
-        with logprobs). Leaving early cancels every row."""
-        if self.req.echo and not self.scored:
+        choice's last event, or None without logprobs, vLLM's extra keys for the choice: token_ids,
+        prompt_token_ids, prompt_logprobs) as each choice's text is released; each choice ends with
+        one event carrying its finish_reason. With echo the prompt comes first (once scored, with
+        logprobs). Leaving early cancels every row."""
+        if self.req.echo and not self.echo_scored:
             for i, prompt in enumerate(self.prompts):
-                yield i, prompt, None, self._taken(i)
+                yield i, prompt, None, self._taken(i), self._extra(i)
         open_rows = len(self.rows)
         try:
             while open_rows:
@@ -172,31 +214,32 @@ class Pending:
                 if kind == "logprob":
                     self._told[index] = value
                 elif kind == "prompt":
-                    self.logprobs[index].add_prompt(value)
-                    yield index, self.prompts[index], None, self._taken(index)
+                    released, extra = self._prompt_event(index, value)
+                    yield index, released, None, self._taken(index), extra
                 elif kind == "token":
                     offset = self._start[index] + len(text.text)
                     delta = text.push(int(value))
+                    self._ids[index].append(int(value))
                     self._note(index, offset)
                     if text.stopped:  # a stop string ended it: the row need not run on
                         self.rows[index].cancel()
                         open_rows -= 1
                         self.reasons[index] = "stop"
-                        yield index, delta, "stop", self._taken(index)
+                        yield index, delta, "stop", self._taken(index), self._extra(index)
                     elif last is not None:  # its last token: the rest of its text (held back) and its end
                         open_rows -= 1
                         delta += text.finish()
                         self.reasons[index] = api.finish_reason(Finish(last), text)
-                        yield index, delta, self.reasons[index], self._taken(index)
+                        yield index, delta, self.reasons[index], self._taken(index), self._extra(index)
                     elif delta:
-                        yield index, delta, None, self._taken(index)
+                        yield index, delta, None, self._taken(index), self._extra(index)
                 elif kind == "done":
                     open_rows -= 1
                     rest = text.finish()
                     if value in (Finish.eos, Finish.stop):  # the end-of-text or stop token, its logprobs told before
                         self._note(index, self._start[index] + len(text.text))
                     self.reasons[index] = api.finish_reason(Finish(value), text)
-                    yield index, rest, self.reasons[index], self._taken(index)
+                    yield index, rest, self.reasons[index], self._taken(index), self._extra(index)
                 elif self.engine.closing:  # waiting or cut short by the server's stop
                     raise api.APIError(503, str(value), "server_error", code="unavailable")
                 else:
