@@ -2,11 +2,13 @@
 # A separate environment for benchmarks/compare_peers.py (and check_interop.py): Optimum's ONNX
 # Runtime support (optimum-onnx) pins transformers < 4.58, older than gpt2x's test environment, so
 # the peers and gpt2x share this one instead. Usage: bash benchmarks/setup_peers.sh [VENV_DIR]
-# (default .venv-peers; VENV_DIR-optimum and VENV_DIR-vllm beside it, see below; all git-ignored). Running it again reuses what is there: the venv, the unpacked
-# llama-cpp-python sdist, and a llama-cpp-python already built at the pinned version.
-# About 14 minutes on 2 cores from nothing (826 s measured, 2026-11-25: about 6.5 for the venv and
-# llama-cpp-python, about 7 for llama-server), most of it compiling llama.cpp twice; run again on a complete venv, about
-# 10 s (it prints how long it took). Run it in the background
+# (default .venv-peers; VENV_DIR-optimum and VENV_DIR-vllm beside it for OpenVINO GenAI's converter
+# and vLLM, see below; all git-ignored). Running it again reuses what is there: the venvs, the
+# unpacked llama-cpp-python sdist, and a llama-cpp-python already built at the pinned version.
+# About 14 minutes on 2 cores from nothing (761-826 s measured, 2026-11-25/26: about 6.5 for the venv
+# and llama-cpp-python, about 7 for llama-server), most of it compiling llama.cpp twice, then a few
+# minutes for OpenVINO GenAI and vLLM (nothing compiled; about 1.3 GB of wheels); run again on
+# complete venvs, under a minute (it prints how long it took). Run it in the background
 # (nohup bash benchmarks/setup_peers.sh > /tmp/setup-peers.log 2>&1 &) if your shell has a time limit.
 #
 # onnxruntime-genai goes in with --no-deps: its wheel requires the `onnxruntime` distribution, while
