@@ -7,16 +7,18 @@ shape. The same metrics summed over two replicas through Ray: tests/test_serve.p
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve import metrics as prom
-from gpt2x.serve.engine import EngineSettings
+from gpt2x.serve.engine import EngineSettings, Row
 from gpt2x.serve.http import local_app
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
@@ -37,6 +39,15 @@ NAMES = {
     "gpt2x:num_replicas": ("gauge", None),
     "gpt2x:prefix_cache_queries": ("counter", "vllm:prefix_cache_queries_total"),
     "gpt2x:prefix_cache_hits": ("counter", "vllm:prefix_cache_hits_total"),
+    "gpt2x:kv_cache_usage_perc": ("gauge", "vllm:kv_cache_usage_perc"),
+    "gpt2x:num_requests_waiting_by_reason": ("gauge", "vllm:num_requests_waiting_by_reason"),
+    "gpt2x:num_preemptions": ("counter", "vllm:num_preemptions_total"),
+    "gpt2x:cache_config_info": ("gauge", "vllm:cache_config_info"),
+    "gpt2x:iteration_tokens_total": ("histogram", "vllm:iteration_tokens_total"),
+    **{f"gpt2x:{name}": ("histogram", f"vllm:{name}") for name in (
+        "request_prompt_tokens", "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+        "request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
+        "request_decode_time_seconds")},
 }
 
 
@@ -305,3 +316,71 @@ def test_prefix_cache_counters_are_what_the_responses_said(client):
 
 def test_no_speculative_counters_without_a_draft(client):
     assert not any(name.startswith("gpt2x:spec_decode") for name in scrape(client.get("/metrics").text))
+
+
+def moved_histograms(before: dict, after: dict, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(count, sum) each histogram moved by."""
+    out = {}
+    for name in names:
+        family = f"gpt2x:{name}"
+        count = value(after, family, f"{family}_count") - value(before, family, f"{family}_count")
+        out[name] = (count, value(after, family, f"{family}_sum") - value(before, family, f"{family}_sum"))
+    return out
+
+
+REQUEST_HISTOGRAMS = ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                      "request_params_max_tokens", "request_queue_time_seconds", "request_inference_time_seconds",
+                      "request_prefill_time_seconds", "request_decode_time_seconds", "e2e_request_latency_seconds")
+
+
+def test_vllms_request_histograms_count_a_known_set_of_requests(service):
+    with TestClient(local_app(service)) as client:  # its metrics hear the engine (the last app made on it does)
+        known_requests(client)
+
+
+def known_requests(client) -> None:
+    lone = "Zebra quartz vowels, softly:"  # shorter than a prefix cache block: prefilled whole, alone
+    before = scrape(client.get("/metrics").text)
+    a = client.post("/v1/completions", json={"prompt": lone, "max_tokens": 7, "temperature": 0, "ignore_eos": True}).json()
+    mid = scrape(client.get("/metrics").text)
+    # one prefill of the prompt's tokens, then a step of one token for each token after the first
+    assert moved_histograms(before, mid, ("iteration_tokens_total",)) == {
+        "iteration_tokens_total": (7, len(encode(lone)) + 6)}
+    prompts = ["JULIET: O Romeo", "KING HENRY: Once more"]
+    b = client.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0.9,
+                                              "seed": 1}).json()
+    after = scrape(client.get("/metrics").text)
+    moved = moved_histograms(before, after, REQUEST_HISTOGRAMS)
+    assert moved["request_prompt_tokens"] == (5, len(encode(lone)) + 2 * sum(len(encode(p)) for p in prompts))
+    assert moved["request_generation_tokens"] == (5, a["usage"]["completion_tokens"] + b["usage"]["completion_tokens"])
+    assert moved["request_params_n"] == (3, 1 + 2 + 2)  # vLLM's request: a prompt, with its n
+    assert moved["request_params_max_tokens"] == (3, 7 + 5 + 5)
+    for phase in ("queue", "inference", "prefill", "decode"):
+        assert moved[f"request_{phase}_time_seconds"][0] == 5
+    inference, prefill, decode_ = (moved[f"request_{p}_time_seconds"][1] for p in ("inference", "prefill", "decode"))
+    assert inference == pytest.approx(prefill + decode_, abs=1e-6)
+    assert moved["request_queue_time_seconds"][1] + inference <= moved["e2e_request_latency_seconds"][1]
+    assert value(after, "gpt2x:num_preemptions", "gpt2x:num_preemptions_total") == 0  # never preempts
+    assert value(after, "gpt2x:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert value(after, "gpt2x:num_requests_waiting_by_reason", reason="deferred") == 0
+    info = next(labels for (name, labels) in after["gpt2x:cache_config_info"][1])
+    assert dict(info)["max_batch_size"] == "8" and dict(info)["max_model_len"] == "256"
+
+
+def test_kv_cache_usage_is_the_batchs_positions(service):
+    """A lone row's KV usage, read as each of its tokens is told (on the engine's thread): its cache
+    holds its prompt and the tokens fed back so far, of max_batch_size x the context."""
+    seen: list[float] = []
+    done = threading.Event()
+
+    def sink(kind: str, value: object) -> None:
+        if kind == "token":
+            seen.append(service.engine.stats()["kv_cache_usage_perc"])
+        elif kind in ("done", "error"):
+            done.set()
+
+    ids = encode("A lone row, to be measured")
+    service.engine.submit([Row(ids, SamplingSettings(max_new_tokens=6, greedy=True, ignore_eos=True), sink)])
+    assert done.wait(30)
+    assert seen == [pytest.approx((len(ids) + t) / (8 * 256)) for t in range(6)]
+    assert service.engine.stats()["kv_cache_usage_perc"] == 0.0  # idle

@@ -82,9 +82,14 @@ SPECULATIVE_BATCH = "speculative serving runs at max batch size 1 (one request d
 
 
 class Observer(Protocol):
-    """What hears the engine's tokens as they are told (on the engine's thread; it must not block)."""
+    """What hears the engine's tokens as they are told, its rows' ends, and how many tokens each model
+    step ran (on the engine's thread; it must not block)."""
 
     def token(self, row: Row, now: float) -> None: ...
+
+    def finished(self, row: Row, now: float) -> None: ...
+
+    def iteration(self, tokens: int) -> None: ...
 
 
 def refuse_batched_draft(max_batch_size: int, option: str = "max_batch_size") -> None:
@@ -115,10 +120,11 @@ class Engine:
         # onnxruntime-genai, whose generator owns its cache.
         self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20)) \
             if settings.prefix_cache_mb and backend.capabilities.takes_past else None
-        self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache)
+        self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self._batch: list[Row] = []  # the rows of the batch in flight, told of a failure (the engine thread's)
         self.observer: Observer | None = None  # told each token as it is told (serve/metrics.py)
+        self.kv_positions = 0  # positions the batch in flight's cache holds (rows x width), after its last step
 
     # -- the callers' side (any thread)
 
@@ -147,7 +153,11 @@ class Engine:
         """Gauges and counters: rows running and waiting, the counters, and with a prefix cache the
         prompt tokens looked up in it and found (`prefix_cache_queries`, `prefix_cache_hits`)."""
         running, waiting = self.scheduler.counts()
-        stats = {"running": running, "waiting": waiting, **self.counters}
+        # KV in use: the positions the batch in flight holds (rows x its cache's width), of what the
+        # largest batch could hold at the model's context (max_batch_size x n_positions)
+        capacity = self.settings.max_batch_size * self.backend.n_positions
+        stats = {"running": running, "waiting": waiting, **self.counters,
+                 "kv_cache_usage_perc": min(1.0, self.kv_positions / capacity) if running else 0.0}
         if self.prefix_cache is not None:
             stats.update(prefix_cache_queries=self.prefix_cache.queries, prefix_cache_hits=self.prefix_cache.hits)
         return stats
@@ -273,12 +283,20 @@ class Engine:
                                                    jmask, jlive)
         return self.runner.merge(batch, joined if jlive else None, order, width)
 
+    def _iteration(self, tokens: int, positions: int) -> None:
+        """The runner ran a model step of `tokens` tokens over a cache of `positions` (rows x width)."""
+        self.kv_positions = positions
+        if self.observer is not None:
+            self.observer.iteration(tokens)
+
     def _start(self, rows: list[Row]) -> list[Row]:
         """What rows do before their prefill: those that asked are told their prompt's logprobs, those
         with no token to generate end ("length"), those cancelled while waiting end. Returns the rows
         that go on to generate."""
         going = []
+        now = time.monotonic()
         for row in rows:
+            row.scheduled_at = now
             if row.cancelled is not None:
                 self._end(row, Finish.cancelled)
                 continue
@@ -313,6 +331,8 @@ class Engine:
     def _end(self, row: Row, reason: Finish) -> None:
         row.finish = reason
         self.counters["rows"] += 1
+        if self.observer is not None:
+            self.observer.finished(row, time.monotonic())
         self._tell(row, "done", reason)
 
     def _tell_events(self, rows: list[Row], events: list[Event]) -> None:
@@ -330,6 +350,8 @@ class Engine:
             self._tell(row, "token", event.token)
         if event.finish is not None:
             self.counters["rows"] += 1
+            if self.observer is not None:
+                self.observer.finished(row, time.monotonic())
             self._tell(row, "done", event.finish)
 
     def _tell(self, row: Row, kind: str, value: object) -> None:

@@ -304,7 +304,7 @@ class HttpApi:
             return error_response(e)
         seconds = time.monotonic() - started
         await self._answered(body.usage.prompt_tokens, body.usage.completion_tokens,
-                             [(c.finish_reason or "stop", seconds) for c in body.choices])
+                             [(c.finish_reason or "stop", seconds) for c in body.choices], pending)
         return JSONBody(body)
 
     async def _counted_stream(self, events: AsyncIterator[str], pending: Any, started: float) -> AsyncIterator[str]:
@@ -325,7 +325,7 @@ class HttpApi:
                     counted = True
                     if not failed:
                         usage = pending.usage()  # what the usage chunk says
-                        await self._answered(usage.prompt_tokens, usage.completion_tokens, ended)
+                        await self._answered(usage.prompt_tokens, usage.completion_tokens, ended, pending)
                 yield event
         finally:
             if not counted:  # the client left mid-stream (the response was cancelled or closed)
@@ -341,8 +341,11 @@ class HttpApi:
         self.metrics.answered(usage.prompt_tokens, usage.completion_tokens, done)
         self.metrics.aborted(sum(r is None for r in pending.reasons))
 
-    async def _answered(self, prompt_tokens: int, generation_tokens: int, choices: list[tuple[str, float]]) -> None:
-        self.metrics.answered(prompt_tokens, generation_tokens, choices)
+    async def _answered(self, prompt_tokens: int, generation_tokens: int, choices: list[tuple[str, float]],
+                        pending: Any) -> None:
+        req = pending.req  # per choice its prompt's and its own tokens; per prompt its n and max_tokens
+        tokens = [(len(req.prompt_ids[i // req.n]), text.tokens) for i, text in enumerate(pending.texts)]
+        self.metrics.answered(prompt_tokens, generation_tokens, choices, tokens, [(req.n, m) for m in req.max_tokens])
         if self.exchange.shared:  # before the answer's end: a scrape after it counts it
             await self.exchange.publish(self.metrics.snapshot())
 

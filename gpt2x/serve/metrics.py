@@ -15,6 +15,15 @@ time-to-first-token and end-to-end histograms have one observation per choice. T
 responses' usage. The running and waiting gauges are rows in the engines (choices), as vLLM's are
 requests in its scheduler; a replica that stopped reporting (it died) adds its counters, which
 Prometheus expects never to go down, and no longer its gauges.
+
+vLLM's per-request histograms: each choice's prompt and generated tokens (from its response), each
+prompt's n and max_tokens (vLLM's request is a prompt with its n), and each row's phases as the engine
+saw them (engine.Observer.finished): queued, prefill (to its first token), decode (to its last),
+inference (both); `iteration_tokens_total`, the tokens of each model step (a prefill chunk's prompt
+tokens, one per live row of a decode step; speculative rounds are not counted). Gauges: the KV in use
+(`kv_cache_usage_perc`: the positions the batch's cache holds, of max_batch_size x the context),
+requests waiting by reason (all for "capacity": none is deferred), the cache's settings
+(`cache_config_info`); `num_preemptions_total` is 0: the scheduler never preempts a row.
 """
 
 from __future__ import annotations
@@ -58,7 +67,26 @@ ITL = HistogramSpec("inter_token_latency_seconds", "Histogram of inter-token lat
 E2E = HistogramSpec("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", (
     0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0))
-HISTOGRAMS = (TTFT, ITL, E2E)
+_LADDER = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)  # vLLM's 1-2-5 buckets (to 10k tokens)
+_REQUEST_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+              960.0, 1920.0, 7680.0)
+_FINE_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1)  # below vLLM's first bucket, where a small model on a CPU lands
+PROMPT_TOKENS = HistogramSpec("request_prompt_tokens", "Number of prefill tokens processed.", _LADDER)
+GENERATION_TOKENS = HistogramSpec("request_generation_tokens", "Number of generation tokens processed.", _LADDER)
+ITERATION_TOKENS = HistogramSpec("iteration_tokens_total", "Histogram of number of tokens per engine_step.", (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+PARAMS_N = HistogramSpec("request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
+PARAMS_MAX_TOKENS = HistogramSpec("request_params_max_tokens", "Histogram of the max_tokens request parameter.", _LADDER)
+QUEUE = HistogramSpec("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                      _FINE_S + _REQUEST_S)
+INFERENCE = HistogramSpec("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                          _FINE_S + _REQUEST_S)
+PREFILL = HistogramSpec("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                        _FINE_S + _REQUEST_S)
+DECODE = HistogramSpec("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                       _FINE_S + _REQUEST_S)
+HISTOGRAMS = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, ITERATION_TOKENS, PARAMS_N, PARAMS_MAX_TOKENS, QUEUE,
+              INFERENCE, PREFILL, DECODE)
 
 # The engine's counters that a replica may have (engine.stats(): speculative ones with a draft, the
 # prefix cache's with one) and their vLLM names.
@@ -97,13 +125,19 @@ class ReplicaMetrics:
         self._lock = threading.Lock()
         self._engine = engine
         self._last: weakref.WeakKeyDictionary[Row, float] = weakref.WeakKeyDictionary()  # a row's last token
+        self._first: weakref.WeakKeyDictionary[Row, float] = weakref.WeakKeyDictionary()  # a row's first token
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {spec.name: Histogram(spec) for spec in HISTOGRAMS}
         self.drained = False  # this replica's engine has stopped (a server's stop), said in its snapshots
+        self.config: dict[str, str] = {}  # cache_config_info's labels: the engine's cache settings
         if engine is not None:
             engine.observer = self
+            s, cache = engine.settings, engine.prefix_cache
+            self.config = {"max_batch_size": str(s.max_batch_size), "max_model_len": str(engine.backend.n_positions),
+                           "enable_prefix_caching": str(cache is not None), "prefix_cache_mb": f"{s.prefix_cache_mb:g}",
+                           "block_size": str(cache.block_tokens if cache is not None else 0)}
 
     def token(self, row: Row, now: float) -> None:
         """engine.Observer: a token told to `row` at `now` (time.monotonic)."""
@@ -111,19 +145,48 @@ class ReplicaMetrics:
             last = self._last.get(row)
             if last is None:
                 self.histograms[TTFT.name].observe(max(0.0, now - row.queued_at))
+                self._first[row] = now
             else:
                 self.histograms[ITL.name].observe(max(0.0, now - last))
             self._last[row] = now
 
-    def answered(self, prompt_tokens: int, generation_tokens: int, choices: Iterable[tuple[str, float]]) -> None:
-        """A request answered in full: its usage, and each choice's finish reason and seconds from the
-        request's arrival to the choice's end."""
+    def finished(self, row: Row, now: float) -> None:
+        """engine.Observer: `row` ended at `now`. Its phases, as vLLM times them: queued (from its
+        arrival to the engine taking it), prefill (to its first token), decode (to its last) and
+        inference (prefill and decode). A row that never ran (cancelled while waiting) has none."""
+        if row.scheduled_at is None:
+            return
+        with self._lock:
+            first = self._first.get(row, now)
+            last = self._last.get(row, now)
+            h = self.histograms
+            h[QUEUE.name].observe(max(0.0, row.scheduled_at - row.queued_at))
+            h[PREFILL.name].observe(max(0.0, first - row.scheduled_at))
+            h[DECODE.name].observe(max(0.0, last - first))
+            h[INFERENCE.name].observe(max(0.0, last - row.scheduled_at))
+
+    def iteration(self, tokens: int) -> None:
+        """engine.Observer: a model step ran `tokens` tokens."""
+        with self._lock:
+            self.histograms[ITERATION_TOKENS.name].observe(tokens)
+
+    def answered(self, prompt_tokens: int, generation_tokens: int, choices: Iterable[tuple[str, float]],
+                 tokens: Iterable[tuple[int, int]] = (), params: Iterable[tuple[int, int]] = ()) -> None:
+        """A request answered in full: its usage, each choice's finish reason and seconds from the
+        request's arrival to the choice's end, each choice's prompt and generated tokens (`tokens`),
+        and each prompt's n and max_tokens (`params`: vLLM's request is a prompt with its n)."""
         with self._lock:
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += generation_tokens
             for reason, seconds in choices:
                 self.success[reason] = self.success.get(reason, 0) + 1
                 self.histograms[E2E.name].observe(max(0.0, seconds))
+            for prompt, generated in tokens:
+                self.histograms[PROMPT_TOKENS.name].observe(prompt)
+                self.histograms[GENERATION_TOKENS.name].observe(generated)
+            for n, max_tokens in params:
+                self.histograms[PARAMS_N.name].observe(n)
+                self.histograms[PARAMS_MAX_TOKENS.name].observe(max_tokens)
 
     def aborted(self, choices: int) -> None:
         """Choices abandoned by their client before they ended (vLLM's finished_reason "abort")."""
@@ -139,7 +202,9 @@ class ReplicaMetrics:
                         **{name: stats[key] for key, name in ENGINE_COUNTERS.items() if key in stats}}
             return {
                 "at": time.time(), "drained": self.drained, "counters": counters, "success": dict(self.success),
-                "gauges": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0)},
+                "gauges": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+                           "kv_cache_usage_perc": stats.get("kv_cache_usage_perc", 0.0)},
+                "config": self.config,
                 "histograms": {name: {"counts": list(h.counts), "sum": h.sum} for name, h in self.histograms.items()},
             }
 
@@ -149,7 +214,8 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
     of those no older than STALE_S (their `age` where the hub gave one, on its clock; else from their
     `at` to `now`, time.time); `replicas`, how many those are."""
     now = time.time() if now is None else now
-    total: dict = {"counters": {}, "success": dict.fromkeys(FINISH_REASONS, 0), "gauges": {"running": 0, "waiting": 0},
+    total: dict = {"counters": {}, "success": dict.fromkeys(FINISH_REASONS, 0), "config": {},
+                   "gauges": {"running": 0, "waiting": 0},
                    "histograms": {spec.name: {"counts": [0] * (len(spec.buckets) + 1), "sum": 0.0} for spec in HISTOGRAMS},
                    "replicas": 0}
     for snap in snapshots:
@@ -162,6 +228,7 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
             if into is not None and len(into["counts"]) == len(h["counts"]):  # the same buckets (same code)
                 into["counts"] = [a + b for a, b in zip(into["counts"], h["counts"])]
                 into["sum"] += h["sum"]
+        total["config"] = total["config"] or snap.get("config", {})  # the replicas' own (the same settings)
         if snap.get("age", now - snap["at"]) < STALE_S:
             total["replicas"] += 1
             for name, value in snap["gauges"].items():
@@ -184,6 +251,27 @@ class _Collector:
             g = GaugeMetricFamily(PREFIX + name, text, labels=labels)
             g.add_metric(model, m["gauges"].get(key, 0))
             yield g
+        # KV in use across the replicas: their mean (vLLM's is one engine's fraction, 1 = full)
+        kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        kv.add_metric(model, m["gauges"].get("kv_cache_usage_perc", 0.0) / max(1, m["replicas"]))
+        yield kv
+        # Every waiting request waits for room in the batch ("capacity"); none is deferred (vLLM's
+        # other reason: waiting on something else, such as a grammar's compilation).
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+                                      labels=["model_name", "reason"])
+        by_reason.add_metric([self.model, "capacity"], m["gauges"].get("waiting", 0))
+        by_reason.add_metric([self.model, "deferred"], 0)
+        yield by_reason
+        # The scheduler never preempts a running row (a join waits until every row keeps room): always 0.
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
+                                          labels=labels)
+        preemptions.add_metric(model, 0)
+        yield preemptions
+        config = m.get("config") or {}
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["model_name", *sorted(config)])
+        info.add_metric([self.model, *(config[k] for k in sorted(config))], 1)
+        yield info
         replicas = GaugeMetricFamily(PREFIX + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
         replicas.add_metric(model, m["replicas"])
         yield replicas

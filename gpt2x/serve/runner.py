@@ -9,7 +9,7 @@ run, and tells nobody: it returns the events (generation.decode.Event), which th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +64,12 @@ class Runner:
     is the engine's: the runner counts its model steps in it."""
 
     def __init__(self, backend: Backend, counters: dict[str, int], drafter: Drafter | None = None,
-                 draft_settings: DraftSettings | None = None, prefix_cache: PrefixCache | None = None):
+                 draft_settings: DraftSettings | None = None, prefix_cache: PrefixCache | None = None,
+                 stepped: Callable[[int, int], None] | None = None):
         self.backend = backend
+        # told after each model step: the tokens it ran (prompt tokens of a prefill chunk, one per live
+        # row of a decode step) and the positions its cache holds (rows x width): vLLM's iteration tokens
+        self.stepped = stepped or (lambda tokens, positions: None)
         self.prefix_cache = prefix_cache  # with capabilities.takes_past only (a past made from its blocks)
         self.counters = counters
         self.drafter = drafter
@@ -163,6 +167,7 @@ class Runner:
         logits, prefill.past = self.backend.step(prefill.ids[:, prefill.done : prefill.done + cols], mask,
                                                  positions(mask, cols), prefill.past)  # (U, V)
         self.counters["steps"] += 1
+        self.stepped(int(mask[:, K + prefill.done :].sum()), mask.size)
         prefill.done += cols
         if prefill.done < T:
             return None
@@ -192,6 +197,7 @@ class Runner:
         batch.mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), dtype=np.int64)], axis=1)
         logits, batch.past = self.backend.step(batch.nxt[:, None], batch.mask, positions(batch.mask, 1), batch.past)
         self.counters["steps"] += 1
+        self.stepped(len(batch.live()), batch.mask.size)
         batch.nxt, events = sample_rows(batch.rows, logits)
         return events
 

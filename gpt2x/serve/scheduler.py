@@ -87,6 +87,7 @@ class Row(Sequence):
         self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
         self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
         self.queued_at = time.monotonic()
+        self.scheduled_at: float | None = None  # when the engine took it from the queue
         self.prompt_k: int | None = None  # with prompt_logprobs: the most likely tokens listed per prompt position
         self.prompt_ranks: list[int | None] | None = None  # each prompt token's rank, set as it is scored
         # Beam search (settings.num_beams > 1): this row runs the search, and each of these rows (this
