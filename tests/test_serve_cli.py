@@ -118,8 +118,10 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port, mo
             + metrics['gpt2x:request_success_total{finished_reason="stop",model_name="shakespeare"}'] == 2
         assert metrics['gpt2x:prompt_tokens_total{model_name="shakespeare"}'] == 2 * r.json()["usage"]["prompt_tokens"]
         assert metrics['gpt2x:num_replicas{model_name="shakespeare"}'] == 1
-        for route in ("/health", "/metrics", "/v1/models"):
+        for route in ("/metrics", "/v1/models"):
             assert httpx.get(f"{ready['url']}{route}", timeout=10).status_code == 401
+        for route in ("/health", "/version"):  # open, as vLLM's and llama-server's (a probe has no key)
+            assert httpx.get(f"{ready['url']}{route}", timeout=10).status_code == 200
         assert httpx.get(f"{ready['url']}/openapi.json", timeout=10).status_code == 200
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(90)

@@ -39,7 +39,7 @@ EPILOG = ("Examples:\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
 
-SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client")
+SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client", "jinja2")
 
 
 def _installed(module: str) -> bool:
@@ -96,10 +96,13 @@ def serve(
         help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled request is reproduced exactly "
         "(as gpt2x generate --draft D --no-draft-adaptive gives it).")] = True,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        "--chat-template", help="A Jinja2 chat template file for /v1/chat/completions (default: the export's "
+        "tokenizer_config.json chat_template, if it has one).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
-    """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics, /tokenize,
-    /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops.
+    """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /version, /metrics, /tokenize, /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops.
     One replica on this machine runs in this process; --replicas N > 1, --address or --ray serve through Ray Serve."""
     require_serve_extra()
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
@@ -116,6 +119,12 @@ def serve(
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
     if max_batch_size is None:
         max_batch_size = 1 if draft is not None else 16
+    template = None
+    if chat_template is not None:  # read here: the replicas are sent its text, not a path they may lack
+        try:
+            template = chat_template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
@@ -134,6 +143,7 @@ def serve(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
         engine=engine, api_key=api_key or None, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
+        chat_template=template,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")

@@ -63,6 +63,7 @@ from .embedded import (  # what both paths share; re-exported here for the calle
 )
 from .engine import refuse_batched_draft
 from .http import (
+    CHAT_ROUTE,
     COMPLETIONS_ROUTE,
     DETOKENIZE_ROUTE,
     HEALTH_ROUTE,
@@ -193,6 +194,10 @@ class Gpt2xReplica:
     @app.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def completions(self, request: Request):
         return await self.http.completions(request)
+
+    @app.post("/v1/chat/completions", **CHAT_ROUTE)
+    async def chat_completions(self, request: Request):
+        return await self.http.chat_completions(request)
 
     @app.get("/v1/models", **MODELS_ROUTE)
     def models(self, request: Request):

@@ -37,6 +37,7 @@ from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import read_export
 from ..tokenizer import get_encoding
 from ..workflows import export_backend, open_drafter
+from .chat import find_template
 from .engine import EngineSettings, refuse_batched_draft
 from .http import MAX_BODY_BYTES, local_app
 from .service import CompletionService
@@ -82,6 +83,9 @@ class ReplicaConfig:
     # Under Ray Serve, the application's hub (deploy.MetricsHub), by name: set by deploy.application.
     # None: each replica's /metrics is its own, and a stop is Ray Serve's alone.
     metrics_hub: str | None = None
+    # /v1/chat/completions' Jinja2 template: the text of --chat-template's file (None: the export
+    # folder's tokenizer_config.json chat_template, if it has one; serve/chat.py)
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
         drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
                                ProviderKind(config.provider), None, config.draft_settings)
     return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
-                             config.draft)
+                             config.draft, find_template(Path(config.export), config.chat_template))
 
 
 def close_service(service: CompletionService) -> None:

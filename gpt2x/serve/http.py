@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -75,6 +75,14 @@ COMPLETIONS_ROUTE = dict(
     },
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
+)
+CHAT_ROUTE = dict(
+    summary="Create a chat completion",
+    description="OpenAI's chat completions: the messages rendered by the model's Jinja2 chat template "
+                "(--chat-template FILE, or the export's tokenizer_config.json), then completed with every "
+                "completions sampling field, n and structured output; streamed with `stream`. A model with no "
+                "template answers 400 naming --chat-template.",
+    responses={k: v for k, v in COMPLETIONS_ROUTE["responses"].items() if k != 200},
 )
 MODELS_ROUTE = dict(summary="The served model", response_model=api.ModelList, responses=_AUTH_ERRORS)
 HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=api.Health)
@@ -268,21 +276,29 @@ class HttpApi:
                 raise APIError(413, f"the body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         return bytes(data)
 
-    async def completions(self, request: Request):
+    async def chat_completions(self, request: Request):
+        """OpenAI's chat completions: the messages rendered by the chat template (serve/chat.py), then
+        served as a completions request is, answered in the chat shapes."""
+        return await self.completions(request, chat=True)
+
+    async def completions(self, request: Request, chat: bool = False):
         started = time.monotonic()
+        service = self.service
         try:
             self.authorize(request)
-            req = self.service.parse(await self.body(request))
-            pending = self.service.submit(req)
+            raw = await self.body(request)
+            req = service.parse_chat(raw) if chat else service.parse(raw)
+            pending = service.submit(req)
         except APIError as e:
             return error_response(e)
         if req.stream:
-            return StreamingResponse(self._counted_stream(self.service.stream(pending), pending, started),
+            events = service.stream_chat(pending) if chat else service.stream(pending)
+            return StreamingResponse(self._counted_stream(events, pending, started),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         # Raced against the client's disconnect: a client that gives up frees its rows at the engine's
         # next step (and its places in the queue at once), as vLLM aborts a request whose client left.
-        work = asyncio.ensure_future(self.service.complete(pending))
+        work = asyncio.ensure_future(service.complete_chat(pending) if chat else service.complete(pending))
         gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -303,9 +319,10 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
         seconds = time.monotonic() - started
-        await self._answered(body.usage.prompt_tokens, body.usage.completion_tokens,
-                             [(c.finish_reason or "stop", seconds) for c in body.choices], pending)
-        return JSONBody(body)
+        usage = pending.usage()  # what the body says
+        await self._answered(usage.prompt_tokens, usage.completion_tokens,
+                             [(reason or "stop", seconds) for reason in pending.reasons], pending)
+        return JSONResponse(body) if chat else JSONBody(body)
 
     async def _counted_stream(self, events: AsyncIterator[str], pending: Any, started: float) -> AsyncIterator[str]:
         """A stream's events, passed on as they come; each choice's end timed as its finish_reason goes
@@ -441,6 +458,9 @@ def local_app(service: CompletionService, api_key: str | None = None, max_body_b
     async def completions(request: Request):
         return await http.completions(request)
 
+    async def chat_completions(request: Request):
+        return await http.chat_completions(request)
+
     def models(request: Request):
         return http.models(request)
 
@@ -460,6 +480,7 @@ def local_app(service: CompletionService, api_key: str | None = None, max_body_b
         return await http.detokenize(request)
 
     app.post("/v1/completions", **COMPLETIONS_ROUTE)(completions)
+    app.post("/v1/chat/completions", **CHAT_ROUTE)(chat_completions)
     app.get("/v1/models", **MODELS_ROUTE)(models)
     app.get("/health", **HEALTH_ROUTE)(health)
     app.get("/version", **VERSION_ROUTE)(version)

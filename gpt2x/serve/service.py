@@ -16,6 +16,7 @@ does, every choice's completion tokens, and the prompt tokens the prefix cache h
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +25,7 @@ from ..generation.speculative import Drafter, DraftSettings
 from ..memory import peak_rss_mb, rss_mb
 from ..runtime.base import Backend
 from ..tokenizer import VOCAB_SIZE
+from . import chat
 from . import protocol as api
 from .engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
 
@@ -31,8 +33,9 @@ from .engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFul
 class CompletionService:
     def __init__(self, backend: Backend, engine: EngineSettings, model_id: str, replica: str = "",
                  drafter: Drafter | None = None, draft_settings: DraftSettings | None = None,
-                 draft_name: str | None = None):
+                 draft_name: str | None = None, chat_template: chat.ChatTemplate | None = None):
         self.backend = backend
+        self.chat_template = chat_template  # /v1/chat/completions' (serve/chat.py); None: a 400 naming the flag
         self.model_id = model_id
         self.replica = replica  # which replica answered /health (Ray Serve's replica id)
         self.created = int(time.time())
@@ -58,6 +61,37 @@ class CompletionService:
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
         return api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
+
+    def parse_chat(self, raw: bytes) -> api.CompletionRequest:
+        """A chat completions body as the completions request it is served as (serve/chat.py)."""
+        body = chat.completion_body(raw, self.chat_template, self.backend.n_positions)
+        return self.parse(json.dumps(body).encode())
+
+    async def complete_chat(self, pending: Pending) -> dict:
+        """The whole chat response (`chat.completion`)."""
+        texts: list[list[str]] = [[] for _ in range(pending.req.choices)]
+        async for index, piece, _, _, _ in pending.events():
+            texts[index].append(piece)
+        return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
+
+    async def stream_chat(self, pending: Pending) -> AsyncIterator[str]:
+        """Chat's server-sent events: `chat.completion.chunk`s (the role with each choice's first), a
+        usage chunk if asked for, then `data: [DONE]`."""
+        req = pending.req
+        started: set[int] = set()
+        try:
+            async for index, piece, reason, _, _ in pending.events():
+                first = index not in started
+                started.add(index)
+                usage = pending.usage() if req.continuous_usage else None
+                yield chat.chunk(req, [chat.delta(index, piece, reason, first)], usage)
+        except api.APIError as e:
+            yield api.sse(e.body())
+            yield api.sse("[DONE]")
+            return
+        if req.include_usage:
+            yield chat.chunk(req, [], pending.usage())
+        yield api.sse("[DONE]")
 
     def submit(self, req: api.CompletionRequest) -> Pending:
         """Queue the request's rows (its choices) in the engine (all or none), before any response is

@@ -1,0 +1,188 @@
+"""OpenAI's chat completions (`POST /v1/chat/completions`) on top of the completions engine: the
+messages rendered to one prompt by the model's Jinja2 chat template, as transformers'
+`apply_chat_template` and vLLM render them (a sandboxed environment; `messages`,
+`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`), then completed as a
+completions request with the same sampling fields, `n`, stop strings and structured output
+(protocol.parse_request checks them all), and answered in the chat shapes (`chat.completion`, and
+`chat.completion.chunk` events whose first delta carries the role).
+
+The template: `--chat-template FILE`, else the `chat_template` of the export folder's
+tokenizer_config.json (where transformers and vLLM read a model's). A model with neither answers one
+400 that names the flag. Chat logprobs (OpenAI's chat shape) and tools are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..tokenizer import encode
+from . import protocol as api
+from .protocol import bad
+
+CHAT_TEMPLATE_FLAG = "--chat-template"
+EOS_TOKEN = "<|endoftext|>"
+# What the chat body adds to or changes from the completions body (the rest is passed on as it is).
+_CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+              "parallel_tool_calls", "functions", "function_call", "add_generation_prompt", "continue_final_message",
+              "chat_template", "chat_template_kwargs", "documents", "echo", "prompt", "modalities", "audio",
+              "reasoning_effort", "store", "metadata", "prediction", "web_search_options", "service_tier")
+_REFUSED = {"tools": "tools are not served", "tool_choice": "tools are not served",
+            "functions": "functions are not served", "function_call": "functions are not served",
+            "documents": "documents are not served", "audio": "audio is not served",
+            "prediction": "predicted outputs are not served", "web_search_options": "web search is not served",
+            "chat_template": "a request's own chat_template is not served (the server's is used)"}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatParams(BaseModel):
+    """The fields the chat route reads itself; every other is a completions field (protocol.CompletionParams)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="ChatCompletionRequest")
+
+    messages: Annotated[list[Message], Field(min_length=1)] = Field(description="The conversation, rendered by the chat template.")
+    max_completion_tokens: api.Integer_(ge=1) | None = Field(None, description="OpenAI's name for max_tokens.")
+    logprobs: bool | None = Field(None, description="Chat logprobs are not served: refused when true.")
+    top_logprobs: api.Integer_(ge=0) | None = Field(None, description="Refused (chat logprobs are not served).")
+    add_generation_prompt: bool | None = Field(True, description="vLLM's: the template's assistant turn opening is added.")
+    continue_final_message: bool | None = Field(False, description="vLLM's: the last message is continued, not closed.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the template.")
+
+
+class ChatTemplate:
+    """A Jinja2 chat template, compiled once in a sandbox (templates come from model folders)."""
+
+    def __init__(self, source: str, origin: str):
+        self.source = source
+        self.origin = origin  # where it came from, for messages
+
+    @cached_property
+    def _template(self):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: the serve extra's
+
+        def raise_exception(message: str) -> None:
+            raise bad(f"the chat template refused the messages: {message}", "messages")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.source)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, **extra)
+        except TemplateError as e:
+            raise bad(f"the chat template ({self.origin}) failed on these messages: {e}", "messages") from None
+
+
+def find_template(export_folder: Path, given: str | None) -> ChatTemplate | None:
+    """`given` (the text of --chat-template's file), else the export folder's tokenizer_config.json
+    chat_template (a string, or transformers' list of named templates: "default"), else None."""
+    if given is not None:
+        return ChatTemplate(given, CHAT_TEMPLATE_FLAG)
+    path = export_folder / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    found = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(found, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+        found = named.get("default")
+    return ChatTemplate(found, str(path)) if isinstance(found, str) and found else None
+
+
+def completion_body(raw: bytes, template: ChatTemplate | None, n_positions: int) -> dict:
+    """The chat body as the completions body it is served as: its prompt rendered, max_completion_tokens
+    as max_tokens (by default, as many as the context leaves: vLLM's), the chat-only fields taken out."""
+    try:
+        body = json.loads(raw, parse_constant=api._reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the body must be a JSON object")
+    try:
+        p = ChatParams.model_validate(body)
+    except ValidationError as e:
+        raise api.validation_error(e.errors(include_url=False)) from None
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, [], "none"):
+            raise bad(f"{name}: {why}", name)
+    if p.logprobs or p.top_logprobs:
+        raise bad("logprobs are not served on chat completions (use /v1/completions with logprobs)",
+                  "logprobs" if p.logprobs else "top_logprobs")
+    if "echo" in body or "prompt" in body:
+        name = "echo" if "echo" in body else "prompt"
+        raise bad(f"{name} is not a chat completions field", name)
+    if template is None:
+        raise bad(f"this model has no chat template: start the server with {CHAT_TEMPLATE_FLAG} FILE (a Jinja2 "
+                  "chat template, as transformers' tokenizer_config.json chat_template), or put one in the export "
+                  "folder's tokenizer_config.json", "messages", "chat_template_missing")
+    messages = [{**m.model_dump(exclude_none=True, exclude={"content"}), "content": m.text()} for m in p.messages]
+    prompt = template.render(messages, bool(p.add_generation_prompt) and not p.continue_final_message,
+                             p.chat_template_kwargs or {})
+    if p.continue_final_message:  # the last message left open: the text stops where its content does
+        last = messages[-1]["content"]
+        cut = prompt.rfind(last)
+        prompt = prompt[: cut + len(last)] if last and cut >= 0 else prompt
+    completions = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    completions["prompt"] = prompt
+    if p.max_completion_tokens is not None:
+        completions["max_tokens"] = p.max_completion_tokens
+    elif body.get("max_tokens") is None:  # chat's default: as many as the context leaves (vLLM's)
+        completions["max_tokens"] = max(1, n_positions - max(1, len(encode(prompt))))
+    return completions
+
+
+def chat_id(completion_id: str) -> str:
+    return "chatcmpl-" + completion_id.removeprefix("cmpl-") if completion_id else "chatcmpl-" + uuid.uuid4().hex
+
+
+def response(req: api.CompletionRequest, texts: list[str], reasons: list[str | None], usage: api.Usage) -> dict:
+    return {"id": chat_id(req.id), "object": "chat.completion", "created": req.created, "model": req.model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": reason} for i, (text, reason) in enumerate(zip(texts, reasons))],
+            "usage": usage.model_dump()}
+
+
+def chunk(req: api.CompletionRequest, choices: list[dict], usage: api.Usage | None = None) -> str:
+    body = {"id": chat_id(req.id), "object": "chat.completion.chunk", "created": req.created or int(time.time()),
+            "model": req.model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"  # compact, as the completions chunks
+
+
+def delta(index: int, text: str, reason: str | None, first: bool) -> dict:
+    """One choice's piece of a stream: its role with its first piece (OpenAI's), then its content."""
+    piece: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": index, "delta": piece, "logprobs": None, "finish_reason": reason}
+
+
