@@ -47,6 +47,8 @@ KEY = "sekret-key-42"
     (["--backend", "torch"], 2, "not served"),
     (["--max-batch-size", "0"], 2, "--max-batch-size must be >= 1"),
     (["--precision", "int8"], 2, "is a fp32 export, not int8"),
+    (["--scheduling-policy", "lifo"], 2, "--scheduling-policy must be one of fcfs, priority"),
+    (["--chat-template", "/nonexistent/template.jinja"], 2, "--chat-template /nonexistent/template.jinja: cannot read"),
 ])
 def test_bad_options_are_one_line(export_dir, args, code, fragment):
     r = run_cli("serve", "--onnx", str(export_dir), *args, timeout=120)

@@ -7,6 +7,8 @@ a no-cache forward, gpt2x's own generation, hand-made cases) or refused with a 4
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,8 +21,9 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import log_softmax
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.engine import EngineSettings
+from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.http import local_app
+from gpt2x.serve.scheduler import Scheduler
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
@@ -282,3 +285,64 @@ def test_vllm_fields_not_served_so_are_400_naming_them(client, body, param):
 def test_request_id_and_unknown_fields(client):
     body = post(client, prompt="a", max_tokens=1, request_id="abc-1", no_such_field=3, add_special_tokens=True)
     assert body["id"] == "cmpl-abc-1"
+
+
+# ------------------------------------------------------------------ priority scheduling
+
+
+def test_priority_order_of_a_hand_built_arrival_order():
+    def rows(policy: str) -> list:
+        scheduler = Scheduler(EngineSettings(max_batch_size=1, max_waiting=8, scheduling_policy=policy), 256)
+        made = []
+        for priority in (0, 5, -1, 5, 0):
+            row = Row([1, 2], SamplingSettings(max_new_tokens=2), lambda kind, value: None)
+            row.priority = priority
+            made.append(row)
+            scheduler.submit([row])
+        order = []
+        while True:
+            taken = scheduler.take([], None)
+            if not taken:
+                return [made.index(r) for r in order]
+            order += taken
+
+    assert rows("priority") == [2, 0, 4, 1, 3]  # lowest first, arrival order among equals (vLLM's)
+    assert rows("fcfs") == [0, 1, 2, 3, 4]
+
+
+def test_waiting_requests_run_by_priority(export_dir):
+    engine = Engine(OrtBackend(read_export(export_dir), threads=1),
+                    EngineSettings(max_batch_size=1, scheduling_policy="priority")).start()
+    ended: list[str] = []
+    first = threading.Event()
+
+    def sink(name: str):
+        def tell(kind: str, value: object) -> None:
+            if kind == "token":
+                first.set()
+            elif kind in ("done", "error"):
+                ended.append(name)
+        return tell
+
+    def row(name: str, priority: int, tokens: int) -> Row:
+        r = Row(encode(f"{name}:"), SamplingSettings(max_new_tokens=tokens, greedy=True, ignore_eos=True), sink(name))
+        r.priority = priority
+        return r
+
+    try:
+        engine.submit([row("running", 0, 60)])
+        assert first.wait(30)  # it runs; the others wait for its place
+        engine.submit([row("late", 10, 3), row("normal", 0, 3), row("urgent", -5, 3)])
+        deadline = time.monotonic() + 60
+        while len(ended) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ended == ["running", "urgent", "normal", "late"]
+    finally:
+        engine.close()
+
+
+def test_priority_needs_the_priority_policy(client):
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    assert post(client, prompt="a", max_tokens=1, priority=0)["choices"]

@@ -87,6 +87,9 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
         "keep streaming (0: whole).")] = EngineSettings.prefill_chunk,
+    scheduling_policy: Annotated[str, typer.Option(
+        help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
+        "first; arrival order among equals).")] = "fcfs",
     cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
@@ -127,7 +130,8 @@ def serve(
             raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
-                            batch_wait_s=batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+                            batch_wait_s=batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                            scheduling_policy=scheduling_policy)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)
     settings.validate()

@@ -77,7 +77,6 @@ REFUSED_FIELDS = {
     "cache_salt": "cache_salt is not implemented: the prefix cache is shared by every request",
     "kv_transfer_params": "disaggregated prefill is not served",
     "vllm_xargs": "vllm_xargs is not served",
-    "priority": "request priority is not implemented",
     "guided_json": "guided_json was removed from vLLM: send structured_outputs.json",
     "guided_regex": "guided_regex was removed from vLLM: send structured_outputs.regex",
     "guided_choice": "guided_choice was removed from vLLM: send structured_outputs.choice",
@@ -262,6 +261,9 @@ class CompletionParams(BaseModel):
         "vLLM's: the n best of n beams (transformers' beam search, on the raw distribution), one choice each."))
     length_penalty: float | None = Field(None, description=(
         "vLLM's, with use_beam_search: a beam's score is its summed log-probability / length ** length_penalty."))
+    priority: Integer_(ge=-(2**31), lt=2**31) | None = Field(None, description=(
+        "vLLM's: with --scheduling-policy priority, waiting requests run lowest priority first (arrival order "
+        "among equals); any other than 0 is refused under the default fcfs policy."))
     request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(None, description=(
         "vLLM's: the response's id is `cmpl-REQUEST_ID`."))
     add_special_tokens: bool | None = Field(None, description="vLLM's: accepted; GPT-2's tokenizer adds none either way.")
@@ -443,6 +445,7 @@ class CompletionRequest:
     include_stop_str: bool = False  # the stop string that ended a choice stays in its text
     continuous_usage: bool = False  # every chunk carries the usage so far (stream_options.continuous_usage_stats)
     beams: int = 0  # use_beam_search: the n best of n beams (0: sampling)
+    priority: int = 0  # vLLM's: lower runs earlier (with the priority scheduling policy)
     length_penalty: float = SamplingSettings.length_penalty
     model: str = ""
     id: str = field(default_factory=lambda: "cmpl-" + uuid.uuid4().hex)
@@ -678,7 +681,7 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
         continuous_usage=bool(options.include_usage and options.continuous_usage_stats),
         echo=echo, logprobs=p.logprobs, model=served_model, prompt_logprobs=p.prompt_logprobs,
         return_token_ids=bool(p.return_token_ids), tokens_as_ids=bool(p.return_tokens_as_token_ids),
-        include_stop_str=bool(p.include_stop_str_in_output), **sampling,
+        include_stop_str=bool(p.include_stop_str_in_output), priority=p.priority or 0, **sampling,
         **({"id": "cmpl-" + p.request_id} if p.request_id else {}),
     )
 

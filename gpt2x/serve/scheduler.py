@@ -29,6 +29,8 @@ from ..generation.decode import Sequence
 from ..generation.settings import SamplingSettings
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound: the request is refused, not queued."""
@@ -54,8 +56,14 @@ class EngineSettings:
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
     # (serve/prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    # Which waiting row runs next: "fcfs" (arrival order) or "priority" (vLLM's: the lowest `priority`
+    # first, arrival order among equals; rows running are never preempted).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise UsageError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}", option="scheduling_policy")
         if self.max_batch_size < 1:
             raise UsageError(f"max_batch_size must be >= 1, got {self.max_batch_size}", option="max_batch_size")
         for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb"):
@@ -88,6 +96,7 @@ class Row(Sequence):
         self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
         self.queued_at = time.monotonic()
         self.scheduled_at: float | None = None  # when the engine took it from the queue
+        self.priority = 0  # with the priority policy: lower runs earlier (vLLM's)
         self.prompt_k: int | None = None  # with prompt_logprobs: the most likely tokens listed per prompt position
         self.prompt_ranks: list[int | None] | None = None  # each prompt token's rank, set as it is scored
         # Beam search (settings.num_beams > 1): this row runs the search, and each of these rows (this
@@ -132,6 +141,8 @@ class Scheduler:
             if len(self._waiting) + len(rows) > self.settings.max_waiting + self._free_places():
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.settings.max_waiting})")
             self._waiting.extend(rows)
+            if self.settings.scheduling_policy == "priority":  # a stable sort: arrival order among equals
+                self._waiting = deque(sorted(self._waiting, key=lambda r: r.priority))
             self._cond.notify()
 
     def close(self) -> list[Row]:
@@ -184,8 +195,9 @@ class Scheduler:
             self.running = n
 
     def take(self, rows: list[Row], width: int | None) -> list[Row]:
-        """Waiting rows (FIFO) that fit beside `rows`, a batch whose cache can be made `width` wide
-        (None: a new batch). Stops at the first that does not fit, so no request is overtaken forever."""
+        """Waiting rows (in arrival order, or by priority with the priority policy) that fit beside
+        `rows`, a batch whose cache can be made `width` wide (None: a new batch). Stops at the first
+        that does not fit, so no request is overtaken forever (by one of its own priority)."""
         taken: list[Row] = []
         with self._cond:
             while self._waiting and len(rows) + len(taken) < self.settings.max_batch_size:

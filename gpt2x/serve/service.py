@@ -60,7 +60,11 @@ class CompletionService:
                           provider=self.backend.provider.value, **stats, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> api.CompletionRequest:
-        return api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
+        req = api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
+        if req.priority and self.engine.settings.scheduling_policy != "priority":  # vLLM refuses it so too
+            raise api.bad(f"priority is {req.priority}: this server schedules first come, first served; start it "
+                          "with --scheduling-policy priority", "priority")
+        return req
 
     def parse_chat(self, raw: bytes) -> api.CompletionRequest:
         """A chat completions body as the completions request it is served as (serve/chat.py)."""
@@ -176,6 +180,7 @@ class Pending:
 
                 row = Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget)
                 row.prompt_k = req.prompt_logprobs
+                row.priority = req.priority
                 self.rows.append(row)
             if req.beams:  # one search per prompt, by its first row; each of its n rows one hypothesis
                 group = self.rows[p * req.n : (p + 1) * req.n]
