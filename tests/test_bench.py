@@ -312,10 +312,11 @@ def upgraded(old: dict) -> dict:
     return new
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "results").glob("bench-*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "tests" / "data" / "bench-results").glob("bench-*.json")), ids=lambda p: p.name)
 def test_result_files_of_earlier_schemas_read_back(path):
-    """The bench results kept in benchmarks/results (schemas 1 to 3) read as results, with every figure
-    they hold, and their tables render: the schema's renames are read under the old names."""
+    """The bench results of schemas 1 to 3 (tests/data/bench-results: copies of the records in
+    benchmarks/results) read as results, with every figure they hold, and their tables render: the
+    schema's renames are read under the old names."""
     old = json.loads(path.read_text())
     assert old["schema_version"] < 4  # written before the typed results; a file of schema 4 tests nothing new
     result = BenchResult.from_json(path.read_text())
