@@ -132,6 +132,7 @@ BENCH_SCHEMA = {
                      "greedy_identical": bool, "first_difference": (int, type(None))}],
     "skipped": [{"backend": str, "precision": str, "reason": str}],
     "passed": bool,
+    "fastest": [{"goal": str, "backend": str, "precision": str, "batch": int, "decode_tokens_per_s": float, "ttft_ms": float}],
 }
 ENVIRONMENT = {"gpt2x": str, "date": str, "platform": str, "cpu": str, "cores": int, "gpu": str, "packages": dict,
                "providers listed": str, "providers loadable": dict, "hub cache": str, "hub offline": bool,
@@ -287,6 +288,14 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
         assert e.latency_by_context[0].context >= 5
     ort_ppl = result.parity[1].perplexity
     assert ort_ppl == pytest.approx(result.reference.perplexity, rel=1e-4)
+    # The clock above makes ort's batch-2 rows the most tokens/s (2 rows per 2 ms step) and its batch-1
+    # prefill the first token soonest (5 ms against torch's 7).
+    assert written["fastest"] == [
+        {"goal": "decode", "backend": "ort", "precision": "fp32", "batch": 2,
+         "decode_tokens_per_s": pytest.approx(1000), "ttft_ms": pytest.approx(5)},
+        {"goal": "first_token", "backend": "ort", "precision": "fp32", "batch": 1,
+         "decode_tokens_per_s": pytest.approx(500), "ttft_ms": pytest.approx(5)},
+    ]
 
     # Every torch backend the bench opens is perturbed, the reference included; the reference is
     # compared with itself only through a second instance, so the noise (seeded per call) differs.
@@ -294,6 +303,7 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     s.backends = [BackendKind.ort]
     failed = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
     assert failed.passed is False and json.loads(failed.to_json())["passed"] is False
+    assert failed.speed and failed.fastest == []  # a configuration that fails its gate is never named fastest
 
 
 def upgraded(old: dict) -> dict:
@@ -321,7 +331,9 @@ def test_result_files_of_earlier_schemas_read_back(path):
     assert old["schema_version"] < 4  # written before the typed results; a file of schema 4 tests nothing new
     result = BenchResult.from_json(path.read_text())
     assert result.schema_version == old["schema_version"]
-    assert json.loads(result.to_json()) == upgraded(old)
+    written = json.loads(result.to_json())
+    assert written.pop("fastest") == [f.to_dict() for f in result.fastest]
+    assert written == upgraded(old)
     assert result.passed is old["passed"]
     text = rendered(result)
     assert "parity vs torch" in text and f"{old['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s" in text

@@ -57,10 +57,33 @@ def bench_tables(result: BenchResult) -> list[Table]:
     if skipped:
         speed.caption = "not run: " + "; ".join(skipped)
     tables = [parity, speed]
+    best = fastest_table(result)
+    if best is not None:
+        tables.append(best)
     spec = speculative_table(result)
     if spec is not None:
         tables.append(spec)
     return tables
+
+
+def fastest_table(result: BenchResult) -> Table | None:
+    """The configurations measured best on this machine (BenchResult.fastest), with the `gpt2x serve`
+    flags that run each; None when no row counts."""
+    best = result.fastest
+    if not best:
+        return None
+    env = result.environment
+    table = Table(title=f"fastest here ({env.cpu}, {result.settings.threads} threads; parity-passing rows only)")
+    for col in ("goal", "backend", "precision", "batch", "decode tok/s", "TTFT ms", "serve with"):
+        table.add_column(col, justify="right")
+    for f in best:
+        flags = f"--backend {f.backend.value} --precision {f.precision.value}"
+        if f.goal == "decode" and f.batch > 1:
+            flags += f" --max-batch-size {f.batch}"
+        table.add_row(f.goal.replace("_", " "), f.backend.value, f.precision.value, str(f.batch),
+                      _f(f.decode_tokens_per_s, ".1f"), _f(f.ttft_ms, ".1f"), flags)
+    table.caption = "gpt2x serve --from-bench FILE takes the decode row of a bench saved with --output FILE"
+    return table
 
 
 def page_cells(page: PageFigures | None) -> list[str]:

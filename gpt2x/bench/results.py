@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from ..choices import BackendKind, Precision, ProviderKind
+from ..errors import UsageError
 
 # 2: `speculative` rows, and the settings drafts, draft_tokens and prompt_text; 3: speed rows' native_share
 # and native_ttft_ratio (against ort), and the web backend's page_* figures; 4: draft_tokens (settings and
@@ -278,6 +279,28 @@ class Skipped(Record):
     draft: str | None = spec(default=None, optional=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fastest(Record):
+    """The configuration a bench measured best at one goal on its machine, among those that passed
+    parity: `decode`, the most decode tokens/s at any batch (what a serving replica wants), or
+    `first_token`, the shortest time to first token at batch 1."""
+
+    goal: str
+    backend: BackendKind = spec(read=BackendKind)
+    precision: Precision = spec(read=Precision)
+    batch: int
+    decode_tokens_per_s: float
+    ttft_ms: float
+
+    @classmethod
+    def of(cls, goal: str, row: SpeedRow) -> Fastest:
+        return cls(goal=goal, backend=row.backend, precision=row.precision, batch=row.batch,
+                   decode_tokens_per_s=row.decode_tokens_per_s, ttft_ms=row.ttft_ms)
+
+
+GOALS = ("decode", "first_token")
+
+
 # ---------------------------------------------------------------- the whole result
 
 
@@ -300,10 +323,25 @@ class BenchResult(Record):
     def passed(self) -> bool:
         return all(p.passed for p in self.parity)
 
+    @property
+    def fastest(self) -> list[Fastest]:
+        """The best measured configuration for each goal (GOALS), among the speed rows whose backend and
+        precision did not fail a parity gate: a faster configuration that fails its gate does not count."""
+        failed = {(p.backend, p.precision) for p in self.parity if not p.passed}
+        rows = [r for r in self.speed if (r.backend, r.precision) not in failed]
+        first = [r for r in rows if r.batch == 1]
+        out = []
+        if rows:
+            out.append(Fastest.of("decode", max(rows, key=lambda r: r.decode_tokens_per_s)))
+        if first:
+            out.append(Fastest.of("first_token", min(first, key=lambda r: r.ttft_ms)))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         del out["schema_version"]
-        return {"schema_version": SCHEMA_VERSION, **out, "passed": self.passed}
+        return {"schema_version": SCHEMA_VERSION, **out, "passed": self.passed,
+                "fastest": [f.to_dict() for f in self.fastest]}
 
     def to_json(self) -> str:
         """The result as the JSON document `gpt2x bench` writes (schema SCHEMA_VERSION)."""
@@ -313,3 +351,12 @@ class BenchResult(Record):
     def from_json(cls, text: str) -> BenchResult:
         """A result written by `gpt2x bench` (any schema version so far)."""
         return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_user_file(cls, text: str, where: str) -> BenchResult:
+        """As from_json, for a file a user names: what is not a bench result is one UsageError line."""
+        try:
+            return cls.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"{where} is not a gpt2x bench result (saved with gpt2x bench --output FILE): "
+                             f"{type(e).__name__}: {e}") from None
