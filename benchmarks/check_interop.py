@@ -64,7 +64,6 @@ from gpt2x.onnx import names as io
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
 from gpt2x.onnx.transformers_js import write_transformers_js
-from gpt2x.runtime.ort import OrtBackend
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be",
            "KING HENRY:\nOnce more unto the breach"]
@@ -115,7 +114,7 @@ def compare(reference: list[list[int]], got: list[list[int]]) -> list[dict]:
 
 
 def gpt2x_tokens(folder: Path, new_tokens: int, batched: bool = False) -> list[list[int]]:
-    backend = OrtBackend(read_export(folder))
+    backend = workflows.export_backend(BackendKind.ort, read_export(folder))
     settings = SamplingSettings(max_new_tokens=new_tokens, greedy=True)
     if batched:
         return [g.tokens for g in generate(backend, PROMPTS, settings)]
