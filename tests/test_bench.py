@@ -15,7 +15,8 @@ from gpt2x.bench import roofline
 from gpt2x.bench import run as bench
 from gpt2x.bench.report import bench_tables
 from gpt2x.bench.results import BenchResult
-from gpt2x.choices import BackendKind, Precision
+from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.errors import UsageError
 from gpt2x.evaluate import metrics
 from gpt2x.evaluate.metrics import kl_divergence, logit_stats
 from gpt2x.evaluate.parity import check
@@ -501,3 +502,66 @@ def test_bench_cli_bad_draft_is_one_line(tmp_path, monkeypatch, capsys, args, er
     code, _, err = cli(capsys, "bench", "--backends", "ort", *args)
     assert_one_line_error(code, err, getattr(errors, error).exit_code, fragment)
     assert not (tmp_path / "exported").exists()
+
+
+FIXTURE = REPO / "tests" / "data" / "bench-results" / "bench-cpu-2core-gpt2-124m.json"
+
+
+class _Given:
+    """A click context stand-in for serve's --from-bench: which parameters came from the command line."""
+
+    def __init__(self, *names: str):
+        self.names = names
+
+    def get_parameter_source(self, name):
+        from click.core import ParameterSource
+
+        return ParameterSource.COMMANDLINE if name in self.names else ParameterSource.DEFAULT
+
+
+def test_fastest_of_a_kept_result_and_serve_from_bench(tmp_path, monkeypatch):
+    """Read off the kept result file by hand: genai int4 at batch 4 decodes fastest (529.94 tok/s, ort int8's
+    batch 4 528.01); with genai int4's gate failed, ort int8 at batch 4 is. `gpt2x serve --from-bench`
+    takes that row, except where a flag was given."""
+    from gpt2x.cli import serve as serve_cli
+
+    data = json.loads(FIXTURE.read_text())
+    best = BenchResult.from_json(json.dumps(data)).best("decode")
+    assert (best.backend, best.precision, best.batch) == (BackendKind.genai, Precision.int4, 4)
+    assert best.decode_tokens_per_s == pytest.approx(529.94, abs=0.01)
+    for p in data["parity"]:
+        if (p["backend"], p["precision"]) == ("genai", "int4"):
+            p["passed"] = False
+    result = BenchResult.from_json(json.dumps(data))
+    best = result.best("decode")
+    assert (best.backend, best.precision, best.batch) == (BackendKind.ort, Precision.int8, 4)
+    assert best.decode_tokens_per_s == pytest.approx(528.01, abs=0.01)
+    assert result.best("decode", among=(BackendKind.openvino,)).precision is Precision.fp32  # 107 tok/s at batch 4
+    assert result.best("decode", among=(BackendKind.web,)) is None
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(serve_cli, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(serve_cli, "physical_cores", lambda: 2)
+    picked = serve_cli.from_bench(_Given(), path, BackendKind.ort, ProviderKind.cpu, None, None)
+    assert picked == (BackendKind.ort, ProviderKind.cpu, Precision.int8, 4)
+    picked = serve_cli.from_bench(_Given("backend"), path, BackendKind.openvino, ProviderKind.cpu, Precision.fp32, 2)
+    assert picked == (BackendKind.openvino, ProviderKind.cpu, Precision.fp32, 2)  # the command line's flags win
+    for p in data["parity"]:
+        p["passed"] = p["backend"] == "torch"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match="no configuration of ort, openvino, genai that passed"):
+        serve_cli.from_bench(_Given(), path, BackendKind.ort, ProviderKind.cpu, None, None)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "--from-bench file not found"),
+    ('{"speed": []}', "is not a gpt2x bench result"),
+    ("not json", "is not a gpt2x bench result"),
+])
+def test_serve_from_bench_bad_file_is_one_line(tmp_path, capsys, content, fragment):
+    path = tmp_path / "bench.json"
+    if content is not None:
+        path.write_text(content)
+    code, _, err = cli(capsys, "serve", "--from-bench", str(path))
+    assert_one_line_error(code, err, 2, fragment)

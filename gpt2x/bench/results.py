@@ -325,17 +325,20 @@ class BenchResult(Record):
 
     @property
     def fastest(self) -> list[Fastest]:
-        """The best measured configuration for each goal (GOALS), among the speed rows whose backend and
-        precision did not fail a parity gate: a faster configuration that fails its gate does not count."""
+        """The best measured configuration for each goal (GOALS) among every backend (see `best`)."""
+        return [f for f in (self.best(goal) for goal in GOALS) if f is not None]
+
+    def best(self, goal: str, among: tuple[BackendKind, ...] | None = None) -> Fastest | None:
+        """The speed row best at `goal` (`decode`: the most decode tokens/s at any batch; `first_token`:
+        the shortest time to first token at batch 1), of the backends `among` (default: all), whose
+        backend and precision did not fail a parity gate: a faster configuration that fails its gate
+        does not count. None when no row qualifies."""
         failed = {(p.backend, p.precision) for p in self.parity if not p.passed}
-        rows = [r for r in self.speed if (r.backend, r.precision) not in failed]
-        first = [r for r in rows if r.batch == 1]
-        out = []
-        if rows:
-            out.append(Fastest.of("decode", max(rows, key=lambda r: r.decode_tokens_per_s)))
-        if first:
-            out.append(Fastest.of("first_token", min(first, key=lambda r: r.ttft_ms)))
-        return out
+        rows = [r for r in self.speed if (r.backend, r.precision) not in failed and (among is None or r.backend in among)]
+        if goal == "first_token":
+            rows = [r for r in rows if r.batch == 1]
+            return Fastest.of(goal, min(rows, key=lambda r: r.ttft_ms)) if rows else None
+        return Fastest.of(goal, max(rows, key=lambda r: r.decode_tokens_per_s)) if rows else None
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

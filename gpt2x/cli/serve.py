@@ -9,10 +9,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from click.core import ParameterSource
 
-from ..choices import BackendKind, ProviderKind
+from ..bench.results import BenchResult
+from ..bench.system import cpu_model
+from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
+from ..runtime.providers import physical_cores
 from ..serve.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from ..serve.scheduler import EngineSettings
 from ..workflows import DRAFT_HELP, require_provider, resolve_export
@@ -28,6 +32,7 @@ from .options import (
     notice,
     out,
     progress_to,
+    read_text_file,
 )
 
 EPILOG = ("Examples:\n\n"
@@ -39,6 +44,7 @@ EPILOG = ("Examples:\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
 
+SERVED = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)  # torch is the reference, web a measuring page
 SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client", "jinja2")
 
 
@@ -55,7 +61,36 @@ def require_serve_extra() -> None:
         raise MissingDependencyError(f"gpt2x serve needs {', '.join(missing)}: pip install 'gpt2x[serve]'")
 
 
+def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: ProviderKind, precision: Precision | None,
+               max_batch_size: int | None) -> tuple[BackendKind, ProviderKind, Precision, int | None]:
+    """--from-bench: the served configuration a saved `gpt2x bench` measured fastest at decoding; a flag
+    given on the command line wins over it."""
+    result = BenchResult.from_user_file(read_text_file(path, "--from-bench file"), f"--from-bench {path}")
+    best = result.best("decode", among=SERVED)
+    if best is None:
+        raise UsageError(f"--from-bench {path}: it measured no configuration of {', '.join(k.value for k in SERVED)} "
+                         "that passed its parity gate")
+    env = result.environment
+    if (env.cpu, env.cores) != (cpu_model(), physical_cores()):
+        notice(f"warning: --from-bench {path} was measured on {env.cpu} ({env.cores} cores), "
+               f"not on this machine ({cpu_model()}, {physical_cores()} cores)")
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+    backend = backend if given("backend") else best.backend
+    provider = provider if given("provider") else result.settings.provider
+    precision = precision if precision is not None else best.precision
+    if max_batch_size is None and best.batch > 1:
+        max_batch_size = best.batch
+    notice(f"from {path}: --backend {backend.value} --provider {provider.value} --precision {precision.value}"
+           + ("" if max_batch_size is None else f" --max-batch-size {max_batch_size}")
+           + f" (measured {best.decode_tokens_per_s:.1f} decode tok/s at batch {best.batch})")
+    return backend, provider, precision, max_batch_size
+
+
 def serve(
+    ctx: typer.Context,
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
@@ -102,6 +137,10 @@ def serve(
     chat_template: Annotated[Optional[Path], typer.Option(
         "--chat-template", help="A Jinja2 chat template file for /v1/chat/completions (default: the export's "
         "tokenizer_config.json chat_template, if it has one).", show_default=False)] = None,
+    bench_file: Annotated[Optional[Path], typer.Option(
+        "--from-bench", help="Serve the configuration this saved `gpt2x bench --output FILE` measured fastest at decoding "
+        "(backend, provider, precision and, above batch 1, --max-batch-size); flags given here win.",
+        show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
     """Serve an export with an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -120,6 +159,8 @@ def serve(
                          "serve the export with ort, openvino or genai")
     if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
+    if bench_file is not None:
+        backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
     if max_batch_size is None:
         max_batch_size = 1 if draft is not None else 16
     template = None
