@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -241,7 +242,11 @@ def test_stop_strings_and_health_through_the_service(fp32):
         cut, whole = asyncio.run(both())
         assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
         assert whole.choices[0].text == full and whole.usage.completion_tokens == 60
-        h = service.health()
+        # A response ends with its last token's chunk, which can reach the client before the engine's thread
+        # has counted the row: wait for the engine to settle.
+        deadline = time.monotonic() + 10
+        while (h := service.health()).running and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert h.draft == "ngram" and h.drafted >= h.accepted and h.drafts > 0 and h.rows == 2
         # Both requests' proposals, counted against the plain greedy tokens (both answers are a prefix of them).
         counts = [greedy_counts(rounds, encode("ROMEO:") + ref) for rounds in spy.runs]
