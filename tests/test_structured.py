@@ -240,3 +240,151 @@ def test_constraints_need_no_torch_and_accept_numpy_logits_of_any_row_count():
     allowed = [set(np.flatnonzero(np.isfinite(r))) for r in out]
     firsts = {encode(c)[0] for c in CHOICES}
     assert allowed[0] == allowed[1] and firsts <= allowed[0]
+
+
+# ------------------------------------------------------------------ real-world schemas (issue 39, item 7)
+
+# Written by hand in the style of public real-world schemas: the keywords llguidance lacks (oneOf,
+# formats it does not know, draft-7 dependencies) rewritten to what it enforces without admitting a
+# value the original refuses; each instance's verdict is jsonschema's on the ORIGINAL schema.
+NAME = {"type": "string", "maxLength": 8}
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+REAL_WORLD = {
+    "payment-discriminated": {  # a const discriminator both branches require
+        "type": "object", "required": ["payment"], "additionalProperties": False,
+        "properties": {"payment": {"oneOf": [
+            {"type": "object", "required": ["method", "last4"], "additionalProperties": False,
+             "properties": {"method": {"const": "card"}, "last4": {"type": "string", "pattern": "^[0-9]{4}$"}}},
+            {"type": "object", "required": ["method"], "additionalProperties": False,
+             "properties": {"method": {"const": "cash"}, "tip": {"type": "integer", "minimum": 0, "maximum": 9}}}]}}},
+    "shape-enum-refs": {  # draft 7: branches by $ref, an enum discriminator
+        "$schema": DRAFT7, "type": "object", "required": ["kind"],
+        "definitions": {"circle": {"type": "object", "required": ["kind", "r"], "additionalProperties": False,
+                                   "properties": {"kind": {"enum": ["circle", "disc"]}, "r": {"type": "integer", "minimum": 1, "maximum": 9}}},
+                        "square": {"type": "object", "required": ["kind", "side"], "additionalProperties": False,
+                                   "properties": {"kind": {"enum": ["square"]}, "side": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+        "oneOf": [{"$ref": "#/definitions/circle"}, {"$ref": "#/definitions/square"}]},
+    "id-by-type": {  # disjoint types
+        "type": "object", "required": ["id"], "additionalProperties": False,
+        "properties": {"id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 999}, {"type": "string", "pattern": "^[a-z]{2,6}$"}, {"type": "null"}]}}},
+    "formats": {  # url and country-code: annotations llguidance does not know; uuid... it does not need
+        "type": "object", "required": ["homepage", "country"], "additionalProperties": False,
+        "properties": {"homepage": {"type": "string", "format": "url", "maxLength": 16},
+                       "country": {"type": "string", "format": "country-code", "pattern": "^[A-Z]{2}$"}}},
+    "dependencies-names": {  # draft 7: credit_card needs billing_address
+        "$schema": DRAFT7, "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": NAME, "credit_card": {"type": "string", "pattern": "^[0-9]{4}$"}, "billing_address": NAME},
+        "dependencies": {"credit_card": ["billing_address"]}},
+    "dependencies-schema": {  # draft 7: a subschema per name
+        "$schema": DRAFT7, "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": NAME, "coupon": {"type": "string", "pattern": "^[A-Z]{3}$"}, "discount": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "dependencies": {"coupon": {"required": ["discount"], "properties": {"discount": {"minimum": 5}}}}},
+    "dependent-required": {  # 2020-12's own spelling
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {"name": NAME, "email": {"type": "string", "format": "email", "maxLength": 16}, "verified": {"type": "boolean"}},
+        "dependentRequired": {"verified": ["email"]}},
+}
+INSTANCES = {  # json.dumps's layout (the matcher's); in the properties' order
+    "payment-discriminated": [{"payment": {"method": "card", "last4": "1234"}}, {"payment": {"method": "cash", "tip": 3}},
+                              {"payment": {"method": "cash"}}, {"payment": {"method": "card"}},
+                              {"payment": {"method": "card", "tip": 3}}, {"payment": {"method": "cheque"}}],
+    "shape-enum-refs": [{"kind": "circle", "r": 3}, {"kind": "disc", "r": 3}, {"kind": "square", "side": 2},
+                        {"kind": "square", "r": 3}, {"kind": "circle"}, {"kind": "oval", "r": 3}],
+    "id-by-type": [{"id": 7}, {"id": "abc"}, {"id": None}, {"id": 7.5}, {"id": "A"}, {"id": True}],
+    "formats": [{"homepage": "https://x.io", "country": "FR"}, {"homepage": "not a url", "country": "ZZ"},
+                {"homepage": "x", "country": "fra"}],
+    "dependencies-names": [{"name": "Ann"}, {"name": "Ann", "credit_card": "1234", "billing_address": "Rome"},
+                           {"name": "Ann", "billing_address": "Rome"}, {"name": "Ann", "credit_card": "1234"}],
+    "dependencies-schema": [{"name": "Ann"}, {"name": "Ann", "coupon": "ABC", "discount": 10}, {"name": "Ann", "discount": 1},
+                            {"name": "Ann", "coupon": "ABC"}, {"name": "Ann", "coupon": "ABC", "discount": 1}],
+    "dependent-required": [{"name": "Ann"}, {"name": "Ann", "email": "a@b.io", "verified": True},
+                           {"name": "Ann", "email": "a@b.io"}, {"name": "Ann", "verified": False}],
+}
+REFUSED = {  # oneOf branches that may both match: exactly one cannot be enforced
+    "overlapping-strings": {"type": "object", "required": ["code"],
+                            "properties": {"code": {"oneOf": [{"type": "string", "maxLength": 5}, {"type": "string", "pattern": "^[a-z]+$"}]}}},
+    "discriminator-not-required": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}}, "required": ["x"]},
+        {"type": "object", "properties": {"kind": {"const": "b"}, "y": {"type": "integer"}}, "required": ["y"]}]},
+}
+
+
+def valid(schema, instance) -> bool:
+    """jsonschema's verdict under the schema's own draft, formats as annotations (the spec's default)."""
+    return jsonschema.validators.validator_for(schema)(schema).is_valid(instance)
+
+
+def matcher_takes(spec: ConstraintSpec, text: str) -> bool:
+    """The constraint takes every token of `text` and may end there."""
+    from gpt2x.generation.constraints import Constraint
+
+    c, tokens = Constraint(spec), encode(text)
+    if c.accepts(tokens) < len(tokens):
+        return False
+    for t in tokens:
+        c.advance(t)
+    return c.accepting
+
+
+@pytest.mark.parametrize("name", sorted(INSTANCES))
+def test_real_world_keywords_are_enforced_as_the_original_schema_says(name):
+    schema = REAL_WORLD[name]
+    spec = ConstraintSpec.json_schema(schema).validate()
+    verdicts = [valid(schema, i) for i in INSTANCES[name]]
+    assert True in verdicts and False in verdicts  # the cases cut both ways
+    assert [matcher_takes(spec, json.dumps(i)) for i in INSTANCES[name]] == verdicts
+
+
+def test_real_world_schemas_generated_validate_against_the_original(torch_backend):
+    for name, schema in REAL_WORLD.items():
+        spec = ConstraintSpec.json_schema(schema)
+        finished = 0
+        for s in (SamplingSettings(max_new_tokens=60, greedy=True, constraint=spec), SamplingSettings(max_new_tokens=60, seed=5, constraint=spec)):
+            for g in generate(torch_backend, PROMPTS, s):
+                if g.finish_reason is Finish.eos:
+                    assert valid(schema, json.loads(decode(g.tokens))), (name, decode(g.tokens))
+                    finished += 1
+        assert finished, name  # not vacuous: some outputs finish
+
+
+@pytest.mark.parametrize("name", sorted(REAL_WORLD))
+def test_real_world_schemas_served_validate_against_the_original(client, name):
+    schema = REAL_WORLD[name]
+    finished = 0
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}},
+                 {"structured_outputs": {"json": schema}}):
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 60, "n": 2, "seed": 2, **body})
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            if c["finish_reason"] == "stop":
+                assert valid(schema, json.loads(c["text"])), (name, c["text"])
+                finished += 1
+    assert finished  # not vacuous: some outputs finish
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_oneof_that_may_match_twice_is_one_400_naming_it(client, name):
+    schema = REFUSED[name]
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}}, "response_format"),
+                        ({"structured_outputs": {"json": schema}}, "structured_outputs")):
+        r = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "oneOf" in error["message"] and "both match" in error["message"], error
+    with pytest.raises(Exception, match="oneOf"):
+        ConstraintSpec.json_schema(schema).validate()
+
+
+def test_llguidance_knows_the_formats_kept_and_not_those_dropped():
+    """LLGUIDANCE_FORMATS as llguidance has them: each kept one compiles as a format; a dropped one alone
+    would be refused by llguidance (so dropping it is what makes it accepted)."""
+    import llguidance
+
+    from gpt2x.generation.constraints import JSON_DEFAULTS, LLGUIDANCE_FORMATS, lltokenizer
+
+    def compiles(fmt):
+        g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "string", "format": fmt}), defaults=JSON_DEFAULTS)
+        return not llguidance.LLMatcher.validate_grammar_with_warnings(g, lltokenizer())[0]
+    assert all(compiles(f) for f in LLGUIDANCE_FORMATS)
+    assert not any(compiles(f) for f in ("url", "country-code", "uri-reference", "iri"))
+    ConstraintSpec.json_schema({"type": "string", "format": "url"}).validate()

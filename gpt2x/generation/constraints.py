@@ -202,6 +202,170 @@ def _check_schema(spec: ConstraintSpec) -> Any:
     return schema
 
 
+# The string formats llguidance enforces (tried on llguidance 1.9: the others are "Unknown format").
+# Another format is an annotation (JSON Schema 2020-12's default): dropped for enforcement, as a
+# validator without format assertion ignores it too.
+LLGUIDANCE_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
+_SCHEMA_KEYS = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+                "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # a subschema (items: or a list)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> subschema
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")  # subschemas
+JSON_TYPES = frozenset({"null", "boolean", "object", "array", "number", "string", "integer"})
+
+
+def _json_key(value: Any) -> str:
+    """A value as JSON Schema compares them (1 == 1.0, true != 1), as hashable text."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "integer" if isinstance(value, int) or value.is_integer() else "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+class _Rewrite:
+    """A JSON schema made enforceable by llguidance without admitting a value the original refuses:
+    a `oneOf` whose branches cannot both match is the same as their `anyOf`; draft-7 `dependencies`,
+    `dependentRequired` and `dependentSchemas` are each "the key absent, or present with ..." as an
+    `anyOf`; a `format` llguidance does not know is dropped. A `oneOf` that cannot be shown exclusive
+    is one UsageError naming it and where."""
+
+    def __init__(self, root: Any, option: str):
+        self.root = root
+        self.option = option
+        self.unproven: list[str] = []  # why each oneOf left as it is may have two matching branches
+
+    def resolve(self, schema: Any) -> Any:
+        """A local `$ref` ("#/...") followed (a few hops); any other schema as it is."""
+        for _ in range(8):
+            ref = schema.get("$ref") if isinstance(schema, dict) else None
+            if not isinstance(ref, str) or not ref.startswith("#"):
+                return schema
+            target = self.root
+            for part in filter(None, ref[1:].split("/")):
+                part = part.replace("~1", "/").replace("~0", "~")
+                target = target.get(part) if isinstance(target, dict) else None
+            if target is None:
+                return schema
+            schema = target
+        return schema
+
+    def types(self, schema: Any) -> set[str] | None:
+        """The JSON types a schema admits, as far as its `type`, `const` and `enum` say; None: any."""
+        schema = self.resolve(schema)
+        if schema is False:
+            return set()
+        if not isinstance(schema, dict):
+            return None
+        out: set[str] | None = None
+        if isinstance(schema.get("type"), (str, list)):
+            named = {schema["type"]} if isinstance(schema["type"], str) else set(schema["type"])
+            out = named | ({"integer"} if "number" in named else set())
+        values = self.values(schema)
+        if values is not None:
+            kinds = {_json_type(json.loads(v)) for v in values}
+            out = kinds if out is None else {k for k in kinds if k in out or (k == "integer" and "number" in out)}
+        return out
+
+    def values(self, schema: Any) -> set[str] | None:
+        """The values a schema admits, as `_json_key`s, where `const` or `enum` lists them; else None."""
+        schema = self.resolve(schema)
+        if not isinstance(schema, dict):
+            return None
+        if "const" in schema:
+            return {_json_key(schema["const"])}
+        if isinstance(schema.get("enum"), list):
+            return {_json_key(v) for v in schema["enum"]}
+        return None
+
+    def disjoint(self, a: Any, b: Any, parent: dict) -> bool:
+        """No value matches both branches (and the schema they are under): their types, their values, or
+        a property both require (a discriminator) whose values they list are disjoint."""
+        a, b = self.resolve(a), self.resolve(b)
+        outer = self.types({k: v for k, v in parent.items() if k == "type"})
+        ta, tb = self.types(a), self.types(b)
+        if outer is not None:
+            ta = outer if ta is None else ta & outer
+            tb = outer if tb is None else tb & outer
+        if ta is not None and tb is not None and not (ta & tb):
+            return True
+        va, vb = self.values(a), self.values(b)
+        if va is not None and vb is not None and not (va & vb):
+            return True
+        if ta is None or tb is None or ta | tb != {"object"} or not (isinstance(a, dict) and isinstance(b, dict)):
+            return False  # a discriminator only sorts objects
+        required = set(parent.get("required") or [])
+        both = (required | set(a.get("required") or [])) & (required | set(b.get("required") or []))
+        for name in both:
+            va = self.values((a.get("properties") or {}).get(name, {}))
+            vb = self.values((b.get("properties") or {}).get(name, {}))
+            if va is not None and vb is not None and not (va & vb):
+                return True
+        return False
+
+    def schema(self, schema: Any, where: str) -> Any:
+        if not isinstance(schema, dict):
+            return schema
+        out = dict(schema)
+        for key in _SCHEMA_KEYS:
+            if key in out:
+                value = out[key]
+                out[key] = ([self.schema(s, f"{where}/{key}/{i}") for i, s in enumerate(value)] if isinstance(value, list)
+                            else self.schema(value, f"{where}/{key}"))
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: self.schema(s, f"{where}/{key}/{name}") for name, s in out[key].items()}
+        for key in _SCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [self.schema(s, f"{where}/{key}/{i}") for i, s in enumerate(out[key])]
+        if isinstance(out.get("format"), str) and out["format"] not in LLGUIDANCE_FORMATS:
+            del out["format"]
+        if isinstance(out.get("dependencies"), dict):  # draft 7: a list of names or a subschema per name
+            out["dependencies"] = {name: self.schema(s, f"{where}/dependencies/{name}") for name, s in out["dependencies"].items()}
+        rules = []
+        if isinstance(out.get("oneOf"), list):
+            n = len(out["oneOf"])
+            pair = next(((i, j) for i in range(n) for j in range(i + 1, n)
+                         if not self.disjoint(schema["oneOf"][i], schema["oneOf"][j], schema)), None)
+            if pair is None:  # no value matches two branches: exactly one is at least one
+                rules.append({"anyOf": out.pop("oneOf")})
+            else:
+                self.unproven.append(
+                    f"oneOf at {where or '/'}: branches {pair[0]} and {pair[1]} may both match a value (no disjoint type, "
+                    "const/enum, or property both require with disjoint const/enum values tells them apart), so exactly "
+                    "one cannot be enforced (anyOf can)")
+        for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+            if not isinstance(out.get(key), dict):
+                continue
+            for name, then in out.pop(key).items():
+                present = {"required": [name, *then]} if isinstance(then, list) else {"allOf": [{"required": [name]}, then]}
+                rules.append({"anyOf": [{"properties": {name: False}}, present]})
+        if rules:  # beside any anyOf/allOf the schema has: each rule holds too
+            out["allOf"] = [*out.get("allOf", []), *rules]
+        return out
+
+
+def enforceable_schema(schema: Any, option: str = ConstraintKind.json_schema.value) -> tuple[Any, list[str]]:
+    """`schema` (parsed, checked) as llguidance can enforce it, every value it admits admitted by the
+    original too (see _Rewrite); and why each `oneOf` left as it is could not be shown exclusive
+    (llguidance proves some itself: those that it refuses are refused with this reason)."""
+    rewrite = _Rewrite(schema, option)
+    return rewrite.schema(schema, ""), rewrite.unproven
+
+
 def _grammar_text(spec: ConstraintSpec) -> str:
     """The spec as an llguidance grammar (not yet checked)."""
     llg = _llguidance()
@@ -211,9 +375,15 @@ def _grammar_text(spec: ConstraintSpec) -> str:
         if schema is False:
             raise UsageError("invalid JSON schema: false admits no value", option=spec.option)
         try:  # `true` admits any value: {} says the same, and takes options
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema or {}), defaults=JSON_DEFAULTS)
+            enforced, unproven = enforceable_schema(schema or {}, spec.option)
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(enforced), defaults=JSON_DEFAULTS)
         except ValueError as e:
             raise UsageError(f"invalid JSON schema: {_one_line(str(e))}", option=spec.option) from None
+        if unproven:  # a oneOf llguidance cannot prove exclusive either: refused with the reason
+            failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltokenizer())
+            if failed and any("oneOf" in m for m in messages):
+                raise UsageError(f"JSON schema not enforceable: {unproven[0]}", option=spec.option)
+        return grammar
     if kind is ConstraintKind.json_object:
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
     if kind is ConstraintKind.regex:
