@@ -5,6 +5,14 @@
 #
 # Needs gpt2x installed and ONNX Runtime with its CUDA provider importable (checked by the first
 # stage, which stops the run if the CUDA provider does not load: no CUDA figure comes from a CPU run).
+# A GPU lease is 15 minutes of device time in all: run `quick` first, in the call right after the
+# bundle is installed (about 6 minutes), then the other stages only if time is left.
+#   quick   check, the CUDA tests (150 s at most) and GPT-2 124M at batch 1 (32-token prompt, 128
+#           tokens, 3 repeats: ort and torch at fp32 and fp16, genai where it runs), each step's
+#           files written before the next starts, all packed into RESULTS_DIR.tgz (one file back)
+#
+# GPT2X_GPU_PROVIDER=cpu rehearses every stage on the CPU provider (the CUDA assertion skipped, fp32
+# only), so that a lease is spent measuring, not debugging: its figures are CPU figures.
 # Stages, in the default order (each meant to finish within 9 minutes on one H100/H200):
 #   check   GPU, driver, versions, providers that load          -> env.json, nvidia-smi.txt
 #   tests   the CUDA test suite (pytest -m cuda)                 -> cuda-tests.log
@@ -17,17 +25,39 @@
 # Every bench writes bench-<model>-p<prompt>.json (every figure, the environment) and a log.
 set -euo pipefail
 
-out=${1:?usage: bash benchmarks/gpu_run.sh RESULTS_DIR [check|tests|small|medium|large|xl|spec ...]}
+out=${1:?usage: bash benchmarks/gpu_run.sh RESULTS_DIR [quick|check|tests|small|medium|large|xl|spec ...]}
 shift
 stages=${*:-check tests small medium large xl spec}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GPT2X_PROGRESS=lines
+provider=${GPT2X_GPU_PROVIDER:-cuda}
+case $provider in
+    cuda) precisions=fp32,fp16 ;;
+    cpu) precisions=fp32; echo "rehearsal on the cpu provider: no figure here is a CUDA figure" | tee "$out/REHEARSAL-CPU.txt" ;;
+    *) echo "GPT2X_GPU_PROVIDER must be cuda or cpu, not $provider" >&2; exit 2 ;;
+esac
+
+check() {  # GPU, driver, versions; stops the run unless the asked provider loads
+    if command -v nvidia-smi >/dev/null; then nvidia-smi | tee "$out/nvidia-smi.txt"; else echo "no nvidia-smi" | tee "$out/nvidia-smi.txt"; fi
+    gpt2x info --json > "$out/env.json"
+    python3 - "$out/env.json" "$provider" <<'EOF'
+import json, sys
+env, provider = json.load(open(sys.argv[1])), sys.argv[2]
+status = env["providers loadable"][provider]
+print(f"{provider} provider:", status)
+sys.exit(0 if status == "ok" else f"the {provider} provider does not load: stopping (no CUDA figure from a CPU run)")
+EOF
+}
+
+pack() {  # everything so far as one archive: a lease brings back 8 files at most
+    tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
+}
 
 bench_matrix() {  # MODEL: every backend x precision x batch, prompts of 32 and 512 tokens
     local model=$1 name=${1#random:}
     for prompt in 32 512; do
         echo "== $model, prompt $prompt" >&2
-        gpt2x bench --provider cuda --model "$model" --backends torch,ort,genai --precisions fp32,fp16 \
+        gpt2x bench --provider "$provider" --model "$model" --backends torch,ort,genai --precisions "$precisions" \
             --batch 1,8,64 --prompt-len "$prompt" --new-tokens 128 --repeat 3 \
             --output "$out/bench-$name-p$prompt.json" 2>&1 | tee "$out/bench-$name-p$prompt.log"
     done
@@ -36,29 +66,31 @@ bench_matrix() {  # MODEL: every backend x precision x batch, prompts of 32 and 
 for stage in $stages; do
     start=$(date +%s)
     case $stage in
-        check)
-            nvidia-smi | tee "$out/nvidia-smi.txt"
-            gpt2x info --json > "$out/env.json"
-            python3 - "$out/env.json" <<'EOF'
-import json, sys
-env = json.load(open(sys.argv[1]))
-status = env["providers loadable"]["cuda"]
-print("CUDA provider:", status)
-sys.exit(0 if status == "ok" else "the CUDA provider does not load: stopping (no CUDA figure from a CPU run)")
-EOF
+        quick)
+            check; pack
+            # Its own limit, so that a hang cannot eat the lease; its exit status is kept, not fatal.
+            timeout 150 python3 -m pytest -m cuda -n 0 -q -rA -p no:cacheprovider > "$out/cuda-tests.log" 2>&1 \
+                || echo "cuda tests: exit $?" | tee -a "$out/stages.txt"
+            pack
+            # genai runs only where onnxruntime-genai is installed: the bench records it as skipped otherwise.
+            gpt2x bench --provider "$provider" --model random:gpt2 --backends torch,ort,genai --precisions "$precisions" \
+                --batch 1 --prompt-len 32 --new-tokens 128 --repeat 3 --output "$out/quick-bench.json" \
+                > "$out/quick-bench.log" 2>&1 || echo "quick bench: exit $?" | tee -a "$out/stages.txt"
             ;;
+        check) check ;;
         tests) python3 -m pytest -m cuda -n 0 -q -rA 2>&1 | tee "$out/cuda-tests.log" ;;  # one process: one CUDA context
         small) bench_matrix random:gpt2 ;;
         medium|large|xl) bench_matrix "random:gpt2-$stage" ;;
         spec)
             for model in shakespeare random:gpt2; do
                 name=${model#random:}
-                gpt2x bench --provider cuda --model "$model" --backends ort --precisions fp32 --draft fp16,ngram \
+                gpt2x bench --provider "$provider" --model "$model" --backends ort --precisions fp32 --draft fp16,ngram \
                     --prompt-text "ROMEO:" --new-tokens 128 --repeat 3 \
                     --output "$out/bench-spec-$name.json" 2>&1 | tee "$out/bench-spec-$name.log"
             done
             ;;
-        *) echo "unknown stage $stage (check, tests, small, medium, large, xl, spec)" >&2; exit 2 ;;
+        *) echo "unknown stage $stage (quick, check, tests, small, medium, large, xl, spec)" >&2; exit 2 ;;
     esac
     echo "stage $stage: $(( $(date +%s) - start )) s" | tee -a "$out/stages.txt"
+    pack
 done
