@@ -422,7 +422,7 @@ def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind
     resolve_draft's export (or prompt lookup for `ngram`), run on draft_runtime(backend) on the same
     provider. On the CPU a draft model gets 1 thread unless `threads` says otherwise: its steps are
     small enough that a second thread costs more than it gives, and the target's threads stay free
-    (measured: benchmarks/speculative.py --cases threads). Refused in one line: a target that cannot roll back its
+    (measured: benchmarks/results/speculative-threads-cpu-2core.md). Refused in one line: a target that cannot roll back its
     cache, and a draft with another vocabulary."""
     refuse_unrollable(target, "target")
     info = resolve_draft(draft, target.model_name, target.vocab_size, backend, provider, revision, progress, notice)

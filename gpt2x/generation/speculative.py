@@ -7,7 +7,7 @@ The output is the target's own:
   that is not is replaced by the argmax, and after K kept tokens the argmax of the last position is
   a bonus token. The tokens equal plain greedy decoding's, except where scoring K + 1 positions in
   one step instead of one at a time moves a near-tie's float rounding (measured and stated in
-  benchmarks/speculative.py; the tests hold it to a stated logit margin);
+  benchmarks/speculative.py, in git at 92ef2fb; the tests hold it to a stated logit margin);
 - sampling: the standard rule (Leviathan et al. 2023, Chen et al. 2023). A drafted token d drawn
   from the draft's q is kept with probability min(1, p(d) / q(d)); the first that is not is replaced
   by a draw from max(0, p - q) normalised; after K kept tokens a bonus token is drawn from p. A draft

@@ -194,7 +194,7 @@ def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
     return _finish_nbits(_matmul_nbits(_load_folded(fused), **_int8_options()), out)
 
 
-# int4 defaults, chosen by measured quality against PyTorch fp32 (benchmarks/int4_variants.py;
+# int4 defaults, chosen by measured quality against PyTorch fp32 (benchmarks/int4_variants.py, in git at 103dd9e;
 # results in benchmarks/results/int4-variants-cpu-2core.json, which ranks every variant by the
 # geometric mean of its mean KL on random shapes and on held-out text, for the bundled model and
 # GPT-2 124M with random weights):

@@ -183,7 +183,7 @@ class InPlaceCache(BufferCache):
         multi-token step over an in-place buffer grows with its capacity, and the first decode step's
         move into larger buffers copies only the prompt's positions. A single row's prefill keeps its
         room: there the spare positions cost little and the move more. Both measured by
-        benchmarks/engine_load.py."""
+        benchmarks/engine_load.py (in git at 92ef2fb)."""
         B, T = input_ids.shape
         buffers = buffers_for_step(None, B, T, owner.n_positions, cls.capacity_step,
                                    lambda b, c, k: cls.allocate(owner, b, c, k), first_room=0 if B > 1 else None)
