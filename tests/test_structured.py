@@ -223,8 +223,11 @@ def test_the_cli_takes_each_constraint_and_refuses_a_bad_one(tmp_path, export_di
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)  # one JSON line: one prompt, one sample
         assert out["finish_reason"] == "eos" and check(out["text"]), out
+    overlapping = tmp_path / "overlapping.json"
+    overlapping.write_text(json.dumps(REFUSED["overlapping-strings"]))
     for options, words in ((["--regex", "(ab"], "invalid regex"), (["--regex", "a", "--choice", "a"], "one structured-output option"),
-                           (["--grammar", str(tmp_path / "missing.lark")], "grammar file not found")):
+                           (["--grammar", str(tmp_path / "missing.lark")], "grammar file not found"),
+                           (["--json-schema", str(overlapping)], "oneOf at /properties/code: branches 0 and 1 may both match")):
         r = run_cli("generate", "ROMEO:", "--onnx", str(export_dir), *options)
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stdout == ""
