@@ -131,6 +131,9 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port, mo
         assert code == 0, err
         assert err.strip().splitlines()[-1] == "stopped" and "Traceback" not in err
         with socket.socket() as s:
+            # SO_REUSEADDR: connections the server closed may linger in TIME_WAIT; a listener left behind
+            # still makes the bind fail.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))  # the port is free again
     finally:
         if proc.poll() is None:
@@ -285,6 +288,9 @@ def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port,
         session = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert session == [], session
         with socket.socket() as s:
+            # SO_REUSEADDR: connections the server closed may linger in TIME_WAIT; a listener left behind
+            # still makes the bind fail.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))  # the port is free again
     finally:
         if proc.poll() is None:

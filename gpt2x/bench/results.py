@@ -333,6 +333,8 @@ class BenchResult(Record):
         the shortest time to first token at batch 1), of the backends `among` (default: all), whose
         backend and precision did not fail a parity gate: a faster configuration that fails its gate
         does not count. None when no row qualifies."""
+        if goal not in GOALS:
+            raise ValueError(f"goal must be one of {', '.join(GOALS)}, not {goal!r}")
         failed = {(p.backend, p.precision) for p in self.parity if not p.passed}
         rows = [r for r in self.speed if (r.backend, r.precision) not in failed and (among is None or r.backend in among)]
         if goal == "first_token":

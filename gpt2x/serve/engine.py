@@ -345,13 +345,14 @@ class Engine:
             self._tell(row, "logprob", event.logprob)
         if self.observer is not None and (event.token is not None or event.finish in _SAMPLED_ENDS):
             self.observer.token(row, time.monotonic())
+        if event.finish is not None:  # counted before the last token is told: its answer may end with it
+            self.counters["rows"] += 1
+            if self.observer is not None:
+                self.observer.finished(row, time.monotonic())
         if event.token is not None:
             self.counters["tokens"] += 1
             self._tell(row, "token", event.token)
         if event.finish is not None:
-            self.counters["rows"] += 1
-            if self.observer is not None:
-                self.observer.finished(row, time.monotonic())
             self._tell(row, "done", event.finish)
 
     def _tell(self, row: Row, kind: str, value: object) -> None:
