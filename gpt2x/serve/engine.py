@@ -318,21 +318,26 @@ class Engine:
         hypotheses = beam_hypotheses(self.backend, row.prompt_ids, row.settings, len(row.beam_rows))
         self.counters["steps"] += 1
         for target, (tokens, finish) in zip(row.beam_rows, hypotheses):
+            self._count_end(target)  # before its tokens: its answer may end with the last one
             for i, token in enumerate(tokens):
                 target.tokens.append(token)
                 if i == len(tokens) - 1 and finish is not Finish.eos:
                     target.finish = finish  # its last token, told as such
                 self.counters["tokens"] += 1
                 self._tell(target, "token", token)
-            self._end(target, finish)
+            target.finish = finish
+            self._tell(target, "done", finish)
         for target in row.beam_rows[len(hypotheses):]:  # fewer hypotheses than asked (none finished)
             self._end(target, Finish.length)
 
-    def _end(self, row: Row, reason: Finish) -> None:
-        row.finish = reason
+    def _count_end(self, row: Row) -> None:
         self.counters["rows"] += 1
         if self.observer is not None:
             self.observer.finished(row, time.monotonic())
+
+    def _end(self, row: Row, reason: Finish) -> None:
+        row.finish = reason
+        self._count_end(row)
         self._tell(row, "done", reason)
 
     def _tell_events(self, rows: list[Row], events: list[Event]) -> None:
@@ -346,9 +351,7 @@ class Engine:
         if self.observer is not None and (event.token is not None or event.finish in _SAMPLED_ENDS):
             self.observer.token(row, time.monotonic())
         if event.finish is not None:  # counted before the last token is told: its answer may end with it
-            self.counters["rows"] += 1
-            if self.observer is not None:
-                self.observer.finished(row, time.monotonic())
+            self._count_end(row)
         if event.token is not None:
             self.counters["tokens"] += 1
             self._tell(row, "token", event.token)
