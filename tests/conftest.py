@@ -260,3 +260,21 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="ONNX Runtime's CUDA provider does not load on this machine (gpt2x info says why)")
     for item in cuda_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    """An in-process HTTP client of the module's `service` (a CompletionService) through the local app."""
+    from fastapi.testclient import TestClient
+
+    from gpt2x.serve.http import local_app
+
+    with TestClient(local_app(service)) as c:
+        yield c
+
+
+def post(client, **body) -> dict:
+    """The JSON body of a completion that must succeed."""
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()

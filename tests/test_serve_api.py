@@ -35,7 +35,7 @@ from gpt2x.serve.http import local_app  # noqa: E402
 from gpt2x.serve.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 
-from .conftest import uvicorn_server  # noqa: E402
+from .conftest import post, uvicorn_server  # noqa: E402
 from .test_serve_draft import EndsAt  # noqa: E402
 from .test_serve_engine import LINES  # noqa: E402
 
@@ -50,18 +50,6 @@ def service(export_dir):
     s = CompletionService(backend, EngineSettings(max_batch_size=8, max_join_delay_s=0), "shakespeare")
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with TestClient(local_app(service)) as c:
-        yield c
-
-
-def post(client, **body) -> dict:
-    r = client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def streamed(client, **body) -> tuple[dict[int, dict], list[dict]]:

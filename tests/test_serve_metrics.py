@@ -58,12 +58,6 @@ def service(export_dir):
     s.close()
 
 
-@pytest.fixture(scope="module")
-def client(service):
-    with TestClient(local_app(service)) as c:
-        yield c
-
-
 def scrape(text: str) -> dict:
     """{family name: (type, {(sample name, labels as a sorted tuple): value})}, by prometheus-client's parser."""
     families = {}

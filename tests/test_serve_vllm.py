@@ -27,6 +27,8 @@ from gpt2x.serve.scheduler import Scheduler
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
+from .conftest import post
+
 KEY = "vllm-shapes-key"
 VLLM_KEYS = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # on every choice, null unless asked for
 
@@ -36,18 +38,6 @@ def service(export_dir):
     s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with TestClient(local_app(service)) as c:
-        yield c
-
-
-def post(client, **body) -> dict:
-    r = client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def chunks_of(client, **body) -> list[dict]:
