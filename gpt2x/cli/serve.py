@@ -70,10 +70,10 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: P
     if best is None:
         raise UsageError(f"--from-bench {path}: it measured no configuration of {', '.join(k.value for k in SERVED)} "
                          "that passed its parity gate")
-    env = result.environment
-    if (env.cpu, env.cores) != (cpu_model(), physical_cores()):
+    env, here = result.environment, (cpu_model(), physical_cores())
+    if (env.cpu, env.cores) != here:
         notice(f"warning: --from-bench {path} was measured on {env.cpu} ({env.cores} cores), "
-               f"not on this machine ({cpu_model()}, {physical_cores()} cores)")
+               f"not on this machine ({here[0]}, {here[1]} cores)")
 
     def given(name: str) -> bool:
         return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
