@@ -1,0 +1,155 @@
+"""One decode step's sampling (logits to tokens) at batch 1 and 16 over GPT-2's vocabulary, per setting.
+
+    python benchmarks/sampling_speed.py --label before   # writes benchmarks/results/sampling-speed-<machine>/before.{json,md}
+
+Two paths, both through gpt2x.generation.sampling's public API, on the same random float32 logits
+(B, 50257) (standard normal times 3, a pool of arrays reused in turn):
+- shared: one Sampler for every row (`gpt2x generate`'s batch: one settings, one stream);
+- per-row: sample_many over a Sampler per row, each its own seed (the serving engine's batch).
+Settings: greedy, temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, and at batch 16 a mix of
+those and of combinations, different in every row (per-row path only). Median ms over the timed
+steps (cases interleaved step by step, so that drift hits them alike), and a digest of every drawn
+token, which must match between two runs on the same logits where the tokens are meant to agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from gpt2x.generation.processors import History
+from gpt2x.generation.sampling import Sampler, sample_many
+from gpt2x.generation.settings import SamplingSettings
+
+V = 50257
+ROOT = Path(__file__).resolve().parent.parent
+UNIFORM = {
+    "greedy": {"greedy": True},
+    "temperature": {"temperature": 0.7},
+    "top-k": {"top_k": 50},
+    "top-p": {"top_p": 0.9},
+    "min-p": {"min_p": 0.05},
+}
+# Sixteen rows, each its own settings: every warper, alone and combined, and greedy rows among them.
+MIX = [
+    {"greedy": True}, {"temperature": 0.7}, {"top_k": 50}, {"top_p": 0.9},
+    {"min_p": 0.05}, {"temperature": 0.8, "top_p": 0.95}, {"temperature": 1.2, "top_k": 40}, {"top_k": 20, "top_p": 0.8},
+    {}, {"temperature": 0.5, "min_p": 0.1}, {"top_p": 0.7}, {"top_k": 100},
+    {"greedy": True}, {"temperature": 0.9, "top_k": 30, "top_p": 0.9}, {"min_p": 0.02, "top_p": 0.95}, {"temperature": 1.5},
+]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "gpt2x")  # the package as run, not the results being written
+    return head + ("+dirty" if dirty else "")
+
+
+class Case:
+    """One timed setting: a callable logits -> tokens, its times and the tokens it drew."""
+
+    def __init__(self, name: str, path: str, batch: int, per_row: list[dict]):
+        self.name, self.path, self.batch = name, path, batch
+        settings = [SamplingSettings(seed=i, **kw) for i, kw in enumerate(per_row)]
+        self.rows = [History([464, 3290], []) for _ in range(batch)]
+        if path == "shared":
+            sampler = Sampler(settings[0])
+            self.step = lambda x: sampler(x, self.rows)
+        else:
+            samplers = [Sampler(s) for s in settings]
+            self.step = lambda x: sample_many(samplers, x, self.rows)
+        self.times: list[float] = []
+        self.digest = hashlib.sha256()
+
+    def run(self, logits: np.ndarray, timed: bool) -> None:
+        t = time.perf_counter()
+        tokens = self.step(logits)
+        if timed:
+            self.times.append((time.perf_counter() - t) * 1e3)
+            self.digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
+
+    def result(self) -> dict:
+        return {"setting": self.name, "path": self.path, "batch": self.batch,
+                "median_ms": statistics.median(self.times), "mean_ms": statistics.fmean(self.times),
+                "steps": len(self.times), "tokens_sha256": self.digest.hexdigest()[:16]}
+
+
+def cases(batches: list[int]) -> list[Case]:
+    out = []
+    for b in batches:
+        for name, kw in UNIFORM.items():
+            out.append(Case(name, "shared", b, [kw] * b))
+            out.append(Case(name, "per-row", b, [kw] * b))
+        if b == len(MIX):
+            out.append(Case("mix", "per-row", b, MIX))
+    return out
+
+
+def table(results: list[dict], steps: int) -> str:
+    lines = [f"One sampling step, random float32 logits (B, {V}), median ms over {steps} steps "
+             "(shared: one Sampler for the batch; per-row: sample_many, a Sampler per row).", "",
+             "| setting | batch | path | median ms | mean ms | tokens |", "| --- | ---: | --- | ---: | ---: | --- |"]
+    lines += [f"| {r['setting']} | {r['batch']} | {r['path']} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | "
+              f"`{r['tokens_sha256']}` |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (the mix runs at 16)")
+    ap.add_argument("--steps", type=int, default=300, help="timed steps per case")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps per case first")
+    ap.add_argument("--pool", type=int, default=8, help="distinct logits arrays per batch size, used in turn")
+    ap.add_argument("--label", default="run", help="the results file's name (before, after, ...)")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="default: benchmarks/results/sampling-speed-cpu-<cores>core")
+    ap.add_argument("--no-save", action="store_true", help="print only")
+    ap.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(0)
+    pools = {b: [(rng.standard_normal((b, V)) * 3).astype(np.float32) for _ in range(args.pool)] for b in batches}
+    todo = cases(batches)
+    for step in range(args.warmup + args.steps):
+        for case in todo:  # interleaved: every case sees each step's array at the same moment
+            pool = pools[case.batch]
+            case.run(pool[step % len(pool)], timed=step >= args.warmup)
+    results = [c.result() for c in todo]
+    record = {"command": " ".join(["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]), "commit": commit(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                          "numpy": np.__version__},
+              "vocab": V, "steps": args.steps, "warmup": args.warmup, "pool": args.pool, "results": results}
+    text = table(results, args.steps)
+    if not args.no_save:
+        out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"sampling-speed-cpu-{os.cpu_count()}core"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out_dir / f"{args.label}.md").write_text(f"`{record['command']}` at {record['commit']}, {record['date']}, "
+                                                  f"{record['machine']['cpu']} ({record['machine']['cores']} cores)\n\n"
+                                                  + text)
+    print(json.dumps(record, indent=1) if args.json else text)
+
+
+if __name__ == "__main__":
+    main()
