@@ -9,46 +9,21 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from .helpers import cuda_loads, make_hf_model  # noqa: E402
+
 # CI runs property tests derandomized: the same examples every run, so a failure is reproducible.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-REPO = Path(__file__).resolve().parent.parent
-# Prompts of different lengths: generated as one batch, they exercise left padding.
-PROMPTS = ["ROMEO:", "The king is dead, and", "What light through yonder window breaks? It is the east"]
-TINY = dict(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4)
 
 
-def make_hf_model(folder: Path, seed: int = 0, safe: bool = True, **overrides):
-    """A random-weight transformers GPT2LMHeadModel saved to `folder`; returns the HF model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(**{**TINY, **overrides}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # larger-than-default weights make differences visible in the logits
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder)
-    if not safe:  # a pickled checkpoint, as older hub repos have (transformers 5 writes safetensors only)
-        from safetensors.torch import load_file
-
-        path = folder / "model.safetensors"
-        torch.save(load_file(path), folder / "pytorch_model.bin")
-        path.unlink()
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -166,63 +141,23 @@ def reserve_port(shared_dir):
     return reserve
 
 
-@contextmanager
-def refusing_port():
-    """A port bound by this process and not listening, for as long as the block runs: connecting to it is
-    refused, and no other process can take it meanwhile."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        yield s.getsockname()[1]
 
 
-def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m gpt2x ARGS` in a subprocess, as a user runs it."""
-    full_env = {k: v for k, v in os.environ.items() if k != "GPT2X_DEBUG"}
-    full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
-    return subprocess.run(
-        [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, env=full_env,
-        input=stdin, timeout=timeout,
-    )
 
 
-@contextmanager
-def uvicorn_server(app):
-    """`app` on uvicorn, 127.0.0.1 and an ephemeral port, in a thread of this process; yields the port."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
-def cuda_loads() -> bool:
-    from gpt2x.runtime.providers import available_providers
-
-    return available_providers()["loadable"]["cuda"] == "ok"
 
 
 # The tests that start Ray (marked xdist_group("ray")): run in one pytest-xdist worker, one after
 # another, so that two Ray clusters never share the 2 cores. xdist's own loadgroup scheduling reads
 # that mark by rewriting node ids, which pytest 9.2 no longer lets it do; the scheduler below groups
 # by this list instead, and the collection hook checks that the list and the marks agree.
-RAY_TESTS = ("tests/test_serve.py::",
-             "tests/test_serve_cli.py::test_serve_answers_and_stops_cleanly_on_sigterm[ray]",
-             "tests/test_serve_cli.py::test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running",
-             "tests/test_serve_cli.py::test_a_signal_stops_the_server_cleanly_within_10_s[ray-",
-             "tests/test_serve_draft.py::test_a_replica_with_a_draft_answers_as_generate_does")
+RAY_TESTS = ("tests/serve/test_ray.py::",
+             "tests/cli/test_serve.py::test_serve_answers_and_stops_cleanly_on_sigterm[ray]",
+             "tests/cli/test_serve.py::test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running",
+             "tests/cli/test_serve.py::test_a_signal_stops_the_server_cleanly_within_10_s[ray-",
+             "tests/serve/test_draft.py::test_a_replica_with_a_draft_answers_as_generate_does")
 
 
 def xdist_scope(nodeid: str) -> str:
@@ -273,8 +208,3 @@ def client(service):
         yield c
 
 
-def post(client, **body) -> dict:
-    """The JSON body of a completion that must succeed."""
-    r = client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()

@@ -1,6 +1,6 @@
 // transformers.js (@huggingface/transformers, on onnxruntime-node) on a folder written by
 // `gpt2x export --layout transformers.js`: tokenizer ids and greedy generation for each dtype.
-// Run by benchmarks/check_interop.py --transformers-js (and tests/test_transformers_js.py):
+// Run by benchmarks/check_interop.py --transformers-js (and tests/onnx/test_transformers_js.py):
 //
 //     node benchmarks/interop/check.mjs REQUEST.json > RESULT.json
 //

@@ -1,0 +1,170 @@
+"""ONNX Runtime's CUDA provider against the PyTorch model (CPU) and against ONNX Runtime's CPU provider.
+
+Every test here is marked `cuda`: it runs wherever the CUDA provider loads, and `pytest -m cuda`
+on a machine where it does not load fails instead of passing unrun (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.evaluate.parity import check
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.model.weights import load_model
+from gpt2x.numerics import positions
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.workflows import export_model
+
+from ..helpers import PROMPTS, check_step_greedy, make_hf_model
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-cuda")
+    make_hf_model(folder, seed=31, n_positions=96)
+    model, source = load_model(str(folder))
+    root = tmp_path_factory.mktemp("exports")
+    return model, {p: export_model(model, source, root / p.value, p) for p in (Precision.fp32, Precision.fp16)}
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_cuda_passes_the_gate_against_torch(tiny, precision):
+    """The whole gate of the precision: random shapes with empty past and left-padded rows, greedy."""
+    model, infos = tiny
+    result = check(TorchBackend(model), OrtBackend(infos[precision], ProviderKind.cuda), precision)
+    assert result["status"] == "passed", result["message"]
+    assert result["provider"] == "cuda"
+    assert infos[precision].meta["parity"]["status"] == "passed"  # the export gate ran on CUDA too
+
+
+def test_presents_stay_on_the_device(tiny):
+    _, infos = tiny
+    backend = OrtBackend(infos[Precision.fp16], ProviderKind.cuda)
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    mask = np.ones_like(ids)
+    logits, past = backend.step(ids, mask, positions(mask, 3), None)
+    assert logits.shape == (2, 50257) and logits.dtype == np.float32
+    assert all(v.device_name().lower() == "cuda" for v in past.values)
+    mask = np.ones((2, 4), np.int64)
+    _, past2 = backend.step(np.array([[7], [8]]), mask, positions(mask, 1), past)
+    assert all(v.device_name().lower() == "cuda" for v in past2.values) and past2.length == 4
+    reordered = past2.reorder(np.array([1, 0]))
+    assert all(v.device_name().lower() == "cuda" for v in reordered.values)
+    np.testing.assert_array_equal(reordered.values[0].numpy()[0], past2.values[0].numpy()[1])
+
+
+def test_beam_search_on_cuda_equals_cpu(tiny):
+    _, infos = tiny
+    s = SamplingSettings(num_beams=4, max_new_tokens=24)
+    cpu = generate(OrtBackend(infos[Precision.fp32]), PROMPTS, s)
+    gpu = generate(OrtBackend(infos[Precision.fp32], ProviderKind.cuda), PROMPTS, s)
+    assert [r.tokens for r in gpu] == [r.tokens for r in cpu]
+
+
+def test_bundled_greedy_64_tokens_equal_torch(tmp_path):
+    model, source = load_model("shakespeare")
+    info = export_model(model, source, tmp_path / "shakespeare-fp32")
+    s = SamplingSettings(max_new_tokens=64, greedy=True)
+    want = generate(TorchBackend(model), PROMPTS, s)
+    got = generate(OrtBackend(info, ProviderKind.cuda), PROMPTS, s)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert max(len(r.tokens) for r in got) > 32
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_serving_engine_on_cuda_equals_generate(tiny, precision):
+    """gpt2x serve's engine on the CUDA provider (rows joining a running batch, merged through the
+    host): every row's tokens equal gpt2x's generation code on that prompt alone, on CUDA."""
+    import threading
+
+    from gpt2x.serve.engine import Engine, EngineSettings, Row
+    from gpt2x.tokenizer import encode
+
+    _, infos = tiny
+    backend = OrtBackend(infos[precision], ProviderKind.cuda)
+    engine = Engine(backend, EngineSettings(max_batch_size=4, max_join_delay_s=0)).start()
+    prompts = [encode(p) for p in PROMPTS + ["ROMEO:\nBut, soft!", "Now is the winter"]]
+    results: dict[int, list[int]] = {}
+    done = threading.Semaphore(0)
+
+    def submit(i: int) -> None:
+        tokens: list[int] = []
+
+        def sink(kind, value):
+            if kind == "token":
+                tokens.append(value)
+                if len(tokens) == 2 and i + 1 < len(prompts):
+                    submit(i + 1)  # arrives while row i decodes: it joins the batch
+            else:
+                results[i] = tokens
+                done.release()
+                if len(tokens) < 2 and i + 1 < len(prompts):
+                    submit(i + 1)  # ended before handing on
+        engine.submit([Row(prompts[i], SamplingSettings(max_new_tokens=12, greedy=True), sink)])
+
+    try:
+        submit(0)
+        for _ in prompts:
+            assert done.acquire(timeout=120)
+    finally:
+        engine.close()
+    assert engine.counters["joins"] > 0
+    for i, ids in enumerate(prompts):
+        alone = generate(backend, [""], SamplingSettings(max_new_tokens=12, greedy=True), prompt_ids=[ids])[0].tokens
+        assert results[i] == alone, i
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_truncate_on_cuda_keeps_the_device_and_the_logits(tiny, precision):
+    """Rolling back a growing cache on CUDA (the Slice graph): the kept positions stay on the device,
+    and a step after the rollback gives the logits of a no-cache forward over the kept sequence."""
+    _, infos = tiny
+    backend = OrtBackend(infos[precision], ProviderKind.cuda)
+    ids = np.arange(1, 13, dtype=np.int64)[None]
+    mask = np.ones_like(ids)
+    _, past = backend.run(ids, mask, positions(mask, 12), None)
+    past = past.truncate(7)
+    assert all(v.device_name().lower() == "cuda" and v.shape()[2] == 7 for v in past.values)
+    nxt = np.array([[99]], dtype=np.int64)
+    mask = np.ones((1, 8), np.int64)
+    stepped, _ = backend.step(nxt, mask, positions(mask, 1), past)
+    full_ids = np.concatenate([ids[:, :7], nxt], axis=1)
+    full, _ = backend.run(full_ids, np.ones_like(full_ids), positions(np.ones_like(full_ids), 8), None)
+    np.testing.assert_allclose(stepped[0], full[0, -1], atol=2e-2 if precision is Precision.fp16 else 1e-4)
+
+
+def test_speculative_greedy_on_cuda_equals_plain(tiny):
+    """Speculative decoding on CUDA gives plain greedy's tokens: an fp32 target with the ngram draft
+    and with the fp16 export as a model draft (its growing cache rolled back on the device), K fixed
+    and adaptive."""
+    from gpt2x.generation.speculative import DraftSettings, ModelDrafter, NgramDrafter
+
+    _, infos = tiny
+    backend = OrtBackend(infos[Precision.fp32], ProviderKind.cuda)
+    fp16_draft = ModelDrafter(OrtBackend(infos[Precision.fp16], ProviderKind.cuda))
+    settings = SamplingSettings(max_new_tokens=40, greedy=True)
+    plain = generate(backend, PROMPTS, settings)
+    for drafter in (NgramDrafter(), fp16_draft):
+        for draft_settings in (DraftSettings(num_speculative_tokens=4, adaptive=False), DraftSettings()):
+            spec = generate(backend, PROMPTS, settings, draft=drafter, draft_settings=draft_settings)
+            assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert fp16_draft.backend.provider is ProviderKind.cuda
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])
+def test_greedy_steps_take_the_argmax_on_the_device(tiny, precision):
+    """step_greedy on CUDA (the logits stay on the device; only the tokens come back) gives the argmax
+    of step's logits, from the prompt and from a past, and greedy generation equals the CPU's at fp32."""
+    _, infos = tiny
+    backend = OrtBackend(infos[precision], ProviderKind.cuda)
+    greedy_past = check_step_greedy(backend)
+    assert all(v.device_name().lower() == "cuda" for v in greedy_past.values)
+    if precision is Precision.fp32:
+        settings = SamplingSettings(max_new_tokens=16, greedy=True)
+        cpu = [r.tokens for r in generate(OrtBackend(infos[precision]), PROMPTS, settings)]
+        assert [r.tokens for r in generate(backend, PROMPTS, settings)] == cpu

@@ -1,0 +1,108 @@
+"""/v1/chat/completions: the messages rendered by a DialoGPT-style Jinja2 chat template (GPT-2, turns
+separated by end-of-text), then completed as the completions API completes that text: checked with
+the openai client's chat API against gpt2x's own generation of the hand-rendered prompt, streamed and
+not, with n, seeds and structured output; a model with no template is one 400 naming the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx.artifact import read_export
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.serve.chat import ChatTemplate, find_template
+from gpt2x.serve.engine import EngineSettings
+from gpt2x.serve.http import local_app
+from gpt2x.serve.service import CompletionService
+from gpt2x.tokenizer import decode
+
+from ..helpers import uvicorn_server
+
+DIALOGPT = "{% for message in messages %}{{ message.content }}{{ eos_token }}{% endfor %}"
+MESSAGES = [{"role": "user", "content": "Good morrow, my lord."}, {"role": "assistant", "content": "What news?"},
+            {"role": "user", "content": "The king is dead."}]
+RENDERED = "Good morrow, my lord.<|endoftext|>What news?<|endoftext|>The king is dead.<|endoftext|>"  # by hand
+
+
+@pytest.fixture(scope="module")
+def service(export_dir):
+    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4),
+                          "shakespeare", chat_template=ChatTemplate(DIALOGPT, "test"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def openai_client(service):
+    import openai
+
+    with uvicorn_server(local_app(service)) as port:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+def test_the_openai_chat_api_whole_and_streamed(openai_client, reference):
+    want = generate(reference, [RENDERED], SamplingSettings(max_new_tokens=12, greedy=True))[0]
+    whole = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content == decode(want.tokens)
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens == len(want.prompt_tokens)
+    chunks = list(openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=12,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+    pieces = [c for c in chunks if c.choices]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == choice.message.content
+    assert [c.choices[0].finish_reason for c in pieces][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_n_seeds_and_max_completion_tokens_as_the_completions_api(openai_client, reference):
+    got = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, n=2, seed=7,
+                                                max_completion_tokens=10, temperature=1.0)
+    for i, choice in enumerate(got.choices):  # choice i seeded seed + i, as a completion's
+        want = generate(reference, [RENDERED], SamplingSettings(max_new_tokens=10, seed=7 + i))[0]
+        assert choice.message.content == decode(want.tokens)
+
+
+def test_structured_output_through_chat(openai_client):
+    got = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=8, n=3, seed=1,
+                                                extra_body={"structured_outputs": {"choice": ["aye", "nay"]}})
+    assert {c.message.content for c in got.choices} <= {"aye", "nay"}
+
+
+def test_no_template_is_one_400_naming_the_flag(export_dir):
+    plain = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=1), "m")
+    try:
+        with TestClient(local_app(plain)) as c:
+            r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
+            assert r.status_code == 400 and "--chat-template" in r.json()["error"]["message"], r.text
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "logprobs": True}, "logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
+    ({"messages": MESSAGES, "bad_words": ["x"]}, "bad_words"), ({"messages": MESSAGES, "echo": True}, "echo"),
+])
+def test_bad_chat_fields_are_400_naming_them(service, body, param):
+    with TestClient(local_app(service)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_template_from_the_export_folder(tmp_path):
+    assert find_template(tmp_path, None) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": DIALOGPT}))
+    assert find_template(tmp_path, None).render(MESSAGES, True, {}) == RENDERED
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": DIALOGPT}]}))
+    assert find_template(tmp_path, None).render(MESSAGES, True, {}) == RENDERED
+    assert find_template(tmp_path, "{{ messages[0].content }}").render(MESSAGES, True, {}) == MESSAGES[0]["content"]

@@ -1,0 +1,260 @@
+"""Automatic prefix caching and chunked prefill in the serving engine (serve/prefix_cache.py,
+runner.Runner.begin/advance): the prefix cache's blocks, lookups and eviction on hand-made cases;
+then, on every backend that serves with a cache it can be handed (ONNX Runtime's growing cache and
+in-place cache, OpenVINO's), rows whose prompts' prefixes come from the cache, and rows prefilled in
+chunks while a batch runs, give the tokens of gpt2x's generation code run on that prompt alone, with
+no cache (the reference); onnxruntime-genai, whose generator owns its cache, serves without one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gpt2x.choices import Precision
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx.artifact import read_export
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.prefix_cache import PrefixCache
+from gpt2x.serve.scheduler import Scheduler
+from gpt2x.tokenizer import encode
+
+from ..helpers import REPO
+
+TEXT = " ".join(line for line in (REPO / "tests/data/tinyshakespeare.txt").read_text().splitlines()[400:520] if line)
+SHARED = encode(TEXT)[:100]  # a prefix of 100 tokens: six whole blocks of 16
+SUFFIXES = [encode(" " + w) for w in ("ROMEO: I", "JULIET: Ay me! What says the", "First Citizen:",
+                                         "KING HENRY: Now, by my sceptre and my crown, I swear")]
+
+
+# ------------------------------------------------------------------ the cache itself
+
+
+def kv_of(ids: list[int], layers: int = 2, heads: int = 1, dim: int = 1) -> list[np.ndarray]:
+    """A made-up cache (1 row) whose value at position p is the token there, and its layer."""
+    return [np.array(ids, dtype=np.float32)[None, None, :, None] + 1000 * t + np.zeros((1, heads, 1, dim), np.float32)
+            for t in range(2 * layers)]
+
+
+def test_lookup_finds_whole_blocks_of_the_same_tokens_and_leaves_the_last_token():
+    cache = PrefixCache(10**6, block_tokens=4)
+    a = list(range(10))  # blocks [0..3], [4..7]; 8, 9 not a whole block
+    cache.store(a, kv_of(a), 0, 10)
+    assert len(cache) == 2
+    assert len(cache.lookup(a)) == 2  # 8 tokens; 2 left to run
+    assert len(cache.lookup(a[:8])) == 1  # its last token must run: (8 - 1) // 4 = 1 block
+    assert len(cache.lookup(a[:9])) == 2
+    assert len(cache.lookup([0, 1, 2, 3, 4, 5, 99, 7, 8])) == 1  # differs in the second block
+    assert len(cache.lookup([1, 2, 3, 4, 5])) == 0  # the same tokens elsewhere are another prefix
+    assert (cache.queries, cache.hits) == (10 + 8 + 9 + 9 + 5, 4 * (2 + 1 + 2 + 1))
+    # gather writes the tokens' KV right-aligned, zeros before them untouched
+    out = [np.zeros((2, 1, 7, 1), np.float32) for _ in range(4)]
+    cache.gather(cache.lookup(a), 6, out, 1)
+    assert out[3][1, 0, :, 0].tolist() == [0] + [3000 + t for t in range(6)]
+    assert not out[0][0].any()
+
+
+def test_store_takes_the_rows_positions_where_its_prompt_ends():
+    cache = PrefixCache(10**6, block_tokens=2)
+    a, b = [5, 6, 7], [8, 9, 10, 11, 12]
+    kv = [np.concatenate([np.pad(x, [(0, 0), (0, 0), (5 - x.shape[2], 0), (0, 0)]) for x in (ka, kb)])
+          for ka, kb in zip(kv_of(a), kv_of(b))]  # two rows, left-padded to 5
+    cache.store(a, kv, 0, 5)
+    cache.store(b, kv, 1, 5)
+    out = [np.zeros((1, 1, 4, 1), np.float32) for _ in range(4)]
+    cache.gather(cache.lookup(b), 4, out, 0)
+    assert out[1][0, 0, :, 0].tolist() == [1008, 1009, 1010, 1011]
+    out = [np.zeros((1, 1, 2, 1), np.float32) for _ in range(4)]
+    cache.gather(cache.lookup(a), 2, out, 0)
+    assert out[2][0, 0, :, 0].tolist() == [2005, 2006]
+    assert not cache.lacks(b) and cache.lacks(b + [13])
+
+
+def test_the_budget_evicts_the_least_recently_used_chain_ends_first():
+    block_bytes = 4 * 4 * 4  # 2 layers x key, value; 4 tokens of 1 float32
+    cache = PrefixCache(3 * block_bytes, block_tokens=4)
+    a, b = list(range(9)), list(range(100, 109))
+    cache.store(a, kv_of(a), 0, 9)  # a1, a2
+    cache.store(b, kv_of(b), 0, 9)  # b1 fits; b2 evicts a2 (a's end), not a1
+    assert cache.bytes == 3 * block_bytes and len(cache) == 3
+    assert len(cache.lookup(a)) == 1 and len(cache.lookup(b)) == 2
+    c = list(range(200, 209))
+    cache.store(c, kv_of(c), 0, 9)  # the oldest now: a1, then b2 (b's end before its start)
+    assert len(cache.lookup(a)) == 0 and len(cache.lookup(b)) == 1 and len(cache.lookup(c)) == 2
+    assert cache.bytes == 3 * block_bytes
+    tiny = PrefixCache(block_bytes - 1, block_tokens=4)  # not one block fits: nothing kept, nothing breaks
+    tiny.store(a, kv_of(a), 0, 9)
+    assert len(tiny) == 0 and tiny.bytes == 0
+
+
+def test_a_joiner_prefilled_in_chunks_fits_the_context_when_it_joins():
+    """Hand-computed: a running row at width 50 with 10 tokens to go; a joiner of 40 prompt tokens and
+    45 to generate (its first from its prefill: 44 more positions). Whole, it joins at width 50:
+    50 + 44 <= 100. In chunks of 8 tokens it joins 4 steps later (5 chunks), at width 54: 98, fits;
+    in chunks of 4, 9 steps later, at 59: 103, it does not."""
+    def fits(chunk: int) -> bool:
+        scheduler = Scheduler(EngineSettings(prefill_chunk=chunk), 100)
+        running = Row(list(range(50)), SamplingSettings(max_new_tokens=10), print)
+        joiner = Row(list(range(40)), SamplingSettings(max_new_tokens=45), print)
+        return scheduler._fits([running], [joiner], 50)
+
+    assert fits(0) and fits(8) and not fits(4)
+
+
+# ------------------------------------------------------------------ the engine, on every backend that serves
+
+
+@pytest.fixture(scope="module")
+def exports(bundled_export):
+    return {p: bundled_export(p) for p in (Precision.fp32, Precision.int8)}
+
+
+def open_backend(kind: str, exports):
+    if kind == "openvino":
+        from gpt2x.runtime.openvino import OpenVinoBackend
+
+        return OpenVinoBackend(exports[Precision.fp32], threads=1)
+    precision = Precision.fp32 if kind == "fp32" else Precision.int8
+    backend = OrtBackend(read_export(exports[precision].folder), threads=1, in_place_kv=False if kind == "int8-growing" else None)
+    assert backend.in_place_kv == (kind == "int8-in-place")
+    return backend
+
+
+class Collect:
+    def __init__(self, clock: list[int] | None = None):
+        self.tokens: list[int] = []
+        self.ticks: list[int] = []  # the engine-wide count of tokens told when each of this row's came
+        self.clock = clock
+        self.end = None
+        self.done = threading.Event()
+
+    def __call__(self, kind: str, value: object) -> None:
+        if kind == "token":
+            self.tokens.append(value)
+            if self.clock is not None:
+                self.clock[0] += 1
+                self.ticks.append(self.clock[0])
+        elif kind in ("done", "error"):
+            self.end = (kind, value)
+            self.done.set()
+
+
+def run_rows(engine: Engine, prompts, settings, clock=None, wait: float = 120) -> list[tuple[Collect, Row]]:
+    out = []
+    for ids, s in zip(prompts, settings):
+        sink = Collect(clock)
+        row = Row(ids, s, sink)
+        out.append((sink, row))
+    engine.submit([r for _, r in out])
+    for sink, _ in out:
+        assert sink.done.wait(wait) and sink.end[0] == "done", sink.end
+    return out
+
+
+def reference(backend, ids, s) -> list[int]:
+    return generate(backend, [""], s, prompt_ids=[ids])[0].tokens
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing", "openvino"])
+def test_cached_prefixes_give_the_uncached_tokens(kind, exports):
+    """A first request leaves its prompt's blocks; then four prompts that begin with the same 100
+    tokens, together (one batch, rests of different lengths: 96 of them found in the cache) and one by
+    one (all their own whole blocks found), take their prefixes from the cache and give the tokens of
+    each prompt alone with no cache: greedy everywhere, and seeded sampling where the runtime is batch-
+    invariant (fp32; int8's dynamic quantization scales each forward's activations as a whole, so a
+    row's logits move with what it is computed beside)."""
+    backend = open_backend(kind, exports)
+    exact = kind in ("fp32", "openvino")
+    engine = Engine(backend, EngineSettings(max_batch_size=8, batch_wait_s=0.05)).start()
+    try:
+        first = run_rows(engine, [SHARED + SUFFIXES[0]], [SamplingSettings(max_new_tokens=4, greedy=True)])
+        assert first[0][1].cached_tokens == 0
+        prompts = [SHARED + s for s in SUFFIXES]
+        settings = [SamplingSettings(max_new_tokens=10, greedy=not exact or i % 2 == 0, temperature=0.9, seed=i)
+                    for i in range(len(prompts))]
+        together = run_rows(engine, prompts, settings)
+        alone = [run_rows(engine, [p], [s])[0] for p, s in zip(prompts, settings)]
+        for (ids, s), (sink, row), (sink1, row1) in zip(zip(prompts, settings), together, alone):
+            want = reference(backend, ids, s)
+            assert sink.tokens == want and sink1.tokens == want
+            # Together, each feeds the longest rest (up to 15 of the shared blocks' tokens again); alone, every
+            # whole block of its own prompt (stored by the batch before) but the one holding its last token.
+            assert 96 - 16 <= row.cached_tokens <= 96 and row1.cached_tokens == (len(ids) - 1) // 16 * 16
+        stats = engine.stats()
+        assert stats["prefix_cache_hits"] >= 96 * 8 and stats["errors"] == 0
+    finally:
+        engine.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing"])
+def test_a_batch_sharing_a_prefix_computes_it_once(kind, exports):
+    """Four prompts that begin with the same 100 tokens arrive together, the cache empty: the first is
+    prefilled, the others wait for its blocks and find 96 tokens each in the cache (one batch
+    still: their rows merged), and every row gives its tokens alone with no cache."""
+    backend = open_backend(kind, exports)
+    engine = Engine(backend, EngineSettings(max_batch_size=8, batch_wait_s=0.2)).start()
+    try:
+        prompts = [SHARED + s for s in SUFFIXES]
+        settings = [SamplingSettings(max_new_tokens=8, greedy=True) for _ in prompts]
+        rows = run_rows(engine, prompts, settings)
+        cached = [row.cached_tokens for _, row in rows]  # the three together feed their longest rest
+        assert cached[0] == 0 and all(96 - 16 <= c <= 96 for c in cached[1:])
+        for ids, s, (sink, _) in zip(prompts, settings, rows):
+            assert sink.tokens == reference(backend, ids, s)
+        stats = engine.stats()
+        assert stats["batches"] == 1 and stats["prefix_cache_hits"] == 3 * 96 and stats["errors"] == 0
+    finally:
+        engine.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place"])
+def test_a_long_prompt_joins_in_chunks_while_the_batch_streams(kind, exports):
+    """A 150-token prompt joins a running row and is prefilled 16 tokens a step: the running row
+    receives tokens while it is prefilled (9 chunks, 8 of them beside a decode step), and both rows
+    give their tokens alone. With its prefix cached, the same prompt's prefill is shorter still."""
+    backend = open_backend(kind, exports)
+    engine = Engine(backend, EngineSettings(max_batch_size=4, prefill_chunk=16, max_join_delay_s=0,
+                                            prefix_cache_mb=0)).start()
+    clock = [0]
+    long = encode(TEXT)[200:350]
+    try:
+        runner_sink = Collect(clock)
+        running = Row(encode("ROMEO:"), SamplingSettings(max_new_tokens=60, greedy=True), runner_sink)
+        engine.submit([running])
+        deadline = time.time() + 60
+        while len(runner_sink.tokens) < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        joined = run_rows(engine, [long], [SamplingSettings(max_new_tokens=8, greedy=True)], clock)
+        assert runner_sink.done.wait(60)
+        [(jsink, _)] = joined
+        during = [t for t in runner_sink.ticks if t < jsink.ticks[0]]
+        assert len(during) >= 3 + 8  # the prefill's chunks ran between the running row's steps
+        assert runner_sink.tokens == reference(backend, encode("ROMEO:"), SamplingSettings(max_new_tokens=60, greedy=True))
+        assert jsink.tokens == reference(backend, long, SamplingSettings(max_new_tokens=8, greedy=True))
+    finally:
+        engine.close()
+        backend.close()
+
+
+def test_genai_serves_without_a_prefix_cache(bundled_export):
+    """onnxruntime-genai's generator owns its cache (capabilities.takes_past False): the engine keeps
+    no prefix cache there, says none was used, and serves the same tokens."""
+    from gpt2x.runtime.genai import GenaiBackend
+
+    backend = GenaiBackend(bundled_export(Precision.fp32), threads=1)
+    engine = Engine(backend, EngineSettings(max_batch_size=4)).start()
+    try:
+        assert engine.prefix_cache is None
+        s = SamplingSettings(max_new_tokens=6, greedy=True)
+        rows = [run_rows(engine, [SHARED + SUFFIXES[0]], [s])[0] for _ in range(2)]
+        assert rows[1][1].cached_tokens == 0 and rows[0][0].tokens == rows[1][0].tokens
+        assert "prefix_cache_hits" not in engine.stats()
+    finally:
+        engine.close()
+        backend.close()
