@@ -1,27 +1,26 @@
-"""The serving engine's runner: it steps what the scheduler decided, on the backend. A batch is
-prefilled, stepped one token per row, and regrouped (rows leaving and joining: the cache's `merge`,
-runtime.base.KVCache); a row that asks is scored (its prompt's logprobs); a row with a draft is
-decoded speculatively. Tokens are sampled and rows ended by the decode loop's own rules
-(generation.decode: `sample_rows`, `Sequence.accept`), so a served row's tokens are those `gpt2x
-generate` gives for the same prompt, settings and seed. The runner decides nothing about which rows
-run, and tells nobody: it returns the events (generation.decode.Event), which the engine tells.
-"""
+"""The serving engine's runner: it executes the scheduler's plans (scheduler.SchedulerOutput) on the
+backend and decides nothing. It holds the batch in flight (its cache) and the joiners' prefill, and
+samples by the decode loop's rules (generation.decode), so a served row's tokens are those `gpt2x
+generate` gives for the same prompt, settings and seed. What each part of a plan did comes back as
+it is done (`Executed`), for the engine to tell."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..generation.beam import beam_hypotheses
 from ..generation.decode import Event, decode, left_pad, sample_rows
 from ..generation.logprobs import LogprobEntry, token_logprobs
+from ..generation.settings import Finish
 from ..generation.speculative import Drafter, DraftSettings
 from ..numerics import positions
 from ..runtime.base import Backend
 from .prefix_cache import PrefixCache
-from .scheduler import Row
+from .scheduler import Row, SchedulerOutput, unused_columns
 
 # Rows sharing this many prompt tokens with an earlier row of their batch wait for its prefill and take
 # them from the prefix cache (Runner.prefill). The wait costs the batch one more forward and a merge:
@@ -42,6 +41,14 @@ class Batch:
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.rows) if not r.finished]
 
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def used(self, rows: list[int]) -> int:
+        """scheduler.Shape: the columns the rows at these indices use (0 for none)."""
+        return self.mask.shape[1] - unused_columns(self.mask[rows])
+
 
 @dataclass
 class Prefill:
@@ -59,6 +66,37 @@ class Prefill:
     done: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The events of a model step (or of a speculative row, one at a time): `event.row` indexes `rows`."""
+
+    rows: list[Row]
+    events: Sequence[Event]
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    row: Row
+    entries: list[LogprobEntry]  # its prompt's logprobs (Runner.score)
+
+
+@dataclass(frozen=True, slots=True)
+class Searched:
+    row: Row
+    hypotheses: list[tuple[list[int], Finish]]  # the best, best first (generation.beam.beam_hypotheses)
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A row the plan ends without running it."""
+
+    row: Row
+    reason: Finish
+
+
+Executed = Step | Scored | Searched | Ended
+
+
 class Runner:
     """Steps batches of rows on one backend (not thread-safe: the engine's thread only). `counters`
     is the engine's: the runner counts its model steps in it."""
@@ -74,6 +112,52 @@ class Runner:
         self.counters = counters
         self.drafter = drafter
         self.draft_settings = draft_settings or DraftSettings()
+        self.batch: Batch | None = None  # the batch in flight
+        self.prefilling: Prefill | None = None  # the joiners' prefill under way
+        self.joined: Batch | None = None  # the joiners, prefilled: merged by the next plan, or dropped
+
+    def execute(self, plan: SchedulerOutput) -> Iterator[Executed]:
+        """Run `plan`'s parts in their order, each part's outcome yielded as it is done (a speculative
+        row's tokens one by one, so that they are told as they come). The engine reads the batches
+        held afterwards (`batch`, `joined`)."""
+        joined, self.joined = self.joined, None
+        for row in plan.scored:
+            yield Scored(row, self.score(row))
+        for row in plan.searched:
+            yield Searched(row, self.search(row))
+        for row, reason in plan.ended:
+            yield Ended(row, reason)
+        if plan.release:
+            self.reset()
+        if plan.speculative is not None:
+            self.counters["batches"] += 1
+            rows = [plan.speculative]
+            for event in self.speculative(plan.speculative):
+                yield Step(rows, (event,))
+        if plan.prefill:
+            self.counters["batches"] += 1
+            self.batch, events = self.prefill(list(plan.prefill))
+            yield Step(self.batch.rows, events)
+        if plan.join:
+            self.counters["joins"] += 1
+            self.prefilling = self.begin(list(plan.join))
+        if plan.advance:
+            done = self.advance(self.prefilling, plan.chunk)
+            if done is not None:
+                self.prefilling = None
+                self.joined, events = done
+                yield Step(self.joined.rows, events)
+        if plan.regroup is not None:
+            if not plan.regroup.joins:
+                self.counters["compactions"] += 1
+            self.batch = self.merge(self.batch, joined if plan.regroup.joins else None, plan.regroup.order,
+                                    plan.regroup.width)
+        if plan.decode:
+            yield Step(self.batch.rows, self.step(self.batch))
+
+    def reset(self) -> None:
+        """Let go of every batch held (the batch ended, or failed)."""
+        self.batch = self.prefilling = self.joined = None
 
     def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
         """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end). With a prefix
@@ -226,6 +310,13 @@ class Runner:
         row.prompt_ranks = [None] + [int(r) + 1 for r in (scores > chosen[:, None]).sum(axis=-1)]
         k = max(row.logprobs or 0, row.prompt_k or 0)
         return [(row.prompt_ids[0], None, None)] + token_logprobs(scores, row.prompt_ids[1:], k)
+
+    def search(self, row: Row) -> list[tuple[list[int], Finish]]:
+        """A beam search row's best hypotheses, as many as its beam_rows (the API's use_beam_search),
+        searched whole (generation.beam: transformers' beam search)."""
+        hypotheses = beam_hypotheses(self.backend, row.prompt_ids, row.settings, len(row.beam_rows))
+        self.counters["steps"] += 1
+        return hypotheses
 
     def speculative(self, row: Row) -> Iterator[Event]:
         """One row decoded with the draft (generation.decode.decode: a round's tokens accepted one at a

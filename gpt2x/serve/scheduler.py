@@ -1,18 +1,7 @@
-"""The serving engine's scheduler: which rows run. It owns the waiting queue (bounded: QueueFull, never
-grown without limit), takes waiting rows into a new batch or a running one when they fit the context,
-says when a join is due, and lays out a regrouped batch (`plan_regroup`). It never touches a backend:
-it sees rows, attention masks and the context length. The runner (runner.py) steps what it decides.
-
-How rows are laid out is chosen for caches that move rows in place (ONNX Runtime's in-place cache and
-OpenVINO's, kvbuffers.BufferCache.merge), where a merge costs only the rows it moves: a live row keeps
-its place where that is inside the new batch, joiners take the places of rows that left, and only
-live rows beyond the new batch size move, into the remaining holes. The batch keeps its width unless
-a joiner's prompt is wider (every row then moves right: unavoidable, since all rows share the width),
-and leading mask columns no row uses are dropped only when that pays for moving every row: when they
-are at least half the width, or when the context needs them for the rows' remaining tokens
-(`merged_width`). Caches merged through the host (ONNX Runtime's growing cache, PyTorch) are copied
-whole at every merge, whatever the layout.
-"""
+"""The serving engine's scheduler: every decision on which rows run, when and how, made as one plan
+per step (`Scheduler.schedule`) that the runner (runner.py) executes. It never touches a backend: it
+sees rows, the batch's width and the columns its rows use, the context's length and a clock. Why a
+regrouped batch is laid out as it is: docs/serving/index.md#batching."""
 
 from __future__ import annotations
 
@@ -21,12 +10,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import UsageError
 from ..generation.decode import Sequence
-from ..generation.settings import SamplingSettings
+from ..generation.settings import Finish, SamplingSettings
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -112,17 +102,72 @@ class Row(Sequence):
         return self.limit - len(self.tokens)
 
 
-class Scheduler:
-    """The waiting queue and the decisions on it, shared by the callers' threads (`submit`, `close`)
-    and the engine's (everything else)."""
+class Shape(Protocol):
+    """What the scheduler sees of a batch the runner holds (runner.Batch)."""
 
-    def __init__(self, settings: EngineSettings, n_positions: int):
+    rows: list[Row]  # in cache order
+
+    @property
+    def width(self) -> int:
+        """Its cache's width (mask columns)."""
+
+    def used(self, rows: list[int]) -> int:
+        """Columns the rows at these indices use: from the first any of them uses to the end (0: none)."""
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """The batch laid out anew: row i is row order[i] of the batch (0..B-1) or of the joined batch
+    (B onward), every row right-aligned to `width` columns."""
+
+    order: np.ndarray
+    width: int
+    joins: bool  # the joined rows come in; False: a compaction (finished rows leave)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan, executed in this order by runner.Runner.execute."""
+
+    scored: tuple[Row, ...] = ()  # rows just taken whose prompts are scored first (prompt_logprobs)
+    searched: tuple[Row, ...] = ()  # rows just taken that run a beam search, whole
+    ended: tuple[tuple[Row, Finish], ...] = ()  # rows just taken that end without running
+    prefill: tuple[Row, ...] = ()  # a new batch, prefilled whole
+    speculative: Row | None = None  # one row decoded whole with the draft
+    join: tuple[Row, ...] = ()  # rows whose prefill begins beside the running batch
+    advance: bool = False  # the joiners' prefill runs its next chunk ...
+    chunk: int | None = None  # ... of about this many tokens (None: all that is left)
+    regroup: Regroup | None = None  # the batch laid out anew, the joiners prefilled by now in or not
+    decode: bool = False  # one decode step of every row of the batch
+    release: bool = False  # the batch has ended: the runner lets its cache go
+
+
+DECODE = SchedulerOutput(decode=True)  # the plan of most steps
+
+
+class Scheduler:
+    """The waiting queue and every decision on it, shared by the callers' threads (`submit`, `close`)
+    and the engine's (`schedule`, `update`, `fail`). `joins_rows`: the backend's cache takes rows
+    prefilled apart (else batches are static); `speculative`: a draft decodes lone rows."""
+
+    def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
+                 speculative: bool = False, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.n_positions = n_positions
+        self.joins = settings.continuous and joins_rows and settings.max_batch_size > 1
+        self.speculative = speculative
+        self.clock = clock
         self._waiting: deque[Row] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self.running = 0  # rows of the batch in flight that have not finished
+        self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
+        # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
+        # the rows being prefilled to join, and which half of a step the next plan is.
+        self._batch: Shape | None = None
+        self._joined: Shape | None = None
+        self._prefilling: list[Row] | None = None
+        self._decoding = False
 
     # -- the callers' side (any thread)
 
@@ -174,7 +219,118 @@ class Scheduler:
     def _free_places(self) -> int:
         return max(0, self.settings.max_batch_size - self.running)
 
-    # -- the engine's side
+    # -- the engine's side: the plans
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step's plan. Blocks while nothing is in flight and no row waits; None once closed
+        with none waiting. A batch's step is planned in two halves, each only when it has work: the
+        joiners' (rows taken, their prefill's next chunk), then the batch's (regroup, decode step)."""
+        while True:
+            batch = self._batch
+            if batch is None:
+                self.set_running(0)
+                if not self.wait_for_work():
+                    return None
+                plan = self._new_batch()
+            elif not self._decoding:
+                self._decoding = True
+                plan = self._joining(batch)
+            else:
+                self._decoding = False
+                plan = self._stepping(batch)
+            if plan is not None:
+                return plan
+
+    def update(self, batch: Shape | None, joined: Shape | None) -> None:
+        """The batches the runner holds after a plan: the batch in flight, and the joiners when their
+        prefill has just ended (merged, or dropped, by the next plan)."""
+        self._batch, self._joined = batch, joined
+
+    def fail(self) -> list[Row]:
+        """A plan failed: the batch in flight is given up. Its rows and the joiners', to be told."""
+        rows, self.in_flight = self.in_flight, []
+        self._batch = self._joined = self._prefilling = None
+        self._decoding = False
+        return rows
+
+    def _new_batch(self) -> SchedulerOutput | None:
+        """Rows taken from the queue as a new batch, prefilled whole (or one row with the draft)."""
+        rows = self.take([], None)
+        if not rows:
+            return None
+        self.in_flight = rows
+        scored, searched, ended, going = self._start(rows)
+        alone = self.speculative and len(going) == 1 and going[0].logprobs is None
+        return SchedulerOutput(scored, searched, ended, prefill=() if alone else going,
+                               speculative=going[0] if alone else None)
+
+    def _joining(self, batch: Shape) -> SchedulerOutput | None:
+        """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
+        next chunk of their prefill (whole when no row runs: there is nobody to stall)."""
+        live = _live(batch.rows)
+        scored = searched = ended = join = ()
+        if self._prefilling is None and live and self.joins and self.join_due(len(live)):
+            taken = self.take([batch.rows[i] for i in live], batch.used(live))
+            if taken:
+                scored, searched, ended, join = self._start(taken)
+                self.in_flight = batch.rows + taken
+                self._prefilling = list(join) or None
+        if self._prefilling is None:
+            return SchedulerOutput(scored, searched, ended) if scored or searched or ended else None
+        if not join:
+            self.in_flight = batch.rows + self._prefilling
+        chunk = (self.settings.prefill_chunk or None) if live else None
+        return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk)
+
+    def _stepping(self, batch: Shape) -> SchedulerOutput | None:
+        """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
+        batch finished compacted away (`regroup_due`), then a decode step while a row runs."""
+        live = _live(batch.rows)
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            self._prefilling = None
+        if not live and joined is None:  # (a prefill under way ran whole, so ended by now)
+            self._batch = None
+            self.in_flight = []
+            return SchedulerOutput(release=True)
+        regroup = None
+        if self.regroup_due(len(live), len(batch.rows), joined is not None):
+            regroup = self.plan_regroup(batch, live, joined)
+        if regroup is None:
+            rows = batch.rows
+            if not live:
+                return None  # every joiner ended at its first token
+        else:
+            rows = batch.rows + ([] if joined is None else joined.rows)
+            rows = [rows[i] for i in regroup.order]
+        self.in_flight = rows + (self._prefilling or [])
+        self.set_running(sum(not r.finished for r in self.in_flight))
+        return DECODE if regroup is None else SchedulerOutput(regroup=regroup, decode=True)
+
+    def _start(self, rows: list[Row]) -> tuple[tuple[Row, ...], tuple[Row, ...], tuple[tuple[Row, Finish], ...],
+                                               tuple[Row, ...]]:
+        """What rows just taken do before their prefill: (scored, searched, ended, going). Rows that
+        ask are scored; beam searches run whole; rows cancelled while waiting end, and so do rows with
+        no token to generate (once scored); the others go on to be prefilled."""
+        scored, searched, ended, going = [], [], [], []
+        now = self.clock()
+        for row in rows:
+            row.scheduled_at = now
+            if row.cancelled is not None:
+                ended.append((row, Finish.cancelled))
+                continue
+            if row.beam_rows is not None:
+                searched.append(row)
+                continue
+            if row.prompt_logprobs:
+                scored.append(row)
+            if row.remaining <= 0:
+                ended.append((row, Finish.length))
+            else:
+                going.append(row)
+        return tuple(scored), tuple(searched), tuple(ended), tuple(going)
+
+    # -- the decisions
 
     def wait_for_work(self) -> bool:
         """Block until rows wait (True) or the scheduler is closed with none waiting (False). A new
@@ -245,7 +401,7 @@ class Scheduler:
         with self._cond:
             if not self._waiting or live >= self.settings.max_batch_size:
                 return False
-            waited = time.monotonic() - self._waiting[0].queued_at
+            waited = self.clock() - self._waiting[0].queued_at
         return len(self._waiting) >= max(1, live // 4) or waited >= self.settings.max_join_delay_s
 
     def regroup_due(self, live: int, rows: int, joining: bool) -> bool:
@@ -254,27 +410,36 @@ class Scheduler:
         whole cache, so rows do not leave one by one)."""
         return joining or 2 * live <= rows
 
-    def plan_regroup(self, rows: list[Row], mask: np.ndarray, live: list[int], joiners: list[Row],
-                     jmask: np.ndarray, jlive: list[int]) -> tuple[np.ndarray, int]:
-        """The regrouped batch of `rows` (mask (B, W)) with its finished rows gone and the live joiners
-        (their own prefill's mask (J, Wj)) in: which row each new row is (`layout`: batch rows 0..B-1,
-        joiners B onward) and the merged cache's width (`merged_width`)."""
-        order = layout(live, len(rows), [len(rows) + j for j in jlive])
-        kept = [rows[i] for i in live] + [joiners[j] for j in jlive]
-        return order, merged_width(mask, jmask, kept, live, jlive, self.n_positions)
+    def plan_regroup(self, batch: Shape, live: list[int], joined: Shape | None) -> Regroup | None:
+        """The batch with its finished rows gone and the joined rows still running in (`layout`,
+        `merged_width`); None to keep it as it is: when every joiner ended at its first token and
+        less than half of the batch has finished, or when no row is left to decode."""
+        jlive = [] if joined is None else _live(joined.rows)
+        if joined is not None and not jlive and 2 * len(live) > len(batch.rows):
+            return None
+        if not live and not jlive:
+            return None
+        n = len(batch.rows)
+        order = layout(live, n, [n + j for j in jlive])
+        need = max([batch.rows[i].remaining for i in live] + [joined.rows[j].remaining for j in jlive])
+        width = merged_width(batch.width, batch.used(live), joined.used(jlive) if jlive else 0, need, self.n_positions)
+        return Regroup(order, width, bool(jlive))
 
 
-def merged_width(mask: np.ndarray, jmask: np.ndarray, kept: list[Row], live: list[int], jlive: list[int],
-                 n_positions: int) -> int:
-    """The merged cache's width: the batch's own (or the joiners', when wider: every row moves right
+def _live(rows: list[Row]) -> list[int]:
+    return [i for i, r in enumerate(rows) if not r.finished]
+
+
+def merged_width(width: int, used: int, jused: int, need: int, n_positions: int) -> int:
+    """The merged cache's width, of a batch `width` wide whose kept rows use `used` columns and
+    joiners that use `jused`: the batch's own (or the joiners', when wider: every row moves right
     then anyway), unless dropping the leading columns no kept row uses pays for moving every row (in
     an in-place cache): when they are at least half of it, when a joiner moves every row anyway, or
-    when the rows' remaining tokens need the room (`Scheduler._fits` counted on it)."""
-    jwidth = jmask.shape[1] - unused_columns(jmask[jlive]) if jlive else 0
-    keep = max(mask.shape[1], jwidth)
-    least = max(mask.shape[1] - unused_columns(mask[live]), jwidth)
-    need = max(r.remaining for r in kept)
-    if 2 * least <= keep or keep > mask.shape[1] or keep + need > n_positions:
+    when the rows' remaining tokens (`need`, the most of them) need the room (`Scheduler._fits`
+    counted on it)."""
+    keep = max(width, jused)
+    least = max(used, jused)
+    if 2 * least <= keep or keep > width or keep + need > n_positions:
         return least
     return keep
 

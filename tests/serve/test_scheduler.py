@@ -1,0 +1,350 @@
+"""The serving scheduler's plans on hand-built arrivals, with no backend: a stand-in for the runner
+(`Shapes`) does to the batches' shapes what runner.Runner.execute does (widths and the columns each
+row uses), every row sampling a token that is not end of text; a fake clock times the joins."""
+
+from __future__ import annotations
+
+import threading
+
+from gpt2x.generation.settings import Finish, SamplingSettings
+from gpt2x.serve.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
+
+TOKEN = 11  # what every row samples: never end of text
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Shape:
+    """scheduler.Shape by hand: rows, the cache's width, and the columns each row uses."""
+
+    def __init__(self, rows: list[Row], width: int, cols: list[int]):
+        self.rows, self.width, self.cols = rows, width, cols
+
+    def used(self, rows: list[int]) -> int:
+        return max((self.cols[i] for i in rows), default=0)
+
+
+class Shapes:
+    """The runner's part, on shapes: a prefill is as wide as its longest prompt and samples each row's
+    first token, a chunk runs min(left, chunk // distinct prompts) columns, a regroup right-aligns the
+    rows to its width, a decode step adds a column and samples a token for every live row."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.batch: Shape | None = None
+        self.joined: Shape | None = None
+        self.prefilling: tuple[list[Row], int] | None = None
+        self.columns: list[int] = []  # the columns each chunk of a joiners' prefill ran
+
+    def run(self, plan: SchedulerOutput) -> SchedulerOutput:
+        joined, self.joined = self.joined, None
+        for row, reason in plan.ended:
+            row.finish = reason
+        for row in plan.searched:
+            row.finish = Finish.length
+        if plan.release:
+            self.batch = self.prefilling = None
+        if plan.speculative is not None:
+            while not plan.speculative.finished:
+                plan.speculative.accept(TOKEN)
+        if plan.prefill:
+            self.batch = prefilled(list(plan.prefill))
+        if plan.join:
+            self.prefilling = (list(plan.join), 0)
+        if plan.advance:
+            rows, done = self.prefilling
+            width = max(len(r.prompt_ids) for r in rows)
+            distinct = len({tuple(r.prompt_ids) for r in rows})
+            cols = width - done if plan.chunk is None else min(width - done, max(1, plan.chunk // distinct))
+            self.columns.append(cols)
+            self.prefilling = (rows, done + cols)
+            if done + cols == width:
+                self.prefilling, self.joined = None, prefilled(rows)
+        if plan.regroup is not None:
+            b, o = self.batch, plan.regroup
+            rows = b.rows + (joined.rows if o.joins else [])
+            cols = b.cols + (joined.cols if o.joins else [])
+            assert o.width >= max(cols[i] for i in o.order)  # no column a row uses is dropped
+            self.batch = Shape([rows[i] for i in o.order], o.width, [cols[i] for i in o.order])
+        if plan.decode:
+            b = self.batch
+            b.width += 1
+            b.cols = [c + 1 for c in b.cols]
+            for row in b.rows:
+                if not row.finished:
+                    row.accept(TOKEN)
+        self.scheduler.update(self.batch, self.joined)
+        return plan
+
+    def step(self) -> SchedulerOutput:
+        return self.run(self.scheduler.schedule())
+
+
+def prefilled(rows: list[Row]) -> Shape:
+    for row in rows:
+        row.accept(TOKEN)
+    return Shape(rows, max(len(r.prompt_ids) for r in rows), [len(r.prompt_ids) for r in rows])
+
+
+def row(prompt: int = 4, tokens: int = 10, clock: Clock | None = None, **kw) -> Row:
+    r = Row(list(range(1, prompt + 1)), SamplingSettings(max_new_tokens=tokens), lambda out: None, **kw)
+    if clock is not None:
+        r.queued_at = clock()
+    return r
+
+
+def engine(n_positions: int = 256, clock: Clock | None = None, **settings) -> tuple[Scheduler, Shapes]:
+    scheduler = Scheduler(EngineSettings(**{"max_join_delay_s": 0.05, **settings}), n_positions,
+                          clock=clock or Clock())
+    return scheduler, Shapes(scheduler)
+
+
+def running(n: int, clock: Clock, **settings) -> tuple[Scheduler, Shapes, list[Row]]:
+    """A scheduler whose batch of n rows (prompts of 4, 10 tokens each) has been prefilled."""
+    scheduler, shapes = engine(clock=clock, **settings)
+    rows = [row(clock=clock) for _ in range(n)]
+    scheduler.submit(rows)
+    assert shapes.step().prefill == tuple(rows)
+    return scheduler, shapes, rows
+
+
+def test_a_new_batch_is_the_rows_waiting_prefilled_whole():
+    scheduler, shapes = engine(max_batch_size=3)
+    rows = [row(), row(), row(), row()]
+    scheduler.submit(rows)
+    plan = shapes.step()
+    assert plan == SchedulerOutput(prefill=tuple(rows[:3]))  # the batch is full: the fourth waits
+    assert scheduler.running == 3 and scheduler.in_flight == rows[:3]
+    assert all(r.scheduled_at == 1000.0 for r in rows[:3]) and rows[3].scheduled_at is None
+    assert scheduler.counts() == (3, 1)
+
+
+def test_rows_taken_are_scored_searched_or_ended_before_their_prefill():
+    scheduler, shapes = engine()
+    plain, scored = row(), row(prompt_logprobs=True)
+    only_scored = row(prompt_logprobs=True, max_tokens=0)
+    gone = row()
+    beam = Row([1, 2], SamplingSettings(max_new_tokens=3, num_beams=2), lambda out: None)
+    beam.beam_rows = [beam, row()]
+    scheduler.submit([plain, gone, scored, only_scored, beam])
+    gone.cancel()  # its client left while it waited: it is not taken
+    plan = shapes.step()
+    assert plan.scored == (scored, only_scored) and plan.searched == (beam,)
+    assert plan.ended == ((only_scored, Finish.length),)
+    assert plan.prefill == (plain, scored) and plan.speculative is None
+    assert scheduler.in_flight == [plain, scored, only_scored, beam]
+
+
+def test_a_draft_decodes_a_lone_row_without_logprobs_speculatively():
+    scheduler, shapes = engine(max_batch_size=1)
+    scheduler.speculative = True
+    plain, with_logprobs = row(), row(logprobs=2)
+    scheduler.submit([plain, with_logprobs])
+    assert shapes.step() == SchedulerOutput(speculative=plain)
+    assert shapes.step() == SchedulerOutput(prefill=(with_logprobs,))  # decoded plainly: the target's logprobs
+
+
+def test_a_join_is_due_when_a_quarter_of_the_batch_waits():
+    clock = Clock()
+    scheduler, shapes, rows = running(8, clock)
+    late = row(clock=clock)
+    scheduler.submit([late])
+    assert shapes.step() is DECODE  # one waits, 8 // 4 = 2 needed, and it has not waited long
+    second = row(clock=clock)
+    scheduler.submit([second])
+    plan = shapes.step()
+    assert plan.join == (late, second) and plan.advance and plan.chunk == 256
+    assert scheduler.in_flight == rows + [late, second] and scheduler.running == 10
+
+
+def test_a_join_is_due_when_the_oldest_has_waited_max_join_delay():
+    clock = Clock()
+    scheduler, shapes, rows = running(8, clock)
+    late = row(clock=clock)
+    scheduler.submit([late])
+    clock.now += 0.04
+    assert shapes.step() is DECODE
+    clock.now += 0.02
+    assert shapes.step().join == (late,)
+
+
+def test_no_join_without_continuous_batching_or_when_the_batch_is_full():
+    clock = Clock()
+    scheduler, shapes, rows = running(2, clock, continuous=False)
+    scheduler.submit([row(clock=clock)])
+    clock.now += 1
+    assert shapes.step() is DECODE and scheduler.counts() == (2, 1)
+    scheduler, shapes, rows = running(2, clock, max_batch_size=2)
+    scheduler.submit([row(clock=clock)])
+    clock.now += 1
+    assert shapes.step() is DECODE
+    assert not Scheduler(EngineSettings(), 256, joins_rows=False).joins  # a cache that takes no rows: static
+
+
+def test_joiners_are_prefilled_a_chunk_before_each_step_then_join():
+    """A 40-token prompt joining a running row in chunks of 16: 16, 16 and 8 columns, each chunk
+    followed by the batch's step, then the regroup that brings the joiner in before the next step."""
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=16)
+    joiner = row(prompt=40, clock=clock)
+    scheduler.submit([joiner])
+    plans = [shapes.step() for _ in range(7)]
+    assert [p.advance for p in plans] == [True, False, True, False, True, False, False]
+    assert [p.decode for p in plans] == [False, True, False, True, False, True, True]
+    assert plans[0].join == (joiner,) and all(not p.join for p in plans[1:])
+    assert shapes.columns == [16, 16, 8] and plans[4].chunk == 16
+    assert [p.regroup is not None for p in plans] == [False] * 5 + [True, False]
+    regroup = plans[5].regroup
+    assert regroup.joins and regroup.order.tolist() == [0, 1] and regroup.width == 40
+    assert shapes.batch.rows == [rows[0], joiner] and scheduler.in_flight == [rows[0], joiner]
+
+
+def test_joiners_share_a_chunk_and_run_whole_when_no_row_runs():
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)
+    joiners = [row(prompt=40, clock=clock), row(prompt=30, clock=clock)]
+    scheduler.submit(joiners)
+    assert shapes.step().chunk == 16 and shapes.columns == [8]  # two prompts: 8 columns each chunk
+    rows[0].cancel()
+    shapes.step()  # its step ends it (cancelled)
+    assert rows[0].finished
+    assert shapes.step().chunk is None and shapes.columns == [8, 32]  # nobody streams: the rest at once
+    plan = shapes.step()
+    assert plan.regroup.joins and plan.regroup.order.tolist() == [1, 2] and plan.decode
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=0, max_join_delay_s=0)
+    scheduler.submit([row(prompt=40, clock=clock)])
+    assert shapes.step().chunk is None  # chunking off: whole
+
+
+def test_the_batch_regroups_when_half_of_it_has_finished():
+    clock = Clock()
+    scheduler, shapes, rows = running(4, clock)
+    rows[1].cancel()
+    assert shapes.step() is DECODE and rows[1].finished  # ended by this step
+    rows[3].cancel()
+    assert shapes.step() is DECODE and rows[3].finished  # one of four finished: it rode along, masked
+    plan = shapes.step()  # two of four: compacted away
+    assert plan.regroup is not None and not plan.regroup.joins and plan.decode
+    assert plan.regroup.order.tolist() == [0, 2] and shapes.batch.rows == [rows[0], rows[2]]
+    assert scheduler.running == 2
+
+
+def test_a_batch_ends_released_and_the_next_one_starts():
+    scheduler, shapes = engine()
+    first = row(tokens=3)
+    scheduler.submit([first])
+    plans = [shapes.step() for _ in range(4)]
+    assert plans[0].prefill == (first,) and plans[1:3] == [DECODE, DECODE] and first.finished
+    assert plans[3] == SchedulerOutput(release=True) and shapes.batch is None and scheduler.in_flight == []
+    second = row()
+    scheduler.submit([second])
+    assert shapes.step().prefill == (second,) and scheduler.running == 1
+    scheduler.close()
+    second.cancel()
+    while (plan := scheduler.schedule()) is not None:
+        shapes.run(plan)
+    assert scheduler.running == 0
+
+
+def test_waiting_rows_run_by_priority_with_the_priority_policy():
+    def order(policy: str) -> list[int]:
+        scheduler, shapes = engine(max_batch_size=1, scheduling_policy=policy)
+        made = []
+        for priority in (0, 5, -1, 5, 0):
+            r = row(tokens=1)
+            r.priority = priority
+            made.append(r)
+        scheduler.submit(made)
+        ran = []
+        while len(ran) < len(made):
+            plan = shapes.step()
+            ran += [made.index(r) for r in plan.prefill]
+        return ran
+
+    assert order("priority") == [2, 0, 4, 1, 3]  # lowest first, arrival order among equals (vLLM's)
+    assert order("fcfs") == [0, 1, 2, 3, 4]
+
+
+def test_a_row_that_would_not_fit_the_context_waits_for_a_new_batch():
+    """Context 64: a running row at width 40 (and growing) with 19 tokens to go; a joiner of 30 prompt
+    tokens and 30 to generate would need 40 + 29 positions beside it, or more: never taken, and nothing
+    behind it overtakes it. It starts a batch of its own once the row has ended."""
+    clock = Clock()
+    scheduler = Scheduler(EngineSettings(max_join_delay_s=0), 64, clock=clock)
+    shapes = Shapes(scheduler)
+    first = row(prompt=40, tokens=20, clock=clock)
+    scheduler.submit([first])
+    shapes.step()
+    wide, small = row(prompt=30, tokens=30, clock=clock), row(prompt=2, tokens=2, clock=clock)
+    scheduler.submit([wide, small])
+    plans = [shapes.step() for _ in range(19)]
+    assert all(p is DECODE for p in plans) and first.finished and scheduler.counts()[1] == 2
+    assert shapes.step().release
+    assert shapes.step().prefill == (wide, small)
+
+
+def test_a_regroup_drops_the_leading_columns_no_row_uses_when_they_are_half():
+    """A long and a short prompt: once the long row ends, the short one uses its prompt and the token
+    fed back of the long one's width + 1; a compaction drops the columns no row uses only when they are
+    at least half (or the context needs them)."""
+    def compacted(long_prompt: int, short_prompt: int, n_positions: int = 256) -> tuple[list[int], int]:
+        scheduler, shapes = engine(n_positions)
+        long, short = row(prompt=long_prompt, tokens=2), row(prompt=short_prompt, tokens=30)
+        scheduler.submit([long, short])
+        shapes.step()
+        assert shapes.step() is DECODE and long.finished  # its second token: its budget
+        plan = shapes.step()  # half finished
+        return plan.regroup.order.tolist(), plan.regroup.width
+
+    assert compacted(40, 4) == ([1], 5)  # 5 of 41 used: dropped
+    assert compacted(12, 8) == ([1], 13)  # 9 of 13 used: kept (an in-place cache moves no row)
+
+
+def test_a_joiner_takes_a_finished_rows_place_and_the_columns_it_was_admitted_with():
+    """Context 64: rows of 12, 8 and 8 prompt tokens; once the first has ended (13 columns, the others
+    use 9), a joiner of 9 prompt tokens is admitted as if the batch were 9 wide (`take`). It takes the
+    ended row's place; the width stays 13 while its tokens fit there, else the unused columns go."""
+    def joined(budget: int) -> tuple[list[int], int]:
+        scheduler, shapes = engine(64, max_join_delay_s=0)
+        rows = [row(prompt=12, tokens=2), row(prompt=8, tokens=30), row(prompt=8, tokens=30)]
+        scheduler.submit(rows)
+        shapes.step()
+        assert shapes.step() is DECODE and rows[0].finished
+        joiner = row(prompt=9, tokens=budget)
+        scheduler.submit([joiner])
+        assert shapes.step().join == (joiner,)
+        plan = shapes.step()
+        assert plan.regroup.joins and plan.decode and shapes.batch.rows == [joiner, rows[1], rows[2]]
+        return plan.regroup.order.tolist(), plan.regroup.width
+
+    assert joined(52) == ([3, 1, 2], 13)  # 13 + 51 positions: fits
+    assert joined(55) == ([3, 1, 2], 9)  # 13 + 54 would not
+
+
+def test_a_failure_gives_up_the_batch():
+    clock = Clock()
+    scheduler, shapes, rows = running(4, clock)
+    assert scheduler.fail() == rows
+    assert scheduler.in_flight == []
+    nxt = row()
+    scheduler.submit([nxt])
+    assert shapes.step().prefill == (nxt,)  # a new batch: the failed one is gone
+
+
+def test_schedule_blocks_until_a_row_arrives():
+    scheduler, shapes = engine()
+    plans = []
+    waiter = threading.Thread(target=lambda: plans.append(scheduler.schedule()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not plans
+    r = row()
+    scheduler.submit([r])
+    waiter.join(5)
+    assert plans == [SchedulerOutput(prefill=(r,))]
