@@ -8,9 +8,12 @@ ids generated so far, and who the row is) and returns the scores (B, V) float64;
 gets -inf. It may change `scores` in place and return it (the sampler hands the list its own float64
 copy of the logits): the penalties, the bias and min_tokens touch a few entries of each row, and a
 copy of a (16, 50257) batch per processor would cost more than they do.
-Rows in one call share the settings the processors were made from (one Sampler); in speculative
-decoding the rows of one call are one sequence at successive drafted positions, each History that
-sequence's tokens up to its position (`History.extended`).
+Each processor is written once, for a batch: its parameters are one value for every row (a Sampler's
+settings: `Temperature(0.7)`) or one per row (`Temperature.for_rows`: rows with samplers of their
+own, sampled together by sampling.sample_many; a row without that processor gets the identity, as
+vLLM v1's batch-level processors do). One row is the batch-of-one case. In speculative decoding the
+rows of one call are one sequence at successive drafted positions, each History that sequence's
+tokens up to its position (`History.extended`).
 
 The order is vLLM's (v1 sampler): the transforms that can move the argmax first, so that greedy
 decoding applies them too -
@@ -68,7 +71,10 @@ class LogitsProcessor(Protocol):
     History of each call (consumed tokens against `History.output`: roll back what is no longer
     there, consume what is new): the decode loop calls it with each row's growing output, speculative
     decoding with the output followed by the drafted tokens up to each position, then with the
-    output as the target accepted it; the histories of one call are in position order."""
+    output as the target accepted it; the histories of one call are in position order.
+
+    `for_rows(procs)`: one processor for a batch whose row i it processes as procs[i] would alone
+    (None: the row is left as it is); the rows' parameters become per-row arrays."""
 
     argmax_invariant: bool
     reads_history: bool
@@ -76,70 +82,161 @@ class LogitsProcessor(Protocol):
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
         ...
 
+    @classmethod
+    def for_rows(cls, procs: Sequence[LogitsProcessor | None]) -> LogitsProcessor:
+        ...
+
+
+def _per_row(value: float | np.ndarray, n: int, dtype: type = np.float64) -> np.ndarray:
+    """A parameter as one value per row (n,): a scalar is every row's."""
+    a = np.asarray(value, dtype=dtype)
+    if a.ndim == 0:
+        return np.full(n, a, dtype=dtype)
+    if a.shape != (n,):
+        raise ValueError(f"{len(a)} per-row parameters for {n} rows")
+    return a
+
+
+def _on_rows(scores: np.ndarray, live: np.ndarray, warp) -> np.ndarray:
+    """warp(scores of some rows, their index into the batch) applied to the rows where `live`: a new
+    array when every row is (the input left as it is), else written into those rows of `scores` (the
+    others, the identity's rows, are not touched, not even copied)."""
+    if live.all():
+        return warp(scores, slice(None))
+    at = np.flatnonzero(live)
+    if len(at):
+        scores[at] = warp(scores[at], at)
+    return scores
+
+
+def _stacked(procs: Sequence, attr: str, identity: float) -> np.ndarray:
+    """Each row's `attr` of its processor (identity where it has none), as a per-row array."""
+    return np.array([identity if p is None else getattr(p, attr) for p in procs])
+
 
 class Temperature:
-    """Scores divided by the temperature (> 0; 0 is greedy decoding, which skips it)."""
+    """Scores divided by the temperature (> 0; 0 is greedy decoding, which skips it; 1: left as is)."""
 
     argmax_invariant = True
     reads_history = False
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float | np.ndarray):
+        self.temperature = temperature  # one for every row, or one per row
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[Temperature | None]) -> Temperature:
+        return cls(_stacked(procs, "temperature", 1.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        with np.errstate(over="ignore"):  # a tiny temperature: +inf, which softmax reads as the argmax
-            return scores / self.temperature
+        t = _per_row(self.temperature, len(scores))
+
+        def warp(s: np.ndarray, at) -> np.ndarray:
+            with np.errstate(over="ignore"):  # a tiny temperature: +inf, which softmax reads as the argmax
+                return s / t[at, None]
+        return _on_rows(scores, t != 1.0, warp)
 
 
 class TopK:
-    """Only the k highest scores stay (ties with the k-th stay too)."""
+    """Only the k highest scores stay (ties with the k-th stay too; k 0 or >= V: every score stays)."""
 
     argmax_invariant = True
     reads_history = False
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int | np.ndarray):
+        self.k = k  # one for every row, or one per row
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[TopK | None]) -> TopK:
+        return cls(_stacked(procs, "k", 0).astype(np.int64))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        if self.k >= scores.shape[-1]:
-            return scores
-        kth = np.partition(scores, -self.k, axis=-1)[:, -self.k][:, None]
-        return np.where(scores < kth, -np.inf, scores)
+        v = scores.shape[-1]
+        k = _per_row(self.k, len(scores), np.int64)
+
+        def warp(s: np.ndarray, at) -> np.ndarray:
+            # one partition puts every row's k-th largest in its sorted place, however many ks the rows ask
+            kth_at = v - k[at]
+            part = np.partition(s, np.unique(kth_at), axis=-1)
+            kth = part[np.arange(len(s)), kth_at][:, None]
+            return np.where(s < kth, -np.inf, s)
+        return _on_rows(scores, (k > 0) & (k < v), warp)
 
 
 class TopP:
     """Nucleus: the smallest set of most likely tokens whose probability reaches p stays (a token stays
-    when the mass of the tokens more likely than it is below p; the most likely always stays)."""
+    when the mass of the tokens more likely than it is below p; the most likely always stays; p >= 1:
+    every token stays)."""
 
     argmax_invariant = True
     reads_history = False
 
-    def __init__(self, p: float):
-        self.p = p
+    def __init__(self, p: float | np.ndarray):
+        self.p = p  # one for every row, or one per row
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[TopP | None]) -> TopP:
+        return cls(_stacked(procs, "p", 1.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        probs = softmax(scores)
-        order = np.argsort(-probs, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(probs, order, axis=-1)
-        before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each token
-        keep = np.zeros(scores.shape, dtype=bool)
-        np.put_along_axis(keep, order, before < self.p, axis=-1)
-        return np.where(keep, scores, -np.inf)
+        p = _per_row(self.p, len(scores))
+
+        def warp(s: np.ndarray, at) -> np.ndarray:
+            probs = softmax(s)
+            keep = np.zeros(s.shape, dtype=bool)
+            for row, row_p, row_keep in zip(probs, p[at], keep):
+                _top_p_keep(row, row_p, row_keep)
+            return np.where(keep, s, -np.inf)
+        return _on_rows(scores, p < 1.0, warp)
+
+
+_MARGIN = 1e-6  # the head's mass must pass p by this much (far above cumsum's rounding, ~1e-11)
+
+
+def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
+    """TopP's kept tokens of one row (V,) into `keep`, sorting only the head of the distribution (a
+    full argsort is most of the cost): the tokens at or above the m-th largest probability (ties
+    included) are a prefix of the stable descending order, so their sorted order, cumsum and
+    `before < p` are the full sort's own; once the head's mass is past p (with a margin), every token
+    after it has `before` >= p too, removed. The head grows until it is; the full sort is the last resort."""
+    v = len(probs)
+    m = 256
+    while m < v:
+        head = np.flatnonzero(probs >= np.partition(probs, v - m)[v - m])  # index order: the stable tie-break
+        sorted_p = probs[head]
+        order = np.argsort(-sorted_p, kind="stable")
+        sorted_p = sorted_p[order]
+        cum = np.cumsum(sorted_p)
+        if len(cum) and cum[-1] >= p + _MARGIN:  # (a row of NaN, all removed: no head)
+            keep[head[order]] = cum - sorted_p < p
+            return
+        m *= 4
+    order = np.argsort(-probs, kind="stable")
+    sorted_p = probs[order]
+    keep[order] = np.cumsum(sorted_p) - sorted_p < p
 
 
 class MinP:
     """Only tokens at least `min_p` times as likely as the most likely token stay (transformers'
-    MinPLogitsWarper, vLLM's min_p): removed where p < min_p * max p. The most likely always stays."""
+    MinPLogitsWarper, vLLM's min_p): removed where p < min_p * max p. The most likely always stays
+    (min_p 0: every token)."""
 
     argmax_invariant = True
     reads_history = False
 
-    def __init__(self, min_p: float):
-        self.min_p = min_p
+    def __init__(self, min_p: float | np.ndarray):
+        self.min_p = min_p  # one for every row, or one per row
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[MinP | None]) -> MinP:
+        return cls(_stacked(procs, "min_p", 0.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        probs = softmax(scores)
-        return np.where(probs < self.min_p * probs.max(axis=-1, keepdims=True), -np.inf, scores)
+        min_p = _per_row(self.min_p, len(scores))
+
+        def warp(s: np.ndarray, at) -> np.ndarray:
+            probs = softmax(s)
+            return np.where(probs < min_p[at, None] * probs.max(axis=-1, keepdims=True), -np.inf, s)
+        return _on_rows(scores, min_p > 0, warp)
 
 
 class MinTokens:
@@ -150,37 +247,65 @@ class MinTokens:
     argmax_invariant = False
     reads_history = True
 
-    def __init__(self, min_tokens: int, end_ids: Iterable[int]):
-        self.min_tokens = min_tokens
+    def __init__(self, min_tokens: int | np.ndarray, end_ids: Iterable[int]):
+        self.min_tokens = min_tokens  # one for every row, or one per row (0: left as is)
         self.end_ids = np.unique(np.asarray(list(end_ids), dtype=np.int64))
+        self.end_rows: np.ndarray | None = None  # for_rows: the row of each end id; None: every row's
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[MinTokens | None]) -> MinTokens:
+        out = cls(_stacked(procs, "min_tokens", 0).astype(np.int64), ())
+        live = [(i, p) for i, p in enumerate(procs) if p is not None]
+        if live:
+            out.end_ids = np.concatenate([p.end_ids for _, p in live])
+        out.end_rows = np.repeat(np.array([i for i, _ in live], dtype=np.int64), [len(p.end_ids) for _, p in live])
+        return out
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-        short = np.flatnonzero([len(h.output) < self.min_tokens for h in rows])
-        ids = self.end_ids[self.end_ids < scores.shape[-1]]
-        if len(short) and len(ids):
-            scores[np.ix_(short, ids)] = -np.inf
+        need = _per_row(self.min_tokens, len(rows), np.int64)
+        short = np.flatnonzero([len(h.output) < m for h, m in zip(rows, need)])
+        inside = self.end_ids < scores.shape[-1]
+        if self.end_rows is None:
+            ids = self.end_ids[inside]
+            if len(short) and len(ids):
+                scores[np.ix_(short, ids)] = -np.inf
+        else:
+            hit = inside & np.isin(self.end_rows, short)
+            scores[self.end_rows[hit], self.end_ids[hit]] = -np.inf
         return scores
 
 
 class AllowedTokens:
     """Only the given tokens can be sampled: every other gets -inf (vLLM's allowed_token_ids, which
-    it applies before the penalties and the bias). One mask, shared by every row of the call; ids
-    outside the model's vocabulary are left out."""
+    it applies before the penalties and the bias). Ids outside the model's vocabulary are left out."""
 
     argmax_invariant = False
     reads_history = False
 
-    def __init__(self, ids: Iterable[int]):
+    def __init__(self, ids: Iterable[int], each: Sequence[AllowedTokens | None] | None = None):
         self.ids = np.unique(np.asarray(list(ids), dtype=np.int64))
         self._banned: np.ndarray | None = None  # the complement, made once for the logits' width
+        self._each = each  # for_rows: row i masked by each[i]'s own mask (None: left as is)
 
-    def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        vocab = scores.shape[-1]
+    @classmethod
+    def for_rows(cls, procs: Sequence[AllowedTokens | None]) -> AllowedTokens:
+        return cls((), list(procs))
+
+    def banned(self, vocab: int) -> np.ndarray:
+        """The tokens this one removes, as a mask (vocab,) (kept for the width it was last asked for)."""
         if self._banned is None or self._banned.shape[0] != vocab:
             banned = np.ones(vocab, dtype=bool)
             banned[self.ids[self.ids < vocab]] = False
             self._banned = banned
-        scores[:, self._banned] = -np.inf
+        return self._banned
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
+        vocab = scores.shape[-1]
+        if self._each is None:
+            scores[:, self.banned(vocab)] = -np.inf
+        for i, own in enumerate(self._each or ()):
+            if own is not None:
+                scores[i, own.banned(vocab)] = -np.inf
         return scores
 
 
@@ -195,10 +320,24 @@ class LogitBias:
         pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
         self.ids = np.asarray([t for t, _ in pairs], dtype=np.int64)
         self.values = np.asarray([b for _, b in pairs], dtype=np.float64)
+        self.rows: np.ndarray | None = None  # for_rows: the row of each (id, bias); None: every row's
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[LogitBias | None]) -> LogitBias:
+        out = cls(())
+        live = [(i, p) for i, p in enumerate(procs) if p is not None]
+        if live:
+            out.ids = np.concatenate([p.ids for _, p in live])
+            out.values = np.concatenate([p.values for _, p in live])
+        out.rows = np.repeat(np.array([i for i, _ in live], dtype=np.int64), [len(p.ids) for _, p in live])
+        return out
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
         inside = self.ids < scores.shape[-1]
-        scores[:, self.ids[inside]] += self.values[inside]
+        if self.rows is None:
+            scores[:, self.ids[inside]] += self.values[inside]
+        else:  # (row, id) pairs are distinct: each row's ids are
+            scores[self.rows[inside], self.ids[inside]] += self.values[inside]
         return scores
 
 
@@ -215,20 +354,28 @@ class RepetitionPenalty:
     """The CTRL rule (Keskar et al. 2019), as transformers' RepetitionPenaltyLogitsProcessor and
     vLLM's repetition_penalty apply it: the logit of every token in the row's prompt or output is
     divided by the penalty where it is positive, multiplied by it otherwise (> 1 discourages
-    repeating, < 1 encourages it)."""
+    repeating, < 1 encourages it, 1: left as is)."""
 
     argmax_invariant = False
     reads_history = True
 
-    def __init__(self, penalty: float):
-        self.penalty = penalty
+    def __init__(self, penalty: float | np.ndarray):
+        self.penalty = penalty  # one for every row, or one per row
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[RepetitionPenalty | None]) -> RepetitionPenalty:
+        return cls(_stacked(procs, "penalty", 1.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-        row, token = np.divmod(np.unique(_flat_ids(rows, scores.shape[-1], prompt=True)), scores.shape[-1])
+        vocab = scores.shape[-1]
+        penalty = _per_row(self.penalty, len(rows))
+        at = np.flatnonzero(penalty != 1.0)
+        row, token = np.divmod(np.unique(_flat_ids([rows[i] for i in at], vocab, prompt=True)), vocab)
         if len(row):
-            seen = scores[row, token]
+            row = at[row]
+            seen, by = scores[row, token], penalty[row]
             with np.errstate(over="ignore", under="ignore"):  # a huge penalty: -inf, a ban (0 where positive)
-                scores[row, token] = np.where(seen > 0, seen / self.penalty, seen * self.penalty)
+                scores[row, token] = np.where(seen > 0, seen / by, seen * by)
         return scores
 
 
@@ -240,15 +387,23 @@ class PresenceFrequencyPenalty:
     argmax_invariant = False
     reads_history = True
 
-    def __init__(self, presence: float, frequency: float):
-        self.presence = presence
+    def __init__(self, presence: float | np.ndarray, frequency: float | np.ndarray):
+        self.presence = presence  # each one for every row, or one per row
         self.frequency = frequency
 
+    @classmethod
+    def for_rows(cls, procs: Sequence[PresenceFrequencyPenalty | None]) -> PresenceFrequencyPenalty:
+        return cls(_stacked(procs, "presence", 0.0), _stacked(procs, "frequency", 0.0))
+
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-        flat, counts = np.unique(_flat_ids(rows, scores.shape[-1], prompt=False), return_counts=True)
+        vocab = scores.shape[-1]
+        presence, frequency = _per_row(self.presence, len(rows)), _per_row(self.frequency, len(rows))
+        at = np.flatnonzero((presence != 0) | (frequency != 0))
+        flat, counts = np.unique(_flat_ids([rows[i] for i in at], vocab, prompt=False), return_counts=True)
         if len(flat):
-            row, token = np.divmod(flat, scores.shape[-1])
-            scores[row, token] -= counts * self.frequency + self.presence  # (row, token) pairs are distinct
+            row, token = np.divmod(flat, vocab)
+            row = at[row]
+            scores[row, token] -= counts * frequency[row] + presence[row]  # (row, token) pairs are distinct
         return scores
 
 
@@ -263,9 +418,14 @@ class ConstraintMask:
     argmax_invariant = False
     reads_history = True
 
-    def __init__(self, spec: ConstraintSpec):
+    def __init__(self, spec: ConstraintSpec | None, each: Sequence[ConstraintMask | None] | None = None):
         self.spec = spec
         self._rows: dict[int, tuple[Constraint, list[int]]] = {}  # id(row) -> (matcher, the tokens it consumed)
+        self._each = each  # for_rows: row i masked by each[i]'s matchers (None: left as is); spec None
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[ConstraintMask | None]) -> ConstraintMask:
+        return cls(None, list(procs))
 
     def _synced(self, history: History) -> Constraint | None:
         """The row's matcher at the end of `history`, or None where the history holds a refused token."""
@@ -290,6 +450,9 @@ class ConstraintMask:
         return matcher if ok == len(new) else None
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+        if self._each is not None:  # rows of their own, each with its own matchers: one batched mask
+            mask_rows(scores, [None if own is None else own._synced(h) for own, h in zip(self._each, rows)])
+            return scores
         if len({id(h.row) for h in rows}) == len(rows):  # one history per row: one batched mask
             mask_rows(scores, [self._synced(h) for h in rows])
             return scores
@@ -306,9 +469,15 @@ def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
     return (EOT_ID, *settings.stop_token_ids)
 
 
+# The order every list applies its processors in (vLLM's; see the module): each row's list is in it,
+# so rows with lists of their own merge into one batch list by it (sampling.sample_many).
+ORDER: tuple[type, ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
+                           PresenceFrequencyPenalty, Temperature, MinP, TopK, TopP)
+
+
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
-    """The ordered list for `settings` (only those that change anything). Greedy decoding keeps those
-    that can move the argmax (min_tokens, logit_bias, the penalties) and skips the warpers."""
+    """The ordered list for `settings` (only those that change anything), in ORDER. Greedy decoding
+    keeps those that can move the argmax (min_tokens, logit_bias, the penalties) and skips the warpers."""
     chain: list[LogitsProcessor] = []
     if settings.constraint is not None:
         chain.append(ConstraintMask(settings.constraint))
@@ -323,7 +492,7 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
     if settings.presence_penalty or settings.frequency_penalty:
         chain.append(PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty))
     if settings.greedy:
-        return chain
+        return sorted(chain, key=lambda p: ORDER.index(type(p)))
     if settings.temperature != 1.0:
         chain.append(Temperature(settings.temperature))
     if settings.min_p:
@@ -332,7 +501,7 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
         chain.append(TopK(settings.top_k))
     if settings.top_p < 1.0:
         chain.append(TopP(settings.top_p))
-    return chain
+    return sorted(chain, key=lambda p: ORDER.index(type(p)))
 
 
 def softmax(scores: np.ndarray, inplace: bool = False) -> np.ndarray:

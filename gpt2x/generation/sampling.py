@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.random  # noqa: F401  loaded here, not by the first Sampler a request makes (NumPy 2 loads it lazily: ~6.5 ms)
 
-from .processors import History, MinP, Temperature, TopK, TopP, processors_for, softmax
+from .processors import ORDER, History, LogitsProcessor, processors_for, softmax
 from .settings import SamplingSettings
 
 
@@ -78,108 +78,60 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(np.asarray(picked, dtype=np.int64), p.shape[-1] - 1)
 
 
-# The warpers sample_many applies to a group at once, with each row's parameter as a column.
-_ROWWISE = (Temperature, TopK, TopP, MinP)
-
-
-def _rowwise(kind: type, chain: Sequence, scores: np.ndarray) -> np.ndarray:
-    """One warper type over a group's scores (n, V), each row with its own processor's parameter:
-    the same per-row arithmetic as the processor itself (processors.py), so the scores are the same."""
-    if kind is Temperature:
-        with np.errstate(over="ignore"):
-            return scores / np.array([[p.temperature] for p in chain], dtype=np.float64)
-    if kind is MinP:
-        probs = softmax(scores)
-        floor = np.array([[p.min_p] for p in chain], dtype=np.float64) * probs.max(axis=-1, keepdims=True)
-        return np.where(probs < floor, -np.inf, scores)
-    if kind is TopK:
-        v = scores.shape[-1]
-        ks = np.array([p.k for p in chain], dtype=np.int64)
-        live = ks < v  # k >= V keeps the whole row, as TopK does
-        if not live.any():
-            return scores
-        # one partition puts every asked k-th largest in its sorted place (the same value TopK reads)
-        kth_at = v - ks[live]
-        part = np.partition(scores[live], np.unique(kth_at), axis=-1)
-        kth = np.full((len(scores), 1), -np.inf)
-        kth[live, 0] = part[np.arange(len(kth_at)), kth_at]
-        return np.where(scores < kth, -np.inf, scores)
-    probs = softmax(scores)  # TopP
-    keep = np.zeros(scores.shape, dtype=bool)
-    for i, proc in enumerate(chain):
-        _top_p_keep(probs[i], proc.p, keep[i])
-    return np.where(keep, scores, -np.inf)
-
-
-_MARGIN = 1e-6  # the head's mass must pass p by this much (far above cumsum's rounding, ~1e-11)
-
-
-def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
-    """TopP's kept tokens of one row (V,) into `keep`, sorting only the head of the distribution:
-    the tokens at or above the m-th largest probability (ties included) are a prefix of TopP's stable
-    order, so their sorted order, cumsum and `before < p` are TopP's own; once the head's mass is
-    past p (with a margin), every token after it has `before` >= p too, removed as in TopP. The head
-    doubles until it is; the full sort is the last resort. (TopP's full argsort is most of its cost.)"""
-    v = len(probs)
-    m = 256
-    while m < v:
-        head = np.flatnonzero(probs >= np.partition(probs, v - m)[v - m])  # index order: the stable tie-break
-        sorted_p = probs[head]
-        order = np.argsort(-sorted_p, kind="stable")
-        sorted_p = sorted_p[order]
-        cum = np.cumsum(sorted_p)
-        if len(cum) and cum[-1] >= p + _MARGIN:  # (a row of NaN, all removed: no head)
-            keep[head[order]] = cum - sorted_p < p
-            return
-        m *= 4
-    order = np.argsort(-probs, kind="stable")
-    sorted_p = probs[order]
-    keep[order] = np.cumsum(sorted_p) - sorted_p < p
-
-
-def _shape(sampler: Sampler) -> tuple | None:
-    """The key under which samplers can sample together (greedy, their processor types in order), or
-    None for one that must sample alone (a subclass)."""
+def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
+    """The sampler's processors by type, or None for one that must sample alone (a subclass, or a
+    processor outside processors.ORDER: its place among other rows' processors is unknown)."""
     if type(sampler) is not Sampler:
         return None
-    return (sampler.s.greedy, tuple(type(p) for p in sampler.processors))
+    kinds = {type(p): p for p in sampler.processors}
+    if len(kinds) != len(sampler.processors) or not all(k in ORDER for k in kinds):
+        return None
+    return kinds
 
 
-def _sample_group(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-    """samplers of one _shape, one row of `logits` (n, V) each: the warpers applied to all rows at once
-    (per-row parameters), the others (penalties, bias, min_tokens, a constraint) by each row's own
-    processor on its row; then one softmax and cumsum, or one argmax, over the group."""
-    first = samplers[0]
-    if first.argmax_only:
-        return logits.argmax(axis=-1).astype(np.int64)
+def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: np.ndarray,
+                  rows: Sequence[History]) -> np.ndarray:
+    """One row of `logits` (n, V) per sampler: each processor type any row has, in ORDER, applied once
+    to every row with each row's own parameters (a row without it: the identity); then one argmax
+    over the greedy rows, one softmax and cumsum over the others."""
     scores = logits.astype(np.float64)
-    for j, proc in enumerate(first.processors):
-        chain = [s.processors[j] for s in samplers]
-        if type(proc) in _ROWWISE:
-            scores = _rowwise(type(proc), chain, scores)
-        else:
-            for i, p in enumerate(chain):
-                scores[i : i + 1] = p(scores[i : i + 1], [rows[i]])
-    if first.s.greedy:
-        return scores.argmax(axis=-1).astype(np.int64)
-    u = np.array([s.rng.random(1)[0] for s in samplers])  # one uniform per row from its own stream
-    return _inverse_cdf(softmax(scores, inplace=True), u)  # `scores` is this function's own (astype copies)
+    if len(samplers) == 1:  # the batch of one: its own list
+        batch = samplers[0].processors
+    else:
+        batch = [kind.for_rows([c.get(kind) for c in chains]) for kind in ORDER if any(kind in c for c in chains)]
+    for process in batch:
+        scores = process(scores, rows)
+    greedy = np.array([s.s.greedy for s in samplers])
+    out = np.empty(len(samplers), dtype=np.int64)
+    if greedy.any():
+        out[greedy] = scores[greedy].argmax(axis=-1)
+    drawn = np.flatnonzero(~greedy)
+    if len(drawn):
+        u = np.array([samplers[i].rng.random(1)[0] for i in drawn])  # one uniform per row from its own stream
+        p = scores if len(drawn) == len(scores) else scores[drawn]  # `scores` is this function's own (astype copies)
+        out[drawn] = _inverse_cdf(softmax(p, inplace=True), u)
+    return out
 
 
 def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History]) -> np.ndarray:
     """One token (B,) int64 per row of `logits` (B, V), row i drawn by its own `samplers[i]` (distinct
     samplers) given `rows[i]`: the same token as `samplers[i](logits[i:i+1], [rows[i]])`, its stream
-    moved alike, but rows whose samplers are of one shape (processor types) share the NumPy work
-    (the serving engine's batch: a Sampler per request)."""
+    moved alike, but the rows share the NumPy work (the serving engine's batch: a Sampler per
+    request): each processor runs once over the rows with per-row parameters (processors.for_rows)."""
     out = np.empty(len(samplers), dtype=np.int64)
-    groups: dict[tuple, list[int]] = {}
+    plain, batch, chains = [], [], []
     for i, s in enumerate(samplers):
-        key = _shape(s)
-        if key is None:
+        kinds = None if s.argmax_only else _by_kind(s)
+        if s.argmax_only:
+            plain.append(i)
+        elif kinds is None:
             out[i] = s(logits[i : i + 1], [rows[i]])[0]
         else:
-            groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        group = logits if len(members) == len(logits) else logits[members]  # all rows: no copy
-        out[members] = _sample_group([samplers[i] for i in members], group, [rows[i] for i in members])
+            batch.append(i)
+            chains.append(kinds)
+    if plain:  # nothing moves their argmax: the logits' own, without a float64 copy
+        out[plain] = (logits if len(plain) == len(logits) else logits[plain]).argmax(axis=-1)
+    if batch:
+        group = logits if len(batch) == len(logits) else logits[batch]  # all rows: no copy
+        out[batch] = _sample_batch([samplers[i] for i in batch], chains, group, [rows[i] for i in batch])
     return out
