@@ -29,6 +29,7 @@ from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
 from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.serve.outputs import Failed, Finished, TokenOut
 from gpt2x.tokenizer import EOT_ID
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,14 +297,14 @@ class Collect:
         self.done = threading.Event()
         self.after, self.then = after, then
 
-    def __call__(self, kind: str, value: object) -> None:
-        if kind == "token":
-            self.tokens.append(value)
+    def __call__(self, out) -> None:
+        if isinstance(out, TokenOut):
+            self.tokens.append(out.token)
             if self.then and len(self.tokens) == self.after:
                 self.then()
                 self.then = None
-        else:
-            self.end = (kind, value)
+        elif isinstance(out, (Finished, Failed)):
+            self.end = ("done", out.reason) if isinstance(out, Finished) else ("error", out.message)
             self.done.set()
 
 

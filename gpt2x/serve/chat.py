@@ -172,12 +172,12 @@ def response(req: api.CompletionRequest, texts: list[str], reasons: list[str | N
             "usage": usage.model_dump()}
 
 
-def chunk(req: api.CompletionRequest, choices: list[dict], usage: api.Usage | None = None) -> str:
+def chunk(req: api.CompletionRequest, choices: list[dict], usage: api.Usage | None = None) -> dict:
     body = {"id": chat_id(req.id), "object": "chat.completion.chunk", "created": req.created or int(time.time()),
             "model": req.model, "choices": choices}
     if usage is not None:
         body["usage"] = usage.model_dump()
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"  # compact, as the completions chunks
+    return body
 
 
 def delta(index: int, text: str, reason: str | None, first: bool) -> dict:

@@ -16,9 +16,10 @@ from ..generation.logprobs import LogprobEntry
 from ..generation.settings import Finish
 from ..generation.speculative import Drafter, DraftSettings
 from ..runtime.base import Backend
+from .outputs import Failed, Finished, Output, PromptLogprobs, Sink, TokenOut
 from .prefix_cache import PrefixCache
 from .runner import Ended, Executed, Runner, Scored, Searched, Step
-from .scheduler import EngineClosed, EngineSettings, QueueFull, Row, Scheduler, Sink
+from .scheduler import EngineClosed, EngineSettings, QueueFull, Row, Scheduler
 
 __all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "Observer", "QueueFull", "Row", "Sink",
            "refuse_batched_draft"]
@@ -118,7 +119,7 @@ class Engine:
         in the log, when it is still running after `timeout` seconds (a step that does not return):
         the backend is then left open, for the thread still uses it."""
         for row in self.scheduler.close():
-            self._tell(row, "error", "the server is shutting down")
+            self._tell(row, Failed("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self._thread.is_alive():
@@ -131,7 +132,7 @@ class Engine:
         flight given `grace` seconds to finish, then what is left of it ended with `message` (`abort`),
         and the thread joined (`close`). True once the thread has stopped."""
         for row in self.scheduler.close():
-            self._tell(row, "error", message)
+            self._tell(row, Failed(message))
         self._thread.join(grace)
         if self._thread.is_alive():
             self.abort(message)
@@ -140,7 +141,7 @@ class Engine:
     def abort(self, message: str) -> int:
         """End every row of the batch in flight that has not finished with an error (`message`), from
         any thread: each is cancelled (it leaves the batch before the next step), its callback told
-        ("error", message) and then nothing more (not the "done" of its cancel). Returns how many rows
+        Failed(message) and then nothing more (not the Finished of its cancel). Returns how many rows
         it ended."""
         ended = 0
         for row in list(self.scheduler.in_flight):
@@ -148,7 +149,7 @@ class Engine:
                 tell, row.sink = row.sink, _told_nothing
                 row.cancel()
                 try:
-                    tell("error", message)
+                    tell(Failed(message))
                 except Exception:  # its client is gone: nothing to tell
                     log.exception("a row's callback failed")
                 ended += 1
@@ -168,7 +169,7 @@ class Engine:
                 for row in self.scheduler.fail():
                     if not row.finished:
                         row.finish = Finish.cancelled
-                        self._tell(row, "error", f"generation failed: {e}")
+                        self._tell(row, Failed(f"generation failed: {e}"))
                 continue
             self.scheduler.update(self.runner.batch, self.runner.joined)
 
@@ -185,7 +186,7 @@ class Engine:
             for event in done.events:
                 self._tell_event(rows[event.row], event)
         elif isinstance(done, Scored):
-            self._tell(done.row, "prompt", done.entries)
+            self._tell(done.row, PromptLogprobs(done.entries))
         elif isinstance(done, Ended):
             self._end(done.row, done.reason)
         elif isinstance(done, Searched):
@@ -197,12 +198,13 @@ class Engine:
             self._count_end(target)  # before its tokens: its answer may end with the last one
             for i, token in enumerate(tokens):
                 target.tokens.append(token)
-                if i == len(tokens) - 1 and finish is not Finish.eos:
-                    target.finish = finish  # its last token, told as such
+                last = finish if i == len(tokens) - 1 and finish is not Finish.eos else None
+                if last is not None:
+                    target.finish = last  # its last token, told as such
                 self.counters["tokens"] += 1
-                self._tell(target, "token", token)
+                self._tell(target, TokenOut(token, None, last))
             target.finish = finish
-            self._tell(target, "done", finish)
+            self._tell(target, Finished(finish))
         for target in row.beam_rows[len(hypotheses):]:  # fewer hypotheses than asked (none finished)
             self._end(target, Finish.length)
 
@@ -214,34 +216,28 @@ class Engine:
     def _end(self, row: Row, reason: Finish) -> None:
         row.finish = reason
         self._count_end(row)
-        self._tell(row, "done", reason)
-
-    def _tell_events(self, rows: list[Row], events: list[Event]) -> None:
-        for event in events:
-            self._tell_event(rows[event.row], event)
+        self._tell(row, Finished(reason))
 
     def _tell_event(self, row: Row, event: Event) -> None:
-        """A row's event told as its callback hears it: the token's logprobs, the token, its end."""
-        if event.logprob is not None:
-            self._tell(row, "logprob", event.logprob)
+        """A row's event told as its callback hears it: the token (with its logprobs), then its end."""
         if self.observer is not None and (event.token is not None or event.finish in _SAMPLED_ENDS):
             self.observer.token(row, time.monotonic())
         if event.finish is not None:  # counted before the last token is told: its answer may end with it
             self._count_end(row)
         if event.token is not None:
             self.counters["tokens"] += 1
-            self._tell(row, "token", event.token)
-        if event.finish is not None:
-            self._tell(row, "done", event.finish)
+            self._tell(row, TokenOut(event.token, event.logprob, event.finish))
+        if event.finish is not None:  # the logprobs of the end-of-text or stop token, which is not kept
+            self._tell(row, Finished(event.finish, event.logprob if event.token is None else None))
 
-    def _tell(self, row: Row, kind: str, value: object) -> None:
+    def _tell(self, row: Row, out: Output) -> None:
         try:
-            row.sink(kind, value)
+            row.sink(out)
         except Exception:  # a callback that fails (its client is gone) cancels its row, nothing more
             log.exception("a row's callback failed; cancelling the row")
             row.cancel()
 
 
-def _told_nothing(kind: str, value: object) -> None:
+def _told_nothing(out: Output) -> None:
     """The callback of a row that was told its end already (Engine.abort)."""
 

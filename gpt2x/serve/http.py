@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -202,11 +202,11 @@ def new_app() -> FastAPI:
 
 
 class JSONBody(Response):
-    """A response body model (protocol.py), serialised once (protocol.to_json)."""
+    """A response body (protocol.py's models, chat.py's dicts), serialised once (protocol.to_json)."""
 
     media_type = "application/json"
 
-    def render(self, content: BaseModel) -> bytes:
+    def render(self, content: BaseModel | dict) -> bytes:
         return api.to_json(content).encode()
 
 
@@ -322,28 +322,27 @@ class HttpApi:
         usage = pending.usage()  # what the body says
         await self._answered(usage.prompt_tokens, usage.completion_tokens,
                              [(reason or "stop", seconds) for reason in pending.reasons], pending)
-        return JSONResponse(body) if chat else JSONBody(body)
+        return JSONBody(body)
 
-    async def _counted_stream(self, events: AsyncIterator[str], pending: Any, started: float) -> AsyncIterator[str]:
-        """A stream's events, passed on as they come; each choice's end timed as its finish_reason goes
-        out, and the request counted (and published) before its last event, `[DONE]`, unless the stream
-        ended in an error (its last events: the error, then `[DONE]`)."""
+    async def _counted_stream(self, events: AsyncIterator[api.StreamEvent], pending: Any,
+                              started: float) -> AsyncIterator[str]:
+        """A stream's events rendered as server-sent events as they come; each choice's end timed as
+        its finish_reason goes out, and the request counted (and published) before its last event,
+        DONE, unless the stream ended in an error (its last events: the error, then DONE)."""
         ended: list[tuple[str, float]] = []
         failed = counted = False
         try:
             async for event in events:
-                if event.startswith('data: {"error":'):
+                if event.error:
                     failed = True
-                elif '"finish_reason":"' in event:
-                    chunk = json.loads(event[len("data: "):])
-                    ended += [(c["finish_reason"], time.monotonic() - started) for c in chunk["choices"]
-                              if c["finish_reason"]]
-                elif event.startswith("data: [DONE]"):
+                elif event.reasons:
+                    ended += [(reason, time.monotonic() - started) for reason in event.reasons]
+                elif event.body == api.DONE:
                     counted = True
                     if not failed:
                         usage = pending.usage()  # what the usage chunk says
                         await self._answered(usage.prompt_tokens, usage.completion_tokens, ended, pending)
-                yield event
+                yield api.sse(event.body)
         finally:
             if not counted:  # the client left mid-stream (the response was cancelled or closed)
                 self._aborted(pending, started, ended)

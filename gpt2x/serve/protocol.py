@@ -858,16 +858,32 @@ def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | No
     return CompletionResponse(id=req.id, created=req.created, model=req.model, choices=choices, usage=usage_)
 
 
-def to_json(body: BaseModel) -> str:
-    """A response body as JSON. A completion without usage (a stream's chunks) leaves the key out, as
-    OpenAI's does; every other field is there, null where it has no value."""
+def to_json(body: BaseModel | dict) -> str:
+    """A response body as JSON (compact; a dict: serve/chat.py's bodies). A completion without usage
+    (a stream's chunks) leaves the key out, as OpenAI's does; every other field is there, null where
+    it has no value."""
+    if isinstance(body, dict):
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     exclude = {"usage"} if isinstance(body, CompletionResponse) and body.usage is None else None
     return body.model_dump_json(exclude=exclude)
 
 
-def sse(body: BaseModel | str) -> str:
+DONE = "[DONE]"  # a stream's last event
+
+
+def sse(body: BaseModel | dict | str) -> str:
     """One server-sent event: `data: JSON` (or `data: [DONE]`) and a blank line."""
     return f"data: {body if isinstance(body, str) else to_json(body)}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One event of a streamed response before it is rendered (`sse`): a chunk, with the finish
+    reasons of the choices it ends; an error that ends the stream; or the last, DONE."""
+
+    body: BaseModel | dict | str
+    reasons: tuple[str, ...] = ()
+    error: bool = False
 
 
 def model_list(model: str, created: int, max_model_len: int) -> ModelList:

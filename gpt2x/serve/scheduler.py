@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import UsageError
 from ..generation.decode import Sequence
 from ..generation.settings import Finish, SamplingSettings
+from .outputs import Sink
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -62,14 +63,6 @@ class EngineSettings:
         for name in ("batch_wait_s", "max_join_delay_s"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
-
-
-# What a row's callback hears: ("token", id) for each token, then once ("done", reason) with reason a
-# generation.settings.Finish: eos (end of text), length (its token budget) or cancelled; or ("error",
-# message). A row with logprobs also hears ("logprob", LogprobEntry) before each ("token", id), and
-# before the ("done", Finish.eos) of the end-of-text token; with prompt_logprobs, first ("prompt",
-# [entry per prompt token]), the first entry (id, None, None).
-Sink = Callable[[str, object], None]
 
 
 class Row(Sequence):

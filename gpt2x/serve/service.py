@@ -1,10 +1,10 @@
 """What one replica serves, independent of the HTTP framework: the backend opened from an export,
 its engine, and completions as a whole response or as a stream of server-sent events.
 
-The engine's thread hands each token (and, for a request with logprobs, each token's logprobs and
-its prompt's) to the request's asyncio loop (call_soon_threadsafe); a request whose consumer goes
-away (client disconnected, stop string found, server stopping) cancels its rows, which leave the
-batch before the next decode step.
+The engine's thread hands each row's outputs (serve/outputs.py) to the request's asyncio loop
+(call_soon_threadsafe); a request whose consumer goes away (client disconnected, stop string found,
+server stopping) cancels its rows, which leave the batch before the next decode step. A stream is
+handed to the HTTP side as typed events (protocol.StreamEvent), rendered there once.
 
 A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
 p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled
@@ -28,6 +28,7 @@ from ..tokenizer import VOCAB_SIZE
 from . import chat
 from . import protocol as api
 from .engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
+from .outputs import Finished, Output, PromptLogprobs, TokenOut
 
 
 class CompletionService:
@@ -78,9 +79,9 @@ class CompletionService:
             texts[index].append(piece)
         return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
 
-    async def stream_chat(self, pending: Pending) -> AsyncIterator[str]:
-        """Chat's server-sent events: `chat.completion.chunk`s (the role with each choice's first), a
-        usage chunk if asked for, then `data: [DONE]`."""
+    async def stream_chat(self, pending: Pending) -> AsyncIterator[api.StreamEvent]:
+        """Chat's stream: `chat.completion.chunk`s (the role with each choice's first), a usage chunk if
+        asked for, then DONE."""
         req = pending.req
         started: set[int] = set()
         try:
@@ -88,14 +89,15 @@ class CompletionService:
                 first = index not in started
                 started.add(index)
                 usage = pending.usage() if req.continuous_usage else None
-                yield chat.chunk(req, [chat.delta(index, piece, reason, first)], usage)
+                yield api.StreamEvent(chat.chunk(req, [chat.delta(index, piece, reason, first)], usage),
+                                      (reason,) if reason else ())
         except api.APIError as e:
-            yield api.sse(e.body())
-            yield api.sse("[DONE]")
+            yield api.StreamEvent(e.body(), error=True)
+            yield api.StreamEvent(api.DONE)
             return
         if req.include_usage:
-            yield chat.chunk(req, [], pending.usage())
-        yield api.sse("[DONE]")
+            yield api.StreamEvent(chat.chunk(req, [], pending.usage()))
+        yield api.StreamEvent(api.DONE)
 
     def submit(self, req: api.CompletionRequest) -> Pending:
         """Queue the request's rows (its choices) in the engine (all or none), before any response is
@@ -131,23 +133,24 @@ class CompletionService:
                    for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
         return api.completion(req, choices, pending.usage())
 
-    async def stream(self, pending: Pending) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per released piece of text (with the logprobs of the tokens
-        it releases), each choice's finish_reason on the chunk of its last token (as vLLM's: a chunk
-        of its own only where the choice ends without a token of text, at end of text or a stop token
-        id), a usage chunk if asked for, then `data: [DONE]`."""
+    async def stream(self, pending: Pending) -> AsyncIterator[api.StreamEvent]:
+        """The stream: one chunk per released piece of text (with the logprobs of the tokens it
+        releases), each choice's finish_reason on the chunk of its last token (as vLLM's: a chunk of
+        its own only where the choice ends without a token of text, at end of text or a stop token
+        id), a usage chunk if asked for, then DONE."""
         req = pending.req
         try:
             async for index, delta, reason, logprobs, extra in pending.events():
                 usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
-                yield api.sse(api.completion(req, [api.choice(index, delta, reason, logprobs, **extra)], usage))
+                yield api.StreamEvent(api.completion(req, [api.choice(index, delta, reason, logprobs, **extra)], usage),
+                                      (reason,) if reason else ())
         except api.APIError as e:  # the status line is sent already: the error is the last event
-            yield api.sse(e.body())
-            yield api.sse("[DONE]")
+            yield api.StreamEvent(e.body(), error=True)
+            yield api.StreamEvent(api.DONE)
             return
         if req.include_usage:
-            yield api.sse(api.completion(req, [], pending.usage()))
-        yield api.sse("[DONE]")
+            yield api.StreamEvent(api.completion(req, [], pending.usage()))
+        yield api.StreamEvent(api.DONE)
 
 
 class Pending:
@@ -166,17 +169,13 @@ class Pending:
         # return_token_ids: each choice's ids not yet sent, and whether its prompt's have been
         self._ids: list[list[int]] = [[] for _ in self.prompts]
         self._prompt_sent = [False] * len(self.prompts)
-        self._told: list[LogprobEntry | None] = [None] * len(self.prompts)  # a token's logprobs, before it
         self._start = [len(p) if req.echo else 0 for p in self.prompts]  # where the completion's text starts
         self.reasons: list[str | None] = [None] * len(self.prompts)  # each choice's finish_reason, once it ended
         self.rows = []
         for p, (ids, budget) in enumerate(zip(req.prompt_ids, req.max_tokens)):
             for i in range(req.n):
-                def sink(kind: str, value: object, index: int = p * req.n + i) -> None:
-                    # A token that ends its row comes with the row's Finish (set before it is told), so
-                    # that its chunk carries the finish_reason, as vLLM's last chunk does.
-                    last = self.rows[index].finish if kind == "token" else None
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value, last))
+                def sink(out: Output, index: int = p * req.n + i) -> None:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
 
                 row = Row(ids, req.settings(budget, i), sink, req.logprobs, self.scored, budget)
                 row.prompt_k = req.prompt_logprobs
@@ -198,9 +197,8 @@ class Pending:
         for row in self.rows:
             row.cancel()  # a no-op for finished rows; frees the rows of a request that left early
 
-    def _note(self, index: int, offset: int) -> None:
-        """The logprobs told before the token just received, at `offset` in the choice's text."""
-        entry, self._told[index] = self._told[index], None
+    def _note(self, index: int, entry: LogprobEntry | None, offset: int) -> None:
+        """A token's logprobs, at `offset` in the choice's text."""
         if entry is not None and self.logprobs[index] is not None:
             self.logprobs[index].add(entry, offset)
 
@@ -246,42 +244,40 @@ class Pending:
         open_rows = len(self.rows)
         try:
             while open_rows:
-                index, kind, value, last = await self.queue.get()
+                index, out = await self.queue.get()
                 text = self.texts[index]
                 if text.stopped or self.reasons[index] is not None:
                     continue  # already ended (a stop string, or its last token); what the row sent after is dropped
-                if kind == "logprob":
-                    self._told[index] = value
-                elif kind == "prompt":
-                    released, extra = self._prompt_event(index, value)
-                    yield index, released, None, self._taken(index), extra
-                elif kind == "token":
+                if isinstance(out, TokenOut):
                     offset = self._start[index] + len(text.text)
-                    delta = text.push(int(value))
-                    self._ids[index].append(int(value))
-                    self._note(index, offset)
+                    delta = text.push(out.token)
+                    self._ids[index].append(out.token)
+                    self._note(index, out.logprob, offset)
                     if text.stopped:  # a stop string ended it: the row need not run on
                         self.rows[index].cancel()
                         open_rows -= 1
                         self.reasons[index] = "stop"
                         yield index, delta, "stop", self._taken(index), self._extra(index)
-                    elif last is not None:  # its last token: the rest of its text (held back) and its end
+                    elif out.finish is not None:  # its last token: the rest of its text (held back) and its end
                         open_rows -= 1
                         delta += text.finish()
-                        self.reasons[index] = api.finish_reason(Finish(last), text)
+                        self.reasons[index] = api.finish_reason(out.finish, text)
                         yield index, delta, self.reasons[index], self._taken(index), self._extra(index)
                     elif delta:
                         yield index, delta, None, self._taken(index), self._extra(index)
-                elif kind == "done":
+                elif isinstance(out, Finished):
                     open_rows -= 1
                     rest = text.finish()
-                    if value in (Finish.eos, Finish.stop):  # the end-of-text or stop token, its logprobs told before
-                        self._note(index, self._start[index] + len(text.text))
-                    self.reasons[index] = api.finish_reason(Finish(value), text)
+                    if out.reason in (Finish.eos, Finish.stop):  # the end-of-text or stop token, not kept
+                        self._note(index, out.logprob, self._start[index] + len(text.text))
+                    self.reasons[index] = api.finish_reason(out.reason, text)
                     yield index, rest, self.reasons[index], self._taken(index), self._extra(index)
-                elif self.engine.closing:  # waiting or cut short by the server's stop
-                    raise api.APIError(503, str(value), "server_error", code="unavailable")
+                elif isinstance(out, PromptLogprobs):
+                    released, extra = self._prompt_event(index, out.entries)
+                    yield index, released, None, self._taken(index), extra
+                elif self.engine.closing:  # Failed: waiting, or cut short by the server's stop
+                    raise api.APIError(503, out.message, "server_error", code="unavailable")
                 else:
-                    raise api.APIError(500, str(value), "server_error")
+                    raise api.APIError(500, out.message, "server_error")
         finally:
             self.cancel()

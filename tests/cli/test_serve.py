@@ -27,6 +27,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.engine import Engine, EngineClosed, EngineSettings, Row
+from gpt2x.serve.outputs import Failed, Output, TokenOut
 from gpt2x.tokenizer import encode
 
 from ..helpers import (  # noqa: E402
@@ -297,9 +298,9 @@ def test_the_engines_stop_ends_what_its_grace_does_not_finish(export_dir):
     told: dict[int, list] = {0: [], 1: []}
 
     def sink(i: int):
-        def tell(kind: str, value: object) -> None:
-            told[i].append((time.monotonic(), kind, value))
-            if kind == "token":
+        def tell(out: Output) -> None:
+            told[i].append((time.monotonic(), type(out), out))
+            if isinstance(out, TokenOut):
                 time.sleep(0.02)  # a slow client: 250 tokens take 5 s, far past the grace
         return tell
 
@@ -313,10 +314,10 @@ def test_the_engines_stop_ends_what_its_grace_does_not_finish(export_dir):
     assert engine.stop(0.5, "the server is shutting down")
     stopped = time.monotonic()
     assert not engine.alive and 0.5 <= stopped - began < 2.0
-    assert [k for _, k, _ in told[1]] == ["error"] and told[1][0][0] - began < 0.2  # the waiting row: at once
+    assert [k for _, k, _ in told[1]] == [Failed] and told[1][0][0] - began < 0.2  # the waiting row: at once
     kinds = [k for _, k, _ in told[0]]
-    assert kinds[-1] == "error" and set(kinds[:-1]) == {"token"} and 10 < len(kinds) < 250
-    assert told[0][-1][2] == "the server is shutting down" and told[0][-1][0] - began >= 0.5
+    assert kinds[-1] is Failed and set(kinds[:-1]) == {TokenOut} and 10 < len(kinds) < 250
+    assert told[0][-1][2] == Failed("the server is shutting down") and told[0][-1][0] - began >= 0.5
     with pytest.raises(EngineClosed):
         engine.submit([Row(prompt, SamplingSettings(max_new_tokens=2), sink(1), max_tokens=2)])
     engine.backend.close()

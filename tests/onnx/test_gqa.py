@@ -24,8 +24,9 @@ from gpt2x.runtime import ort as runtime
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.exports import export_model as export
+from gpt2x.workflows import export_model as export
 
 from ..helpers import PROMPTS, as_gqa, make_hf_model
 
@@ -257,13 +258,13 @@ def test_unset_buffer_values_are_never_read(tiny_gqa, monkeypatch):
     ended = threading.Semaphore(0)
 
     def sink(i: int):
-        def on(kind, value):
-            if kind == "token":
-                got[i].append(value)
+        def on(out):
+            if isinstance(out, TokenOut):
+                got[i].append(out.token)
                 if i == 0 and len(got[0]) == 3:  # the others join the running batch
                     engine.submit([Row(encode(p), s, sink(j)) for j, p in enumerate(PROMPTS) if j])
             else:
-                assert kind == "done", value
+                assert isinstance(out, Finished), out
                 ended.release()
         return on
 

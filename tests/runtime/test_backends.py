@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from gpt2x import workflows
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.errors import ProviderError, UsageError
 from gpt2x.evaluate.parity import compare_on_cases
@@ -18,11 +19,8 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.generation.speculative import NgramDrafter, refuse_unrollable
 from gpt2x.runtime.base import Capabilities, greedy_step
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.runtime.registry import backend_class, capabilities_of
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.backends import export_backend
-from gpt2x.workflows.drafts import check_draft
 
 # The methods each capability brings (runtime/base.py), on the backend or on each of its cache forms;
 # a backend without it has none of them.
@@ -34,8 +32,8 @@ EXPORT_KINDS = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
 
 @pytest.mark.parametrize("kind", list(BackendKind))
 def test_each_capability_comes_with_its_methods(kind):
-    cls = backend_class(kind)
-    caps = capabilities_of(kind)
+    cls = workflows.backend_class(kind)
+    caps = workflows.capabilities_of(kind)
     assert isinstance(caps, Capabilities) and caps is cls.capabilities
     for field, methods in METHODS.items():
         for method in methods:
@@ -55,7 +53,7 @@ def test_each_capability_comes_with_its_methods(kind):
 def test_a_closed_backend_is_one_error_and_a_with_block_closes_it(kind, bundled_export):
     ids = np.array([encode("ROMEO:")])
     mask, pos = np.ones_like(ids), np.arange(ids.shape[1])[None]
-    with export_backend(kind, bundled_export(Precision.fp32), threads=1) as backend:
+    with workflows.export_backend(kind, bundled_export(Precision.fp32), threads=1) as backend:
         logits, _ = backend.step(ids, mask, pos, None)
         assert logits.shape == (1, backend.vocab_size)
     with pytest.raises(ProviderError, match=f"^this {kind.value} backend is closed$"):
@@ -106,10 +104,10 @@ def test_callers_go_by_the_record(ort, bundled_export):
 
 
 def test_capabilities_of_a_kind_before_opening_it():
-    assert capabilities_of(BackendKind.genai).rolls_back is False
+    assert workflows.capabilities_of(BackendKind.genai).rolls_back is False
     with pytest.raises(UsageError, match="the genai backend cannot drop positions from its cache: use torch, ort, openvino or web$"):
-        check_draft("ngram", BackendKind.genai)
-    check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
+        workflows.check_draft("ngram", BackendKind.genai)
+    workflows.check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
 
 
 class Stuck:
@@ -132,7 +130,7 @@ class Stuck:
 def test_engine_close_says_when_its_thread_could_not_stop(ort, caplog):
     stuck = Stuck(ort)
     engine = Engine(stuck, EngineSettings(max_batch_size=1)).start()
-    engine.submit([Row(encode("ROMEO:"), SamplingSettings(max_new_tokens=3, greedy=True), lambda kind, value: None)])
+    engine.submit([Row(encode("ROMEO:"), SamplingSettings(max_new_tokens=3, greedy=True), lambda out: None)])
     assert stuck.entered.wait(30)
     assert engine.close(timeout=0.2) is False and engine.alive
     assert "did not stop" in caplog.text

@@ -16,7 +16,7 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows.exports import export_model
+from gpt2x.workflows import export_model
 
 from ..helpers import PROMPTS, check_step_greedy, make_hf_model
 
@@ -83,6 +83,7 @@ def test_serving_engine_on_cuda_equals_generate(tiny, precision):
     import threading
 
     from gpt2x.serve.engine import Engine, EngineSettings, Row
+    from gpt2x.serve.outputs import TokenOut
     from gpt2x.tokenizer import encode
 
     _, infos = tiny
@@ -95,9 +96,9 @@ def test_serving_engine_on_cuda_equals_generate(tiny, precision):
     def submit(i: int) -> None:
         tokens: list[int] = []
 
-        def sink(kind, value):
-            if kind == "token":
-                tokens.append(value)
+        def sink(out):
+            if isinstance(out, TokenOut):
+                tokens.append(out.token)
                 if len(tokens) == 2 and i + 1 < len(prompts):
                     submit(i + 1)  # arrives while row i decodes: it joins the batch
             else:

@@ -25,9 +25,10 @@ from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_s
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.serve.scheduler import layout
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.exports import export_model as export
+from gpt2x.workflows import export_model as export
 
 from ..helpers import REPO, as_gqa, make_hf_model
 
@@ -327,14 +328,14 @@ def run_scenario(backend) -> tuple[dict[str, list[int]], Recorded, dict]:
         engine.submit([Row(plan[n][0], plan[n][1], sink(n)) for n in names])
 
     def sink(name: str):
-        def on(kind, value):
-            if kind == "token":
-                tokens[name].append(value)
+        def on(out):
+            if isinstance(out, TokenOut):
+                tokens[name].append(out.token)
                 waiting = [n for n, (_, _, after) in plan.items() if after == (name, len(tokens[name]))]
                 if waiting:
                     submit(waiting)
             else:
-                assert kind == "done", value
+                assert isinstance(out, Finished), out
                 done[name].set()
         return on
 

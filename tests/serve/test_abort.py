@@ -94,7 +94,7 @@ def test_rows_cancelled_while_waiting_free_their_places_at_once():
     scheduler = Scheduler(EngineSettings(max_batch_size=1, max_waiting=2), 256)
 
     def row() -> Row:
-        return Row([1, 2, 3], SamplingSettings(max_new_tokens=4), lambda kind, value: None)
+        return Row([1, 2, 3], SamplingSettings(max_new_tokens=4), lambda out: None)
 
     rows = [row() for _ in range(3)]  # 2 waiting + 1 free place in the batch
     scheduler.submit(rows)

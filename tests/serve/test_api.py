@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from gpt2x.choices import Precision  # noqa: E402
 from gpt2x.generation.generate import generate  # noqa: E402
-from gpt2x.generation.settings import SamplingSettings  # noqa: E402
+from gpt2x.generation.settings import Finish, SamplingSettings  # noqa: E402
 from gpt2x.generation.speculative import DraftSettings, NgramDrafter  # noqa: E402
 from gpt2x.numerics import log_softmax  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
@@ -32,6 +32,7 @@ from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve import protocol as api  # noqa: E402
 from gpt2x.serve.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.http import local_app  # noqa: E402
+from gpt2x.serve.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
 from gpt2x.serve.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 
@@ -302,24 +303,24 @@ def test_logprobs_with_a_draft_are_decoded_without_it(export_dir, reference):
 
 
 class Events:
-    """A row's callback that records every event; after `after` tokens it calls `then` once."""
+    """A row's callback that records every output; after `after` tokens it calls `then` once."""
 
     def __init__(self, after: int = 0, then=None):
-        self.events: list[tuple[str, object]] = []
+        self.events: list[Output] = []
         self.done = threading.Event()
         self.after, self.then = after, then
 
-    def __call__(self, kind: str, value: object) -> None:
-        self.events.append((kind, value))
-        if kind == "token" and self.then and len(self.tokens) == self.after:
+    def __call__(self, out: Output) -> None:
+        self.events.append(out)
+        if isinstance(out, TokenOut) and self.then and len(self.tokens) == self.after:
             self.then()
             self.then = None
-        if kind in ("done", "error"):
+        if isinstance(out, (Finished, Failed)):
             self.done.set()
 
     @property
     def tokens(self) -> list[int]:
-        return [v for k, v in self.events if k == "token"]
+        return [o.token for o in self.events if isinstance(o, TokenOut)]
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8-in-place"])
@@ -356,17 +357,19 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
     finally:
         engine.close()
     assert running.tokens == generate(ref, [""], greedy, prompt_ids=[encode("ROMEO:")])[0].tokens
-    assert [k for k, _ in scored.events] == ["prompt", "done"] and scored.events[-1] == ("done", "length")
-    entries = scored.events[0][1]
+    assert [type(o) for o in scored.events] == [PromptLogprobs, Finished] and scored.events[-1] == Finished(Finish.length)
+    entries = scored.events[0].entries
     lp = forward_logprobs(ref, score_ids)
     assert entries[0] == (score_ids[0], None, None) and [e[0] for e in entries] == score_ids
     for i in range(1, len(score_ids)):
         assert entries[i][1] == pytest.approx(lp[i - 1, score_ids[i]], abs=TOL)
         assert [t for t, _ in entries[i][2]] == [int(t) for t in np.argsort(-lp[i - 1], kind="stable")[:2]]
-    kinds = [k for k, _ in generating.events]
-    assert kinds[0] == "prompt" and kinds[-1] == "done"
-    assert kinds[1:-1] == ["logprob", "token"] * len(generating.tokens) + (["logprob"] if generating.events[-1] == ("done", "eos") else [])
-    told = [v for k, v in generating.events if k == "logprob"]
+    kinds = [type(o) for o in generating.events]
+    assert kinds[0] is PromptLogprobs and kinds[-1] is Finished
+    assert kinds[1:-1] == [TokenOut] * len(generating.tokens)  # each with its logprobs; the end of text's on its end
+    end = generating.events[-1]
+    assert (end.logprob is not None) == (end.reason is Finish.eos)
+    told = [o.logprob for o in generating.events[1:-1]] + ([end.logprob] if end.logprob is not None else [])
     assert [e[0] for e in told[: len(generating.tokens)]] == generating.tokens
     if kind == "fp32":  # batch-invariant: the generated tokens' logprobs are those of the row alone
         lp = forward_logprobs(ref, gen_ids + generating.tokens)
@@ -469,7 +472,7 @@ def test_identical_prompts_are_prefilled_once(export_dir, bundled_export, kind):
     settings = [SamplingSettings(max_new_tokens=10, temperature=0.9 if sampled else 0, top_k=20, seed=3 + i)
                 for i in range(3)]  # top_k: see test_n_choices_are_seeded_seed_plus_i_as_vllm_does
     ids = [encode(PROMPTS[1])] * 3 + [encode(PROMPTS[0])]
-    rows = [Row(p, s, lambda kind, value: None) for p, s in zip(ids, settings + settings[:1])]
+    rows = [Row(p, s, lambda out: None) for p, s in zip(ids, settings + settings[:1])]
     runner = Runner(backend, {"steps": 0})
     batch, _ = runner.prefill(rows)
     assert backend.prefills == [2] and batch.past.rows == 4 and batch.mask.shape == (4, len(ids[1]))

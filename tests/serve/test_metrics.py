@@ -19,6 +19,7 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve import metrics as prom
 from gpt2x.serve.engine import EngineSettings, Row
 from gpt2x.serve.http import local_app
+from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
@@ -322,10 +323,10 @@ def test_kv_cache_usage_is_the_batchs_positions(service):
     seen: list[float] = []
     done = threading.Event()
 
-    def sink(kind: str, value: object) -> None:
-        if kind == "token":
+    def sink(out: Output) -> None:
+        if isinstance(out, TokenOut):
             seen.append(service.engine.stats()["kv_cache_usage_perc"])
-        elif kind in ("done", "error"):
+        elif isinstance(out, (Finished, Failed)):
             done.set()
 
     ids = encode("A lone row, to be measured")

@@ -19,6 +19,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
 from gpt2x.serve.prefix_cache import PrefixCache
 from gpt2x.serve.scheduler import Scheduler
 from gpt2x.tokenizer import encode
@@ -132,14 +133,14 @@ class Collect:
         self.end = None
         self.done = threading.Event()
 
-    def __call__(self, kind: str, value: object) -> None:
-        if kind == "token":
-            self.tokens.append(value)
+    def __call__(self, out: Output) -> None:
+        if isinstance(out, TokenOut):
+            self.tokens.append(out.token)
             if self.clock is not None:
                 self.clock[0] += 1
                 self.ticks.append(self.clock[0])
-        elif kind in ("done", "error"):
-            self.end = (kind, value)
+        elif isinstance(out, (Finished, Failed)):
+            self.end = ("done", out.reason) if isinstance(out, Finished) else ("error", out.message)
             self.done.set()
 
 

@@ -23,6 +23,7 @@ from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.http import local_app
+from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
 from gpt2x.serve.scheduler import Scheduler
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
@@ -285,7 +286,7 @@ def test_priority_order_of_a_hand_built_arrival_order():
         scheduler = Scheduler(EngineSettings(max_batch_size=1, max_waiting=8, scheduling_policy=policy), 256)
         made = []
         for priority in (0, 5, -1, 5, 0):
-            row = Row([1, 2], SamplingSettings(max_new_tokens=2), lambda kind, value: None)
+            row = Row([1, 2], SamplingSettings(max_new_tokens=2), lambda out: None)
             row.priority = priority
             made.append(row)
             scheduler.submit([row])
@@ -307,10 +308,10 @@ def test_waiting_requests_run_by_priority(export_dir):
     first = threading.Event()
 
     def sink(name: str):
-        def tell(kind: str, value: object) -> None:
-            if kind == "token":
+        def tell(out: Output) -> None:
+            if isinstance(out, TokenOut):
                 first.set()
-            elif kind in ("done", "error"):
+            elif isinstance(out, (Finished, Failed)):
                 ended.append(name)
         return tell
 
