@@ -40,7 +40,6 @@ import numpy as np
 from peers.core import Context, error_line, log
 from peers.openvino_genai import F32, WEIGHT_FORMATS, compute_variants, convert, greedy_config, optimum_cli
 
-from gpt2x import workflows
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import BackendKind, Precision, ProviderKind
@@ -50,6 +49,9 @@ from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import ensure_export
+from gpt2x.workflows.models import load_model
 
 CHECK_TOKENS = 16
 CONTENDERS = ("gpt2x", "openvino-genai")
@@ -61,7 +63,7 @@ class Gpt2xEngine:
     def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int):
         self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}"
         self.precision = info.precision.value
-        self.backend = workflows.export_backend(backend_kind, info, ProviderKind.cpu, threads)
+        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads)
         self.settings = EngineSettings(max_batch_size=batch)
         self.engine = Engine(self.backend, self.settings).start()
         self.details = {"engine_settings": asdict(self.settings)}
@@ -144,7 +146,7 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
     precisions = [Precision(p) for p in args.precisions]
     if "gpt2x" in args.contenders:
         for precision in precisions:
-            info = workflows.ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
+            info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
             for kind in args.gpt2x_backends:
                 try:
@@ -204,7 +206,7 @@ def main() -> int:
     threads = physical_cores()
     env = system_info()
     env["peer packages"] = installed_versions("openvino", "openvino-genai", "openvino-tokenizers", "onnxruntime", "onnxruntime-gpu")
-    model, source = workflows.load_model(args.model)
+    model, source = load_model(args.model)
     if args.prompt_len + args.new_tokens > model.config.n_positions:
         ap.error("--prompt-len + --new-tokens exceeds the model's positions")
     rng = np.random.default_rng(0)

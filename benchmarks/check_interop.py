@@ -54,7 +54,6 @@ from pathlib import Path
 import numpy as np
 
 from gpt2x import tokenizer as tk
-from gpt2x import workflows
 from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.fileio import sha256
@@ -64,6 +63,10 @@ from gpt2x.onnx import names as io
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE, INTEROP_FILES, TOKENIZER_FILE, write_interop_files
 from gpt2x.onnx.transformers_js import write_transformers_js
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import export_model
+from gpt2x.workflows.models import load_model
+from gpt2x.workflows.transformers_js import export_transformers_js
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "To be, or not to be",
            "KING HENRY:\nOnce more unto the breach"]
@@ -114,7 +117,7 @@ def compare(reference: list[list[int]], got: list[list[int]]) -> list[dict]:
 
 
 def gpt2x_tokens(folder: Path, new_tokens: int, batched: bool = False) -> list[list[int]]:
-    backend = workflows.export_backend(BackendKind.ort, read_export(folder))
+    backend = export_backend(BackendKind.ort, read_export(folder))
     settings = SamplingSettings(max_new_tokens=new_tokens, greedy=True)
     if batched:
         return [g.tokens for g in generate(backend, PROMPTS, settings)]
@@ -347,7 +350,7 @@ def check_transformers_js(folder: Path, meta: dict, new_tokens: int) -> dict:
             log(f"  {dtype}: {got['error']}")
             continue
         log(f"  {dtype}: gpt2x greedy generation on the ort backend of {graph['source']}")
-        backend = workflows.export_backend(BackendKind.ort, read_export(Path(graph["source"])))
+        backend = export_backend(BackendKind.ort, read_export(Path(graph["source"])))
         settings = SamplingSettings(max_new_tokens=new_tokens, greedy=True)
         reference = [generate(backend, [p], settings)[0].tokens for p in PROMPTS]
         batch_reference = [g.tokens for g in generate(backend, PROMPTS, settings)]
@@ -419,7 +422,7 @@ def main_transformers_js(args) -> int:
             written = write_transformers_js([read_export(p) for p in args.onnx], folder, progress=log)
             results["settings"]["model"] = written.meta["model"]["name"]
         else:
-            written = workflows.export_transformers_js(args.model, folder, precisions, progress=log, notice=log)
+            written = export_transformers_js(args.model, folder, precisions, progress=log, notice=log)
         results["layout"] = {"files": written.files, "onnx": {n: {k: g[k] for k in ("dtype", "precision", "source", "sha256")}
                                                               for n, g in written.meta["onnx"].items()}}
         results["transformers.js"] = check_transformers_js(folder, written.meta, args.new_tokens)
@@ -453,11 +456,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpt2x-interop-") as tmp:
         folders = args.onnx
         if not folders:
-            model, source = workflows.load_model(args.model)
+            model, source = load_model(args.model)
             folders = []
             for precision in (Precision.fp32, Precision.int8):
                 log(f"exporting {args.model} at {precision.value}")
-                folders.append(workflows.export_model(model, source, Path(tmp) / f"{args.model}-{precision.value}",
+                folders.append(export_model(model, source, Path(tmp) / f"{args.model}-{precision.value}",
                                                       precision=precision).folder)
         for folder in folders:
             entry = check_folder(Path(folder), args.new_tokens)

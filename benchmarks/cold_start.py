@@ -29,12 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from gpt2x import workflows
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.tokenizer import encode
+from gpt2x.workflows.exports import ensure_export
 
 PROMPT = "Hello, my name is"
 TARGET = 1.3
@@ -64,15 +64,17 @@ print(json.dumps({"import_s": t1 - t0, "session_s": t2 - t1, "first_run_s": t3 -
 PHASES = r"""
 import sys, time, json
 t = [time.perf_counter()]
-from gpt2x import workflows
+from gpt2x.choices import BackendKind
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import resolve_export
 from gpt2x.cli import app  # noqa: F401  (what the command line imports)
 t.append(time.perf_counter())
-info = workflows.resolve_export(onnx_dir=__import__("pathlib").Path(sys.argv[1]))
+info = resolve_export(onnx_dir=__import__("pathlib").Path(sys.argv[1]))
 t.append(time.perf_counter())
 from gpt2x.tokenizer import encode
 ids = encode(sys.argv[2])
 t.append(time.perf_counter())
-backend = workflows.export_backend(workflows.BackendKind.ort, info)
+backend = export_backend(BackendKind.ort, info)
 t.append(time.perf_counter())
 import numpy as np
 from gpt2x.numerics import positions
@@ -128,7 +130,7 @@ def main() -> None:
     ids = encode(PROMPT)
     exports = {}
     for model, precision in cases:
-        info = workflows.ensure_export(model, precision, folder=default_export_dir(model, precision, args.exports),
+        info = ensure_export(model, precision, folder=default_export_dir(model, precision, args.exports),
                                        progress=log, notice=log)
         exports[(model, precision)] = info
         warm_page_cache(info.folder)

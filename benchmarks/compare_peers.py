@@ -78,13 +78,13 @@ import peers
 import torch
 from peers.core import GAP_S, Context, error_line, is_reference, log, time_batch
 
-from gpt2x import workflows
 from gpt2x.bench.report import require_matplotlib
 from gpt2x.bench.roofline import cpu_read_bandwidth, roofline_tokens_per_s
 from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.model.weights import save_hf
 from gpt2x.runtime.providers import physical_cores
+from gpt2x.workflows.models import load_model
 
 # x transformers' generate (end-to-end tok/s, same batch), from the issue
 TARGETS = {"gpt2x ort fp32": 3.2, "gpt2x ort int8": 8.0, "gpt2x ort int4": 10.0}
@@ -172,7 +172,7 @@ def main() -> int:
     env["torch_threads"] = torch.get_num_threads()
     env["ort_intra_op_threads"] = threads
     env["peer packages"] = installed_versions(*PEER_PACKAGES)
-    model, source = workflows.load_model(args.model)
+    model, source = load_model(args.model)
     cfg = model.config
     if max(prompt_lens) + args.new_tokens > cfg.n_positions:
         ap.error(f"--prompt-len {max(prompt_lens)} + --new-tokens {args.new_tokens} exceeds the model's "

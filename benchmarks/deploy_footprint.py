@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
-from gpt2x.workflows import ensure_export
+from gpt2x.workflows.exports import ensure_export
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"

@@ -29,7 +29,8 @@ from gpt2x.choices import BackendKind, Precision
 from gpt2x.lmeval.model import Gpt2xLM
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.tokenizer import bpe_file
-from gpt2x.workflows import ensure_export, export_backend
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import ensure_export
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "tests" / "data" / "lm_eval_tasks"

@@ -101,15 +101,15 @@ def child(job: dict) -> dict:
     t_start = time.perf_counter()
     threads, n, ids = job["threads"], job["new_tokens"], job["prompt"]
     if job["engine"] == "gpt2x":
-        from gpt2x import workflows
         from gpt2x.choices import BackendKind, ProviderKind
         from gpt2x.generation.generate import generate
         from gpt2x.generation.settings import SamplingSettings
         from gpt2x.onnx.artifact import read_export
+        from gpt2x.workflows.backends import export_backend
 
         info = read_export(Path(job["path"]))
         t_import = time.perf_counter()
-        backend = workflows.export_backend(BackendKind.ort, info, ProviderKind.cpu, threads)
+        backend = export_backend(BackendKind.ort, info, ProviderKind.cpu, threads)
         t_load = time.perf_counter()
         settings = SamplingSettings(greedy=True, max_new_tokens=n, ignore_eos=True)
 
@@ -167,11 +167,11 @@ def make_files(args, precisions: list[str], work: Path, threads: int) -> tuple[d
     from peers.gpt2x import ensure_exports
     from peers.llamacpp import convert_f32, converter, llama_cpp_commit, quantize
 
-    from gpt2x import workflows
     from gpt2x.choices import BackendKind, Precision
     from gpt2x.model.weights import save_hf
+    from gpt2x.workflows.models import load_model
 
-    model, source = workflows.load_model(args.model)
+    model, source = load_model(args.model)
     hf_dir = work / "hf"
     save_hf(model, hf_dir)
     results: dict = {"skipped": {}}

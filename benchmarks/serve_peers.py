@@ -70,13 +70,14 @@ from pathlib import Path
 from peers.core import Context, log, process_error
 from peers.llamacpp import convert_f32, converter, llama_cpp_commit, quantize
 
-from gpt2x import workflows
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.providers import physical_cores
+from gpt2x.workflows.exports import ensure_export
+from gpt2x.workflows.models import load_model
 
 # --no-repack: no extra weight buffer types. On an x86 CPU with AMX (this VM's reports amx_int8),
 # llama.cpp built with GGML_NATIVE puts q8_0 weights in its AMX buffer type, and its AMX matmul
@@ -190,9 +191,9 @@ def make_weights(args, work: Path, threads: int, gguf_too: bool) -> tuple[Path, 
     """gpt2x's int8 export, the Hugging Face folder of the same weights with GPT-2's tokenizer files
     (vLLM's, and the tokenizer `vllm bench serve` counts with) and (`gguf_too`) llama.cpp's q8_0 GGUF;
     their paths and a record."""
-    model, source = workflows.load_model(args.model)
+    model, source = load_model(args.model)
     folder = default_export_dir(args.model, Precision.int8, args.exports) if args.exports else None
-    info = workflows.ensure_export(args.model, Precision.int8, folder=folder, loaded=(model, source), progress=log, notice=log)
+    info = ensure_export(args.model, Precision.int8, folder=folder, loaded=(model, source), progress=log, notice=log)
     hf_dir = work / "hf"
     save_hf(model, hf_dir)
     ctx = Context(hf_dir=hf_dir, work=work, threads=threads, model=model, source=source, model_name=args.model,

@@ -85,7 +85,7 @@ def bundled_export(session_exports):
     test and worker. The tests only read these folders: one that changes an export copies it first."""
     from gpt2x.choices import Precision
     from gpt2x.onnx.artifact import default_export_dir
-    from gpt2x.workflows import ensure_export
+    from gpt2x.workflows.exports import ensure_export
 
     def get(precision: Precision = Precision.fp32):
         precision = Precision(precision)  # the shared folder, whatever GPT2X_EXPORTS a test set meanwhile

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpt2x import workflows
 from gpt2x.bench.run import timed_generation
 from gpt2x.choices import BackendKind, Precision, ProviderKind
 from gpt2x.errors import MissingDependencyError
 from gpt2x.onnx.artifact import default_export_dir
+from gpt2x.runtime.registry import require_runtime
+from gpt2x.workflows.backends import export_backend, torch_backend
+from gpt2x.workflows.exports import ensure_export
 
 from .core import Context, error_line, log
 
@@ -67,7 +69,7 @@ def ensure_exports(ctx: Context) -> dict:
     exports = {}
     for precision in ctx.precisions:
         try:
-            info = workflows.ensure_export(ctx.model_name, precision,
+            info = ensure_export(ctx.model_name, precision,
                                            folder=default_export_dir(ctx.model_name, precision, ctx.exports_dir),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
         except Exception as e:  # not available yet, failed its parity gate, ...: this precision only
@@ -89,10 +91,10 @@ def load(ctx: Context) -> list:
         if kind is BackendKind.torch:
             if Precision.fp32 in ctx.precisions:  # PyTorch runs fp32 here; int8 and int4 are ONNX exports
                 contenders.append(Gpt2x(kind, Precision.fp32,
-                                        workflows.torch_backend(ctx.model, ProviderKind.cpu, ctx.model_name, threads=ctx.threads)))
+                                        torch_backend(ctx.model, ProviderKind.cpu, ctx.model_name, threads=ctx.threads)))
             continue
         try:
-            workflows.require_runtime(kind)
+            require_runtime(kind)
         except MissingDependencyError as e:
             ctx.skip(f"gpt2x {kind.value}", str(e))
             continue
@@ -100,7 +102,7 @@ def load(ctx: Context) -> list:
             name = f"gpt2x {kind.value} {precision.value}"
             log(f"{name}: opening {info.folder}")
             try:
-                backend = workflows.export_backend(kind, info, ProviderKind.cpu, ctx.threads)
+                backend = export_backend(kind, info, ProviderKind.cpu, ctx.threads)
             except Exception as e:  # e.g. an operator this runtime cannot run
                 ctx.skip(name, error_line(e))
                 continue

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import workflows
 from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from ..errors import UsageError
 from ..evaluate.metrics import heldout_text, perplexity, summarize_latencies
@@ -43,7 +42,12 @@ from ..numerics import positions
 from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import default_precisions
+from ..runtime.registry import cannot_roll_back, capabilities_of, unsupported
 from ..tokenizer import encode
+from ..workflows.backends import open_backend, torch_backend
+from ..workflows.drafts import check_draft, open_drafter
+from ..workflows.exports import ensure_export
+from ..workflows.models import load_model, torch_available
 from .results import (
     Bandwidth,
     BenchResult,
@@ -61,11 +65,9 @@ from .results import (
 from .roofline import cpu_read_bandwidth, gpu_copy_bandwidth, roofline_tokens_per_s
 
 STEP_COST_MAX_N = 8  # the target's step cost is measured over N = 1..8 new tokens
-# The reference every row is compared with: PyTorch on the model in memory, the one backend that
-# runs no export (the others run the model's export, made first when missing).
+# The reference every row is compared with is the backend whose record says `reference` (PyTorch on
+# the model in memory); the result names it even where PyTorch is missing and its record unreadable.
 REFERENCE = BackendKind.torch
-# Native ONNX Runtime: each other backend's speed is also given as a share of its row (`native_*`).
-NATIVE = BackendKind.ort
 
 
 @dataclass
@@ -82,7 +84,7 @@ class BenchSettings:
     threads: int | None = None  # CPU threads (default: all available cores)
     text: Path | None = None  # perplexity text (default: the bundled held-out Shakespeare excerpt)
     greedy_tokens: int = 32  # tokens of the greedy-agreement check
-    # Speculative decoding, at batch 1: each draft (workflows.open_drafter: int4, int8, ngram, a model
+    # Speculative decoding, at batch 1: each draft (workflows.drafts.open_drafter: int4, int8, ngram, a model
     # or an export folder) on each backend x precision that rolls back its cache.
     drafts: list[str] = field(default_factory=list)
     num_speculative_tokens: int = DraftSettings.num_speculative_tokens  # K: the most tokens drafted per verification (adaptive below it)
@@ -135,13 +137,12 @@ def check_context(s: BenchSettings, cfg: GPT2Config) -> None:
 
 
 def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[Skipped]]:
-    """Backend x precision pairs that exist, and the ones left out with the reason: fp16 needs CUDA;
-    PyTorch runs fp32 (fp16 on CUDA), the quantized precisions are ONNX exports; OpenVINO has no
-    CUDA device."""
+    """Backend x precision pairs that run on the provider, and the ones left out with the reason
+    (runtime.registry.unsupported: what each backend's record says it runs, and where)."""
     run, skipped = [], []
     for b in s.backends:
         for p in s.precisions:
-            reason = workflows.unsupported(b, s.provider, p)
+            reason = unsupported(b, s.provider, p)
             if reason:
                 skipped.append(Skipped(backend=b, precision=p, reason=str(reason)))
             else:
@@ -150,11 +151,11 @@ def combos(s: BenchSettings) -> tuple[list[tuple[BackendKind, Precision]], list[
 
 
 def check_drafts(s: BenchSettings, pairs: list[tuple[BackendKind, Precision]]) -> None:
-    """Refuse, before any work, a draft that cannot serve a benchmarked target (workflows.check_draft)
+    """Refuse, before any work, a draft that cannot serve a benchmarked target (workflows.drafts.check_draft)
     on a backend that rolls back (the others are skipped, with the reason)."""
     for draft in s.drafts:
-        for kind in {kind for kind, _ in pairs if workflows.capabilities_of(kind).rolls_back}:
-            workflows.check_draft(draft, kind, s.provider)
+        for kind in {kind for kind, _ in pairs if capabilities_of(kind).rolls_back}:
+            check_draft(draft, kind, s.provider)
 
 
 # ---------------------------------------------------------------- memory bandwidth
@@ -238,8 +239,8 @@ def open_timed(s: BenchSettings, kind: BackendKind, precision: Precision, info: 
     reset_peak_rss()
     t0 = time.perf_counter()
     folder = info.folder if info is not None else None
-    backend = workflows.open_backend(kind, s.provider, None if folder else s.model, precision=precision,
-                                     onnx_dir=folder, threads=threads, loaded=loaded)
+    backend = open_backend(kind, s.provider, None if folder else s.model, precision=precision,
+                           onnx_dir=folder, threads=threads, loaded=loaded)
     backend.step(prompt, np.ones_like(prompt), positions(np.ones_like(prompt), s.prompt_len), None)
     return backend, time.perf_counter() - t0
 
@@ -313,7 +314,7 @@ def page_figures(t: Timing) -> PageFigures | None:
 
 
 def speed_rows(timings: list[Timing], s: BenchSettings, cfg: GPT2Config, bytes_per_s: float) -> list[SpeedRow]:
-    """The speed rows, against the roofline at `bytes_per_s` and against native ort's rows."""
+    """The speed rows, against the roofline at `bytes_per_s` and against the native backend's rows."""
     mid_context = s.prompt_len + s.new_tokens // 2
     return native_shares([speed_row(t, s.new_tokens, s.prompt_len,
                                     roofline_tokens_per_s(bytes_per_s, cfg, t.precision, t.batch, mid_context))
@@ -321,11 +322,11 @@ def speed_rows(timings: list[Timing], s: BenchSettings, cfg: GPT2Config, bytes_p
 
 
 def native_shares(speed: list[SpeedRow]) -> list[SpeedRow]:
-    """Each row of another backend, against native ONNX Runtime's row at the same precision and batch
-    in the same run (where there is one): `native_share`, its decode tok/s over ort's,
-    `native_ttft_ratio`, its time to first token over ort's, and for the web backend
-    `page.native_share`, the page's own decode tok/s over ort's."""
-    native = {(e.precision, e.batch): e for e in speed if e.backend is NATIVE}
+    """Each row of another backend, against the native backend's row (ONNX Runtime's, its record's
+    `native`) at the same precision and batch in the same run (where there is one): `native_share`,
+    its decode tok/s over native's, `native_ttft_ratio`, its time to first token over native's, and
+    for a backend with a page `page.native_share`, the page's own decode tok/s over native's."""
+    native = {(e.precision, e.batch): e for e in speed if capabilities_of(e.backend).native}
     out = []
     for e in speed:
         ort = native.get((e.precision, e.batch))
@@ -374,7 +375,7 @@ def baseline(s: BenchSettings, cfg: GPT2Config, loaded: tuple | None, threads: i
     """The reference on the CPU (where the model is loaded) and its perplexity on the bench's text."""
     text_ids = encode(read_text(s.text))
     window = min(cfg.n_positions, 256)
-    reference = workflows.torch_backend(loaded[0], ProviderKind.cpu, s.model, threads=threads) if loaded else None
+    reference = torch_backend(loaded[0], ProviderKind.cpu, s.model, threads=threads) if loaded else None
     ref_ppl = perplexity(full_logits_fn(reference), text_ids, window) if reference else None
     return Baseline(reference=reference, text_ids=text_ids, window=window, perplexity=ref_ppl)
 
@@ -496,16 +497,16 @@ def speculate(s: BenchSettings, kind: BackendKind, precision: Precision, backend
     roll back, each draft skipped with the reason. A quantized draft of the model in memory
     (`loaded`) is exported from it when missing, rather than loaded again by open_drafter."""
     if not backend.capabilities.rolls_back:
-        reason = f"speculative decoding: the {backend.name} backend cannot roll back its KV cache"
+        reason = str(cannot_roll_back(backend.name))
         return [], [Skipped(backend=kind, precision=precision, draft=draft, reason=reason) for draft in s.drafts]
     progress(f"{label(kind, precision)}: step cost over N = 1..{STEP_COST_MAX_N} new tokens")
     costs = step_costs(backend, prompt_ids, repeat=max(5, s.repeat))
     rows = []
     for draft in s.drafts:
         if loaded is not None and draft in {p.value for p in Precision} and backend.model_name == s.model:
-            workflows.ensure_export(s.model, Precision(draft), loaded=loaded, progress=progress, notice=notice)
-        drafter = workflows.open_drafter(draft, backend, kind, s.provider, None, s.draft_settings(),
-                                         progress=progress, notice=notice)
+            ensure_export(s.model, Precision(draft), loaded=loaded, progress=progress, notice=notice)
+        drafter = open_drafter(draft, backend, kind, s.provider, None, s.draft_settings(),
+                               progress=progress, notice=notice)
         progress(f"{label(kind, precision)}: draft {draft}, {s.warmup} warm-up + {s.repeat} timed rounds (plain, speculative)")
         rows.append(speculative_row(kind, precision, draft, backend, drafter, prompt_ids, s, costs))
         del drafter
@@ -519,9 +520,9 @@ def prepare_export(s: BenchSettings, kind: BackendKind, precision: Precision, lo
                    progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo | None:
     """The export a backend of `kind` runs at `precision`, made first when missing (from the model
     in memory where there is one); None for the reference, which runs the model itself."""
-    if kind is REFERENCE:
+    if capabilities_of(kind).reference:
         return None
-    return workflows.ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=notice)
+    return ensure_export(s.model, precision, loaded=loaded, progress=progress, notice=notice)
 
 
 def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progress,
@@ -535,9 +536,9 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
     pairs, skipped = combos(s)
     check_drafts(s, pairs)
     threads = s.threads or env.cores or os.cpu_count() or 1
-    if loaded is None and (workflows.torch_available() or REFERENCE in s.backends):
+    if loaded is None and (torch_available() or any(capabilities_of(k).reference for k in s.backends)):
         progress(f"loading {s.model}")
-        loaded = workflows.load_model(s.model)  # a missing torch is one clear error here
+        loaded = load_model(s.model)  # a missing torch is one clear error here
     first_sample = measure_bandwidth(s.provider, threads, progress)
     base = baseline(s, cfg, loaded, threads)
     rng = np.random.default_rng(0)

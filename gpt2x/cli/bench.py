@@ -13,7 +13,8 @@ from ..bench.system import system_info
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import ParityError
 from ..generation.speculative import DraftSettings
-from ..workflows import DRAFT_HELP, require_provider
+from ..workflows.backends import require_provider
+from ..workflows.drafts import DRAFT_HELP
 from .options import (
     ExportsOpt,
     JsonOpt,

@@ -9,6 +9,7 @@ import typer
 
 from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
+from ..runtime.registry import refuse_export_folder
 from .options import (
     ExportsOpt,
     JsonOpt,
@@ -55,9 +56,8 @@ def eval(
     output: OutputOpt = None,
 ) -> None:
     """Evaluate a model with lm-evaluation-harness: accuracy, perplexity and generation tasks, any backend."""
-    if backend is BackendKind.torch and onnx_dir is not None:
-        raise UsageError("--onnx names an export, which the ort, openvino, genai and web backends run; "
-                         "the torch backend runs the PyTorch model")
+    if onnx_dir is not None:
+        refuse_export_folder(backend, "--onnx")
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit must be above 0, got {limit}")
     # deferred: lm-evaluation-harness is the eval extra (importing gpt2x.lmeval checks for it first)

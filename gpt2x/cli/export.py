@@ -13,7 +13,8 @@ from ..choices import Precision
 from ..errors import OutputError, UsageError
 from ..onnx.artifact import DEFAULT_OPSET, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
-from ..workflows import export_by_name, export_transformers_js
+from ..workflows.exports import export_by_name
+from ..workflows.transformers_js import export_transformers_js
 from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
 
 

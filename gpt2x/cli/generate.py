@@ -16,8 +16,10 @@ from ..generation.constraints import ConstraintSpec
 from ..generation.generate import generate as run_generation
 from ..generation.settings import SamplingSettings
 from ..generation.speculative import DraftSettings
+from ..runtime.registry import refuse_export_folder
 from ..tokenizer import StreamDecoder, decode
-from ..workflows import DRAFT_HELP, open_backend, open_drafter
+from ..workflows.backends import open_backend
+from ..workflows.drafts import DRAFT_HELP, open_drafter
 from .options import (
     ExportsOpt,
     JsonOpt,
@@ -132,9 +134,8 @@ def generate(
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
     if prompt is not None and prompts_file is not None:
         raise UsageError("give a PROMPT or --prompts-file, not both")
-    if backend is BackendKind.torch and onnx_dir is not None:
-        raise UsageError("--onnx names an export, which the ort, openvino, genai and web backends run; "
-                         "the torch backend runs the PyTorch model")
+    if onnx_dir is not None:
+        refuse_export_folder(backend, "--onnx")
     prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")

@@ -17,9 +17,12 @@ from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
 from ..runtime.providers import physical_cores
+from ..runtime.registry import capabilities_of, named
 from ..serve.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from ..serve.scheduler import EngineSettings
-from ..workflows import DRAFT_HELP, require_provider, resolve_export
+from ..workflows.backends import require_provider
+from ..workflows.drafts import DRAFT_HELP
+from ..workflows.exports import resolve_export
 from .options import (
     ExportsOpt,
     ModelOptional,
@@ -44,7 +47,8 @@ EPILOG = ("Examples:\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
 
-SERVED = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)  # torch is the reference, web a measuring page
+# Not served: the reference (capabilities.reference) and a backend run in a page to measure it (capabilities.page).
+SERVED = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
 SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client", "jinja2")
 
 
@@ -152,11 +156,10 @@ def serve(
     from ..serve.embedded import ReplicaConfig, ServeSettings, describe, serve_in_process
     from ..serve.engine import refuse_batched_draft
 
-    if backend is BackendKind.torch:
-        raise UsageError("--backend torch is the reference and is not served: serve an export (ort, openvino or genai)")
-    if backend is BackendKind.web:
-        raise UsageError("--backend web runs the export in a browser page, to measure it there; it is not served: "
-                         "serve the export with ort, openvino or genai")
+    if backend not in SERVED:
+        caps = capabilities_of(backend)
+        why = "is the reference" if caps.reference else f"runs the export in a browser page ({caps.runtime}), to measure it there"
+        raise UsageError(f"--backend {backend.value} {why}; it is not served: serve an export with {named(list(SERVED))}")
     if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
     if bench_file is not None:

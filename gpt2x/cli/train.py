@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..errors import OutputError, UsageError
-from ..workflows import train_model
+from ..workflows.training import train_model
 from .options import JsonOpt, err, out
 
 EPILOG = ("Example (re-creates the bundled model):\n\n"

@@ -41,6 +41,7 @@ import numpy as np
 from ..errors import UsageError
 from ..numerics import positions
 from ..runtime.base import Backend
+from ..runtime.registry import cannot_roll_back
 from .processors import History
 from .sampling import Sampler
 
@@ -334,8 +335,7 @@ def control_for(settings: DraftSettings) -> DraftControl:
 
 def refuse_unrollable(backend: Backend, role: str) -> None:
     if not backend.capabilities.rolls_back:
-        raise UsageError(f"speculative decoding needs a KV cache it can roll back; the {backend.name} backend "
-                         f"(the {role}) cannot drop positions from its cache: use ort, openvino, web or torch")
+        raise cannot_roll_back(backend.name, role)
 
 
 def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: History | None = None) -> list[int]:

@@ -3,7 +3,7 @@ it with lm-eval, so that `simple_evaluate(model="gpt2x", model_args="model=shake
 finds it) and `gpt2x eval`'s runner (run.py).
 
 This package sits beside bench and serve, above workflows: turning a model name into a backend needs
-workflows.open_backend. The scoring itself is NumPy on any Backend (gpt2x.evaluate.harness), so the
+workflows.backends.open_backend. The scoring itself is NumPy on any Backend (gpt2x.evaluate.harness), so the
 evaluation layer stays free of lm_eval. lm-eval is the `eval` extra: without it, importing this
 package raises one MissingDependencyError naming the install command. Only `gpt2x eval` imports it.
 """

@@ -35,7 +35,7 @@ from ..evaluate import harness
 from ..generation.settings import SamplingSettings
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID, decode, encode
-from ..workflows import open_backend
+from ..workflows.backends import open_backend
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Gpt2xLM(TemplateLM):
              precision: str | None = None, onnx: str | Path | None = None, revision: str | None = None,
              threads: int | None = None, device: str | None = None, progress: Progress | None = None,
              notice: Progress | None = None, **options) -> Gpt2xLM:
-        """Open the backend the arguments name (gpt2x.workflows.open_backend: exported first when
+        """Open the backend the arguments name (gpt2x.workflows.backends.open_backend: exported first when
         missing) and wrap it. `options` are the constructor's (batch_size, max_gen_toks, seed, ...)."""
         kind = _choice(BackendKind, backend, "backend")
         chosen = _choice(ProviderKind, provider, "provider")

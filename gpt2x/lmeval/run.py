@@ -18,7 +18,7 @@ from lm_eval.utils import handle_non_serializable, make_table
 from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from ..errors import HubError, UsageError
 from ..evaluate import harness
-from ..workflows import open_backend
+from ..workflows.backends import open_backend
 from .model import DEFAULT_MAX_GEN_TOKS, DEFAULT_SEED, Gpt2xLM
 
 

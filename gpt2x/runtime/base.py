@@ -9,10 +9,11 @@ takes it as `past` and returns the next one) and ask it to `reorder` its rows (b
 serving engine), or give its arrays (`to_numpy`). Position ids come from the attention mask
 (gpt2x.numerics.positions) for every backend.
 
-Every backend has `run`, `step`, `close` (and is a context manager) and the model's facts. What else
-it and its caches can do it declares in one record, `capabilities` (`Capabilities`), which every
-caller reads: no caller asks which backend it holds to decide what the backend can do. A backend that
-lacks a capability lacks its method too.
+Every backend has `run`, `step`, `close` (and is a context manager) and the model's facts. What it
+is (the providers and precisions it runs, whether it is the reference) and what else it and its
+caches can do it declares in one record, `capabilities` (`Capabilities`), which every caller reads:
+no caller asks which backend it holds to decide what the backend can do. A backend that lacks a
+capability lacks its method too.
 
 Where a new cache form goes: a class implementing KVCache beside its backend (runtime/<backend>.py),
 listed in the backend's `cache_forms`; caches in fixed-capacity host buffers build on
@@ -23,23 +24,46 @@ buffers use it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from ..choices import ProviderKind
+from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from .kvbuffers import write_right_aligned
+
+# The precisions an export runs in on the CPU: fp16's kernels are the GPU's.
+CPU_PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)
+
+
+def spoken(names: Iterable[str], last: str = "or") -> str:
+    """Names as a message lists them: "a, b or c"."""
+    names = list(names)
+    return ", ".join(names[:-1]) + f" {last} " + names[-1] if len(names) > 1 else "".join(names)
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend (and its caches) can do beyond `run`, `step`, `close` and the caches' `reorder`
-    and `to_numpy`. Each capability comes with its method(s); a new capability is a field here, its
-    method in the protocols below, and the callers that need it read the field."""
+    """What a backend is and what it (and its caches) can do beyond `run`, `step`, `close` and the
+    caches' `reorder` and `to_numpy`. Each capability comes with its method(s); a new capability is a
+    field here, its method in the protocols below, and the callers that need it read the field."""
 
+    # -- identity: asked before one is opened (runtime.registry.capabilities_of), and by every
+    # message that says what a backend cannot do.
+    # The runtime's own name, as messages give it.
+    runtime: str = ""
+    # The providers it runs on, each with the precisions it runs there.
+    precisions_by_provider: Mapping[ProviderKind, tuple[Precision, ...]] = field(
+        default_factory=lambda: {ProviderKind.cpu: (Precision.fp32,)})
+    # It runs the model itself (PyTorch), which every export is measured against; it opens no export.
+    reference: bool = False
+    # ONNX Runtime on the export: the runtime the exports are made for, which the others' speed is
+    # compared with and the reference's drafts run on.
+    native: bool = False
+
+    # -- what it can do
     # `Backend.past_from_numpy`: it can be handed a cache made elsewhere (parity's cases with a past).
     # A backend that owns its cache (onnxruntime-genai's generator) is compared on whole sequences.
     takes_past: bool = False
@@ -54,6 +78,26 @@ class Capabilities:
     # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: its forwards run outside this
     # process (a browser page), which times them and measures its own memory.
     page: bool = False
+
+    @property
+    def providers(self) -> tuple[ProviderKind, ...]:
+        return tuple(self.precisions_by_provider)
+
+    def runs(self, precision: Precision, provider: ProviderKind | None = None) -> bool:
+        """Whether it runs `precision` on `provider` (on any of its providers when None)."""
+        where = self.providers if provider is None else (provider,)
+        return any(precision in self.precisions_by_provider.get(p, ()) for p in where)
+
+    def describe_runs(self) -> str:
+        """What it runs where, for a message: "fp32 on cpu; fp32 or fp16 on cuda"."""
+        return "; ".join(f"{spoken(x.value for x in ps)} on {p.value}" for p, ps in self.precisions_by_provider.items())
+
+    def refuse_provider(self, name: str, provider: ProviderKind) -> ProviderError | None:
+        """Why the `name` backend cannot run on `provider`, or None when it can."""
+        if provider in self.providers:
+            return None
+        return ProviderError(f"{self.runtime} has no {provider.value.upper()} device here: the {name} backend has no "
+                             f"{provider.value} provider (it runs on {spoken(p.value for p in self.providers)})")
 
 
 class Closable:

@@ -38,13 +38,13 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
 
-from ..choices import ProviderKind
+from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.interop import GENAI_CONFIG_FILE
 from ..tokenizer import EOT_ID
-from .base import Capabilities, Closable, Released
+from .base import CPU_PRECISIONS, Capabilities, Closable, Released
 from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
@@ -115,7 +115,8 @@ class GenaiBackend(Closable):
     name = "genai"
     # The generator owns its cache: it takes none made elsewhere (parity compares whole sequences), no
     # rows join it (serving batches statically), and no positions are dropped from it (no speculation).
-    capabilities = Capabilities()
+    capabilities = Capabilities(runtime="onnxruntime-genai",
+                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)})
     cache_forms = (GenaiState,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):

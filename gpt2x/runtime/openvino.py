@@ -40,7 +40,7 @@ from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .base import Capabilities, Closable, Released
+from .base import CPU_PRECISIONS, Capabilities, Closable, Released
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
 from .providers import physical_cores, refuse_fp16_on_cpu
 
@@ -73,12 +73,14 @@ class OpenVinoBackend(Closable):
     that OpenVINO reads without a copy."""
 
     name = "openvino"
-    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
+    capabilities = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+                                takes_past=True, joins_rows=True, rolls_back=True)
     cache_forms = (OpenVinoKVCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
-        if provider is not ProviderKind.cpu:
-            raise ProviderError(f"OpenVINO has no {provider.value.upper()} device here; it runs exports on the cpu provider only")
+        refused = self.capabilities.refuse_provider(self.name, provider)
+        if refused is not None:
+            raise refused
         refuse_fp16_on_cpu(info, provider, "OpenVINO runs fp32, int8 and int4 exports on the CPU")
         self.info = info
         self.model_name = info.meta["model"]["name"]

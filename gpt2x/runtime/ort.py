@@ -24,7 +24,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .base import Capabilities, Closable, Released, merge_on_host
+from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
     KVBuffers,
@@ -41,7 +41,7 @@ from .providers import create_session, gather_model, last_argmax_model, refuse_f
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
     """`count` arrays of `shape` whose values the in-place cache never reads before it writes them:
     GroupQueryAttention writes each position before it reads it, and reads no row or position beyond
-    those bound and filled (tests/test_gqa.py fills these with NaN to check it). In small pages
+    those bound and filled (tests/onnx/test_gqa.py fills these with NaN to check it). In small pages
     (kvbuffers.small_page_arrays): only the pages a step or a merge writes are ever touched, where
     huge pages would make the first write of every buffer zero all of it."""
     return small_page_arrays(shape, count, dtype)
@@ -242,7 +242,9 @@ class OrtBackend(Closable):
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
-    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True)
+    capabilities = Capabilities(runtime="ONNX Runtime", native=True,
+                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
+                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True)
     cache_forms = (GrowingCache, InPlaceCache)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..choices import ProviderKind
+from ..choices import Precision, ProviderKind
 from ..model.gpt2 import GPT2, KVCache
 from .base import Capabilities, Closable
 
@@ -59,7 +59,11 @@ class TorchBackend(Closable):
     """The PyTorch reference: our GPT2 module with its tensor KV cache kept on the model's device."""
 
     name = "torch"
-    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
+    # fp16 is a half-precision copy of the model, on CUDA only; int8 and int4 exist only as exports.
+    capabilities = Capabilities(runtime="PyTorch", reference=True,
+                                precisions_by_provider={ProviderKind.cpu: (Precision.fp32,),
+                                                        ProviderKind.cuda: (Precision.fp32, Precision.fp16)},
+                                takes_past=True, joins_rows=True, rolls_back=True)
     cache_forms = (TorchCache,)
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):

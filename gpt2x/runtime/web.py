@@ -47,7 +47,7 @@ import numpy as np
 from ..choices import ProviderKind
 from ..errors import ArtifactError, MissingDependencyError, ProviderError
 from ..onnx.artifact import DATA_FILE, MODEL_FILE, ExportInfo
-from .base import Capabilities, Closable, merge_on_host
+from .base import CPU_PRECISIONS, Capabilities, Closable, merge_on_host
 from .providers import physical_cores
 
 WEB_DIR = Path(__file__).parent / "web"  # the page, and package.json for onnxruntime-web
@@ -363,12 +363,14 @@ class WebBackend(Closable):
     name = "web"
     # Greedy steps take the argmax in the page; its forwards are timed there, and its memory is the
     # renderer's (page_ms, page_info, page_memory_mb, reset_page_memory).
-    capabilities = Capabilities(takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
+    capabilities = Capabilities(runtime="onnxruntime-web's WebAssembly build", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
     cache_forms = (WebCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
-        if provider is not ProviderKind.cpu:
-            raise ProviderError("the web backend runs onnxruntime-web's WebAssembly build on the CPU; it has no cuda provider")
+        refused = self.capabilities.refuse_provider(self.name, provider)
+        if refused is not None:
+            raise refused
         require_web()
         from playwright.sync_api import Error as PlaywrightError
 

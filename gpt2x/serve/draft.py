@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
 from ..onnx.artifact import ExportInfo
-from ..workflows import NGRAM_DRAFT, resolve_draft
+from ..workflows.drafts import NGRAM_DRAFT, resolve_draft
 
 
 def prepare_draft(draft: str, target: ExportInfo, backend: BackendKind = BackendKind.ort,

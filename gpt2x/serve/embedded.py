@@ -36,7 +36,8 @@ from ..errors import ServeError, UsageError
 from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import read_export
 from ..tokenizer import get_encoding
-from ..workflows import export_backend, open_drafter
+from ..workflows.backends import export_backend
+from ..workflows.drafts import open_drafter
 from .chat import find_template
 from .engine import EngineSettings, refuse_batched_draft
 from .http import MAX_BODY_BYTES, local_app

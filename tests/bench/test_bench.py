@@ -233,7 +233,7 @@ def test_roofline_counts_the_bytes_the_export_stores(tiny, tmp_path, precision):
     import onnx
     from onnx import numpy_helper
 
-    from gpt2x.workflows import export_model
+    from gpt2x.workflows.exports import export_model
 
     model, source = tiny
     info = export_model(model, source, tmp_path / precision.value, precision)

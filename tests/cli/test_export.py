@@ -20,7 +20,7 @@ from gpt2x.onnx import build
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.build import NOT_CHECKED
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_model
+from gpt2x.workflows.exports import export_model
 
 from ..helpers import Noisy, assert_one_line_error, cli, make_hf_model
 

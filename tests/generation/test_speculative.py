@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2x import workflows
 from gpt2x.choices import Precision
 from gpt2x.errors import UsageError
 from gpt2x.generation.generate import generate
@@ -49,7 +48,9 @@ from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID, encode
-from gpt2x.workflows import export_model, load_model
+from gpt2x.workflows.drafts import open_drafter
+from gpt2x.workflows.exports import export_model
+from gpt2x.workflows.models import load_model
 
 from ..helpers import PROMPTS, DraftSpy, greedy_counts, make_hf_model, run_cli
 
@@ -392,7 +393,7 @@ def tiny_drafter(tiny, target, draft: str, ds: DraftSettings):
     if draft == "model":
         return ModelDrafter(TorchBackend(tiny.draft_model), "tiny draft")
     source = {"ngram": "ngram", "int4": str(tiny.infos[Precision.int4].folder)}[draft]
-    drafter = workflows.open_drafter(source, target, settings=ds, threads=1)
+    drafter = open_drafter(source, target, settings=ds, threads=1)
     assert isinstance(drafter, NgramDrafter if draft == "ngram" else ModelDrafter)
     return drafter
 

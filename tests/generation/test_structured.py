@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from gpt2x import workflows
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.generation.constraints import ConstraintSpec
 from gpt2x.generation.generate import generate
@@ -30,6 +29,7 @@ from gpt2x.serve.http import local_app
 from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.serve.service import CompletionService
 from gpt2x.tokenizer import decode, encode
+from gpt2x.workflows.backends import export_backend
 
 from ..helpers import run_cli
 
@@ -62,9 +62,9 @@ def torch_backend():
 def backends(bundled_export, torch_backend):
     fp32, int8 = bundled_export(Precision.fp32), bundled_export(Precision.int8)
     opened = {"torch": torch_backend, "ort-fp32": OrtBackend(fp32, threads=1), "ort-int8": OrtBackend(int8, threads=1),
-              "openvino": workflows.export_backend(BackendKind.openvino, fp32, threads=1),
-              "genai": workflows.export_backend(BackendKind.genai, fp32, threads=1),
-              "web": workflows.export_backend(BackendKind.web, fp32, threads=1)}
+              "openvino": export_backend(BackendKind.openvino, fp32, threads=1),
+              "genai": export_backend(BackendKind.genai, fp32, threads=1),
+              "web": export_backend(BackendKind.web, fp32, threads=1)}
     yield opened
     for b in opened.values():
         b.close()

@@ -34,7 +34,7 @@ from gpt2x.numerics import log_softmax, positions  # noqa: E402
 from gpt2x.onnx.artifact import EXPORTS_ENV
 from gpt2x.runtime.pytorch import TorchBackend  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, bpe_file, decode, encode  # noqa: E402
-from gpt2x.workflows import export_backend  # noqa: E402
+from gpt2x.workflows.backends import export_backend  # noqa: E402
 
 from ..helpers import (  # noqa: E402  # noqa: E402
     REPO,

@@ -25,7 +25,7 @@ from gpt2x.onnx.interop import INTEROP_FILES
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.providers import available_providers
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import make_hf_model, run_cli
 
@@ -468,7 +468,7 @@ def test_unwritable_output_and_disk_full(tiny, tmp_path, monkeypatch):
 
 
 def test_export_must_match_the_model_it_serves(bundled, tiny):
-    from gpt2x.workflows import check_export_matches
+    from gpt2x.workflows.exports import check_export_matches
 
     model, source, root = bundled
     info = read_export(root / "shakespeare-fp32")

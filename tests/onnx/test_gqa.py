@@ -26,7 +26,7 @@ from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.tokenizer import encode
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import PROMPTS, as_gqa, make_hf_model
 

@@ -26,7 +26,7 @@ from gpt2x.onnx.interop import GENAI_CONFIG_FILE
 from gpt2x.onnx.optimize import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_model
+from gpt2x.workflows.exports import export_model
 
 from ..helpers import Noisy, make_hf_model
 

@@ -23,7 +23,7 @@ from gpt2x.model.weights import load_model
 from gpt2x.onnx import interop
 from gpt2x.onnx.artifact import MODEL_FILE, read_export
 from gpt2x.onnx.names import in_place_kv
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.exports import export_model as export
 
 SAMPLES = [
     "Hello world",

@@ -20,7 +20,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from gpt2x import workflows
 from gpt2x.choices import Precision
 from gpt2x.errors import ArtifactError, OutputError, UsageError
 from gpt2x.fileio import sha256
@@ -28,6 +27,8 @@ from gpt2x.onnx import interop
 from gpt2x.onnx import names as io
 from gpt2x.onnx import transformers_js as tjs
 from gpt2x.onnx.artifact import EXPORTS_ENV, read_export
+from gpt2x.workflows.exports import export_model
+from gpt2x.workflows.models import load_model
 
 from ..helpers import REPO, assert_one_line_error, cli
 
@@ -116,7 +117,7 @@ def test_bad_inputs_are_one_clear_error(exports, tmp_path, tiny_hf):
     fp16.meta = fp16.meta | {"precision": "fp16"}
     with pytest.raises(UsageError, match="fp16 export"):
         tjs.write_transformers_js([fp16], out)
-    other = workflows.export_model(*workflows.load_model(str(tiny_hf[0])), tmp_path / "tiny", Precision.int8, check_parity=False)
+    other = export_model(*load_model(str(tiny_hf[0])), tmp_path / "tiny", Precision.int8, check_parity=False)
     with pytest.raises(ArtifactError, match="different models"):
         tjs.write_transformers_js([infos[Precision.fp32], other], out)
     with pytest.raises(UsageError, match="not fp16"):

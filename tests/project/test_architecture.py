@@ -27,7 +27,9 @@ def test_import_contracts_hold():
 
 
 def test_cli_imports_no_torch():
-    code = "import sys, gpt2x.cli.app, gpt2x.workflows, gpt2x.bench.run; " \
+    code = "import sys, gpt2x.cli.app, gpt2x.bench.run, gpt2x.runtime.registry; " \
+           "import gpt2x.workflows.backends, gpt2x.workflows.drafts, gpt2x.workflows.exports, gpt2x.workflows.models; " \
+           "import gpt2x.workflows.training, gpt2x.workflows.transformers_js; " \
            "[gpt2x.cli.app.command_module(c) for c in gpt2x.cli.app.COMMANDS]; " \
            "print(sorted(m for m in ('torch', 'onnxscript', 'transformers') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

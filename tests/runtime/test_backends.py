@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 
-from gpt2x import workflows
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.errors import ProviderError, UsageError
 from gpt2x.evaluate.parity import compare_on_cases
@@ -19,8 +18,11 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.generation.speculative import NgramDrafter, refuse_unrollable
 from gpt2x.runtime.base import Capabilities, greedy_step
 from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.registry import backend_class, capabilities_of
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.tokenizer import encode
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.drafts import check_draft
 
 # The methods each capability brings (runtime/base.py), on the backend or on each of its cache forms;
 # a backend without it has none of them.
@@ -32,8 +34,8 @@ EXPORT_KINDS = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
 
 @pytest.mark.parametrize("kind", list(BackendKind))
 def test_each_capability_comes_with_its_methods(kind):
-    cls = workflows.backend_class(kind)
-    caps = workflows.capabilities_of(kind)
+    cls = backend_class(kind)
+    caps = capabilities_of(kind)
     assert isinstance(caps, Capabilities) and caps is cls.capabilities
     for field, methods in METHODS.items():
         for method in methods:
@@ -53,7 +55,7 @@ def test_each_capability_comes_with_its_methods(kind):
 def test_a_closed_backend_is_one_error_and_a_with_block_closes_it(kind, bundled_export):
     ids = np.array([encode("ROMEO:")])
     mask, pos = np.ones_like(ids), np.arange(ids.shape[1])[None]
-    with workflows.export_backend(kind, bundled_export(Precision.fp32), threads=1) as backend:
+    with export_backend(kind, bundled_export(Precision.fp32), threads=1) as backend:
         logits, _ = backend.step(ids, mask, pos, None)
         assert logits.shape == (1, backend.vocab_size)
     with pytest.raises(ProviderError, match=f"^this {kind.value} backend is closed$"):
@@ -104,10 +106,10 @@ def test_callers_go_by_the_record(ort, bundled_export):
 
 
 def test_capabilities_of_a_kind_before_opening_it():
-    assert workflows.capabilities_of(BackendKind.genai).rolls_back is False
+    assert capabilities_of(BackendKind.genai).rolls_back is False
     with pytest.raises(UsageError, match="the genai backend cannot drop positions from its cache: use torch, ort, openvino or web$"):
-        workflows.check_draft("ngram", BackendKind.genai)
-    workflows.check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
+        check_draft("ngram", BackendKind.genai)
+    check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
 
 
 class Stuck:

@@ -16,7 +16,7 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_model
+from gpt2x.workflows.exports import export_model
 
 from ..helpers import PROMPTS, check_step_greedy, make_hf_model
 

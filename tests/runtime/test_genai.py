@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2x.choices import BackendKind, Precision
+from gpt2x.choices import BackendKind, Precision, ProviderKind
 from gpt2x.errors import ArtifactError, ProviderError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
@@ -24,13 +24,13 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE
-from gpt2x.runtime.base import Capabilities
+from gpt2x.runtime.base import CPU_PRECISIONS, Capabilities
 from gpt2x.runtime.genai import GenaiBackend
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID
-from gpt2x.workflows import export_backend
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import PROMPTS as BATCH_PROMPTS
 from ..helpers import make_hf_model
@@ -69,7 +69,8 @@ def test_backend_attributes(tiny, backends):
     _, infos = tiny
     genai, _ = backends[Precision.fp32]
     # The generator owns its cache: no cache from elsewhere, no joining rows, no rollback, nor their methods.
-    assert (genai.name, genai.provider.value, genai.capabilities) == ("genai", "cpu", Capabilities())
+    assert (genai.name, genai.provider.value, genai.capabilities) == ("genai", "cpu", Capabilities(
+        runtime="onnxruntime-genai", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)}))
     assert not any(hasattr(genai, m) for m in ("past_from_numpy", "merge", "truncate", "step_greedy"))
     assert (genai.n_positions, genai.vocab_size) == (64, 50257)
     assert genai.model_name == infos[Precision.fp32].meta["model"]["name"]

@@ -18,7 +18,7 @@ from gpt2x.runtime.base import greedy_step
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.providers import create_session, last_argmax_model
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_model
+from gpt2x.workflows.exports import export_model
 
 from ..helpers import check_step_greedy, make_hf_model
 

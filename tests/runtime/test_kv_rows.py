@@ -28,7 +28,7 @@ from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.serve.scheduler import layout
 from gpt2x.tokenizer import encode
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import REPO, as_gqa, make_hf_model
 

@@ -18,12 +18,12 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo
-from gpt2x.runtime.base import Capabilities
+from gpt2x.runtime.base import CPU_PRECISIONS, Capabilities
 from gpt2x.runtime.openvino import OpenVinoBackend, OpenVinoKVCache
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows import export_backend
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import PROMPTS, as_gqa, make_hf_model
 
@@ -146,7 +146,8 @@ def test_workflows_open_it_and_it_implements_the_protocol(tiny):
     backend = export_backend(BackendKind.openvino, infos["mha"], threads=1)
     assert isinstance(backend, OpenVinoBackend)
     assert (backend.name, backend.provider) == ("openvino", ProviderKind.cpu)
-    assert backend.capabilities == Capabilities(takes_past=True, joins_rows=True, rolls_back=True)
+    assert backend.capabilities == Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+                                                takes_past=True, joins_rows=True, rolls_back=True)
     assert backend.model_name == infos["mha"].meta["model"]["name"]
     assert (backend.n_positions, backend.vocab_size) == (96, 50257)
     assert backend.peak_device_memory_mb() is None

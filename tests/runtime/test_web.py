@@ -22,12 +22,12 @@ from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, ExportInfo, default_export_dir
 from gpt2x.runtime import web
-from gpt2x.runtime.base import Capabilities
+from gpt2x.runtime.base import CPU_PRECISIONS, Capabilities
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.runtime.web import WebBackend
-from gpt2x.workflows import export_backend, require_provider
-from gpt2x.workflows import export_model as export
+from gpt2x.workflows.backends import export_backend, require_provider
+from gpt2x.workflows.exports import export_model as export
 
 from ..helpers import BENCH_SCHEMA, PROMPTS, StepClock, check_step_greedy, make_hf_model, run_cli, validate
 
@@ -176,7 +176,9 @@ def test_workflows_open_it_and_refuse_cuda(tiny):
     try:
         assert isinstance(backend, WebBackend)
         assert (backend.name, backend.provider) == ("web", ProviderKind.cpu)
-        assert backend.capabilities == Capabilities(takes_past=True, joins_rows=True, rolls_back=True,
+        assert backend.capabilities == Capabilities(runtime="onnxruntime-web's WebAssembly build",
+                                                    precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+                                                    takes_past=True, joins_rows=True, rolls_back=True,
                                                     argmax_where_logits_are=True, page=True)
         assert backend.page_info["threads"] == 1
         peak = backend.page_memory_mb()

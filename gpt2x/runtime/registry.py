@@ -1,0 +1,177 @@
+"""Which class runs each BackendKind, and what a kind is and can do before one is opened: its class's
+`Capabilities`. Each class is imported only when asked for, so that the optional runtimes stay
+optional and the ONNX Runtime path imports no torch; every message saying what a backend cannot do
+is built here from the records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..choices import BackendKind, Precision, ProviderKind
+from ..errors import Gpt2xError, MissingDependencyError, ProviderError, UsageError
+from .base import Capabilities, spoken
+
+EXPORT_EXTRA = ("torch", "onnxscript")  # loading weights, exporting, training and the torch backend
+EXPORT_INSTALL = "pip install 'gpt2x[export]' (the CPU build of torch first, see the README)"
+
+
+def _torch() -> type:
+    from .pytorch import TorchBackend
+
+    return TorchBackend
+
+
+def _ort() -> type:
+    from .ort import OrtBackend
+
+    return OrtBackend
+
+
+def _openvino() -> type:
+    from .openvino import OpenVinoBackend
+
+    return OpenVinoBackend
+
+
+def _genai() -> type:
+    from .genai import GenaiBackend
+
+    return GenaiBackend
+
+
+def _web() -> type:
+    from .web import WebBackend
+
+    return WebBackend
+
+
+def _web_ready() -> None:
+    from .web import require_web
+
+    require_web()  # Playwright, Chromium and onnxruntime-web from npm
+
+
+@dataclass(frozen=True)
+class Entry:
+    load: Callable[[], type]  # imports the module and gives the class
+    needs: tuple[str, ...] = ()  # the modules it imports that an install may lack
+    install: str = ""  # the command that installs them
+    ready: Callable[[], None] | None = None  # what else it checks before one opens (the web's browser)
+
+
+# onnxruntime-genai's wheel requires the `onnxruntime` distribution, which would overwrite
+# `onnxruntime-gpu`'s files: it goes in without its dependencies (it loads the ONNX Runtime gpt2x has).
+REGISTRY: dict[BackendKind, Entry] = {
+    BackendKind.torch: Entry(_torch, EXPORT_EXTRA, EXPORT_INSTALL),
+    BackendKind.ort: Entry(_ort),
+    BackendKind.openvino: Entry(_openvino, ("openvino",), "pip install 'gpt2x[openvino]'"),
+    BackendKind.genai: Entry(_genai, ("onnxruntime_genai",), "pip install --no-deps 'onnxruntime-genai>=0.18'"),
+    BackendKind.web: Entry(_web, ready=_web_ready),
+}
+
+
+def missing_modules(*modules: str) -> list[str]:
+    missing = []
+    for name in modules:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def require_modules(purpose: str, modules: tuple[str, ...], install: str) -> None:
+    missing = missing_modules(*modules)
+    if missing:
+        raise MissingDependencyError(f"{purpose} needs {' and '.join(missing)}, which this install lacks: {install}")
+
+
+def require_export_extra(purpose: str) -> None:
+    """Raise MissingDependencyError unless PyTorch and onnxscript import."""
+    require_modules(purpose, EXPORT_EXTRA, EXPORT_INSTALL)
+
+
+def require_runtime(kind: BackendKind) -> None:
+    """Raise MissingDependencyError unless everything the backend of `kind` runs on is here."""
+    entry = REGISTRY[kind]
+    require_modules(f"the {kind.value} backend", entry.needs, entry.install)
+    if entry.ready is not None:
+        entry.ready()
+
+
+def backend_class(kind: BackendKind) -> type:
+    """The class that runs `kind`, its runtime checked first (one line naming its install command
+    where it is missing)."""
+    require_runtime(kind)
+    return REGISTRY[kind].load()
+
+
+def capabilities_of(kind: BackendKind) -> Capabilities:
+    """What a backend of `kind` is and can do (its class's record), before one is opened; only its
+    modules need to import (not, say, the web backend's browser)."""
+    entry = REGISTRY[kind]
+    require_modules(f"the {kind.value} backend", entry.needs, entry.install)
+    return entry.load().capabilities
+
+
+def kinds_that(predicate: Callable[[Capabilities], bool]) -> list[BackendKind]:
+    """The kinds whose record satisfies `predicate`, among those installed here (a kind whose modules
+    do not import says nothing). Every class is imported: for messages, not the ONNX Runtime path."""
+    kinds = []
+    for kind in BackendKind:
+        try:
+            caps = capabilities_of(kind)
+        except MissingDependencyError:
+            continue
+        if predicate(caps):
+            kinds.append(kind)
+    return kinds
+
+
+def named(kinds: list[BackendKind], last: str = "or") -> str:
+    return spoken((k.value for k in kinds), last)
+
+
+# ---------------------------------------------------------------- what a backend cannot do
+
+
+def unsupported(kind: BackendKind, provider: ProviderKind, precision: Precision) -> Gpt2xError | None:
+    """Why `kind` cannot run `precision` on `provider`, as the error to raise, or None when it can.
+    Asked before any work (an export, a download), so that a combination that cannot run fails at once."""
+    caps = capabilities_of(kind)
+    refused = caps.refuse_provider(kind.value, provider)
+    if refused is not None or caps.runs(precision, provider):
+        return refused
+    here = spoken(p.value for p in caps.precisions_by_provider[provider])
+    elsewhere = [p for p in caps.providers if caps.runs(precision, p)]
+    if elsewhere:
+        return ProviderError(
+            f"{precision.value} runs on {spoken(p.value.upper() for p in elsewhere)} only with the {kind.value} backend; "
+            f"on the {provider.value} provider it runs {here}")
+    others = kinds_that(lambda c: c.runs(precision))
+    by = f"run by the {named(others, 'and')} backends" if others else "run by no backend installed here"
+    return UsageError(f"the {kind.value} backend does not run {precision.value} (it runs {caps.describe_runs()}): "
+                      f"{precision.value} is {by}")
+
+
+def refuse_unsupported(kind: BackendKind, provider: ProviderKind, precision: Precision) -> None:
+    error = unsupported(kind, provider, precision)
+    if error is not None:
+        raise error
+
+
+def refuse_export_folder(kind: BackendKind, named_by: str = "an export folder") -> None:
+    """Refuse an export for a backend that runs none: the reference runs the model itself."""
+    caps = capabilities_of(kind)
+    if caps.reference:
+        runners = named(kinds_that(lambda c: not c.reference), "and")
+        raise UsageError(f"{named_by} names an export, which the {runners} backends run; "
+                         f"the {kind.value} backend runs the model itself, in {caps.runtime}")
+
+
+def cannot_roll_back(name: str, role: str | None = None) -> UsageError:
+    """The refusal of speculative decoding on a backend whose cache cannot drop positions."""
+    which = f"the {name} backend" + (f" (the {role})" if role else "")
+    return UsageError(f"speculative decoding needs a KV cache it can roll back; {which} cannot drop positions "
+                      f"from its cache: use {named(kinds_that(lambda c: c.rolls_back))}")

@@ -1,0 +1,97 @@
+"""A running backend from the user's choices: the model in PyTorch (the reference) or an export on
+one of the runtimes (runtime.registry), refused before any work where the backend's record says it
+cannot run the combination."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progress
+from ..errors import ProviderError, UsageError
+from ..onnx.artifact import ExportInfo
+from ..runtime.base import Backend
+from ..runtime.providers import available_providers
+from ..runtime.registry import backend_class, capabilities_of, refuse_unsupported, require_export_extra, require_runtime
+from .exports import resolve_export
+from .models import DEFAULT_MODEL, load_model
+
+if TYPE_CHECKING:
+    from ..model.checkpoints import ModelSource
+    from ..model.gpt2 import GPT2
+
+
+def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_name: str = DEFAULT_MODEL,
+                  precision: Precision = Precision.fp32, threads: int | None = None) -> Backend:
+    """The PyTorch reference backend for a loaded model (fp16: a half-precision copy, CUDA only)."""
+    require_export_extra("the torch backend")
+    import copy
+
+    import torch
+
+    from ..runtime.pytorch import TorchBackend
+
+    if provider is ProviderKind.cuda and not torch.cuda.is_available():
+        raise ProviderError("this PyTorch build sees no CUDA device")
+    refuse_unsupported(BackendKind.torch, provider, precision)
+    if threads:
+        torch.set_num_threads(threads)
+    m = copy.deepcopy(model).half() if precision is Precision.fp16 else model
+    return TorchBackend(m, "cuda" if provider is ProviderKind.cuda else "cpu", model_name)
+
+
+def require_provider(backends: list[BackendKind], provider: ProviderKind) -> None:
+    """Fail early, in one line, when a backend's runtime is not installed, or `provider` cannot run
+    one of `backends` on this machine."""
+    for kind in backends:
+        require_runtime(kind)
+    if provider is not ProviderKind.cuda:
+        return
+    if BackendKind.ort in backends:
+        status = available_providers()["loadable"]["cuda"]
+        if status != "ok":
+            raise ProviderError(status)
+    if BackendKind.torch in backends:
+        require_export_extra("the torch backend")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ProviderError("the torch backend on cuda: this PyTorch build sees no CUDA device")
+
+
+def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
+                 model: str | None = None, revision: str | None = None, precision: Precision | None = None,
+                 onnx_dir: Path | None = None, threads: int | None = None,
+                 loaded: tuple[GPT2, ModelSource] | None = None,
+                 progress: Progress = no_progress, notice: Progress = no_progress) -> Backend:
+    """The backend the user asked for.
+
+    The reference (torch): the model loaded into PyTorch (`loaded` reuses one in memory). The others:
+    the export in `onnx_dir`, or in the default folder for model and precision, exported first when
+    missing. An export given by folder is checked against `model` when a model is named, and against
+    its precision when one is asked for. A combination that cannot run is refused before any work."""
+    refuse_unsupported(backend, provider, precision or Precision.fp32)
+    if capabilities_of(backend).reference:
+        name = model or DEFAULT_MODEL
+        if loaded is None:
+            progress(f"loading {name}")
+            loaded = load_model(name, revision)
+        return torch_backend(loaded[0], provider, name, precision or Precision.fp32, threads)
+
+    require_runtime(backend)
+    info = resolve_export(model, revision, precision, onnx_dir, loaded, progress, notice)
+    progress(f"loading {info.folder} on {backend.value} ({provider.value})")
+    return export_backend(backend, info, provider, threads)
+
+
+def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
+                   threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
+    """A runtime on an export folder: ONNX Runtime, OpenVINO, onnxruntime-genai or onnxruntime-web in
+    headless Chromium (each the same `Backend`), its runtime checked before its module is imported.
+    `in_place_kv` (ONNX Runtime's KV cache, the native backend's): None updates it in place wherever
+    the graph can, False keeps a growing cache, True requires the in-place one."""
+    caps = capabilities_of(backend)
+    if caps.reference:
+        raise UsageError(f"{backend.value} does not run export folders")
+    options = {"in_place_kv": in_place_kv} if caps.native else {}
+    return backend_class(backend)(info, provider, threads, **options)

@@ -1,0 +1,107 @@
+"""Exports: made from a model (parity-gated), found by model and precision (made first when
+missing), and checked against the model a user names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..choices import Precision, Progress, no_progress
+from ..errors import ArtifactError, UsageError
+from ..evaluate.parity import gate_export
+from ..fileio import folder_lock
+from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
+from ..onnx.artifact import DEFAULT_OPSET, EXPORTS_ENV, ExportInfo, default_export_dir, is_export, read_export
+from ..runtime.registry import require_export_extra
+from .models import DEFAULT_MODEL, load_model
+
+if TYPE_CHECKING:
+    from ..model.checkpoints import ModelSource
+    from ..model.gpt2 import GPT2
+
+
+def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
+                 opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
+                 progress: Progress = no_progress) -> ExportInfo:
+    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False)."""
+    require_export_extra("exporting")
+    from ..onnx.build import export
+    from ..runtime.pytorch import TorchBackend
+
+    def gate(info: ExportInfo) -> dict:
+        return gate_export(TorchBackend(model, model_name=source.name), info)
+
+    return export(model, source, out, precision, opset, force, gate if check_parity else None, progress)
+
+
+def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
+                   revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
+                   check_parity: bool = True, progress: Progress = no_progress) -> ExportInfo:
+    """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
+    progress(f"loading {name}")
+    model, source = load_model(name, revision)
+    return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
+                        check_parity, progress)
+
+
+def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:
+    """An export used for `model` must come from it: same config, and for the bundled model (cheap
+    to hash) the same weights, so an export left over from another gpt2x version is not run."""
+    cfg = resolve_config(model, revision)
+    if cfg != info.config:
+        raise ArtifactError(
+            f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}"
+        )
+    if model == BUNDLED and info.meta["model"].get("weights_sha256") != weights_fingerprint(resolve(model)[0]):
+        raise ArtifactError(f"{info.folder} was exported from other {model} weights; export it again, replacing the folder")
+
+
+def _elsewhere(folder: Path) -> str:
+    """A hint when the working directory's exported/ (where exports went by default before
+    GPT2X_EXPORTS) holds this export: the setting that would use it."""
+    old = Path("exported") / folder.name
+    if folder.parent.resolve() != old.parent.resolve() and is_export(old):
+        return f" (./{old} holds one: {EXPORTS_ENV}=exported uses it)"
+    return ""
+
+
+def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
+                  folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
+                  progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+    """The export of `model` at `precision` in `folder` (default: default_export_dir, under
+    exports_root()), exported first (parity-gated) when the folder holds none; processes that make the
+    same export at once take turns (fileio.folder_lock), and the later ones use the first one's.
+    `loaded` reuses a model already in memory; `notice` hears that an export is about to happen."""
+    folder = Path(folder) if folder is not None else default_export_dir(model, precision)
+    if not is_export(folder):
+        with folder_lock(folder):  # another process making the same export: wait for it, then use it
+            if not is_export(folder):
+                notice(f"no export at {folder}: exporting {model} ({precision.value}) first{_elsewhere(folder)}")
+                if loaded is None:
+                    export_by_name(model, folder, precision, revision, progress=progress)
+                else:
+                    export_model(*loaded, folder, precision, progress=progress)
+    info = read_export(folder)
+    if loaded is None:
+        check_export_matches(info, model, revision)
+    elif loaded[0].config != info.config:
+        raise ArtifactError(f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}")
+    return info
+
+
+def resolve_export(model: str | None = None, revision: str | None = None, precision: Precision | None = None,
+                   onnx_dir: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
+                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+    """The export the user's choices name: `onnx_dir` (checked against `model` when one is named, and
+    against `precision` when one is asked for), or the default folder of model and precision,
+    exported first when missing."""
+    if onnx_dir is None:
+        info = ensure_export(model or DEFAULT_MODEL, precision or Precision.fp32, revision, loaded=loaded,
+                             progress=progress, notice=notice)
+    else:
+        info = read_export(onnx_dir)
+        if model is not None:
+            check_export_matches(info, model, revision)
+    if precision is not None and info.precision is not precision:
+        raise UsageError(f"{info.folder} is a {info.precision.value} export, not {precision.value}")
+    return info
