@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from gpt2x.choices import BackendKind, Precision
+from gpt2x.choices import BackendKind, Precision, ProviderKind
 from gpt2x.errors import ProviderError, UsageError
 from gpt2x.evaluate.parity import compare_on_cases
 from gpt2x.generation.generate import generate
@@ -18,11 +18,11 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.generation.speculative import NgramDrafter, refuse_unrollable
 from gpt2x.runtime.base import Capabilities, greedy_step
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.runtime.registry import backend_class, capabilities_of
+from gpt2x.runtime.registry import backend_class, capabilities_of, kinds_that, refuse_export_folder, unsupported
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.backends import export_backend
-from gpt2x.workflows.drafts import check_draft
+from gpt2x.workflows.backends import export_backend, open_backend, torch_backend
+from gpt2x.workflows.drafts import check_draft, draft_runtime
 
 # The methods each capability brings (runtime/base.py), on the backend or on each of its cache forms;
 # a backend without it has none of them.
@@ -110,6 +110,86 @@ def test_capabilities_of_a_kind_before_opening_it():
     with pytest.raises(UsageError, match="the genai backend cannot drop positions from its cache: use torch, ort, openvino or web$"):
         check_draft("ngram", BackendKind.genai)
     check_draft("ngram", BackendKind.openvino)  # it rolls back: accepted
+
+
+def test_one_reference_and_one_native_and_the_reference_runs_no_export(bundled_export):
+    [reference] = kinds_that(lambda c: c.reference)
+    [native] = kinds_that(lambda c: c.native)
+    assert (reference, native) == (BackendKind.torch, BackendKind.ort)
+    with pytest.raises(UsageError, match="does not run export folders"):
+        export_backend(reference, bundled_export(Precision.fp32))
+    with pytest.raises(UsageError, match="the ort, openvino, genai and web backends run; the torch backend runs the model"):
+        refuse_export_folder(reference, "an export folder")
+    for kind in kinds_that(lambda c: not c.reference):
+        refuse_export_folder(kind)  # the others run exports: nothing to refuse
+    assert draft_runtime(reference) is native and draft_runtime(BackendKind.openvino) is BackendKind.openvino
+
+
+def _opens(kind: BackendKind, provider: ProviderKind, info) -> None:
+    """`info` opened by `kind`'s class itself on `provider` (not through the record's refusal) and
+    stepped once."""
+    ids = np.array([encode("ROMEO:")])
+    with backend_class(kind)(info, provider, 1) as backend:
+        logits, _ = backend.step(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], None)
+    assert logits.shape == (1, backend.vocab_size) and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("kind", [BackendKind.ort, BackendKind.openvino, BackendKind.genai, BackendKind.web])
+def test_what_an_export_backend_declares_it_runs_and_what_it_does_not_it_refuses(kind, bundled_export):
+    """Each precision the record declares on the CPU opens there (CUDA's: tests/runtime/test_cuda.py);
+    each provider and precision it does not declare is refused before any work with the error
+    unsupported() builds from the record, and the class itself refuses it too where it checks (the
+    CPU has no fp16 kernels; OpenVINO and the page have no CUDA device)."""
+    caps = capabilities_of(kind)
+    for provider in ProviderKind:
+        for precision in Precision:
+            error = unsupported(kind, provider, precision)
+            if caps.runs(precision, provider):
+                assert error is None, (kind, provider, precision)
+                if provider is ProviderKind.cpu:
+                    _opens(kind, provider, bundled_export(precision))
+                continue
+            assert isinstance(error, (ProviderError, UsageError)) and kind.value in str(error), (provider, precision)
+            with pytest.raises(type(error)) as refused:
+                open_backend(kind, provider, "shakespeare", precision=precision)
+            assert str(refused.value) == str(error)
+            if provider not in caps.providers:
+                assert f"no {provider.value} provider" in str(error)
+                info = bundled_export(Precision.fp32)
+                with pytest.raises(ProviderError, match=f"no {provider.value} provider"):
+                    _opens(kind, provider, info)
+            elif precision is Precision.fp16 and kind is not BackendKind.web:  # the page has no check of its own
+                info = bundled_export(precision)
+                with pytest.raises(ProviderError, match="CUDA only"):
+                    _opens(kind, provider, info)
+
+
+def test_the_reference_runs_what_it_declares():
+    import torch
+
+    from gpt2x.model.weights import load_model
+
+    model = load_model("shakespeare")[0]
+    caps = capabilities_of(BackendKind.torch)
+    assert caps.precisions_by_provider == {ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp32, Precision.fp16)}
+    ids = np.array([encode("ROMEO:")])
+    for provider in ProviderKind:
+        if provider is ProviderKind.cuda and not torch.cuda.is_available():
+            continue  # torch_backend refuses a machine without CUDA first
+        for precision in Precision:
+            error = unsupported(BackendKind.torch, provider, precision)
+            if caps.runs(precision, provider):
+                assert error is None
+                backend = torch_backend(model, provider, precision=precision)
+                logits, _ = backend.step(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], None)
+                assert np.isfinite(logits).all()
+                continue
+            with pytest.raises(type(error)) as refused:
+                torch_backend(model, provider, precision=precision)
+            assert str(refused.value) == str(error)
+    # int8 and int4 exist only as exports, which the others run: the refusal names them from their records
+    assert [k.value for k in kinds_that(lambda c: c.runs(Precision.int8))] == ["ort", "openvino", "genai", "web"]
+    assert "int8 is run by the ort, openvino, genai and web backends" in str(unsupported(BackendKind.torch, ProviderKind.cpu, Precision.int8))
 
 
 class Stuck:
