@@ -81,7 +81,7 @@ class OpenVinoBackend(Closable):
         refused = self.capabilities.refuse_provider(self.name, provider)
         if refused is not None:
             raise refused
-        refuse_fp16_on_cpu(info, provider, "OpenVINO runs fp32, int8 and int4 exports on the CPU")
+        refuse_fp16_on_cpu(info, provider, f"the {self.name} backend runs {self.capabilities.describe_runs()}")
         self.info = info
         self.model_name = info.meta["model"]["name"]
         self.cfg = info.config

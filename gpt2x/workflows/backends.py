@@ -92,6 +92,6 @@ def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKin
     the graph can, False keeps a growing cache, True requires the in-place one."""
     caps = capabilities_of(backend)
     if caps.reference:
-        raise UsageError(f"{backend.value} does not run export folders")
+        raise UsageError(f"the {backend.value} backend does not run export folders (it runs the model itself, in {caps.runtime})")
     options = {"in_place_kv": in_place_kv} if caps.native else {}
     return backend_class(backend)(info, provider, threads, **options)
