@@ -1,5 +1,5 @@
-"""What the engine tells a row's callback (`Sink`): one typed output per event, defined here once and
-read by the service; the API renders them (protocol.py). docs/serving/engine.md gives the order."""
+"""What the engine tells a row's callback (`Sink`), defined once: its prompt's logprobs first (when
+asked), a TokenOut per token, then one Finished or Failed. The service reads them (service.Pending)."""
 
 from __future__ import annotations
 
