@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny GPT-2s with random weights, saved by transformers in Hugging Face layout
-(so our loader is tested against files it did not write), and a runner for the real CLI."""
+"""The suite's fixtures (what tests share that is not a fixture lives in helpers.py): the run's shared
+exports (the bundled model's, and tiny random GPT-2s'), ports, one core per pytest-xdist worker, and
+how the workers split the run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import os
 
 # No test touches the network: huggingface_hub reads this when it is first imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Ray starts no idle Python workers ahead of its actors: every cluster the tests start (in this process
+# and in the servers they run) then spends the cores only on the processes it uses.
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -15,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from .helpers import cuda_loads, make_hf_model  # noqa: E402
+from .helpers import as_gqa, cuda_loads, make_hf_model  # noqa: E402
 
 # CI runs property tests derandomized: the same examples every run, so a failure is reproducible.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -38,6 +42,50 @@ def shared_dir(tmp_path_factory, worker_id) -> Path:
     """A folder that every pytest-xdist worker of this run shares (the workers' base temp's parent)."""
     base = tmp_path_factory.getbasetemp()
     return base if worker_id == "master" else base.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_export(shared_dir):
+    """tiny_export(precision=fp32, seed=31, gated=True, gqa=False, **config) -> (GPT2, ModelSource, ExportInfo):
+    a tiny random GPT-2 (helpers.make_hf_model: TINY with `config`'s overrides, n_positions 96 unless
+    given) and its export, each made once per run in the workers' shared folder (under a file lock)
+    and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32 export
+    rewritten to GroupQueryAttention (helpers.as_gqa)."""
+    from filelock import FileLock
+
+    from gpt2x.choices import Precision
+    from gpt2x.model.weights import load_model
+    from gpt2x.onnx.artifact import is_export, read_export
+    from gpt2x.workflows.exports import export_model
+
+    root = shared_dir / "tiny"
+    models: dict = {}
+
+    def model_of(seed: int, config: dict):
+        key = f"seed{seed}" + "".join(f"-{k}{v}" for k, v in sorted(config.items()))
+        if key not in models:
+            folder = root / key
+            with FileLock(f"{folder}.lock"):
+                if not (folder / "config.json").is_file():
+                    make_hf_model(folder, seed=seed, **config)
+            models[key] = (key, *load_model(str(folder)))
+        return models[key]
+
+    def get(precision: Precision = Precision.fp32, seed: int = 31, gated: bool = True, gqa: bool = False, **config):
+        config.setdefault("n_positions", 96)
+        key, model, source = model_of(seed, config)
+        name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "")
+        folder = root / "exports" / name
+        with FileLock(f"{folder}.lock"):
+            if not is_export(folder):
+                export_model(model, source, folder, Precision(precision), check_parity=gated)
+            info = read_export(folder)
+            if gqa:
+                gqa_folder = root / "exports" / f"{name}-gqa"
+                info = read_export(gqa_folder) if is_export(gqa_folder) else as_gqa(info, gqa_folder)
+        return model, source, info
+
+    return get
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -171,8 +171,20 @@ def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, 
                 os.killpg(head.pid, sig)
             except ProcessLookupError:
                 break
-            time.sleep(3)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and (head.poll() is None or group_alive(head.pid)):
+                time.sleep(0.1)
         head.wait(30)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is left (signal 0 checks without sending; the leader is
+    reaped first, or its zombie would count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ the stop under a process manager

@@ -49,7 +49,6 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID, encode
 from gpt2x.workflows.drafts import open_drafter
-from gpt2x.workflows.exports import export_model
 from gpt2x.workflows.models import load_model
 
 from ..helpers import PROMPTS, DraftSpy, greedy_counts, make_hf_model, run_cli
@@ -85,16 +84,14 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random GPT-2 (the target) with its fp32 and int4 exports, and a second tiny random model
-    (another seed: a draft that mostly disagrees), run by PyTorch."""
-    root = tmp_path_factory.mktemp("spec-tiny")
-    make_hf_model(root / "target", seed=41)
-    make_hf_model(root / "draft", seed=42)
-    model, source = load_model(str(root / "target"))
-    infos = {p: export_model(model, source, root / f"target-{p.value}", p, check_parity=False)
-             for p in (Precision.fp32, Precision.int4)}
-    return SimpleNamespace(model=model, infos=infos, draft_model=load_model(str(root / "draft"))[0])
+def tiny(tiny_export, tmp_path_factory):
+    """A tiny random GPT-2 (the target) with its fp32 and int4 exports (the run's shared ones), and a
+    second tiny random model (another seed: a draft that mostly disagrees), run by PyTorch."""
+    folder = tmp_path_factory.mktemp("spec-draft")
+    make_hf_model(folder, seed=42)
+    exports = {p: tiny_export(p, n_positions=64) for p in (Precision.fp32, Precision.int4)}
+    return SimpleNamespace(model=exports[Precision.fp32][0], infos={p: e[2] for p, e in exports.items()},
+                           draft_model=load_model(str(folder))[0])
 
 
 @pytest.fixture(scope="module")

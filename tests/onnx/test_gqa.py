@@ -26,18 +26,14 @@ from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.exports import export_model as export
 
-from ..helpers import PROMPTS, as_gqa, make_hf_model
+from ..helpers import PROMPTS
 
 
 @pytest.fixture(scope="module")
-def tiny_gqa(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    make_hf_model(folder, seed=21, n_positions=96)
-    model, source = load_model(str(folder))
-    info = export(model, source, tmp_path_factory.mktemp("exp") / "tiny-fp32")
-    return model, info, as_gqa(info, tmp_path_factory.mktemp("gqa") / "tiny-gqa")
+def tiny_gqa(tiny_export):
+    model, _, info = tiny_export()
+    return model, info, tiny_export(gqa=True)[2]
 
 
 def test_rewrite_replaces_every_attention_and_keeps_the_interface(tiny_gqa):

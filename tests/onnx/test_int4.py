@@ -19,7 +19,6 @@ from gpt2x.errors import ParityError
 from gpt2x.evaluate.parity import TOLERANCES, check
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.model.weights import load_model
 from gpt2x.onnx import build, names
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE
@@ -28,20 +27,17 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows.exports import export_model
 
-from ..helpers import Noisy, make_hf_model
+from ..helpers import Noisy
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-int4")
-    make_hf_model(folder, seed=5)
-    return load_model(str(folder))
+def tiny_model(tiny_export):
+    return tiny_export(n_positions=64)[:2]
 
 
 @pytest.fixture(scope="module")
-def int4_export(tiny_model, tmp_path_factory):
-    model, source = tiny_model
-    return export_model(model, source, tmp_path_factory.mktemp("int4") / "exp", Precision.int4)
+def int4_export(tiny_export):
+    return tiny_export(Precision.int4, n_positions=64)[2]
 
 
 def nbits_nodes(path) -> list[tuple[list[str], dict]]:

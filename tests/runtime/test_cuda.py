@@ -18,18 +18,15 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows.exports import export_model
 
-from ..helpers import PROMPTS, check_step_greedy, make_hf_model
+from ..helpers import PROMPTS, check_step_greedy
 
 pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-cuda")
-    make_hf_model(folder, seed=31, n_positions=96)
-    model, source = load_model(str(folder))
-    root = tmp_path_factory.mktemp("exports")
-    return model, {p: export_model(model, source, root / p.value, p) for p in (Precision.fp32, Precision.fp16)}
+def tiny(tiny_export):
+    exports = {p: tiny_export(p) for p in (Precision.fp32, Precision.fp16)}
+    return exports[Precision.fp32][0], {p: e[2] for p, e in exports.items()}
 
 
 @pytest.mark.parametrize("precision", [Precision.fp32, Precision.fp16])

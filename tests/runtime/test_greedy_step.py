@@ -8,27 +8,22 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gpt2x.choices import Precision
 from gpt2x.generation.decode import Sequence, decode_steps
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.base import greedy_step
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.providers import create_session, last_argmax_model
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.workflows.exports import export_model
 
-from ..helpers import check_step_greedy, make_hf_model
+from ..helpers import check_step_greedy
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    make_hf_model(folder, seed=41, n_positions=64)
-    model, source = load_model(str(folder))
-    return model, export_model(model, source, tmp_path_factory.mktemp("exp") / "fp32", Precision.fp32, check_parity=False)
+def tiny(tiny_export):
+    model, _, info = tiny_export(n_positions=64)
+    return model, info
 
 
 

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from gpt2x.generation.generate import generate, left_pad
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.base import right_aligned_rows
 from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_stale
@@ -28,9 +27,8 @@ from gpt2x.serve.engine import Engine, EngineSettings, Row
 from gpt2x.serve.outputs import Finished, TokenOut
 from gpt2x.serve.scheduler import layout
 from gpt2x.tokenizer import encode
-from gpt2x.workflows.exports import export_model as export
 
-from ..helpers import REPO, as_gqa, make_hf_model
+from ..helpers import REPO
 
 
 def stack_right_aligned(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
@@ -174,14 +172,11 @@ def test_layouts_keep_live_rows_in_place_and_fill_holes():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_export):
     """A tiny model, its fp32 export and that export rewritten to GroupQueryAttention (the int8
     graph's attention with fp32 weights: the in-place cache, batch-invariant like fp32)."""
-    folder = tmp_path_factory.mktemp("tiny")
-    make_hf_model(folder, seed=31, n_positions=128)
-    model, source = load_model(str(folder))
-    info = export(model, source, tmp_path_factory.mktemp("exp") / "tiny-fp32")
-    return model, info, as_gqa(info, tmp_path_factory.mktemp("gqa") / "tiny-gqa")
+    model, _, info = tiny_export(n_positions=128)
+    return model, info, tiny_export(n_positions=128, gqa=True)[2]
 
 
 PROMPT_IDS = [encode(t) for t in ("ROMEO:", "The king is dead, and long live the king", "What light", "O",

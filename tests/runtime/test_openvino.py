@@ -16,7 +16,6 @@ from gpt2x.errors import ArtifactError, ProviderError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.model.weights import load_model
 from gpt2x.onnx.artifact import MODEL_FILE, ExportInfo
 from gpt2x.runtime.base import CPU_PRECISIONS, Capabilities
 from gpt2x.runtime.openvino import OpenVinoBackend, OpenVinoKVCache
@@ -25,17 +24,14 @@ from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.workflows.backends import export_backend
 from gpt2x.workflows.exports import export_model as export
 
-from ..helpers import PROMPTS, as_gqa, make_hf_model
+from ..helpers import PROMPTS
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_export):
     """A tiny model, its fp32 export (MultiHeadAttention) and that export with GroupQueryAttention."""
-    folder = tmp_path_factory.mktemp("tiny")
-    make_hf_model(folder, seed=23, n_positions=96)
-    model, source = load_model(str(folder))
-    info = export(model, source, tmp_path_factory.mktemp("exp") / "tiny-fp32")
-    return model, source, {"mha": info, "gqa": as_gqa(info, tmp_path_factory.mktemp("gqa") / "tiny-gqa")}
+    model, source, info = tiny_export()
+    return model, source, {"mha": info, "gqa": tiny_export(gqa=True)[2]}
 
 
 @pytest.mark.parametrize("graph", ["mha", "gqa"])

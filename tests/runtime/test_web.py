@@ -18,7 +18,6 @@ from gpt2x.errors import ArtifactError, MissingDependencyError, ProviderError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, ExportInfo, default_export_dir
 from gpt2x.runtime import web
@@ -27,24 +26,20 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.runtime.web import WebBackend
 from gpt2x.workflows.backends import export_backend, require_provider
-from gpt2x.workflows.exports import export_model as export
 
-from ..helpers import BENCH_SCHEMA, PROMPTS, StepClock, check_step_greedy, make_hf_model, run_cli, validate
+from ..helpers import BENCH_SCHEMA, PROMPTS, StepClock, check_step_greedy, run_cli, validate
 
 PRECISIONS = [Precision.fp32, Precision.int8, Precision.int4]
 SOURCES: dict = {}  # the tiny model's ModelSource, for the bench
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random GPT-2 and its fp32, int8 and int4 exports (not gated at export: the tests below gate
-    the web backend against the model itself)."""
-    folder = tmp_path_factory.mktemp("tiny")
-    make_hf_model(folder, seed=31, n_positions=96)
-    model, source = load_model(str(folder))
-    root = tmp_path_factory.mktemp("exp")
-    SOURCES["tiny"] = source
-    return model, {p: export(model, source, root / f"tiny-{p.value}", p, check_parity=False) for p in PRECISIONS}
+def tiny(tiny_export):
+    """A tiny random GPT-2 and its fp32, int8 and int4 exports (the run's shared ones; the tests below
+    gate the web backend against the model itself)."""
+    exports = {p: tiny_export(p) for p in PRECISIONS}
+    model, SOURCES["tiny"], _ = exports[Precision.fp32]
+    return model, {p: e[2] for p, e in exports.items()}
 
 
 @pytest.fixture(scope="module")
