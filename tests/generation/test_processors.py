@@ -20,6 +20,8 @@ from transformers.generation.logits_process import (
 
 from gpt2x.errors import UsageError
 from gpt2x.generation.processors import (
+    AllowedTokens,
+    ConstraintMask,
     History,
     LogitBias,
     MinP,
@@ -31,7 +33,7 @@ from gpt2x.generation.processors import (
     TopP,
     processors_for,
 )
-from gpt2x.generation.sampling import Sampler
+from gpt2x.generation.sampling import Sampler, sample_many
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.tokenizer import EOT_ID
 
@@ -260,3 +262,111 @@ def test_overflowing_scores_give_their_mass_to_the_overflowed_tokens():
     np.testing.assert_array_equal(p, [[0.5, 0.0, 0.0, 0.5]])  # 0 and 3 overflowed (> 1.8e308); 2 went to -1e-308
     p = Sampler(SamplingSettings(temperature=1e-310, top_p=0.9)).probabilities(x)
     assert not np.isnan(p).any() and p[0, 2] == 0 and p.sum() == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ one batch, per-row parameters (issue 38, item 4)
+
+WIDE = 50257  # GPT-2's vocabulary: top-p's partial sort grows its head here (V = 1000 takes the full sort)
+SCALES = np.array([3.0, 10.0, 0.3, 3.0, 1.0])[:, None]  # peaked, flat and between: top-p's head of 256, the full sort
+
+
+def wide_rows() -> tuple[np.ndarray, list[History]]:
+    """Five rows of logits (float64, no ties) and histories with repeats, of different lengths."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(5, WIDE)) * SCALES
+    outputs = [[], [7, 7], [7, 9, 9, 9], rng.integers(0, 500, 6).tolist(), [9] * 8]
+    return logits, [History(rng.integers(0, 500, 4).tolist() + [7], out, i) for i, out in enumerate(outputs)]
+
+
+def tf(processor, row: np.ndarray, history: History) -> np.ndarray:
+    """A transformers processor on one row, its input_ids the row's prompt and output."""
+    ids = torch.tensor([[*history.prompt, *history.output]])
+    return processor(ids, torch.from_numpy(row[None].copy())).numpy()[0]
+
+
+# Each row its own processor (None: the row has none); transformers' with that row's parameter
+# (None: no transformers processor, the row checked against our own alone only).
+PER_ROW = {
+    "temperature": ([Temperature(0.7), None, Temperature(1.3), Temperature(0.05), Temperature(2.0)],
+                    lambda p, h: TemperatureLogitsWarper(p.temperature)),
+    "top_k": ([TopK(5), TopK(50), None, TopK(WIDE + 3), TopK(1)], lambda p, h: TopKLogitsWarper(p.k)),
+    "top_p": ([TopP(0.9), TopP(0.5), TopP(0.99), None, TopP(0.3)], lambda p, h: TopPLogitsWarper(p.p)),
+    "min_p": ([MinP(0.05), None, MinP(0.3), MinP(1.0), MinP(0.01)], lambda p, h: MinPLogitsWarper(p.min_p)),
+    "repetition": ([RepetitionPenalty(1.3), RepetitionPenalty(0.7), None, RepetitionPenalty(2.0), RepetitionPenalty(1.1)],
+                   lambda p, h: RepetitionPenaltyLogitsProcessor(p.penalty)),
+    "min_tokens": ([MinTokens(3, [EOT_ID, 13]), MinTokens(2, [EOT_ID]), MinTokens(7, [EOT_ID, 198, 13]), None,
+                    MinTokens(9, [EOT_ID, 5])],  # rows 0, 2 and 4 short of theirs, row 1 past it
+                   lambda p, h: MinNewTokensLengthLogitsProcessor(len(h.prompt), p.min_tokens, p.end_ids.tolist())),
+    "logit_bias": ([LogitBias({7: 5.0}), None, LogitBias({7: -3.0, 9: 100.0}), LogitBias({WIDE + 5: 1.0, 3: 2.0}),
+                    LogitBias({9: -100.0})],
+                   lambda p, h: SequenceBiasLogitsProcessor([[[t], b] for t, b in zip(p.ids.tolist(), p.values.tolist())
+                                                             if t < WIDE])),
+    "presence_frequency": ([PresenceFrequencyPenalty(0.5, 0.2), None, PresenceFrequencyPenalty(-1.0, 0.0),
+                            PresenceFrequencyPenalty(0.0, 1.5), PresenceFrequencyPenalty(2.0, -2.0)], None),
+    "allowed": ([AllowedTokens(range(0, 5000, 7)), None, AllowedTokens([7, 9]), AllowedTokens([3, WIDE + 1]), None], None),
+}
+
+
+@pytest.mark.parametrize("name", PER_ROW)
+def test_a_batch_with_per_row_parameters_gives_each_row_what_it_gives_alone(name):
+    """One processor made for the batch from each row's own (for_rows, what sample_many runs) gives
+    every row exactly what the row's own processor gives it alone, and what transformers' processor
+    with that row's parameter gives; a row without one is left as it is."""
+    procs, theirs = PER_ROW[name]
+    logits, rows = wide_rows()
+    kind = type(next(p for p in procs if p is not None))
+    batched = kind.for_rows(procs)(logits.copy(), rows)
+    for i, (own, h) in enumerate(zip(procs, rows)):
+        alone = logits[i] if own is None else own(logits[i : i + 1].copy(), [h])[0]
+        np.testing.assert_array_equal(batched[i], alone, err_msg=f"row {i}")
+        if own is not None and theirs is not None:
+            assert_same_scores(batched[i][None], tf(theirs(own, h), logits[i], h)[None])
+    changed = [not np.array_equal(batched[i], logits[i]) for i in range(len(procs))]
+    assert sum(changed) >= 3 and not any(c for c, p in zip(changed, procs) if p is None)  # the test can fail
+
+
+def test_a_batch_of_constraints_masks_each_row_by_its_own():
+    """Rows with constraints of their own (a choice, a regex) and rows without: each row masked as its
+    own ConstraintMask masks it alone, the others left as they are."""
+    from gpt2x.generation.constraints import ConstraintSpec
+
+    procs = [ConstraintMask(ConstraintSpec.choice(["yes", "no"])), None, ConstraintMask(ConstraintSpec.regex("[0-9]+"))]
+    logits = np.random.default_rng(12).normal(size=(3, WIDE))
+    rows = [History([1], [], i) for i in range(3)]
+    batched = ConstraintMask.for_rows(procs)(logits.copy(), rows)
+    for i, (own, h) in enumerate(zip(procs, rows)):
+        alone = logits[i] if own is None else own(logits[i : i + 1].copy(), [h])[0]
+        np.testing.assert_array_equal(batched[i], alone)
+    kept = np.isfinite(batched).sum(axis=-1)
+    assert kept[1] == WIDE and 0 < kept[0] < kept[2] < WIDE  # a few first tokens of two words; the digit tokens
+
+
+def test_rows_of_their_own_sample_as_each_alone_whatever_their_processors():
+    """sample_many over rows with settings of their own (every processor, greedy rows among them, a
+    sampler whose list holds a processor outside ORDER) gives the tokens each Sampler gives alone."""
+    S = SamplingSettings
+    settings = [S(seed=1, top_p=0.9), S(seed=2, temperature=0.6, top_k=30, top_p=0.8), S(greedy=True),
+                S(greedy=True, repetition_penalty=1.5, logit_bias={12: 30.0}), S(seed=3, min_p=0.1, logit_bias={7: 3.0}),
+                S(seed=4, presence_penalty=1.0, frequency_penalty=0.5, min_tokens=6, stop_token_ids=[9]),
+                S(seed=5, allowed_token_ids=list(range(0, 3000, 3)), temperature=1.4), S(seed=6, top_k=WIDE + 1)]
+    logits, rows = wide_rows()
+    logits = np.concatenate([logits, logits[:4] * 0.5]).astype(np.float32)
+    rows = rows + [History([5, 6], [7] * i, 5 + i) for i in range(4)]
+
+    class Halve:  # a processor sample_many does not know: its row samples alone
+        argmax_invariant, reads_history = False, False
+
+        def __call__(self, scores, rows=()):
+            return scores / 2
+
+    odd = Sampler(S(seed=7, top_p=0.95))
+    odd.processors.insert(0, Halve())
+    together = [Sampler(s) for s in settings] + [odd]
+    alone = [Sampler(s) for s in settings] + [Sampler(S(seed=7, top_p=0.95))]
+    alone[-1].processors.insert(0, Halve())
+    for step in range(3):
+        x = np.roll(logits, step, axis=-1)
+        want = [int(s(x[i : i + 1], [rows[i]])[0]) for i, s in enumerate(alone)]
+        assert sample_many(together, x, rows).tolist() == want, step
+    assert len(set(want)) > 4
+    assert [s.rng.random() for s in together] == [s.rng.random() for s in alone]  # each stream moved as alone
