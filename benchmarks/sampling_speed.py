@@ -1,6 +1,8 @@
 """One decode step's sampling (logits to tokens) at batch 1 and 16 over GPT-2's vocabulary, per setting.
 
     python benchmarks/sampling_speed.py --label before   # writes benchmarks/results/sampling-speed-<machine>/before.{json,md}
+    git worktree add /tmp/base COMMIT && python benchmarks/sampling_speed.py --baseline /tmp/base --label after
+        # before.* (the baseline checkout) and after.* (this one), timed in turn step by step
 
 Two paths, both through gpt2x.generation.sampling's public API, on the same random float32 logits
 (B, 50257) (standard normal times 3, a pool of arrays reused in turn):
@@ -8,8 +10,9 @@ Two paths, both through gpt2x.generation.sampling's public API, on the same rand
 - per-row: sample_many over a Sampler per row, each its own seed (the serving engine's batch).
 Settings: greedy, temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, and at batch 16 a mix of
 those and of combinations, different in every row (per-row path only). Median ms over the timed
-steps (cases interleaved step by step, so that drift hits them alike), and a digest of every drawn
-token, which must match between two runs on the same logits where the tokens are meant to agree.
+steps (cases interleaved step by step, and with --baseline the two checkouts too, so that the
+machine's drift hits them alike), and a digest of every drawn token, which must match between two
+runs on the same logits where the tokens are meant to agree.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2x.generation import sampling
 from gpt2x.generation.processors import History
 from gpt2x.generation.sampling import Sampler, sample_many
 from gpt2x.generation.settings import SamplingSettings
 
 V = 50257
 ROOT = Path(__file__).resolve().parent.parent
+CODE = Path(sampling.__file__).resolve().parents[2]  # the checkout whose gpt2x runs (PYTHONPATH may name another)
+TIMED = ("sampling", "processors", "settings", "constraints")  # the modules a sampling step runs
 UNIFORM = {
     "greedy": {"greedy": True},
     "temperature": {"temperature": 0.7},
@@ -59,9 +65,10 @@ def cpu_model() -> str:
 
 def commit() -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", *args], cwd=CODE, capture_output=True, text=True, check=False).stdout.strip()
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "gpt2x")  # the package as run, not the results being written
+    # dirty: the sampling code timed differs from the commit (others' edits elsewhere do not count)
+    dirty = git("status", "--porcelain", "--", *(f"gpt2x/generation/{m}.py" for m in TIMED))
     return head + ("+dirty" if dirty else "")
 
 
@@ -114,6 +121,69 @@ def table(results: list[dict], steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison(base: list[dict], new: list[dict], base_label: str, label: str) -> str:
+    """The two checkouts' medians side by side (timed in turn), and whether they drew the same tokens."""
+    lines = [f"| setting | batch | path | {base_label} ms | {label} ms | {label} / {base_label} | same tokens |",
+             "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
+    lines += [f"| {a['setting']} | {a['batch']} | {a['path']} | {a['median_ms']:.3f} | {b['median_ms']:.3f} | "
+              f"{b['median_ms'] / a['median_ms']:.2f} | {'yes' if a['tokens_sha256'] == b['tokens_sha256'] else 'NO'} |"
+              for a, b in zip(base, new)]
+    return "\n".join(lines) + "\n"
+
+
+class Bench:
+    """Every case over its batch's pool of logits, one step at a time."""
+
+    def __init__(self, batches: list[int], pool: int):
+        rng = np.random.default_rng(0)
+        self.pools = {b: [(rng.standard_normal((b, V)) * 3).astype(np.float32) for _ in range(pool)] for b in batches}
+        self.todo = cases(batches)
+
+    def step(self, step: int, timed: bool) -> None:
+        for case in self.todo:  # interleaved: every case sees each step's array at the same moment
+            pool = self.pools[case.batch]
+            case.run(pool[step % len(pool)], timed)
+
+    def run(self) -> dict:
+        return {"commit": commit(), "results": [c.result() for c in self.todo]}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """--worker: the steps named on stdin, one a line ("ok" after each); "end": the run as one JSON line."""
+    bench = Bench(args.batch_list, args.pool)
+    for line in sys.stdin:
+        if line.strip() == "end":
+            break
+        step = int(line)
+        bench.step(step, timed=step >= args.warmup)
+        print("ok", flush=True)
+    print(json.dumps(bench.run()), flush=True)
+
+
+def interleaved(args: argparse.Namespace, checkouts: dict[str, Path]) -> dict[str, dict]:
+    """The same steps in one worker process per checkout, taking turns step by step (the order
+    alternating), so that the machine's drift over the run hits every checkout alike."""
+    command = [sys.executable, __file__, "--worker", "--batches", args.batches, "--pool", str(args.pool),
+               "--warmup", str(args.warmup)]
+    procs = {name: subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(path)}, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for name, path in checkouts.items()}
+    names = list(procs)
+    for step in range(args.warmup + args.steps):
+        for name in names if step % 2 == 0 else names[::-1]:
+            proc = procs[name]
+            proc.stdin.write(f"{step}\n")
+            proc.stdin.flush()
+            if proc.stdout.readline().strip() != "ok":
+                raise SystemExit(f"the {name} worker ({checkouts[name]}) failed at step {step}")
+    runs = {}
+    for name, proc in procs.items():
+        proc.stdin.write("end\n")
+        proc.stdin.flush()
+        runs[name] = json.loads(proc.stdout.readline())
+        proc.wait()
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (the mix runs at 16)")
@@ -121,34 +191,47 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps per case first")
     ap.add_argument("--pool", type=int, default=8, help="distinct logits arrays per batch size, used in turn")
     ap.add_argument("--label", default="run", help="the results file's name (before, after, ...)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout (git worktree add DIR COMMIT) timed in turn with this one, step by step")
+    ap.add_argument("--baseline-label", default="before", help="the baseline's results file's name")
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="default: benchmarks/results/sampling-speed-cpu-<cores>core")
     ap.add_argument("--no-save", action="store_true", help="print only")
-    ap.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
+    ap.add_argument("--json", action="store_true", help="print the JSON records instead of the tables")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    rng = np.random.default_rng(0)
-    pools = {b: [(rng.standard_normal((b, V)) * 3).astype(np.float32) for _ in range(args.pool)] for b in batches}
-    todo = cases(batches)
-    for step in range(args.warmup + args.steps):
-        for case in todo:  # interleaved: every case sees each step's array at the same moment
-            pool = pools[case.batch]
-            case.run(pool[step % len(pool)], timed=step >= args.warmup)
-    results = [c.result() for c in todo]
-    record = {"command": " ".join(["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]), "commit": commit(),
+    args.batch_list = [int(b) for b in args.batches.split(",")]
+    if args.worker:
+        return worker(args)
+    if args.baseline is not None:
+        runs = interleaved(args, {args.baseline_label: args.baseline.resolve(), args.label: ROOT})
+    else:
+        bench = Bench(args.batch_list, args.pool)
+        for step in range(args.warmup + args.steps):
+            bench.step(step, timed=step >= args.warmup)
+        runs = {args.label: bench.run()}
+    common = {"command": " ".join(["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "numpy": np.__version__},
-              "vocab": V, "steps": args.steps, "warmup": args.warmup, "pool": args.pool, "results": results}
-    text = table(results, args.steps)
-    if not args.no_save:
-        out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"sampling-speed-cpu-{os.cpu_count()}core"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{args.label}.json").write_text(json.dumps(record, indent=1) + "\n")
-        (out_dir / f"{args.label}.md").write_text(f"`{record['command']}` at {record['commit']}, {record['date']}, "
-                                                  f"{record['machine']['cpu']} ({record['machine']['cores']} cores)\n\n"
-                                                  + text)
-    print(json.dumps(record, indent=1) if args.json else text)
+              "vocab": V, "steps": args.steps, "warmup": args.warmup, "pool": args.pool}
+    out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"sampling-speed-cpu-{os.cpu_count()}core"
+    for label, run in runs.items():
+        others = {k: r["commit"] for k, r in runs.items() if k != label}
+        record = {**common, "label": label, "commit": run["commit"],
+                  **({"interleaved_with": others} if others else {}), "results": run["results"]}
+        text = table(run["results"], args.steps)
+        if args.baseline is not None and label == args.label:
+            text += "\n" + comparison(runs[args.baseline_label]["results"], run["results"], args.baseline_label, label)
+        head = (f"{label}: `{record['command']}` at {record['commit']}"
+                + "".join(f" (interleaved with {k} at {c})" for k, c in others.items())
+                + f", {record['date']}, {record['machine']['cpu']} ({record['machine']['cores']} cores)\n\n")
+        if not args.no_save:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{label}.json").write_text(json.dumps(record, indent=1) + "\n")
+            (out_dir / f"{label}.md").write_text(head + text)
+        print(json.dumps(record, indent=1) if args.json else head + text)
+    return None
 
 
 if __name__ == "__main__":
