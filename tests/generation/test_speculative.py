@@ -506,15 +506,13 @@ STAT_SAMPLING = {"t1.0": SamplingSettings(temperature=1.0, top_k=0, max_new_toke
 
 
 @pytest.fixture(scope="module")
-def stat_models(tmp_path_factory):
+def stat_models(tiny_export):
     """Two tiny random models over a 6-token vocabulary, different seeds: p != q (total variation
-    about 0.2 to 0.35 at these settings), on the torch backend (no export needed)."""
-    root = tmp_path_factory.mktemp("spec-stat")
+    about 0.2 to 0.35 at these settings), exported and run on ONNX Runtime (thousands of runs each:
+    its calls cost a fraction of PyTorch's at this size)."""
     kw = dict(vocab_size=STAT_V, n_positions=32, n_embd=32, n_layer=1, n_head=4, initializer_range=0.1,
               bos_token_id=0, eos_token_id=0)
-    make_hf_model(root / "target", seed=31, **kw)
-    make_hf_model(root / "draft", seed=32, **kw)
-    return TorchBackend(load_model(str(root / "target"))[0]), TorchBackend(load_model(str(root / "draft"))[0])
+    return tuple(OrtBackend(tiny_export(seed=seed, gated=False, **kw)[2], threads=1) for seed in (31, 32))
 
 
 def exact_sequence_distribution(backend, prompt: list[int], settings: SamplingSettings, n: int) -> np.ndarray:
