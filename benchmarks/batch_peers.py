@@ -9,7 +9,7 @@ prompts of --prompt-len random tokens (seeded), each generating --new-tokens gre
 neither stops nor is chosen for, all handed over at once; output tok/s = prompts x new tokens / the
 wall time from handing them over to the last token.
 
-- gpt2x: the serving engine `gpt2x serve` runs (gpt2x.serve.engine.Engine, max batch = --prompts, its
+- gpt2x: the serving engine `gpt2x serve` runs (gpt2x.serve.core.engine.Engine, max batch = --prompts, its
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
   precision (workflows.ensure_export, parity-gated when made; export_backend, threads = cores), every
   prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
@@ -47,8 +47,8 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.providers import physical_cores
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
 from gpt2x.workflows.backends import export_backend
 from gpt2x.workflows.exports import ensure_export
 from gpt2x.workflows.models import load_model

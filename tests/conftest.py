@@ -250,7 +250,7 @@ def client(service):
     """An in-process HTTP client of the module's `service` (a CompletionService) through the local app."""
     from fastapi.testclient import TestClient
 
-    from gpt2x.serve.http import local_app
+    from gpt2x.serve.openai.routes import local_app
 
     with TestClient(local_app(service)) as c:
         yield c

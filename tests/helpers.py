@@ -29,7 +29,7 @@ from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.serve.outputs import Failed, Finished, TokenOut
+from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
 from gpt2x.tokenizer import EOT_ID
 
 REPO = Path(__file__).resolve().parent.parent

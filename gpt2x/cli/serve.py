@@ -1,5 +1,5 @@
 """`gpt2x serve`: an export behind an OpenAI-compatible completions API, in this process (one replica on
-this machine: serve/embedded.py) or on Ray Serve (replicas, a cluster, or `--ray`: serve/deploy.py)."""
+this machine: serve/single_process.py) or on Ray Serve (replicas, a cluster, or `--ray`: serve/ray/)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
 from ..runtime.providers import physical_cores
 from ..runtime.registry import capabilities_of, named
-from ..serve.prefix_cache import DEFAULT_PREFIX_CACHE_MB
-from ..serve.scheduler import EngineSettings
+from ..serve.core.prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from ..serve.core.scheduler import EngineSettings
 from ..workflows.backends import require_provider
 from ..workflows.drafts import DRAFT_HELP
 from ..workflows.exports import resolve_export
@@ -152,9 +152,9 @@ def serve(
     One replica on this machine runs in this process; --replicas N > 1, --address or --ray serve through Ray Serve."""
     require_serve_extra()
     # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
-    from ..serve.draft import prepare_draft
-    from ..serve.embedded import ReplicaConfig, ServeSettings, describe, serve_in_process
-    from ..serve.engine import refuse_batched_draft
+    from ..serve.core.engine import refuse_batched_draft
+    from ..serve.replica import ReplicaConfig, ServeSettings, describe, prepare_draft
+    from ..serve.single_process import serve_in_process
 
     if backend not in SERVED:
         caps = capabilities_of(backend)
@@ -211,7 +211,7 @@ def serve(
     if settings.embedded:
         run = serve_in_process
     else:  # deferred further: importing Ray takes seconds the embedded path does not spend
-        from ..serve.deploy import serve_until_stopped as run
+        from ..serve.ray.deploy import serve_until_stopped as run
     status = Status("starting" if settings.embedded else "starting Ray Serve")
     status.__enter__()
     try:

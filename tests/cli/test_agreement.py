@@ -128,7 +128,7 @@ def test_temperature_zero_is_greedy_and_negative_is_refused():
 
 def api_tokens(client, **body) -> tuple[list[int], str]:
     """The completion's token ids (from logprobs' tokens, each token's own string) and its text."""
-    from gpt2x.serve.protocol import token_text
+    from gpt2x.serve.openai.protocol import token_text
 
     ids = {token_text(i): i for i in range(50257)}
     r = client.post("/v1/completions", json={**body, "logprobs": 0})
@@ -148,9 +148,9 @@ def api_client(export_dir):
 
     from gpt2x.onnx.artifact import read_export
     from gpt2x.runtime.ort import OrtBackend
-    from gpt2x.serve.engine import EngineSettings
-    from gpt2x.serve.http import local_app
-    from gpt2x.serve.service import CompletionService
+    from gpt2x.serve.core.engine import EngineSettings
+    from gpt2x.serve.openai.routes import local_app
+    from gpt2x.serve.openai.service import CompletionService
 
     service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
     with TestClient(local_app(service)) as client:

@@ -26,8 +26,8 @@ import ray  # noqa: F401 (the test extra's: a broken install fails here, rather 
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.engine import Engine, EngineClosed, EngineSettings, Row
-from gpt2x.serve.outputs import Failed, Output, TokenOut
+from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Output, TokenOut
 from gpt2x.tokenizer import encode
 
 from ..helpers import (  # noqa: E402

@@ -24,10 +24,10 @@ from gpt2x.model.weights import load_model
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.http import local_app
-from gpt2x.serve.outputs import Finished, TokenOut
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Finished, TokenOut
+from gpt2x.serve.openai.routes import local_app
+from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode, encode
 from gpt2x.workflows.backends import export_backend
 

@@ -15,9 +15,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from gpt2x.lmeval.model import Gpt2xLM  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
-from gpt2x.serve.engine import EngineSettings  # noqa: E402
-from gpt2x.serve.http import local_app  # noqa: E402
-from gpt2x.serve.service import CompletionService  # noqa: E402
+from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
+from gpt2x.serve.openai.routes import local_app  # noqa: E402
+from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import bpe_file  # noqa: E402
 
 from ..helpers import REPO, uvicorn_server  # noqa: E402

@@ -23,8 +23,8 @@ from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime import ort as runtime
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.outputs import Finished, TokenOut
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Finished, TokenOut
 from gpt2x.tokenizer import encode
 
 from ..helpers import PROMPTS

@@ -19,7 +19,7 @@ from gpt2x.generation.speculative import NgramDrafter, refuse_unrollable
 from gpt2x.runtime.base import Capabilities, greedy_step
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.registry import backend_class, capabilities_of, kinds_that, refuse_export_folder, unsupported
-from gpt2x.serve.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.tokenizer import encode
 from gpt2x.workflows.backends import export_backend, open_backend, torch_backend
 from gpt2x.workflows.drafts import check_draft, draft_runtime

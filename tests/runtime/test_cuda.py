@@ -79,8 +79,8 @@ def test_serving_engine_on_cuda_equals_generate(tiny, precision):
     host): every row's tokens equal gpt2x's generation code on that prompt alone, on CUDA."""
     import threading
 
-    from gpt2x.serve.engine import Engine, EngineSettings, Row
-    from gpt2x.serve.outputs import TokenOut
+    from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+    from gpt2x.serve.core.outputs import TokenOut
     from gpt2x.tokenizer import encode
 
     _, infos = tiny

@@ -23,9 +23,9 @@ from gpt2x.runtime.base import right_aligned_rows
 from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_stale
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.outputs import Finished, TokenOut
-from gpt2x.serve.scheduler import layout
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Finished, TokenOut
+from gpt2x.serve.core.scheduler import layout
 from gpt2x.tokenizer import encode
 
 from ..helpers import REPO

@@ -15,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.engine import EngineSettings
-from gpt2x.serve.http import local_app
-from gpt2x.serve.scheduler import QueueFull, Row, Scheduler
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import EngineSettings
+from gpt2x.serve.core.scheduler import QueueFull, Row, Scheduler
+from gpt2x.serve.openai.routes import local_app
+from gpt2x.serve.openai.service import CompletionService
 
 from ..helpers import uvicorn_server
 

@@ -29,11 +29,11 @@ from gpt2x.generation.speculative import DraftSettings, NgramDrafter  # noqa: E4
 from gpt2x.numerics import log_softmax  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
-from gpt2x.serve import protocol as api  # noqa: E402
-from gpt2x.serve.engine import EngineSettings  # noqa: E402
-from gpt2x.serve.http import local_app  # noqa: E402
-from gpt2x.serve.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
-from gpt2x.serve.service import CompletionService  # noqa: E402
+from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
+from gpt2x.serve.core.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
+from gpt2x.serve.openai import protocol as api  # noqa: E402
+from gpt2x.serve.openai.routes import local_app  # noqa: E402
+from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 
 from ..helpers import (  # noqa: E402
@@ -329,7 +329,7 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
     row generating with logprobs and prompt logprobs arrive and join it. The scoring forward runs on
     its own cache (ONNX Runtime's in-place buffers included): the running row's tokens are its tokens
     alone, and the scored logprobs equal a no-cache forward's; events come in the documented order."""
-    from gpt2x.serve.engine import Engine, Row
+    from gpt2x.serve.core.engine import Engine, Row
 
     folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
     backend = OrtBackend(read_export(folder), threads=1)
@@ -461,8 +461,8 @@ def test_identical_prompts_are_prefilled_once(export_dir, bundled_export, kind):
     another prompt are a prefill of two rows, and every row then decodes as it would alone (fp32:
     generate's tokens; int8, whose graph is not batch-invariant: the duplicates of one greedy prompt
     alike)."""
-    from gpt2x.serve.runner import Runner
-    from gpt2x.serve.scheduler import Row
+    from gpt2x.serve.core.runner import Runner
+    from gpt2x.serve.core.scheduler import Row
 
     folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
     backend = Prefills(read_export(folder), threads=1)
@@ -602,7 +602,7 @@ def test_fastapi_validation_errors_are_openai_shaped():
     """What FastAPI itself would refuse (a RequestValidationError) is the same 400, `param` the field."""
     from fastapi import Body, FastAPI
 
-    from gpt2x.serve.http import add_error_handlers
+    from gpt2x.serve.openai.routes import add_error_handlers
 
     app = FastAPI()
     add_error_handlers(app)

@@ -14,10 +14,10 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.chat import ChatTemplate, find_template
-from gpt2x.serve.engine import EngineSettings
-from gpt2x.serve.http import local_app
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import EngineSettings
+from gpt2x.serve.openai.chat import ChatTemplate, find_template
+from gpt2x.serve.openai.routes import local_app
+from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 
 from ..helpers import uvicorn_server

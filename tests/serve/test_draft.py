@@ -29,9 +29,9 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.generation.speculative import DraftSettings, ModelDrafter, NgramDrafter, control_for, speculative_loop
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.draft import prepare_draft
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.openai.service import CompletionService
+from gpt2x.serve.replica import prepare_draft
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import LINES, Collect, DraftSpy, EndsAt, assert_one_line_error, greedy_counts, run_cli

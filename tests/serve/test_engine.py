@@ -18,8 +18,8 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve import protocol as api
-from gpt2x.serve.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
+from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
+from gpt2x.serve.openai import protocol as api
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import LINES, Collect

@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve import metrics as prom
-from gpt2x.serve.engine import EngineSettings, Row
-from gpt2x.serve.http import local_app
-from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.serve.openai import metrics as prom
+from gpt2x.serve.openai.routes import local_app
+from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import counts, expected_moves, histogram_count, scrape, streamed, value

@@ -18,10 +18,10 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
-from gpt2x.serve.prefix_cache import PrefixCache
-from gpt2x.serve.scheduler import Scheduler
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.serve.core.prefix_cache import PrefixCache
+from gpt2x.serve.core.scheduler import Scheduler
 from gpt2x.tokenizer import encode
 
 from ..helpers import REPO

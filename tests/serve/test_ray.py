@@ -24,8 +24,8 @@ from gpt2x.bench.loadtest import LoadtestSettings, run_loadtest  # noqa: E402
 from gpt2x.generation.generate import generate  # noqa: E402
 from gpt2x.generation.settings import SamplingSettings  # noqa: E402
 from gpt2x.numerics import log_softmax  # noqa: E402
-from gpt2x.serve.deploy import ReplicaConfig, ServeSettings, start  # noqa: E402
-from gpt2x.serve.engine import EngineSettings  # noqa: E402
+from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
+from gpt2x.serve.ray.deploy import ReplicaConfig, ServeSettings, start  # noqa: E402
 from gpt2x.tokenizer import decode, encode  # noqa: E402
 
 from ..helpers import (  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.serve.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
+from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
 
 TOKEN = 11  # what every row samples: never end of text
 

@@ -21,11 +21,11 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import log_softmax
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.engine import Engine, EngineSettings, Row
-from gpt2x.serve.http import local_app
-from gpt2x.serve.outputs import Failed, Finished, Output, TokenOut
-from gpt2x.serve.scheduler import Scheduler
-from gpt2x.serve.service import CompletionService
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.serve.core.scheduler import Scheduler
+from gpt2x.serve.openai.routes import local_app
+from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import post

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..tokenizer import encode
+from ...tokenizer import encode
 from . import protocol as api
 from .protocol import bad
 

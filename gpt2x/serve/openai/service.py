@@ -1,14 +1,14 @@
 """What one replica serves, independent of the HTTP framework: the backend opened from an export,
 its engine, and completions as a whole response or as a stream of server-sent events.
 
-The engine's thread hands each row's outputs (serve/outputs.py) to the request's asyncio loop
+The engine's thread hands each row's outputs (core/outputs.py) to the request's asyncio loop
 (call_soon_threadsafe); a request whose consumer goes away (client disconnected, stop string found,
 server stopping) cancels its rows, which leave the batch before the next decode step. A stream is
 handed to the HTTP side as typed events (protocol.StreamEvent), rendered there once.
 
 A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
 p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled
-together are prefilled once (runner.Runner.prefill). `usage` counts each prompt's tokens once, as vLLM
+together are prefilled once (core/runner.py's Runner.prefill). `usage` counts each prompt's tokens once, as vLLM
 does, every choice's completion tokens, and the prompt tokens the prefix cache held
 (`prompt_tokens_details.cached_tokens`).
 """
@@ -20,15 +20,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from ..generation.settings import Finish
-from ..generation.speculative import Drafter, DraftSettings
-from ..memory import peak_rss_mb, rss_mb
-from ..runtime.base import Backend
-from ..tokenizer import VOCAB_SIZE
+from ...generation.settings import Finish
+from ...generation.speculative import Drafter, DraftSettings
+from ...memory import peak_rss_mb, rss_mb
+from ...runtime.base import Backend
+from ...tokenizer import VOCAB_SIZE
+from ..core.engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
+from ..core.outputs import Finished, Output, PromptLogprobs, TokenOut
 from . import chat
 from . import protocol as api
-from .engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
-from .outputs import Finished, Output, PromptLogprobs, TokenOut
 
 
 class CompletionService:
@@ -36,7 +36,7 @@ class CompletionService:
                  drafter: Drafter | None = None, draft_settings: DraftSettings | None = None,
                  draft_name: str | None = None, chat_template: chat.ChatTemplate | None = None):
         self.backend = backend
-        self.chat_template = chat_template  # /v1/chat/completions' (serve/chat.py); None: a 400 naming the flag
+        self.chat_template = chat_template  # /v1/chat/completions' (chat.py); None: a 400 naming the flag
         self.model_id = model_id
         self.replica = replica  # which replica answered /health (Ray Serve's replica id)
         self.created = int(time.time())
@@ -68,7 +68,7 @@ class CompletionService:
         return req
 
     def parse_chat(self, raw: bytes) -> api.CompletionRequest:
-        """A chat completions body as the completions request it is served as (serve/chat.py)."""
+        """A chat completions body as the completions request it is served as (chat.py)."""
         body = chat.completion_body(raw, self.chat_template, self.backend.n_positions)
         return self.parse(json.dumps(body).encode())
 

@@ -10,12 +10,12 @@ import threading
 import time
 from typing import Protocol
 
-from ..errors import UsageError
-from ..generation.decode import Event
-from ..generation.logprobs import LogprobEntry
-from ..generation.settings import Finish
-from ..generation.speculative import Drafter, DraftSettings
-from ..runtime.base import Backend
+from ...errors import UsageError
+from ...generation.decode import Event
+from ...generation.logprobs import LogprobEntry
+from ...generation.settings import Finish
+from ...generation.speculative import Drafter, DraftSettings
+from ...runtime.base import Backend
 from .outputs import Failed, Finished, Output, PromptLogprobs, Sink, TokenOut
 from .prefix_cache import PrefixCache
 from .runner import Ended, Executed, Runner, Scored, Searched, Step
@@ -69,7 +69,7 @@ class Engine:
             if settings.prefix_cache_mb and backend.capabilities.takes_past else None
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
-        self.observer: Observer | None = None  # told each token as it is told (serve/metrics.py)
+        self.observer: Observer | None = None  # told each token as it is told (openai/metrics.py)
         self.kv_positions = 0  # positions the batch in flight's cache holds (rows x width), after its last step
 
     # -- the callers' side (any thread)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..generation.logprobs import LogprobEntry
-from ..generation.settings import Finish
+from ...generation.logprobs import LogprobEntry
+from ...generation.settings import Finish
 
 
 @dataclass(frozen=True, slots=True)

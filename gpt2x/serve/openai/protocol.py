@@ -31,7 +31,7 @@ in a `top_logprobs` dict. The end-of-text token that ends a choice (finish_reaso
 last, as `<|endoftext|>` with no text, as vLLM lists it (lm-eval reads a prompt's logprobs as
 `token_logprobs[ctxlen:-1]`, dropping the one token generated); `usage` does not count it. With
 `echo`, the prompt's tokens come first, the first with null logprob and top_logprobs; they come from
-one forward of the prompt in the engine (engine.py), as its row starts. A replica with a draft
+one forward of the prompt in the engine (core/engine.py), as its row starts. A replica with a draft
 decodes a request with logprobs without the draft. Streamed, each chunk carries the logprobs of the
 tokens whose text it releases (a token whose text is held back, part of a character or of a
 possible stop string, comes with the chunk that releases it).
@@ -53,11 +53,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from ..errors import MissingDependencyError, UsageError
-from ..generation.constraints import ConstraintKind, ConstraintSpec
-from ..generation.logprobs import LogprobEntry
-from ..generation.settings import BIAS_RANGE, PENALTY_RANGE, Finish, SamplingSettings
-from ..tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
+from ...errors import MissingDependencyError, UsageError
+from ...generation.constraints import ConstraintKind, ConstraintSpec
+from ...generation.logprobs import LogprobEntry
+from ...generation.settings import BIAS_RANGE, PENALTY_RANGE, Finish, SamplingSettings
+from ...tokenizer import EOT_ID, VOCAB_SIZE, StreamDecoder, decode, encode, get_encoding
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # unknown request fields already logged
@@ -859,7 +859,7 @@ def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | No
 
 
 def to_json(body: BaseModel | dict) -> str:
-    """A response body as JSON (compact; a dict: serve/chat.py's bodies). A completion without usage
+    """A response body as JSON (compact; a dict: chat.py's bodies). A completion without usage
     (a stream's chunks) leaves the key out, as OpenAI's does; every other field is there, null where
     it has no value."""
     if isinstance(body, dict):

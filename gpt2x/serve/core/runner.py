@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ..generation.beam import beam_hypotheses
-from ..generation.decode import Event, decode, left_pad, sample_rows
-from ..generation.logprobs import LogprobEntry, token_logprobs
-from ..generation.settings import Finish
-from ..generation.speculative import Drafter, DraftSettings
-from ..numerics import positions
-from ..runtime.base import Backend
+from ...generation.beam import beam_hypotheses
+from ...generation.decode import Event, decode, left_pad, sample_rows
+from ...generation.logprobs import LogprobEntry, token_logprobs
+from ...generation.settings import Finish
+from ...generation.speculative import Drafter, DraftSettings
+from ...numerics import positions
+from ...runtime.base import Backend
 from .prefix_cache import PrefixCache
 from .scheduler import Row, SchedulerOutput, unused_columns
 

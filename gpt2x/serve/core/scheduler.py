@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import UsageError
-from ..generation.decode import Sequence
-from ..generation.settings import Finish, SamplingSettings
+from ...errors import UsageError
+from ...generation.decode import Sequence
+from ...generation.settings import Finish, SamplingSettings
 from .outputs import Sink
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
@@ -45,7 +45,7 @@ class EngineSettings:
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole).
     prefill_chunk: int = 256
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
-    # (serve/prefix_cache.py; 0: off).
+    # (prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
     # Which waiting row runs next: "fcfs" (arrival order) or "priority" (vLLM's: the lowest `priority`
     # first, arrival order among equals; rows running are never preempted).

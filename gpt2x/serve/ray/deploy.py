@@ -1,6 +1,7 @@
 """`gpt2x serve` on Ray Serve (more than one replica, a cluster, or one replica asked to run on Ray;
-embedded.py serves one replica in this process without Ray): one deployment whose replicas each load the export once and batch the
-requests they are routed (engine.py), behind a FastAPI ingress with OpenAI's completions routes.
+single_process.py serves one replica in this process without Ray): one deployment whose replicas each
+load the export once and batch the requests they are routed (core/engine.py), behind a FastAPI
+ingress with the OpenAI routes (openai/routes.py).
 
 The same application runs on a local Ray instance started here (the default, on 127.0.0.1) and on an
 existing Ray cluster (`address`), where Ray Serve places the replicas and runs the HTTP proxies;
@@ -8,7 +9,7 @@ nothing in the application changes between the two. On a cluster every node need
 and the export folder at the same path (a shared filesystem, or the same image).
 
 Beside the replicas, one small actor per application, its hub (`MetricsHub`): each replica hands it
-its metrics' snapshot (serve/metrics.py) every REPORT_S and as each request is answered, and
+its metrics' snapshot (openai/metrics.py) every REPORT_S and as each request is answered, and
 `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
 it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
 are a 503, waiting ones end at once with an error, the ones in flight get STOP_GRACE_S to finish and
@@ -48,21 +49,11 @@ from ray._private import services as ray_services  # Ray's process launcher (ray
 from ray._private import utils as ray_utils  # where Ray installs its SIGTERM handlers (rays_sigterm_handlers_left_out)
 from ray.exceptions import RayError
 
-from ..choices import Progress, no_progress
-from ..errors import ServeError, UsageError
-from .embedded import (  # what both paths share; re-exported here for the callers that use Ray Serve
-    APP_NAME,
-    SHUTTING_DOWN,
-    STOP_GRACE_S,
-    STOP_SIGNALS,
-    ReplicaConfig,
-    ServeSettings,
-    close_service,
-    describe,
-    open_service,
-)
-from .engine import refuse_batched_draft
-from .http import (
+from ...choices import Progress, no_progress
+from ...errors import ServeError, UsageError
+from ..core.engine import refuse_batched_draft
+from ..openai.metrics import STALE_S
+from ..openai.routes import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
     DETOKENIZE_ROUTE,
@@ -74,7 +65,17 @@ from .http import (
     HttpApi,
     new_app,
 )
-from .metrics import STALE_S
+from ..replica import (  # what both paths share; re-exported here for the callers that use Ray Serve
+    APP_NAME,
+    SHUTTING_DOWN,
+    STOP_GRACE_S,
+    STOP_SIGNALS,
+    ReplicaConfig,
+    ServeSettings,
+    close_service,
+    describe,
+    open_service,
+)
 
 __all__ = ["APP_NAME", "SHUTTING_DOWN", "STOP_GRACE_S", "ReplicaConfig", "ServeSettings", "describe", "serve_until_stopped",
            "start", "stop"]
@@ -86,7 +87,7 @@ REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of 
 HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
 PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
 HUB_NAMESPACE = "gpt2x"
-app = new_app()  # /openapi.json and /docs describe the routes below (http.py); they need no API key
+app = new_app()  # /openapi.json and /docs describe the routes below (openai/routes.py); they need no API key
 
 
 @ray.remote(num_cpus=0)

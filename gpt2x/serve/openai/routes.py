@@ -1,6 +1,6 @@
 """The HTTP side of a replica: the FastAPI application (its OpenAPI description, `/openapi.json` and
 `/docs`), the API key, the body limit, and every failure as an OpenAI-style JSON error with its
-status. The routes are wired in deploy.py (Ray Serve's ingress) and, for a replica's service run in
+status. The routes are wired in ray/deploy.py (Ray Serve's ingress) and, for a replica's service run in
 this process without Ray, by `local_app`; both with the route descriptions declared here.
 
 The completions route reads and validates its body itself (protocol.parse_request, with the pydantic
@@ -10,9 +10,9 @@ Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a 
 tokenizer routes read theirs the same way (`TokenizeParams`, `DetokenizeParams`: vLLM's request and
 response shapes, answered by gpt2x's tokenizer).
 
-`/metrics` is Prometheus' text format (serve/metrics.py): the replica's own counters, which the HTTP
+`/metrics` is Prometheus' text format (metrics.py): the replica's own counters, which the HTTP
 side adds to as each request is answered in full (its usage, each choice's finish reason and time),
-summed with the other replicas' through `exchange` (metrics.LocalExchange in one process, deploy.py's
+summed with the other replicas' through `exchange` (metrics.LocalExchange in one process, ray/deploy.py's
 hub under Ray Serve, to which each answered request's counts are handed before its last byte is sent).
 """
 
@@ -34,8 +34,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from .. import __version__
-from ..tokenizer import decode, encode, get_encoding
+from ... import __version__
+from ...tokenizer import decode, encode, get_encoding
 from . import metrics as prom
 from . import protocol as api
 from .protocol import APIError
@@ -231,7 +231,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 class Exchange(Protocol):
-    """Where the replicas' metrics meet (metrics.LocalExchange; deploy.py's hub)."""
+    """Where the replicas' metrics meet (metrics.LocalExchange; ray/deploy.py's hub)."""
 
     shared: bool  # False: this replica alone (nothing to publish)
 
@@ -277,7 +277,7 @@ class HttpApi:
         return bytes(data)
 
     async def chat_completions(self, request: Request):
-        """OpenAI's chat completions: the messages rendered by the chat template (serve/chat.py), then
+        """OpenAI's chat completions: the messages rendered by the chat template (chat.py), then
         served as a completions request is, answered in the chat shapes."""
         return await self.completions(request, chat=True)
 
@@ -450,7 +450,7 @@ def _not_json(name: str) -> None:
 
 def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The replica's application around `service`, in this process (no Ray): the routes and
-    descriptions deploy.py serves, for tests and for embedding (run it with any ASGI server)."""
+    descriptions ray/deploy.py serves, for tests and for embedding (run it with any ASGI server)."""
     app = new_app()
     http = HttpApi(service, api_key, max_body_bytes)
 

@@ -5,7 +5,7 @@ Each replica keeps plain counters and histogram buckets (`ReplicaMetrics`): the 
 each token a row samples (engine.Observer: a row's first token from when it was queued, then the gap
 since its previous token; the end-of-text token that ends a row is one), and the HTTP side counts each request it answered, from what the client
 received (its usage, its choices' finish reasons, how long each choice took). A `snapshot()` is plain
-values; a replica hands its snapshot to one place shared by the replicas (deploy.py's hub under Ray
+values; a replica hands its snapshot to one place shared by the replicas (ray/deploy.py's hub under Ray
 Serve, the replica itself in one process: `LocalExchange`), and `/metrics` sums the snapshots
 (`merge`) and writes them in Prometheus' text format with prometheus-client (`render`).
 
@@ -39,13 +39,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from .engine import Engine, Row
+from ..core.engine import Engine, Row
 
 PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STALE_S = 10.0  # a replica whose last snapshot is older than this no longer adds its gauges
 # Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
-# left before it ended (http.py notices a disconnect, streamed or not).
+# left before it ended (routes.py notices a disconnect, streamed or not).
 FINISH_REASONS = ("stop", "length", "abort")
 
 

@@ -1,0 +1,148 @@
+"""What a replica is, whichever way it runs (single_process.py in this process, ray/ on Ray Serve):
+what it loads (`ReplicaConfig`), where it serves (`ServeSettings`), its service opened and closed
+(`open_service`, `close_service`), what the CLI reports (`describe`), and the draft it opens,
+resolved by the command before any replica starts (`prepare_draft`). Nothing here imports Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..choices import BackendKind, Progress, ProviderKind, no_progress
+from ..errors import UsageError
+from ..generation.speculative import DraftSettings, ModelDrafter
+from ..onnx.artifact import ExportInfo, read_export
+from ..tokenizer import get_encoding
+from ..workflows.backends import export_backend
+from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
+from .core.engine import EngineSettings
+from .openai.chat import find_template
+from .openai.routes import MAX_BODY_BYTES
+from .openai.service import CompletionService
+
+APP_NAME = "gpt2x"
+STOP_GRACE_S = 3.0  # at a stop, requests in flight get this long to finish before they end with an error
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTTING_DOWN = "the server is shutting down"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What every replica needs to load and serve: sent to the replicas, so plain values only."""
+
+    export: str  # the export folder, an absolute path that exists on every node
+    model_id: str  # the name clients send as "model" (no request can name another, or a path)
+    backend: str = BackendKind.ort.value
+    provider: str = ProviderKind.cpu.value
+    threads: int | None = None
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    # ONNX Runtime's in-place KV cache (int8/int4 graphs). None: wherever the graph allows it; True
+    # requires it, False refuses it. A batch's rows leave and join inside the in-place buffers
+    # (kvbuffers.merge_rows, copying only the rows that move), and a step writes only its new
+    # positions, where the growing cache copies the whole cache into new tensors every step (at 16
+    # rows of ~560 positions, 0.7 GB a step). Fresh buffers are in small pages (ort.unset_arrays), so a
+    # join into larger ones no longer pays for zeroing them whole. Measured with gpt2x loadtest on the
+    # 2-core VM (2026-11-25, int8, c=16): 545 tok/s in place against 406 growing (TTFT p50 117 against
+    # 106 ms), and 97 against 41 tok/s with 544-token prompts sharing 512-token prefixes.
+    in_place_kv: bool | None = None
+    # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
+    # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
+    # backend (workflows.open_drafter): `ngram` or the draft's export folder, resolved and exported by
+    # the command before the server starts (prepare_draft); None: `draft` itself.
+    draft: str | None = None
+    draft_source: str | None = None
+    draft_settings: DraftSettings = field(default_factory=DraftSettings)
+    # Under Ray Serve, the application's hub (ray/deploy.py's MetricsHub), by name: set by deploy.application.
+    # None: each replica's /metrics is its own, and a stop is Ray Serve's alone.
+    metrics_hub: str | None = None
+    # /v1/chat/completions' Jinja2 template: the text of --chat-template's file (None: the export
+    # folder's tokenizer_config.json chat_template, if it has one; openai/chat.py)
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Where and how many: replicas, the HTTP address, the Ray cluster (None: a local one, or none at
+    all when embedded), and `ray`: Ray Serve even for one replica on this machine."""
+
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    address: str | None = None
+    cpus_per_replica: float = 1.0
+    route_prefix: str = "/"
+    app_name: str = APP_NAME
+    ray: bool = False
+
+    @property
+    def embedded(self) -> bool:
+        """One replica on this machine, in this process (serve_in_process), unless Ray is asked for."""
+        return self.replicas == 1 and self.address is None and not self.ray
+
+    def validate(self) -> None:
+        if self.replicas < 1:
+            raise UsageError(f"replicas must be at least 1, got {self.replicas}", option="replicas")
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"port must be in [0, 65535], got {self.port}", option="port")
+        if self.cpus_per_replica < 0:
+            raise UsageError(f"cpus_per_replica must be >= 0, got {self.cpus_per_replica}", option="cpus_per_replica")
+        if self.address is None:
+            needed = self.replicas * self.cpus_per_replica
+            if needed > (os.cpu_count() or 1):
+                raise UsageError(f"replicas: {self.replicas} replicas of {self.cpus_per_replica:g} CPU need {needed:g} CPUs; "
+                                 f"this machine has {os.cpu_count()} (fewer replicas, or a smaller cpus_per_replica)",
+                                 option="replicas")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
+
+
+def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
+    """A replica's service: the export's backend (and draft) opened, its engine started."""
+    info = read_export(Path(config.export))
+    get_encoding()  # built now, not by the first request (~55 ms)
+    backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
+                             in_place_kv=config.in_place_kv)
+    drafter = None
+    if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
+        drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
+                               ProviderKind(config.provider), None, config.draft_settings)
+    return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
+                             config.draft, find_template(Path(config.export), config.chat_template))
+
+
+def close_service(service: CompletionService) -> None:
+    """The engine stopped, then what `open_service` opened closed (left open if the engine's thread
+    could not be stopped: it still uses them)."""
+    if service.close():
+        service.backend.close()
+        if isinstance(service.drafter, ModelDrafter):
+            service.drafter.backend.close()
+
+
+def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:
+    """What is served, for the CLI's report (no API key). `ray`: the cluster's address, "local" (a
+    Ray instance of its own), or None (embedded: one process, no Ray)."""
+    draft = {} if config.draft is None else {"draft": config.draft, "draft_settings": asdict(config.draft_settings)}
+    ray = None if settings.embedded else settings.address or "local"
+    return {"url": settings.url, "model": config.model_id, "export": config.export, "backend": config.backend,
+            "provider": config.provider, "replicas": settings.replicas, "ray": ray,
+            "engine": asdict(config.engine), **draft, "api_key": config.api_key is not None}
+
+
+def prepare_draft(draft: str, target: ExportInfo, backend: BackendKind = BackendKind.ort,
+                  provider: ProviderKind = ProviderKind.cpu, revision: str | None = None,
+                  progress: Progress = no_progress, notice: Progress = no_progress) -> str:
+    """What the replicas open as the draft of `target` (run by `backend` on `provider`): `ngram`, or
+    the absolute path of the draft's export (workflows.resolve_draft: exported first when missing).
+    Run by the command before any replica starts, so that no replica exports anything or races
+    another to do it, and what open_drafter would refuse in the replicas is refused here, in one line."""
+    info = resolve_draft(draft, target.meta["model"]["name"], target.config.vocab_size, backend, provider, revision,
+                         progress, notice)
+    return NGRAM_DRAFT if info is None else str(info.folder.resolve())

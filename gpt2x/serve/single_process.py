@@ -1,0 +1,124 @@
+"""`gpt2x serve` in one process (the default: one replica on this machine): the replica's application
+(openai/routes.py's `local_app`, the same routes as the Ray Serve ingress) and its engine under
+uvicorn, with no Ray and no proxy hop. Ray Serve (ray/deploy.py) serves more than one replica, a
+cluster, or one replica when asked to; `ServeSettings.embedded` says which a setting gets.
+
+Stopping (`serve_in_process`): SIGTERM and SIGINT, to this process or its group, are noted by our
+handler; the main thread then stops the engine (Engine.stop: requests in flight get the grace) while
+uvicorn still sends their answers, tells uvicorn to exit (at most HTTP_CLOSE_S for the connections
+still open), and closes the backend (docs/serving/index.md#stopping). uvicorn runs in a thread of its
+own and installs no handler; the process has no children, so a signal to its group reaches it alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from ..choices import Progress, no_progress
+from ..errors import ServeError, UsageError
+from .core.engine import refuse_batched_draft
+from .openai.routes import local_app
+from .replica import SHUTTING_DOWN, STOP_GRACE_S, STOP_SIGNALS, ReplicaConfig, ServeSettings, close_service, open_service
+
+log = logging.getLogger(__name__)
+
+HTTP_CLOSE_S = 2.0  # after the engine's stop, how long uvicorn waits for the connections still open
+STARTUP_S = 60.0  # how long uvicorn may take to listen on the socket it is handed
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (UsageError when the port is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno != errno.EADDRINUSE:
+            raise UsageError(f"cannot listen on port {port} on {host}: {e.strerror or e}", option="port") from None
+        raise UsageError(f"port {port} on {host} is in use", option="port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Stopping(Exception):
+    """SIGTERM or SIGINT while the server was starting."""
+
+
+def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Callable[[str], None],
+                     progress: Progress = no_progress, grace: float = STOP_GRACE_S) -> None:
+    """The replica and its HTTP server in this process until SIGTERM or SIGINT (to this process or its
+    group), then stopped cleanly (see the module's docstring): requests in flight get `grace` seconds.
+    `ready` is told the URL once the server listens. A signal while the export loads stops the
+    server once it has loaded; `ready` is then not called. Call it from the main thread."""
+    import uvicorn  # deferred: the serve extra's, and slow to import
+
+    settings.validate()
+    if config.draft is not None:
+        refuse_batched_draft(config.engine.max_batch_size)
+    stopping = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def on_signal(signum, frame) -> None:
+        stopping.set()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+    sock = None
+    service = None
+    server = None
+    thread = None
+    try:
+        sock = listening_socket(settings.host, settings.port)
+        progress(f"loading {config.model_id}")
+        service = open_service(config, replica="embedded")
+        if stopping.is_set():
+            raise _Stopping
+        server = uvicorn.Server(uvicorn.Config(
+            local_app(service, config.api_key, config.max_body_bytes), log_level="warning", access_log=False,
+            lifespan="off", timeout_graceful_shutdown=HTTP_CLOSE_S))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gpt2x-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + STARTUP_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise ServeError(f"the HTTP server did not start on {settings.host}:{settings.port}")
+            if stopping.wait(0.02):
+                raise _Stopping
+        ready(settings.url)
+        while not stopping.wait(0.5):
+            if not thread.is_alive():
+                raise ServeError("the HTTP server stopped")
+            if not service.engine.alive and not service.engine.closing:
+                raise ServeError("the engine's thread stopped")
+    except _Stopping:
+        pass
+    finally:
+        try:
+            if service is not None:  # new requests 503, waiting ones ended, in-flight ones given the grace
+                progress("stopping")
+                started = time.monotonic()
+                service.engine.stop(grace, SHUTTING_DOWN)
+                log.debug("the engine stopped in %.2f s", time.monotonic() - started)
+            if server is not None:
+                server.should_exit = True
+            if thread is not None:
+                thread.join(HTTP_CLOSE_S + 3.0)
+                if thread.is_alive():
+                    log.warning("the HTTP server did not stop within %.0f s", HTTP_CLOSE_S + 3.0)
+            if service is not None:
+                close_service(service)
+        finally:
+            if sock is not None:
+                sock.close()
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
