@@ -12,12 +12,15 @@ Settings: greedy, temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, and at batch
 those and of combinations, different in every row (per-row path only). Median ms over the timed
 steps (cases interleaved step by step, and with --baseline the two checkouts too, so that the
 machine's drift hits them alike), and a digest of every drawn token, which must match between two
-runs on the same logits where the tokens are meant to agree.
+runs on the same logits where the tokens are meant to agree. glibc's malloc is set to keep its
+heap (steady_malloc; --default-malloc leaves it), so that page faults do not move with the order
+of the cases.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -61,6 +64,18 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def steady_malloc() -> dict | str:
+    """glibc's heap kept (no trim; arrays up to 32 MB from the heap, not mmap): its default thresholds
+    move with what ran before (freeing a large array raises them), so a case's page faults (up to a
+    third of a step's time at batch 16) would depend on the other cases and the other code."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, 32 << 20) and libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        ok = 0
+    return {"mmap_threshold": 32 << 20, "trim_threshold": 1 << 30} if ok else "default (not glibc)"
 
 
 def commit() -> str:
@@ -164,7 +179,7 @@ def interleaved(args: argparse.Namespace, checkouts: dict[str, Path]) -> dict[st
     """The same steps in one worker process per checkout, taking turns step by step (the order
     alternating), so that the machine's drift over the run hits every checkout alike."""
     command = [sys.executable, __file__, "--worker", "--batches", args.batches, "--pool", str(args.pool),
-               "--warmup", str(args.warmup)]
+               "--warmup", str(args.warmup), *(["--default-malloc"] if args.default_malloc else [])]
     procs = {name: subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(path)}, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for name, path in checkouts.items()}
     names = list(procs)
@@ -198,9 +213,11 @@ def main() -> None:
                     help="default: benchmarks/results/sampling-speed-cpu-<cores>core")
     ap.add_argument("--no-save", action="store_true", help="print only")
     ap.add_argument("--json", action="store_true", help="print the JSON records instead of the tables")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds as they are")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
+    malloc = "default" if args.default_malloc else steady_malloc()
     if args.worker:
         return worker(args)
     if args.baseline is not None:
@@ -213,7 +230,7 @@ def main() -> None:
     common = {"command": " ".join(["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-                          "numpy": np.__version__},
+                          "numpy": np.__version__, "malloc": malloc},
               "vocab": V, "steps": args.steps, "warmup": args.warmup, "pool": args.pool}
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"sampling-speed-cpu-{os.cpu_count()}core"
     for label, run in runs.items():
