@@ -128,7 +128,7 @@ def test_temperature_zero_is_greedy_and_negative_is_refused():
 
 def api_tokens(client, **body) -> tuple[list[int], str]:
     """The completion's token ids (from logprobs' tokens, each token's own string) and its text."""
-    from gpt2x.serve.openai.protocol import token_text
+    from gpt2x.serve.openai.render import token_text
 
     ids = {token_text(i): i for i in range(50257)}
     r = client.post("/v1/completions", json={**body, "logprobs": 0})

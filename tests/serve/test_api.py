@@ -31,8 +31,10 @@ from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.core.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
-from gpt2x.serve.openai import protocol as api  # noqa: E402
+from gpt2x.serve.openai.render import ChoiceText, finish_reason, token_text  # noqa: E402
+from gpt2x.serve.openai.request import CompletionRequest  # noqa: E402
 from gpt2x.serve.openai.routes import local_app  # noqa: E402
+from gpt2x.serve.openai.schema import CompletionParams  # noqa: E402
 from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 
@@ -99,7 +101,7 @@ def check_entry(lp_row: np.ndarray, token: str, logprob: float, top: dict[str, f
 @functools.lru_cache(maxsize=1)
 def token_ids() -> dict[str, int]:
     """Every token's id by the text logprobs list it as (one text per token)."""
-    ids = {api.token_text(t): t for t in range(EOT_ID + 1)}
+    ids = {token_text(t): t for t in range(EOT_ID + 1)}
     assert len(ids) == EOT_ID + 1
     return ids
 
@@ -108,7 +110,7 @@ def check_scored(reference, prompt_ids: list[int], logprobs: dict, k: int, start
     """The prompt part of an echo with logprobs: first token null, the others as the forward scores them."""
     lp = forward_logprobs(reference, prompt_ids)
     n = len(prompt_ids)
-    assert logprobs["tokens"][:n] == [api.token_text(t) for t in prompt_ids]
+    assert logprobs["tokens"][:n] == [token_text(t) for t in prompt_ids]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     for i in range(1, n):
         want = lp[i - 1, prompt_ids[i]]
@@ -166,7 +168,7 @@ def test_generated_logprobs_are_the_raw_distribution(client, reference, sampling
     assert len(lps["tokens"]) == len(full) + extra and body["usage"]["completion_tokens"] == len(g.tokens)
     for j, tok in enumerate(g.tokens + ([EOT_ID] if extra else [])):
         i = n + j
-        assert lps["tokens"][i] == api.token_text(tok)
+        assert lps["tokens"][i] == token_text(tok)
         assert lps["token_logprobs"][i] == pytest.approx(lp[i - 1, tok], abs=TOL)
         check_entry(lp[i - 1], lps["tokens"][i], lps["token_logprobs"][i], lps["top_logprobs"][i], 3)
         assert lps["text_offset"][i] == len(prompt + decode(g.tokens[:j]))
@@ -499,7 +501,7 @@ def test_a_stop_token_id_ends_the_choice_with_stop(client, reference):
     c = body["choices"][0]
     assert (c["finish_reason"], c["text"]) == ("stop", decode(g.tokens[:first]))
     assert body["usage"]["completion_tokens"] == first
-    assert len(c["logprobs"]["tokens"]) == first + 1 and c["logprobs"]["tokens"][-1] == api.token_text(stop)
+    assert len(c["logprobs"]["tokens"]) == first + 1 and c["logprobs"]["tokens"][-1] == token_text(stop)
     got, _ = streamed(client, prompt=prompt, max_tokens=16, temperature=0, stop_token_ids=[50000, stop], logprobs=1)
     assert (got[0]["text"], got[0]["finish_reason"], got[0]["logprobs"]) == (c["text"], "stop", c["logprobs"])
     held = post(client, prompt=prompt, max_tokens=16, temperature=0, stop_token_ids=[stop], min_tokens=first + 2)
@@ -553,7 +555,7 @@ def test_min_tokens_defers_stop_strings():
     ids = encode(" to be or not to be")
     assert [decode([t]) for t in ids] == [" to", " be", " or", " not", " to", " be"]
     for min_tokens, want in ((0, ""), (1, " to be or not"), (3, " to be or not"), (5, " to be or not to be")):
-        text = api.ChoiceText(stop=(" to",), min_tokens=min_tokens)
+        text = ChoiceText(stop=(" to",), min_tokens=min_tokens)
         assert "".join(text.push(t) for t in ids) + text.finish() == want, min_tokens
 
 
@@ -626,7 +628,7 @@ def test_openapi_describes_the_api(client):
     components = schema["components"]["schemas"]
     request = components["CompletionRequest"]
     assert request["required"] == ["prompt"]
-    assert set(api.CompletionParams.model_fields) <= set(request["properties"])
+    assert set(CompletionParams.model_fields) <= set(request["properties"])
     assert request["properties"]["logprobs"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 5}
     post_op = schema["paths"]["/v1/completions"]["post"]
     assert post_op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
@@ -674,7 +676,7 @@ def test_the_openai_client(base_url, reference):
     assert choice.text == prompt + decode(g.tokens) and whole.usage.completion_tokens == len(g.tokens)
     lps = choice.logprobs
     lp = forward_logprobs(reference, ids + g.tokens)
-    assert lps.token_logprobs[0] is None and lps.tokens == [api.token_text(t) for t in ids + g.tokens]
+    assert lps.token_logprobs[0] is None and lps.tokens == [token_text(t) for t in ids + g.tokens]
     for i in range(1, len(ids + g.tokens)):
         tok = (ids + g.tokens)[i]
         assert abs(lps.token_logprobs[i] - lp[i - 1, tok]) < 1e-4
@@ -707,7 +709,7 @@ def test_the_openai_client(base_url, reference):
 class CappedService(CompletionService):
     """The service with every completion cut to 4 tokens, so that the fuzz's requests are quick."""
 
-    def parse(self, raw: bytes) -> api.CompletionRequest:
+    def parse(self, raw: bytes) -> CompletionRequest:
         req = super().parse(raw)
         req.max_tokens = [min(m, 4) for m in req.max_tokens]
         return req
@@ -806,8 +808,8 @@ def test_one_finish_list_mapped_to_openais_at_the_edge():
     string are "stop"; the budget and the context that caps it are "length"."""
     from gpt2x.generation.settings import Finish
 
-    plain = api.ChoiceText()
-    assert [api.finish_reason(f, plain) for f in (Finish.eos, Finish.length, Finish.context)] == ["stop", "length", "length"]
-    cut = api.ChoiceText(stop=("lo",))
+    plain = ChoiceText()
+    assert [finish_reason(f, plain) for f in (Finish.eos, Finish.length, Finish.context)] == ["stop", "length", "length"]
+    cut = ChoiceText(stop=("lo",))
     cut.push(encode("Hello")[0])
-    assert cut.stopped and api.finish_reason(Finish.length, cut) == "stop"
+    assert cut.stopped and finish_reason(Finish.length, cut) == "stop"

@@ -19,7 +19,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
-from gpt2x.serve.openai import protocol as api
+from gpt2x.serve.openai import errors, render, request, schema
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import LINES, Collect
@@ -177,26 +177,26 @@ def test_a_failing_step_fails_its_batch_only(backend):
 # ------------------------------------------------------------------ the protocol
 
 
-def parse(body: dict, n_positions: int = 256) -> api.CompletionRequest:
-    return api.parse_request(json.dumps(body).encode(), "shakespeare", n_positions)
+def parse(body: dict, n_positions: int = 256) -> request.CompletionRequest:
+    return request.parse_request(json.dumps(body).encode(), "shakespeare", n_positions)
 
 
 def test_defaults_caps_and_truncation():
     req = parse({"prompt": "ROMEO:"})
-    assert req.max_tokens == [api.DEFAULT_MAX_TOKENS] and req.temperature == 1.0 and req.top_p == 1.0 and not req.stream
+    assert req.max_tokens == [schema.DEFAULT_MAX_TOKENS] and req.sampling.temperature == 1.0 and req.sampling.top_p == 1.0 and not req.stream
     long = "word " * 100  # 101 tokens (the last space is one)
     assert parse({"prompt": long, "max_tokens": 100}, 128).max_tokens == [27]  # capped by the context
     req = parse({"prompt": [long, "hi"], "truncate_prompt_tokens": 10, "max_tokens": 5})
     assert [len(p) for p in req.prompt_ids] == [10, len(encode("hi"))] and req.prompt_ids[0] == encode(long)[-10:]
     assert parse({"prompt": ""}).prompt_ids == [[EOT_ID]]
-    assert parse({"prompt": "a", "top_k": -1}).top_k == 0 and parse({"prompt": "a", "stop": "x"}).stop == ("x",)
-    with pytest.raises(api.APIError) as e:
+    assert parse({"prompt": "a", "top_k": -1}).sampling.top_k == 0 and parse({"prompt": "a", "stop": "x"}).stop == ("x",)
+    with pytest.raises(errors.APIError) as e:
         parse({"prompt": long}, 100)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
 
 
-def release(tokens: list[int], stop: tuple[str, ...]) -> tuple[list[str], api.ChoiceText]:
-    text = api.ChoiceText(stop)
+def release(tokens: list[int], stop: tuple[str, ...]) -> tuple[list[str], render.ChoiceText]:
+    text = render.ChoiceText(stop)
     pieces = [text.push(t) for t in tokens]
     pieces.append(text.finish())
     return pieces, text
@@ -214,7 +214,7 @@ def test_stop_strings_across_tokens():
     assert "".join(pieces) == "Hello world, friends of " and text.stopped
     pieces, text = release(tokens, ("zzz",))
     assert "".join(pieces) == "Hello world, friends of mine" and not text.stopped
-    assert api.finish_reason("length", text) == "length" and text.tokens == len(tokens)
+    assert render.finish_reason("length", text) == "length" and text.tokens == len(tokens)
     pieces, text = release(tokens, ("d, fr",))
     assert text.tokens < len(tokens)  # usage counts the tokens up to the stop, not those after
 
@@ -226,9 +226,9 @@ def test_utf8_split_across_tokens_is_released_whole():
 
 
 def test_sse_and_error_shapes():
-    assert api.sse("[DONE]") == "data: [DONE]\n\n"
-    body = api.APIError(429, "full", "rate_limit_exceeded", code="queue_full").body()
-    assert json.loads(api.sse(body)[6:]) == {"error": {"message": "full", "type": "rate_limit_exceeded", "param": None,
+    assert render.sse("[DONE]") == "data: [DONE]\n\n"
+    body = errors.APIError(429, "full", "rate_limit_exceeded", code="queue_full").body()
+    assert json.loads(render.sse(body)[6:]) == {"error": {"message": "full", "type": "rate_limit_exceeded", "param": None,
                                                       "code": "queue_full"}}
-    assert json.loads(api.to_json(api.model_list("m", 0, 256))) == {
+    assert json.loads(render.to_json(render.model_list("m", 0, 256))) == {
         "object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "gpt2x", "max_model_len": 256}]}

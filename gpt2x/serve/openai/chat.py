@@ -23,8 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...tokenizer import encode
-from . import protocol as api
-from .protocol import bad
+from . import schema
+from .errors import bad, validation_error
+from .request import CompletionRequest, json_object
 
 CHAT_TEMPLATE_FLAG = "--chat-template"
 EOS_TOKEN = "<|endoftext|>"
@@ -66,9 +67,9 @@ class ChatParams(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, title="ChatCompletionRequest")
 
     messages: Annotated[list[Message], Field(min_length=1)] = Field(description="The conversation, rendered by the chat template.")
-    max_completion_tokens: api.Integer_(ge=1) | None = Field(None, description="OpenAI's name for max_tokens.")
+    max_completion_tokens: schema.Integer_(ge=1) | None = Field(None, description="OpenAI's name for max_tokens.")
     logprobs: bool | None = Field(None, description="Chat logprobs are not served: refused when true.")
-    top_logprobs: api.Integer_(ge=0) | None = Field(None, description="Refused (chat logprobs are not served).")
+    top_logprobs: schema.Integer_(ge=0) | None = Field(None, description="Refused (chat logprobs are not served).")
     add_generation_prompt: bool | None = Field(True, description="vLLM's: the template's assistant turn opening is added.")
     continue_final_message: bool | None = Field(False, description="vLLM's: the last message is continued, not closed.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the template.")
@@ -122,16 +123,11 @@ def find_template(export_folder: Path, given: str | None) -> ChatTemplate | None
 def completion_body(raw: bytes, template: ChatTemplate | None, n_positions: int) -> dict:
     """The chat body as the completions body it is served as: its prompt rendered, max_completion_tokens
     as max_tokens (by default, as many as the context leaves: vLLM's), the chat-only fields taken out."""
-    try:
-        body = json.loads(raw, parse_constant=api._reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad("the body must be a JSON object")
+    body = json_object(raw)
     try:
         p = ChatParams.model_validate(body)
     except ValidationError as e:
-        raise api.validation_error(e.errors(include_url=False)) from None
+        raise validation_error(e.errors(include_url=False)) from None
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, [], "none"):
             raise bad(f"{name}: {why}", name)
@@ -165,14 +161,14 @@ def chat_id(completion_id: str) -> str:
     return "chatcmpl-" + completion_id.removeprefix("cmpl-") if completion_id else "chatcmpl-" + uuid.uuid4().hex
 
 
-def response(req: api.CompletionRequest, texts: list[str], reasons: list[str | None], usage: api.Usage) -> dict:
+def response(req: CompletionRequest, texts: list[str], reasons: list[str | None], usage: schema.Usage) -> dict:
     return {"id": chat_id(req.id), "object": "chat.completion", "created": req.created, "model": req.model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": reason} for i, (text, reason) in enumerate(zip(texts, reasons))],
             "usage": usage.model_dump()}
 
 
-def chunk(req: api.CompletionRequest, choices: list[dict], usage: api.Usage | None = None) -> dict:
+def chunk(req: CompletionRequest, choices: list[dict], usage: schema.Usage | None = None) -> dict:
     body = {"id": chat_id(req.id), "object": "chat.completion.chunk", "created": req.created or int(time.time()),
             "model": req.model, "choices": choices}
     if usage is not None:

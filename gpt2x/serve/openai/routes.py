@@ -7,7 +7,7 @@ The completions route reads and validates its body itself (protocol.parse_reques
 model protocol.CompletionParams), after the API key and the body's size are checked: FastAPI does not
 parse it, and the schema of the body is added to the OpenAPI description by `Gpt2xApp.openapi`.
 Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a bad field. The
-tokenizer routes read theirs the same way (`TokenizeParams`, `DetokenizeParams`: vLLM's request and
+tokenizer routes read theirs the same way (`schema.TokenizeParams`, `schema.DetokenizeParams`: vLLM's request and
 response shapes, answered by gpt2x's tokenizer).
 
 `/metrics` is Prometheus' text format (metrics.py): the replica's own counters, which the HTTP
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -31,14 +29,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from ... import __version__
-from ...tokenizer import decode, encode, get_encoding
+from ...tokenizer import decode, encode
 from . import metrics as prom
-from . import protocol as api
-from .protocol import APIError
+from . import render, schema
+from .errors import APIError, bad, validation_error
+from .request import json_object
 from .service import CompletionService
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
@@ -47,7 +46,7 @@ TITLE = "gpt2x"
 DESCRIPTION = ("OpenAI-compatible completions from a gpt2x export. Every error is "
                '`{"error": {"message", "type", "param", "code"}}` with a 4xx or 5xx status.')
 
-_ERROR = {"model": api.ErrorResponse}
+_ERROR = {"model": schema.ErrorResponse}
 _AUTH_ERRORS = {401: {**_ERROR, "description": "A missing or wrong API key (when the server has one)"}}
 # One server-sent event of a stream (OpenAPI 3.1: the schema of each event): `data` is a chunk (a
 # CompletionResponse with one choice's text and the logprobs of its tokens; the usage chunk has no
@@ -61,7 +60,7 @@ COMPLETIONS_ROUTE = dict(
     summary="Create a completion",
     description="OpenAI's legacy completions, with logprobs, echo scoring (echo with max_tokens 0) and "
                 "token-id prompts; streamed as server-sent events with `stream`.",
-    response_model=api.CompletionResponse,
+    response_model=schema.CompletionResponse,
     responses={
         200: {"description": "The completion; with `stream`, server-sent events", "content": {"text/event-stream": {
             "schema": _STREAM_EVENT}}},
@@ -84,71 +83,14 @@ CHAT_ROUTE = dict(
                 "template answers 400 naming --chat-template.",
     responses={k: v for k, v in COMPLETIONS_ROUTE["responses"].items() if k != 200},
 )
-MODELS_ROUTE = dict(summary="The served model", response_model=api.ModelList, responses=_AUTH_ERRORS)
-HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=api.Health)
+MODELS_ROUTE = dict(summary="The served model", response_model=schema.ModelList, responses=_AUTH_ERRORS)
+HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=schema.Health)
 # Prometheus' text format, not JSON: left out of the OpenAPI description, as vLLM leaves its /metrics.
 METRICS_ROUTE = dict(summary="Prometheus metrics, summed over every replica", include_in_schema=False)
 
 
-class TokenizeParams(BaseModel):
-    """The body of POST /tokenize: vLLM's TokenizeCompletionRequest."""
-
-    model_config = ConfigDict(extra="allow", strict=True, title="TokenizeRequest")
-
-    prompt: str = Field(description="The text to tokenize, as a completion's prompt is (<|endoftext|> is its token).")
-    model: str | None = Field(None, description="The served model's id; another is a 404.")
-    add_special_tokens: bool | None = Field(True, description="Accepted for vLLM's sake: GPT-2's tokenizer adds none.")
-    return_token_strs: bool | None = Field(False, description="Also each token's text (`token_strs`).")
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class Version(BaseModel):
-    version: str
-
-
-VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=Version)
+VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=schema.Version)
 OPEN_ROUTES = ("/health", "/version")  # answered without the API key, as vLLM's and llama-server's
-
-
-@functools.cache
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in its vocabulary
-    (printable bytes as themselves, the others shifted past 255: a space is "Ġ", a newline "Ċ")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def token_str(token: int) -> str:
-    """A token as the tokenizer's vocabulary writes it (transformers' convert_ids_to_tokens, vLLM's
-    token_strs): " is" is "Ġis"."""
-    table = _byte_chars()
-    return "".join(table[b] for b in get_encoding().decode_single_token_bytes(token))
-
-
-class DetokenizeParams(BaseModel):
-    """The body of POST /detokenize: vLLM's DetokenizeRequest."""
-
-    model_config = ConfigDict(extra="allow", strict=True, title="DetokenizeRequest")
-
-    tokens: list[api.TokenId] = Field(description="Token ids, each in [0, vocabulary).")
-    model: str | None = Field(None, description="The served model's id; another is a 404.")
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 _BODY_ERRORS = {
@@ -163,12 +105,12 @@ def _body(schema: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
 
 
-TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_model=TokenizeResponse,
+TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_model=schema.TokenizeResponse,
                       responses=_BODY_ERRORS, openapi_extra=_body("TokenizeRequest"))
-DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=DetokenizeResponse,
+DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=schema.DetokenizeResponse,
                         responses=_BODY_ERRORS, openapi_extra=_body("DetokenizeRequest"))
 # The bodies the routes read themselves, added to the OpenAPI description under these names.
-BODIES = {"CompletionRequest": api.CompletionParams, "TokenizeRequest": TokenizeParams, "DetokenizeRequest": DetokenizeParams}
+BODIES = {"CompletionRequest": schema.CompletionParams, "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams}
 
 
 class Gpt2xApp(FastAPI):
@@ -207,7 +149,7 @@ class JSONBody(Response):
     media_type = "application/json"
 
     def render(self, content: BaseModel | dict) -> bytes:
-        return api.to_json(content).encode()
+        return render.to_json(content).encode()
 
 
 def error_response(e: APIError) -> Response:
@@ -226,8 +168,8 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> Response:
-        return error_response(api.validation_error(list(e.errors())))
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
+        return error_response(validation_error(list(e.errors())))
 
 
 class Exchange(Protocol):
@@ -324,7 +266,7 @@ class HttpApi:
                              [(reason or "stop", seconds) for reason in pending.reasons], pending)
         return JSONBody(body)
 
-    async def _counted_stream(self, events: AsyncIterator[api.StreamEvent], pending: Any,
+    async def _counted_stream(self, events: AsyncIterator[render.StreamEvent], pending: Any,
                               started: float) -> AsyncIterator[str]:
         """A stream's events rendered as server-sent events as they come; each choice's end timed as
         its finish_reason goes out, and the request counted (and published) before its last event,
@@ -337,12 +279,12 @@ class HttpApi:
                     failed = True
                 elif event.reasons:
                     ended += [(reason, time.monotonic() - started) for reason in event.reasons]
-                elif event.body == api.DONE:
+                elif event.body == render.DONE:
                     counted = True
                     if not failed:
                         usage = pending.usage()  # what the usage chunk says
                         await self._answered(usage.prompt_tokens, usage.completion_tokens, ended, pending)
-                yield api.sse(event.body)
+                yield render.sse(event.body)
         finally:
             if not counted:  # the client left mid-stream (the response was cancelled or closed)
                 self._aborted(pending, started, ended)
@@ -382,7 +324,7 @@ class HttpApi:
 
     def version(self, request: Request) -> Response:
         """gpt2x's version, open without the API key (vLLM's /version)."""
-        return JSONBody(Version(version=__version__))
+        return JSONBody(schema.Version(version=__version__))
 
     async def prometheus(self, request: Request) -> Response:
         """Every replica's metrics summed, in Prometheus' text format."""
@@ -398,12 +340,7 @@ class HttpApi:
         """The body read and validated as `model` (after the key and the size), a 404 for another model."""
         self.authorize(request)
         raw = await self.body(request)
-        try:
-            data = json.loads(raw, parse_constant=_not_json)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise api.bad(f"the body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise api.bad("the body must be a JSON object")
+        data = json_object(raw)
         served = self.service.model_id
         if isinstance(data.get("model"), str) and data["model"] != served:
             raise APIError(404, f"the model {data['model'][:100]!r} does not exist; this server serves {served!r}",
@@ -413,25 +350,25 @@ class HttpApi:
         except ValidationError as e:
             errors = e.errors(include_url=False)
             if errors[0]["loc"][:1] == ("prompt",) and str(errors[0]["type"]).endswith("_type"):
-                raise api.bad("prompt must be a string (the text to tokenize)", "prompt") from None
-            raise api.validation_error(errors) from None
+                raise bad("prompt must be a string (the text to tokenize)", "prompt") from None
+            raise validation_error(errors) from None
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            p = await self._params(request, TokenizeParams)
+            p = await self._params(request, schema.TokenizeParams)
         except APIError as e:
             return error_response(e)
         tokens = encode(p.prompt)
-        strs = [token_str(t) for t in tokens] if p.return_token_strs else None
-        return JSONBody(TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
+        strs = [render.token_str(t) for t in tokens] if p.return_token_strs else None
+        return JSONBody(schema.TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
                                          token_strs=strs))
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            p = await self._params(request, DetokenizeParams)
+            p = await self._params(request, schema.DetokenizeParams)
         except APIError as e:
             return error_response(e)
-        return JSONBody(DetokenizeResponse(prompt=decode(p.tokens)))
+        return JSONBody(schema.DetokenizeResponse(prompt=decode(p.tokens)))
 
 
 async def client_gone(request: Request) -> None:
@@ -442,10 +379,6 @@ async def client_gone(request: Request) -> None:
         if message["type"] == "http.disconnect":
             return
         await asyncio.sleep(0.05)  # a server that hands out empty body messages: no busy loop
-
-
-def _not_json(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:

@@ -27,8 +27,9 @@ from ...runtime.base import Backend
 from ...tokenizer import VOCAB_SIZE
 from ..core.engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
 from ..core.outputs import Finished, Output, PromptLogprobs, TokenOut
-from . import chat
-from . import protocol as api
+from . import chat, render, schema
+from .errors import APIError, bad
+from .request import CompletionRequest, parse_request
 
 
 class CompletionService:
@@ -49,25 +50,25 @@ class CompletionService:
         the draft are the caller's, who made them, to close."""
         return self.engine.close()
 
-    def models(self) -> api.ModelList:
-        return api.model_list(self.model_id, self.created, self.backend.n_positions)
+    def models(self) -> schema.ModelList:
+        return render.model_list(self.model_id, self.created, self.backend.n_positions)
 
-    def health(self) -> api.Health:
+    def health(self) -> schema.Health:
         stats = self.engine.stats()
         if self.drafter is not None:  # the draft, and its acceptance over every request so far (vLLM's terms)
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-        return api.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
+        return schema.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
                           provider=self.backend.provider.value, **stats, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
-    def parse(self, raw: bytes) -> api.CompletionRequest:
-        req = api.parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
+    def parse(self, raw: bytes) -> CompletionRequest:
+        req = parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
         if req.priority and self.engine.settings.scheduling_policy != "priority":  # vLLM refuses it so too
-            raise api.bad(f"priority is {req.priority}: this server schedules first come, first served; start it "
+            raise bad(f"priority is {req.priority}: this server schedules first come, first served; start it "
                           "with --scheduling-policy priority", "priority")
         return req
 
-    def parse_chat(self, raw: bytes) -> api.CompletionRequest:
+    def parse_chat(self, raw: bytes) -> CompletionRequest:
         """A chat completions body as the completions request it is served as (chat.py)."""
         body = chat.completion_body(raw, self.chat_template, self.backend.n_positions)
         return self.parse(json.dumps(body).encode())
@@ -79,7 +80,7 @@ class CompletionService:
             texts[index].append(piece)
         return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
 
-    async def stream_chat(self, pending: Pending) -> AsyncIterator[api.StreamEvent]:
+    async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
         """Chat's stream: `chat.completion.chunk`s (the role with each choice's first), a usage chunk if
         asked for, then DONE."""
         req = pending.req
@@ -89,17 +90,17 @@ class CompletionService:
                 first = index not in started
                 started.add(index)
                 usage = pending.usage() if req.continuous_usage else None
-                yield api.StreamEvent(chat.chunk(req, [chat.delta(index, piece, reason, first)], usage),
+                yield render.StreamEvent(chat.chunk(req, [chat.delta(index, piece, reason, first)], usage),
                                       (reason,) if reason else ())
-        except api.APIError as e:
-            yield api.StreamEvent(e.body(), error=True)
-            yield api.StreamEvent(api.DONE)
+        except APIError as e:
+            yield render.StreamEvent(e.body(), error=True)
+            yield render.StreamEvent(render.DONE)
             return
         if req.include_usage:
-            yield api.StreamEvent(chat.chunk(req, [], pending.usage()))
-        yield api.StreamEvent(api.DONE)
+            yield render.StreamEvent(chat.chunk(req, [], pending.usage()))
+        yield render.StreamEvent(render.DONE)
 
-    def submit(self, req: api.CompletionRequest) -> Pending:
+    def submit(self, req: CompletionRequest) -> Pending:
         """Queue the request's rows (its choices) in the engine (all or none), before any response is
         started: more rows than the engine can ever hold waiting and running is a 400, a full queue a
         429, a server shutting down a 503."""
@@ -107,18 +108,18 @@ class CompletionService:
         most = self.engine.settings.max_waiting + self.engine.settings.max_batch_size
         if len(pending.rows) > most:
             param = "n" if req.n > 1 else "prompt"
-            raise api.APIError(400, f"{len(pending.rows)} choices ({len(req.prompts)} prompts x n = {req.n}) exceed the "
+            raise APIError(400, f"{len(pending.rows)} choices ({len(req.prompts)} prompts x n = {req.n}) exceed the "
                                f"{most} rows this server queues and runs at once; send fewer", param=param)
         try:
             self.engine.submit(pending.queued)
         except QueueFull as e:
-            raise api.APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_exceeded",
+            raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_exceeded",
                                code="queue_full") from None
         except EngineClosed:
-            raise api.APIError(503, "the server is shutting down", "server_error", code="unavailable") from None
+            raise APIError(503, "the server is shutting down", "server_error", code="unavailable") from None
         return pending
 
-    async def complete(self, pending: Pending) -> api.CompletionResponse:
+    async def complete(self, pending: Pending) -> schema.CompletionResponse:
         """The whole response, as OpenAI's non-streaming completions answer."""
         req = pending.req
         parts: list[list[str]] = [[] for _ in range(req.choices)]
@@ -129,11 +130,11 @@ class CompletionService:
             reasons[index] = reason or reasons[index]
             for key, value in extra.items():  # token_ids add up; the prompt's keys come once
                 extras[index][key] = extras[index].get(key, []) + value if key == "token_ids" else value
-        choices = [api.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole(), **extras[i])
+        choices = [render.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole(), **extras[i])
                    for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
-        return api.completion(req, choices, pending.usage())
+        return render.completion(req, choices, pending.usage())
 
-    async def stream(self, pending: Pending) -> AsyncIterator[api.StreamEvent]:
+    async def stream(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
         """The stream: one chunk per released piece of text (with the logprobs of the tokens it
         releases), each choice's finish_reason on the chunk of its last token (as vLLM's: a chunk of
         its own only where the choice ends without a token of text, at end of text or a stop token
@@ -142,28 +143,28 @@ class CompletionService:
         try:
             async for index, delta, reason, logprobs, extra in pending.events():
                 usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
-                yield api.StreamEvent(api.completion(req, [api.choice(index, delta, reason, logprobs, **extra)], usage),
+                yield render.StreamEvent(render.completion(req, [render.choice(index, delta, reason, logprobs, **extra)], usage),
                                       (reason,) if reason else ())
-        except api.APIError as e:  # the status line is sent already: the error is the last event
-            yield api.StreamEvent(e.body(), error=True)
-            yield api.StreamEvent(api.DONE)
+        except APIError as e:  # the status line is sent already: the error is the last event
+            yield render.StreamEvent(e.body(), error=True)
+            yield render.StreamEvent(render.DONE)
             return
         if req.include_usage:
-            yield api.StreamEvent(api.completion(req, [], pending.usage()))
-        yield api.StreamEvent(api.DONE)
+            yield render.StreamEvent(render.completion(req, [], pending.usage()))
+        yield render.StreamEvent(render.DONE)
 
 
 class Pending:
     """A request's rows in the engine (one per choice: n per prompt), the queue their tokens arrive on,
     and each choice's text and logprobs."""
 
-    def __init__(self, req: api.CompletionRequest, loop: asyncio.AbstractEventLoop, engine: Engine):
+    def __init__(self, req: CompletionRequest, loop: asyncio.AbstractEventLoop, engine: Engine):
         self.req = req
         self.engine = engine  # a row's error while it stops is a 503, not a 500
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompts = [p for p in req.prompts for _ in range(req.n)]  # each choice's prompt text
-        self.texts = [api.ChoiceText(req.stop, req.min_tokens, req.include_stop_str) for _ in self.prompts]
-        self.logprobs = [None if req.logprobs is None else api.ChoiceLogprobs(req.tokens_as_ids) for _ in self.prompts]
+        self.texts = [render.ChoiceText(req.stop, req.sampling.min_tokens, req.include_stop_str) for _ in self.prompts]
+        self.logprobs = [None if req.logprobs is None else render.ChoiceLogprobs(req.tokens_as_ids) for _ in self.prompts]
         self.echo_scored = req.echo and req.logprobs is not None  # the echoed prompt's logprobs come from the engine
         self.scored = self.echo_scored or req.prompt_logprobs is not None  # so do vLLM's prompt_logprobs
         # return_token_ids: each choice's ids not yet sent, and whether its prompt's have been
@@ -187,11 +188,11 @@ class Pending:
         # the rows the engine runs (a beam search's other rows are told by its first)
         self.queued = [r for r in self.rows if not (req.beams and r.beam_rows is None)]
 
-    def usage(self) -> api.Usage:
+    def usage(self) -> schema.Usage:
         """The request's usage: its prompts counted once, and the tokens the prefix cache held for each
         (its first choice's row: a prompt's choices are prefilled together)."""
         cached = sum(self.rows[p * self.req.n].cached_tokens for p in range(len(self.req.prompt_ids)))
-        return api.usage(self.req, self.texts, cached)
+        return render.usage(self.req, self.texts, cached)
 
     def cancel(self) -> None:
         for row in self.rows:
@@ -224,8 +225,8 @@ class Pending:
         extra = self._extra(index)
         k = self.req.prompt_logprobs
         if k is not None:
-            extra["prompt_logprobs"] = api.prompt_logprobs(entries, self.rows[index].prompt_ranks or [], k,
-                                                           api.token_namer(self.req.tokens_as_ids))
+            extra["prompt_logprobs"] = render.prompt_logprobs(entries, self.rows[index].prompt_ranks or [], k,
+                                                           render.token_namer(self.req.tokens_as_ids))
         if not self.echo_scored:
             return "", extra
         n = self.req.logprobs or 0  # the engine listed max(logprobs, prompt_logprobs) most likely tokens
@@ -261,7 +262,7 @@ class Pending:
                     elif out.finish is not None:  # its last token: the rest of its text (held back) and its end
                         open_rows -= 1
                         delta += text.finish()
-                        self.reasons[index] = api.finish_reason(out.finish, text)
+                        self.reasons[index] = render.finish_reason(out.finish, text)
                         yield index, delta, self.reasons[index], self._taken(index), self._extra(index)
                     elif delta:
                         yield index, delta, None, self._taken(index), self._extra(index)
@@ -270,14 +271,14 @@ class Pending:
                     rest = text.finish()
                     if out.reason in (Finish.eos, Finish.stop):  # the end-of-text or stop token, not kept
                         self._note(index, out.logprob, self._start[index] + len(text.text))
-                    self.reasons[index] = api.finish_reason(out.reason, text)
+                    self.reasons[index] = render.finish_reason(out.reason, text)
                     yield index, rest, self.reasons[index], self._taken(index), self._extra(index)
                 elif isinstance(out, PromptLogprobs):
                     released, extra = self._prompt_event(index, out.entries)
                     yield index, released, None, self._taken(index), extra
                 elif self.engine.closing:  # Failed: waiting, or cut short by the server's stop
-                    raise api.APIError(503, out.message, "server_error", code="unavailable")
+                    raise APIError(503, out.message, "server_error", code="unavailable")
                 else:
-                    raise api.APIError(500, out.message, "server_error")
+                    raise APIError(500, out.message, "server_error")
         finally:
             self.cancel()

@@ -1,0 +1,316 @@
+"""The OpenAI completions API's bodies as gpt2x serves them: the requests (pydantic models, strict
+types, which are also the schema /openapi.json publishes) and the responses, built once and serialised
+once (render.to_json). Unknown request fields are allowed here and ignored or refused by
+request.parse_request; what each field does: docs/serving-fields.md."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from ...generation.settings import BIAS_RANGE, PENALTY_RANGE, SamplingSettings
+from ...tokenizer import VOCAB_SIZE
+
+MAX_STOP = 4  # stop strings per request, as OpenAI's limit
+MAX_PROMPTS = 64  # prompts per request
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
+MAX_CHOICES = 128  # n x prompts per request (OpenAI's n is at most 128)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def _integral(value: Any) -> Any:
+    """A number JSON writes as 2.0 is the integer 2 (as JSON Schema reads it); 2.5 stays a float, refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Integer_(**bounds: int) -> Any:  # noqa: N802 (a type)
+    """An integer within `bounds` (ge, le, ...), strict otherwise: no "5", no true."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+TokenId = Integer_(ge=0, le=VOCAB_SIZE - 1)
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # logit_bias's keys: token ids as JSON object keys
+Bias = Annotated[float, Field(ge=-BIAS_RANGE, le=BIAS_RANGE)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
+def _only(**bounds) -> Callable[[dict], None]:
+    """A field's schema narrowed to the values served (`n`: 1), beyond what its type accepts."""
+    def narrow(schema: dict) -> None:
+        for option in schema.get("anyOf", [schema]):
+            if option.get("type") != "null":
+                option.update(bounds)
+    return narrow
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool | None = Field(None, description="A last chunk (before `[DONE]`) with the usage and no choices.")
+    continuous_usage_stats: bool | None = Field(None, description=(
+        "vLLM's: with include_usage, every chunk also carries the usage so far."))
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str | None = Field(None, description="The schema's name (not used).")
+    description: str | None = Field(None, description="Not used.")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema", description="The JSON schema the text satisfies.")
+    strict: bool | None = Field(None, description="Accepted; the output always satisfies the schema.")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON satisfying a schema."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, a list of choices, a grammar
+    (Lark or GBNF), or any JSON object."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json", description="A JSON schema (an object or its text).")
+    regex: str | None = Field(None, description="The text fully matches this regular expression.")
+    choice: Annotated[list[str], Field(min_length=1)] | None = Field(None, description="The text is one of these.")
+    grammar: str | None = Field(None, description="A Lark (`start:`) or GBNF (`root ::=`) grammar the text satisfies.")
+    json_object: bool | None = Field(None, description="The text is any JSON object.")
+
+
+class CompletionParams(BaseModel):
+    """The body of POST /v1/completions: OpenAI's completions request, with vLLM's `top_k` and
+    `truncate_prompt_tokens`. Types are strict (no "5" for 5); unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="CompletionRequest")
+
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description="One prompt (a string, or its token ids) or several (a list of strings, or a list of "
+                    "token id lists), each completed as if sent alone: one choice per prompt. An empty "
+                    "string starts a document (<|endoftext|>).")
+    model: str | None = Field(None, description="The served model's id (GET /v1/models); another is a 404.")
+    max_tokens: Integer_(ge=0) | None = Field(DEFAULT_MAX_TOKENS, description="Tokens to generate per prompt, capped by "
+                                   "the context; 0 only with `echo` (the prompt scored, nothing generated).")
+    temperature: float | None = Field(SamplingSettings.temperature, ge=0, le=2, description="0 = greedy.")
+    top_p: float | None = Field(SamplingSettings.top_p, gt=0, le=1)
+    top_k: Integer_(ge=-1) | None = Field(None, description="vLLM's: keep the k most likely tokens; -1 or 0 = off (the default).")
+    seed: Integer_(ge=0, lt=2**63) | None = Field(None, description="Same seed, settings and prompt: same tokens.")
+    stop: (StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None) = Field(
+        None, description=f"Up to {MAX_STOP} non-empty strings; the text ends before the first one found.")
+    # What is refused beyond a type (n > 1, a suffix, ...) is refused by parse_request, in its own words;
+    # the schema says it too (`only`), so that a body valid by the schema is answered.
+    n: Integer_(ge=1, le=MAX_CHOICES) | None = Field(1, description=(
+        f"Choices per prompt (n x prompts at most {MAX_CHOICES}), each sampled on its own; with a seed, choice i "
+        "is seeded seed + i (vLLM's rule). A prompt is prefilled once for its n choices."))
+    best_of: Integer_(ge=1) | None = Field(None, description="Only 1 (deprecated by OpenAI, removed in vLLM).",
+                                           json_schema_extra=_only(maximum=1))
+    logprobs: Integer_(ge=0, le=MAX_LOGPROBS) | None = Field(None, description=(
+        "Per token: its log-probability under the raw model distribution (log_softmax of the logits, "
+        "before temperature, top-k and top-p) and the `logprobs` most likely tokens."))
+    echo: bool | None = Field(False, description="The prompt before the completion (and its tokens' logprobs "
+                              "with `logprobs`).")
+    stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: Integer_(ge=1) | None = Field(None, description="vLLM's: keep the prompt's last k tokens.")
+    suffix: str | None = Field(None, description="Not supported: refused unless null or empty.", json_schema_extra=_only(maxLength=0))
+    presence_penalty: float | None = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "OpenAI's: subtracted from the logit of every token already generated (not the prompt's)."))
+    frequency_penalty: float | None = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "OpenAI's: subtracted from a token's logit once per time it was generated (not in the prompt)."))
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(None, description=(
+        "Token id (as a string) -> bias added to its logit before sampling, in [-100, 100] (OpenAI's range; "
+        "vLLM clamps to it). Applied to greedy decoding too."), json_schema_extra=_only(additionalProperties=False))
+    repetition_penalty: float | None = Field(None, gt=0, description=(
+        "vLLM's (transformers'): the logit of every token in the prompt or the output is divided by it where "
+        "positive, multiplied by it where negative; 1 = off (the default)."))
+    min_p: float | None = Field(None, ge=0, le=1, description=(
+        "vLLM's: drop tokens less likely than min_p times the most likely one; 0 = off (the default)."))
+    min_tokens: Integer_(ge=0) | None = Field(None, description=(
+        "vLLM's: the end-of-text token and stop_token_ids cannot be sampled, and stop strings do not "
+        "end the text, before this many tokens (at most max_tokens)."))
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(None, description=(
+        "vLLM's: a choice ends (finish_reason \"stop\") when it samples one of these tokens, which is not "
+        "in its text (listed last in its logprobs, as the end-of-text token is)."))
+    ignore_eos: bool | None = Field(None, description=(
+        "vLLM's: the end-of-text token does not end a choice (it is kept, as text that decodes to "
+        "\"<|endoftext|>\")."))
+    response_format: ResponseFormat | None = Field(None, description=(
+        "OpenAI's: {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}: "
+        "each choice's text is kept to it while it is generated (llguidance); a choice cut off by max_tokens "
+        "ends with finish_reason \"length\"."))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "vLLM's: one of `json` (a schema), `regex`, `choice`, `grammar` or `json_object`, kept to as "
+        "response_format is."))
+    user: str | None = Field(None, description="Ignored (OpenAI's end-user id, for its abuse monitoring).")
+    # vLLM's extensions beyond the sampling fields (docs/serving-fields.md lists every field).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(None, description=(
+        "vLLM's: only these tokens can be sampled (a logits processor; the end-of-text token only if listed)."))
+    prompt_logprobs: Integer_() | None = Field(None, description=(
+        f"vLLM's: each choice's `prompt_logprobs`, per prompt token (the first null) its log-probability and rank "
+        f"and the k most likely tokens', keyed by token id; 0 to {MAX_PROMPT_LOGPROBS} (-1, the whole vocabulary, "
+        "is refused)."), json_schema_extra=_only(minimum=0, maximum=MAX_PROMPT_LOGPROBS))
+    return_token_ids: bool | None = Field(None, description=(
+        "vLLM's: each choice's `prompt_token_ids` and `token_ids` (the ids its text is made of; streamed, "
+        "each chunk's own, the prompt's with a choice's first chunk)."))
+    return_tokens_as_token_ids: bool | None = Field(None, description=(
+        "vLLM's: logprobs name each token `token_id:ID` instead of its text."))
+    truncation_side: Literal["left", "right"] | None = Field(None, description=(
+        "vLLM's: with truncate_prompt_tokens, keep the prompt's last k tokens (left, the default) or its first k (right)."))
+    include_stop_str_in_output: bool | None = Field(None, description=(
+        "vLLM's: the stop string that ended a choice is kept at the end of its text."))
+    use_beam_search: bool | None = Field(None, description=(
+        "vLLM's: the n best of n beams (transformers' beam search, on the raw distribution), one choice each."))
+    length_penalty: float | None = Field(None, description=(
+        "vLLM's, with use_beam_search: a beam's score is its summed log-probability / length ** length_penalty."))
+    priority: Integer_(ge=-(2**31), lt=2**31) | None = Field(None, description=(
+        "vLLM's: with --scheduling-policy priority, waiting requests run lowest priority first (arrival order "
+        "among equals); any other than 0 is refused under the default fcfs policy."))
+    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(None, description=(
+        "vLLM's: the response's id is `cmpl-REQUEST_ID`."))
+    add_special_tokens: bool | None = Field(None, description="vLLM's: accepted; GPT-2's tokenizer adds none either way.")
+    skip_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: accepted and not applied: the one special token's text (<|endoftext|>) appears only with ignore_eos, "
+        "and is kept."))
+    spaces_between_special_tokens: bool | None = Field(None, description=(
+        "vLLM's: accepted; no effect with GPT-2's one special token."))
+
+
+# ------------------------------------------------------------------ the response bodies
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer."""
+
+    error: ErrorBody
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one candidate token of a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class Logprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Choice(BaseModel):
+    """One choice (or a stream chunk's piece of one). vLLM's keys are always there, null unless asked
+    for: `prompt_logprobs` (prompt_logprobs), `prompt_token_ids` and `token_ids` (return_token_ids)."""
+
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or one chunk of a stream (`text/event-stream`: `data: {chunk}` events, then
+    `data: [DONE]`; the chunks have this shape, the usage chunk an empty `choices`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    """The replica's state: its engine's counters (rows, tokens, batches, steps, joins, ...) and memory."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["ok"]
+    model: str
+    replica: str
+    backend: str
+    provider: str
+    running: int
+    waiting: int
+    rss_mb: float | None = None
+    max_rss_mb: float | None = None
+
+
+class TokenizeParams(BaseModel):
+    """The body of POST /tokenize: vLLM's TokenizeCompletionRequest."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="TokenizeRequest")
+
+    prompt: str = Field(description="The text to tokenize, as a completion's prompt is (<|endoftext|> is its token).")
+    model: str | None = Field(None, description="The served model's id; another is a 404.")
+    add_special_tokens: bool | None = Field(True, description="Accepted for vLLM's sake: GPT-2's tokenizer adds none.")
+    return_token_strs: bool | None = Field(False, description="Also each token's text (`token_strs`).")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class Version(BaseModel):
+    version: str
+
+
+class DetokenizeParams(BaseModel):
+    """The body of POST /detokenize: vLLM's DetokenizeRequest."""
+
+    model_config = ConfigDict(extra="allow", strict=True, title="DetokenizeRequest")
+
+    tokens: list[TokenId] = Field(description="Token ids, each in [0, vocabulary).")
+    model: str | None = Field(None, description="The served model's id; another is a 404.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
