@@ -1,2 +1,1 @@
-"""The runtime layer: the Backend protocol (base), ONNX Runtime sessions and providers, the ONNX Runtime
-backend (ort, no torch) and the PyTorch reference backend (pytorch)."""
+"""Runtimes: the Backend protocol and the backends that run an export (or, for the reference, the model)."""

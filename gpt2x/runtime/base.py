@@ -1,25 +1,6 @@
-"""The Backend protocol and the KVCache protocol: what generation, evaluation, the bench and the
-serving engine ask of a runtime, and all they ask.
-
-A backend runs forward steps on int64 numpy arrays. Its KV cache is an object of the backend's own
-(`KVCache`): a growing list of device tensors, fixed-capacity buffers written in place, tensors held
-in a web page, a generator's state. Callers never look inside it: they step from it (`Backend.step`
-takes it as `past` and returns the next one) and ask it to `reorder` its rows (beam search),
-`truncate` its positions (speculative decoding's rollback), `merge` rows leaving and joining (the
-serving engine), or give its arrays (`to_numpy`). Position ids come from the attention mask
-(gpt2x.numerics.positions) for every backend.
-
-Every backend has `run`, `step`, `close` (and is a context manager) and the model's facts. What it
-is (the providers and precisions it runs, whether it is the reference) and what else it and its
-caches can do it declares in one record, `capabilities` (`Capabilities`), which every caller reads:
-no caller asks which backend it holds to decide what the backend can do. A backend that lacks a
-capability lacks its method too.
-
-Where a new cache form goes: a class implementing KVCache beside its backend (runtime/<backend>.py),
-listed in the backend's `cache_forms`; caches in fixed-capacity host buffers build on
-kvbuffers.BufferCache, which already has the operations. `merge_on_host` is `merge` for any cache,
-through host arrays (a copy of the whole cache): the forms whose cache is not in fixed-capacity
-buffers use it.
+"""The Backend and KVCache protocols and the Capabilities record: all that generation, evaluation, the
+bench and the serving engine ask of a runtime. Callers read `capabilities`, never the backend's name, and
+never look inside a cache (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -46,37 +27,28 @@ def spoken(names: Iterable[str], last: str = "or") -> str:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend is and what it (and its caches) can do beyond `run`, `step`, `close` and the
-    caches' `reorder` and `to_numpy`. Each capability comes with its method(s); a new capability is a
-    field here, its method in the protocols below, and the callers that need it read the field."""
+    """What a backend is, and what it and its caches can do beyond `run`, `step`, `close`, `reorder` and
+    `to_numpy`: each capability comes with its method(s), which a backend has exactly when it declares it."""
 
-    # -- identity: asked before one is opened (runtime.registry.capabilities_of), and by every
-    # message that says what a backend cannot do.
-    # The runtime's own name, as messages give it.
-    runtime: str = ""
-    # The providers it runs on, each with the precisions it runs there.
+    # -- identity: read before one is opened (registry.capabilities_of) and by every refusal message.
+    runtime: str = ""  # the runtime's name, as messages give it
     precisions_by_provider: Mapping[ProviderKind, tuple[Precision, ...]] = field(
         default_factory=lambda: {ProviderKind.cpu: (Precision.fp32,)})
-    # It runs the model itself (PyTorch), which every export is measured against; it opens no export.
+    # PyTorch on the model: what every export is measured against; it opens no export.
     reference: bool = False
-    # ONNX Runtime on the export: the runtime the exports are made for, which the others' speed is
-    # compared with and the reference's drafts run on.
+    # ONNX Runtime: what the exports are made for, the others' speed is compared with, the reference's drafts run on.
     native: bool = False
 
     # -- what it can do
-    # `Backend.past_from_numpy`: it can be handed a cache made elsewhere (parity's cases with a past).
-    # A backend that owns its cache (onnxruntime-genai's generator) is compared on whole sequences.
+    # `Backend.past_from_numpy`: takes a cache made elsewhere. One that owns its cache (genai) is compared
+    # on whole sequences.
     takes_past: bool = False
-    # `KVCache.merge`: rows leave and join a running batch's cache (continuous batching); else static
-    # batches.
-    joins_rows: bool = False
-    # `KVCache.truncate`: a cache's last positions dropped (speculative decoding's rollback).
-    rolls_back: bool = False
-    # `step_greedy`: a greedy step takes the argmax where the logits are (on the device, in the page),
-    # so that one token per row comes back instead of the logits.
+    joins_rows: bool = False  # `KVCache.merge`: continuous batching; else static batches
+    rolls_back: bool = False  # `KVCache.truncate`: speculative decoding's rollback
+    # `step_greedy`: the argmax taken where the logits are (device, page); one token per row comes back.
     argmax_where_logits_are: bool = False
-    # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: its forwards run outside this
-    # process (a browser page), which times them and measures its own memory.
+    # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: forwards run in a browser page,
+    # which times them and measures its own memory.
     page: bool = False
 
     @property
@@ -101,11 +73,10 @@ class Capabilities:
 
 
 class Closable:
-    """`close()` and the context manager every backend has: `with open_backend(...) as b:`. A backend
-    with something to release overrides `close` (idempotent)."""
+    """`close()` (idempotent; overridden by a backend with something to release) and the context manager."""
 
     def close(self) -> None:
-        """Release what the backend holds (sessions, a browser, a generator). Idempotent."""
+        """Release what the backend holds. Idempotent."""
 
     def __enter__(self):
         return self
@@ -115,8 +86,7 @@ class Closable:
 
 
 class Released:
-    """What a closed backend holds in place of a session, a compiled model or a generator: any use of
-    it is one clear error, and the steps that run it need no check of their own."""
+    """A closed backend's stand-in for its session: any use is one clear error, so steps need no check."""
 
     def __init__(self, backend: str):
         self._backend = backend
@@ -126,9 +96,8 @@ class Released:
 
 
 class KVCache(Protocol):
-    """A backend's KV cache: `rows` batch rows of `length` positions, in the backend's own form. Every
-    operation returns the cache to use next; the one it was called on may be stale afterwards (a form
-    that writes in place refuses a stale one in one clear error), except where a method says so."""
+    """A backend's KV cache, in its own form. Every operation returns the cache to use next; the one it was
+    called on may be stale afterwards (an in-place form refuses a stale one), except where a method says so."""
 
     rows: int  # batch rows
     length: int  # positions held (the attention mask's width)
@@ -144,19 +113,15 @@ class KVCache(Protocol):
     # -- with capabilities.rolls_back
 
     def truncate(self, length: int) -> KVCache:
-        """The cache holding only its first `length` positions (speculative decoding drops the positions
-        of rejected draft tokens), copying no more than the form needs: fixed-capacity buffers only
-        set their length back."""
+        """The cache holding only its first `length` positions (rejected draft tokens dropped)."""
         ...
 
     # -- with capabilities.joins_rows
 
     def merge(self, rows: np.ndarray, joiner: KVCache | None, width: int) -> KVCache:
-        """Rows leaving and joining a batch (serving): the cache whose row i is row `rows[i]` of this
-        cache's rows and `joiner`'s (another cache of the same backend, or None) stacked, joiner's
-        numbered after this one's, every row right-aligned to `width` positions: zeros (to be masked
-        out) before a shorter row, and positions further than `width` from the end dropped (the
-        caller drops only positions masked out in every row it keeps). `joiner` stays usable."""
+        """Rows leaving and joining a batch: row i is row `rows[i]` of this cache's rows and `joiner`'s
+        stacked (joiner's numbered after), right-aligned to `width` positions: zeros before a shorter row,
+        older positions dropped (the caller drops only ones masked in every row). `joiner` stays usable."""
         ...
 
 
@@ -180,9 +145,7 @@ class Backend(Protocol):
         """As run, but only the last position's logits (B, V)."""
         ...
 
-    def close(self) -> None:
-        """Release what it holds; the backend is not used afterwards. Backends are context managers."""
-        ...
+    def close(self) -> None: ...
 
     def peak_device_memory_mb(self) -> float | None:
         """Peak accelerator memory the backend allocated, where it can tell (None otherwise)."""
@@ -195,18 +158,13 @@ class Backend(Protocol):
         ...
 
 
-# With capabilities.argmax_where_logits_are, a backend has `step_greedy(input_ids, attention_mask,
-# position_ids, past) -> (tokens (B,) int64, cache)`: `step`'s argmax (NumPy's: the first of equal
-# maxima) taken where the logits are, so that greedy decoding moves one token per row instead of the
-# logits (the web backend: from the page; ONNX Runtime on CUDA: on the device). The decode loop uses
-# it for greedy sampling (greedy_step).
+# With capabilities.argmax_where_logits_are: `step_greedy(input_ids, attention_mask, position_ids, past)
+# -> (tokens (B,) int64, cache)`, `step`'s argmax (NumPy's: the first of equal maxima) where the logits are.
 
 
 def greedy_step(backend: Backend):
-    """The backend's step_greedy where it declares one, or a step followed by NumPy's argmax. Only a
-    step_greedy of the backend's own class counts: a wrapper that changes `step` and hands other
-    attributes (its capabilities too) on to the backend it wraps (__getattr__) must not have its
-    `step` bypassed."""
+    """The backend's step_greedy where it declares one, else a step and NumPy's argmax. Only its class's
+    step_greedy counts: a wrapper that changes `step` and forwards the rest (__getattr__) keeps its `step`."""
     if backend.capabilities.argmax_where_logits_are and getattr(type(backend), "step_greedy", None) is not None:
         return backend.step_greedy
 
@@ -218,9 +176,8 @@ def greedy_step(backend: Backend):
 
 
 def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: int) -> list[np.ndarray]:
-    """`merge` on host arrays: for each cache tensor, the parts' arrays (B_k, H, P_k, D) stacked along
-    the batch, each right-aligned to `width` positions (zeros before, positions further from the end
-    dropped), and rows `rows` of that stack, as new arrays (len(rows), H, width, D)."""
+    """`merge` on host arrays: per cache tensor, the parts (B_k, H, P_k, D) stacked and right-aligned to
+    `width`, rows `rows` of that stack as new arrays (len(rows), H, width, D)."""
     rows = np.asarray(rows, dtype=np.int64)
     out = []
     for arrays in zip(*parts):
@@ -233,7 +190,6 @@ def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: i
 
 def merge_on_host(cache: KVCache, rows: np.ndarray, joiner: KVCache | None, width: int,
                   from_numpy: Callable[[list[np.ndarray]], KVCache]) -> KVCache:
-    """`KVCache.merge` through host arrays: both caches copied out (to_numpy), their rows gathered and
-    right-aligned, and the result copied back (`from_numpy`, the backend's past_from_numpy)."""
+    """`KVCache.merge` for forms not in fixed-capacity buffers: copied out, merged, copied back (`from_numpy`)."""
     parts = [cache.to_numpy()] + ([] if joiner is None else [joiner.to_numpy()])
     return from_numpy(right_aligned_rows(parts, rows, width))

@@ -1,33 +1,6 @@
-"""Running an export folder on onnxruntime-genai (no torch): its `Generator` owns the KV cache and runs
-the model, gpt2x chooses every token (its own sampler and beam search), genai only feeds them.
-
-genai 0.18 has no call that feeds a chosen token to a batch of more than one row: `append_tokens` works
-once per generator when the batch has several rows (on one row, every step), and `generate_next_token`
-picks the token itself. So a batch steps by `set_logits` with a one-hot row per sequence (the token
-gpt2x chose scores 1, all others 0), `generate_next_token` (greedy, no logits processing: it takes
-exactly that token) and `get_logits`, which runs the model on it. Where genai would not feed the
-chosen token, the batch is replayed instead: the generator is rewound and fed every row's whole
-history with one `append_tokens` (a prefill), which is why a cache keeps the tokens it was fed.
-
-- End of text: genai marks a row that was given its EOS id as finished and feeds it its pad id from
-  then on (and stops a batch whose rows all finished), whatever gpt2x chose. A batch step whose
-  tokens hold EOS is therefore fed by a replay, which also clears genai's finished flags.
-- Left padding: genai 0.18 reads padding from the ids alone (a run of pad ids at the END of a row, i.e.
-  right padding) and gives every other slot its absolute index as position. A left-padded row would
-  attend to its pads and see shifted positions. The pad id is turned off (-1: every id is a token),
-  and a batch whose attention mask holds zeros runs as one single-row generator per row, fed only
-  the row's real tokens (so positions count real tokens, as gpt2x's do); logits at padding slots
-  are zeros. A batch without padding runs as one generator.
-- Beam search: genai cannot gather the rows of its cache. `reorder` replays: the gathered rows'
-  histories go into one prefill (a rewound generator when the batch size stays, else a new one);
-  single-row generators are moved where a row is taken once, and replayed where it is taken again.
-  Every beam step is then a prefill of the beams' whole histories: beam search costs several times
-  what it costs on ONNX Runtime, which gathers its cache in place.
-- position_ids are not passed on: genai makes its own, which equal gpt2x's in both layouts above.
-- The cache in gpt2x's layout: `GenaiState.to_numpy` reads genai's last present outputs (growing: the
-  filled length; in-place buffer: the first filled positions of the fixed-capacity buffer).
-
-Providers: cpu, and cuda through genai's provider settings (untested: written without a GPU).
+"""onnxruntime-genai backend (no torch): its Generator owns the KV cache and runs the model; gpt2x chooses every
+token and genai only feeds it. genai 0.18 cannot feed a chosen token to a batch, so batches step through a
+one-hot `set_logits` or a replay of their histories (padding, EOS and beam search: docs/backends.md).
 """
 
 from __future__ import annotations
@@ -97,24 +70,19 @@ class GenaiState:
         return any(lane.owner is not self for lane in self.lanes)
 
     def reorder(self, rows: np.ndarray) -> GenaiState:
-        """The state with its rows gathered by `rows`, by replaying (genai cannot gather its cache):
-        see the module docstring."""
+        """The rows gathered by `rows`, by replaying: genai cannot gather its cache."""
         return self.owner.reordered(self, rows)
 
     def to_numpy(self) -> list[np.ndarray]:
-        """2 * n_layer float32 arrays (B, H, P, D) from genai's last present outputs; slots that hold
-        no token (padding of a per-row state) are zeros."""
+        """From genai's last present outputs; padding slots of a per-row state are zeros."""
         return self.owner.present_arrays(self)
 
 
 class GenaiBackend(Closable):
-    """One export folder on onnxruntime-genai (`og.Model` on the folder's genai_config.json, with
-    gpt2x's thread count and provider laid over it). See the module docstring for how batches,
-    padding, EOS and beam search map onto genai's generator."""
+    """One export folder on onnxruntime-genai, gpt2x's thread count and provider laid over its genai_config.json."""
 
     name = "genai"
-    # The generator owns its cache: it takes none made elsewhere (parity compares whole sequences), no
-    # rows join it (serving batches statically), and no positions are dropped from it (no speculation).
+    # The generator owns its cache: no past from elsewhere, no joins, no rollback.
     capabilities = Capabilities(runtime="onnxruntime-genai",
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)})
     cache_forms = (GenaiState,)
@@ -140,7 +108,7 @@ class GenaiBackend(Closable):
             raise ArtifactError(f"{folder} has no {GENAI_CONFIG_FILE} (an export older than gpt2x's interop files: export it again)")
         overlay = {"model": {
             "eos_token_id": EOT_ID,
-            "pad_token_id": -1,  # no id is padding: genai would read pads at the end of a row (see above)
+            "pad_token_id": -1,  # no id is padding: genai would read pads at the end of a row
             "decoder": {"session_options": {"intra_op_num_threads": threads or physical_cores(),
                                             "inter_op_num_threads": 1, "log_severity_level": 3}},
         }}
@@ -196,18 +164,15 @@ class GenaiBackend(Closable):
         return out[:, out.shape[1] - n :]
 
     def close(self) -> None:
-        """Release the model and its generator parameters; a later step is one ProviderError."""
         self.model = Released(self.name)
         self._params.clear()
 
     # -- running
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
-        """All logits (B, T, V) float32 on the host, and the new GenaiState (P + T positions)."""
         return self._feed(input_ids, attention_mask, past, last_only=False)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
-        """The last position's logits (B, V), and the new GenaiState."""
         return self._feed(input_ids, attention_mask, past, last_only=True)
 
     def _feed(self, ids: np.ndarray, mask: np.ndarray, past: GenaiState | None, last_only: bool):
@@ -332,5 +297,4 @@ class GenaiBackend(Closable):
         return out
 
     def peak_device_memory_mb(self) -> float | None:
-        """Not tracked for onnxruntime-genai."""
         return None

@@ -1,19 +1,8 @@
-"""Fixed-capacity KV buffers on the host, shared by the backends that keep their cache that way (ONNX
-Runtime's in-place cache for GroupQueryAttention graphs, OpenVINO's cache): one (batch capacity, H,
-capacity, D) array per layer and key/value, views of their filled rows and positions, the policy that
-grows them, and the row operations a serving batch needs (`merge_rows`: rows leave and join inside the
-buffers). `BufferCache` is the cache object over them (runtime/base.py's KVCache): each runtime's
-form of it subclasses it with its one allocator (`allocate`: what its kernels read decides whether
-new buffers are zeroed or left unset) and its step.
-
-The cache is the first `rows` rows and `length` positions of the buffers; a step binds those rows
-only (`a[:rows]` of a C-contiguous array is contiguous: no copy), so buffers can hold more rows than
-the batch in flight and rows can join without new buffers. Every write of the rows or positions (a
-step, a merge, a move to larger buffers) starts a new generation, and a view of an earlier one is
-stale: stepping or merging from it again is refused (it would overwrite positions or rows the newer
-view holds). When a step would overflow, the cache moves to larger buffers (doubling, by at least
-`capacity_step`, never past the context); when a merge needs more rows, to buffers with twice the
-rows."""
+"""Fixed-capacity KV buffers on the host (ONNX Runtime's in-place cache, OpenVINO's) and `BufferCache`, the
+cache over them. A cache is the first `rows` rows and `length` positions; a step binds `a[:rows]` (contiguous:
+no copy), so rows can join without new buffers. Every write starts a new generation, and stepping or merging
+from an older view is refused: it would overwrite what the newer view holds.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +16,7 @@ KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and gro
 
 
 class KVBuffers:
-    """The arrays, how many rows and positions of them the cache holds, and their generation (new at
-    every write of either)."""
+    """The arrays, the rows and positions the cache holds, and their generation (new at every write)."""
 
     def __init__(self, arrays: list[np.ndarray], length: int = 0, rows: int | None = None):
         self.arrays = arrays
@@ -79,8 +67,7 @@ class KVBuffers:
 
 
 class KVCacheView:
-    """A view of KV buffers holding rows [0, rows) and positions [0, length): the buffers' state when
-    the view was made."""
+    """Rows [0, rows) and positions [0, length) of KV buffers, as they were when the view was made."""
 
     def __init__(self, buffers: KVBuffers, length: int):
         self.buffers = buffers
@@ -105,9 +92,8 @@ class KVCacheView:
         return [a[: self.rows, :, : self.length] for a in self.buffers.arrays]
 
 
-# How every cache form gets buffers: allocate(batch, capacity, keep) -> KVBuffers of `batch` rows and
-# `capacity` positions, holding `keep`'s filled rows and positions when given (a cache that grows into
-# larger buffers). What else they hold is the allocator's: its cache form knows what its kernels read.
+# allocate(batch, capacity, keep) -> KVBuffers holding `keep`'s filled rows and positions when given. Whether the
+# rest is zeroed is the allocator's: its cache form knows what its kernels read.
 Allocate = Callable[[int, int, "KVCacheView | None"], KVBuffers]
 
 
@@ -125,13 +111,9 @@ def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView |
 
 
 def small_page_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
-    """`count` zeroed arrays of `shape` in anonymous memory mapped with the kernel's small pages only
-    (MADV_NOHUGEPAGE, where the platform has it; else np.zeros), zeroed by the kernel page by page as
-    they are first written. A KV buffer is written a few positions at a time in every (row, head)
-    block spread over its whole size; with transparent huge pages (which NumPy asks for on large
-    arrays) each first write zeroes a 2 MiB page, so a fresh buffer costs as much as zeroing all of
-    it: benchmarks/kv_pages.py (in git at c281a80) measured a serving merge into fresh buffers at 352 ms with huge pages
-    against 31 ms with small pages, and a steady decode step 2-3% faster with huge pages."""
+    """`count` zeroed arrays in anonymous memory with small pages only (MADV_NOHUGEPAGE where available).
+    A KV buffer's first writes are spread over its whole size, so under huge pages a fresh buffer costs a
+    full zeroing: a serving merge 352 ms against 31 ms (docs/results/other.md, kv-buffers-in-small-pages)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     out = []
     for _ in range(count):
@@ -145,15 +127,12 @@ def small_page_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndar
 
 
 def rows_to_keep(batch: int, keep: KVCacheView | None) -> tuple[int, int | None]:
-    """The batch dimension of the buffers a cache moves to when it grows (at least `batch`, and the
-    rows its old buffers could hold), and the rows it then holds (None: all)."""
+    """The batch dimension of the buffers a growing cache moves to, and the rows it then holds (None: all)."""
     return (batch, None) if keep is None else (max(batch, keep.buffers.batch), keep.rows)
 
 
 def buffers_holding(arrays: list[np.ndarray], capacity: int, allocate: Allocate) -> KVBuffers:
-    """Buffers of `capacity` positions from `allocate(batch, capacity, None)`, holding `arrays` (B, H, P, D)
-    as their first P positions: a cache made elsewhere (past_from_numpy) or gathered rows (reorder),
-    copied once, filled positions only."""
+    """New buffers of `capacity` positions holding `arrays` (B, H, P, D) as their first P positions."""
     batch, length = arrays[0].shape[0], arrays[0].shape[2]
     buffers = allocate(batch, capacity, None)
     for buf, a in zip(buffers.arrays, arrays):
@@ -169,9 +148,7 @@ def refuse_stale(cache: KVCacheView | None) -> None:
 
 
 def truncated(cache: KVCacheView, length: int) -> KVBuffers:
-    """The cache's buffers holding only its first `length` positions (speculative decoding's rollback
-    of rejected positions): the buffers' length is set back, nothing is copied or cleared, and the
-    next step overwrites the positions from `length` on. Every earlier view is stale afterwards."""
+    """The buffers' length set back to `length` (nothing copied: the next step overwrites the rest)."""
     refuse_stale(cache)
     if not 0 <= length <= cache.length:
         raise ValueError(f"cannot keep {length} positions of a cache holding {cache.length}")
@@ -180,16 +157,14 @@ def truncated(cache: KVCacheView, length: int) -> KVBuffers:
 
 
 def grown_capacity(capacity: int, needed: int, n_positions: int, capacity_step: int) -> int:
-    """The capacity of the larger buffers for `needed` positions: doubled, by at least `capacity_step`,
-    never past the context (unless `needed` is)."""
+    """Doubled, by at least `capacity_step`, never past the context (unless `needed` is)."""
     return max(needed, min(n_positions, capacity + max(capacity_step, capacity)))
 
 
 def buffers_for_step(cache: KVCacheView | None, batch: int, seq: int, n_positions: int, capacity_step: int,
                      allocate: Allocate, first_room: int | None = None) -> KVBuffers:
-    """The buffers a step of `batch` rows and `seq` new positions on `cache` writes into: new ones for
-    the first step (with `first_room` spare positions, default `capacity_step`), larger ones holding
-    the cache (`allocate(batch, capacity, cache)`) when the step would overflow, else the cache's."""
+    """The buffers a step of `seq` new positions writes into: new ones for the first step (`first_room`
+    spare positions), larger ones holding the cache when it would overflow, else the cache's."""
     length = 0 if cache is None else cache.length
     if length + seq > n_positions:
         raise ValueError(f"{length} + {seq} positions exceed the model's context ({n_positions})")
@@ -203,10 +178,8 @@ def buffers_for_step(cache: KVCacheView | None, batch: int, seq: int, n_position
 
 
 def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, parts: list[np.ndarray], width: int) -> None:
-    """out[where[j]] = row rows[where[j]] of `parts` (arrays (B_k, H, P_k, D) numbered one after
-    another along the batch), right-aligned to `width` positions: zeros before a shorter row,
-    positions further than `width` from its end dropped. Source rows are gathered (fancy indexing
-    copies) before anything is written, so `out` may be one of the parts' buffers."""
+    """out[where[j]] = row rows[where[j]] of `parts` stacked, right-aligned to `width`. Source rows are
+    gathered (a copy) before anything is written, so `out` may be one of the parts' buffers."""
     start = 0
     for part in parts:
         mine = where[(rows[where] >= start) & (rows[where] < start + part.shape[0])]
@@ -221,18 +194,8 @@ def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, pa
 def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
                allocate: Allocate, n_positions: int,
                capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
-    """`KVCache.merge` inside fixed-capacity buffers: buffers whose row i holds row `rows[i]` of the
-    cache's rows and `joiner`'s (arrays (Bj, H, Pj, D), numbered after the cache's) stacked, every row
-    right-aligned to `width` positions (zeros before a shorter row; positions further than `width`
-    from its end dropped). Returns them with `rows` = len(rows) and `length` = width.
-
-    The cache's own buffers, when the rows and `width` fit them: a row that stays where it is at the
-    same width is not touched, and only the rows that move (to another row, or along the positions
-    when the width changes) are written, their filled positions and the zeros before them; rows read
-    from the cache are gathered before any is written, so a row may move onto one that moves too.
-    Else larger buffers from `allocate(batch, capacity, None)` (twice the rows, doubled capacity), every
-    row copied once, and the old buffers retired. Either way every earlier view of the cache is
-    stale."""
+    """`KVCache.merge` inside fixed-capacity buffers. In the cache's own buffers when they fit, writing only
+    the rows that move (rows or width change); else in larger ones (twice the rows, doubled capacity)."""
     refuse_stale(cache)
     rows = np.asarray(rows, dtype=np.int64)
     n, length, buffers = cache.rows, cache.length, cache.buffers
@@ -261,12 +224,10 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
 
 
 class BufferCache(KVCacheView):
-    """A KV cache in fixed-capacity buffers (base.KVCache): a view of them with the cache's operations,
-    done inside the buffers where they can be (truncate sets the length back; merge moves only the
-    rows that move). A form subclasses it with `allocate`, its one way to get buffers, and its step;
-    `owner` is the backend (its `n_positions`, and whatever its allocator needs)."""
+    """A KV cache (base.KVCache) in fixed-capacity buffers. A form subclasses it with `allocate` and its step;
+    `owner` is the backend."""
 
-    capacity_step = KV_CAPACITY_STEP  # positions a new cache holds beyond its first step, and grows by at least
+    capacity_step = KV_CAPACITY_STEP
 
     def __init__(self, buffers: KVBuffers, length: int, owner: Any):
         super().__init__(buffers, length)
@@ -274,8 +235,7 @@ class BufferCache(KVCacheView):
 
     @classmethod
     def allocate(cls, owner: Any, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
-        """Buffers of `batch` rows and `capacity` positions, holding `keep`'s filled rows and positions
-        if given (an Allocate)."""
+        """An Allocate."""
         raise NotImplementedError
 
     @classmethod
@@ -286,8 +246,7 @@ class BufferCache(KVCacheView):
         return cls(buffers, buffers.length, owner)
 
     def buffers_for_step(self, batch: int, seq: int) -> KVBuffers:
-        """The buffers a step of `seq` new positions on this cache writes into (larger ones when it
-        would overflow; stale views refused)."""
+        """The buffers a step of `seq` new positions writes into; stale views refused."""
         refuse_stale(self)
         return buffers_for_step(self, batch, seq, self.owner.n_positions, self.capacity_step, self._allocate)
 
@@ -298,18 +257,15 @@ class BufferCache(KVCacheView):
         return [a.astype(np.float32) for a in self.filled()]  # copies
 
     def reorder(self, rows: np.ndarray):
-        """New buffers with the batch rows gathered by `rows`: only the filled positions are copied."""
+        """New buffers with the rows gathered by `rows` (filled positions only)."""
         rows = np.asarray(rows, dtype=np.int64)
         return type(self)(buffers_holding([a[rows] for a in self.filled()], self.capacity, self._allocate),
                           self.length, self.owner)
 
     def truncate(self, length: int):
-        """The buffers' length set back (kvbuffers.truncated): nothing copied."""
         return type(self)(truncated(self, length), length, self.owner)
 
     def merge(self, rows: np.ndarray, joiner: BufferCache | None, width: int):
-        """Inside the buffers (merge_rows: only the rows that move are copied); this view is stale
-        afterwards."""
         buffers = merge_rows(self, rows, None if joiner is None else joiner.filled(), width, self._allocate,
                              self.owner.n_positions, self.capacity_step)
         return type(self)(buffers, buffers.length, self.owner)

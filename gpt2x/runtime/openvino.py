@@ -1,34 +1,6 @@
-"""Running an export on OpenVINO's CPU runtime (no torch): the export's model.onnx read by OpenVINO's
-ONNX frontend, which executes ONNX Runtime's contrib operators (MultiHeadAttention,
-GroupQueryAttention, SkipLayerNormalization, FastGelu, MatMulNBits) itself.
-
-One compiled model and one InferRequest serve every step; the graph's batch and sequence dimensions
-stay dynamic, so no shape recompiles anything. The KV cache is a fixed-capacity buffer per layer,
-(B, H, capacity, D), holding positions [0, length), and the graph sees it whole:
-
-    past           the buffer: `capacity` slots, of which the first `length` are filled
-    attention_mask (B, capacity + T): the caller's mask for the filled slots, 0 for the empty slots,
-                   then the caller's mask for the T new tokens
-    present        (B, H, capacity + T, D): OpenVINO's output, whose last T slots (the new tokens)
-                   are copied into the buffer at [length, length + T); nothing else is copied
-
-An empty slot is masked exactly like a left-padding slot (the graph's additive bias; position ids are
-the caller's), so the logits are those of the compact cache. The same layout serves both attention
-operators, because both take past + new = the mask's width and concatenate the whole past:
-MultiHeadAttention (fp32 exports) and OpenVINO's GroupQueryAttention (int8 exports). Decode steps keep
-the same input shapes until the buffers grow (into larger ones, doubling), where a cache one position
-longer each step would be a new shape for OpenVINO's CPU plugin every step (on the bundled model the
-two measured within noise of each other). The buffer cannot also be bound as the present: OpenVINO
-would reshape it to the concatenation's (B, H, capacity + T, D) and write that over it.
-
-The cache is an OpenVinoKVCache (kvbuffers.BufferCache): a serving batch's rows leave and join inside
-the buffers (`merge`), a rollback sets the length back (`truncate`); a step binds the rows in use
-only.
-
-OpenVINO's GroupQueryAttention runs batch 1 only (its decomposition reshapes the per-row lengths to
-a single value; batch 2 fails inside OpenVINO): a batch of a GroupQueryAttention graph runs one row
-at a time, each row bound as its own contiguous slice of the buffers. MultiHeadAttention graphs run
-batches whole, multi-token steps on a past included.
+"""OpenVINO's CPU runtime on the export's model.onnx (no torch). The KV cache is a fixed-capacity buffer the
+graph reads whole, empty slots masked, so decode steps keep one input shape until it grows (the layout and
+why: docs/backends.md, the OpenVINO backend).
 """
 
 from __future__ import annotations
@@ -55,22 +27,18 @@ def _first_line(e: Exception) -> str:
 
 
 class OpenVinoKVCache(BufferCache):
-    """The cache's buffers holding positions [0, length) (kvbuffers.BufferCache: stepping from a
-    stale view is refused)."""
+    """The cache's buffers holding positions [0, length)."""
 
     @classmethod
     def allocate(cls, owner: OpenVinoBackend, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
-        """Zeroed buffers of `capacity` positions, holding `keep`'s filled rows and positions if given
-        (with at least as many rows as its buffers had). Zeroed, not left unset: the graph reads the
-        whole capacity, masked, and a masked slot must still hold a finite number."""
+        """Zeroed, not left unset: the graph reads the whole capacity, and a masked slot must be finite."""
         batch, rows = rows_to_keep(batch, keep)
         shape = (batch, owner.cfg.n_head, capacity, owner.cfg.head_dim)
         return KVBuffers(zeroed_arrays(shape, 2 * owner.cfg.n_layer, np.float32, keep), keep.length if keep else 0, rows)
 
 
 class OpenVinoBackend(Closable):
-    """One export compiled by OpenVINO for the CPU; the KV cache is an OpenVinoKVCache of host arrays
-    that OpenVINO reads without a copy."""
+    """One export compiled by OpenVINO for the CPU; it reads the cache's host arrays without a copy."""
 
     name = "openvino"
     capabilities = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
@@ -89,8 +57,8 @@ class OpenVinoBackend(Closable):
         self.vocab_size = self.cfg.vocab_size
         self.provider = provider
         self.threads = threads or physical_cores()
-        # GroupQueryAttention in OpenVINO runs one batch row per inference.
-        self.rows_only = io.in_place_kv(info.attention)  # the GroupQueryAttention graphs (int8, int4)
+        # OpenVINO's GroupQueryAttention (int8, int4) runs one batch row per inference.
+        self.rows_only = io.in_place_kv(info.attention)
         core = ov.Core()
         if DEVICE not in core.available_devices:
             raise ProviderError(f"OpenVINO {ov.__version__} finds no CPU device")
@@ -99,8 +67,7 @@ class OpenVinoBackend(Closable):
             # OpenVINO computes in bf16 by default on CPUs that have it, which fails the fp32 gate.
             "INFERENCE_PRECISION_HINT": "f32",
             "PERFORMANCE_HINT": "LATENCY",
-            # Unpinned threads: pinned ones wait for their core when the host is busy with other work
-            # (measured: up to about twice the step time on a loaded 2-core machine).
+            # Pinned threads wait for their core on a busy host: up to 2x the step time measured on 2 cores.
             "ENABLE_CPU_PINNING": False,
         }
         try:
@@ -126,14 +93,12 @@ class OpenVinoBackend(Closable):
         return None
 
     def close(self) -> None:
-        """Release the compiled model and its request; a later step is one ProviderError."""
         self.request = self.compiled = Released(self.name)
 
     # -- running
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             past: OpenVinoKVCache | None) -> tuple[np.ndarray, OpenVinoKVCache]:
-        """All logits (B, T, V) float32, and the cache, now `T` positions longer."""
         return self._forward(input_ids, attention_mask, position_ids, past, last_only=False)
 
     def step(self, input_ids, attention_mask, position_ids, past):
@@ -176,14 +141,13 @@ class OpenVinoBackend(Closable):
 
     def _infer(self, buffers: KVBuffers, row: int | None, input_ids, mask, position_ids, length: int,
                last_only: bool) -> np.ndarray:
-        """One inference over `buffers` (or one batch row of them); writes the new positions into the
-        buffers and returns a view of the logits (all positions, or the last), valid until the next."""
+        """One inference over `buffers` (or one row); writes the new positions into them and returns a view
+        of the logits, valid until the next inference."""
         request = self.request
         for port, arr in zip(self._id_ports, (input_ids, mask, position_ids)):
             request.set_tensor(port, ov.Tensor(arr))
         if self._bound != (buffers, row, buffers.rows):
-            # The buffers themselves (their rows in use, or one batch row: contiguous slices of a
-            # C-contiguous array): no copy.
+            # Contiguous row slices of the buffers themselves: no copy.
             rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
             for port, buf in zip(self._past_ports, buffers.arrays):
                 request.set_tensor(port, ov.Tensor(buf[rows], shared_memory=True))

@@ -1,16 +1,6 @@
-"""Running an export on ONNX Runtime (no torch): IO binding with the KV cache kept as OrtValues on the
-device between steps, and device-side cache reordering for beam search.
-
-Two forms of the cache (base.KVCache), chosen from the export's metadata; each owns its step's
-binding and its operations:
-- `GrowingCache` (every export): each step's present outputs, one position longer, are the next
-  step's past, as in Optimum. ONNX Runtime allocates them and copies the whole cache into them every
-  step. A step of several tokens on a past for a batch, which GroupQueryAttention's CPU kernel
-  refuses, runs one row at a time.
-- `InPlaceCache` (`in_place_kv`; exports whose attention is GroupQueryAttention, i.e. int8 and int4,
-  on the CPU): a fixed-capacity buffer per layer is bound as both past and present, and each step
-  writes only its new positions into it. A serving batch's rows leave and join inside those buffers
-  (kvbuffers.BufferCache.merge).
+"""ONNX Runtime backend (no torch): IO binding, the KV cache kept as OrtValues on the device between steps.
+Two cache forms: `GrowingCache` (each step's presents are the next past) and `InPlaceCache` (GroupQueryAttention
+graphs on the CPU: one buffer bound as past and present; docs/export.md).
 """
 
 from __future__ import annotations
@@ -39,17 +29,13 @@ from .providers import create_session, gather_model, last_argmax_model, refuse_f
 
 
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
-    """`count` arrays of `shape` whose values the in-place cache never reads before it writes them:
-    GroupQueryAttention writes each position before it reads it, and reads no row or position beyond
-    those bound and filled (tests/onnx/test_gqa.py fills these with NaN to check it). In small pages
-    (kvbuffers.small_page_arrays): only the pages a step or a merge writes are ever touched, where
-    huge pages would make the first write of every buffer zero all of it."""
+    """Arrays left unset: GroupQueryAttention reads no position before writing it (tests/onnx/test_gqa.py fills
+    them with NaN to check). Small pages: only the pages written are touched (kvbuffers.small_page_arrays)."""
     return small_page_arrays(shape, count, dtype)
 
 
 class _KVBuffers(KVBuffers):
-    """KV buffers with OrtValues over the rows in use (`a[:rows]`: the same memory), and the IO binding
-    that binds them as past and present; both are made again when the rows in use change."""
+    """KV buffers with OrtValues over the rows in use and their IO binding, both remade when the rows change."""
 
     def __init__(self, arrays: list[np.ndarray], length: int = 0, rows: int | None = None):
         super().__init__(arrays, length, rows)
@@ -61,8 +47,7 @@ class _KVBuffers(KVBuffers):
 
 
 class GrowingCache:
-    """The cache as OrtValues that stay where ONNX Runtime produced them (host memory on CPU, device
-    memory on CUDA); a step's presents are the next past."""
+    """OrtValues left where ONNX Runtime produced them (host or device); a step's presents are the next past."""
 
     __slots__ = ("owner", "values")
 
@@ -109,7 +94,7 @@ class GrowingCache:
         return outputs[0].numpy(), GrowingCache(self.owner, list(outputs[1:]))
 
     def forward_greedy(self, input_ids, attention_mask, position_ids) -> tuple[np.ndarray, GrowingCache]:
-        """A step whose logits stay on the device: each row's argmax there (OrtBackend.argmax_on_device)."""
+        """A step whose logits stay on the device, returning each row's argmax."""
         binding = self.owner.session.io_binding()
         self.owner.bind_inputs(binding, input_ids, attention_mask, position_ids, self.values, keep=1)
         for name in self.owner.names_out:
@@ -141,9 +126,8 @@ class GrowingCache:
         return GrowingCache(self.owner, self.owner.each_on_device("reorder", self.values, "rows", idx))
 
     def truncate(self, length: int) -> GrowingCache:
-        """The first `length` positions as new tensors (one copy of the kept positions: a (B, H, P, D)
-        tensor's first positions are not contiguous), on the host for the CPU and with a one-node
-        Slice graph on CUDA."""
+        """The first `length` positions as new tensors (they are not contiguous): on the host for the CPU,
+        a one-node Slice graph on CUDA."""
         held = self.length
         if not 0 <= length <= held:
             raise ValueError(f"cannot keep {length} positions of a cache holding {held}")
@@ -156,18 +140,15 @@ class GrowingCache:
         return GrowingCache(self.owner, self.owner.each_on_device("truncate", self.values, "ends", ends))
 
     def merge(self, rows: np.ndarray, joiner: GrowingCache | None, width: int) -> GrowingCache:
-        """Through host arrays (base.merge_on_host: the whole cache copied)."""
         return merge_on_host(self, rows, joiner, width, self.owner.past_from_numpy)
 
 
 class InPlaceCache(BufferCache):
-    """The in-place KV buffers a GroupQueryAttention graph reads as past and writes as present, bound
-    once per buffers and rows (kvbuffers.py: stepping from a stale view is refused)."""
+    """Buffers a GroupQueryAttention graph reads as past and writes as present, bound once per buffers and rows."""
 
     @classmethod
     def allocate(cls, owner: OrtBackend, batch: int, capacity: int, keep: KVCacheView | None) -> _KVBuffers:
-        """Buffers of `capacity` positions, unset (unset_arrays) but for `keep`'s filled rows and
-        positions when given (with at least as many rows as its buffers had: rows may join it later)."""
+        """Unset buffers holding `keep`, with at least as many rows as its buffers had (rows may join later)."""
         batch, rows = rows_to_keep(batch, keep)
         shape = (batch, owner.cfg.n_head, capacity, owner.cfg.head_dim)
         arrays = holding(unset_arrays(shape, 2 * owner.cfg.n_layer, owner.kv_dtype), keep)
@@ -179,11 +160,8 @@ class InPlaceCache(BufferCache):
 
     @classmethod
     def first(cls, owner: OrtBackend, input_ids, attention_mask, position_ids, keep: int) -> tuple[np.ndarray, InPlaceCache]:
-        """A step with no past (a prefill). A batch's prefill gets no spare positions: GroupQueryAttention's
-        multi-token step over an in-place buffer grows with its capacity, and the first decode step's
-        move into larger buffers copies only the prompt's positions. A single row's prefill keeps its
-        room: there the spare positions cost little and the move more. Both measured by
-        benchmarks/engine_load.py (in git at 92ef2fb)."""
+        """A prefill. A batch's gets no spare positions (GroupQueryAttention's multi-token step grows with the
+        capacity); a single row's keeps them, where the later move costs more (docs/results/serving.md)."""
         B, T = input_ids.shape
         buffers = buffers_for_step(None, B, T, owner.n_positions, cls.capacity_step,
                                    lambda b, c, k: cls.allocate(owner, b, c, k), first_room=0 if B > 1 else None)
@@ -214,8 +192,7 @@ class InPlaceCache(BufferCache):
     @staticmethod
     def _run_views(owner: OrtBackend, buffers: _KVBuffers, row_views: list[np.ndarray] | None, input_ids,
                    attention_mask, position_ids, keep: int) -> np.ndarray:
-        """One run with `buffers` bound as past and present, or with `row_views` (one batch row of
-        each buffer: contiguous, the same memory) for a row run. Returns the logits."""
+        """One run with `buffers` bound as past and present, or `row_views` (one row of each) for a row run."""
         if row_views is None:
             if buffers.binding is None:
                 buffers.binding = owner.bind_in_place(buffers.values)
@@ -223,7 +200,6 @@ class InPlaceCache(BufferCache):
         else:
             binding = owner.bind_in_place([ort.OrtValue.ortvalue_from_numpy(a) for a in row_views])
         owner.bind_inputs(binding, input_ids, attention_mask, position_ids, [], keep)
-        # A fresh host array for the logits each step, written by ONNX Runtime directly.
         B, T = input_ids.shape
         kept = min(keep, T) if keep and owner.logits_to_keep is not None else T
         logits = np.empty((B, kept, owner.vocab_size), dtype=np.float32)
@@ -233,12 +209,8 @@ class InPlaceCache(BufferCache):
 
 
 class OrtBackend(Closable):
-    """One export on one provider, its cache a GrowingCache or, for graphs that update it in place
-    (`in_place_kv`), an InPlaceCache; only logits come back to the host.
-
-    `in_place_kv`: None uses the in-place cache wherever the export allows it (GroupQueryAttention on
-    the CPU), False keeps the growing one, True requires the in-place one. `shared_kv` is its former
-    name, accepted for one release with a DeprecationWarning."""
+    """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
+    cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name)."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -255,7 +227,7 @@ class OrtBackend(Closable):
                 in_place_kv = shared_kv
         refuse_fp16_on_cpu(info, provider)
         self.info = info
-        self.model_name = info.meta["model"]["name"]  # the model the export was made from
+        self.model_name = info.meta["model"]["name"]
         self.cfg = info.config
         self.n_positions = self.cfg.n_positions
         self.vocab_size = self.cfg.vocab_size
@@ -266,14 +238,12 @@ class OrtBackend(Closable):
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._helpers: dict = {}  # one-node graphs on this provider (gather, slice, argmax), made when first used
-        # The graph's optional logits_to_keep input (exports made before it existed lack it): bound to 1
-        # by `step`, so a prefill unembeds its last position only, and to 0 (every position) by `run`.
+        # Optional (older exports lack it): `step` binds 1, so a prefill unembeds its last position only; `run` 0.
         overridable = {i.name for i in self.session.get_overridable_initializers()}
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
             if io.LOGITS_TO_KEEP in overridable else None
         layout = info.attention
         self.batched_multi_token_past = layout["batched_multi_token_past"]
-        # In-place cache updates: GroupQueryAttention graphs on the CPU (int8, int4), unless turned off.
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu
         if in_place_kv and not can:
             raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
@@ -286,34 +256,27 @@ class OrtBackend(Closable):
         return self.in_place_kv
 
     def close(self) -> None:
-        """Release the sessions; a later step is one ProviderError."""
         self.session = Released(self.name)
         self._helpers.clear()
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
-        """The cache in the form this backend steps from: in-place buffers (room to grow) for graphs that
-        update it in place, else OrtValues on the device."""
         return (InPlaceCache if self.in_place_kv else GrowingCache).from_numpy(self, arrays)
 
     def peak_device_memory_mb(self) -> float | None:
-        """Not tracked for ONNX Runtime (its arena is not exposed to Python)."""
+        """None: ONNX Runtime's arena is not exposed to Python."""
         return None
 
     # -- running
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past):
-        """All logits (B, T, V) on the host, and the new cache, now `T` positions longer."""
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        """As run, but only the last position's logits (B, V), the only ones the graph computes."""
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
 
     def step_greedy(self, input_ids, attention_mask, position_ids, past):
-        """Greedy decoding's step (base.greedy_step): each row's most likely next token (B,) int64. On
-        CUDA the logits stay on the device and a one-node ArgMax graph there (the first of equal
-        maxima, as NumPy's) sends only the tokens to the host; on the CPU, NumPy's argmax of `step`."""
+        """On CUDA a one-node ArgMax graph (first of equal maxima, as NumPy's) sends only the tokens back."""
         if self.device == "cpu":
             logits, present = self.step(input_ids, attention_mask, position_ids, past)
             return logits.argmax(axis=-1).astype(np.int64), present
@@ -353,8 +316,7 @@ class OrtBackend(Closable):
         return self._helpers[kind]
 
     def each_on_device(self, kind: str, values: list, name: str, value) -> list:
-        """A one-node graph (x, `name` -> y; `kind`: reorder or truncate) run on every cache tensor,
-        with `value` bound as `name`: the outputs stay on the device."""
+        """A one-node graph (`kind`: reorder or truncate) run on every cache tensor; outputs stay on the device."""
         session = self._helper(kind)
         out = []
         for v in values:
@@ -367,8 +329,7 @@ class OrtBackend(Closable):
         return out
 
     def argmax_on_device(self, logits) -> np.ndarray:
-        """Each row's argmax at its last position (B,) int64 of a logits OrtValue (B, T, V), computed
-        where the logits are (ORT's ArgMax on this backend's provider); only the tokens come back."""
+        """Each row's argmax at its last position of a logits OrtValue (B, T, V), on its device."""
         session = self._helper("argmax")
         binding = session.io_binding()
         binding.bind_ortvalue_input("x", logits)

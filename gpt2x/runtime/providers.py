@@ -19,8 +19,7 @@ CUDA_HELP = (
     "(CUDA 13 for 1.31) on the library path; `gpt2x info` shows which providers load"
 )
 
-# The precisions each provider runs natively, measured by `gpt2x bench` unless told otherwise: fp16's
-# kernels are CUDA's (the CPU provider has none), int8's weight-only MatMuls are the CPU's.
+# What `gpt2x bench` measures by default: fp16's kernels are CUDA's, int8's weight-only MatMuls the CPU's.
 DEFAULT_PRECISIONS = {
     ProviderKind.cpu: (Precision.fp32, Precision.int8),
     ProviderKind.cuda: (Precision.fp32, Precision.fp16),
@@ -28,7 +27,7 @@ DEFAULT_PRECISIONS = {
 
 
 def default_precisions(provider: ProviderKind) -> list[Precision]:
-    """The precisions to run on `provider` when none are named (cpu: fp32, int8; cuda: fp32, fp16)."""
+    """The precisions to run on `provider` when none are named."""
     return list(DEFAULT_PRECISIONS[ProviderKind(provider)])
 
 
@@ -81,8 +80,7 @@ def gather_model(dtype) -> bytes:
 
 
 def slice_positions_model(dtype) -> bytes:
-    """A one-node graph keeping the first `length` positions (axis 2) of a cache tensor, on the device:
-    the rollback of a growing cache on CUDA."""
+    """A graph keeping a cache tensor's first `length` positions: a growing cache's rollback on CUDA."""
     t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
     graph = helper.make_graph(
         [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])], "truncate",
@@ -96,9 +94,7 @@ def slice_positions_model(dtype) -> bytes:
 
 
 def last_argmax_model() -> bytes:
-    """A graph taking logits (B, T, V) float32 to each row's argmax at its last position (B, 1) int64,
-    the first of equal maxima as NumPy's argmax: greedy decoding on the device, where only the
-    tokens then leave it."""
+    """Logits (B, T, V) to each row's argmax at its last position (B, 1), the first of equal maxima as NumPy's."""
     graph = helper.make_graph(
         [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["last"]),
          helper.make_node("ArgMax", ["last"], ["y3"], axis=2, keepdims=0, select_last_index=0),

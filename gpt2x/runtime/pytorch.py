@@ -11,8 +11,8 @@ from .base import Capabilities, Closable
 
 
 class TorchCache:
-    """The model's cache (a (key, value) tensor pair per layer, (B, H, P, D), on the model's device) as
-    a base.KVCache. Its tensors are never written in place: every operation returns new ones (or views)."""
+    """The model's (key, value) tensors per layer on its device; never written in place (operations return new
+    ones or views)."""
 
     __slots__ = ("owner", "layers")
 
@@ -43,8 +43,7 @@ class TorchCache:
 
     @torch.inference_mode()
     def merge(self, rows: np.ndarray, joiner: TorchCache | None, width: int) -> TorchCache:
-        """With torch ops on the model's device: each cache right-aligned to `width` positions (zeros
-        before, or its first positions dropped), stacked, and `rows` gathered."""
+        """With torch ops on the model's device."""
         def fit(t: torch.Tensor) -> torch.Tensor:
             P = t.shape[2]
             return t[:, :, P - width :] if P >= width else torch.nn.functional.pad(t, (0, 0, width - P, 0))
@@ -79,7 +78,6 @@ class TorchBackend(Closable):
 
     @torch.inference_mode()
     def run(self, input_ids, attention_mask, position_ids, past: TorchCache | None):
-        """All logits (B, T, V) as float32 numpy, and the new cache (tensors on the device)."""
         logits, present = self.model(self.tensor(input_ids), self.tensor(attention_mask), self.tensor(position_ids),
                                       None if past is None else past.layers)
         return logits.float().cpu().numpy(), TorchCache(self, present)

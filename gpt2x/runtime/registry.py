@@ -1,7 +1,6 @@
-"""Which class runs each BackendKind, and what a kind is and can do before one is opened: its class's
-`Capabilities`. Each class is imported only when asked for, so that the optional runtimes stay
-optional and the ONNX Runtime path imports no torch; every message saying what a backend cannot do
-is built here from the records."""
+"""Which class runs each BackendKind and its `Capabilities` before one is opened, each class imported only when
+asked for (optional runtimes stay optional; the ONNX Runtime path imports no torch); every "this backend cannot"
+message is built here from the records."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ class Entry:
     ready: Callable[[], None] | None = None  # what else it checks before one opens (the web's browser)
 
 
-# onnxruntime-genai's wheel requires the `onnxruntime` distribution, which would overwrite
-# `onnxruntime-gpu`'s files: it goes in without its dependencies (it loads the ONNX Runtime gpt2x has).
+# genai's --no-deps: its wheel requires `onnxruntime`, which would overwrite onnxruntime-gpu's files.
 REGISTRY: dict[BackendKind, Entry] = {
     BackendKind.torch: Entry(_torch, EXPORT_EXTRA, EXPORT_INSTALL),
     BackendKind.ort: Entry(_ort),
@@ -101,23 +99,20 @@ def require_runtime(kind: BackendKind) -> None:
 
 
 def backend_class(kind: BackendKind) -> type:
-    """The class that runs `kind`, its runtime checked first (one line naming its install command
-    where it is missing)."""
+    """The class that runs `kind`, its runtime checked first."""
     require_runtime(kind)
     return REGISTRY[kind].load()
 
 
 def capabilities_of(kind: BackendKind) -> Capabilities:
-    """What a backend of `kind` is and can do (its class's record), before one is opened; only its
-    modules need to import (not, say, the web backend's browser)."""
+    """Its class's record, before one is opened; only its modules need to import (not the web's browser)."""
     entry = REGISTRY[kind]
     require_modules(f"the {kind.value} backend", entry.needs, entry.install)
     return entry.load().capabilities
 
 
 def kinds_that(predicate: Callable[[Capabilities], bool]) -> list[BackendKind]:
-    """The kinds whose record satisfies `predicate`, among those installed here (a kind whose modules
-    do not import says nothing). Every class is imported: for messages, not the ONNX Runtime path."""
+    """The installed kinds whose record satisfies `predicate`. Imports every class: for messages only."""
     kinds = []
     for kind in BackendKind:
         try:
@@ -137,8 +132,7 @@ def named(kinds: list[BackendKind], last: str = "or") -> str:
 
 
 def unsupported(kind: BackendKind, provider: ProviderKind, precision: Precision) -> Gpt2xError | None:
-    """Why `kind` cannot run `precision` on `provider`, as the error to raise, or None when it can.
-    Asked before any work (an export, a download), so that a combination that cannot run fails at once."""
+    """Why `kind` cannot run `precision` on `provider`, as the error to raise, or None. Asked before any work."""
     caps = capabilities_of(kind)
     refused = caps.refuse_provider(kind.value, provider)
     if refused is not None or caps.runs(precision, provider):

@@ -1,27 +1,6 @@
-"""Running an export in a web page: onnxruntime-web's WebAssembly backend inside headless Chromium,
-driven from Python (no torch).
-
-- Chromium is the system's (Debian's `chromium` package, or GPT2X_CHROMIUM), driven by Playwright's
-  Python package through its `executable_path`: Playwright speaks the DevTools protocol that every
-  Chromium build has, so it needs no driver binary matched to the browser's version (Selenium needs
-  chromedriver of exactly that version), and `page.evaluate` awaits the page's promises and carries
-  strings of megabytes, the form logits cross in.
-- A loopback HTTP server (127.0.0.1, a free port) serves the page (web/index.html, web/page.mjs),
-  onnxruntime-web's files from npm (web/node_modules, or GPT2X_WEB_MODULES) and the export folder,
-  with the COOP/COEP headers that make the page cross-origin isolated: SharedArrayBuffer, hence
-  WebAssembly threads. Nothing is fetched from elsewhere; the browser's own background traffic is off.
-- The step loop's model runs in the page; the cache stays there as ort.Tensors under handles
-  (WebCache), and only logits cross, base64-encoded float32 (the last position's for `step`), or for
-  greedy decoding only the argmax (`step_greedy`). Sampling stays gpt2x's, in Python: the same seed
-  gives the same tokens as every other backend wherever the logits agree.
-- Playwright's sync API is used from one thread of the backend's own (_DriverThread), so that the
-  backend works from any thread, an asyncio loop's included.
-- The cache grows each step (the page has no IO binding into WebAssembly memory): the int8 and int4
-  graphs' GroupQueryAttention runs with separate past and present, and a multi-token step over a past
-  for a batch runs row by row in the page, as its CPU kernel requires.
-
-An operator the WebAssembly build lacks fails the session's creation; `WebBackend` reports it in one
-line (unsupported_operator) with the export variant that avoids it.
+"""onnxruntime-web (WebAssembly) in headless Chromium, driven by Playwright from a thread of its own (no torch).
+The page holds the KV cache; only logits (or greedy's tokens) cross to Python, whose sampler chooses
+(docs/backends.md, the web backend).
 """
 
 from __future__ import annotations
@@ -67,8 +46,7 @@ ISOLATION_HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-# The operators of gpt2x's quantized exports that its fp32 export does without: where the WebAssembly
-# build lacks one, the fp32 export is the variant that runs (onnxruntime-web 1.30 runs them all).
+# Operators only the quantized exports use: where the WebAssembly build lacks one, fp32 runs (1.30 has them all).
 FALLBACKS = {
     "GroupQueryAttention": "the fp32 export of the model runs MultiHeadAttention instead",
     "MatMulNBits": "the fp32 export of the model has no quantized weights",
@@ -127,8 +105,8 @@ def ort_web_version() -> str | None:
 
 
 class _Handler(SimpleHTTPRequestHandler):
-    """Serves three roots (the page, /ort/ for onnxruntime-web's dist, /model/ for the export folder),
-    files only, with the isolation headers on every answer."""
+    """Serves the page, /ort/ (onnxruntime-web's dist) and /model/ (the export), files only, with the
+    isolation headers (SharedArrayBuffer, hence WebAssembly threads)."""
 
     roots: dict[str, Path] = {}
 
@@ -240,10 +218,8 @@ def reset_renderer_peak_rss() -> None:
 
 
 class _DriverThread:
-    """The one thread that talks to Playwright. Its sync API binds to the thread that started it and
-    refuses a thread with a running asyncio loop (Ray Serve's replicas, pytest plugins, notebooks):
-    every browser call runs here instead, whatever thread the caller is on. A daemon thread, so that
-    the shutdown at exit can still use it."""
+    """The one thread that talks to Playwright, whose sync API binds to its thread and refuses one with a
+    running asyncio loop (Ray Serve, notebooks). A daemon, so the shutdown at exit can still use it."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -286,8 +262,7 @@ class _Browser:
         errors: list[str] = []
         self.page.on("pageerror", lambda e: errors.append(str(e)))
         self.page.goto(url)
-        # The page's script defines window.gpt2x at once, or fails (a syntax error, a missing file):
-        # waited for in short slices, so that a failure is reported as soon as the page reports it.
+        # Waited for in short slices, so that a page error is reported as soon as the page reports it.
         deadline = time.monotonic() + READY_TIMEOUT_MS / 1e3
         while not errors:
             try:
@@ -325,8 +300,7 @@ def _first_line(e: BaseException) -> str:
 
 
 class WebCache:
-    """A KV cache held by the page under `handle` (base.KVCache); the page drops it once no WebCache
-    refers to it. Its operations run in the page (gather, truncate) or through the host (merge)."""
+    """A KV cache held by the page under `handle`, dropped there once no WebCache refers to it."""
 
     __slots__ = ("owner", "handle", "rows", "length")
 
@@ -358,11 +332,9 @@ class WebCache:
 
 
 class WebBackend(Closable):
-    """One export run by onnxruntime-web (WebAssembly) in headless Chromium (module docstring)."""
+    """One export run by onnxruntime-web (WebAssembly) in headless Chromium."""
 
     name = "web"
-    # Greedy steps take the argmax in the page; its forwards are timed there, and its memory is the
-    # renderer's (page_ms, page_info, page_memory_mb, reset_page_memory).
     capabilities = Capabilities(runtime="onnxruntime-web's WebAssembly build", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
     cache_forms = (WebCache,)
@@ -382,14 +354,11 @@ class WebBackend(Closable):
         self.n_positions = self.cfg.n_positions
         self.vocab_size = self.cfg.vocab_size
         self._released: list[int] = []
-        # Milliseconds each forward spent in the page (from its inputs to its encoded logits), in
-        # order: the bench reads them to report the page's own speed beside the speed seen from
-        # Python, which adds the trip of the logits to Python (PAGE_MS_LIMIT most recent kept).
+        # Each forward's milliseconds in the page: the bench reports them beside the speed seen from Python.
         self.page_ms: list[float] = []
         server = LoopbackServer(info.folder)
         self._driver, self._browser = _DriverThread(), _Browser()
-        # The browser, Playwright's driver and the server go with the backend (close, garbage
-        # collection, or exit), whatever happens below.
+        # Browser, driver and server go with the backend (close, garbage collection or exit), whatever happens below.
         self._finalizer = weakref.finalize(self, _shut_down, self._driver, self._browser, server)
         try:
             self._driver.call(self._browser.start, server.url + "index.html")
@@ -421,18 +390,14 @@ class WebBackend(Closable):
         return ArtifactError(f"{self.info.folder}: onnxruntime-web could not load it: {_first_line(e)}")
 
     def close(self) -> None:
-        """Close the browser, Playwright's driver and the loopback server (also done when the backend
-        is garbage-collected, or at exit)."""
+        """Close the browser, its driver and the server (also on garbage collection or exit)."""
         self._finalizer()
 
     def page_memory_mb(self) -> float | None:
-        """Peak resident memory (VmHWM, MiB) of the Chromium renderer process that holds the page (its
-        WebAssembly heap, the model's weights in it, the cache's tensors, the JavaScript heap), since
-        the page loaded or since reset_page_memory."""
+        """Peak resident memory (VmHWM, MiB) of the renderer holding the page, since load or reset_page_memory."""
         return renderer_peak_rss_mb()
 
     def reset_page_memory(self) -> None:
-        """Start page_memory_mb's peak again from the renderer's resident memory now."""
         reset_renderer_peak_rss()
 
     # -- talking to the page
@@ -462,9 +427,7 @@ class WebBackend(Closable):
         return logits[:, -1], present
 
     def step_greedy(self, input_ids, attention_mask, position_ids, past):
-        """As step, but each row's most likely next token (B,) int64 in place of the logits: the argmax
-        is taken in the page (NumPy's: the first of equal maxima), and only the tokens cross to
-        Python, not the 200 KB of logits a row has per step."""
+        """The argmax (first of equal maxima) taken in the page: tokens cross, not 200 KB of logits a row."""
         reply, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1, greedy=True)
         return np.asarray(reply["tokens"], dtype=np.int64), present
 
