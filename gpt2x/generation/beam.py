@@ -1,22 +1,5 @@
-"""Beam search over any Backend, with the semantics of transformers' `generate(num_beams=N, do_sample=False)`.
-
-One prompt at a time. The prompt is run once at batch 1, its KV cache is then copied to N rows with
-`past.reorder`, and every later step feeds the last token of each of the N running beams. Each step
-(as transformers 5.x `GenerationMixin._beam_search` does it):
-
-1. scores = running beam score + log_softmax(logits), in float32, over N * V continuations;
-2. the 2N best continuations are kept (so that N of them still run when some end with EOS);
-3. a continuation "hits the stop" when its token is EOS or it reaches the last allowed length;
-4. the N best continuations that did not hit the stop become the running beams;
-5. those among the first N continuations that did hit the stop are offered to the N finished slots
-   with score = sum logprob / generated_length ** length_penalty (generated length counts the EOS,
-   not the prompt), and the N best of old and new finished hypotheses are kept;
-6. the search stops when no continuation is left, when early_stopping is True and all N slots are
-   finished, or when the best running beam, scored at the current length, cannot beat the worst
-   finished hypothesis (transformers' heuristic for early_stopping=False, also applied when True).
-
-Ties are broken towards the lower flat index (beam-major, then token id), as a stable sort does.
-"""
+"""Beam search over any Backend, with the semantics of transformers' `generate(num_beams=N, do_sample=False)`,
+step for step (the steps: docs/commands/generate.md, beam search). Ties go to the lower flat index."""
 
 from __future__ import annotations
 
@@ -107,9 +90,8 @@ def beam_search(backend: Backend, prompt: str, prompt_ids: list[int], settings: 
 
 def beam_hypotheses(backend: Backend, prompt_ids: list[int], settings: SamplingSettings,
                     k: int) -> list[tuple[list[int], Finish]]:
-    """The k best (k <= num_beams) finished hypotheses of the search beam_search makes, best first: each
-    one's generated ids (without its end-of-text token) and why it ended (vLLM's use_beam_search with
-    n = num_beams answers its n best)."""
+    """The k best finished hypotheses, best first, each without its end-of-text and with why it ended
+    (vLLM's use_beam_search answers its n best)."""
     n_new = min(settings.max_new_tokens, backend.n_positions - len(prompt_ids))
     if n_new < 1:
         return [([], Finish.context)] * k
@@ -120,7 +102,7 @@ def beam_hypotheses(backend: Backend, prompt_ids: list[int], settings: SamplingS
 
 
 def _search(backend: Backend, prompt_ids: list[int], settings: SamplingSettings, n_new: int) -> Finished:
-    """The search itself (see the module's docstring): the finished slots, best first."""
+    """The finished slots, best first."""
     n, p_len = settings.num_beams, len(prompt_ids)
 
     ids = np.asarray([prompt_ids], dtype=np.int64)  # (1, P)

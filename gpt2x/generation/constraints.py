@@ -1,19 +1,6 @@
-"""Structured output: what a row's generated text must be (a JSON schema, any JSON object, a regular
-expression, one of a list of strings, or a grammar), enforced as a mask on each step's logits.
-
-`ConstraintSpec` is the request (validated before any decoding: an invalid schema, regex or grammar
-is one `UsageError` line naming the spec's kind as its option). `Constraint` is one row's matcher:
-`mask` sets the logits of tokens that cannot continue a valid output to -inf, `advance` takes the
-sampled token, `rollback` drops tokens (speculative decoding's rejected ones), `mask_draft` masks a
-draft's K + 1 positions at once. `mask_rows` masks a whole batch (B, V) with one parallel fill of a
-(B, words) bitmask and one NumPy pass, as the decode loop samples every row per step.
-
-End of text: <|endoftext|> is allowed exactly when the output so far satisfies the constraint
-(`accepting`); once nothing but end of text can follow (`done`), it is the only token left.
-
-The matcher is llguidance's (the `structured` extra): its masks are plain bitmasks that apply to NumPy
-logits without torch. It and jsonschema are imported on first use, not with this module, so that
-the decode loop imports without them; a missing one is one MissingDependencyError naming the install.
+"""Structured output: a `ConstraintSpec` (validated before any decoding) and each row's `Constraint`, llguidance's
+matcher on GPT-2's vocabulary masking NumPy logits (no torch). llguidance and jsonschema are imported on first
+use, so the decode loop imports without the `structured` extra (docs/commands/generate.md).
 """
 
 from __future__ import annotations
@@ -38,9 +25,8 @@ from ..tokenizer import EOT_ID, VOCAB_SIZE, get_encoding
 log = logging.getLogger(__name__)
 
 STRUCTURED_INSTALL = "pip install 'gpt2x[structured]'"
-# JSON as json.dumps writes it ("a": 1, "b": 2): a fixed layout, no free whitespace. A small model
-# given free whitespace between tokens tends to spend its budget on it. A schema's own "x-guidance"
-# options (llguidance's, e.g. {"whitespace_flexible": true}) override these.
+# JSON as json.dumps writes it: a small model given free whitespace tends to spend its budget on it. A schema's
+# own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PARALLEL_FILL_MIN_CORES = 4  # a batch's masks filled on llguidance's thread pool from this many cores
 MESSAGE_CHARS = 300  # an error line is cut to this
@@ -83,10 +69,8 @@ def require_structured() -> None:
 
 @lru_cache(maxsize=4)
 def lltokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
-    """llguidance's view of GPT-2's BPE (gpt2x's shipped files, no download), end of text = EOT_ID;
-    `vocab_size` is the logits' width (50257; more for an export with padded rows, never allowed).
-    Built once per process (~0.2 s). llguidance keeps a lone 0xFF byte (token 187) as its marker of
-    special tokens, so that token is never allowed: 0xFF is never part of UTF-8 text."""
+    """llguidance's view of GPT-2's BPE, `vocab_size` wide (padded columns never allowed); ~0.2 s, once. Token 187
+    (a lone 0xFF byte, llguidance's special-token marker) is never allowed: 0xFF is never in UTF-8 text."""
     llg = _llguidance()
     enc = get_encoding()
     if vocab_size < enc.n_vocab:
@@ -97,7 +81,7 @@ def lltokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
 
 @lru_cache(maxsize=1)
 def _executor() -> Any:
-    """llguidance's thread pool for a batch's masks (its default size: most of the cores)."""
+    """llguidance's thread pool for a batch's masks."""
     return _llguidance().LLExecutor()
 
 
@@ -105,8 +89,7 @@ def _executor() -> Any:
 
 
 def _one_line(message: str) -> str:
-    """An llguidance or jsonschema message on one line: source echoes and caret markers dropped,
-    regex parsers' `error: ...` detail kept."""
+    """An llguidance or jsonschema message on one line (source echoes and carets dropped, `error:` detail kept)."""
     lines = [s.strip() for s in message.splitlines()]
     lines = [s for s in lines if s and not set(s) <= set("^~- ") and not re.match(r"^\d+\s*\|", s)]
     detail = next((s.removeprefix("error: ") for s in lines if s.startswith("error: ")), None)
@@ -117,9 +100,8 @@ def _one_line(message: str) -> str:
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """What the generated text must be. `value`: the schema as JSON text (json_schema), the pattern
-    (regex), the options (choice, a tuple), the grammar text (grammar), "" (json_object). Build it
-    with the class methods; `validate()` checks it before any decoding."""
+    """What the generated text must be; build it with the class methods. `value`: schema JSON text, pattern,
+    options (a tuple), grammar text, or "" (json_object)."""
 
     kind: ConstraintKind
     value: str | tuple[str, ...] = ""
@@ -185,8 +167,7 @@ class ConstraintSpec:
 
 
 def _check_schema(spec: ConstraintSpec) -> Any:
-    """The parsed JSON schema, checked against its JSON Schema meta-schema (the draft its $schema
-    names, 2020-12 by default)."""
+    """The parsed JSON schema, checked against the meta-schema its $schema names (2020-12 by default)."""
     try:
         schema = json.loads(spec.value)
     except json.JSONDecodeError as e:
@@ -202,9 +183,7 @@ def _check_schema(spec: ConstraintSpec) -> Any:
     return schema
 
 
-# The string formats llguidance enforces (tried on llguidance 1.9: the others are "Unknown format").
-# Another format is an annotation (JSON Schema 2020-12's default): dropped for enforcement, as a
-# validator without format assertion ignores it too.
+# The formats llguidance 1.9 enforces (others: "Unknown format"); any other is dropped, an annotation in 2020-12.
 LLGUIDANCE_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 _SCHEMA_KEYS = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
                 "propertyNames", "unevaluatedItems", "unevaluatedProperties")  # a subschema (items: or a list)
@@ -237,11 +216,8 @@ def _json_type(value: Any) -> str:
 
 
 class _Rewrite:
-    """A JSON schema made enforceable by llguidance without admitting a value the original refuses:
-    a `oneOf` whose branches cannot both match is the same as their `anyOf`; draft-7 `dependencies`,
-    `dependentRequired` and `dependentSchemas` are each "the key absent, or present with ..." as an
-    `anyOf`; a `format` llguidance does not know is dropped. A `oneOf` that cannot be shown exclusive
-    is one UsageError naming it and where."""
+    """A JSON schema made enforceable by llguidance, never admitting a value the original refuses (the rewrites:
+    docs/commands/generate.md, structured output)."""
 
     def __init__(self, root: Any, option: str):
         self.root = root
@@ -292,8 +268,7 @@ class _Rewrite:
         return None
 
     def disjoint(self, a: Any, b: Any, parent: dict) -> bool:
-        """No value matches both branches (and the schema they are under): their types, their values, or
-        a property both require (a discriminator) whose values they list are disjoint."""
+        """No value matches both branches: disjoint types, values, or values of a property both require."""
         a, b = self.resolve(a), self.resolve(b)
         outer = self.types({k: v for k, v in parent.items() if k == "type"})
         ta, tb = self.types(a), self.types(b)
@@ -359,9 +334,8 @@ class _Rewrite:
 
 
 def enforceable_schema(schema: Any, option: str = ConstraintKind.json_schema.value) -> tuple[Any, list[str]]:
-    """`schema` (parsed, checked) as llguidance can enforce it, every value it admits admitted by the
-    original too (see _Rewrite); and why each `oneOf` left as it is could not be shown exclusive
-    (llguidance proves some itself: those that it refuses are refused with this reason)."""
+    """`schema` as llguidance can enforce it (_Rewrite), and why each `oneOf` left as it is was not shown
+    exclusive (the reason given if llguidance refuses it too)."""
     rewrite = _Rewrite(schema, option)
     return rewrite.schema(schema, ""), rewrite.unproven
 
@@ -418,8 +392,7 @@ def _compiled(spec: ConstraintSpec) -> str:
 
 @lru_cache(maxsize=64)
 def _template(spec: ConstraintSpec, vocab_size: int) -> Any:
-    """A matcher at the start, never advanced: each Constraint is a deep copy (microseconds, where
-    building one is about a millisecond)."""
+    """A matcher never advanced: each Constraint deep-copies it (microseconds, where building one takes ~1 ms)."""
     llg = _llguidance()
     return llg.LLMatcher(lltokenizer(vocab_size), _compiled(spec), log_level=0)
 
@@ -434,8 +407,7 @@ def words(vocab_size: int) -> int:
 
 @lru_cache(maxsize=4)
 def _bias_table(dtype: np.dtype) -> np.ndarray:
-    """(256, 8) of `dtype`: for each byte of a bitmask, 0 where its bit (least significant first) is
-    set and -inf where not; a bitmask's bytes index it to give the additive mask."""
+    """(256, 8): per bitmask byte, 0 where its bit (least significant first) is set, -inf where not."""
     bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
     return np.where(bits, 0.0, -np.inf).astype(dtype)
 
@@ -453,10 +425,8 @@ def _bias_buffer(rows: int, n_words: int, dtype: np.dtype) -> np.ndarray:
 
 
 def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
-    """Set to -inf, in place, the logits (B, V) whose bit in `bitmask` (B, words) int32 is clear
-    (token t is bit t % 32 of word t // 32); columns past the bitmask's are -inf too. Returns logits.
-    One table lookup into a reused buffer and one add: at batch 16 on 2 cores, 0.9 ms where an
-    unpack and a masked assignment took 4 to 5 and llguidance.numpy's own apply about 4."""
+    """-inf, in place, where the token's bit (t % 32 of word t // 32) is clear, and past the bitmask. One table
+    lookup and one add: 0.9 ms at batch 16 on 2 cores, where an unpack and assignment took 4-5, llguidance's ~4."""
     if logits.ndim != 2 or bitmask.ndim != 2 or logits.shape[0] != bitmask.shape[0]:
         raise ValueError(f"logits (B, V) and a bitmask (B, words) row for row, not {logits.shape} and {bitmask.shape}")
     dtype = np.dtype(logits.dtype)
@@ -475,8 +445,7 @@ def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
 
 
 class Constraint:
-    """One row's matcher over GPT-2's vocabulary: which tokens may come next, given the tokens the row
-    has generated so far (the prompt is not constrained). Not thread-safe: one row, one thread."""
+    """One row's matcher over its generated tokens (the prompt is not constrained). Not thread-safe."""
 
     def __init__(self, spec: ConstraintSpec, vocab_size: int = VOCAB_SIZE):
         self.spec = spec
@@ -494,13 +463,11 @@ class Constraint:
 
     @property
     def done(self) -> bool:
-        """Nothing but end of text can follow (the text is complete, or end of text was taken): a
-        row may end here without sampling another token."""
+        """Nothing but end of text can follow: a row may end without sampling another token."""
         return self.matcher.is_stopped()
 
     def check(self) -> None:
-        """Gpt2xError if the matcher failed (a token it refused; a grammar past llguidance's limits) or
-        stopped short of a valid text: its next mask would leave nothing valid to sample."""
+        """Gpt2xError if the matcher failed or stopped short of a valid text: its next mask would allow nothing."""
         if self.matcher.is_error():
             raise Gpt2xError(f"the {WHAT[self.spec.kind]} cannot continue: {_one_line(self.matcher.get_error())}")
         if self.matcher.is_stopped() and not self.matcher.is_accepting():
@@ -535,8 +502,7 @@ class Constraint:
         return logits
 
     def advance(self, token: int) -> None:
-        """Take the row's sampled token (end of text included). A token the mask did not allow is a
-        Gpt2xError, and leaves the matcher failed: a row so refused must end."""
+        """Take the row's sampled token; a token the mask did not allow is a Gpt2xError, and the row must end."""
         if not self.matcher.consume_token(int(token)):
             raise Gpt2xError(f"token {int(token)} is not allowed by the {WHAT[self.spec.kind]} here: "
                              f"{_one_line(self.matcher.get_error())}")
@@ -555,10 +521,8 @@ class Constraint:
         self.consumed -= n
 
     def mask_draft(self, logits: np.ndarray, draft: Sequence[int]) -> np.ndarray:
-        """Speculative decoding's verify step: logits (K + 1, V), the target's at the pending position
-        and after each of the K `draft` tokens, each masked in place for the state it follows; the
-        matcher is where it was. Positions after the first drafted token the constraint refuses stay
-        unmasked: that token has probability 0 at its position, so verification ends there."""
+        """Verification's logits (K + 1, V) each masked in place for the state it follows; the matcher does not
+        move. Positions after a refused draft token stay unmasked: it has probability 0, so verification ends."""
         k = len(draft)
         if logits.ndim != 2 or logits.shape[0] != k + 1:
             raise ValueError(f"a draft of {k} tokens is verified on logits (K + 1, V) = ({k + 1}, V), not {logits.shape}")
@@ -573,9 +537,8 @@ class Constraint:
 
 
 def fill_rows(constraints: Sequence[Constraint], bitmask: np.ndarray) -> None:
-    """Row i of `bitmask` (B, words) int32 gets constraints[i]'s next mask: row by row on a machine of
-    at most PARALLEL_FILL_MIN_CORES cores (on 2 cores llguidance's thread pool was slower at batch 16:
-    benchmarks/results/constraint-cost-cpu-2core.md), else one parallel call for the batch."""
+    """Row i of `bitmask` gets constraints[i]'s next mask: row by row below PARALLEL_FILL_MIN_CORES cores (on 2,
+    llguidance's thread pool was slower at batch 16: benchmarks/results/constraint-cost-cpu-2core.md)."""
     if len(constraints) == 1 or (os.cpu_count() or 1) < PARALLEL_FILL_MIN_CORES:
         for i, c in enumerate(constraints):
             c.fill(bitmask[i])
@@ -586,9 +549,7 @@ def fill_rows(constraints: Sequence[Constraint], bitmask: np.ndarray) -> None:
 
 
 def mask_rows(logits: np.ndarray, constraints: Sequence[Constraint | None]) -> np.ndarray:
-    """Mask a batch's logits (B, V) in place, row i by constraints[i] (None: that row is left as it is);
-    returns the logits. The masks of every constrained row are filled at once (llguidance's thread
-    pool) into one bitmask and applied in one NumPy pass."""
+    """Mask a batch's logits in place, row i by constraints[i] (None: left as is): one bitmask, one NumPy pass."""
     if len(constraints) != logits.shape[0]:
         raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
     rows = [i for i, c in enumerate(constraints) if c is not None]

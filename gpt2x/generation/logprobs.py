@@ -1,6 +1,5 @@
-"""Token log-probabilities, as a row that asks for them (the API's `logprobs`) is told them: at each
-token, the raw model distribution, log_softmax of the step's logits before temperature, top-k and
-top-p (vLLM's `raw_logprobs`), gives the chosen token's log-probability and the k most likely tokens."""
+"""Token log-probabilities as the API's `logprobs` tells them: under the raw distribution, log_softmax of the
+logits before any processor (vLLM's `raw_logprobs`)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ SCORE_CHUNK = 64  # positions whose log_softmax is computed at once (float64, vo
 
 
 def token_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list[LogprobEntry]:
-    """For each row of `logits` (T, V) and its chosen token: (token, its log-probability, the k most
-    likely tokens with theirs, most likely first), under the raw distribution log_softmax(logits)."""
+    """For each row of `logits` (T, V) and its chosen token, its LogprobEntry."""
     out: list[LogprobEntry] = []
     for start in range(0, len(chosen), SCORE_CHUNK):
         lp = log_softmax(logits[start : start + SCORE_CHUNK])

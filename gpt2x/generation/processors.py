@@ -1,35 +1,8 @@
-"""Logits processors: the one ordered list of transforms that turns a step's logits into the scores
-the sampler draws from (or, greedy, takes the argmax of). Every decoding path samples through it
-(generation.sampling.Sampler: the decode loop, speculative decoding's drafts and acceptance rule, the
-serving engine, the evaluation harness), so a transform added here is applied everywhere.
-
-A processor is called with the scores (B, V) float64 and each row's `History` (its prompt ids, the
-ids generated so far, and who the row is) and returns the scores (B, V) float64; a token it removes
-gets -inf. It may change `scores` in place and return it (the sampler hands the list its own float64
-copy of the logits): the penalties, the bias and min_tokens touch a few entries of each row, and a
-copy of a (16, 50257) batch per processor would cost more than they do.
-Each processor is written once, for a batch: its parameters are one value for every row (a Sampler's
-settings: `Temperature(0.7)`) or one per row (`Temperature.for_rows`: rows with samplers of their
-own, sampled together by sampling.sample_many; a row without that processor gets the identity, as
-vLLM v1's batch-level processors do). One row is the batch-of-one case. In speculative decoding the
-rows of one call are one sequence at successive drafted positions, each History that sequence's
-tokens up to its position (`History.extended`).
-
-The order is vLLM's (v1 sampler): the transforms that can move the argmax first, so that greedy
-decoding applies them too -
-  allowed_token_ids (every other token masked), min_tokens (end-of-text and stop_token_ids
-  masked), logit_bias, repetition_penalty, frequency_penalty and presence_penalty;
-then the sampling warpers, which greedy decoding skips (none of them moves the argmax) -
-  temperature, min_p, top-k, top-p.
-(transformers applies min_p after top-k and top-p; the two orders differ only when min_p is combined
-with top-k or top-p.) `argmax_invariant` says which group a processor is in: a greedy row whose list
-holds only invariant ones takes the plain argmax of its logits (the backend's own, where the logits are).
-
-A processor with per-row state (a grammar's matcher, advanced with each accepted token and rolled
-back when speculative decoding rejects drafted ones) keeps it per `History.row` and brings it to the
-History it is called with: the tokens it has consumed for that row against `History.output` (keep
-the common prefix, roll back the rest, consume what is new), then computes its mask. The histories
-it is given are the truth; no other hook is needed (see the class docstring of LogitsProcessor).
+"""Logits processors: the one ordered list (vLLM's order, `ORDER`) that turns a step's logits into the scores
+every decoding path samples from. Each is written once, for a batch: one parameter for every row or one per
+row (`for_rows`). They may change `scores` in place: the sampler hands them its own float64 copy, and copying
+a (16, 50257) batch per processor would cost more than the penalties do. The order, the argmax-invariant
+group and per-row state: docs/architecture.md, "A new logits transform".
 """
 
 from __future__ import annotations
@@ -47,9 +20,8 @@ from .settings import SamplingSettings
 
 @dataclass(frozen=True, slots=True)
 class History:
-    """One row's tokens, as the processors read them: its prompt ids and the ids generated so far
-    (a live list: a Sequence's own `tokens`, which grow as it accepts), and who the row is (`row`:
-    the key under which a processor keeps per-row state; the Sequence itself in the decode loop)."""
+    """One row's prompt ids and generated ids (a live list: a Sequence's own `tokens`), and `row`, the key under
+    which a processor keeps per-row state (the Sequence itself in the decode loop)."""
 
     prompt: Sequence[int]
     output: Sequence[int]
@@ -61,20 +33,13 @@ class History:
 
 
 class LogitsProcessor(Protocol):
-    """scores (B, V) float64 and each row's History -> scores (B, V) float64 (removed tokens: -inf).
+    """scores (B, V) float64 and each row's History -> scores (removed tokens: -inf).
 
-    `argmax_invariant`: True when it never moves a row's argmax (temperature, min-p, top-k, top-p),
-    so that greedy decoding can skip it. `reads_history`: whether it reads the rows' histories (a
-    caller that has none may call a list without such processors with `rows` None).
-
-    A stateful processor (a grammar's mask) keeps its state per `History.row` and syncs it to the
-    History of each call (consumed tokens against `History.output`: roll back what is no longer
-    there, consume what is new): the decode loop calls it with each row's growing output, speculative
-    decoding with the output followed by the drafted tokens up to each position, then with the
-    output as the target accepted it; the histories of one call are in position order.
-
-    `for_rows(procs)`: one processor for a batch whose row i it processes as procs[i] would alone
-    (None: the row is left as it is); the rows' parameters become per-row arrays."""
+    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `reads_history`: without it, `rows`
+    may be None. A stateful processor keeps its state per `History.row` and syncs it to each call's
+    histories (roll back what `output` no longer holds, consume what is new): speculative decoding calls it
+    at drafted positions, in position order, then with what the target accepted; no other hook is needed.
+    `for_rows(procs)`: one processor treating row i as procs[i] would alone (None: left as it is)."""
 
     argmax_invariant: bool
     reads_history: bool
@@ -97,15 +62,20 @@ def _per_row(value: float | np.ndarray, n: int, dtype: type = np.float64) -> np.
     return a
 
 
-def _on_rows(scores: np.ndarray, live: np.ndarray, warp) -> np.ndarray:
-    """warp(scores of some rows, their index into the batch) applied to the rows where `live`: a new
-    array when every row is (the input left as it is), else written into those rows of `scores` (the
-    others, the identity's rows, are not touched, not even copied)."""
-    if live.all():
-        return warp(scores, slice(None))
-    at = np.flatnonzero(live)
+def _on_rows(scores: np.ndarray, param: float | np.ndarray, live, warp) -> np.ndarray:
+    """warp(scores of some rows, their parameter) on the rows whose parameter is `live` (not the
+    identity): given one parameter for every row, or a column (n, 1) of the rows' own. A new array
+    when every row is live (the input left as it is), else written into those rows of `scores` (the
+    identity's rows are not touched, not even copied)."""
+    if np.ndim(param) == 0:  # one for every row (a Sampler's own list): no per-row arrays
+        return warp(scores, param) if live(param) else scores
+    param = _per_row(param, len(scores), np.asarray(param).dtype)
+    on = live(param)
+    if on.all():
+        return warp(scores, param[:, None])
+    at = np.flatnonzero(on)
     if len(at):
-        scores[at] = warp(scores[at], at)
+        scores[at] = warp(scores[at], param[at, None])
     return scores
 
 
@@ -121,19 +91,17 @@ class Temperature:
     reads_history = False
 
     def __init__(self, temperature: float | np.ndarray):
-        self.temperature = temperature  # one for every row, or one per row
+        self.temperature = temperature  # one for every row, or one per row (as every processor's parameters)
 
     @classmethod
     def for_rows(cls, procs: Sequence[Temperature | None]) -> Temperature:
         return cls(_stacked(procs, "temperature", 1.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        t = _per_row(self.temperature, len(scores))
-
-        def warp(s: np.ndarray, at) -> np.ndarray:
+        def warp(s: np.ndarray, t: float | np.ndarray) -> np.ndarray:
             with np.errstate(over="ignore"):  # a tiny temperature: +inf, which softmax reads as the argmax
-                return s / t[at, None]
-        return _on_rows(scores, t != 1.0, warp)
+                return s / t
+        return _on_rows(scores, self.temperature, lambda t: t != 1.0, warp)
 
 
 class TopK:
@@ -143,7 +111,7 @@ class TopK:
     reads_history = False
 
     def __init__(self, k: int | np.ndarray):
-        self.k = k  # one for every row, or one per row
+        self.k = k
 
     @classmethod
     def for_rows(cls, procs: Sequence[TopK | None]) -> TopK:
@@ -151,53 +119,47 @@ class TopK:
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
         v = scores.shape[-1]
-        k = _per_row(self.k, len(scores), np.int64)
-
-        def warp(s: np.ndarray, at) -> np.ndarray:
-            # one partition puts every row's k-th largest in its sorted place, however many ks the rows ask
-            kth_at = v - k[at]
-            part = np.partition(s, np.unique(kth_at), axis=-1)
-            kth = part[np.arange(len(s)), kth_at][:, None]
+        def warp(s: np.ndarray, k: int | np.ndarray) -> np.ndarray:
+            if np.ndim(k) == 0:
+                kth = np.partition(s, v - k, axis=-1)[:, v - k, None]
+            else:  # one partition puts every row's k-th largest in its sorted place, however many ks the rows ask
+                kth_at = v - k[:, 0]
+                kth = np.partition(s, np.unique(kth_at), axis=-1)[np.arange(len(s)), kth_at][:, None]
             return np.where(s < kth, -np.inf, s)
-        return _on_rows(scores, (k > 0) & (k < v), warp)
+        return _on_rows(scores, self.k, lambda k: (k > 0) & (k < v), warp)
 
 
 class TopP:
-    """Nucleus: the smallest set of most likely tokens whose probability reaches p stays (a token stays
-    when the mass of the tokens more likely than it is below p; the most likely always stays; p >= 1:
-    every token stays)."""
+    """Nucleus: a token stays when the mass of the tokens more likely than it is below p (the most likely
+    always stays; p >= 1: every token)."""
 
     argmax_invariant = True
     reads_history = False
 
     def __init__(self, p: float | np.ndarray):
-        self.p = p  # one for every row, or one per row
+        self.p = p
 
     @classmethod
     def for_rows(cls, procs: Sequence[TopP | None]) -> TopP:
         return cls(_stacked(procs, "p", 1.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        p = _per_row(self.p, len(scores))
-
-        def warp(s: np.ndarray, at) -> np.ndarray:
+        def warp(s: np.ndarray, p: float | np.ndarray) -> np.ndarray:
             probs = softmax(s)
             keep = np.zeros(s.shape, dtype=bool)
-            for row, row_p, row_keep in zip(probs, p[at], keep):
+            for row, row_p, row_keep in zip(probs, np.broadcast_to(p, (len(s), 1))[:, 0], keep):
                 _top_p_keep(row, row_p, row_keep)
             return np.where(keep, s, -np.inf)
-        return _on_rows(scores, p < 1.0, warp)
+        return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
 
 
 _MARGIN = 1e-6  # the head's mass must pass p by this much (far above cumsum's rounding, ~1e-11)
 
 
 def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
-    """TopP's kept tokens of one row (V,) into `keep`, sorting only the head of the distribution (a
-    full argsort is most of the cost): the tokens at or above the m-th largest probability (ties
-    included) are a prefix of the stable descending order, so their sorted order, cumsum and
-    `before < p` are the full sort's own; once the head's mass is past p (with a margin), every token
-    after it has `before` >= p too, removed. The head grows until it is; the full sort is the last resort."""
+    """TopP's kept tokens of one row into `keep`, sorting only the head (a full argsort is most of the cost).
+    The tokens at or above the m-th largest probability are a prefix of the stable descending order, so once
+    the head's mass passes p every later token is removed, as by the full sort; the head grows until it does."""
     v = len(probs)
     m = 256
     while m < v:
@@ -216,39 +178,34 @@ def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
 
 
 class MinP:
-    """Only tokens at least `min_p` times as likely as the most likely token stay (transformers'
-    MinPLogitsWarper, vLLM's min_p): removed where p < min_p * max p. The most likely always stays
-    (min_p 0: every token)."""
+    """Removed where p < min_p * max p (transformers' MinPLogitsWarper, vLLM's min_p)."""
 
     argmax_invariant = True
     reads_history = False
 
     def __init__(self, min_p: float | np.ndarray):
-        self.min_p = min_p  # one for every row, or one per row
+        self.min_p = min_p
 
     @classmethod
     def for_rows(cls, procs: Sequence[MinP | None]) -> MinP:
         return cls(_stacked(procs, "min_p", 0.0))
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
-        min_p = _per_row(self.min_p, len(scores))
-
-        def warp(s: np.ndarray, at) -> np.ndarray:
+        def warp(s: np.ndarray, min_p: float | np.ndarray) -> np.ndarray:
             probs = softmax(s)
-            return np.where(probs < min_p[at, None] * probs.max(axis=-1, keepdims=True), -np.inf, s)
-        return _on_rows(scores, min_p > 0, warp)
+            return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, s)
+        return _on_rows(scores, self.min_p, lambda m: m > 0, warp)
 
 
 class MinTokens:
-    """Until a row has generated `min_tokens` tokens, its end tokens (end-of-text and the stop token
-    ids) get -inf: vLLM's min_tokens (transformers' MinNewTokensLengthLogitsProcessor). Ids outside
-    the model's vocabulary are left out."""
+    """Until a row has generated `min_tokens` tokens its end tokens get -inf (vLLM's min_tokens). Ids outside the
+    vocabulary are left out (as in every processor here)."""
 
     argmax_invariant = False
     reads_history = True
 
     def __init__(self, min_tokens: int | np.ndarray, end_ids: Iterable[int]):
-        self.min_tokens = min_tokens  # one for every row, or one per row (0: left as is)
+        self.min_tokens = min_tokens  # 0: left as is
         self.end_ids = np.unique(np.asarray(list(end_ids), dtype=np.int64))
         self.end_rows: np.ndarray | None = None  # for_rows: the row of each end id; None: every row's
 
@@ -276,8 +233,7 @@ class MinTokens:
 
 
 class AllowedTokens:
-    """Only the given tokens can be sampled: every other gets -inf (vLLM's allowed_token_ids, which
-    it applies before the penalties and the bias). Ids outside the model's vocabulary are left out."""
+    """Every token but the given ones gets -inf (vLLM's allowed_token_ids)."""
 
     argmax_invariant = False
     reads_history = False
@@ -292,7 +248,7 @@ class AllowedTokens:
         return cls((), list(procs))
 
     def banned(self, vocab: int) -> np.ndarray:
-        """The tokens this one removes, as a mask (vocab,) (kept for the width it was last asked for)."""
+        """The tokens this one removes, as a mask (vocab,), cached for the last width asked."""
         if self._banned is None or self._banned.shape[0] != vocab:
             banned = np.ones(vocab, dtype=bool)
             banned[self.ids[self.ids < vocab]] = False
@@ -310,8 +266,7 @@ class AllowedTokens:
 
 
 class LogitBias:
-    """A bias added to given tokens' logits (OpenAI's and vLLM's logit_bias: -100 bans a token in
-    practice, 100 all but forces it). Ids outside the model's vocabulary are left out."""
+    """A bias added to given tokens' logits (OpenAI's logit_bias)."""
 
     argmax_invariant = False
     reads_history = False
@@ -351,16 +306,14 @@ def _flat_ids(rows: Sequence[History], vocab: int, prompt: bool) -> np.ndarray:
 
 
 class RepetitionPenalty:
-    """The CTRL rule (Keskar et al. 2019), as transformers' RepetitionPenaltyLogitsProcessor and
-    vLLM's repetition_penalty apply it: the logit of every token in the row's prompt or output is
-    divided by the penalty where it is positive, multiplied by it otherwise (> 1 discourages
-    repeating, < 1 encourages it, 1: left as is)."""
+    """The CTRL rule, as transformers and vLLM apply it: a prompt or output token's logit divided by the penalty
+    where positive, multiplied by it otherwise."""
 
     argmax_invariant = False
     reads_history = True
 
     def __init__(self, penalty: float | np.ndarray):
-        self.penalty = penalty  # one for every row, or one per row
+        self.penalty = penalty
 
     @classmethod
     def for_rows(cls, procs: Sequence[RepetitionPenalty | None]) -> RepetitionPenalty:
@@ -380,15 +333,13 @@ class RepetitionPenalty:
 
 
 class PresenceFrequencyPenalty:
-    """OpenAI's presence and frequency penalties, on the generated tokens only (as OpenAI and vLLM
-    define them): logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty, count[j]
-    the times token j was generated in the row."""
+    """OpenAI's penalties, on generated tokens only: logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
 
     argmax_invariant = False
     reads_history = True
 
     def __init__(self, presence: float | np.ndarray, frequency: float | np.ndarray):
-        self.presence = presence  # each one for every row, or one per row
+        self.presence = presence
         self.frequency = frequency
 
     @classmethod
@@ -408,12 +359,9 @@ class PresenceFrequencyPenalty:
 
 
 class ConstraintMask:
-    """Structured output (constraints.py): each row's tokens kept to its constraint by llguidance's
-    matcher, one per row (kept by History.row), synced to each call's histories: the tokens it
-    consumed that the history no longer holds are rolled back (speculative decoding's rejected
-    drafts), the new ones consumed. A history that holds a token the matcher refuses (a drafted one)
-    leaves that row's scores as they are: its refused token has probability 0, so the verification
-    stops there. First in the list (vLLM applies the grammar's mask before everything else)."""
+    """Structured output: one llguidance matcher per History.row, synced to each call's histories. A history
+    holding a token the matcher refuses (a draft) leaves the row as it is: that token has probability 0, so
+    verification stops there. First in the list, as vLLM applies the grammar's mask."""
 
     argmax_invariant = False
     reads_history = True
@@ -421,7 +369,7 @@ class ConstraintMask:
     def __init__(self, spec: ConstraintSpec | None, each: Sequence[ConstraintMask | None] | None = None):
         self.spec = spec
         self._rows: dict[int, tuple[Constraint, list[int]]] = {}  # id(row) -> (matcher, the tokens it consumed)
-        self._each = each  # for_rows: row i masked by each[i]'s matchers (None: left as is); spec None
+        self._each = each  # for_rows: row i masked by each[i]'s matchers; spec None
 
     @classmethod
     def for_rows(cls, procs: Sequence[ConstraintMask | None]) -> ConstraintMask:
@@ -464,20 +412,17 @@ class ConstraintMask:
 
 
 def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
-    """The tokens that end a row: end-of-text and the stop token ids (what min_tokens masks, as
-    vLLM's all_stop_token_ids; end-of-text is masked even with ignore_eos, as there)."""
+    """End-of-text and the stop token ids (vLLM's all_stop_token_ids: end-of-text even with ignore_eos)."""
     return (EOT_ID, *settings.stop_token_ids)
 
 
-# The order every list applies its processors in (vLLM's; see the module): each row's list is in it,
-# so rows with lists of their own merge into one batch list by it (sampling.sample_many).
+# vLLM's order; every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
 ORDER: tuple[type, ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
                            PresenceFrequencyPenalty, Temperature, MinP, TopK, TopP)
 
 
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
-    """The ordered list for `settings` (only those that change anything), in ORDER. Greedy decoding
-    keeps those that can move the argmax (min_tokens, logit_bias, the penalties) and skips the warpers."""
+    """The ordered list for `settings`, only those that change anything; greedy skips the argmax-invariant."""
     chain: list[LogitsProcessor] = []
     if settings.constraint is not None:
         chain.append(ConstraintMask(settings.constraint))
@@ -505,10 +450,8 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
 
 
 def softmax(scores: np.ndarray, inplace: bool = False) -> np.ndarray:
-    """Row-wise probabilities of scores (B, V) float64; -inf scores get 0. A row with +inf scores (a
-    tiny temperature or repetition penalty overflowing the division) gives them all its mass, shared.
-    `inplace`: written into `scores` (the same values; no new arrays, whose first touch costs as much
-    as the arithmetic on a (16, 50257) batch)."""
+    """Row-wise probabilities; a row with +inf scores (an overflowing division) shares its mass among them.
+    `inplace`: no new array, whose first touch costs as much as the arithmetic on a (16, 50257) batch."""
     top = scores.max(axis=-1, keepdims=True)
     if not np.isfinite(top).all():
         scores = np.where(np.isposinf(top), np.where(np.isposinf(scores), 0.0, -np.inf), scores)

@@ -1,8 +1,5 @@
-"""The sampler: last-position logits to next tokens, in numpy with one seeded generator, so that every
-backend produces the same tokens for the same seed wherever their logits agree. The logits pass
-through the settings' ordered list of logits processors (processors.py) before the draw, or, greedy,
-before the argmax: each call gives the rows' histories (processors.History), which the penalties
-and min_tokens read."""
+"""The sampler: last-position logits through the processors to next tokens, in NumPy with one seeded generator,
+so that every backend gives the same tokens for the same seed wherever their logits agree."""
 
 from __future__ import annotations
 
@@ -21,18 +18,16 @@ class Sampler:
     def __init__(self, settings: SamplingSettings):
         self.s = settings
         self.rng = np.random.default_rng(settings.seed)
-        self.processors = processors_for(settings)  # applied in order to every step's logits
-        self.reads_history = any(p.reads_history for p in self.processors)  # whether calls need the rows' histories
+        self.processors = processors_for(settings)
+        self.reads_history = any(p.reads_history for p in self.processors)
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy with nothing that moves the argmax: the plain argmax of the logits (a backend may
-        take it where the logits are, runtime.base.greedy_step)."""
+        """Greedy with nothing that moves the argmax: a backend may take it where the logits are."""
         return self.s.greedy and not self.processors
 
     def scores(self, logits: np.ndarray, rows: Sequence[History] | None = None) -> np.ndarray:
-        """The logits (B, V) through the processors, in float64. `rows`: each row's History (None
-        only where no processor reads one)."""
+        """The logits through the processors, in float64 (`rows` None only where no processor reads one)."""
         scores = logits.astype(np.float64)  # its own copy: the processors may write in place
         if not self.processors:
             return scores
@@ -47,12 +42,9 @@ class Sampler:
         return scores
 
     def probabilities(self, logits: np.ndarray, rows: Sequence[History] | None = None) -> np.ndarray:
-        """The next-token distributions (B, V) in float64: the logits through the processors, softmaxed."""
         return softmax(self.scores(logits, rows))
 
     def greedy(self, logits: np.ndarray, rows: Sequence[History] | None = None) -> np.ndarray:
-        """The argmax (B,) int64 of each row's processed scores (of the logits themselves when nothing
-        moves it)."""
         if not self.processors:
             return logits.argmax(axis=-1).astype(np.int64)
         return self.scores(logits, rows).argmax(axis=-1).astype(np.int64)
@@ -63,15 +55,12 @@ class Sampler:
         return self.draw(self.probabilities(logits, rows))
 
     def draw(self, p: np.ndarray) -> np.ndarray:
-        """One token per row of the distributions `p` (B, V) (unnormalised is fine), by inverse CDF with
-        one uniform per row, consumed in row order."""
+        """One token per row of `p` (unnormalised is fine), by inverse CDF, one uniform per row in row order."""
         return _inverse_cdf(p.copy(), self.rng.random(p.shape[0]))
 
 
 def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Row i's token (B,) int64 of the distributions `p` (B, V) (unnormalised is fine; overwritten by
-    its cumsum) for the uniform u[i]: the first index whose cumulative mass reaches u[i] of the row's
-    total, i.e. the count of those below it (a cumsum never decreases), found by bisection."""
+    """Row i's first index whose cumulative mass reaches u[i] of its total, by bisection; `p` is overwritten."""
     cdf = np.cumsum(p, axis=-1, out=p)
     cut = u * cdf[:, -1]
     picked = [np.searchsorted(row, c, side="left") for row, c in zip(cdf, cut)]
@@ -79,8 +68,8 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
-    """The sampler's processors by type, or None for one that must sample alone (a subclass, or a
-    processor outside processors.ORDER: its place among other rows' processors is unknown)."""
+    """The sampler's processors by type, or None for one that must sample alone (a subclass, or a processor
+    outside ORDER, whose place among other rows' processors is unknown)."""
     if type(sampler) is not Sampler:
         return None
     kinds = {type(p): p for p in sampler.processors}
@@ -91,9 +80,8 @@ def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
 
 def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: np.ndarray,
                   rows: Sequence[History]) -> np.ndarray:
-    """One row of `logits` (n, V) per sampler: each processor type any row has, in ORDER, applied once
-    to every row with each row's own parameters (a row without it: the identity); then one argmax
-    over the greedy rows, one softmax and cumsum over the others."""
+    """Each processor type any row has, applied once with per-row parameters; one argmax over the greedy rows,
+    one softmax and cumsum over the others."""
     scores = logits.astype(np.float64)
     if len(samplers) == 1:  # the batch of one: its own list
         batch = samplers[0].processors
@@ -101,23 +89,21 @@ def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: n
         batch = [kind.for_rows([c.get(kind) for c in chains]) for kind in ORDER if any(kind in c for c in chains)]
     for process in batch:
         scores = process(scores, rows)
-    greedy = np.array([s.s.greedy for s in samplers])
+    greedy = [i for i, s in enumerate(samplers) if s.s.greedy]
+    drawn = [i for i, s in enumerate(samplers) if not s.s.greedy]
     out = np.empty(len(samplers), dtype=np.int64)
-    if greedy.any():
-        out[greedy] = scores[greedy].argmax(axis=-1)
-    drawn = np.flatnonzero(~greedy)
-    if len(drawn):
+    if greedy:
+        out[greedy] = (scores[greedy] if drawn else scores).argmax(axis=-1)
+    if drawn:
         u = np.array([samplers[i].rng.random(1)[0] for i in drawn])  # one uniform per row from its own stream
-        p = scores if len(drawn) == len(scores) else scores[drawn]  # `scores` is this function's own (astype copies)
+        p = scores[drawn] if greedy else scores  # `scores` is this function's own (astype copies)
         out[drawn] = _inverse_cdf(softmax(p, inplace=True), u)
     return out
 
 
 def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-    """One token (B,) int64 per row of `logits` (B, V), row i drawn by its own `samplers[i]` (distinct
-    samplers) given `rows[i]`: the same token as `samplers[i](logits[i:i+1], [rows[i]])`, its stream
-    moved alike, but the rows share the NumPy work (the serving engine's batch: a Sampler per
-    request): each processor runs once over the rows with per-row parameters (processors.for_rows)."""
+    """Row i drawn by its own distinct `samplers[i]`: the same token and stream as `samplers[i](logits[i:i+1],
+    [rows[i]])`, but the rows share the NumPy work (the serving engine's batch: a Sampler per request)."""
     out = np.empty(len(samplers), dtype=np.int64)
     plain, batch, chains = [], [], []
     for i, s in enumerate(samplers):

@@ -1,13 +1,6 @@
-"""What to generate (SamplingSettings) and what came out (Generation).
-
-SamplingSettings' defaults are the sampling defaults of every entry point (`gpt2x generate`'s options,
-the completions API's request fields): OpenAI's and vLLM's, temperature 1, top-p 1 and top-k off, so
-that the same prompt, seed and settings give the same tokens whichever way they are asked for. A
-temperature of 0 means greedy decoding (as in OpenAI's API and vLLM), wherever the settings come from.
-
-The logits processors' fields (penalties, logit_bias, min_p, min_tokens) are off at their defaults, so
-that settings left at their defaults give the tokens they always gave; generation.processors turns
-the settings into the ordered list every decoding path applies. Their ranges are OpenAI's and vLLM's."""
+"""What to generate (SamplingSettings) and what came out (Generation, Finish). The defaults are every entry
+point's (OpenAI's and vLLM's), and the processors' fields are off at theirs, so the same prompt, seed and
+settings give the same tokens however they are asked for; temperature 0 is greedy everywhere."""
 
 from __future__ import annotations
 
@@ -125,9 +118,7 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 
 
 class Finish(str, Enum):
-    """Why a row stopped: the one list every decoding path uses (generate, beam search, speculative
-    decoding, the serving engine, the evaluation harness). The API maps it to OpenAI's `finish_reason`
-    at its edge (serve.protocol.finish_reason): eos and stop -> "stop", length and context -> "length"."""
+    """Why a row stopped, on every decoding path; mapped to OpenAI's `finish_reason` only at the API's edge."""
 
     eos = "eos"  # the model wrote <|endoftext|>
     stop = "stop"  # a stop string ended the row, or a stop token id (settings.stop_token_ids, not kept)
