@@ -1,14 +1,6 @@
-"""The export folder's contract, written by build.py and read by every runtime (no torch here):
-
-    model.onnx            the graph (+ model.onnx.data when the weights pass 2 GB)
-    gpt2x.json            metadata: format version, source, config, precision, versions, hashes, parity
-    config.json, tokenizer.json, genai_config.json, ...
-                          what Optimum, transformers(.js) and onnxruntime-genai read (interop.py)
-
-`read_export` checks the metadata, that every file is there at its recorded size, and where the
-graph's external data points, without parsing the weights: a process that runs an export opens it at
-the cost of ONNX Runtime's own load. `verify_export` (`gpt2x verify`) also checks every file's sha256,
-as recorded at export time. `ExportInfo` is what they return.
+"""The export folder's contract (model.onnx [+ model.onnx.data], gpt2x.json, the interop files), written by
+build.py and read by every runtime (no torch). `read_export` checks sizes and external data without parsing the
+weights, so opening an export costs only ONNX Runtime's own load; `verify_export` adds every sha256.
 """
 
 from __future__ import annotations
@@ -47,9 +39,7 @@ def safe_model_name(model_name: str) -> str:
 
 
 def exports_root() -> Path:
-    """Where exports made by name are kept (`default_export_dir`): the folder GPT2X_EXPORTS names, else
-    gpt2x/exported in the user's cache (XDG_CACHE_HOME, default ~/.cache), as an absolute path, so that
-    every working directory finds the same exports."""
+    """GPT2X_EXPORTS, else gpt2x/exported in the user's cache; absolute, so every working directory finds them."""
     named = os.environ.get(EXPORTS_ENV)
     if named:
         return Path(named).expanduser().resolve()
@@ -104,10 +94,8 @@ class ExportInfo:
 
 
 def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:
-    """Open an export folder and check its metadata, that its files are there at their recorded sizes
-    (exports made before sizes were recorded: that they are there), and that the graph's external
-    data stays inside the folder; with `verify_hashes`, every file's sha256 too (verify_export).
-    Clear errors for each mismatch."""
+    """Open an export folder, checking its metadata, its files' sizes (where recorded) and that external data stays
+    inside it; with `verify_hashes`, every sha256 too."""
     meta_path = folder / METADATA_FILE
     if not folder.is_dir():
         raise ArtifactError(f"no export at {folder} (run `gpt2x export` first)")
@@ -154,8 +142,7 @@ def verify_export(folder: Path) -> ExportInfo:
 
 
 def check_external_data(model_path: Path) -> None:
-    """External-data references must name files inside the export folder, and those files must exist.
-    Read from the protobuf's wire format (external_data_locations): the weights are skipped, not parsed."""
+    """External-data references must name existing files inside the export folder."""
     try:
         locations = external_data_locations(model_path)
     except (OSError, ValueError) as e:
@@ -170,12 +157,8 @@ def check_external_data(model_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the graph's external data, from the wire format
-#
-# onnx.load parses every tensor, weights included (about 1 s for GPT-2 124M's 500 MB, every start),
-# only to read a few strings. The protobuf wire format lets a reader step over a field it does not
-# need: a length-delimited field (raw weights among them) is a length and a jump. This walks every
-# place an ONNX model can hold a tensor (initializers, sparse initializers, node attributes, subgraphs,
-# functions) and returns the external-data locations; field numbers come from onnx's own descriptors.
+# onnx.load parses every weight (~1 s for GPT-2 124M, every start) to read a few strings; on the wire a weight is a
+# length and a jump. Every place a model can hold a tensor is walked; field numbers come from onnx's descriptors.
 
 
 def _number(message, field: str) -> int:
@@ -209,8 +192,7 @@ def _varint(buf, i: int, end: int) -> tuple[int, int]:
 
 
 def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(field number, start, end) of every length-delimited field of the message in buf[start:end];
-    the others are stepped over."""
+    """(field number, start, end) of every length-delimited field in buf[start:end]; the others stepped over."""
     i = start
     while i < end:
         key, i = _varint(buf, i, end)
@@ -269,8 +251,7 @@ def _graph_locations(buf, start: int, end: int, out: set[str]) -> None:
 
 
 def external_data_locations(model_path: Path) -> set[str]:
-    """The `location` of every tensor stored as external data in the ONNX file, read without parsing
-    (or loading) the weights. ValueError for a file that is not a well-formed protobuf."""
+    """Every external-data `location` in the ONNX file; ValueError for a malformed protobuf."""
     with open(model_path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:

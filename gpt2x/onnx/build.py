@@ -1,8 +1,6 @@
-"""The whole export: trace, fuse, convert or quantize, write the interop files and the metadata, gate,
-and only then move the folder into place (a failed or interrupted export leaves nothing behind).
-
-The parity gate is a function handed in by the caller (gpt2x.workflows passes the evaluation
-layer's gate): this layer builds artifacts and does not judge them."""
+"""The whole export: trace, fuse, convert or quantize, write the interop files and metadata, gate, and only then
+move the folder into place (a failed export leaves nothing). The gate is handed in: this layer builds
+artifacts and does not judge them."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ from .interop import write_interop_files
 from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8
 from .trace import trace_to_onnx
 
-# Judges a finished export before it is published: returns the parity record stored in gpt2x.json,
-# or raises (ParityError) to stop the export.
+# Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
 
@@ -59,8 +56,7 @@ def export(
     gate: Gate | None = None,
     progress: Progress = no_progress,
 ) -> ExportInfo:
-    """Export, optimise, convert, run `gate` on the finished folder (None: recorded as not checked),
-    and only then move the folder into place. An existing `out` is replaced only when `force`."""
+    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place."""
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"

@@ -1,12 +1,5 @@
-"""Files that make an export folder loadable by other tools, written beside `model.onnx`:
-
-    config.json, generation_config.json      transformers / Optimum's ORTModelForCausalLM
-    tokenizer.json, tokenizer_config.json,   Hugging Face tokenizers, transformers, transformers.js,
-    special_tokens_map.json                  onnxruntime-genai's tokenizer
-    genai_config.json                        onnxruntime-genai's Model
-
-Everything is derived from the model's GPT2Config, the graph's names in onnx_io and the BPE files
-shipped in the package, so the files need nothing but the config to be written.
+"""Files that make an export folder loadable by other tools (Optimum, transformers, tokenizers, transformers.js,
+onnxruntime-genai), derived from the GPT2Config, onnx.names and the shipped BPE files (docs/interop.md).
 """
 
 from __future__ import annotations
@@ -112,12 +105,8 @@ def _pattern(name_of_layer: Callable[[int], str]) -> str:
 
 def genai_config(cfg: GPT2Config, filename: str | None = None, provider: str | None = None,
                  share_buffer: bool = False) -> dict:
-    """onnxruntime-genai's genai_config.json for a gpt2x export: the generic "decoder" model type
-    (genai's "gpt2" type wants the legacy combined past_%d cache; ours is separate key/value tensors),
-    onnx.names' names, past and present as separate buffers, greedy search up to the model's context.
-    `provider` (e.g. "cuda") adds that execution provider to the session options. `share_buffer`
-    lets genai bind one fixed-capacity KV buffer as past and present: only for GroupQueryAttention
-    graphs (int8, int4), which update it in place; MultiHeadAttention graphs need the growing cache."""
+    """genai_config.json: the generic "decoder" type (genai's "gpt2" wants a combined past_%d cache). `share_buffer`
+    only for GroupQueryAttention graphs, which update one buffer in place (docs/interop.md)."""
     filename = filename or MODEL_FILE
     return {
         "model": {
@@ -171,8 +160,7 @@ def genai_config(cfg: GPT2Config, filename: str | None = None, provider: str | N
 
 def write_interop_files(folder: Path, cfg: GPT2Config, genai_provider: str | None = None,
                         share_buffer: bool = False) -> list[str]:
-    """Write every file above into `folder` (each atomically); returns their names.
-    `genai_provider` ("cuda" for fp16 exports) and `share_buffer` go to genai_config.json."""
+    """Write every interop file into `folder`, each atomically; returns their names."""
     folder = Path(folder)
     contents = {
         HF_CONFIG_FILE: hf_config(cfg),

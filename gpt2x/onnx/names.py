@@ -1,7 +1,5 @@
-"""ONNX input/output names and dynamic axes, defined once for export, runtime and tests.
-
-They are the names Optimum, onnxruntime-genai and transformers.js use for decoder-only models.
-"""
+"""ONNX input/output names and dynamic axes, defined once for export, runtime and tests: Optimum's,
+onnxruntime-genai's and transformers.js's names for decoder-only models."""
 
 from __future__ import annotations
 
@@ -11,10 +9,7 @@ INPUT_IDS = "input_ids"  # [batch, sequence] int64
 ATTENTION_MASK = "attention_mask"  # [batch, past_sequence + sequence] int64, 1 = real token, 0 = padding
 POSITION_IDS = "position_ids"  # [batch, sequence] int64
 LOGITS = "logits"  # [batch, logits_sequence, vocab]: every position, or the last `logits_to_keep`
-# An optional int64 scalar input with a default of 0 (an initializer that is also a graph input, so
-# loaders that do not know it, such as Optimum and onnxruntime-genai, never see it): 0 computes the
-# logits of every position, k > 0 those of the last k only (transformers' `logits_to_keep`). A
-# generation's prefill asks for 1: the unembedding, the largest matrix, then runs on one row.
+# Optional, default 0 (every position); k > 0: the last k only, so a prefill unembeds one row (docs/export.md).
 LOGITS_TO_KEEP = "logits_to_keep"
 
 BATCH = "batch_size"
@@ -67,10 +62,7 @@ def dynamic_axes(n_layer: int) -> dict[str, dict[int, str]]:
     return axes
 
 
-# gpt2x.json's attention layout (artifact.attention_layout): whether the graph's past and present may be
-# one fixed-capacity buffer updated in place, the in-place KV cache. Exports write it under the key
-# "in_place_kv"; those made before this release wrote "shared_kv_buffer": readers ask `in_place_kv`,
-# which takes either key.
+# gpt2x.json's flag for the in-place KV cache; exports before this release wrote "shared_kv_buffer": read either.
 IN_PLACE_KV = "in_place_kv"
 LEGACY_IN_PLACE_KV = "shared_kv_buffer"
 

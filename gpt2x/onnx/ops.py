@@ -1,10 +1,6 @@
-"""The attention of the exported graph: one ONNX Runtime `com.microsoft::MultiHeadAttention` node per
-block, with the KV cache as its past/present key and value.
-
-ONNX Runtime's transformer optimizer recognises LayerNorm+Add and the tanh-GELU in any graph, but its
-attention patterns only match the graphs of transformers' TorchScript export. So gpt2x emits the fused
-attention itself: a torch custom op `gpt2x::mha` (its eager body is the same maths as model/gpt2.py, used
-while tracing) translated to MultiHeadAttention by the dynamo exporter.
+"""The exported attention: a torch custom op `gpt2x::mha` (eager body: model/gpt2.py's maths) that the dynamo
+exporter writes as one com.microsoft::MultiHeadAttention per block, since ONNX Runtime's optimizer matches
+attention only in transformers' TorchScript graphs.
 """
 
 from __future__ import annotations

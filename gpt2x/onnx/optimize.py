@@ -1,7 +1,6 @@
-"""Graph optimisation after tracing: ONNX Runtime's transformer optimizer (SkipLayerNormalization,
-FastGelu), fp16 conversion, int8 and int4 weights (MatMulNBits), and the MultiHeadAttention ->
-GroupQueryAttention rewrite of the int8 and int4 graphs. Works on ONNX files alone (no torch; only
-the HQQ int4 algorithm, not the default, uses it inside ONNX Runtime's quantizer)."""
+"""Graph optimisation after tracing: fusion, fp16, int8 and int4 weights (MatMulNBits), and the GroupQueryAttention
+rewrite of the CPU precisions. ONNX files alone, no torch (but for HQQ int4, not the default). The choices and
+their measurements: docs/export.md."""
 
 from __future__ import annotations
 
@@ -34,12 +33,10 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
 
     data = raw.with_name(raw.name + ".data")
     if data.exists():
-        # Weights past 2 GB: fuse the graph alone (the fusions read only a few constants) and let
-        # the fused graph point at the same data file, moved beside it. Loading the weights for
-        # fusion would hold them three times in memory (torch, graph, optimizer): gpt2-xl ran out.
+        # Past 2 GB, the graph is fused alone (the fusions read a few constants) and keeps the data file:
+        # the weights held three times (torch, graph, optimizer) ran gpt2-xl out of memory.
         proto = onnx.load(str(raw), load_external_data=False)
-        # Those constants are read through onnx's numpy_helper, which resolves external data
-        # against the working directory.
+        # numpy_helper resolves external data against the working directory.
         with _working_dir(raw.parent):
             opt = optimize_model(proto, model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
         os.replace(data, out.with_name(out.name + ".data"))
@@ -57,9 +54,7 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
     else:
         opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
     if precision is Precision.fp16:
-        # Inputs ids/mask/positions are int64; logits stay fp32 for the sampler; the KV cache is fp16.
-        # The ops ONNX Runtime's converter blocks by default stay fp32; LayerNorm statistics and
-        # softmax are computed in fp32 inside SkipLayerNormalization / MultiHeadAttention kernels.
+        # Logits stay fp32 for the sampler; the KV cache is fp16; the kernels keep LayerNorm and softmax in fp32.
         opt.convert_float_to_float16(keep_io_types=[io.LOGITS], use_symbolic_shape_infer=True)
     keep_last_logits(opt.model)
     opt.model.ir_version = IR_VERSION
@@ -79,11 +74,8 @@ def logits_producer(proto: onnx.ModelProto) -> onnx.NodeProto:
 
 
 def keep_last_logits(proto: onnx.ModelProto) -> None:
-    """Give the graph the optional input `logits_to_keep` (names.LOGITS_TO_KEEP; default 0 = every
-    position): the unembedding reads only the last `logits_to_keep` positions of the final hidden
-    state. It is an initializer listed among the graph's inputs, i.e. a default a caller may
-    override: loaders that do not feed it see neither a new required input nor different logits.
-    Idempotent (a graph that has it is left as it is)."""
+    """Give the unembedding the optional input `logits_to_keep` (0 = every position). An initializer listed as an
+    input, i.e. an overridable default: loaders that do not feed it see no change. Idempotent."""
     graph = proto.graph
     if any(i.name == io.LOGITS_TO_KEEP for i in graph.input):
         return
@@ -182,31 +174,13 @@ def _int8_options() -> dict:
 
 
 def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
-    """int8 weights for every MatMul with ONNX Runtime's MatMulNBits quantizer: symmetric, one scale
-    per block of 128 input weights of each output column, computed with int8 activations
-    (accuracy_level 4). The tied unembedding is quantized too: it is the largest matrix (V x C)
-    and every decode step reads it whole; the embedding lookup (Gather on wte) stays fp32, costs
-    one row per token and keeps the model's input exact.
-
-    int8 (like int4) is a CPU precision, so its attention is GroupQueryAttention, whose CPU kernel can
-    update a fixed-capacity KV cache in place (onnx_ops.mha_to_gqa); the fp32 and fp16 graphs keep
-    MultiHeadAttention, which ONNX Runtime's CUDA provider also runs in fp32."""
+    """int8 MatMulNBits weights (symmetric, blocks of 128, int8 activations), the tied unembedding too (every step
+    reads it whole); GroupQueryAttention for the in-place KV cache."""
     return _finish_nbits(_matmul_nbits(_load_folded(fused), **_int8_options()), out)
 
 
-# int4 defaults, chosen by measured quality against PyTorch fp32 (benchmarks/int4_variants.py, in git at 103dd9e;
-# results in benchmarks/results/int4-variants-cpu-2core.json, which ranks every variant by the
-# geometric mean of its mean KL on random shapes and on held-out text, for the bundled model and
-# GPT-2 124M with random weights):
-# - blocks of 32: better than 64 and 128 for every algorithm (RTN symmetric: 4.1e-3 vs 5.6e-3 and
-#   6.0e-3), at 0.125 bytes of fp32 scale per weight on top of the 0.5.
-# - RTN symmetric: the best of the algorithms that keep ONNX Runtime's packed int8-activation CPU
-#   kernel (asymmetric RTN 4.9e-3, k-quant 5.2e-3). HQQ measured 3.6e-3, but its float zero points
-#   make that kernel dequantize the weights to fp32 on every call (MatMulNBits::PrePack skips
-#   "unquantized" zero points), i.e. it is an fp32 graph that stores 4-bit weights; on the trained
-#   bundled model its held-out KL is within 10% of RTN's (1.50e-3 vs 1.67e-3).
-# - the unembedding at 8 bits: at 4 bits the bundled model's held-out KL is 4x higher (6.9e-3 vs
-#   1.7e-3), its perplexity +1.3% instead of +0.3%, and fewer greedy continuations agree.
+# int4 defaults, by measured quality against PyTorch fp32 (docs/export.md's table): blocks of 32, RTN symmetric (keeps
+# the packed int8-activation kernel, which HQQ's float zero points lose), the unembedding at 8 bits (4x lower KL).
 INT4_ALGORITHMS = ("rtn-sym", "rtn-asym", "hqq", "k-quant")
 INT4_ALGORITHM = "rtn-sym"
 INT4_BLOCK = 32
@@ -222,9 +196,8 @@ def unembedding_matmul(proto: onnx.ModelProto) -> onnx.NodeProto:
 
 
 def nbits_quantizer_module():
-    """onnxruntime.quantization.matmul_nbits_quantizer, imported with the root logger kept as it was:
-    its import calls logging.basicConfig(level=INFO), after which every library's INFO records (the
-    exporter's, onnxscript's) reached stderr for the rest of the process (a second export, a bench)."""
+    """ORT's matmul_nbits_quantizer, imported with the root logger kept: its import calls basicConfig(level=INFO),
+    after which every library's INFO records reached stderr for the rest of the process."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     from onnxruntime.quantization import matmul_nbits_quantizer
@@ -251,15 +224,8 @@ def _int4_options(algorithm: str, block_size: int) -> dict:
 
 def quantize_int4(fused: Path, out: Path, algorithm: str = INT4_ALGORITHM, block_size: int = INT4_BLOCK,
                   head_bits: int = INT4_HEAD_BITS) -> dict[str, int]:
-    """4-bit weights for the blocks' MatMuls with ONNX Runtime's MatMulNBits quantizer, computed with
-    int8 activations (accuracy_level 4), and GroupQueryAttention attention, as int8 (the CPU
-    precisions share the in-place KV cache).
-
-    The defaults (above, by measured quality): ONNX Runtime's round-to-nearest, symmetric, one scale
-    per block of 32 input weights, and the tied unembedding at 8 bits with int8's settings. The
-    unembedding is quantized in a second pass: the first (4 bits) excludes it by name, so the
-    second (8 bits) finds it the only MatMul left with a constant weight. The embedding lookup
-    stays fp32, as in int8."""
+    """4-bit MatMulNBits weights for the blocks, int8 activations, GroupQueryAttention. An 8-bit unembedding takes a
+    second pass: the first excludes it by name, so the second finds it the only constant-weight MatMul left."""
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, not {head_bits}")
     proto = _load_folded(fused)
@@ -287,17 +253,9 @@ _GQA_TOTAL = "gqa_total_sequence_length"  # int32 scalar: the attention mask's w
 
 
 def mha_to_gqa(proto: onnx.ModelProto) -> int:
-    """Replace every MultiHeadAttention node by ONNX Runtime's GroupQueryAttention (kv heads = heads),
-    in place; returns how many were replaced.
-
-    The inputs and outputs of the graph do not change. GroupQueryAttention reads the packed QKV
-    projection directly (the Split before it goes), takes the same additive mask as attention_bias
-    (so left padding works as before) and every row's length as the mask's width. What it adds is
-    that its present key/value may be the very buffers passed as past: given a fixed-capacity cache
-    bound as both input and output, it writes the new positions in place instead of copying the
-    whole cache into a new present every step (see runtime.ort.InPlaceCache). Its CPU kernel has one
-    restriction the MultiHeadAttention graph lacks: a step of more than one token on top of a past
-    must have batch 1 (runtime.ort.OrtBackend runs such batches row by row)."""
+    """Replace every MultiHeadAttention by GroupQueryAttention (kv heads = heads) in place; returns the count. The
+    graph's I/O stay; it reads the packed QKV (the Split goes) and the same additive mask, and may write its
+    present into the past's buffers (the in-place KV cache, docs/export.md)."""
     graph = proto.graph
     producer = {o: n for n in graph.node for o in n.output if o}
     consumers: dict[str, int] = {}

@@ -1,35 +1,6 @@
-"""A folder that transformers.js (`@huggingface/transformers`, npm) loads from a local path, made from
-gpt2x exports of one model (no torch here):
-
-    config.json                 transformers' GPT2Config (interop.hf_config) + "transformers.js_config"
-    generation_config.json      tokenizer.json, tokenizer_config.json, special_tokens_map.json (interop.py)
-    onnx/model.onnx             the fp32 export's graph     transformers.js dtype "fp32"
-    onnx/model_quantized.onnx   the int8 export's graph     dtype "q8"
-    onnx/model_q4.onnx          the int4 export's graph     dtype "q4"
-    gpt2x-transformers-js.json  where each graph came from: the source export's folder, precision,
-                                model, and the graph's sha256 (the one its gpt2x.json records)
-
-    env.allowRemoteModels = false; env.localModelPath = PARENT;
-    await AutoModelForCausalLM.from_pretrained(NAME, {dtype: "q4"})
-
-The graphs are copied byte for byte (each copy checked against the sha256 its export recorded): they
-already are what transformers.js expects of a decoder-only model. Their inputs and outputs carry
-Optimum's names (input_ids, attention_mask, position_ids, past_key_values.N.key/value -> logits,
-present.N.key/value), which transformers.js feeds from config.json (model_type gpt2: n_layer, n_head,
-n_embd); it builds position_ids from the attention mask as gpt2x does. The optional `logits_to_keep`
-input is an initializer (default 0: every position's logits), so ONNX Runtime does not list it among
-the session's inputs and transformers.js, which only knows `num_logits_to_keep`, never sees it; it
-needs no stripping. GroupQueryAttention and MatMulNBits (int8, int4) are com.microsoft operators of
-ONNX Runtime's CPU build, which transformers.js runs in Node (onnxruntime-node) and in the browser
-(onnxruntime-web's WebAssembly build). transformers.js starts every prompt with an empty past, whose
-shape it takes from the graph's input metadata; both attention layouts accept that.
-
-"transformers.js_config": {"dtype": ...} names the dtype loaded when the caller gives none: fp32 when
-the folder has it, else the first precision it has (transformers.js would otherwise look for
-onnx/model.onnx). Exports whose weights live in external data (model.onnx.data, over 2 GB) are refused:
-transformers.js names external data differently (model.onnx_data) and every source names its own
-data file model.onnx.data. The folder is built beside `out` and moved into place whole
-(fileio.replace_folder): a failure leaves no half-written folder, and an old one only with `force`.
+"""A folder that transformers.js loads from a local path, made from one model's fp32, int8 and int4 exports (no
+torch): the graphs copied byte for byte (sha256 checked), config.json with "transformers.js_config", the
+tokenizer files and gpt2x-transformers-js.json (the layout and why: docs/commands/export.md).
 """
 
 from __future__ import annotations
@@ -72,8 +43,7 @@ class TransformersJsFolder:
 
 
 def default_layout_dir(model_name: str, root: Path | None = None) -> Path:
-    """<exports>/<model>-transformers.js (the model name made safe as default_export_dir makes it;
-    root: artifact.exports_root() unless given)."""
+    """<exports>/<model>-transformers.js, as default_export_dir names an export."""
     return (exports_root() if root is None else Path(root)) / f"{safe_model_name(model_name)}-transformers.js"
 
 
@@ -97,9 +67,8 @@ def check_precisions(precisions: Sequence[Precision]) -> list[Precision]:
 
 
 def check_sources(exports: Sequence[ExportInfo]) -> list[ExportInfo]:
-    """The exports in fp32, int8, int4 order, after checking that they can make one folder: at least
-    one, each precision at most once, no fp16, all of one model (same config and source), none with
-    external data."""
+    """The exports in fp32, int8, int4 order, checked to make one folder: each precision at most once, no fp16,
+    one model, no external data."""
     exports = list(exports)
     if not exports:
         raise UsageError("no exports given: a transformers.js folder needs at least one of fp32, int8, int4")
@@ -147,8 +116,7 @@ def _copy_checked(info: ExportInfo, dest: Path) -> str:
 
 def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool = False,
                           progress: Progress = no_progress) -> TransformersJsFolder:
-    """Write the transformers.js folder of `exports` (fp32, int8 and/or int4 exports of one model) to
-    `out`, whole or not at all; an existing `out` is replaced only when `force`."""
+    """Write the folder of `exports` to `out`, whole or not at all; an existing `out` only when `force`."""
     exports = check_sources(exports)
     out = Path(out)
     with folder_written_whole(out, force, f"writing {out}") as tmp:
