@@ -1,14 +1,6 @@
-"""Scoring and generation for evaluation harnesses (lm-evaluation-harness's model class is
-gpt2x/lmeval/model.py), on any Backend, in NumPy: no torch, no lm_eval.
-
-- `score_continuations`: the log-likelihood of each continuation given its context, and whether greedy
-  decoding would produce it, as lm-eval's `loglikelihood` (and, on rolling windows, its
-  `loglikelihood_rolling`) asks. Requests run as left-padded batches through `backend.run` on whole
-  sequences (all logits, no cache), longest first; an input longer than the context keeps its end,
-  as lm-eval's Hugging Face model truncates it.
-- `generate_until`: greedy or sampled text from gpt2x's decode loop (generation.decode), each row
-  ended at its first stop string (cancelled with Finish.stop), EOS or its token limit, and cut there.
-"""
+"""What evaluation harnesses ask of a model, in NumPy on any Backend (no torch, no lm_eval): log-likelihoods of
+continuations as left-padded batches on whole sequences, and generation cut at stop strings. lm-eval's model
+class over it is gpt2x/lmeval/model.py."""
 
 from __future__ import annotations
 
@@ -26,9 +18,7 @@ from ..runtime.base import Backend
 from ..tokenizer import EOT_ID, StreamDecoder, decode
 
 DEFAULT_BATCH_SIZE = 8
-# A scoring batch holds at most this many token slots (rows x padded length): the backend returns
-# logits for every slot, vocab_size float32 each (GPT-2: 4096 slots are 0.8 GB), so batches of long
-# inputs get fewer rows than batch_size.
+# Token slots (rows x padded length) per scoring batch: every slot's logits come back (GPT-2: 4096 slots, 0.8 GB).
 MAX_BATCH_TOKENS = 4096
 
 Done = Callable[[int], None]  # told how many requests a batch finished (progress bars)
@@ -39,14 +29,13 @@ def _no_progress(n: int) -> None:
 
 
 def scoring_input(context: list[int], continuation: list[int], n_positions: int) -> list[int]:
-    """The ids the model reads to score `continuation` after `context`: both joined, less the last token
-    (its logits predict nothing scored), truncated from the left to the model's context."""
+    """Context and continuation joined, less the last token (it predicts nothing scored), left-truncated."""
     return (context + continuation)[-(n_positions + 1) :][:-1]
 
 
 def batches(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_BATCH_TOKENS) -> list[list[int]]:
-    """Request indices in batches, longest first: at most `batch_size` rows, and at most `max_tokens`
-    slots of padded length (a row longer than that still runs, alone)."""
+    """Request indices in batches, longest first, within `batch_size` rows and `max_tokens` slots (a longer row
+    runs alone)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     out: list[list[int]] = []
     for i in order:
@@ -60,10 +49,8 @@ def batches(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_BATCH
 def score_continuations(backend: Backend, requests: Sequence[tuple[list[int], list[int]]],
                         batch_size: int = DEFAULT_BATCH_SIZE, done: Done = _no_progress,
                         max_tokens: int = MAX_BATCH_TOKENS) -> list[tuple[float, bool]]:
-    """(sum of log p(continuation token), whether each is the argmax) per (context ids, continuation ids)
-    request, in the requests' order. Contexts must hold at least one token (lm-eval gives an empty
-    context the end-of-text token); an empty continuation scores (0.0, True); a continuation longer
-    than the model's context cannot be scored (lm-eval's rolling windows never make one)."""
+    """(sum of log p(continuation token), whether each is the argmax) per (context ids, continuation ids), in
+    order. A context holds at least one token; an empty continuation scores (0.0, True)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1, got {batch_size}", option="batch_size")
     n = backend.n_positions
@@ -103,17 +90,15 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
 
 
 def prompt_for_generation(context: list[int], n_positions: int, max_new_tokens: int) -> list[int]:
-    """A prompt that leaves room for `max_new_tokens` (keeping at least its last token): an empty one
-    starts from end-of-text, a long one keeps its end."""
+    """A prompt leaving room for `max_new_tokens`: an empty one is end-of-text, a long one keeps its end."""
     ids = context or [EOT_ID]
     return ids[-max(1, n_positions - max_new_tokens) :]
 
 
 def generate_until(backend: Backend, prompts: list[list[int]], settings: SamplingSettings,
                    stop: Sequence[str] = ()) -> list[str]:
-    """Text generated after each prompt (ids; one left-padded batch) with gpt2x's decode loop and
-    sampler: each row ends at EOS, at the first stop string (the text is cut before it), or after
-    settings.max_new_tokens tokens or the context's end; decoding stops once every row has ended."""
+    """Text after each prompt (one left-padded batch), each row ended at EOS, its budget, or its first stop string
+    (cancelled with Finish.stop, the text cut before it)."""
     if settings.num_beams > 1:
         raise UsageError("beam search does not stop at stop strings; generate_until decodes greedily or samples")
     sampler = Sampler(settings)  # one seeded stream for the batch, as generate() draws

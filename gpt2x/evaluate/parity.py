@@ -1,6 +1,5 @@
-"""Parity of a backend against a reference backend (the PyTorch fp32 model): logit statistics on random
-shapes (batch 1..4, past 0..N, left padding) and greedy agreement, gated by one tolerance table keyed
-by precision. Backend-agnostic: the reference is any Backend, so this module needs no torch."""
+"""Parity of a backend against a reference backend (in practice PyTorch fp32): logit statistics on random shapes
+and greedy agreement, gated by one tolerance table keyed by precision. Backend-agnostic: no torch here."""
 
 from __future__ import annotations
 
@@ -28,17 +27,8 @@ class Tolerance:
     why: str
 
 
-# The gates, justified in docs/export.md. fp32 differs only by summation order. fp16 and int8 are
-# lossy: they are gated on how close the next-token distributions stay (KL) and on greedy decoding;
-# top-1 agreement over random inputs is reported but not gated, because where the reference itself
-# has near-ties (random weights, random tokens) any rounding flips the argmax without changing what
-# the model says in any way that matters. int4 is gated on KL and the relative logit error, and its
-# greedy agreement is recorded, not gated: on GPT-2 124M with random weights sound int4 graphs keep
-# KL at 7e-3 yet their greedy sequences part after 0-4 tokens (agreement 0.05), so a greedy gate
-# could only refuse them. Measured (benchmarks/results/int4-variants-cpu-2core.json): the default
-# int4 export reaches KL 2.5e-3 / 7.2e-3 and max_rel 0.056 / 0.24 on the bundled model / GPT-2 124M,
-# 4x and 2.5x inside its gates; 4-bit weights scrambled as a packing bug would (nibbles swapped)
-# reach KL 0.28 to 6.6 and max_rel 1.5 to 4.4.
+# Justified in docs/export.md (parity gates): lossy precisions are gated on KL, not top-1 (random inputs have
+# near-ties any rounding flips); int4's greedy agreement is not gated (it parts after 0-4 tokens on random weights).
 TOLERANCES: dict[Precision, Tolerance] = {
     Precision.fp32: Tolerance(1e-4, 1e-6, 1.0, 1.0, "same maths, different summation order"),
     Precision.fp16: Tolerance(2e-2, 1e-3, None, 0.5, "10-bit mantissa: ~1e-3 relative error per op, accumulated over layers"),
@@ -74,9 +64,8 @@ def case_inputs(c: Case, vocab: int, rng: np.random.Generator) -> tuple[np.ndarr
 
 
 def compare_on_cases(reference: Backend, backend: Backend, seed: int = 0) -> dict:
-    """For each case: the reference builds the past from the prefix; both the reference and the
-    backend (given that past) then run the next `seq` tokens. Statistics over real (unpadded)
-    positions of all cases."""
+    """The reference builds each case's past; both then run the next `seq` tokens on it. Statistics over real
+    (unpadded) positions."""
     rng = np.random.default_rng(seed)
     refs, gots, present_err = [], [], 0.0
     for c in cases(reference.n_positions):
@@ -122,8 +111,7 @@ def greedy_agreement(reference, backend, n: int = GREEDY_TOKENS) -> dict:
 
 
 def check(reference: Backend, backend: Backend, precision: Precision, greedy_tokens: int = GREEDY_TOKENS) -> dict:
-    """Parity statistics of `backend` against `reference` (the PyTorch fp32 model), and whether they
-    pass the gate of `precision`."""
+    """Parity statistics of `backend` against `reference`, and whether they pass the gate of `precision`."""
     tol = TOLERANCES[precision]
     stats = compare_on_cases(reference, backend)
     greedy = greedy_agreement(reference, backend, greedy_tokens)

@@ -1,11 +1,6 @@
-"""gpt2x in lm-evaluation-harness: the `gpt2x` model class (model.py; importing this package registers
-it with lm-eval, so that `simple_evaluate(model="gpt2x", model_args="model=shakespeare,backend=ort")`
-finds it) and `gpt2x eval`'s runner (run.py).
-
-This package sits beside bench and serve, above workflows: turning a model name into a backend needs
-workflows.backends.open_backend. The scoring itself is NumPy on any Backend (gpt2x.evaluate.harness), so the
-evaluation layer stays free of lm_eval. lm-eval is the `eval` extra: without it, importing this
-package raises one MissingDependencyError naming the install command. Only `gpt2x eval` imports it.
+"""gpt2x in lm-evaluation-harness: the `gpt2x` model class (registered with lm-eval on import) and `gpt2x eval`'s
+runner. Above workflows (it opens backends by name); the scoring itself is evaluate.harness, free of lm_eval.
+Without the `eval` extra, importing it is one MissingDependencyError; only `gpt2x eval` imports it.
 """
 
 from __future__ import annotations

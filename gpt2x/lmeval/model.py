@@ -1,19 +1,5 @@
-"""`Gpt2xLM`: lm-evaluation-harness's model interface on any gpt2x Backend (torch, ort, openvino,
-genai; cpu or cuda), registered with lm-eval as "gpt2x".
-
-    Gpt2xLM(backend, batch_size=8)                         # a Backend already open
-    simple_evaluate(model="gpt2x", model_args="model=shakespeare,backend=ort,precision=int8", ...)
-
-Model arguments (lm-eval's `model_args` string or dict): model, backend (torch, ort, openvino, genai;
-default ort), provider (cpu, cuda; lm-eval's `device` picks cuda when it names one), precision, onnx
-(an export folder), revision, threads, batch_size (or "auto": the default), max_gen_toks (256), seed
-(1234, for sampled generation). A missing export is made first, as everywhere in gpt2x.
-
-Tokens are gpt2x's GPT-2 BPE; end-of-text is both the end of generation and the prefix of an empty
-context (lm-eval's prefix token). Scoring and generation are gpt2x.evaluate.harness (NumPy): the
-log-likelihood requests run as left-padded batches through `backend.run` on whole sequences, inputs
-longer than the model's context keep their end (as lm-eval's Hugging Face model), and rolling
-log-likelihoods score lm-eval's own disjoint rolling windows of the model's context length.
+"""`Gpt2xLM`: lm-evaluation-harness's model interface on any gpt2x Backend, registered as "gpt2x" (its model
+arguments: docs/commands/eval.md). Scoring and generation are gpt2x.evaluate.harness's.
 """
 
 from __future__ import annotations
@@ -55,8 +41,7 @@ def _choice(kind, value: Any, name: str):
 
 
 def _batch_size(value: Any, max_batch_size: Any = None) -> int:
-    """An integer batch size; lm-eval's "auto" (and "auto:N") is the default, or max_batch_size when given
-    (gpt2x bounds a batch by its token slots, harness.MAX_BATCH_TOKENS, rather than by probing memory)."""
+    """lm-eval's "auto" is the default (or max_batch_size): gpt2x bounds a batch by its token slots, not memory."""
     if value is None or (isinstance(value, str) and value.startswith("auto")):
         return int(max_batch_size) if max_batch_size else harness.DEFAULT_BATCH_SIZE
     try:
@@ -77,8 +62,7 @@ def _provider_from_device(device: Any) -> ProviderKind | None:
 
 
 def sampling_from(gen_kwargs: dict, max_gen_toks: int, seed: int) -> tuple[SamplingSettings, tuple[str, ...]]:
-    """A generate_until request's gen_kwargs as gpt2x's sampling settings and stop strings. Greedy
-    unless do_sample is true with a temperature above 0, as lm-eval's Hugging Face model decides."""
+    """gen_kwargs as sampling settings and stop strings; greedy unless do_sample with a temperature above 0."""
     kwargs = dict(gen_kwargs or {})
     unknown = sorted(k for k in kwargs if k not in GEN_KWARGS)
     if unknown:
@@ -128,8 +112,7 @@ class Gpt2xLM(TemplateLM):
              precision: str | None = None, onnx: str | Path | None = None, revision: str | None = None,
              threads: int | None = None, device: str | None = None, progress: Progress | None = None,
              notice: Progress | None = None, **options) -> Gpt2xLM:
-        """Open the backend the arguments name (gpt2x.workflows.backends.open_backend: exported first when
-        missing) and wrap it. `options` are the constructor's (batch_size, max_gen_toks, seed, ...)."""
+        """Open the backend the arguments name and wrap it; `options` are the constructor's."""
         kind = _choice(BackendKind, backend, "backend")
         chosen = _choice(ProviderKind, provider, "provider")
         from_device = _provider_from_device(device)
@@ -192,16 +175,14 @@ class Gpt2xLM(TemplateLM):
             return harness.score_continuations(self.gpt2x_backend, pairs, self.batch_size, bar.update, self.max_batch_tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """requests: ((context, continuation), context ids, continuation ids), as TemplateLM.loglikelihood
-        tokenizes them (an empty context is the end-of-text token)."""
+        """requests: ((context, continuation), context ids, continuation ids), as TemplateLM tokenizes them."""
         results = self._score([(ctx, cont) for _, ctx, cont in requests], "gpt2x loglikelihood", disable_tqdm)
         for (strings, _, _), answer in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", strings, answer)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Each string's whole log-likelihood after end-of-text, over lm-eval's disjoint rolling windows of
-        the model's context: every token is predicted once, with as much context as fits."""
+        """Over lm-eval's disjoint rolling windows: every token predicted once, with as much context as fits."""
         windows: list[tuple[list[int], list[int]]] = []
         owner: list[int] = []
         for i, req in enumerate(requests):
@@ -218,9 +199,7 @@ class Gpt2xLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Text generated after each context with gpt2x's decode loop, cut at the request's `until`
-        strings, at most max_gen_toks tokens; requests with the same generation arguments run as
-        left-padded batches. A context is truncated from the left to leave room for max_gen_toks."""
+        """Requests with the same generation arguments run as left-padded batches."""
         n = self.max_length
         groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, req in enumerate(requests):

@@ -47,9 +47,8 @@ def _is_task_file(name: str) -> bool:
 
 
 def task_manager(tasks: tuple[str, ...], include_paths: tuple[Path, ...] = ()) -> TaskManager:
-    """lm-eval's TaskManager for `tasks`: the include paths alone when they hold every task asked for
-    (indexing lm-eval's own ~15,000 task files takes seconds), else lm-eval's tasks and the include
-    paths (whose tasks take precedence). An unknown task is a UsageError naming the closest names."""
+    """The include paths alone when they hold every task (indexing lm-eval's ~15,000 task files takes seconds), else
+    lm-eval's tasks too. An unknown task is a UsageError naming the closest names."""
     if not tasks:
         raise UsageError("no tasks given", option="tasks")
     for path in include_paths:
@@ -78,8 +77,7 @@ def quiet_lm_eval() -> None:
 
 
 def prepare(settings: EvalSettings, progress: Progress = no_progress, notice: Progress = no_progress) -> tuple[TaskManager, Gpt2xLM]:
-    """The tasks checked first (before any export or load), then the backend opened (exported first
-    when missing) and wrapped in Gpt2xLM."""
+    """The tasks checked before any export or load, then the backend opened and wrapped."""
     manager = task_manager(settings.tasks, settings.include_paths)
     backend = open_backend(settings.backend, settings.provider, settings.model, settings.revision, settings.precision,
                            settings.onnx_dir, settings.threads, progress=progress, notice=notice)
@@ -89,9 +87,8 @@ def prepare(settings: EvalSettings, progress: Progress = no_progress, notice: Pr
 
 
 def evaluate(settings: EvalSettings, manager: TaskManager, lm: Gpt2xLM) -> dict[str, Any]:
-    """lm-eval's simple_evaluate on the tasks (progress bars on stderr unless settings say not). Returns
-    its result without per-document samples, with a "gpt2x" entry saying what ran. A task whose data set
-    cannot be loaded (offline and not cached, or not on the hub) is a HubError."""
+    """lm-eval's result without per-document samples, with a "gpt2x" entry saying what ran. An unloadable data
+    set is a HubError."""
     try:
         result = simple_evaluate(model=lm, tasks=list(settings.tasks), task_manager=manager, limit=settings.limit,
                                  num_fewshot=settings.num_fewshot, log_samples=False,

@@ -1,8 +1,5 @@
-"""The anatomy of a GPT-2 config: parameter shapes and counts per component, activation shapes.
-
-Computed from the config alone (no weights), and checked in the tests against the parameters of a
-model built on the meta device.
-"""
+"""A GPT-2 config's anatomy from the config alone: parameter shapes and counts per component, activation shapes
+(checked in the tests against a model built on the meta device)."""
 
 from __future__ import annotations
 

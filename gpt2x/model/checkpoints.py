@@ -112,8 +112,7 @@ def hub_download(repo: str, revision: str | None) -> Path:
         RevisionNotFoundError,
     )
 
-    # Without DNS for the hub there is no point in huggingface_hub's five retries (~25 s of
-    # warnings): use the cache alone, exactly as HF_HUB_OFFLINE=1 would.
+    # Without DNS, huggingface_hub's five retries are ~25 s of warnings: the cache alone, as HF_HUB_OFFLINE=1.
     cache_only = not hub_resolvable()
 
     def get(filename: str) -> Path:

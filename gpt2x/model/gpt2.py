@@ -1,7 +1,4 @@
-"""GPT-2 in one file, in dependency order: layers, model (the config and presets are in config.py,
-which needs no torch).
-
-The architecture (Radford et al. 2019), as Hugging Face's GPT-2 checkpoints hold it:
+"""GPT-2 in one file (Radford et al. 2019), as Hugging Face's checkpoints hold it:
 
     x = wte[input_ids] + wpe[position_ids]
     for each of n_layer blocks (pre-LayerNorm):
@@ -9,9 +6,7 @@ The architecture (Radford et al. 2019), as Hugging Face's GPT-2 checkpoints hold
         x = x + mlp.c_proj(gelu_tanh(mlp.c_fc(ln_2(x))))          # C -> 4C -> C
     logits = ln_f(x) @ wte.T                                       # unembedding tied to wte
 
-The key/value cache is a plain list of (key, value) tensors per layer, each shaped
-[batch, n_head, past_len, head_dim], so that the same forward exports to ONNX with
-past_len = 0 on the first step.
+The KV cache is a list of (key, value) tensors per layer, (B, H, P, D), so the same forward exports with P = 0.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Hugging Face's GPT-2 format: config.json <-> GPT2Config, and state dicts <-> our parameter layout.
-
-Hugging Face's GPT-2 stores its four projection matrices as `Conv1D` weights shaped [in, out];
-our `nn.Linear` wants [out, in], so those are transposed on load (and back on save). Nothing here
-imports torch: the state-dict functions only call methods of the tensors they are given.
+"""Hugging Face's GPT-2 format: config.json <-> GPT2Config, state dicts <-> our layout (HF's Conv1D weights are
+[in, out], nn.Linear's [out, in]: transposed on load and save). No torch: only the given tensors' methods.
 """
 
 from __future__ import annotations

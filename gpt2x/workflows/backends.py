@@ -41,8 +41,7 @@ def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_
 
 
 def require_provider(backends: list[BackendKind], provider: ProviderKind) -> None:
-    """Fail early, in one line, when a backend's runtime is not installed, or `provider` cannot run
-    one of `backends` on this machine."""
+    """Fail early when a backend's runtime is missing or `provider` cannot run one of `backends` here."""
     for kind in backends:
         require_runtime(kind)
     if provider is not ProviderKind.cuda:
@@ -64,12 +63,8 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
                  onnx_dir: Path | None = None, threads: int | None = None,
                  loaded: tuple[GPT2, ModelSource] | None = None,
                  progress: Progress = no_progress, notice: Progress = no_progress) -> Backend:
-    """The backend the user asked for.
-
-    The reference (torch): the model loaded into PyTorch (`loaded` reuses one in memory). The others:
-    the export in `onnx_dir`, or in the default folder for model and precision, exported first when
-    missing. An export given by folder is checked against `model` when a model is named, and against
-    its precision when one is asked for. A combination that cannot run is refused before any work."""
+    """The backend the user asked for: the model in PyTorch for the reference (`loaded` reuses one), else the
+    export in `onnx_dir` or the default folder (exported first when missing). Refusals come before any work."""
     refuse_unsupported(backend, provider, precision or Precision.fp32)
     if capabilities_of(backend).reference:
         name = model or DEFAULT_MODEL
@@ -86,10 +81,8 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
                    threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
-    """A runtime on an export folder: ONNX Runtime, OpenVINO, onnxruntime-genai or onnxruntime-web in
-    headless Chromium (each the same `Backend`), its runtime checked before its module is imported.
-    `in_place_kv` (ONNX Runtime's KV cache, the native backend's): None updates it in place wherever
-    the graph can, False keeps a growing cache, True requires the in-place one."""
+    """A runtime on an export folder, checked before its module is imported. `in_place_kv`: the native backend's
+    (OrtBackend's) option."""
     caps = capabilities_of(backend)
     if caps.reference:
         raise UsageError(f"the {backend.value} backend does not run export folders (it runs the model itself, in {caps.runtime})")

@@ -22,8 +22,7 @@ DRAFT_HELP = ("int4 or int8 (the target model's own quantized export), ngram (pr
 
 
 def draft_runtime(backend: BackendKind) -> BackendKind:
-    """The runtime a draft model runs on for a target on `backend`: the same, but the native one
-    (ONNX Runtime) for the reference, which runs no export (int4 and int8 exist only as exports)."""
+    """The target's runtime, but the native one for the reference, which runs no export."""
     if not capabilities_of(backend).reference:
         return backend
     return next(kind for kind in BackendKind if kind is not backend and capabilities_of(kind).native)
@@ -31,10 +30,8 @@ def draft_runtime(backend: BackendKind) -> BackendKind:
 
 def check_draft(draft: str, backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
                 vocab_size: int | None = None, revision: str | None = None) -> None:
-    """Refuse, before any work (no export, no load), a draft that cannot serve a target on `backend`:
-    a backend that cannot roll back its cache (its capabilities), a precision the draft's runtime cannot run on
-    `provider`, a model that does not resolve, or one whose vocabulary is not the target's
-    (`vocab_size`) or whose tokenizer files are not GPT-2's."""
+    """Refuse, before any export or load, a draft that cannot serve the target: no rollback, a precision its runtime
+    cannot run, a model that does not resolve, or another vocabulary or tokenizer."""
     if not capabilities_of(backend).rolls_back:
         raise cannot_roll_back(backend.value)
     if draft == NGRAM_DRAFT:
@@ -72,10 +69,8 @@ def check_draft(draft: str, backend: BackendKind = BackendKind.ort, provider: Pr
 def resolve_draft(draft: str, model: str, vocab_size: int, backend: BackendKind = BackendKind.ort,
                   provider: ProviderKind = ProviderKind.cpu, revision: str | None = None,
                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo | None:
-    """The export a draft runs from, for a target of `model` (with `vocab_size` tokens) on `backend`:
-    None for `ngram` (no model); for `int4`, `int8` (or `fp32`) the target model's export at that
-    precision; an export folder as it is; for a model (name, hub repo or folder) its fp32 export.
-    Missing exports are made first (parity-gated, like any). check_draft's refusals come first."""
+    """The export a draft runs from: None for `ngram`; for a precision, the target model's export at it; a folder as
+    it is; for a model, its fp32 export. Missing exports are made first."""
     check_draft(draft, backend, provider, vocab_size, revision)
     if draft == NGRAM_DRAFT:
         return None
@@ -90,12 +85,8 @@ def open_drafter(draft: str, target: Backend, backend: BackendKind = BackendKind
                  provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  settings: DraftSettings | None = None, revision: str | None = None,
                  progress: Progress = no_progress, notice: Progress = no_progress) -> Drafter:
-    """The draft for speculative decoding with `target` (opened with `backend` on `provider`), from
-    resolve_draft's export (or prompt lookup for `ngram`), run on draft_runtime(backend) on the same
-    provider. On the CPU a draft model gets 1 thread unless `threads` says otherwise: its steps are
-    small enough that a second thread costs more than it gives, and the target's threads stay free
-    (measured: benchmarks/results/speculative-threads-cpu-2core.md). Refused in one line: a target that cannot roll back its
-    cache, and a draft with another vocabulary."""
+    """The drafter for `target`, on draft_runtime(backend) and the same provider. On the CPU a draft model gets 1
+    thread by default: its steps are too small for a second (benchmarks/results/speculative-threads-cpu-2core.md)."""
     refuse_unrollable(target, "target")
     info = resolve_draft(draft, target.model_name, target.vocab_size, backend, provider, revision, progress, notice)
     if info is None:

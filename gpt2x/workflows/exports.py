@@ -45,8 +45,7 @@ def export_by_name(name: str, out: Path | None = None, precision: Precision = Pr
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:
-    """An export used for `model` must come from it: same config, and for the bundled model (cheap
-    to hash) the same weights, so an export left over from another gpt2x version is not run."""
+    """Same config, and for the bundled model (cheap to hash) the same weights: no export left from another version."""
     cfg = resolve_config(model, revision)
     if cfg != info.config:
         raise ArtifactError(
@@ -57,8 +56,7 @@ def check_export_matches(info: ExportInfo, model: str, revision: str | None = No
 
 
 def _elsewhere(folder: Path) -> str:
-    """A hint when the working directory's exported/ (where exports went by default before
-    GPT2X_EXPORTS) holds this export: the setting that would use it."""
+    """A hint when ./exported/ (the default before GPT2X_EXPORTS) holds this export."""
     old = Path("exported") / folder.name
     if folder.parent.resolve() != old.parent.resolve() and is_export(old):
         return f" (./{old} holds one: {EXPORTS_ENV}=exported uses it)"
@@ -68,10 +66,8 @@ def _elsewhere(folder: Path) -> str:
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
                   folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
-    """The export of `model` at `precision` in `folder` (default: default_export_dir, under
-    exports_root()), exported first (parity-gated) when the folder holds none; processes that make the
-    same export at once take turns (fileio.folder_lock), and the later ones use the first one's.
-    `loaded` reuses a model already in memory; `notice` hears that an export is about to happen."""
+    """The export of `model` at `precision` in `folder`, made first when missing; processes making the same export
+    take turns (folder_lock) and the later ones use the first's. `notice` hears an export is about to happen."""
     folder = Path(folder) if folder is not None else default_export_dir(model, precision)
     if not is_export(folder):
         with folder_lock(folder):  # another process making the same export: wait for it, then use it
@@ -92,9 +88,8 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
 def resolve_export(model: str | None = None, revision: str | None = None, precision: Precision | None = None,
                    onnx_dir: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
                    progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
-    """The export the user's choices name: `onnx_dir` (checked against `model` when one is named, and
-    against `precision` when one is asked for), or the default folder of model and precision,
-    exported first when missing."""
+    """`onnx_dir` (checked against a named `model` and an asked `precision`), else the default folder, made first
+    when missing."""
     if onnx_dir is None:
         info = ensure_export(model or DEFAULT_MODEL, precision or Precision.fp32, revision, loaded=loaded,
                              progress=progress, notice=notice)

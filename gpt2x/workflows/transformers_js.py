@@ -18,9 +18,8 @@ def export_transformers_js(model: str = DEFAULT_MODEL, out: Path | None = None,
                            precisions: Sequence[Precision] = TRANSFORMERS_JS_PRECISIONS, revision: str | None = None,
                            force: bool = False, progress: Progress = no_progress,
                            notice: Progress = no_progress) -> TransformersJsFolder:
-    """A folder transformers.js loads (default exported/<model>-transformers.js) holding the graphs of
-    `model`'s exports at `precisions` (fp32, int8, int4): each the export in exported/<model>-<precision>,
-    exported first (parity-gated) when missing; the model is loaded once for all the missing ones."""
+    """The transformers.js folder of `model`'s exports at `precisions`, each made first when missing (the model
+    loaded once for all of them)."""
     precisions = check_precisions(precisions)
     out = Path(out) if out is not None else default_layout_dir(model)
     if out.exists() and not force:
