@@ -10,8 +10,7 @@ class Gpt2xError(Exception):
 
 
 class UsageError(Gpt2xError):
-    """Invalid option values or combinations (prompt too long, empty prompts file, ...). `option` names
-    the parameter at fault, when one is, so that the CLI can name its flag instead."""
+    """Invalid option values or combinations; `option` names the parameter at fault, so the CLI can name its flag."""
 
     exit_code = 2
 
@@ -57,15 +56,13 @@ class ProviderError(Gpt2xError):
 
 
 class OutputError(Gpt2xError):
-    """An output that exists and would be overwritten without being asked to, or that cannot be written
-    (permissions, disk full)."""
+    """An output that exists and would be overwritten unasked, or cannot be written."""
 
     exit_code = 9
 
 
 class MissingDependencyError(Gpt2xError):
-    """An optional part of gpt2x that is not installed (PyTorch and onnxscript for exporting, matplotlib
-    for plots); the message names the pip command that installs it."""
+    """An optional part of gpt2x that is not installed; the message names the pip command."""
 
     exit_code = 10
 

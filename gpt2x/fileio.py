@@ -27,8 +27,7 @@ def sha256(path: Path) -> str:
 
 @contextmanager
 def folder_lock(folder: Path) -> Iterator[None]:
-    """Held while a process makes `folder`: an OS file lock on a hidden file beside it (released if
-    the process dies), so that processes making the same folder at once take turns."""
+    """An OS lock on a hidden file beside `folder` (released if the process dies): makers of one folder take turns."""
     folder = Path(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -39,8 +38,7 @@ def folder_lock(folder: Path) -> Iterator[None]:
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and one rename: readers see
-    the old file or the new one, never a half-written one. OutputError when it cannot be written."""
+    """Write through a temporary file and one rename: readers see the old file or the new, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -62,8 +60,7 @@ def temp_path_beside(path: Path, suffix: str = "") -> Path:
 
 
 def replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished folder `tmp` to `out`, replacing what is there: the old folder is renamed
-    aside first and removed only once the new one is in place."""
+    """Move `tmp` to `out`; the old folder is renamed aside and removed only once the new one is in place."""
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
@@ -74,8 +71,7 @@ def replace_folder(tmp: Path, out: Path) -> None:
 
 
 def remove_stale_partials(out: Path) -> None:
-    """Remove what a writer of `out` killed outright (SIGKILL, power loss) left: `.NAME.partial-PID-*`
-    folders whose process is gone. They never look like a finished folder (hidden name)."""
+    """Remove the hidden `.NAME.partial-PID-*` folders of writers of `out` that were killed outright."""
     for folder in out.parent.glob(f".{out.name}.partial-*"):
         pid = folder.name[len(f".{out.name}.partial-") :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
@@ -84,12 +80,9 @@ def remove_stale_partials(out: Path) -> None:
 
 @contextmanager
 def folder_written_whole(out: Path, force: bool, what: str) -> Iterator[Path]:
-    """A folder written whole or not at all. Yields a new temporary folder beside `out`
-    (`.NAME.partial-PID-*`, which remove_stale_partials clears if this process is killed) for the
-    caller to fill; when the block ends normally its files are made ordinary ones (the umask's
-    permissions: mkdtemp and onnx's external data make them owner-only) and it replaces `out`
-    (replace_folder). On any failure it is removed, and an OSError (disk full, permissions) becomes
-    OutputError("`what` failed: ..."). An existing `out` is refused unless `force`."""
+    """Yields a temporary folder beside `out` to fill; on success its files get the umask's permissions (mkdtemp and
+    onnx's external data make them owner-only) and it replaces `out`, else it is removed (an OSError becomes
+    OutputError). An existing `out` is refused unless `force`."""
     out = Path(out)
     if out.exists() and not force:
         raise OutputError(f"{out} exists (force=True replaces it)")

@@ -13,6 +13,5 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
-    """Position ids (B, seq_len) of the last `seq_len` slots of an attention mask (B, P+T): the count
-    of real tokens before each slot, so left padding does not shift a row's positions; pads get 0."""
+    """Position ids (B, seq_len) of a mask's last slots: real tokens before each, so left padding shifts nothing."""
     return np.maximum(np.cumsum(mask, axis=-1) - 1, 0)[:, mask.shape[1] - seq_len :].astype(np.int64)

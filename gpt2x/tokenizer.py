@@ -1,8 +1,5 @@
 """GPT-2's byte-pair encoding, built offline with tiktoken from the BPE files shipped in the package.
-
-`<|endoftext|>` written in user text is encoded as the special token 50256 (the document separator),
-as transformers' GPT-2 tokenizer does; everything else is ordinary text.
-"""
+`<|endoftext|>` in user text is the special token 50256, as in transformers' GPT-2 tokenizer."""
 
 from __future__ import annotations
 
@@ -52,10 +49,8 @@ def _byte_of_char() -> dict[str, int]:
 
 
 def mergeable_ranks() -> dict[bytes, int]:
-    """Every ordinary token's bytes and its id (its merge rank), read from encoder.json: the ranks
-    tiktoken's data_gym_to_mergeable_bpe_ranks derives from vocab.bpe's merges (tested equal), in
-    a seventh of its time (one read of a 1 MB file instead of replaying 50,000 merges: a process's
-    start pays it). Both files' sha256 are checked first, so the two cannot disagree."""
+    """Every ordinary token's bytes and rank, from encoder.json: tiktoken's ranks from vocab.bpe (tested equal) in a
+    seventh of the time, which every process start pays. Both files' sha256 are checked, so they agree."""
     verified_bpe_file("vocab.bpe")
     encoder = json.loads(verified_bpe_file("encoder.json").read_text(encoding="utf-8"))
     to_latin1 = str.maketrans({c: chr(b) for c, b in _byte_of_char().items()})
@@ -63,8 +58,7 @@ def mergeable_ranks() -> dict[bytes, int]:
 
 
 def folder_vocabulary_differs(folder: Path) -> str | None:
-    """Why a Hugging Face folder's tokenizer files (vocab.json, merges.txt) are not GPT-2's, or None when
-    they are, or when the folder has none (gpt2x then tokenizes with GPT-2's)."""
+    """Why a folder's vocab.json and merges.txt are not GPT-2's; None when they are, or are absent."""
     folder = Path(folder)
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if vocab.is_file():

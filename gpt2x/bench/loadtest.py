@@ -1,16 +1,6 @@
-"""Load test of any OpenAI-compatible completions endpoint (vLLM, llama.cpp's server, TGI, ...).
-
-Streams `POST {base}/v1/completions` under a closed loop of `concurrency` requests in flight (or
-Poisson arrivals at `rate` requests/s, still capped by `concurrency`) and reports, per concurrency
-level, what vLLM's serving benchmark reports: TTFT, TPOT, inter-token latency and end-to-end latency
-percentiles, request and output-token throughput, and failures by kind. It only talks to the URL it
-is given, sends at most `requests` requests per level, and bounds every request by `timeout`.
-
-The shared-prefix workload (`shared_prefix_tokens` > 0), like vLLM's benchmark's prefix-repetition data
-set: every prompt is one of `prefixes` shared prefixes of `shared_prefix_tokens` GPT-2 tokens, a newline,
-then a suffix of about `suffix_tokens` tokens of its own; each level's requests take the prefixes in a
-seeded shuffled order (as many of each, give or take one). Per level it reports the prompt tokens and
-the cached prompt tokens the server states, and their ratio, the prefix-cache hit rate.
+"""Load test of any OpenAI-compatible completions endpoint: streamed requests in a closed loop or Poisson arrivals,
+reported per concurrency level as vLLM's serving benchmark reports them, optionally on a shared-prefix workload
+(docs/commands/loadtest.md). It talks only to the URL given, and bounds every request.
 """
 
 from __future__ import annotations
@@ -108,10 +98,8 @@ def _corpus() -> tuple[list[int], list[int]]:
 
 
 def _text_of_tokens(tokens: list[int], start: int, n: int) -> tuple[str, list[int]]:
-    """About `n` tokens of `tokens` (read cyclically) from about `start`, as text without surrounding
-    whitespace, and its tokens: exactly `n` of them where possible (decoding a window and encoding it
-    again may merge or split a token at its edges, and stripping drops whitespace tokens: windows a few
-    tokens wider or narrower, then starting a token or a few later, are tried), else the closest."""
+    """About `n` tokens of `tokens` (cyclic) from about `start`, as stripped text, and its tokens: exactly `n` where
+    a nearby window gives them (re-encoding may merge or split tokens at the edges), else the closest."""
     best: tuple[str, list[int]] = ("", [])
     for shift in range(8):
         for width in sorted(range(max(1, n - 4), n + 5), key=lambda w: (abs(w - n), w)):
@@ -126,8 +114,8 @@ def _text_of_tokens(tokens: list[int], start: int, n: int) -> tuple[str, list[in
 
 
 def _distinct_starts(tokens: list[int], starts: list[int], k: int, rng: random.Random) -> list[int]:
-    """`k` different line starts in a seeded order, those whose first two tokens no other chosen one
-    shares first (speakers' names open many lines: prefixes starting alike would share cached tokens)."""
+    """`k` different line starts, seeded, preferring distinct first two tokens (speakers' names open many lines:
+    prefixes starting alike would share cached tokens)."""
     pool = rng.sample(starts, len(starts))
     chosen: list[int] = []
     heads: set[tuple[int, ...]] = set()
@@ -151,13 +139,9 @@ def _distinct_starts(tokens: list[int], starts: list[int], k: int, rng: random.R
 
 def shared_prefix_prompts(prefix_tokens: int, prefixes: int, suffix_tokens: int, count: int, seed: int = 0,
                           block: int | None = None) -> tuple[list[str], list[int], list[int]]:
-    """`count` prompts of the shared-prefix workload, from the bundled Shakespeare text (deterministic
-    for a seed): `prefixes` prefixes of `prefix_tokens` tokens, each starting at a different line (the
-    text read cyclically, so any length works), and `count` suffixes of about `suffix_tokens` tokens, each
-    from its own position in the text (different while `count` is below the text's 2,162 tokens); prompt
-    = prefix + "\n" + suffix. Neither has whitespace at its ends, so a prompt's tokens start with its
-    prefix's tokens exactly. Returns the prompts, each prompt's prefix index (a shuffled order, as many
-    of each prefix, give or take one, in every `block` prompts: a level's), and each prefix's token count."""
+    """The shared-prefix workload's prompts (prefix + "\n" + suffix, neither with whitespace at its ends, so a prompt's
+    tokens start with its prefix's exactly), each prompt's prefix index (shuffled, balanced within every `block`),
+    and each prefix's token count."""
     rng = random.Random(f"gpt2x-loadtest-shared-prefix-{seed}")
     tokens, starts = _corpus()
     chosen = _distinct_starts(tokens, starts, prefixes, rng)
@@ -201,9 +185,7 @@ class RequestRecord:
 
 
 def stated_prompt_tokens(chunk: dict) -> tuple[int | None, int | None]:
-    """(prompt tokens, cached prompt tokens) a streamed chunk states, None where it does not: OpenAI's and
-    vLLM's `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, else llama.cpp's server's
-    `timings` (`cache_n` tokens reused from the slot's cache, `prompt_n` tokens evaluated)."""
+    """(prompt tokens, cached prompt tokens) a streamed chunk states: OpenAI's `usage`, else llama.cpp's `timings`."""
     usage = chunk.get("usage") or {}
     timings = chunk.get("timings") or {}
     prompt = usage.get("prompt_tokens")
@@ -378,9 +360,8 @@ async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model
 
 
 def level_prompts(settings: LoadtestSettings) -> tuple[list[list[str]], list[int] | None]:
-    """Each level's prompts, and the shared prefixes' token counts (None: not the shared-prefix workload).
-    Shared prefix: `requests` prompts per level, every suffix different across the whole run (a prompt a
-    level before sent whole would be a cache hit beyond its prefix)."""
+    """Each level's prompts and the shared prefixes' token counts (None: not that workload). No suffix repeats in a
+    run: a prompt sent whole a level before would be a cache hit beyond its prefix."""
     if not settings.shared_prefix_tokens:
         return [settings.prompts] * len(settings.concurrency), None
     n = settings.requests
@@ -401,8 +382,7 @@ async def _run(settings: LoadtestSettings, prompts: list[list[str]], progress: C
 
 
 def run_loadtest(settings: LoadtestSettings, environment: dict, progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Every concurrency level in turn; the result is JSON-ready. Raises EndpointError if the server
-    cannot be reached at the start (requests that fail later are counted, not raised)."""
+    """Every concurrency level in turn, JSON-ready. EndpointError only if the server cannot be reached at the start."""
     settings.validate()
     prompts, prefix_counts = level_prompts(settings)
     model, levels = asyncio.run(_run(settings, prompts, progress))
@@ -435,8 +415,7 @@ def _ms(summary: dict | None, key: str) -> str:
 
 
 def hit_rate_text(level: dict) -> str:
-    """A level's prefix-cache hit rate as a percentage, "n/a" where the server stated no cached tokens
-    (and in version-1 results, which did not record them)."""
+    """A level's prefix-cache hit rate, "n/a" where no cached tokens were stated (and in version-1 results)."""
     rate = level.get("prefix_cache_hit_rate")
     return "n/a" if rate is None else f"{100 * rate:.1f}%"
 

@@ -67,8 +67,7 @@ def bench_tables(result: BenchResult) -> list[Table]:
 
 
 def fastest_table(result: BenchResult) -> Table | None:
-    """The configurations measured best on this machine (BenchResult.fastest), with the `gpt2x serve`
-    flags that run each; None when no row counts."""
+    """The configurations measured best, with the `gpt2x serve` flags that run each; None when no row counts."""
     best = result.fastest
     if not best:
         return None
@@ -166,8 +165,7 @@ def save_png(fig, path: Path) -> None:
 
 
 def save_results(out: Path, data: dict, markdown: str) -> None:
-    """A benchmark's results as OUT.json (every figure) and OUT.md (its table), each written whole or
-    not at all; `out` is the path without extension."""
+    """OUT.json (every figure) and OUT.md (its table), each written whole; `out` has no extension."""
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1) + "\n")
     write_atomic(out.with_suffix(".md"), markdown)

@@ -1,12 +1,6 @@
-"""`gpt2x bench`'s result as typed records: the parity, speed and speculative rows, what was not run,
-and the run's settings, machine, model and memory bandwidth. run.py builds them once; `BenchResult`
-writes them as one JSON document (`to_json`) and reads any schema version back (`from_json`).
-
-A record's JSON object has one key per field, named as the field unless its metadata says otherwise
-(`key`); an `optional` field that is None is left out of the object (the schema's optional keys); a
-field whose JSON form is not its Python form says how to read it back (`read`). A new figure is a
-field here, set where run.py builds the row; a renamed key is a new SCHEMA_VERSION, and `from_dict`
-goes on reading the old name.
+"""`gpt2x bench`'s result as typed records, built once by run.py, written by `BenchResult.to_json` and read back
+from any schema version by `from_json`. A new figure is a field here (`spec`: its key, reader, optionality); a
+renamed key is a new SCHEMA_VERSION, with `from_dict` still reading the old name.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ SCHEMA_VERSION = 4
 
 
 def spec(*, key: str | None = None, read: Callable[[Any], Any] | None = None, optional: bool = False, **kw):
-    """A record's field: its JSON key (default: its name), how to read its JSON value back (default:
-    as it is), and whether None leaves the key out."""
+    """A record's field: its JSON key (default: its name), how to read it back, and whether None leaves it out."""
     meta = {"key": key, "read": read, "optional": optional}
     return field(metadata=meta, **kw)
 
@@ -79,8 +72,7 @@ class Record:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings(Record):
-    """The settings a bench ran with (run.BenchSettings, resolved: the thread count used, the
-    perplexity text's path or the bundled text's name)."""
+    """The settings a bench ran with, resolved."""
 
     model: str
     provider: ProviderKind = spec(read=ProviderKind)
@@ -107,8 +99,7 @@ class RunSettings(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Environment(Record):
-    """The machine and software a result was measured on (bench.system.system_info). Every field may
-    be absent from a record given by hand (tests give the cores alone)."""
+    """The machine and software measured on (system_info); every field may be absent (tests give the cores alone)."""
 
     gpt2x: str | None = spec(default=None, optional=True)
     date: str | None = spec(default=None, optional=True)
@@ -134,8 +125,8 @@ class ModelFacts(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Bandwidth(Record):
-    """The memory bandwidth the roofline divides: measured before and after the rows, the higher
-    sample taken (a transient slowdown must not make the roofline look easy to reach)."""
+    """The roofline's bandwidth: the higher of before and after the rows (a transient slowdown must not make the
+    roofline look easy to reach)."""
 
     kind: str  # what was measured: a CPU read with N threads, or a GPU device-to-device copy
     samples_bytes_per_s: list[float]
@@ -157,9 +148,7 @@ class Reference(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class ParityRow(Record):
-    """One backend x precision against the reference: the parity gate's figures (evaluate.parity's
-    records: logit statistics, greedy agreement, tolerance; None where an export recorded none) and
-    perplexity on the bench's text."""
+    """One backend x precision against the reference: the parity gate's figures and perplexity on the bench's text."""
 
     backend: BackendKind = spec(read=BackendKind)
     precision: Precision = spec(read=Precision)
@@ -183,9 +172,7 @@ class ContextLatency(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class PageFigures(Record):
-    """A backend whose forwards run in a page (capabilities.page, the web backend): the page's own
-    figures, without the trip of each step's logits to Python, and what ran it. Flattened into its
-    speed row's JSON object as the page_* keys."""
+    """A page backend's own figures, without the logits' trip to Python; flattened into its speed row as page_*."""
 
     memory_mb: float = spec(key="page_memory_mb")  # the page's process (a browser's renderer), peak
     info: dict[str, Any] = spec(key="page")  # onnxruntime-web's version, threads, isolation, user agent
@@ -197,8 +184,7 @@ class PageFigures(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SpeedRow(Record):
-    """One backend x precision x batch: the median of the timed runs, against the roofline and, for a
-    backend other than ort, against ort's row at the same precision and batch (`native_*`)."""
+    """One backend x precision x batch: the timed runs' median, against the roofline and ort's row (`native_*`)."""
 
     backend: BackendKind = spec(read=BackendKind)
     precision: Precision = spec(read=Precision)
@@ -233,9 +219,8 @@ class SpeedRow(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeRow(Record):
-    """Speculative decoding of one backend x precision with one draft, greedy, batch 1, against plain
-    decoding of the same target in the same interleaved rounds; the draft statistics are vLLM's
-    counters summed over the timed runs."""
+    """One backend x precision with one draft (greedy, batch 1) against plain decoding in the same interleaved
+    rounds; the draft statistics are vLLM's counters summed over the timed runs."""
 
     backend: BackendKind = spec(read=BackendKind)
     precision: Precision = spec(read=Precision)
@@ -281,9 +266,7 @@ class Skipped(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Fastest(Record):
-    """The configuration a bench measured best at one goal on its machine, among those that passed
-    parity: `decode`, the most decode tokens/s at any batch (what a serving replica wants), or
-    `first_token`, the shortest time to first token at batch 1."""
+    """The configuration measured best at one goal (`decode` or `first_token`, see BenchResult.best)."""
 
     goal: str
     backend: BackendKind = spec(read=BackendKind)
@@ -329,10 +312,8 @@ class BenchResult(Record):
         return [f for f in (self.best(goal) for goal in GOALS) if f is not None]
 
     def best(self, goal: str, among: tuple[BackendKind, ...] | None = None) -> Fastest | None:
-        """The speed row best at `goal` (`decode`: the most decode tokens/s at any batch; `first_token`:
-        the shortest time to first token at batch 1), of the backends `among` (default: all), whose
-        backend and precision did not fail a parity gate: a faster configuration that fails its gate
-        does not count. None when no row qualifies."""
+        """The speed row best at `goal` (`decode`: most decode tokens/s at any batch; `first_token`: shortest time to
+        first token at batch 1) among rows that did not fail a parity gate; None when none qualifies."""
         if goal not in GOALS:
             raise ValueError(f"goal must be one of {', '.join(GOALS)}, not {goal!r}")
         failed = {(p.backend, p.precision) for p in self.parity if not p.passed}

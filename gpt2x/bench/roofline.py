@@ -1,6 +1,5 @@
-"""The hardware limit of decoding: one token reads every weight matrix once (plus the KV cache), so
-at batch B the fastest possible decode rate is B * bandwidth / (weight bytes + KV bytes). The
-bandwidth is measured: a multi-threaded read on the CPU, a device-to-device copy on the GPU."""
+"""The hardware limit of decoding: a token reads every weight once (and the KV cache), so at batch B the fastest
+decode rate is B * bandwidth / (weight bytes + KV bytes), the bandwidth measured (a CPU read, a GPU copy)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def cpu_read_bandwidth(threads: int, megabytes: int = 1024, repeats: int = 7) ->
 
 
 def gpu_copy_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
-    """Bytes/s moved by a device-to-device copy (read + write counted), via PyTorch's CUDA (the
-    bench's only use of torch on the ONNX Runtime path: without torch there is no GPU figure)."""
+    """Bytes/s of a device-to-device copy (read + write), via PyTorch: the ORT path's one torch use (optional)."""
     import torch
 
     a = torch.empty(megabytes << 20, dtype=torch.uint8, device="cuda")
@@ -55,9 +53,8 @@ def gpu_copy_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
     return 2 * a.numel() * repeats / (time.perf_counter() - t0)
 
 
-# How each precision stores a K x N weight matrix (onnx/optimize.py): (bits, block) for MatMulNBits
-# (packed weights, blocks padded to whole blocks along K, one fp32 scale per block), None for plain
-# floats. int4 keeps the tied unembedding (the head) at int8's settings.
+# How each precision stores a K x N matrix (onnx/optimize.py): MatMulNBits (bits, block) pack whole blocks along K,
+# one fp32 scale each; int4 keeps the tied unembedding at int8's settings.
 FLOAT_BYTES = {Precision.fp32: 4, Precision.fp16: 2}
 BLOCK_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (4, INT4_BLOCK)}
 HEAD_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (INT4_HEAD_BITS, INT8_BLOCK if INT4_HEAD_BITS == 8 else INT4_BLOCK)}
