@@ -1,10 +1,6 @@
-"""The `gpt2x` command line. It only wires library calls together and prints: results to stdout,
-progress and errors to stderr, `--json` for scripts. One module per command; exceptions become exit
-codes here, in `main()`, and nowhere else (each gpt2x exception class carries its code).
-
-A process imports the module of the command it runs and no other (`gpt2x generate` does not pay for
-`bench`'s or `serve`'s imports at start); `gpt2x --help`, shell completion and anything else that is
-not a command name load them all."""
+"""The `gpt2x` command line: wires library calls and prints (results to stdout, progress and errors to stderr).
+Exceptions become exit codes in `main()` alone. A process imports only the command it runs (a shorter start);
+help and completion load them all."""
 
 from __future__ import annotations
 
@@ -81,8 +77,7 @@ def command_module(name: str):
 
 
 def register(args: list[str]) -> None:
-    """Add to the app the command `args` names (the first word that is not an option), or every
-    command when they name none (help, completion, a typo that click then reports)."""
+    """Add the command `args` names (its first non-option word), or every command when none (help, completion, a typo)."""
     first = next((a for a in args if not a.startswith("-")), None)
     names = [first] if first in COMMANDS and "_GPT2X_COMPLETE" not in os.environ else list(COMMANDS)
     done = {c.name for c in app.registered_commands}
@@ -91,8 +86,7 @@ def register(args: list[str]) -> None:
         app.command(name, epilog=module.EPILOG)(getattr(module, name))
 
 
-# Spellings of the previous release still accepted, with a one-line notice on stderr: rewritten in
-# the arguments before Typer parses them (upgrade_args), so that each command declares only the new ones.
+# The previous release's spellings, rewritten before Typer parses (upgrade_args): commands declare only the new ones.
 RENAMED_OPTIONS = {"--draft-tokens": "--num-speculative-tokens"}
 JSON_PATH_COMMANDS = ("bench", "eval", "loadtest")  # where `--json PATH` wrote a file (now --output PATH)
 JSON_PATH_NOTICE = "--json PATH is deprecated; use --output PATH (--json now prints the JSON on stdout)"
@@ -100,8 +94,7 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|[\w.-]+:\d+(/|$)")  # scheme://..
 
 
 def _json_path(command: str, value: str | None) -> bool:
-    """Whether the word after `--json` is the file the old `--json PATH` named: not an option, and for
-    loadtest, whose argument is the server's URL, not something that looks like a URL."""
+    """Whether the word after `--json` is the old `--json PATH`'s file: not an option, nor (loadtest) a URL."""
     if value is None or value.startswith("-"):
         return False
     return not (command == "loadtest" and _URL.match(value))

@@ -35,8 +35,7 @@ ModelOpt = Annotated[
 
 
 def _use_exports(value: Optional[Path]) -> Optional[Path]:
-    """--exports DIR (or GPT2X_EXPORTS): the one setting of where exports made by model name go, set for
-    this process and those it starts (artifact.exports_root reads it)."""
+    """--exports DIR: set as GPT2X_EXPORTS for this process and those it starts (artifact.exports_root reads it)."""
     if value is not None:
         os.environ[EXPORTS_ENV] = str(value.expanduser().resolve())
     return value
@@ -167,8 +166,7 @@ def write_json(text: str, as_json: bool, output: Optional[Path]) -> None:
 
 
 def print_tables(tables: Iterable, as_json: bool, **options) -> None:
-    """A command's tables: on stdout, or with --json (stdout holds the JSON alone) on stderr, or
-    nowhere with --json and --quiet. `options` go to Console.print."""
+    """A command's tables on stdout, or on stderr with --json (stdout holds the JSON alone), or nowhere with --quiet too."""
     console = out if not as_json else err_tables if Status.enabled else None
     for table in tables if console is not None else ():
         console.print(table, **options)
