@@ -147,7 +147,7 @@ class TopP:
         def warp(s: np.ndarray, p: float | np.ndarray) -> np.ndarray:
             probs = softmax(s)
             keep = np.zeros(s.shape, dtype=bool)
-            for row, row_p, row_keep in zip(probs, np.broadcast_to(p, (len(s), 1))[:, 0], keep):
+            for row, row_p, row_keep in zip(probs, [p] * len(s) if np.ndim(p) == 0 else p[:, 0], keep):
                 _top_p_keep(row, row_p, row_keep)
             return np.where(keep, s, -np.inf)
         return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
