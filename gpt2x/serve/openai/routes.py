@@ -1,23 +1,21 @@
 """The HTTP side of a replica: the FastAPI application (its OpenAPI description, `/openapi.json` and
-`/docs`), the API key, the body limit, and every failure as an OpenAI-style JSON error with its
-status. The routes are wired in ray/deploy.py (Ray Serve's ingress) and, for a replica's service run in
-this process without Ray, by `local_app`; both with the route descriptions declared here.
+`/docs`), the API key, the body limit, every failure as an OpenAI-style JSON error with its status,
+and the routes, declared once (`router`) and mounted by both ways of running a replica: `local_app`
+in this process, and ray/deploy.py's Ray Serve ingress.
 
-The completions route reads and validates its body itself (protocol.parse_request, with the pydantic
-model protocol.CompletionParams), after the API key and the body's size are checked: FastAPI does not
-parse it, and the schema of the body is added to the OpenAPI description by `Gpt2xApp.openapi`.
-Anything FastAPI itself refuses (a RequestValidationError) is the same 400 as a bad field. The
-tokenizer routes read theirs the same way (`schema.TokenizeParams`, `schema.DetokenizeParams`: vLLM's request and
-response shapes, answered by gpt2x's tokenizer).
+The routes read and validate their bodies themselves (request.parse_request, the tokenizer routes
+`_params`), after the API key and the body's size are checked: FastAPI does not parse them, and their
+schemas are added to the OpenAPI description by `Gpt2xApp.openapi`. Anything FastAPI itself refuses
+(a RequestValidationError) is the same 400 as a bad field.
 
-`/metrics` is Prometheus' text format (metrics.py): the replica's own counters, which the HTTP
-side adds to as each request is answered in full (its usage, each choice's finish reason and time),
-summed with the other replicas' through `exchange` (metrics.LocalExchange in one process, ray/deploy.py's
-hub under Ray Serve, to which each answered request's counts are handed before its last byte is sent).
+`/metrics` is Prometheus' text format (metrics.py): the replica's own counters, which the HTTP side
+adds to as each request is answered in full, summed with the other replicas' through `exchange`
+(metrics.LocalExchange in one process, ray/deploy.py's hub under Ray Serve, to which each answered
+request's counts are handed before its last byte is sent).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the routes' `Request` annotations when
+# Ray Serve's ingress analyses its copy of the routes, where a string annotation no longer resolves.
 import asyncio
 import contextlib
 import hmac
@@ -25,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
@@ -381,42 +379,50 @@ async def client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)  # a server that hands out empty body messages: no busy loop
 
 
-def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The replica's application around `service`, in this process (no Ray): the routes and
-    descriptions ray/deploy.py serves, for tests and for embedding (run it with any ASGI server)."""
-    app = new_app()
-    http = HttpApi(service, api_key, max_body_bytes)
+def router(api: Callable[[], HttpApi]) -> APIRouter:
+    """Every route, declared once: `api()` is the HttpApi that answers a request (local_app's own; on
+    Ray Serve, the replica's). Sync routes run in FastAPI's thread pool, as they always did."""
+    routes = APIRouter()
 
+    @routes.post("/v1/completions", **COMPLETIONS_ROUTE)
     async def completions(request: Request):
-        return await http.completions(request)
+        return await api().completions(request)
 
+    @routes.post("/v1/chat/completions", **CHAT_ROUTE)
     async def chat_completions(request: Request):
-        return await http.chat_completions(request)
+        return await api().chat_completions(request)
 
+    @routes.get("/v1/models", **MODELS_ROUTE)
     def models(request: Request):
-        return http.models(request)
+        return api().models(request)
 
+    @routes.get("/health", **HEALTH_ROUTE)
     def health(request: Request):
-        return http.health(request)
+        return api().health(request)
 
+    @routes.get("/version", **VERSION_ROUTE)
     def version(request: Request):
-        return http.version(request)
+        return api().version(request)
 
+    @routes.get("/metrics", **METRICS_ROUTE)
     async def metrics(request: Request):
-        return await http.prometheus(request)
+        return await api().prometheus(request)
 
+    @routes.post("/tokenize", **TOKENIZE_ROUTE)
     async def tokenize(request: Request):
-        return await http.tokenize(request)
+        return await api().tokenize(request)
 
+    @routes.post("/detokenize", **DETOKENIZE_ROUTE)
     async def detokenize(request: Request):
-        return await http.detokenize(request)
+        return await api().detokenize(request)
 
-    app.post("/v1/completions", **COMPLETIONS_ROUTE)(completions)
-    app.post("/v1/chat/completions", **CHAT_ROUTE)(chat_completions)
-    app.get("/v1/models", **MODELS_ROUTE)(models)
-    app.get("/health", **HEALTH_ROUTE)(health)
-    app.get("/version", **VERSION_ROUTE)(version)
-    app.get("/metrics", **METRICS_ROUTE)(metrics)
-    app.post("/tokenize", **TOKENIZE_ROUTE)(tokenize)
-    app.post("/detokenize", **DETOKENIZE_ROUTE)(detokenize)
+    return routes
+
+
+def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The replica's application around `service`, in this process (no Ray): the routes Ray Serve's
+    ingress serves, for `gpt2x serve` on one machine, tests and embedding (any ASGI server runs it)."""
+    http = HttpApi(service, api_key, max_body_bytes)
+    app = new_app()
+    app.include_router(router(lambda: http))
     return app

@@ -28,8 +28,8 @@ aborts the process (exit code 134), is replaced by ours as soon as ray.init retu
 notes the signal; the main thread stops between steps (`StopRequested` while starting).
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the routes' `Request` annotations at
-# runtime, through Ray Serve's ingress wrapper.
+from __future__ import annotations
+
 import asyncio
 import logging
 import os
@@ -43,7 +43,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import ray
-from fastapi import Request
 from ray import serve
 from ray._private import services as ray_services  # Ray's process launcher (ray_processes_in_their_own_session)
 from ray._private import utils as ray_utils  # where Ray installs its SIGTERM handlers (rays_sigterm_handlers_left_out)
@@ -53,18 +52,7 @@ from ...choices import Progress, no_progress
 from ...errors import ServeError, UsageError
 from ..core.engine import refuse_batched_draft
 from ..openai.metrics import STALE_S
-from ..openai.routes import (
-    CHAT_ROUTE,
-    COMPLETIONS_ROUTE,
-    DETOKENIZE_ROUTE,
-    HEALTH_ROUTE,
-    METRICS_ROUTE,
-    MODELS_ROUTE,
-    TOKENIZE_ROUTE,
-    VERSION_ROUTE,
-    HttpApi,
-    new_app,
-)
+from ..openai.routes import HttpApi, new_app, router
 from ..replica import (  # what both paths share; re-exported here for the callers that use Ray Serve
     APP_NAME,
     SHUTTING_DOWN,
@@ -87,7 +75,6 @@ REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of 
 HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
 PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
 HUB_NAMESPACE = "gpt2x"
-app = new_app()  # /openapi.json and /docs describe the routes below (openai/routes.py); they need no API key
 
 
 @ray.remote(num_cpus=0)
@@ -159,6 +146,17 @@ class HubExchange:
             return None
 
 
+def _replica_api() -> HttpApi:
+    """The HttpApi of the replica a request reached (Ray Serve's replica context: one replica per actor)."""
+    return serve.get_replica_context().servable_object.http
+
+
+# Ray Serve's ingress: the routes of openai/routes.py (/openapi.json and /docs describe them, and need
+# no API key), each answered by the replica's own HttpApi.
+app = new_app()
+app.include_router(router(_replica_api))
+
+
 # Ray Serve's own drain (a replica removed waits for its requests) backs the hub's up: a replica that
 # did not hear of the stop gets STOP_GRACE_S + 2 s, and is then killed with whatever it still runs.
 @serve.deployment(name="gpt2x", max_constructor_retry_count=3, graceful_shutdown_timeout_s=STOP_GRACE_S + 2.0,
@@ -191,38 +189,6 @@ class Gpt2xReplica:
                 self.service.engine.stop(grace, SHUTTING_DOWN)
                 self.http.metrics.drained = True
                 self.exchange.report(self.http.metrics.snapshot())
-
-    @app.post("/v1/completions", **COMPLETIONS_ROUTE)
-    async def completions(self, request: Request):
-        return await self.http.completions(request)
-
-    @app.post("/v1/chat/completions", **CHAT_ROUTE)
-    async def chat_completions(self, request: Request):
-        return await self.http.chat_completions(request)
-
-    @app.get("/v1/models", **MODELS_ROUTE)
-    def models(self, request: Request):
-        return self.http.models(request)
-
-    @app.get("/health", **HEALTH_ROUTE)
-    def health(self, request: Request):
-        return self.http.health(request)
-
-    @app.get("/version", **VERSION_ROUTE)
-    def version(self, request: Request):
-        return self.http.version(request)
-
-    @app.get("/metrics", **METRICS_ROUTE)
-    async def metrics(self, request: Request):
-        return await self.http.prometheus(request)
-
-    @app.post("/tokenize", **TOKENIZE_ROUTE)
-    async def tokenize(self, request: Request):
-        return await self.http.tokenize(request)
-
-    @app.post("/detokenize", **DETOKENIZE_ROUTE)
-    async def detokenize(self, request: Request):
-        return await self.http.detokenize(request)
 
     def check_health(self) -> None:
         """Ray Serve's periodic check: a replica whose engine thread died is replaced (not one that a
