@@ -49,7 +49,8 @@ EPILOG = ("Examples:\n\n"
 
 # Not served: the reference (capabilities.reference) and a backend run in a page to measure it (capabilities.page).
 SERVED = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
-SERVE_MODULES = ("ray", "fastapi", "httpx", "prometheus_client", "jinja2")
+SERVE_MODULES = ("fastapi", "uvicorn", "httpx", "prometheus_client", "jinja2")  # the serve extra
+RAY_MODULES = ("ray",)  # the ray extra: --replicas > 1, --address, --ray
 
 
 def _installed(module: str) -> bool:
@@ -63,6 +64,14 @@ def require_serve_extra() -> None:
     missing = [m for m in SERVE_MODULES if not _installed(m)]
     if missing:
         raise MissingDependencyError(f"gpt2x serve needs {', '.join(missing)}: pip install 'gpt2x[serve]'")
+
+
+def require_ray_extra(why: str) -> None:
+    """Ray Serve, for `why` (the option that asks for it); one machine's one replica runs without it."""
+    missing = [m for m in RAY_MODULES if not _installed(m)]
+    if missing:
+        raise MissingDependencyError(f"gpt2x serve {why} serves through Ray Serve, which needs {', '.join(missing)}: "
+                                     "pip install 'gpt2x[ray]'")
 
 
 def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: ProviderKind, precision: Precision | None,
@@ -151,7 +160,7 @@ def serve(
     /version, /metrics, /tokenize, /detokenize) until Ctrl-C or SIGTERM (to it or its process group): requests in flight get 3 s, then it stops.
     One replica on this machine runs in this process; --replicas N > 1, --address or --ray serve through Ray Serve."""
     require_serve_extra()
-    # deferred: Ray Serve and FastAPI are the serve extra, and the CLI starts without them
+    # deferred: FastAPI and uvicorn are the serve extra (Ray Serve the ray extra), and the CLI starts without them
     from ..serve.core.engine import refuse_batched_draft
     from ..serve.replica import ReplicaConfig, ServeSettings, describe, prepare_draft
     from ..serve.single_process import serve_in_process
@@ -179,6 +188,8 @@ def serve(
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)
     settings.validate()
+    if not settings.embedded:  # before the export is prepared: the one line comes at once
+        require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
         refuse_batched_draft(max_batch_size)
     if address is None:

@@ -23,12 +23,14 @@ import psutil  # Ray's dependency, and the test extra's
 import pytest
 import ray  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 
+from gpt2x.errors import MissingDependencyError
+from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Output, TokenOut
-from gpt2x.tokenizer import encode
+from gpt2x.tokenizer import decode, encode
 
 from ..helpers import (  # noqa: E402
     assert_one_line_error,  # noqa: E402
@@ -133,6 +135,62 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port, mo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# `gpt2x serve` in an install without the ray extra: importing ray (or a submodule) raises ImportError,
+# and each attempt is written to the file RAY_TRIED names, so that a guarded import is seen too.
+WITHOUT_RAY = """
+import os, sys
+
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ray":
+            with open(os.environ["RAY_TRIED"], "a") as f:
+                f.write(name + "\\n")
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+sys.meta_path.insert(0, NoRay())
+sys.argv = ["gpt2x", *sys.argv[1:]]
+from gpt2x.cli.app import main
+main()
+"""
+
+
+def test_one_machine_serves_without_ray_and_what_needs_ray_names_its_extra(export_dir, reserve_port, reference, tmp_path):
+    """With ray unimportable, the default server answers a greedy completion as gpt2x's generation code
+    gives it, stops cleanly, and never tries to import ray; --ray, --replicas 2 and --address are
+    refused in one line naming the ray extra, before the export is touched."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_TRIED": str(tmp_path / "refused-ray-imports.txt")}
+    for args, why in ((["--ray"], "--ray"), (["--replicas", "2", "--cpus-per-replica", "0.5"], "--replicas 2"),
+                      (["--address", "ray://head:10001"], "--address ray://head:10001")):
+        r = subprocess.run([sys.executable, "-c", WITHOUT_RAY, "serve", "--onnx", str(tmp_path / "absent"), *args],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.stderr.strip().splitlines() == [f"error: gpt2x serve {why} serves through Ray Serve, which needs ray: "
+                                                 "pip install 'gpt2x[ray]'"], r.stderr
+        assert r.returncode == MissingDependencyError.exit_code
+    tried = tmp_path / "ray-imports.txt"
+    env["RAY_TRIED"] = str(tried)
+    port = reserve_port()
+    proc = subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, "serve", "--onnx", str(export_dir), "--port", str(port),
+                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready = json.loads(read_line(proc, 180))
+        assert ready["ray"] is None and ready["replicas"] == 1
+        r = httpx.post(f"{ready['url']}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        g = generate(reference, ["ROMEO:"], SamplingSettings(max_new_tokens=8, greedy=True))[0]
+        assert r.json()["choices"][0]["text"] == decode(g.tokens) and r.json()["usage"]["completion_tokens"] == len(g.tokens)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(90)
+        err = proc.stderr.read()
+        assert code == 0 and err.strip().splitlines()[-1] == "stopped" and "Traceback" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not tried.exists(), tried.read_text()  # nothing on the way tried ray, guarded or not
 
 
 @RAY
