@@ -103,7 +103,8 @@ class KVCache(Protocol):
     length: int  # positions held (the attention mask's width)
 
     def reorder(self, rows: np.ndarray) -> KVCache:
-        """The cache with its batch rows gathered by `rows` (beam search); this one stays usable."""
+        """The cache with its batch rows gathered by `rows` (beam search); this one stays usable, except
+        onnxruntime-genai's, whose generator holds one state: a cache used twice is a ValueError."""
         ...
 
     def to_numpy(self) -> list[np.ndarray]:
