@@ -1,5 +1,5 @@
 """The completions API as evaluation tools and OpenAI's client use it, in this process without Ray: the
-replica's service behind its FastAPI application (http.local_app, the routes and descriptions Ray
+replica's service behind its FastAPI application (openai/routes.py's local_app, the routes and descriptions Ray
 Serve serves), through FastAPI's TestClient, an in-process uvicorn on 127.0.0.1 for the `openai`
 client, and Schemathesis over the ASGI application for the fuzz.
 

@@ -1,4 +1,4 @@
-"""`/metrics`, `/tokenize` and `/detokenize` of a replica in this process (http.local_app, the routes
+"""`/metrics`, `/tokenize` and `/detokenize` of a replica in this process (openai/routes.py's local_app, the routes
 Ray Serve serves): the metrics scraped with prometheus-client's own parser after a known set of
 requests and checked against what the responses said (usage, finish reasons, one observation per
 choice); the tokenizer routes against gpt2x's tokenizer; every bad input a 4xx in OpenAI's error

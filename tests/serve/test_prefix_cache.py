@@ -1,4 +1,4 @@
-"""Automatic prefix caching and chunked prefill in the serving engine (serve/prefix_cache.py,
+"""Automatic prefix caching and chunked prefill in the serving engine (serve/core/prefix_cache.py,
 runner.Runner.begin/advance): the prefix cache's blocks, lookups and eviction on hand-made cases;
 then, on every backend that serves with a cache it can be handed (ONNX Runtime's growing cache and
 in-place cache, OpenVINO's), rows whose prompts' prefixes come from the cache, and rows prefilled in

@@ -198,7 +198,7 @@ def test_models_and_health(server, client):
     assert models["data"][0]["max_model_len"] == 256
     h = health(client, f"{server}/main")
     assert h["status"] == "ok" and h["model"] == "shakespeare" and h["waiting"] >= 0
-    schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as http.py declares it
+    schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as openai/routes.py declares it
     assert set(schema["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
                                     "/tokenize", "/detokenize"}
     assert "CompletionRequest" in schema["components"]["schemas"]

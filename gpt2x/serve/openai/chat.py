@@ -3,7 +3,7 @@ messages rendered to one prompt by the model's Jinja2 chat template, as transfor
 `apply_chat_template` and vLLM render them (a sandboxed environment; `messages`,
 `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`), then completed as a
 completions request with the same sampling fields, `n`, stop strings and structured output
-(protocol.parse_request checks them all), and answered in the chat shapes (`chat.completion`, and
+(request.parse_request checks them all), and answered in the chat shapes (`chat.completion`, and
 `chat.completion.chunk` events whose first delta carries the role).
 
 The template: `--chat-template FILE`, else the `chat_template` of the export folder's
@@ -62,7 +62,7 @@ class Message(BaseModel):
 
 
 class ChatParams(BaseModel):
-    """The fields the chat route reads itself; every other is a completions field (protocol.CompletionParams)."""
+    """The fields the chat route reads itself; every other is a completions field (schema.CompletionParams)."""
 
     model_config = ConfigDict(extra="allow", strict=True, title="ChatCompletionRequest")
 

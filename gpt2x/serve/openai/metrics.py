@@ -310,7 +310,7 @@ def render(merged: dict, model: str) -> bytes:
 
 
 class LocalExchange:
-    """Where a replica served in one process (http.local_app) finds the replicas' snapshots: itself."""
+    """Where a replica served in one process (routes.local_app) finds the replicas' snapshots: itself."""
 
     shared = False
 

@@ -142,7 +142,7 @@ def new_app() -> FastAPI:
 
 
 class JSONBody(Response):
-    """A response body (protocol.py's models, chat.py's dicts), serialised once (protocol.to_json)."""
+    """A response body (schema.py's models, chat.py's dicts), serialised once (render.to_json)."""
 
     media_type = "application/json"
 

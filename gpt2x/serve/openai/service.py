@@ -4,7 +4,7 @@ its engine, and completions as a whole response or as a stream of server-sent ev
 The engine's thread hands each row's outputs (core/outputs.py) to the request's asyncio loop
 (call_soon_threadsafe); a request whose consumer goes away (client disconnected, stop string found,
 server stopping) cancels its rows, which leave the batch before the next decode step. A stream is
-handed to the HTTP side as typed events (protocol.StreamEvent), rendered there once.
+handed to the HTTP side as typed events (render.StreamEvent), rendered there once.
 
 A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
 p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled

@@ -106,7 +106,7 @@ class MetricsHub:
 
 
 class HubExchange:
-    """A replica's side of the hub (http.Exchange): its snapshot handed in, everyone's taken out."""
+    """A replica's side of the hub (routes.Exchange): its snapshot handed in, everyone's taken out."""
 
     shared = True
 
