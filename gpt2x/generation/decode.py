@@ -1,12 +1,14 @@
-"""The decode loop: one streaming iterator that drives a backend token by token for every caller
-(`generate`, the evaluation harness's `generate_until`, the serving engine, the bench).
+"""The decode loop: the one place rows are stepped on a backend, for every caller (`generate`, the
+evaluation harness's `generate_until`, the serving runner, the bench).
 
 A `Sequence` is one row being generated: its prompt, settings, sampler, budget and, as it goes, its
 tokens and why it ended (`Finish`, the one list of reasons). `Sequence.accept` is the one place a
 row's end is decided (cancelled, end of text, a stop token id, its budget, the context), so every
-loop over rows ends them alike. `decode_steps` prefills a left-padded static batch and yields one
-list of `Event`s per model step (the bench times steps); `decode` is the same, flattened. A caller that wants a row to end
-early (a stop string, a client that left) calls `Sequence.cancel` with its reason.
+loop over rows ends them alike. A step of rows is `step` (a `Batch`: one model step, each row's next
+token; `step_rows` is its forward and sampling, which a prefill ends with too) or, for one row with a
+draft, `Drafted.step` (a speculative round). `decode_steps` runs them over a static batch, one list
+of `Event`s per model step (the bench times steps); `decode` is the same, flattened. A caller that
+wants a row to end early (a stop string, a client that left) calls `Sequence.cancel` with its reason.
 
 Sampling: each unfinished row draws from its sampler, one uniform per step (generation.sampling),
 through the logits processors (generation.processors), given each row's `History` (its prompt and
@@ -21,8 +23,10 @@ lists are of one shape, each row drawing from its own generator).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +38,7 @@ from .logprobs import LogprobEntry, token_logprobs
 from .processors import History
 from .sampling import Sampler, sample_many
 from .settings import Finish, SamplingSettings
-from .speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
+from .speculative import Drafter, DraftSettings, SpecStats, Speculation, control_for
 
 
 def left_pad(batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -168,27 +172,136 @@ def _end_cancelled(seqs: list[Sequence]) -> list[Event]:
     return events
 
 
-def decode_steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
-                 draft_settings: DraftSettings | None = None) -> Iterator[list[Event]]:
-    """Decode `seqs` as one left-padded static batch: prefill, then one list of events per model step
-    (a last list without a step when the rows left were cancelled), until every row has finished.
-    Leaving the loop early closes it. Rows with no room (a budget of 0) end before the prefill.
+# ---------------------------------------------------------------- the loop
 
-    Greedy rows that ask for no logprobs, and whose settings hold nothing that moves the argmax
-    (penalties, logit_bias, min_tokens: Sampler.argmax_only), take the backend's argmax where the
-    logits are (base.greedy_step). With a `drafter`, the one sequence is decoded speculatively
-    (speculative.speculative_loop: one list per round, its tokens accepted in turn, the run's
-    statistics in `Sequence.speculation`), unless it asks for logprobs: those are the target's,
-    decoded plainly."""
+
+@dataclass(eq=False)
+class Batch:
+    """Rows stepped together, left-padded: their attention mask (B, W), the tokens the next step feeds
+    (B,) and the cache (W positions). The serving runner's batches are these, merged there."""
+
+    rows: list[Sequence]
+    mask: np.ndarray
+    nxt: np.ndarray
+    past: Any
+    argmax_only: bool = field(init=False)  # every row takes the argmax (_argmax_only): fixed with the rows
+    column: np.ndarray = field(init=False, repr=False)  # (B, 1) ones: a step's new mask column
+
+    def __post_init__(self) -> None:
+        self.argmax_only = _argmax_only(self.rows)
+        self.column = np.ones((len(self.rows), 1), dtype=np.int64)
+
+
+def _argmax_only(rows: list[Sequence]) -> bool:
+    """Whether every row is greedy with nothing that moves the argmax (Sampler.argmax_only) and asks
+    for no logprobs: the backend may then take the argmax where the logits are (base.greedy_step)."""
+    return all(s.logprobs is None and s.sampler.argmax_only for s in rows)
+
+
+def step_rows(backend: Backend, rows: list[Sequence], ids: np.ndarray, mask: np.ndarray, past: Any,
+              index: np.ndarray | None = None, argmax_only: bool | None = None) -> tuple[np.ndarray, Any, list[Event]]:
+    """One model step on `ids` (U, T) and each unfinished row's next token: the tokens the next step
+    feeds (B,), the cache, the events. `index`: which of the U rows run each of the B `rows` is (a
+    prompt run once for several rows); None: U == B. `argmax_only`: _argmax_only(rows), if known."""
+    pos = positions(mask, ids.shape[1])
+    if _argmax_only(rows) if argmax_only is None else argmax_only:
+        tokens, past = greedy_step(backend)(ids, mask, pos, past)  # (U,)
+        nxt, events = _accept(rows, (tokens if index is None else tokens[index]).tolist(), range(len(rows)), None)
+    else:
+        logits, past = backend.step(ids, mask, pos, past)  # (U, V)
+        nxt, events = sample_rows(rows, logits if index is None else logits[index])
+    return nxt, past, events
+
+
+def start(backend: Backend, rows: list[Sequence]) -> tuple[Batch, list[Event]]:
+    """The rows as one left-padded batch, prefilled: the batch and each row's first token."""
+    ids, mask = left_pad([s.prompt_ids for s in rows])  # (B, L)
+    nxt, past, events = step_rows(backend, rows, ids, mask, None)
+    return Batch(rows, mask, nxt, past), events
+
+
+def step(backend: Backend, batch: Batch, ran: Callable[[int], None] | None = None) -> list[Event]:
+    """One decode step of the batch: rows cancelled since the last step end first, without a token;
+    then, unless none is left, a model step of every row (finished rows ride along, unread) and each
+    running row's next token. `ran` is told, as the model step starts, how many rows it runs for."""
+    ended = _end_cancelled(batch.rows)
+    if ended and all(s.finish is not None for s in batch.rows):
+        return ended
+    batch.mask = np.concatenate([batch.mask, batch.column], axis=1)  # (B, W + 1)
+    if ran is not None:
+        ran(sum(s.finish is None for s in batch.rows))
+    batch.nxt, batch.past, events = step_rows(backend, batch.rows, batch.nxt[:, None], batch.mask, batch.past,
+                                              argmax_only=batch.argmax_only)
+    return ended + events if ended else events
+
+
+class Drafted:
+    """One row decoded with a draft (speculative.Speculation), a round per step: a round's tokens are
+    accepted one at a time as its events are read, so a row cancelled meanwhile ends at its next
+    token and runs no further round. The run's statistics are in `Sequence.speculation`."""
+
+    def __init__(self, backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings):
+        seq.speculation = SpecStats()
+        self.seq = seq
+        self.spec = Speculation(backend, drafter, seq.prompt_ids, seq.sampler, control_for(settings), seq.speculation,
+                                row=seq)
+
+    def start(self) -> Iterator[Event]:
+        """The prefill, and the row's first token."""
+        return self._accept([self.spec.prefill()])
+
+    def step(self) -> Iterable[Event]:
+        """The row's end, when it was cancelled since the last round; else the next round."""
+        ended = _end_cancelled([self.seq])
+        if ended:
+            return ended
+        return self._accept(self.spec.round(self.seq.limit - len(self.seq.tokens)))
+
+    def _accept(self, tokens: list[int]) -> Iterator[Event]:
+        for tok in tokens:
+            kept, finish = self.seq.accept(tok)
+            yield Event(0, kept, finish)
+            if finish is not None:
+                return
+
+
+def _steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None,
+           draft_settings: DraftSettings | None) -> Iterator[Iterable[Event]]:
+    """The decode loop: the rows placed and prefilled, then stepped until every one has finished, one
+    iterable of events per model step (a speculative round's read lazily: Drafted)."""
     first = _place(backend, seqs, drafter)
     if len(first) == len(seqs):
         if first:
             yield first
         return
     if _speculative(seqs[0], drafter):
-        yield from _speculative_steps(backend, seqs[0], drafter, draft_settings or DraftSettings())
+        drafted = Drafted(backend, seqs[0], drafter, draft_settings or DraftSettings())
+        yield drafted.start()
+        once = drafted.step
     else:
-        yield from _batch_steps(backend, seqs, first)
+        batch, events = start(backend, seqs)
+        yield first + events
+        once = partial(step, backend, batch)
+    while any(s.finish is None for s in seqs):
+        yield once()
+
+
+def decode_steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
+                 draft_settings: DraftSettings | None = None) -> Iterator[list[Event]]:
+    """Decode `seqs` as one left-padded static batch: prefill, then one list of events per model step
+    (a last list without a step when the rows left were cancelled), until every row has finished.
+    Leaving the loop early closes it. Rows with no room (a budget of 0) end before the prefill.
+    With a `drafter`, the one sequence is decoded speculatively (Drafted: one list per round),
+    unless it asks for logprobs: those are the target's, decoded plainly."""
+    for events in _steps(backend, seqs, drafter, draft_settings):
+        yield list(events)
+
+
+def decode(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
+           draft_settings: DraftSettings | None = None) -> Iterator[Event]:
+    """decode_steps' events one by one (a speculative round's accepted as each is read)."""
+    for events in _steps(backend, seqs, drafter, draft_settings):
+        yield from events
 
 
 def _place(backend: Backend, seqs: list[Sequence], drafter: Drafter | None) -> list[Event]:
@@ -208,87 +321,6 @@ def _place(backend: Backend, seqs: list[Sequence], drafter: Drafter | None) -> l
     return first
 
 
-def _batch_steps(backend: Backend, seqs: list[Sequence], first: list[Event]) -> Iterator[list[Event]]:
-    """decode_steps without a draft; `first`: the events of rows that ended before the prefill."""
-    ids, mask = left_pad([s.prompt_ids for s in seqs])  # (B, L)
-    if all(s.sampler.argmax_only and s.logprobs is None for s in seqs):
-        step = greedy_step(backend)
-        tokens, past = step(ids, mask, positions(mask, ids.shape[1]), None)  # (B,)
-        nxt, events = _accept(seqs, tokens.tolist(), range(len(seqs)), None)
-    else:
-        step = None
-        logits, past = backend.step(ids, mask, positions(mask, ids.shape[1]), None)  # (B, V)
-        nxt, events = sample_rows(seqs, logits)
-    yield first + events
-    ones = np.ones((len(seqs), 1), dtype=np.int64)
-    while True:
-        ended = _end_cancelled(seqs)
-        if all(s.finish is not None for s in seqs):
-            if ended:
-                yield ended
-            return
-        mask = np.concatenate([mask, ones], axis=1)  # (B, P+1)
-        if step is not None:
-            tokens, past = step(nxt[:, None], mask, positions(mask, 1), past)
-            nxt, events = _accept(seqs, tokens.tolist(), range(len(seqs)), None)
-        else:
-            logits, past = backend.step(nxt[:, None], mask, positions(mask, 1), past)
-            nxt, events = sample_rows(seqs, logits)
-        yield ended + events if ended else events
-
-
 def _speculative(seq: Sequence, drafter: Drafter | None) -> bool:
     """Whether `seq` is decoded with the draft: one that asks for logprobs is decoded plainly."""
     return drafter is not None and seq.logprobs is None
-
-
-def _rounds(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings) -> Iterator[list[int]]:
-    """The speculative loop's rounds for one sequence (the prefill's first token, then 1 to K + 1
-    tokens a round), its statistics kept in `seq.speculation`."""
-    seq.speculation = stats = SpecStats()
-    yield from speculative_loop(backend, drafter, seq.prompt_ids, seq.sampler, seq.limit, control_for(settings), stats,
-                                row=seq)
-
-
-def _speculative_steps(backend: Backend, seq: Sequence, drafter: Drafter, settings: DraftSettings) -> Iterator[list[Event]]:
-    """One sequence decoded with a draft: one list of events per round, the round's tokens accepted
-    in turn."""
-    for chunk in _rounds(backend, seq, drafter, settings):
-        events = []
-        for tok in chunk:
-            kept, finish = seq.accept(tok)
-            events.append(Event(0, kept, finish))
-            if finish is not None:
-                break
-        yield events
-        if seq.finish is not None:
-            return
-        ended = _end_cancelled([seq])
-        if ended:  # cancelled while its round was read: no further round
-            yield ended
-            return
-
-
-def decode(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,
-           draft_settings: DraftSettings | None = None) -> Iterator[Event]:
-    """decode_steps' events one by one. With a draft, a round's tokens are accepted one at a time, as
-    each event is read, so that a row cancelled while its round is read ends at its next token."""
-    if drafter is None or len(seqs) != 1 or not _speculative(seqs[0], drafter):
-        for events in decode_steps(backend, seqs, drafter, draft_settings):
-            yield from events
-        return
-    seq = seqs[0]
-    first = _place(backend, seqs, drafter)
-    if first:
-        yield from first
-        return
-    for chunk in _rounds(backend, seq, drafter, draft_settings or DraftSettings()):
-        for tok in chunk:
-            kept, finish = seq.accept(tok)
-            yield Event(0, kept, finish)
-            if finish is not None:
-                return
-        ended = _end_cancelled([seq])
-        if ended:  # cancelled with its round's last token: no further round
-            yield from ended
-            return

@@ -300,7 +300,7 @@ class DraftControl:
             self.backing_off = True
 
 
-# ---------------------------------------------------------------- the loop
+# ---------------------------------------------------------------- the rounds
 
 
 @dataclass
@@ -376,31 +376,43 @@ def verify(logits: np.ndarray, proposal: Proposal, sampler: Sampler, history: Hi
 Clock = Callable[[], float]
 
 
-def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampler: Sampler, n_new: int,
-                     control: DraftControl, stats: SpecStats | None = None,
-                     clock: Clock = time.perf_counter, row: object = None) -> Iterator[list[int]]:
-    """The decode loop with a draft, at batch 1: prefill the prompt, then yield each round's tokens
-    (one to K + 1 of them; `n_new` in all at most). Stopping early is the caller's (leave the loop).
-    `row`: who the sequence is, for processors with per-row state (History.row; the decode loop's
-    Sequence)."""
-    refuse_unrollable(target, "target")
-    stats = stats if stats is not None else SpecStats()
-    stats.k_history = control.history  # the same list: the control appends each round's K
-    drafter.reset()
-    tokens = list(prompt)
-    generated: list[int] = []
-    history = History(prompt, generated, row)  # live: generated grows with tokens
-    mask = np.ones((1, len(tokens)), dtype=np.int64)
-    logits, past = target.step(np.asarray([tokens], dtype=np.int64), mask, positions(mask, len(tokens)), None)
-    first = int(sampler(logits, [history])[0])
-    tokens.append(first)
-    generated.append(first)
-    produced = 1
-    stats.tokens = 1
-    yield [first]
-    while produced < n_new:
+class Speculation:
+    """One sequence decoded with a draft, at batch 1, a step at a time: `prefill` gives its first
+    token, then each `round` one to K + 1 more (or one plain step's). The decode loop (decode.py)
+    drives it for a `Sequence`; `row` is who the sequence is, for processors with per-row state
+    (History.row). `clock` times the rounds for DraftControl."""
+
+    def __init__(self, target: Backend, drafter: Drafter, prompt: list[int], sampler: Sampler,
+                 control: DraftControl, stats: SpecStats | None = None, clock: Clock = time.perf_counter,
+                 row: object = None):
+        refuse_unrollable(target, "target")
+        self.target, self.drafter, self.sampler, self.control, self.clock = target, drafter, sampler, control, clock
+        self.stats = stats if stats is not None else SpecStats()
+        self.stats.k_history = control.history  # the same list: the control appends each round's K
+        self.tokens = list(prompt)
+        self.generated: list[int] = []
+        self.history = History(prompt, self.generated, row)  # live: generated grows with tokens
+        self.past = None
+
+    def prefill(self) -> int:
+        """The prompt's step and the first token."""
+        self.drafter.reset()
+        tokens = self.tokens
+        mask = np.ones((1, len(tokens)), dtype=np.int64)
+        logits, self.past = self.target.step(np.asarray([tokens], dtype=np.int64), mask, positions(mask, len(tokens)),
+                                             None)
+        first = int(self.sampler(logits, [self.history])[0])
+        self._extend([first])
+        return first
+
+    def round(self, budget: int) -> list[int]:
+        """One round: K drafted tokens verified (K from the control, 0: a plain step), the 1 to K + 1
+        tokens it yields, at most `budget` (>= 1)."""
+        target, drafter, sampler, control, stats, clock = (self.target, self.drafter, self.sampler, self.control,
+                                                           self.stats, self.clock)
+        tokens, history = self.tokens, self.history
         cached = len(tokens) - 1  # the target's cache holds every token but the newest
-        cap = min(n_new - produced - 1, target.n_positions - len(tokens), drafter.n_positions - len(tokens) + 1)
+        cap = min(budget - 1, target.n_positions - len(tokens), drafter.n_positions - len(tokens) + 1)
         k = control.next_k(cap)
         if k:
             drafter.sync(tokens)
@@ -411,24 +423,36 @@ def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampl
         feed = np.asarray([tokens[cached:] + d], dtype=np.int64)
         mask = np.ones((1, cached + feed.shape[1]), dtype=np.int64)
         if not d:
-            logits, past = target.step(feed, mask, positions(mask, feed.shape[1]), past)
+            logits, self.past = target.step(feed, mask, positions(mask, feed.shape[1]), self.past)
             new = [int(sampler(logits, [history])[0])]
             control.plain(clock() - t1)
             stats.plain_steps += 1
         else:
-            all_logits, past = target.run(feed, mask, positions(mask, feed.shape[1]), past)
+            all_logits, past = target.run(feed, mask, positions(mask, feed.shape[1]), self.past)
             new = verify(all_logits[0], proposal, sampler, history)
             kept = len(tokens) + len(new) - 1  # positions that stand: the sequence but its newest token
-            if kept < mask.shape[1]:
-                past = past.truncate(kept)
+            self.past = past.truncate(kept) if kept < mask.shape[1] else past
             drafter.keep(kept)
             accepted = len(new) - 1
             control.speculated(len(d), accepted, t1 - t0, clock() - t1)
             stats.drafted += len(d)
             stats.accepted += accepted
             stats.drafts += 1
-        tokens.extend(new)
-        generated.extend(new)
-        produced += len(new)
-        stats.tokens = produced
-        yield new
+        self._extend(new)
+        return new
+
+    def _extend(self, new: list[int]) -> None:
+        self.tokens.extend(new)
+        self.generated.extend(new)
+        self.stats.tokens = len(self.generated)
+
+
+def speculative_loop(target: Backend, drafter: Drafter, prompt: list[int], sampler: Sampler, n_new: int,
+                     control: DraftControl, stats: SpecStats | None = None,
+                     clock: Clock = time.perf_counter, row: object = None) -> Iterator[list[int]]:
+    """`Speculation`'s tokens as they come, `n_new` in all, without a `Sequence` (nothing ends the run
+    but its length): the prefill's first token, then each round's."""
+    spec = Speculation(target, drafter, prompt, sampler, control, stats, clock, row)
+    yield [spec.prefill()]
+    while len(spec.generated) < n_new:
+        yield spec.round(n_new - len(spec.generated))

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from gpt2x.errors import UsageError
-from gpt2x.generation.decode import Event, Sequence, decode, decode_steps, sample_rows
+from gpt2x.generation.decode import Event, Sequence, decode, decode_steps, sample_rows, start, step_rows
+from gpt2x.generation.decode import step as step_batch
 from gpt2x.generation.processors import History
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.generation.speculative import DraftSettings, NgramDrafter
+from gpt2x.generation.speculative import DraftSettings, NgramDrafter, control_for, speculative_loop
 from gpt2x.model.weights import load_model
 from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.pytorch import TorchBackend
@@ -311,6 +312,56 @@ def test_a_draft_gives_the_same_tokens_and_a_cancel_ends_within_its_round():
     assert [e.token for e in events] == plain.tokens[:3] + [None] and events[-1].finish is Finish.cancelled
     with pytest.raises(UsageError, match="one sequence"):
         list(decode(backend, [Sequence(prompt, GREEDY), Sequence(prompt, GREEDY)], NgramDrafter(fixed)))
+
+
+def test_the_loops_rounds_are_speculative_loops_draw_for_draw():
+    """A sampled row decoded with a draft through the loop (a Sequence: Drafted) takes the rounds
+    speculative_loop gives for the same seed, round by round: one Speculation under both, no draw moved."""
+    uniform = {t: {u: 0.25 for u in (10, 11, 12, 13)} for t in (10, 11, 12, 13)}
+    prompt = [10, 11, 12, 13, 10, 11, 12]
+    fixed = DraftSettings(num_speculative_tokens=3, adaptive=False)
+    settings = SamplingSettings(seed=5, max_new_tokens=24)
+    seq = Sequence(prompt, settings)
+    steps = list(decode_steps(Markov(uniform), [seq], NgramDrafter(fixed), fixed))
+    rounds = list(speculative_loop(Markov(uniform), NgramDrafter(fixed), prompt, Sampler(settings), 24, control_for(fixed)))
+    assert [[e.token for e in s] for s in steps] == rounds and len(seq.tokens) == 24
+    assert seq.speculation.drafts > 0 and 0 < seq.speculation.accepted < seq.speculation.drafted  # both paths ran
+
+
+# ---------------------------------------------------------------- a batch, a step at a time (the serving runner's)
+
+
+def test_a_step_ends_cancelled_rows_first_and_runs_for_the_others():
+    """`step` on a `Batch` from `start`: rows cancelled between steps end first, without a token; `ran`
+    hears the rows the model step runs for; with none left, no model step runs."""
+    backend = ArgmaxMarkov(cycle(10, 11, 12))
+    seqs = [Sequence([10], GREEDY), Sequence([11, 12], GREEDY), Sequence([12], GREEDY)]
+    batch, events = start(backend, seqs)
+    assert events == [Event(0, 11, None), Event(1, 10, None), Event(2, 10, None)] and batch.mask.shape == (3, 2)
+    ran: list[int] = []
+    assert step_batch(backend, batch, ran.append) == [Event(0, 12, None), Event(1, 11, None), Event(2, 11, None)]
+    seqs[1].cancel(Finish.stop)
+    assert step_batch(backend, batch, ran.append) == [Event(1, None, Finish.stop), Event(0, 10, None), Event(2, 12, None)]
+    assert ran == [3, 2] and batch.mask.shape == (3, 4) and backend.greedy_steps == 3  # greedy: the backend's argmax
+    seqs[0].cancel()
+    seqs[2].cancel()
+    assert step_batch(backend, batch, ran.append) == [Event(0, None, Finish.cancelled), Event(2, None, Finish.cancelled)]
+    assert ran == [3, 2] and batch.mask.shape == (3, 4) and len(backend.fed) == 3
+    assert [s.tokens for s in seqs] == [[11, 12, 10], [10, 11], [10, 11, 12]]
+
+
+def test_step_rows_runs_a_prompt_once_for_each_of_its_rows():
+    """A prefill of distinct prompts (U rows) told to every row that has one (`index`): each row samples
+    its first token from its prompt's logits with its own sampler, as that row alone."""
+    dist = {t: {100: 0.5, 101: 0.5} for t in (5, 6)}
+    seqs = [Sequence([5], SamplingSettings(seed=i, max_new_tokens=3)) for i in range(4)] + [Sequence([6], GREEDY)]
+    ids, mask = np.array([[5], [6]]), np.ones((2, 1), dtype=np.int64)
+    nxt, _, events = step_rows(Markov(dist), seqs, ids, mask, None, np.array([0, 0, 0, 0, 1]))
+    alone = [next(decode(Markov(dist), [Sequence(s.prompt_ids, s.settings)])).token for s in seqs]
+    assert [e.token for e in events] == nxt.tolist() == alone and len(set(alone[:4])) == 2
+    backend = ArgmaxMarkov(cycle(5, 6, 7))  # every row greedy: the backend's argmax of each prompt, told to its rows
+    nxt, _, events = step_rows(backend, [Sequence([p], GREEDY) for p in (6, 5, 6)], ids, mask, None, np.array([1, 0, 1]))
+    assert nxt.tolist() == [e.token for e in events] == [7, 6, 7] and backend.greedy_steps == 1
 
 
 # ---------------------------------------------------------------- logits processors and stop token ids
