@@ -1,7 +1,7 @@
 """The serving engine's runner: it executes the scheduler's plans (scheduler.SchedulerOutput) on the
-backend and decides nothing. It holds the batch in flight (its cache) and the joiners' prefill, and
-samples by the decode loop's rules (generation.decode), so a served row's tokens are those `gpt2x
-generate` gives for the same prompt, settings and seed. What each part of a plan did comes back as
+backend and decides nothing. It holds the batch in flight (its cache) and the joiners' prefill; the
+decode loop (generation.decode) steps the rows, so a served row's tokens are those `gpt2x generate`
+gives for the same prompt, settings and seed. What each part of a plan did comes back as
 it is done (`Executed`), for the engine to tell."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from ...generation import decode as loop
 from ...generation.beam import beam_hypotheses
-from ...generation.decode import Event, decode, left_pad, sample_rows
+from ...generation.decode import Event
 from ...generation.logprobs import LogprobEntry, token_logprobs
 from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
@@ -28,15 +29,12 @@ from .scheduler import Row, SchedulerOutput, unused_columns
 SHARED_TO_WAIT = 64
 
 
-@dataclass
-class Batch:
-    """A batch in flight: its rows, attention mask (B, W), the tokens its next step feeds (B,) and its
-    cache (W positions)."""
+@dataclass(eq=False)
+class Batch(loop.Batch):
+    """A batch in flight (the decode loop's, of rows): its rows, attention mask (B, W), the tokens its
+    next step feeds (B,) and its cache (W positions)."""
 
     rows: list[Row]
-    mask: np.ndarray
-    nxt: np.ndarray
-    past: Any
 
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.rows) if not r.finished]
@@ -222,7 +220,7 @@ class Runner:
         block = self.prefix_cache.block_tokens if self.prefix_cache is not None else 0
         T = max(len(p) - len(h) * block for p, h in zip(prompts, hits))  # columns to run
         cached = [max(0, len(p) - T) for p in prompts]  # tokens before a row's last T: from the prefix cache
-        ids, run_mask = left_pad([p[c:] for p, c in zip(prompts, cached)])  # (U, T)
+        ids, run_mask = loop.left_pad([p[c:] for p, c in zip(prompts, cached)])  # (U, T)
         K = max(cached)
         past = None
         if K:
@@ -248,18 +246,20 @@ class Runner:
         K = prefill.mask.shape[1] - T
         upto = K + prefill.done + cols
         mask = prefill.mask[:, :upto]
-        logits, prefill.past = self.backend.step(prefill.ids[:, prefill.done : prefill.done + cols], mask,
-                                                 positions(mask, cols), prefill.past)  # (U, V)
-        self.counters["steps"] += 1
-        self.stepped(int(mask[:, K + prefill.done :].sum()), mask.size)
+        ids = prefill.ids[:, prefill.done : prefill.done + cols]
+        ran = int(mask[:, K + prefill.done :].sum())
         prefill.done += cols
         if prefill.done < T:
+            _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
+            self._ran(ran, mask.size)
             return None
+        # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
+        nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, prefill.past, prefill.index)
+        self._ran(ran, mask.size)
         self._keep_prefixes(prefill)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
-            logits, mask, past = logits[prefill.index], mask[prefill.index], past.reorder(prefill.index)  # (B, V), (B, W), B rows
-        nxt, events = sample_rows(prefill.rows, logits)
+            mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events
 
     def _keep_prefixes(self, prefill: Prefill) -> None:
@@ -276,14 +276,14 @@ class Runner:
             cache.store(prefill.prompts[u], kv, u, width)
 
     def step(self, batch: Batch) -> list[Event]:
-        """One decode step of every row (finished rows ride along, masked and unread), and each
-        unfinished row's next token."""
-        batch.mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), dtype=np.int64)], axis=1)
-        logits, batch.past = self.backend.step(batch.nxt[:, None], batch.mask, positions(batch.mask, 1), batch.past)
+        """One decode step of the batch (generation.decode.step): rows cancelled meanwhile end, and the
+        others run and give their next tokens."""
+        return loop.step(self.backend, batch, lambda live: self._ran(live, batch.mask.size))
+
+    def _ran(self, tokens: int, held: int) -> None:
+        """A model step ran `tokens` tokens over a cache of `held` positions (rows x width): counted, told."""
         self.counters["steps"] += 1
-        self.stepped(len(batch.live()), batch.mask.size)
-        batch.nxt, events = sample_rows(batch.rows, logits)
-        return events
+        self.stepped(tokens, held)
 
     def merge(self, batch: Batch, joined: Batch | None, order: np.ndarray, width: int) -> Batch:
         """The batch whose row i is row order[i] of `batch`'s rows and `joined`'s (numbered after
@@ -324,7 +324,7 @@ class Runner:
         round). Each round is counted before its first token comes out: the prefill and every round
         one target step, the draft's drafted and accepted tokens and its verifications (`drafts`)."""
         counted = dict.fromkeys(("steps", "drafted", "accepted", "drafts"), 0)
-        for event in decode(self.backend, [row], self.drafter, self.draft_settings):
+        for event in loop.decode(self.backend, [row], self.drafter, self.draft_settings):
             st = row.speculation
             now = {"steps": 1 + st.drafts + st.plain_steps, "drafted": st.drafted, "accepted": st.accepted,
                    "drafts": st.drafts}
