@@ -31,9 +31,8 @@ from ..errors import UsageError
 from ..evaluate.metrics import heldout_text, perplexity, summarize_latencies
 from ..evaluate.parity import check
 from ..generation.decode import Sequence, decode_steps
-from ..generation.sampling import Sampler
 from ..generation.settings import SamplingSettings
-from ..generation.speculative import Drafter, DraftSettings, SpecStats, control_for, speculative_loop
+from ..generation.speculative import Drafter, DraftSettings, SpecStats
 from ..memory import peak_rss_mb, reset_peak_rss
 from ..model.anatomy import total_params
 from ..model.checkpoints import resolve_config
@@ -201,23 +200,20 @@ def timed_generation(backend: Backend, prompt_ids: np.ndarray, new_tokens: int) 
 
 def timed_speculative(target: Backend, drafter: Drafter, prompt_ids: list[int], new_tokens: int,
                       draft_settings: DraftSettings) -> dict:
-    """One greedy run of speculative decoding (batch 1) that never stops early, timed as
-    timed_generation: time to first token (the prefill's), then `decode_s` from the first token to
-    the last, over which `decoded` tokens were produced (as they came: 1 to K + 1 per round); with
-    the run's draft statistics (SpecStats) and each round's K."""
-    sampler = Sampler(SamplingSettings(greedy=True, max_new_tokens=new_tokens))
-    stats = SpecStats()
-    control = control_for(draft_settings)
-    tokens: list[int] = []
+    """One greedy run of speculative decoding (batch 1) through the decode loop that never stops early
+    (ignore_eos), timed as timed_generation: time to first token (the prefill's), then `decode_s`
+    from the first token to the last, over which `decoded` tokens were produced (as they came: 1 to
+    K + 1 per round); with the run's draft statistics (SpecStats) and each round's K."""
+    seq = Sequence(list(prompt_ids), SamplingSettings(greedy=True, max_new_tokens=new_tokens, ignore_eos=True))
     ttft = first = last = None
     t0 = time.perf_counter()
-    for chunk in speculative_loop(target, drafter, list(prompt_ids), sampler, new_tokens, control, stats):
+    for _ in decode_steps(target, [seq], drafter, draft_settings):
         last = time.perf_counter()
         if first is None:
             first, ttft = last, last - t0
-        tokens.extend(chunk)
-    return {"ttft_s": ttft, "decode_s": last - first, "decoded": len(tokens) - 1, "total_s": time.perf_counter() - t0,
-            "tokens": [tokens], "stats": stats, "k_history": list(control.history)}
+    stats = seq.speculation
+    return {"ttft_s": ttft, "decode_s": last - first, "decoded": len(seq.tokens) - 1, "total_s": time.perf_counter() - t0,
+            "tokens": [seq.tokens], "stats": stats, "k_history": list(stats.k_history)}
 
 
 def decode_rate(run: dict, batch: int = 1) -> float:
