@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -186,10 +185,14 @@ class Batch:
     past: Any
     argmax_only: bool = field(init=False)  # every row takes the argmax (_argmax_only): fixed with the rows
     column: np.ndarray = field(init=False, repr=False)  # (B, 1) ones: a step's new mask column
+    # (B, 1) each row's mask count: the next step's position ids (numerics.positions' last column),
+    # kept by adding one a step rather than summing the mask again
+    count: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.argmax_only = _argmax_only(self.rows)
         self.column = np.ones((len(self.rows), 1), dtype=np.int64)
+        self.count = self.mask.sum(axis=1, keepdims=True, dtype=np.int64)
 
 
 def _argmax_only(rows: list[Sequence]) -> bool:
@@ -198,12 +201,12 @@ def _argmax_only(rows: list[Sequence]) -> bool:
     return all(s.logprobs is None and s.sampler.argmax_only for s in rows)
 
 
-def step_rows(backend: Backend, rows: list[Sequence], ids: np.ndarray, mask: np.ndarray, past: Any,
+def step_rows(backend: Backend, rows: list[Sequence], ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: Any,
               index: np.ndarray | None = None, argmax_only: bool | None = None) -> tuple[np.ndarray, Any, list[Event]]:
-    """One model step on `ids` (U, T) and each unfinished row's next token: the tokens the next step
-    feeds (B,), the cache, the events. `index`: which of the U rows run each of the B `rows` is (a
-    prompt run once for several rows); None: U == B. `argmax_only`: _argmax_only(rows), if known."""
-    pos = positions(mask, ids.shape[1])
+    """One model step (backend.step's inputs: ids (U, T), mask, position ids, past) and each unfinished
+    row's next token: the tokens the next step feeds (B,), the cache, the events. `index`: which of
+    the U rows run each of the B `rows` is (a prompt run once for several rows); None: U == B.
+    `argmax_only`: _argmax_only(rows), if known."""
     if _argmax_only(rows) if argmax_only is None else argmax_only:
         tokens, past = greedy_step(backend)(ids, mask, pos, past)  # (U,)
         nxt, events = _accept(rows, (tokens if index is None else tokens[index]).tolist(), range(len(rows)), None)
@@ -216,7 +219,7 @@ def step_rows(backend: Backend, rows: list[Sequence], ids: np.ndarray, mask: np.
 def start(backend: Backend, rows: list[Sequence]) -> tuple[Batch, list[Event]]:
     """The rows as one left-padded batch, prefilled: the batch and each row's first token."""
     ids, mask = left_pad([s.prompt_ids for s in rows])  # (B, L)
-    nxt, past, events = step_rows(backend, rows, ids, mask, None)
+    nxt, past, events = step_rows(backend, rows, ids, mask, positions(mask, ids.shape[1]), None)
     return Batch(rows, mask, nxt, past), events
 
 
@@ -228,9 +231,10 @@ def step(backend: Backend, batch: Batch, ran: Callable[[int], None] | None = Non
     if ended and all(s.finish is not None for s in batch.rows):
         return ended
     batch.mask = np.concatenate([batch.mask, batch.column], axis=1)  # (B, W + 1)
+    pos, batch.count = batch.count, batch.count + 1
     if ran is not None:
         ran(sum(s.finish is None for s in batch.rows))
-    batch.nxt, batch.past, events = step_rows(backend, batch.rows, batch.nxt[:, None], batch.mask, batch.past,
+    batch.nxt, batch.past, events = step_rows(backend, batch.rows, batch.nxt[:, None], batch.mask, pos, batch.past,
                                               argmax_only=batch.argmax_only)
     return ended + events if ended else events
 
@@ -277,13 +281,13 @@ def _steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None,
     if _speculative(seqs[0], drafter):
         drafted = Drafted(backend, seqs[0], drafter, draft_settings or DraftSettings())
         yield drafted.start()
-        once = drafted.step
-    else:
-        batch, events = start(backend, seqs)
-        yield first + events
-        once = partial(step, backend, batch)
+        while seqs[0].finish is None:
+            yield drafted.step()
+        return
+    batch, events = start(backend, seqs)
+    yield first + events
     while any(s.finish is None for s in seqs):
-        yield once()
+        yield step(backend, batch)
 
 
 def decode_steps(backend: Backend, seqs: list[Sequence], drafter: Drafter | None = None,

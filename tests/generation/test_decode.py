@@ -20,6 +20,7 @@ from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import Finish, SamplingSettings
 from gpt2x.generation.speculative import DraftSettings, NgramDrafter, control_for, speculative_loop
 from gpt2x.model.weights import load_model
+from gpt2x.numerics import positions
 from gpt2x.runtime.base import Capabilities
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.tokenizer import EOT_ID
@@ -350,17 +351,35 @@ def test_a_step_ends_cancelled_rows_first_and_runs_for_the_others():
     assert [s.tokens for s in seqs] == [[11, 12, 10], [10, 11], [10, 11, 12]]
 
 
+class Positioned(Markov):
+    """A Markov backend that checks each step's position ids against numerics.positions of its mask."""
+
+    def step(self, ids, mask, pos, past):
+        assert pos.dtype == np.int64 and pos.tolist() == positions(mask, ids.shape[1]).tolist()
+        return super().step(ids, mask, pos, past)
+
+
+def test_a_batchs_position_ids_are_its_masks():
+    """`step` counts each row's positions on (one more a step) rather than summing the mask again: the
+    same ids as numerics.positions, left-padded rows and rows that ended included."""
+    backend = Positioned(cycle(10, 11, 12))
+    seqs = [Sequence([10] * 5, GREEDY, max_tokens=6), Sequence([11], GREEDY, max_tokens=2), Sequence([12, 10], GREEDY)]
+    steps = list(decode_steps(backend, seqs))
+    assert len(steps) == len(backend.fed) == 8 and [len(s.tokens) for s in seqs] == [6, 2, 8]
+
+
 def test_step_rows_runs_a_prompt_once_for_each_of_its_rows():
     """A prefill of distinct prompts (U rows) told to every row that has one (`index`): each row samples
     its first token from its prompt's logits with its own sampler, as that row alone."""
     dist = {t: {100: 0.5, 101: 0.5} for t in (5, 6)}
     seqs = [Sequence([5], SamplingSettings(seed=i, max_new_tokens=3)) for i in range(4)] + [Sequence([6], GREEDY)]
-    ids, mask = np.array([[5], [6]]), np.ones((2, 1), dtype=np.int64)
-    nxt, _, events = step_rows(Markov(dist), seqs, ids, mask, None, np.array([0, 0, 0, 0, 1]))
+    ids, mask, pos = np.array([[5], [6]]), np.ones((2, 1), dtype=np.int64), np.zeros((2, 1), dtype=np.int64)
+    nxt, _, events = step_rows(Markov(dist), seqs, ids, mask, pos, None, np.array([0, 0, 0, 0, 1]))
     alone = [next(decode(Markov(dist), [Sequence(s.prompt_ids, s.settings)])).token for s in seqs]
     assert [e.token for e in events] == nxt.tolist() == alone and len(set(alone[:4])) == 2
     backend = ArgmaxMarkov(cycle(5, 6, 7))  # every row greedy: the backend's argmax of each prompt, told to its rows
-    nxt, _, events = step_rows(backend, [Sequence([p], GREEDY) for p in (6, 5, 6)], ids, mask, None, np.array([1, 0, 1]))
+    nxt, _, events = step_rows(backend, [Sequence([p], GREEDY) for p in (6, 5, 6)], ids, mask, pos, None,
+                               np.array([1, 0, 1]))
     assert nxt.tolist() == [e.token for e in events] == [7, 6, 7] and backend.greedy_steps == 1
 
 

@@ -254,7 +254,8 @@ class Runner:
             self._ran(ran, mask.size)
             return None
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
-        nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, prefill.past, prefill.index)
+        nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, positions(mask, cols),
+                                                       prefill.past, prefill.index)
         self._ran(ran, mask.size)
         self._keep_prefixes(prefill)
         mask, past = prefill.mask, prefill.past
