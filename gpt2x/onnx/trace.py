@@ -8,10 +8,13 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
+from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from ..model.gpt2 import GPT2
@@ -63,8 +66,72 @@ def _export_copy(model: GPT2) -> GPT2:
     return clone.eval()
 
 
+@dataclass(frozen=True)
+class _Weight:
+    """A graph initializer that holds a parameter (FQN of _ExportWrapper's), or its transpose (the exporter
+    folds a Linear's weight.T into a constant)."""
+
+    index: int
+    param: str
+    transposed: bool
+
+
+# The traced graph depends on the architecture, not on the weights, and tracing is most of an export's
+# time (19 s of GPT-2 124M's): a process traces each (config, opset) once and later models refill the
+# weights (exports of several precisions, bench). None: that graph could not be mapped, so it is traced
+# every time.
+_TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
+
+
 def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
-    """Dynamo export of the fp32 graph to `path`, with the conventional names and symbolic dims."""
+    """The fp32 graph of `model` at `path`, with the conventional names and symbolic dims: traced by
+    torch's dynamo exporter, or the architecture's traced graph with this model's weights."""
+    key = (model.config, opset, torch.__version__)
+    params = {name: p.detach() for name, p in _ExportWrapper(_export_copy(model)).named_parameters()}
+    template = _TEMPLATES.get(key)
+    if template is not None:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(template[0])
+        for w in template[1]:
+            value = params[w.param].float().numpy()
+            proto.graph.initializer[w.index].raw_data = np.ascontiguousarray(value.T if w.transposed else value).tobytes()
+    else:
+        proto = _trace(model, opset)
+        if key not in _TEMPLATES:
+            _TEMPLATES[key] = _template(proto, params)
+    save_onnx(proto, path)
+
+
+def _template(proto: onnx.ModelProto, params: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[_Weight]] | None:
+    """The graph without its weights, and where each weight goes; None unless every float initializer of
+    more than one element is exactly one parameter or its transpose (anything else might derive from the
+    weights in a way a refill would miss)."""
+    by_shape: dict[tuple, list[str]] = {}
+    for name, p in params.items():
+        by_shape.setdefault(tuple(p.shape), []).append(name)
+    weights = []
+    for i, init in enumerate(proto.graph.initializer):
+        value = numpy_helper.to_array(init)
+        if init.data_type != TensorProto.FLOAT or value.size <= 1:
+            continue  # shapes, axes and scalar constants: the architecture's
+        if not init.HasField("raw_data"):
+            return None
+        if init.name in params and np.array_equal(params[init.name].numpy(), value):
+            weights.append(_Weight(i, init.name, False))
+            continue
+        found = [n for n in by_shape.get(value.shape[::-1], []) if value.ndim == 2 and np.array_equal(params[n].numpy().T, value)]
+        if len(found) != 1:
+            return None
+        weights.append(_Weight(i, found[0], True))
+    template = onnx.ModelProto()
+    template.CopyFrom(proto)
+    for w in weights:
+        template.graph.initializer[w.index].ClearField("raw_data")
+    return template, weights
+
+
+def _trace(model: GPT2, opset: int) -> onnx.ModelProto:
+    """Dynamo export of the fp32 graph."""
     cfg = model.config
     B, T, P = 2, 3, 4  # example sizes; every axis is dynamic (P = 0 at the first step)
     gen = torch.Generator().manual_seed(0)
@@ -95,7 +162,7 @@ def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
     proto = program.model_proto
     _name_dims(proto, cfg.n_layer)
     proto.ir_version = IR_VERSION
-    save_onnx(proto, path)
+    return proto
 
 
 def _name_dims(proto: onnx.ModelProto, n_layer: int) -> None:

@@ -1,0 +1,59 @@
+"""Tracing once per architecture: a later model of the same config gets the traced graph with its own
+weights, byte for byte what tracing it afresh gives (the reference); a graph whose weights cannot be
+mapped one to one is traced every time."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from gpt2x.model.config import GPT2Config
+from gpt2x.model.gpt2 import GPT2
+from gpt2x.onnx import trace
+
+CFG = GPT2Config(vocab_size=64, n_positions=24, n_embd=16, n_layer=1, n_head=2)
+OPSET = 17
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """An empty cache of traced graphs, and the list of models torch's exporter traced."""
+    monkeypatch.setattr(trace, "_TEMPLATES", {})
+    traced = []
+    real = trace._trace
+
+    def counted(model, opset):
+        traced.append(model)
+        return real(model, opset)
+
+    monkeypatch.setattr(trace, "_trace", counted)
+    return traced
+
+
+def model(seed: int) -> GPT2:
+    return GPT2(CFG).init_weights(seed).eval()
+
+
+def test_a_second_model_of_the_architecture_is_refilled_not_traced(traces, tmp_path):
+    a, b = model(1), model(2)
+    trace.trace_to_onnx(a, tmp_path / "a.onnx", OPSET)
+    trace.trace_to_onnx(b, tmp_path / "b.onnx", OPSET)
+    assert traces == [a]  # b took a's graph
+    trace._TEMPLATES.clear()
+    trace.trace_to_onnx(b, tmp_path / "b-traced.onnx", OPSET)
+    assert traces == [a, b]
+    refilled, traced = onnx.load(str(tmp_path / "b.onnx")), onnx.load(str(tmp_path / "b-traced.onnx"))
+    assert refilled.SerializeToString() == traced.SerializeToString()
+    assert onnx.load(str(tmp_path / "a.onnx")).graph.initializer != traced.graph.initializer  # the weights differ
+
+
+def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces, tmp_path):
+    twin = model(3)
+    with torch.no_grad():  # the MLP's input weight equals the embedding (both 64 x 16): its folded transpose matches both
+        twin.h[0].mlp.c_fc.weight.copy_(twin.wte.weight)
+    trace.trace_to_onnx(twin, tmp_path / "t1.onnx", OPSET)
+    assert trace._TEMPLATES[(CFG, OPSET, torch.__version__)] is None
+    other = model(4)
+    trace.trace_to_onnx(other, tmp_path / "t2.onnx", OPSET)
+    assert traces == [twin, other]
