@@ -257,13 +257,11 @@ def test_bad_draft_options_are_one_line(exports, args, code, fragment):
     assert_one_line_error(r.returncode, r.stderr, code, fragment)
 
 
-@pytest.mark.xdist_group("ray")  # with the other tests that start Ray, in one worker
 def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32, reserve_port):
     """`gpt2x serve --draft ngram --no-draft-adaptive` (max batch size 1 by default with a draft): a
     greedy and a seeded sampled request equal `generate(..., draft=ngram)`, and /health counts the
     draft's tokens. Stopped with SIGTERM."""
     import httpx
-    import ray  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 
     from ..helpers import read_line
 
