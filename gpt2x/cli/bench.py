@@ -21,6 +21,7 @@ from .options import (
     ModelOpt,
     NumSpeculativeTokensOpt,
     OutputOpt,
+    PrefillOpt,
     Status,
     ThreadsOpt,
     notice,
@@ -41,6 +42,7 @@ EPILOG = ("Examples:\n\n"
 def bench(
     model: ModelOpt = "shakespeare",
     exports: ExportsOpt = None,
+    prefill: PrefillOpt = None,
     provider: Annotated[ProviderKind, typer.Option(help="cpu, or cuda (fails clearly without a GPU).")] = ProviderKind.cpu,
     backends: Annotated[str, typer.Option(help="Comma-separated: torch, ort, openvino, genai, web (onnxruntime-web in headless Chromium).")] = "torch,ort",
     precisions: Annotated[Optional[str], typer.Option(

@@ -11,7 +11,7 @@ import typer
 
 from ..choices import Precision
 from ..errors import OutputError, UsageError
-from ..onnx.artifact import DEFAULT_OPSET, default_export_dir
+from ..onnx.artifact import DEFAULT_OPSET, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
 from ..workflows.transformers_js import export_transformers_js
@@ -77,6 +77,22 @@ def export(
                   f"{lg['top1_agreement']:.3f}, greedy agreement {parity['greedy']['share']:.2f}")
     else:
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
+    prefill = meta.get(PREFILL_KEY)
+    if prefill is not None:
+        out.print(_prefill_line(prefill), markup=False)
+
+
+def _prefill_line(record: dict) -> str:
+    """The OpenVINO prefill graph in one line: kept, its gate and both prefills' timings; or why not."""
+    if not record.get("kept"):
+        return f"OpenVINO prefill graph: not kept ({record.get('reason', '')})"
+    lg, timing = record["parity"]["logits"], record["timing"]
+    times = ", ".join(f"{n} tokens {o:.1f} against {r:.1f} ms" for n, o, r in
+                      zip(timing["lengths"], timing["openvino_ms"], timing["onnxruntime_ms"]))
+    use = f"used from {timing['openvino_from']} tokens on" if timing["openvino_from"] is not None else "not used (slower)"
+    return (f"OpenVINO prefill graph: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale, presents "
+            f"{lg['present_max_rel']:.2g}, greedy agreement {record['parity']['greedy']['share']:.2f}); OpenVINO against "
+            f"ONNX Runtime at batch 1: {times}; {use}")
 
 
 def _export_transformers_js(model: str, revision: Optional[str], precision: Optional[Precision], out_dir: Optional[Path],

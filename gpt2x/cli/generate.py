@@ -26,6 +26,7 @@ from .options import (
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
+    PrefillOpt,
     RevisionOpt,
     Status,
     ThreadsOpt,
@@ -71,6 +72,7 @@ def generate(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
+    prefill: PrefillOpt = None,
     backend: Annotated[BackendKind, typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
         "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,

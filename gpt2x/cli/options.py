@@ -19,6 +19,7 @@ from ..choices import Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
+from ..runtime.prefill import PREFILL_ENV, PrefillChoice, asked
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True, highlight=False)
@@ -45,6 +46,19 @@ ExportsOpt = Annotated[Optional[Path], typer.Option(
     "--exports", envvar=EXPORTS_ENV, callback=_use_exports, metavar="DIR", show_default=False,
     help="Where exports made by model name are kept (DIR/MODEL-PRECISION); default ~/.cache/gpt2x/exported "
          "(under XDG_CACHE_HOME when set).")]
+def _use_prefill(value: Optional[str]) -> Optional[str]:
+    """--prefill: checked (one line, exit 2) and set as GPT2X_PREFILL for this process and those it starts
+    (the ONNX Runtime backend reads it: runtime.prefill)."""
+    if value is not None:
+        os.environ[PREFILL_ENV] = asked(value).value
+    return value
+
+
+PrefillOpt = Annotated[Optional[str], typer.Option(
+    "--prefill", envvar=PREFILL_ENV, callback=_use_prefill, metavar="|".join(c.value for c in PrefillChoice),
+    show_default=False,
+    help="Where the ort backend runs a new prompt's prefill on an int8 export: auto (default: OpenVINO's prefill graph "
+         "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 OutputOpt = Annotated[Optional[Path], typer.Option(

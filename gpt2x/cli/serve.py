@@ -28,6 +28,7 @@ from .options import (
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
+    PrefillOpt,
     RevisionOpt,
     Status,
     ThreadsOpt,
@@ -107,6 +108,7 @@ def serve(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
+    prefill: PrefillOpt = None,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option(
         "--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,

@@ -31,6 +31,11 @@ IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads u
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
 EXPORTS_ENV = "GPT2X_EXPORTS"  # the folder of the exports made by model name (exports_root)
+# int8 exports: OpenVINO's prefill graph (onnx/openvino_prefill.py) and its record in gpt2x.json, kept only when it
+# passed its own gate (docs/export.md, the OpenVINO prefill).
+PREFILL_XML = "openvino/prefill.xml"
+PREFILL_BIN = "openvino/prefill.bin"
+PREFILL_KEY = "openvino_prefill"
 
 
 def safe_model_name(model_name: str) -> str:
@@ -92,6 +97,16 @@ class ExportInfo:
     def attention(self) -> dict:
         return self.meta.get("attention") or attention_layout(self.meta.get("fused_operators", {}))
 
+    @property
+    def prefill(self) -> dict | None:
+        """The OpenVINO prefill graph's record (files, parity, timings) when the export kept one, else None."""
+        record = self.meta.get(PREFILL_KEY)
+        return record if isinstance(record, dict) and record.get("kept") else None
+
+    @property
+    def prefill_path(self) -> Path:
+        return self.folder / PREFILL_XML
+
 
 def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:
     """Open an export folder, checking its metadata, its files' sizes (where recorded) and that external data stays
@@ -119,6 +134,8 @@ def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:
         raise ArtifactError(f"{folder}: exported with a different tokenizer than this gpt2x ships")
     sizes = meta.get("sizes") or {}
     for name, want in meta["files"].items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ArtifactError(f"{meta_path}: file {name!r} points outside the export folder; refused")
         path = folder / name
         if not path.is_file():
             raise ArtifactError(f"{folder}: {name} is missing")
@@ -139,6 +156,16 @@ def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:
 def verify_export(folder: Path) -> ExportInfo:
     """read_export, and every file's sha256 against the one recorded at export time."""
     return read_export(folder, verify_hashes=True)
+
+
+def export_files(folder: Path) -> list[Path]:
+    """Every file of an export being written, sub-folders' included (the prefill graph's), in a stable order."""
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def file_name(folder: Path, path: Path) -> str:
+    """A file's name in gpt2x.json: its path inside the folder, with forward slashes."""
+    return path.relative_to(folder).as_posix()
 
 
 def check_external_data(model_path: Path) -> None:

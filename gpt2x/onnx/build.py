@@ -17,6 +17,7 @@ import torch
 
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
+from ..errors import ParityError
 from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
@@ -29,8 +30,12 @@ from .artifact import (
     IR_VERSION,
     METADATA_FILE,
     MODEL_FILE,
+    PREFILL_KEY,
+    PREFILL_XML,
     ExportInfo,
     attention_layout,
+    export_files,
+    file_name,
 )
 from .interop import write_interop_files
 from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8
@@ -39,6 +44,9 @@ from .trace import trace_to_onnx
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
+# The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
+# raises ParityError, and the graph is then dropped (the export goes on without it).
+PrefillGate = Callable[[ExportInfo], dict]
 
 
 def versions() -> dict[str, str]:
@@ -55,8 +63,11 @@ def export(
     force: bool = False,
     gate: Gate | None = None,
     progress: Progress = no_progress,
+    prefill_gate: PrefillGate | None = None,
 ) -> ExportInfo:
-    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place."""
+    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An int8
+    export also gets OpenVINO's prefill graph where openvino and nncf import, kept only if `prefill_gate` passes it
+    (None: not checked, and not kept: the runtime uses no graph nothing checked)."""
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
@@ -78,8 +89,6 @@ def export(
         attention = attention_layout(ops)
         write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
                             share_buffer=io.in_place_kv(attention))
-        files = {p.name: sha256(p) for p in sorted(tmp.iterdir())}  # checked by `gpt2x verify`
-        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}  # checked on every load
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -91,18 +100,55 @@ def export(
             "opset": opset,
             "ir_version": IR_VERSION,
             "versions": versions(),
-            "files": files,
-            "sizes": sizes,
+            "files": {},
+            "sizes": {},
             "tokenizer": BPE_SHA256,
             "io": {"inputs": io.input_names(model.config.n_layer), "outputs": io.output_names(model.config.n_layer)},
             "fused_operators": ops,
             "attention": attention,
         }
+        _record_files(tmp, meta)
         info = ExportInfo(tmp, meta)
         if gate is not None:
             progress("checking parity against PyTorch")
             meta["parity"] = gate(info)
         else:
             meta["parity"] = {"status": NOT_CHECKED}
+        if precision is Precision.int8:
+            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress)
+            _record_files(tmp, meta)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return ExportInfo(out, meta)
+
+
+def _record_files(folder: Path, meta: dict) -> None:
+    """Every file's sha256 (checked by `gpt2x verify`) and size (checked on every load) into `meta`."""
+    paths = export_files(folder)
+    meta["files"] = {file_name(folder, p): sha256(p) for p in paths}
+    meta["sizes"] = {file_name(folder, p): p.stat().st_size for p in paths}
+
+
+def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, progress: Progress) -> dict:
+    """OpenVINO's prefill graph written into the export, gated and timed; its record for gpt2x.json. A graph that
+    fails its gate (or was not gated) is removed: the export keeps only ONNX Runtime's prefill."""
+    from . import openvino_prefill
+
+    missing = openvino_prefill.missing()
+    if missing:
+        progress(f"no OpenVINO prefill graph: {' and '.join(missing)} do not import (pip install 'gpt2x[openvino]')")
+        return {"kept": False, "reason": f"{', '.join(missing)} not installed"}
+    progress("converting the prefill to OpenVINO (int8 weights, nncf)")
+    files = openvino_prefill.convert_prefill(model, info.folder)
+    record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
+              "weights": "int8 asymmetric, one scale per output channel (nncf INT8_ASYM)", "inference_precision": "f32"}
+    info.meta[PREFILL_KEY] = record
+    reason = "not checked (exported without the parity gate)"
+    if gate is not None:
+        progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
+        try:
+            return record | gate(info)
+        except ParityError as e:
+            reason = str(e)
+    shutil.rmtree((info.folder / PREFILL_XML).parent)
+    progress(f"OpenVINO prefill graph dropped: {reason}")
+    return {"kept": False, "reason": reason}

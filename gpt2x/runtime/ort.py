@@ -25,6 +25,7 @@ from .kvbuffers import (
     rows_to_keep,
     small_page_arrays,
 )
+from .prefill import PrefillChoice, asked, openvino_from
 from .providers import create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
@@ -210,7 +211,9 @@ class InPlaceCache(BufferCache):
 
 class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
-    cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name)."""
+    cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name).
+    `prefill` (runtime.prefill.PrefillChoice; None: GPT2X_PREFILL's, else auto): where a fresh prompt's `step` runs,
+    ONNX Runtime or an int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -220,7 +223,8 @@ class OrtBackend(Closable):
     cache_forms = (GrowingCache, InPlaceCache)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 in_place_kv: bool | None = None, *, shared_kv: bool | None = None):
+                 in_place_kv: bool | None = None, *, shared_kv: bool | None = None,
+                 prefill: PrefillChoice | str | None = None):
         if shared_kv is not None:
             warnings.warn("OrtBackend(shared_kv=...) is deprecated; use in_place_kv=...", DeprecationWarning, stacklevel=2)
             if in_place_kv is None:
@@ -248,6 +252,23 @@ class OrtBackend(Closable):
         if in_place_kv and not can:
             raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
         self.in_place_kv = can if in_place_kv is None else in_place_kv
+        self._openvino_from = openvino_from(info, asked(prefill), provider is ProviderKind.cpu)
+        self._openvino_prefill = None
+        if self._openvino_from is not None:
+            from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
+
+            self._openvino_prefill = OpenVinoPrefill(info, threads)
+
+    @property
+    def prefill(self) -> str:
+        """The runtime that runs a fresh prompt's prefill: "onnxruntime", or "openvino" (from `prefill_from`
+        tokens on; `run`, every position's logits, stays on ONNX Runtime)."""
+        return "onnxruntime" if self._openvino_prefill is None else "openvino"
+
+    @property
+    def prefill_from(self) -> int | None:
+        """The prompt length from which OpenVINO runs the prefill (None: never)."""
+        return self._openvino_from
 
     @property
     def shared_kv(self) -> bool:
@@ -257,6 +278,7 @@ class OrtBackend(Closable):
 
     def close(self) -> None:
         self.session = Released(self.name)
+        self._openvino_prefill = None
         self._helpers.clear()
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
@@ -272,8 +294,19 @@ class OrtBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
+        if past is None and self._openvino_prefill is not None and input_ids.shape[1] >= self._openvino_from:
+            return self._openvino_step(input_ids, attention_mask, position_ids)
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
+
+    def _openvino_step(self, input_ids, attention_mask, position_ids):
+        """A fresh prompt on OpenVINO's prefill graph; its presents copied into this backend's cache form."""
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}; a prefill's is the ids' {input_ids.shape}")
+        logits, presents = self._openvino_prefill(input_ids, attention_mask, position_ids)
+        if self.in_place_kv:  # copied into the fixed-capacity buffers
+            return logits, InPlaceCache.from_numpy(self, presents)
+        return logits, GrowingCache.from_numpy(self, [a.copy() for a in presents])  # ORT would share the views
 
     def step_greedy(self, input_ids, attention_mask, position_ids, past):
         """On CUDA a one-node ArgMax graph (first of equal maxima, as NumPy's) sends only the tokens back."""

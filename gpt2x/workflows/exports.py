@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, UsageError
 from ..evaluate.parity import gate_export
+from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
 from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from ..onnx.artifact import DEFAULT_OPSET, EXPORTS_ENV, ExportInfo, default_export_dir, is_export, read_export
@@ -31,7 +32,11 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     def gate(info: ExportInfo) -> dict:
         return gate_export(TorchBackend(model, model_name=source.name), info)
 
-    return export(model, source, out, precision, opset, force, gate if check_parity else None, progress)
+    def prefill_gate(info: ExportInfo) -> dict:
+        return gate_prefill(TorchBackend(model, model_name=source.name), info)
+
+    return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
+                  prefill_gate if check_parity else None)
 
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,

@@ -1,0 +1,111 @@
+"""The OpenVINO prefill graph's own gate and timings (docs/export.md, the OpenVINO prefill): its last-position logits
+and presents against the reference on fresh prompts (a left-padded batch among them), the whole pipeline's greedy
+agreement (OpenVINO's prefill, then ONNX Runtime's decode), and both prefills timed with their caches made, so the
+backend can choose the faster from measured figures. No torch here."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from ..choices import Precision
+from ..errors import ParityError
+from ..numerics import positions
+from ..onnx.artifact import ExportInfo
+from ..runtime.base import Backend
+from ..runtime.ort import OrtBackend
+from ..runtime.prefill import PrefillChoice
+from .metrics import logit_stats
+from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreement
+
+# Fresh prompts only (the graph has no past): one row, a left-padded batch, a longer batch.
+PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
+TIMED_LENGTHS = (32, 256)  # prompt lengths both prefills are timed at (capped at the model's context)
+TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
+
+
+def compare_prefills(reference: Backend, backend: Backend, seed: int = 0) -> dict:
+    """Last-position logits and every layer's presents (real positions only) of `backend`'s prefill against
+    `reference`'s on PREFILL_CASES."""
+    rng = np.random.default_rng(seed)
+    refs, gots, present_err = [], [], 0.0
+    for c in PREFILL_CASES:
+        ids, mask = case_inputs(c, reference.vocab_size, rng)
+        pos = positions(mask, c.seq)
+        ref, ref_cache = reference.step(ids, mask, pos, None)
+        got, got_cache = backend.step(ids, mask, pos, None)
+        refs.append(ref)
+        gots.append(got)
+        keep = mask.astype(bool)  # a padding slot's cache entry is never attended to
+        want = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in ref_cache.to_numpy()])
+        have = np.concatenate([t.transpose(0, 2, 1, 3)[keep].ravel() for t in got_cache.to_numpy()])
+        present_err = max(present_err, float(np.abs(want - have).max() / max(np.abs(want).max(), 1e-12)))
+    stats = logit_stats(np.concatenate(refs), np.concatenate(gots))
+    stats["present_max_rel"] = present_err
+    stats["cases"] = [asdict(c) for c in PREFILL_CASES]
+    return stats
+
+
+def check_prefill(reference: Backend, backend: OrtBackend, precision: Precision = Precision.int8,
+                  greedy_tokens: int = GREEDY_TOKENS) -> dict:
+    """The prefill's parity against `reference` and whether it passes `precision`'s gate (the presents held to the
+    logits' relative bound)."""
+    tol = TOLERANCES[precision]
+    stats = compare_prefills(reference, backend)
+    greedy = greedy_agreement(reference, backend, greedy_tokens)
+    failures = []
+    if stats["max_rel"] > tol.max_rel:
+        failures.append(f"max |Δlogit| {stats['max_abs']:.3g} is {stats['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})")
+    if stats["present_max_rel"] > tol.max_rel:
+        failures.append(f"max |Δpresent| is {stats['present_max_rel']:.3g} of the cache's scale (gate {tol.max_rel:g})")
+    if stats["mean_kl"] > tol.max_kl:
+        failures.append(f"mean KL {stats['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
+    if greedy["share"] < tol.min_greedy:
+        failures.append(f"greedy agreement {greedy['share']:.3f} (gate {tol.min_greedy:g})")
+    return {"status": "failed" if failures else "passed", "precision": precision.value, "tolerance": asdict(tol),
+            "logits": stats, "greedy": greedy, "message": "; ".join(failures)}
+
+
+def _median_ms(backend: OrtBackend, ids: np.ndarray, repeat: int) -> float:
+    mask = np.ones_like(ids)
+    pos = positions(mask, ids.shape[1])
+    backend.step(ids, mask, pos, None)  # warm-up: the first inference of a shape compiles its kernels
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        backend.step(ids, mask, pos, None)  # the prefill and its cache made, as generation gets them
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
+                  repeat: int = TIMED_REPEAT) -> dict:
+    """Both prefills' medians (ms, batch 1) at `lengths`, and `openvino_from`: the prompt length from which OpenVINO's
+    was faster at that and every longer timed length (2: at all of them; None: not at the longest)."""
+    lengths = sorted({min(n, info.config.n_positions - 1) for n in lengths})
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
+    figures = {}
+    for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino):
+        with OrtBackend(info, threads=threads, prefill=choice) as backend:
+            figures[choice.value] = [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
+    faster = [o < r for o, r in zip(figures["openvino"], figures["onnxruntime"])]
+    start = len(faster)
+    while start and faster[start - 1]:
+        start -= 1
+    openvino_from = None if start == len(faster) else 2 if start == 0 else lengths[start]
+    return {"batch": 1, "lengths": lengths, "repeat": repeat, "onnxruntime_ms": figures["onnxruntime"],
+            "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
+
+
+def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+    """The export's OpenVINO prefill gated against `reference` (raises ParityError when out of tolerance), then
+    timed beside ONNX Runtime's: {"parity": ..., "timing": ...} for gpt2x.json."""
+    with OrtBackend(info, threads=threads, prefill=PrefillChoice.openvino) as backend:
+        parity = check_prefill(reference, backend, info.precision)
+    if parity["status"] == "failed":
+        raise ParityError(f"the OpenVINO prefill is out of tolerance: {parity['message']}")
+    return {"parity": parity, "timing": time_prefills(info, threads)}

@@ -1,0 +1,87 @@
+"""The OpenVINO prefill graph of an int8 export (docs/export.md): gpt2x's PyTorch model converted by OpenVINO's
+own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a fresh prompt only
+(no past), its weights compressed to int8 by nncf. Inputs input_ids, attention_mask, position_ids (batch and
+sequence dynamic); outputs the last position's logits and every layer's present key and value (B, H, T, D)."""
+
+from __future__ import annotations
+
+import contextlib
+import io as _io
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..model.gpt2 import GPT2
+from . import names as io
+from .artifact import PREFILL_BIN, PREFILL_XML
+
+
+def missing() -> list[str]:
+    """The modules the prefill graph needs that do not import here (openvino, nncf)."""
+    out = []
+    for name in ("openvino", "nncf"):
+        try:
+            __import__(name)
+        except ImportError:
+            out.append(name)
+    return out
+
+
+class _Prefill(nn.Module):
+    """The model from an empty cache: the last position's logits, then key and value of every layer."""
+
+    def __init__(self, model: GPT2):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        logits, presents = self.model(input_ids, attention_mask, position_ids, None, logits_to_keep=1)
+        return (logits, *[t for kv in presents for t in kv])
+
+
+@contextlib.contextmanager
+def _quiet():
+    """nncf and the converter report on stdout and through warnings; stdout belongs to results."""
+    if os.environ.get("GPT2X_DEBUG") == "1":
+        yield
+        return
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(_io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        nncf_log.setLevel(level)
+
+
+def convert_prefill(model: GPT2, folder: Path) -> list[str]:
+    """Write the int8 prefill graph into `folder` (PREFILL_XML and PREFILL_BIN); returns their names."""
+    import nncf
+    import openvino as ov
+
+    cfg = model.config
+    T = 8
+    example = (torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.long), torch.arange(T)[None])
+    shapes = [(name, ov.PartialShape([-1, -1]), ov.Type.i64) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10000))  # the TorchScript trace of a deep model recurses
+    try:
+        with torch.no_grad(), _quiet():
+            converted = ov.convert_model(_Prefill(model.float().eval()), example_input=example, input=shapes)
+            names = io.output_names(cfg.n_layer)
+            for output, name in zip(converted.outputs, names):
+                output.get_tensor().set_names({name})
+            # Per-channel asymmetric int8 on every weight, the tied embedding and unembedding included.
+            compressed = nncf.compress_weights(converted, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    finally:
+        sys.setrecursionlimit(limit)
+    (folder / PREFILL_XML).parent.mkdir(parents=True, exist_ok=True)
+    ov.save_model(compressed, str(folder / PREFILL_XML), compress_to_fp16=False)
+    return [PREFILL_XML, PREFILL_BIN]

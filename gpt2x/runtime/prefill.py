@@ -1,0 +1,55 @@
+"""Which runtime runs a fresh prompt's prefill on an int8 export: ONNX Runtime on model.onnx, or OpenVINO on the
+export's prefill graph (docs/backends.md, the OpenVINO prefill). Chosen from the figures the export measured, not by
+name; a user may force either way. Neither openvino nor torch is imported here."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+from ..errors import ProviderError, UsageError
+from ..onnx.artifact import ExportInfo
+
+PREFILL_ENV = "GPT2X_PREFILL"  # the choice for this process and those it starts (the CLI's --prefill sets it)
+
+
+def openvino_imports() -> bool:
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PrefillChoice(str, Enum):
+    auto = "auto"  # OpenVINO where the export measured it faster and openvino imports
+    onnxruntime = "onnxruntime"
+    openvino = "openvino"  # refused where the export has no prefill graph or openvino does not import
+
+
+def asked(choice: PrefillChoice | str | None) -> PrefillChoice:
+    """The choice given, else GPT2X_PREFILL's, else auto; one UsageError line for a bad value."""
+    value = choice if choice is not None else os.environ.get(PREFILL_ENV) or PrefillChoice.auto
+    try:
+        return PrefillChoice(value)
+    except ValueError:
+        raise UsageError(f"prefill: {value!r} is not one of {', '.join(c.value for c in PrefillChoice)}"
+                         f" (the choice or {PREFILL_ENV})", option="prefill") from None
+
+
+def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int | None:
+    """The prompt length from which OpenVINO runs the prefill (None: never). Auto: from the export's record, where
+    it timed OpenVINO's prefill (with the handoff of its cache) faster than ONNX Runtime's."""
+    if choice is PrefillChoice.onnxruntime:
+        return None
+    record = info.prefill
+    usable = record is not None and on_cpu and openvino_imports()
+    if choice is PrefillChoice.openvino:
+        if not usable:
+            why = "it has no OpenVINO prefill graph (an int8 export made with openvino and nncf installed has one)" \
+                if record is None else "OpenVINO runs on the CPU only" if not on_cpu else "openvino does not import"
+            raise ProviderError(f"{info.folder}: cannot run the prefill on OpenVINO: {why}")
+        return 2
+    if not usable:
+        return None
+    return (record.get("timing") or {}).get("openvino_from")

@@ -1,0 +1,105 @@
+"""An int8 export's OpenVINO prefill graph (onnx/openvino_prefill.py, evaluate/prefill.py): written with its files
+recorded and checked like the others, gated on its own (a perturbed graph is dropped and the export goes on), timed
+beside ONNX Runtime's prefill, and left out, saying so, where openvino and nncf do not import."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from gpt2x.choices import Precision
+from gpt2x.errors import ArtifactError, ParityError
+from gpt2x.evaluate.parity import TOLERANCES
+from gpt2x.evaluate.prefill import gate_prefill
+from gpt2x.onnx import openvino_prefill
+from gpt2x.onnx.artifact import PREFILL_BIN, PREFILL_XML, ExportInfo, read_export, verify_export
+from gpt2x.runtime.pytorch import TorchBackend
+
+from .._cli import gpt2x_cli
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    return tiny_export(Precision.int8)
+
+
+def test_the_int8_export_keeps_a_gated_and_timed_prefill_graph(tiny):
+    _, _, info = tiny
+    record = info.prefill
+    assert record is not None and record["files"] == [PREFILL_XML, PREFILL_BIN]
+    for name in record["files"]:  # recorded as every other file: size and sha256
+        assert info.meta["sizes"][name] == (info.folder / name).stat().st_size > 0
+        assert len(info.meta["files"][name]) == 64
+    verify_export(info.folder)
+    parity, tol = record["parity"], TOLERANCES[Precision.int8]
+    assert parity["status"] == "passed" and parity["tolerance"]["max_rel"] == tol.max_rel
+    assert parity["logits"]["max_rel"] <= tol.max_rel and parity["logits"]["present_max_rel"] <= tol.max_rel
+    assert any(c["padded"] and c["batch"] > 1 for c in parity["logits"]["cases"])  # a left-padded batch
+    assert parity["greedy"]["share"] >= tol.min_greedy
+    timing = record["timing"]
+    assert timing["lengths"] == [32, info.config.n_positions - 1]  # 256, capped at the tiny model's context
+    assert all(ms > 0 for ms in timing["onnxruntime_ms"] + timing["openvino_ms"])
+    assert record["outputs"][0] == "logits" and len(record["outputs"]) == 1 + 2 * info.config.n_layer
+
+
+def test_a_changed_prefill_graph_is_refused_on_load(tiny, tmp_path):
+    _, _, info = tiny
+    copy = tmp_path / "copy"
+    shutil.copytree(info.folder, copy)
+    with open(copy / PREFILL_BIN, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ArtifactError, match="openvino/prefill.bin is corrupt or changed"):
+        read_export(copy)
+
+
+def perturbed(convert):
+    """convert_prefill on a copy of the model with one projection nudged: a graph that is not the model's."""
+    def convert_perturbed(model, folder):
+        import copy
+
+        import torch
+
+        bad = copy.deepcopy(model)
+        with torch.no_grad():
+            w = bad.h[0].mlp.c_proj.weight  # noise, not a constant: the next LayerNorm would remove a constant shift
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
+        return convert(bad, folder)
+
+    return convert_perturbed
+
+
+def test_a_perturbed_prefill_graph_fails_its_gate_and_the_export_goes_on_without_it(tiny, tmp_path, monkeypatch):
+    model, source, _ = tiny
+    monkeypatch.setattr(openvino_prefill, "convert_prefill", perturbed(openvino_prefill.convert_prefill))
+    said = []
+    from gpt2x.workflows.exports import export_model
+
+    info = export_model(model, source, tmp_path / "out", Precision.int8, progress=said.append)
+    assert info.prefill is None
+    record = info.meta["openvino_prefill"]
+    assert record["kept"] is False and "the OpenVINO prefill is out of tolerance" in record["reason"]
+    assert not (info.folder / "openvino").exists()
+    assert not any(name.startswith("openvino/") for name in info.meta["files"])
+    assert info.meta["parity"]["status"] == "passed"  # model.onnx is the model's: its gate passed
+    assert any(m.startswith("OpenVINO prefill graph dropped: the OpenVINO prefill is out of tolerance") for m in said)
+    verify_export(info.folder)
+    # The gate alone on that graph beside the good export's model.onnx: refused against PyTorch on the real model.
+    bad = tmp_path / "bad"
+    shutil.copytree(info.folder, bad)
+    meta = json.loads((bad / "gpt2x.json").read_text())
+    meta["openvino_prefill"] = {"kept": True, "files": openvino_prefill.convert_prefill(model, bad)}
+    with pytest.raises(ParityError, match="the OpenVINO prefill is out of tolerance"):
+        gate_prefill(TorchBackend(model), ExportInfo(bad, meta))
+
+
+def test_an_export_without_openvino_still_works_and_says_so(tiny_hf, tmp_path):
+    folder, _ = tiny_hf
+    r = gpt2x_cli("export", "--model", str(folder), "--precision", "int8", "--out", "out", cwd=tmp_path,
+                  block="openvino,nncf")
+    assert r.returncode == 0, r.stderr
+    assert "OpenVINO prefill graph: not kept (openvino, nncf not installed)" in r.stdout
+    info = read_export(tmp_path / "out")
+    assert info.prefill is None and not (tmp_path / "out" / "openvino").exists()
+    assert info.meta["parity"]["status"] == "passed"

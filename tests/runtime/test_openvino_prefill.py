@@ -1,0 +1,182 @@
+"""The ONNX Runtime backend with an int8 export's OpenVINO prefill graph (runtime/prefill.py, openvino_prefill.py):
+OpenVINO's prefill, then ONNX Runtime's decode on its own cache, checked against PyTorch's forward without a cache,
+row by row, on a left-padded batch, after a merge and a rollback; and the choice, forced or read from the export's
+timings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2x.choices import Precision
+from gpt2x.errors import ProviderError, UsageError
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.numerics import positions
+from gpt2x.onnx.artifact import ExportInfo
+from gpt2x.runtime.ort import OrtBackend
+
+from .._cli import gpt2x_cli
+
+PROMPTS = [[464, 3616, 286, 1204, 318], [50, 2662], [4944, 46, 25, 198, 13, 11, 8, 1000, 3, 77, 5]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    """The tiny model and its int8 export, gated, with its OpenVINO prefill graph."""
+    model, _, info = tiny_export(Precision.int8)
+    assert info.prefill is not None, info.meta.get("openvino_prefill")
+    return model, info
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny):
+    with OrtBackend(tiny[1], threads=1, prefill="openvino") as backend:
+        yield backend
+
+
+def full_forward(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """PyTorch's last-position logits of whole sequences, no cache."""
+    with torch.no_grad():
+        t_mask = torch.tensor(mask)
+        logits, _ = model(torch.tensor(ids), t_mask, torch.tensor(positions(mask, ids.shape[1])))
+    return logits[:, -1].numpy()
+
+
+def torch_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(full_forward(model, np.array([ids]), np.ones((1, len(ids)), np.int64)).argmax()))
+    return ids[len(prompt):]
+
+
+def rel(ref: np.ndarray, got: np.ndarray) -> float:
+    return float(np.abs(ref - got).max() / np.abs(ref).max())
+
+
+def test_the_hybrids_greedy_tokens_are_pytorchs_without_a_cache(tiny, hybrid):
+    model, _ = tiny
+    assert hybrid.prefill == "openvino" and hybrid.prefill_from == 2
+    s = SamplingSettings(max_new_tokens=12, greedy=True, ignore_eos=True)
+    for prompt in PROMPTS:
+        [got] = generate(hybrid, [""], s, prompt_ids=[prompt])
+        assert got.tokens == torch_greedy(model, prompt, 12)
+
+
+def test_forced_onnxruntime_and_forced_openvino_give_the_same_greedy_tokens(tiny, hybrid):
+    s = SamplingSettings(max_new_tokens=16, greedy=True, ignore_eos=True)
+    with OrtBackend(tiny[1], threads=1, prefill="onnxruntime") as ort_only:
+        assert ort_only.prefill == "onnxruntime" and ort_only.prefill_from is None
+        want = [g.tokens for g in generate(ort_only, [""] * 3, s, prompt_ids=PROMPTS)]  # one left-padded batch
+    assert [g.tokens for g in generate(hybrid, [""] * 3, s, prompt_ids=PROMPTS)] == want
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = p
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+def decode(backend, model, ids, mask, cache, steps: int) -> None:
+    """Greedy steps from `cache`, each step's logits checked against PyTorch's no-cache forward of the whole rows."""
+    logits = None
+    for _ in range(steps):
+        want = full_forward(model, ids, mask)
+        if logits is not None:
+            assert rel(want, logits) < 0.1
+        tok = want.argmax(-1)[:, None]
+        ids, mask = np.concatenate([ids, tok], 1), np.concatenate([mask, np.ones_like(tok)], 1)
+        logits, cache = backend.step(tok, mask, positions(mask, 1), cache)
+    assert rel(full_forward(model, ids, mask), logits) < 0.1
+    return ids, mask, cache
+
+
+def test_a_left_padded_batch_then_decode_on_onnx_runtime(tiny, hybrid):
+    model, _ = tiny
+    ids, mask = left_padded(PROMPTS)
+    logits, cache = hybrid.step(ids, mask, positions(mask, ids.shape[1]), None)
+    assert type(cache).__name__ == "InPlaceCache" and cache.rows == 3 and cache.length == ids.shape[1]
+    assert rel(full_forward(model, ids, mask), logits) < 0.1
+    decode(hybrid, model, ids, mask, cache, 6)
+
+
+def test_join_merge_and_truncate_after_an_openvino_prefill(tiny, hybrid):
+    """A running row (OpenVINO's prefill, decoded), a row joining it (OpenVINO's prefill), merged right-aligned; then
+    decoded, rolled back and decoded again: every step as PyTorch's forward of the whole rows."""
+    model, _ = tiny
+    a_ids, a_mask = left_padded(PROMPTS[:1])
+    _, a_cache = hybrid.step(a_ids, a_mask, positions(a_mask, a_ids.shape[1]), None)
+    a_ids, a_mask, a_cache = decode(hybrid, model, a_ids, a_mask, a_cache, 3)
+    b_ids, b_mask = left_padded(PROMPTS[2:])
+    _, b_cache = hybrid.step(b_ids, b_mask, positions(b_mask, b_ids.shape[1]), None)
+    width = max(a_ids.shape[1], b_ids.shape[1])
+    merged = a_cache.merge(np.array([0, 1]), b_cache, width)
+    ids, mask = left_padded([list(a_ids[0]), list(b_ids[0])])
+    assert merged.rows == 2 and merged.length == width
+    ids, mask, cache = decode(hybrid, model, ids, mask, merged, 4)
+    back = cache.truncate(cache.length - 2)
+    decode(hybrid, model, ids[:, :-2], mask[:, :-2], back, 3)
+
+
+def test_run_and_a_step_on_a_past_stay_on_onnx_runtime(tiny, hybrid, monkeypatch):
+    calls = []
+    real = hybrid._openvino_prefill
+    monkeypatch.setattr(hybrid, "_openvino_prefill", lambda *a: calls.append(a[0].shape) or real(*a))
+    ids, mask = left_padded(PROMPTS[:1])
+    hybrid.run(ids, mask, positions(mask, ids.shape[1]), None)
+    assert calls == []
+    _, cache = hybrid.step(ids, mask, positions(mask, ids.shape[1]), None)
+    assert calls == [ids.shape]
+    mask = np.ones((1, ids.shape[1] + 2), np.int64)
+    hybrid.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
+    assert calls == [ids.shape]
+
+
+def with_timing(info: ExportInfo, openvino_from) -> ExportInfo:
+    record = dict(info.prefill, timing={**info.prefill["timing"], "openvino_from": openvino_from})
+    return ExportInfo(info.folder, {**info.meta, "openvino_prefill": record})
+
+
+def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
+    _, info = tiny
+    monkeypatch.delenv("GPT2X_PREFILL", raising=False)
+    timing = info.prefill["timing"]
+    assert len(timing["lengths"]) == len(timing["onnxruntime_ms"]) == len(timing["openvino_ms"]) == 2
+    with OrtBackend(with_timing(info, None), threads=1) as slower:
+        assert slower.prefill == "onnxruntime"
+    with OrtBackend(with_timing(info, 8), threads=1) as from8:
+        assert from8.prefill == "openvino" and from8.prefill_from == 8
+        calls = []
+        real = from8._openvino_prefill
+        from8._openvino_prefill = lambda *a: calls.append(a[0].shape[1]) or real(*a)
+        for prompt in PROMPTS:
+            ids, mask = left_padded([prompt])
+            from8.step(ids, mask, positions(mask, ids.shape[1]), None)
+        assert calls == [11]  # the 11-token prompt only
+    monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")  # the CLI's --prefill sets it
+    with OrtBackend(with_timing(info, 2), threads=1) as forced:
+        assert forced.prefill == "onnxruntime"
+
+
+def test_openvino_forced_where_it_cannot_run_and_bad_values_are_one_error(tiny, tiny_export):
+    _, info = tiny
+    with pytest.raises(UsageError, match="prefill: 'fast' is not one of auto, onnxruntime, openvino"):
+        OrtBackend(info, threads=1, prefill="fast")
+    fp32 = tiny_export(Precision.fp32)[2]
+    with pytest.raises(ProviderError, match="has no OpenVINO prefill graph"):
+        OrtBackend(fp32, threads=1, prefill="openvino")
+    with OrtBackend(fp32, threads=1) as auto:
+        assert auto.prefill == "onnxruntime"
+
+
+@pytest.mark.parametrize("command", [("generate", "hi"), ("bench",), ("serve",)])
+def test_a_bad_prefill_flag_is_one_line_and_exit_2(command, tmp_path):
+    r = gpt2x_cli(*command, "--prefill", "fast", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: --prefill: 'fast' is not one of auto, onnxruntime, openvino "
+                                             "(the choice or GPT2X_PREFILL)"]
