@@ -66,7 +66,7 @@ class Gpt2xEngine:
         self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads)
         self.settings = EngineSettings(max_batch_size=batch)
         self.engine = Engine(self.backend, self.settings).start()
-        self.details = {"engine_settings": asdict(self.settings)}
+        self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None)}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)

@@ -208,6 +208,10 @@ def main() -> int:
             for batch in batches:
                 label = f"batch {batch}" if len(prompt_lens) == 1 else f"batch {batch}, prompt {prompt_len}"
                 runs, not_run, failed = time_batch(contenders, prompts[(prompt_len, batch)], args.new_tokens, args.repeat, label)
+                prefills = {c.name: c.prefill for c in contenders if getattr(c, "prefill", None)}
+                for r in runs:  # which runtime ran gpt2x ort's prefill (the backend's `prefill`)
+                    if r["name"] in prefills:
+                        r["prefill"] = prefills[r["name"]]
                 results["runs"] += runs
                 results["not_run"] += not_run
                 results["skipped"] |= failed

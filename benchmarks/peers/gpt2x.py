@@ -50,6 +50,8 @@ class Gpt2x:
         self.runtime = f"gpt2x {kind.value}"
         self.name = self.runtime if kind is BackendKind.torch else f"{self.runtime} {precision.value}"
         self.engine, self.precision, self.backend = self.ENGINES[kind], precision, backend
+        # ONNX Runtime's backend may run fresh prompts' prefills on an int8 export's OpenVINO graph (docs/backends.md).
+        self.prefill = getattr(backend, "prefill", None)
 
     def check(self, prompt: np.ndarray, k: int) -> np.ndarray:
         rec = _Recorder(self.backend)
