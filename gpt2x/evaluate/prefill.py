@@ -25,6 +25,8 @@ from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreeme
 PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
 TIMED_LENGTHS = (32, 256)  # prompt lengths both prefills are timed at (capped at the model's context)
 TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
+# OpenVINO counts as faster only by this share: a near-tie stays on ONNX Runtime, whose caches every other path makes.
+FASTER_BY = 0.05
 
 
 def compare_prefills(reference: Backend, backend: Backend, seed: int = 0) -> dict:
@@ -84,7 +86,8 @@ def _median_ms(backend: OrtBackend, ids: np.ndarray, repeat: int) -> float:
 def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
                   repeat: int = TIMED_REPEAT) -> dict:
     """Both prefills' medians (ms, batch 1) at `lengths`, and `openvino_from`: the prompt length from which OpenVINO's
-    was faster at that and every longer timed length (2: at all of them; None: not at the longest)."""
+    was faster (by FASTER_BY at least) at that and every longer timed length (2: at all of them; None: not at the
+    longest)."""
     lengths = sorted({min(n, info.config.n_positions - 1) for n in lengths})
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
@@ -92,12 +95,12 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
     for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino):
         with OrtBackend(info, threads=threads, prefill=choice) as backend:
             figures[choice.value] = [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
-    faster = [o < r for o, r in zip(figures["openvino"], figures["onnxruntime"])]
+    faster = [o < r * (1 - FASTER_BY) for o, r in zip(figures["openvino"], figures["onnxruntime"])]
     start = len(faster)
     while start and faster[start - 1]:
         start -= 1
     openvino_from = None if start == len(faster) else 2 if start == 0 else lengths[start]
-    return {"batch": 1, "lengths": lengths, "repeat": repeat, "onnxruntime_ms": figures["onnxruntime"],
+    return {"batch": 1, "lengths": lengths, "repeat": repeat, "faster_by": FASTER_BY, "onnxruntime_ms": figures["onnxruntime"],
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
 
