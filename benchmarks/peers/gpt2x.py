@@ -109,4 +109,10 @@ def load(ctx: Context) -> list:
                 ctx.skip(name, error_line(e))
                 continue
             contenders.append(Gpt2x(kind, precision, backend))
+            if getattr(backend, "prefill", None) == "openvino":  # the same export with ONNX Runtime's prefill, in the same rounds
+                from gpt2x.runtime.ort import OrtBackend
+
+                baseline = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, prefill="onnxruntime"))
+                baseline.name += " (ONNX Runtime prefill)"
+                contenders.append(baseline)
     return contenders
