@@ -64,10 +64,11 @@ def export(
     gate: Gate | None = None,
     progress: Progress = no_progress,
     prefill_gate: PrefillGate | None = None,
+    openvino_prefill: bool = True,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An int8
     export also gets OpenVINO's prefill graph where openvino and nncf import, kept only if `prefill_gate` passes it
-    (None: not checked, and not kept: the runtime uses no graph nothing checked)."""
+    (None: not checked, and not made: the runtime uses no graph nothing checked); `openvino_prefill` False: none."""
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
@@ -115,7 +116,8 @@ def export(
         else:
             meta["parity"] = {"status": NOT_CHECKED}
         if precision is Precision.int8:
-            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress)
+            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if openvino_prefill else \
+                {"kept": False, "reason": "not asked for"}
             _record_files(tmp, meta)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return ExportInfo(out, meta)
@@ -137,18 +139,18 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
     if missing:
         progress(f"no OpenVINO prefill graph: {' and '.join(missing)} do not import (pip install 'gpt2x[openvino]')")
         return {"kept": False, "reason": f"{', '.join(missing)} not installed"}
+    if gate is None:
+        return {"kept": False, "reason": NOT_CHECKED}
     progress("converting the prefill to OpenVINO (int8 weights, nncf)")
     files = openvino_prefill.convert_prefill(model, info.folder)
     record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
               "weights": "int8 asymmetric, one scale per output channel (nncf INT8_ASYM)", "inference_precision": "f32"}
     info.meta[PREFILL_KEY] = record
-    reason = "not checked (exported without the parity gate)"
-    if gate is not None:
-        progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
-        try:
-            return record | gate(info)
-        except ParityError as e:
-            reason = str(e)
+    progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
+    try:
+        return record | gate(info)
+    except ParityError as e:
+        reason = str(e)
     shutil.rmtree((info.folder / PREFILL_XML).parent)
     progress(f"OpenVINO prefill graph dropped: {reason}")
     return {"kept": False, "reason": reason}

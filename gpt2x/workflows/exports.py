@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
-                 progress: Progress = no_progress) -> ExportInfo:
-    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False)."""
+                 progress: Progress = no_progress, openvino_prefill: bool = True) -> ExportInfo:
+    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An int8 export
+    also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
@@ -36,7 +37,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
         return gate_prefill(TorchBackend(model, model_name=source.name), info)
 
     return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
-                  prefill_gate if check_parity else None)
+                  prefill_gate if check_parity else None, openvino_prefill)
 
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
