@@ -11,6 +11,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Ray starts no idle Python workers ahead of its actors: every cluster the tests start (in this process
 # and in the servers they run) then spends the cores only on the processes it uses.
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
+# Every prefill on ONNX Runtime, wherever an int8 export has an OpenVINO prefill graph: the export's timing picks
+# auto's runtime, so it could differ between runs; the tests of that prefill choose it explicitly.
+os.environ.setdefault("GPT2X_PREFILL", "onnxruntime")
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,11 +49,12 @@ def shared_dir(tmp_path_factory, worker_id) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_export(shared_dir):
-    """tiny_export(precision=fp32, seed=31, gated=True, gqa=False, **config) -> (GPT2, ModelSource, ExportInfo):
-    a tiny random GPT-2 (helpers.make_hf_model: TINY with `config`'s overrides, n_positions 96 unless
-    given) and its export, each made once per run in the workers' shared folder (under a file lock)
-    and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32 export
-    rewritten to GroupQueryAttention (helpers.as_gqa)."""
+    """tiny_export(precision=fp32, seed=31, gated=True, gqa=False, openvino_prefill=False, **config) -> (GPT2,
+    ModelSource, ExportInfo): a tiny random GPT-2 (helpers.make_hf_model: TINY with `config`'s overrides,
+    n_positions 96 unless given) and its export, each made once per run in the workers' shared folder (under
+    a file lock) and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32
+    export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 export with its
+    OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill)."""
     from filelock import FileLock
 
     from gpt2x.choices import Precision
@@ -71,14 +75,16 @@ def tiny_export(shared_dir):
             models[key] = (key, *load_model(str(folder)))
         return models[key]
 
-    def get(precision: Precision = Precision.fp32, seed: int = 31, gated: bool = True, gqa: bool = False, **config):
+    def get(precision: Precision = Precision.fp32, seed: int = 31, gated: bool = True, gqa: bool = False,
+            openvino_prefill: bool = False, **config):
         config.setdefault("n_positions", 96)
         key, model, source = model_of(seed, config)
-        name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "")
+        name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "") + ("-ovprefill" if openvino_prefill else "")
         folder = root / "exports" / name
         with FileLock(f"{folder}.lock"):
             if not is_export(folder):
-                export_model(model, source, folder, Precision(precision), check_parity=gated)
+                export_model(model, source, folder, Precision(precision), check_parity=gated,
+                             openvino_prefill=openvino_prefill)
             info = read_export(folder)
             if gqa:
                 gqa_folder = root / "exports" / f"{name}-gqa"

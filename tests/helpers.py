@@ -517,6 +517,8 @@ class StepClock:
 def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subprocess.CompletedProcess:
     """gpt2x ARGS in `cwd`, its exports by model name in cwd/exported (GPT2X_EXPORTS)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
-           **({"BLOCKED": block} if block else {})}
+           **({"BLOCKED": block} if block else {}),
+           # a checkout other than the installed one (a git worktree) runs its own gpt2x
+           **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
     cmd = [sys.executable, "-c", BLOCKED_RUNNER, *args] if blocked else [sys.executable, "-m", "gpt2x", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)

@@ -17,12 +17,12 @@ from gpt2x.onnx import openvino_prefill
 from gpt2x.onnx.artifact import PREFILL_BIN, PREFILL_XML, ExportInfo, read_export, verify_export
 from gpt2x.runtime.pytorch import TorchBackend
 
-from .._cli import gpt2x_cli
+from ..helpers import run_gpt2x
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_export):
-    return tiny_export(Precision.int8)
+    return tiny_export(Precision.int8, openvino_prefill=True)
 
 
 def test_the_int8_export_keeps_a_gated_and_timed_prefill_graph(tiny):
@@ -96,8 +96,8 @@ def test_a_perturbed_prefill_graph_fails_its_gate_and_the_export_goes_on_without
 
 def test_an_export_without_openvino_still_works_and_says_so(tiny_hf, tmp_path):
     folder, _ = tiny_hf
-    r = gpt2x_cli("export", "--model", str(folder), "--precision", "int8", "--out", "out", cwd=tmp_path,
-                  block="openvino,nncf")
+    r = run_gpt2x("export", "--model", str(folder), "--precision", "int8", "--out", "out", cwd=tmp_path,
+                  blocked=True, block="openvino,nncf")
     assert r.returncode == 0, r.stderr
     assert "OpenVINO prefill graph: not kept (openvino, nncf not installed)" in r.stdout
     info = read_export(tmp_path / "out")

@@ -17,7 +17,7 @@ from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.runtime.ort import OrtBackend
 
-from .._cli import gpt2x_cli
+from ..helpers import run_gpt2x
 
 PROMPTS = [[464, 3616, 286, 1204, 318], [50, 2662], [4944, 46, 25, 198, 13, 11, 8, 1000, 3, 77, 5]]
 
@@ -25,7 +25,7 @@ PROMPTS = [[464, 3616, 286, 1204, 318], [50, 2662], [4944, 46, 25, 198, 13, 11, 
 @pytest.fixture(scope="module")
 def tiny(tiny_export):
     """The tiny model and its int8 export, gated, with its OpenVINO prefill graph."""
-    model, _, info = tiny_export(Precision.int8)
+    model, _, info = tiny_export(Precision.int8, openvino_prefill=True)
     assert info.prefill is not None, info.meta.get("openvino_prefill")
     return model, info
 
@@ -176,7 +176,7 @@ def test_openvino_forced_where_it_cannot_run_and_bad_values_are_one_error(tiny, 
 
 @pytest.mark.parametrize("command", [("generate", "hi"), ("bench",), ("serve",)])
 def test_a_bad_prefill_flag_is_one_line_and_exit_2(command, tmp_path):
-    r = gpt2x_cli(*command, "--prefill", "fast", cwd=tmp_path)
+    r = run_gpt2x(*command, "--prefill", "fast", cwd=tmp_path, blocked=False)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --prefill: 'fast' is not one of auto, onnxruntime, openvino "
                                              "(the choice or GPT2X_PREFILL)"]
