@@ -14,6 +14,9 @@ os.environ.setdefault("RAY_enable_worker_prestart", "0")
 # Every prefill on ONNX Runtime, wherever an int8 export has an OpenVINO prefill graph: the export's timing picks
 # auto's runtime, so it could differ between runs; the tests of that prefill choose it explicitly.
 os.environ.setdefault("GPT2X_PREFILL", "onnxruntime")
+# and no export made during the run (by the tests, or the commands they run) builds that graph unless asked: it
+# costs each int8 export seconds (tests/onnx/test_openvino_prefill.py and its runtime twin ask for it).
+os.environ.setdefault("GPT2X_OPENVINO_PREFILL", "0")
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402

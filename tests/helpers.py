@@ -417,6 +417,8 @@ BENCH_SCHEMA = {
                "latency_by_context": [{"context": int, "ms": float}],
                # against ort at the same precision and batch, in rows of other backends where ort ran
                "native_share": Opt(float), "native_ttft_ratio": Opt(float),
+               # the runtime that ran the prompt, in the rows of a backend that says (ort)
+               "prefill": Opt(str),
                # the web backend's rows (tests/test_web.py)
                "page_memory_mb": Opt(float), "page": Opt(dict), "page_ttft_ms": Opt(float),
                "page_decode_tokens_per_s": Opt(float), "page_decode_latency": Opt(dict), "page_native_share": Opt(float)}],

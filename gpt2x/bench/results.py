@@ -202,6 +202,7 @@ class SpeedRow(Record):
     native_share: float | None = spec(default=None, optional=True)  # decode tok/s over ort's
     native_ttft_ratio: float | None = spec(default=None, optional=True)  # time to first token over ort's
     page: PageFigures | None = spec(default=None, optional=True)
+    prefill: str | None = spec(default=None, optional=True)  # the runtime that ran the prompt (ort: onnxruntime or openvino)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

@@ -256,6 +256,7 @@ class Timing:
     peak_gpu_mb: float | None
     page_memory_mb: float | None  # capabilities.page: the page's process, peak over these runs
     page_info: dict[str, Any] | None  # capabilities.page: what ran it (onnxruntime-web's version, threads, ...)
+    prefill: str | None = None  # the runtime that ran the prompt, where the backend says (ort: onnxruntime or openvino)
 
 
 def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt: np.ndarray, cold_s: float,
@@ -272,9 +273,11 @@ def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt
     device_mb = backend.peak_device_memory_mb()
     page_mb = backend.page_memory_mb() if page else None
     info = backend.page_info if page else None
+    prefill = backend.prefill_runtime(prompt.shape[1]) if hasattr(backend, "prefill_runtime") else None
     return Timing(backend=kind, precision=precision, batch=prompt.shape[0], run=median_run(runs), cold_start_s=cold_s,
                   peak_rss_mb=rss, peak_gpu_mb=device_mb, page_memory_mb=page_mb,
-                  page_info=None if info is None else {k: info[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")})
+                  page_info=None if info is None else {k: info[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")},
+                  prefill=prefill)
 
 
 def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> SpeedRow:
@@ -291,7 +294,7 @@ def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> S
         decode_latency=summarize_latencies(steps) if steps else {}, decode_tokens_per_s=decode,
         e2e_tokens_per_s=batch * new_tokens / run["total_s"], roofline_tokens_per_s=roof_tps,
         roofline_share=decode / roof_tps, latency_by_context=by_context, peak_rss_mb=t.peak_rss_mb,
-        peak_gpu_mb=t.peak_gpu_mb, page=page_figures(t),
+        peak_gpu_mb=t.peak_gpu_mb, page=page_figures(t), prefill=t.prefill,
     )
 
 

@@ -44,6 +44,9 @@ def export(
     force: Annotated[bool, typer.Option(help="Replace an existing export (with --layout transformers.js: the "
                                              "transformers.js folder; the exports it copies are reused).")] = False,
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
+    openvino_prefill: Annotated[Optional[bool], typer.Option(
+        help="int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
+             "(needs the openvino extra; default: on, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
@@ -52,9 +55,9 @@ def export(
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
     if layout is Layout.transformers_js:
-        if opset != DEFAULT_OPSET or not check_parity:
-            raise UsageError("--opset and --no-check-parity apply to --layout gpt2x; a transformers.js folder copies "
-                             "parity-checked exports at the default opset")
+        if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None:
+            raise UsageError("--opset, --no-check-parity and --[no-]openvino-prefill apply to --layout gpt2x; a "
+                             "transformers.js folder copies parity-checked exports at the default opset")
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
     precision = precision or Precision.fp32
@@ -62,7 +65,8 @@ def export(
     if folder.exists() and not force:
         raise OutputError(f"{folder} exists; pass --force to replace it")
     with Status(f"loading {model}") as status:
-        info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status))
+        info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
+                              openvino_prefill)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))

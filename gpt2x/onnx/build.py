@@ -5,6 +5,7 @@ artifacts and does not judge them."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -17,7 +18,7 @@ import torch
 
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
-from ..errors import ParityError
+from ..errors import ParityError, UsageError
 from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
@@ -44,6 +45,19 @@ from .trace import trace_to_onnx
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
+# Whether an int8 export gets OpenVINO's prefill graph when not said (1, the default, or 0): it costs an export
+# seconds (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
+OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
+
+
+def openvino_prefill_wanted(asked: bool | None) -> bool:
+    """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else True; one UsageError line for another value."""
+    if asked is not None:
+        return asked
+    value = os.environ.get(OPENVINO_PREFILL_ENV, "1")
+    if value not in ("0", "1"):
+        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}", option=OPENVINO_PREFILL_ENV)
+    return value == "1"
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
 PrefillGate = Callable[[ExportInfo], dict]
@@ -64,11 +78,13 @@ def export(
     gate: Gate | None = None,
     progress: Progress = no_progress,
     prefill_gate: PrefillGate | None = None,
-    openvino_prefill: bool = True,
+    openvino_prefill: bool | None = None,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An int8
     export also gets OpenVINO's prefill graph where openvino and nncf import, kept only if `prefill_gate` passes it
-    (None: not checked, and not made: the runtime uses no graph nothing checked); `openvino_prefill` False: none."""
+    (None: not checked, and not made: the runtime uses no graph nothing checked); `openvino_prefill` False: none
+    (None: openvino_prefill_wanted's default)."""
+    want_prefill = precision is Precision.int8 and openvino_prefill_wanted(openvino_prefill)
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
@@ -116,7 +132,7 @@ def export(
         else:
             meta["parity"] = {"status": NOT_CHECKED}
         if precision is Precision.int8:
-            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if openvino_prefill else \
+            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if want_prefill else \
                 {"kept": False, "reason": "not asked for"}
             _record_files(tmp, meta)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")

@@ -270,6 +270,11 @@ class OrtBackend(Closable):
         """The prompt length from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from
 
+    def prefill_runtime(self, prompt_len: int) -> str:
+        """The runtime that runs a fresh prompt of `prompt_len` tokens: "onnxruntime" or "openvino"."""
+        openvino = self._openvino_prefill is not None and prompt_len >= self._openvino_from
+        return "openvino" if openvino else "onnxruntime"
+
     @property
     def shared_kv(self) -> bool:
         """Deprecated: `in_place_kv`'s former name (for one release)."""
@@ -294,7 +299,7 @@ class OrtBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        if past is None and self._openvino_prefill is not None and input_ids.shape[1] >= self._openvino_from:
+        if past is None and self.prefill_runtime(input_ids.shape[1]) == "openvino":
             return self._openvino_step(input_ids, attention_mask, position_ids)
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
-                 progress: Progress = no_progress, openvino_prefill: bool = True) -> ExportInfo:
+                 progress: Progress = no_progress, openvino_prefill: bool | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An int8 export
-    also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (docs/export.md)."""
+    also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
+    GPT2X_OPENVINO_PREFILL's 0 or 1, default 1; docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
@@ -42,12 +43,13 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
-                   check_parity: bool = True, progress: Progress = no_progress) -> ExportInfo:
+                   check_parity: bool = True, progress: Progress = no_progress,
+                   openvino_prefill: bool | None = None) -> ExportInfo:
     """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
-                        check_parity, progress)
+                        check_parity, progress, openvino_prefill)
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:

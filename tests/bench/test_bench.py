@@ -153,6 +153,8 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
     validate(written, BENCH_SCHEMA)  # every field the README names, and no other
     assert [("native_share" in e, "native_ttft_ratio" in e) for e in written["speed"]] == \
         [(e["backend"] == "torch",) * 2 for e in written["speed"]]  # ort's rows have no share of themselves
+    # ort's rows say which runtime ran the prompt (this fp32 export has no OpenVINO prefill graph)
+    assert [e.get("prefill") for e in written["speed"]] == [None if e["backend"] == "torch" else "onnxruntime" for e in written["speed"]]
     assert BenchResult.from_json(result.to_json()) == result  # read back, every figure as it was
     assert written["schema_version"] == 4 and result.speculative == []  # no --draft: no rows, the list is there
     assert written["speculative"] == []

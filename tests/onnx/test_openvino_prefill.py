@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from gpt2x.choices import Precision
-from gpt2x.errors import ArtifactError, ParityError
+from gpt2x.errors import ArtifactError, ParityError, UsageError
 from gpt2x.evaluate.parity import TOLERANCES
 from gpt2x.evaluate.prefill import gate_prefill
 from gpt2x.onnx import openvino_prefill
@@ -76,7 +76,7 @@ def test_a_perturbed_prefill_graph_fails_its_gate_and_the_export_goes_on_without
     said = []
     from gpt2x.workflows.exports import export_model
 
-    info = export_model(model, source, tmp_path / "out", Precision.int8, progress=said.append)
+    info = export_model(model, source, tmp_path / "out", Precision.int8, progress=said.append, openvino_prefill=True)
     assert info.prefill is None
     record = info.meta["openvino_prefill"]
     assert record["kept"] is False and "the OpenVINO prefill is out of tolerance" in record["reason"]
@@ -103,3 +103,21 @@ def test_an_export_without_openvino_still_works_and_says_so(tiny_hf, tmp_path):
     info = read_export(tmp_path / "out")
     assert info.prefill is None and not (tmp_path / "out" / "openvino").exists()
     assert info.meta["parity"]["status"] == "passed"
+
+
+def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypatch):
+    """GPT2X_OPENVINO_PREFILL: 1 (the default) or 0; anything else is one UsageError line, before any work."""
+    from gpt2x.onnx.build import OPENVINO_PREFILL_ENV, openvino_prefill_wanted
+    from gpt2x.workflows.exports import export_model
+
+    model, source, _ = tiny
+    monkeypatch.delenv(OPENVINO_PREFILL_ENV, raising=False)
+    assert openvino_prefill_wanted(None) is True and openvino_prefill_wanted(False) is False
+    monkeypatch.setenv(OPENVINO_PREFILL_ENV, "0")
+    assert openvino_prefill_wanted(None) is False and openvino_prefill_wanted(True) is True
+    info = export_model(model, source, tmp_path / "off", Precision.int8)
+    assert info.meta["openvino_prefill"] == {"kept": False, "reason": "not asked for"} and info.prefill is None
+    monkeypatch.setenv(OPENVINO_PREFILL_ENV, "yes")
+    with pytest.raises(UsageError, match="GPT2X_OPENVINO_PREFILL must be 0 or 1"):
+        export_model(model, source, tmp_path / "bad", Precision.int8)
+    assert not (tmp_path / "bad").exists()

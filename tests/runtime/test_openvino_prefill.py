@@ -151,6 +151,7 @@ def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
         assert slower.prefill == "onnxruntime"
     with OrtBackend(with_timing(info, 8), threads=1) as from8:
         assert from8.prefill == "openvino" and from8.prefill_from == 8
+        assert [from8.prefill_runtime(n) for n in (7, 8)] == ["onnxruntime", "openvino"]  # what the bench records
         calls = []
         real = from8._openvino_prefill
         from8._openvino_prefill = lambda *a: calls.append(a[0].shape[1]) or real(*a)
