@@ -110,11 +110,8 @@ def greedy_agreement(reference, backend, n: int = GREEDY_TOKENS) -> dict:
     return {"tokens": n, "identical_prefix": prefixes, "share": float(np.mean(prefixes) / n)}
 
 
-def check(reference: Backend, backend: Backend, precision: Precision, greedy_tokens: int = GREEDY_TOKENS) -> dict:
-    """Parity statistics of `backend` against `reference`, and whether they pass the gate of `precision`."""
-    tol = TOLERANCES[precision]
-    stats = compare_on_cases(reference, backend)
-    greedy = greedy_agreement(reference, backend, greedy_tokens)
+def out_of_tolerance(stats: dict, greedy: dict, tol: Tolerance) -> list[str]:
+    """What of logit_stats' `stats` and greedy_agreement's `greedy` is outside `tol`, a line each."""
     failures = []
     if stats["max_rel"] > tol.max_rel:
         failures.append(f"max |Δlogit| {stats['max_abs']:.3g} is {stats['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})")
@@ -124,6 +121,15 @@ def check(reference: Backend, backend: Backend, precision: Precision, greedy_tok
         failures.append(f"top-1 agreement {stats['top1_agreement']:.3f} (gate {tol.min_top1:g})")
     if greedy["share"] < tol.min_greedy:
         failures.append(f"greedy agreement {greedy['share']:.3f} (gate {tol.min_greedy:g})")
+    return failures
+
+
+def check(reference: Backend, backend: Backend, precision: Precision, greedy_tokens: int = GREEDY_TOKENS) -> dict:
+    """Parity statistics of `backend` against `reference`, and whether they pass the gate of `precision`."""
+    tol = TOLERANCES[precision]
+    stats = compare_on_cases(reference, backend)
+    greedy = greedy_agreement(reference, backend, greedy_tokens)
+    failures = out_of_tolerance(stats, greedy, tol)
     return {
         "status": "failed" if failures else "passed",
         "provider": backend.provider.value,
