@@ -56,7 +56,7 @@ def openvino_prefill_wanted(asked: bool | None) -> bool:
         return asked
     value = os.environ.get(OPENVINO_PREFILL_ENV, "1")
     if value not in ("0", "1"):
-        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}", option=OPENVINO_PREFILL_ENV)
+        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
