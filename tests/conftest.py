@@ -33,9 +33,6 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
-
-
-
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-hf")
@@ -196,14 +193,6 @@ def reserve_port(shared_dir):
         return port
 
     return reserve
-
-
-
-
-
-
-
-
 
 
 # The tests that start Ray (marked xdist_group("ray")): run in one pytest-xdist worker, one after
