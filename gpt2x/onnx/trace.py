@@ -77,7 +77,7 @@ class _Weight:
 
 
 # The traced graph depends on the architecture, not on the weights, and tracing is most of an export's
-# time (19 s of GPT-2 124M's): a process traces each (config, opset) once and later models refill the
+# time (19 s of GPT-2 124M's): a process traces each (class, config, opset) once and later models refill the
 # weights (exports of several precisions, bench). None: that graph could not be mapped, so it is traced
 # every time.
 _TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
@@ -86,7 +86,7 @@ _TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
 def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
     """The fp32 graph of `model` at `path`, with the conventional names and symbolic dims: traced by
     torch's dynamo exporter, or the architecture's traced graph with this model's weights."""
-    key = (model.config, opset, torch.__version__)
+    key = (type(model), model.config, opset, torch.__version__)  # a subclass may trace to another graph
     params = {name: p.detach() for name, p in _ExportWrapper(_export_copy(model)).named_parameters()}
     template = _TEMPLATES.get(key)
     if template is not None:

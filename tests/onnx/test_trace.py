@@ -46,6 +46,15 @@ def test_a_second_model_of_the_architecture_is_refilled_not_traced(traces, tmp_p
     refilled, traced = onnx.load(str(tmp_path / "b.onnx")), onnx.load(str(tmp_path / "b-traced.onnx"))
     assert refilled.SerializeToString() == traced.SerializeToString()
     assert onnx.load(str(tmp_path / "a.onnx")).graph.initializer != traced.graph.initializer  # the weights differ
+    scaled = Scaled(CFG).init_weights(1).eval()  # the same config, another forward: its own trace
+    trace.trace_to_onnx(scaled, tmp_path / "scaled.onnx", OPSET)
+    assert traces == [a, b, scaled]
+
+
+class Scaled(GPT2):
+    def forward(self, *args, **kwargs):
+        logits, presents = super().forward(*args, **kwargs)
+        return 2 * logits, presents
 
 
 def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces, tmp_path):
@@ -53,7 +62,7 @@ def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces, tmp_pa
     with torch.no_grad():  # the MLP's input weight equals the embedding (both 64 x 16): its folded transpose matches both
         twin.h[0].mlp.c_fc.weight.copy_(twin.wte.weight)
     trace.trace_to_onnx(twin, tmp_path / "t1.onnx", OPSET)
-    assert trace._TEMPLATES[(CFG, OPSET, torch.__version__)] is None
+    assert trace._TEMPLATES[(GPT2, CFG, OPSET, torch.__version__)] is None
     other = model(4)
     trace.trace_to_onnx(other, tmp_path / "t2.onnx", OPSET)
     assert traces == [twin, other]
