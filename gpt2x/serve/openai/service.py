@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
@@ -85,20 +85,14 @@ class CompletionService:
         asked for, then DONE."""
         req = pending.req
         started: set[int] = set()
-        try:
-            async for index, piece, reason, _, _ in pending.events():
-                first = index not in started
-                started.add(index)
-                usage = pending.usage() if req.continuous_usage else None
-                yield render.StreamEvent(chat.chunk(req, [chat.delta(index, piece, reason, first)], usage),
-                                      (reason,) if reason else ())
-        except APIError as e:
-            yield render.StreamEvent(e.body(), error=True)
-            yield render.StreamEvent(render.DONE)
-            return
-        if req.include_usage:
-            yield render.StreamEvent(chat.chunk(req, [], pending.usage()))
-        yield render.StreamEvent(render.DONE)
+
+        def delta(index, piece, reason, logprobs, extra) -> list:
+            first = index not in started
+            started.add(index)
+            return [chat.delta(index, piece, reason, first)]
+
+        async for event in _events(pending, delta, lambda choices, usage: chat.chunk(req, choices, usage)):
+            yield event
 
     def submit(self, req: CompletionRequest) -> Pending:
         """Queue the request's rows (its choices) in the engine (all or none), before any response is
@@ -140,18 +134,31 @@ class CompletionService:
         its own only where the choice ends without a token of text, at end of text or a stop token
         id), a usage chunk if asked for, then DONE."""
         req = pending.req
-        try:
-            async for index, delta, reason, logprobs, extra in pending.events():
-                usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
-                yield render.StreamEvent(render.completion(req, [render.choice(index, delta, reason, logprobs, **extra)], usage),
-                                      (reason,) if reason else ())
-        except APIError as e:  # the status line is sent already: the error is the last event
-            yield render.StreamEvent(e.body(), error=True)
-            yield render.StreamEvent(render.DONE)
-            return
-        if req.include_usage:
-            yield render.StreamEvent(render.completion(req, [], pending.usage()))
+
+        def choice(index, delta, reason, logprobs, extra) -> list:
+            return [render.choice(index, delta, reason, logprobs, **extra)]
+
+        async for event in _events(pending, choice, lambda choices, usage: render.completion(req, choices, usage)):
+            yield event
+
+
+async def _events(pending: Pending, choices_of: Callable[..., list], chunk: Callable[[list, dict | None], dict]
+                  ) -> AsyncIterator[render.StreamEvent]:
+    """A stream's events, completions' or chat's: `chunk(choices_of(*event), usage so far if asked)` per engine
+    event, then a usage chunk if asked for, then DONE; an error once the stream has started is its last event."""
+    req = pending.req
+    try:
+        async for event in pending.events():
+            usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
+            reason = event[2]
+            yield render.StreamEvent(chunk(choices_of(*event), usage), (reason,) if reason else ())
+    except APIError as e:  # the status line is sent already: the error is the last event
+        yield render.StreamEvent(e.body(), error=True)
         yield render.StreamEvent(render.DONE)
+        return
+    if req.include_usage:
+        yield render.StreamEvent(chunk([], pending.usage()))
+    yield render.StreamEvent(render.DONE)
 
 
 class Pending:
