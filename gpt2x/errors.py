@@ -67,6 +67,17 @@ class MissingDependencyError(Gpt2xError):
     exit_code = 10
 
 
+def missing_modules(*modules: str) -> list[str]:
+    """Those of `modules` that do not import here (an extra not installed)."""
+    missing = []
+    for name in modules:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 class EndpointError(Gpt2xError):
     """A server that `gpt2x loadtest` cannot reach at the start, or that failed every request."""
 

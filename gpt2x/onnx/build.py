@@ -18,7 +18,7 @@ import torch
 
 from .. import __version__
 from ..choices import Precision, Progress, no_progress
-from ..errors import ParityError, UsageError
+from ..errors import ParityError, UsageError, missing_modules
 from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
@@ -151,7 +151,7 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
     fails its gate (or was not gated) is removed: the export keeps only ONNX Runtime's prefill."""
     from . import openvino_prefill
 
-    missing = openvino_prefill.missing()
+    missing = missing_modules(*openvino_prefill.MODULES)
     if missing:
         progress(f"no OpenVINO prefill graph: {' and '.join(missing)} do not import (pip install 'gpt2x[openvino]')")
         return {"kept": False, "reason": f"{', '.join(missing)} not installed"}

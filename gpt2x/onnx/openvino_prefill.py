@@ -20,16 +20,8 @@ from ..model.gpt2 import GPT2
 from . import names as io
 from .artifact import PREFILL_BIN, PREFILL_XML
 
-
-def missing() -> list[str]:
-    """The modules the prefill graph needs that do not import here (openvino, nncf)."""
-    out = []
-    for name in ("openvino", "nncf"):
-        try:
-            __import__(name)
-        except ImportError:
-            out.append(name)
-    return out
+# What the prefill graph needs beyond the export extra (the openvino extra's).
+MODULES = ("openvino", "nncf")
 
 
 class _Prefill(nn.Module):

@@ -7,18 +7,10 @@ from __future__ import annotations
 import os
 from enum import Enum
 
-from ..errors import ProviderError, UsageError
+from ..errors import ProviderError, UsageError, missing_modules
 from ..onnx.artifact import ExportInfo
 
 PREFILL_ENV = "GPT2X_PREFILL"  # the choice for this process and those it starts (the CLI's --prefill sets it)
-
-
-def openvino_imports() -> bool:
-    try:
-        import openvino  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class PrefillChoice(str, Enum):
@@ -43,7 +35,7 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
     if choice is PrefillChoice.onnxruntime:
         return None
     record = info.prefill
-    usable = record is not None and on_cpu and openvino_imports()
+    usable = record is not None and on_cpu and not missing_modules("openvino")
     if choice is PrefillChoice.openvino:
         if not usable:
             why = "it has no OpenVINO prefill graph (an int8 export made with openvino and nncf installed has one)" \

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..choices import BackendKind, Precision, ProviderKind
-from ..errors import Gpt2xError, MissingDependencyError, ProviderError, UsageError
+from ..errors import Gpt2xError, MissingDependencyError, ProviderError, UsageError, missing_modules
 from .base import Capabilities, spoken
 
 EXPORT_EXTRA = ("torch", "onnxscript")  # loading weights, exporting, training and the torch backend
@@ -67,16 +67,6 @@ REGISTRY: dict[BackendKind, Entry] = {
     BackendKind.genai: Entry(_genai, ("onnxruntime_genai",), "pip install --no-deps 'onnxruntime-genai>=0.18'"),
     BackendKind.web: Entry(_web, ready=_web_ready),
 }
-
-
-def missing_modules(*modules: str) -> list[str]:
-    missing = []
-    for name in modules:
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(name)
-    return missing
 
 
 def require_modules(purpose: str, modules: tuple[str, ...], install: str) -> None:
