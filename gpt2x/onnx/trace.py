@@ -76,10 +76,9 @@ class _Weight:
     transposed: bool
 
 
-# The traced graph depends on the architecture, not on the weights, and tracing is most of an export's
-# time (19 s of GPT-2 124M's): a process traces each (class, config, opset) once and later models refill the
-# weights (exports of several precisions, bench). None: that graph could not be mapped, so it is traced
-# every time.
+# The traced graph depends on the architecture, not on the weights: a process traces each (class, config,
+# opset) once and later models refill the weights (exports of several precisions, bench). None: that graph
+# could not be mapped, so it is traced every time.
 _TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
 
 
