@@ -104,8 +104,25 @@ def one_core_per_worker(worker_id):
     cores = sorted(os.sched_getaffinity(0))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if len(cores) > 1 and workers <= len(cores):
-        os.sched_setaffinity(0, {cores[int(worker_id.removeprefix("gw")) % len(cores)]})
+        core = {cores[int(worker_id.removeprefix("gw")) % len(cores)]}
+        # Every thread of the process, not only this one: threads started before (OpenMP's pool among them)
+        # keep the mask they were born with, and a test that later asks PyTorch for two threads would spin
+        # one of them on the other worker's core (a 20x slower test, measured).
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), core)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """What a test sets PyTorch's thread count to (a backend built with threads=2) ends with it."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session", autouse=True)
