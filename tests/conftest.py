@@ -127,15 +127,17 @@ def torch_threads_restored():
 
 @pytest.fixture(scope="session", autouse=True)
 def session_exports(shared_dir) -> Path:
-    """GPT2X_EXPORTS for the whole run: the exports made by model name (by the tests, and by the CLI
-    they run) land in one folder that the workers share, never in the user's cache. The library's
+    """GPT2X_EXPORTS (and GPT2X_TRACES) for the whole run: the exports made by model name (by the tests, and by
+    the CLI they run) land in one folder that the workers share, never in the user's cache. The library's
     lock (fileio.folder_lock, in workflows.ensure_export) lets one worker make each export while the
     others wait for it and then use it. A test that must see exports made from nothing sets its own
     (`own_exports`)."""
     from gpt2x.onnx.artifact import EXPORTS_ENV
+    from gpt2x.onnx.trace import TRACES_ENV
 
     root = shared_dir / "exported"
     os.environ[EXPORTS_ENV] = str(root)
+    os.environ[TRACES_ENV] = str(shared_dir / "traces")  # the run's traced graphs, never the user's
     return root
 
 
@@ -228,14 +230,29 @@ def xdist_scope(nodeid: str) -> str:
     return "ray" if nodeid.startswith(RAY_TESTS) else nodeid.split("::", 1)[0]
 
 
+# The longest units, longest first (measured: `--junitxml`, times summed per unit). loadscope orders the rest by
+# their number of tests, which would leave a unit of a few long tests (the soaks) for the end of the run, one
+# worker busy with it while the other has finished. A unit missing here is only scheduled by its size.
+LONGEST_FIRST = ("ray", "tests/generation/test_speculative.py", "tests/runtime/test_web.py",
+                 "tests/onnx/test_export.py", "tests/cli/test_robustness.py", "tests/lmeval/test_eval.py",
+                 "tests/serve/test_api.py", "tests/generation/test_structured.py", "tests/cli/test_serve.py",
+                 "tests/onnx/test_trace.py", "tests/serve/test_draft.py", "tests/onnx/test_openvino_prefill.py")
+
+
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleAndRayScheduling(LoadScopeScheduling):
-        """loadscope's scheduling (largest unit first) over xdist_scope's units."""
+        """loadscope's scheduling over xdist_scope's units, LONGEST_FIRST first, then the largest."""
 
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            first = next((unit for unit in LONGEST_FIRST if unit in self.workqueue), None)
+            if first is not None:
+                self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleAndRayScheduling(config, log)
 
@@ -244,6 +261,9 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `xdist_group("ray")` are those RAY_TESTS names. Tests marked `cuda` run wherever
     ONNX Runtime's CUDA provider loads. Elsewhere they are skipped, saying why, unless they were asked
     for (`-m cuda`): then they run, and fail, rather than report a GPU run that did not happen."""
+    gone = [unit for unit in LONGEST_FIRST if unit != "ray" and not (config.rootpath / unit).is_file()]
+    if gone:
+        raise pytest.UsageError(f"conftest.LONGEST_FIRST names modules that are gone: {', '.join(gone)}")
     for item in items:
         group = item.get_closest_marker("xdist_group")
         if (group is not None and group.args == ("ray",)) != item.nodeid.startswith(RAY_TESTS):

@@ -28,6 +28,7 @@ from gpt2x.fileio import sha256
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
+from gpt2x.onnx.trace import TRACES_ENV
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
 from gpt2x.tokenizer import EOT_ID
@@ -519,6 +520,7 @@ class StepClock:
 def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subprocess.CompletedProcess:
     """gpt2x ARGS in `cwd`, its exports by model name in cwd/exported (GPT2X_EXPORTS)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
+           **({TRACES_ENV: os.environ[TRACES_ENV]} if os.environ.get(TRACES_ENV) else {}),
            **({"BLOCKED": block} if block else {}),
            # a checkout other than the installed one (a git worktree) runs its own gpt2x
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}

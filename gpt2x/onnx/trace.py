@@ -4,6 +4,11 @@ is the `gpt2x::mha` custom op (translated to MultiHeadAttention, ops.py), with o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import inspect
+import json
 import logging
 import os
 import sys
@@ -14,9 +19,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 from torch import nn
 
+from ..errors import OutputError
+from ..fileio import write_atomic
 from ..model.gpt2 import GPT2
 from . import names as io
 from .artifact import IR_VERSION, save_onnx
@@ -81,12 +89,81 @@ class _Weight:
 # could not be mapped, so it is traced every time.
 _TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
 
+TRACES_ENV = "GPT2X_TRACES"  # the folder of traced graphs kept between processes, or "off"
+_WEIGHTS_KEY = "gpt2x.trace.weights"  # the template's metadata: where each weight goes
+
+
+def traces_root() -> Path | None:
+    """GPT2X_TRACES, else gpt2x/traces in the user's cache; None when it is "off"."""
+    named = os.environ.get(TRACES_ENV)
+    if named == "off":
+        return None
+    if named:
+        return Path(named).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return (Path(cache).expanduser() / "gpt2x" / "traces").resolve()
+
+
+def _disk_key(model: GPT2, opset: int) -> str | None:
+    """What the traced graph depends on, hashed: the source of the model's classes and of this package's model and
+    tracing code, the config, the opset and the exporter's versions. None where a class has no source file."""
+    h = hashlib.sha256()
+    files = sorted(Path(__file__).parents[1].joinpath("model").glob("*.py"))
+    files += [Path(__file__).with_name(n) for n in ("trace.py", "ops.py", "names.py")]
+    try:
+        files += [Path(inspect.getsourcefile(cls)) for cls in type(model).__mro__ if issubclass(cls, GPT2)]
+        for f in files:
+            h.update(f.read_bytes())
+    except (TypeError, OSError):  # a class made at run time, or a file gone
+        return None
+    versions = {d: importlib.metadata.version(d) for d in ("torch", "onnx", "onnxscript")}
+    h.update(json.dumps([type(model).__qualname__, dataclasses.asdict(model.config), opset, versions]).encode())
+    return h.hexdigest()[:32]
+
+
+def _load_template(path: Path, params: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[_Weight]] | None:
+    """A template kept by an earlier process, if it is whole and fits these parameters; else None."""
+    try:
+        proto = onnx.load_from_string(path.read_bytes())
+        meta = {p.key: p.value for p in proto.metadata_props}
+        weights = [_Weight(*w) for w in json.loads(meta[_WEIGHTS_KEY])]
+    except (OSError, KeyError, ValueError, TypeError, DecodeError):  # missing, cut short, or of another layout
+        return None
+    inits = proto.graph.initializer
+    for w in weights:
+        if not (0 <= w.index < len(inits)) or w.param not in params:
+            return None
+        shape = tuple(params[w.param].shape)
+        if tuple(inits[w.index].dims) != (shape[::-1] if w.transposed else shape):
+            return None
+    del proto.metadata_props[:]
+    return proto, weights
+
+
+def _keep_template(path: Path, template: tuple[onnx.ModelProto, list[_Weight]]) -> None:
+    """Write the template for later processes, whole or not at all (a read-only cache only costs the next trace)."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(template[0])
+    proto.metadata_props.add(key=_WEIGHTS_KEY, value=json.dumps([dataclasses.astuple(w) for w in template[1]]))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, proto.SerializeToString())
+    except (OSError, OutputError):
+        pass
+
 
 def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
     """The fp32 graph of `model` at `path`, with the conventional names and symbolic dims: traced by
-    torch's dynamo exporter, or the architecture's traced graph with this model's weights."""
+    torch's dynamo exporter, or the architecture's traced graph (this process's, or one kept in
+    traces_root() by an earlier process) with this model's weights."""
     key = (type(model), model.config, opset, torch.__version__)  # a subclass may trace to another graph
     params = {name: p.detach() for name, p in _ExportWrapper(_export_copy(model)).named_parameters()}
+    root = traces_root()
+    disk_key = _disk_key(model, opset) if root is not None and key not in _TEMPLATES else None
+    if disk_key is not None:
+        kept = _load_template(root / f"{disk_key}.onnx", params)
+        if kept is not None:
+            _TEMPLATES[key] = kept
     template = _TEMPLATES.get(key)
     if template is not None:
         proto = onnx.ModelProto()
@@ -98,6 +175,8 @@ def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
         proto = _trace(model, opset)
         if key not in _TEMPLATES:
             _TEMPLATES[key] = _template(proto, params)
+            if disk_key is not None and _TEMPLATES[key] is not None:
+                _keep_template(root / f"{disk_key}.onnx", _TEMPLATES[key])
     save_onnx(proto, path)
 
 

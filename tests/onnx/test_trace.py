@@ -18,8 +18,10 @@ OPSET = 17
 
 @pytest.fixture
 def traces(monkeypatch):
-    """An empty cache of traced graphs, and the list of models torch's exporter traced."""
+    """An empty cache of traced graphs (this process's; none kept on disk), and the list of models torch's
+    exporter traced."""
     monkeypatch.setattr(trace, "_TEMPLATES", {})
+    monkeypatch.setenv(trace.TRACES_ENV, "off")
     traced = []
     real = trace._trace
 
@@ -66,3 +68,43 @@ def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces, tmp_pa
     other = model(4)
     trace.trace_to_onnx(other, tmp_path / "t2.onnx", OPSET)
     assert traces == [twin, other]
+
+
+def test_a_later_process_takes_the_graph_kept_on_disk(traces, tmp_path, monkeypatch):
+    """GPT2X_TRACES: the first trace is kept there; a process without it in memory refills the kept graph, byte for
+    byte what tracing afresh gives, and a kept file that is cut short, or of another architecture, is traced again."""
+    kept = tmp_path / "traces"
+    monkeypatch.setenv(trace.TRACES_ENV, str(kept))
+    a, b = model(1), model(2)
+    trace.trace_to_onnx(a, tmp_path / "a.onnx", OPSET)
+    [file] = kept.iterdir()
+    trace._TEMPLATES.clear()  # as a new process
+    trace.trace_to_onnx(b, tmp_path / "b.onnx", OPSET)
+    assert traces == [a]
+    monkeypatch.setenv(trace.TRACES_ENV, "off")
+    trace._TEMPLATES.clear()
+    trace.trace_to_onnx(b, tmp_path / "b-traced.onnx", OPSET)
+    assert traces == [a, b]
+    assert onnx.load(str(tmp_path / "b.onnx")).SerializeToString() == onnx.load(str(tmp_path / "b-traced.onnx")).SerializeToString()
+
+    monkeypatch.setenv(trace.TRACES_ENV, str(kept))
+    whole = file.read_bytes()
+    file.write_bytes(whole[: len(whole) // 2])
+    trace._TEMPLATES.clear()
+    trace.trace_to_onnx(b, tmp_path / "b2.onnx", OPSET)
+    assert traces == [a, b, b] and file.read_bytes() == whole  # traced again, and kept whole again
+    wider = GPT2(GPT2Config(vocab_size=64, n_positions=24, n_embd=32, n_layer=1, n_head=2)).init_weights(5).eval()
+    file.rename(kept / f"{trace._disk_key(wider, OPSET)}.onnx")  # a file under another architecture's name
+    trace._TEMPLATES.clear()
+    trace.trace_to_onnx(wider, tmp_path / "w.onnx", OPSET)
+    assert traces == [a, b, b, wider]
+    assert trace._disk_key(wider, OPSET) != trace._disk_key(b, OPSET) != trace._disk_key(Scaled(CFG), OPSET)
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_only_the_trace(traces, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(trace.TRACES_ENV, str(blocker / "traces"))  # under a file: mkdir fails
+    trace.trace_to_onnx(model(1), tmp_path / "a.onnx", OPSET)
+    assert len(onnx.load(str(tmp_path / "a.onnx")).graph.node) > 0
+    assert len(traces) == 1 and not (blocker / "traces").exists()
