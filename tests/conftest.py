@@ -11,11 +11,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # Ray starts no idle Python workers ahead of its actors: every cluster the tests start (in this process
 # and in the servers they run) then spends the cores only on the processes it uses.
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
-# Every prefill on ONNX Runtime, wherever an int8 export has an OpenVINO prefill graph: the export's timing picks
+# Every prefill on ONNX Runtime, wherever an fp32 or int8 export has an OpenVINO prefill graph: the export's timing picks
 # auto's runtime, so it could differ between runs; the tests of that prefill choose it explicitly.
 os.environ.setdefault("GPT2X_PREFILL", "onnxruntime")
 # and no export made during the run (by the tests, or the commands they run) builds that graph unless asked: it
-# costs each int8 export seconds (tests/onnx/test_openvino_prefill.py and its runtime twin ask for it).
+# costs each fp32 or int8 export seconds (tests/onnx/test_openvino_prefill.py and its runtime twin ask for it).
 os.environ.setdefault("GPT2X_OPENVINO_PREFILL", "0")
 
 import socket  # noqa: E402
@@ -53,8 +53,8 @@ def tiny_export(shared_dir):
     ModelSource, ExportInfo): a tiny random GPT-2 (helpers.make_hf_model: TINY with `config`'s overrides,
     n_positions 96 unless given) and its export, each made once per run in the workers' shared folder (under
     a file lock) and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32
-    export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 export with its
-    OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill)."""
+    export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 or fp32 export with
+    its OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill)."""
     from filelock import FileLock
 
     from gpt2x.choices import Precision

@@ -45,7 +45,7 @@ def export(
                                              "transformers.js folder; the exports it copies are reused).")] = False,
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
     openvino_prefill: Annotated[Optional[bool], typer.Option(
-        help="int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
+        help="fp32 and int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
              "(needs the openvino extra; default: on, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "

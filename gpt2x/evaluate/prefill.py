@@ -14,7 +14,7 @@ import numpy as np
 from ..choices import Precision
 from ..errors import ParityError
 from ..numerics import positions
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import PREFILL_KEY, ExportInfo
 from ..runtime.base import Backend
 from ..runtime.ort import OrtBackend
 from ..runtime.prefill import PrefillChoice
@@ -77,18 +77,26 @@ def _median_ms(backend: OrtBackend, ids: np.ndarray, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
-                  repeat: int = TIMED_REPEAT) -> dict:
-    """Both prefills' medians (ms, batch 1) at `lengths`, and `openvino_from`: the prompt length from which OpenVINO's
-    was faster (by FASTER_BY at least) at that and every longer timed length (2: at all of them; None: not at the
-    longest)."""
+def _medians(info: ExportInfo, prefill: PrefillChoice, prompts: list[np.ndarray], threads: int | None, repeat: int) -> list[float]:
+    with OrtBackend(info, threads=threads, prefill=prefill) as backend:
+        return [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
+
+
+def _prompts(info: ExportInfo, lengths: tuple[int, ...]) -> tuple[list[int], list[np.ndarray]]:
+    """`lengths` capped at the model's context, sorted, and a batch-1 prompt of each."""
     lengths = sorted({min(n, info.config.n_positions - 1) for n in lengths})
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
-    figures = {}
-    for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino):
-        with OrtBackend(info, threads=threads, prefill=choice) as backend:
-            figures[choice.value] = [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
+    return lengths, [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
+
+
+def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
+                  repeat: int = TIMED_REPEAT) -> dict:
+    """Both prefills' medians (ms, batch 1) at `lengths` (OpenVINO's at the record's compute precision), and
+    `openvino_from`: the prompt length from which OpenVINO's was faster (by FASTER_BY at least) at that and every
+    longer timed length (2: at all of them; None: not at the longest)."""
+    lengths, prompts = _prompts(info, lengths)
+    figures = {choice.value: _medians(info, choice, prompts, threads, repeat)
+               for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino)}
     faster = [o < r * (1 - FASTER_BY) for o, r in zip(figures["openvino"], figures["onnxruntime"])]
     start = len(faster)
     while start and faster[start - 1]:
@@ -98,11 +106,51 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
 
-def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
-    """The export's OpenVINO prefill gated against `reference` (raises ParityError when out of tolerance), then
-    timed beside ONNX Runtime's: {"parity": ..., "timing": ...} for gpt2x.json."""
+def at_compute(info: ExportInfo, precision: str) -> ExportInfo:
+    """`info` with its prefill record's compute precision set to `precision` (what the runtime then compiles at)."""
+    return ExportInfo(info.folder, {**info.meta, PREFILL_KEY: {**info.prefill, "inference_precision": precision}})
+
+
+def _gate_at(reference: Backend, info: ExportInfo, threads: int | None) -> dict:
     with OrtBackend(info, threads=threads, prefill=PrefillChoice.openvino) as backend:
-        parity = check_prefill(reference, backend, info.precision)
+        return check_prefill(reference, backend, info.precision)
+
+
+def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
+             repeat: int = TIMED_REPEAT) -> dict:
+    """The prefill at bf16 compute, where this CPU has it: gated as f32's (the export precision's tolerances), then
+    timed beside f32 compute; `kept` where it passed and was faster by FASTER_BY at every timed length."""
+    from ..runtime.openvino_prefill import BF16, F32, cpu_has_bf16
+
+    if not cpu_has_bf16():
+        return {"kept": False, "reason": "this CPU has no bf16 compute"}
+    bf16 = at_compute(info, BF16)
+    parity = _gate_at(reference, bf16, threads)
+    if parity["status"] == "failed":
+        return {"kept": False, "reason": f"out of tolerance: {parity['message']}", "parity": parity}
+    lengths, prompts = _prompts(info, lengths)
+    ms = {p: _medians(at_compute(info, p), PrefillChoice.openvino, prompts, threads, repeat) for p in (F32, BF16)}
+    faster = all(b < f * (1 - FASTER_BY) for b, f in zip(ms[BF16], ms[F32]))
+    return {"kept": faster, "reason": "passed, faster" if faster else "passed, not faster", "parity": parity,
+            "lengths": lengths, "f32_ms": ms[F32], "bf16_ms": ms[BF16]}
+
+
+def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+    """The export's OpenVINO prefill gated against `reference` at f32 compute (raises ParityError when out of
+    tolerance), then at bf16 where the CPU has it (try_bf16: kept only where it passes the same gate and is faster),
+    then timed beside ONNX Runtime's at the compute precision chosen: {"inference_precision", "parity" (the chosen
+    one's), "parity_f32" (where bf16 was chosen: the fallback's), "bf16", "timing"} for gpt2x.json."""
+    from ..runtime.openvino_prefill import BF16, F32
+
+    f32 = at_compute(info, F32)
+    parity = _gate_at(reference, f32, threads)
     if parity["status"] == "failed":
         raise ParityError(f"the OpenVINO prefill is out of tolerance: {parity['message']}")
-    return {"parity": parity, "timing": time_prefills(info, threads)}
+    bf16 = try_bf16(reference, f32, threads)
+    record = {"inference_precision": F32, "parity": parity, "bf16": {k: v for k, v in bf16.items() if k != "parity"}}
+    if bf16["kept"]:
+        record.update(inference_precision=BF16, parity=bf16["parity"], parity_f32=parity)
+    elif "parity" in bf16:
+        record["bf16"]["parity"] = {k: bf16["parity"][k] for k in ("status", "message")}
+    record["timing"] = time_prefills(at_compute(info, record["inference_precision"]), threads)
+    return record

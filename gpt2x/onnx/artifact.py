@@ -31,7 +31,7 @@ IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads u
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
 EXPORTS_ENV = "GPT2X_EXPORTS"  # the folder of the exports made by model name (exports_root)
-# int8 exports: OpenVINO's prefill graph (onnx/openvino_prefill.py) and its record in gpt2x.json, kept only when it
+# fp32 and int8 exports: OpenVINO's prefill graph (onnx/openvino_prefill.py) and its record in gpt2x.json, kept only when it
 # passed its own gate (docs/export.md, the OpenVINO prefill).
 PREFILL_XML = "openvino/prefill.xml"
 PREFILL_BIN = "openvino/prefill.bin"

@@ -24,6 +24,7 @@ from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
 from ..tokenizer import BPE_SHA256
 from . import names as io
+from . import openvino_prefill as ov_prefill  # imports neither openvino nor nncf
 from .artifact import (
     DEFAULT_OPSET,
     FORMAT,
@@ -45,7 +46,7 @@ from .trace import trace_to_onnx
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
-# Whether an int8 export gets OpenVINO's prefill graph when not said (1, the default, or 0): it costs an export
+# Whether an fp32 or int8 export gets OpenVINO's prefill graph when not said (1, the default, or 0): it costs an export
 # seconds (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
 
@@ -80,11 +81,12 @@ def export(
     prefill_gate: PrefillGate | None = None,
     openvino_prefill: bool | None = None,
 ) -> ExportInfo:
-    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An int8
-    export also gets OpenVINO's prefill graph where openvino and nncf import, kept only if `prefill_gate` passes it
-    (None: not checked, and not made: the runtime uses no graph nothing checked); `openvino_prefill` False: none
-    (None: openvino_prefill_wanted's default)."""
-    want_prefill = precision is Precision.int8 and openvino_prefill_wanted(openvino_prefill)
+    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
+    or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
+    `prefill_gate` passes it (None: not checked, and not made: the runtime uses no graph nothing checked);
+    `openvino_prefill` False: none (None: openvino_prefill_wanted's default)."""
+    with_prefill = precision in ov_prefill.MODULES
+    want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill)
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
@@ -131,7 +133,7 @@ def export(
             meta["parity"] = gate(info)
         else:
             meta["parity"] = {"status": NOT_CHECKED}
-        if precision is Precision.int8:
+        if with_prefill:
             meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if want_prefill else \
                 {"kept": False, "reason": "not asked for"}
             _record_files(tmp, meta)
@@ -149,18 +151,17 @@ def _record_files(folder: Path, meta: dict) -> None:
 def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, progress: Progress) -> dict:
     """OpenVINO's prefill graph written into the export, gated and timed; its record for gpt2x.json. A graph that
     fails its gate (or was not gated) is removed: the export keeps only ONNX Runtime's prefill."""
-    from . import openvino_prefill
-
-    missing = missing_modules(*openvino_prefill.MODULES)
+    precision = info.precision
+    missing = missing_modules(*ov_prefill.MODULES[precision])
     if missing:
         progress(f"no OpenVINO prefill graph: {' and '.join(missing)} do not import (pip install 'gpt2x[openvino]')")
         return {"kept": False, "reason": f"{', '.join(missing)} not installed"}
     if gate is None:
         return {"kept": False, "reason": NOT_CHECKED}
-    progress("converting the prefill to OpenVINO (int8 weights, nncf)")
-    files = openvino_prefill.convert_prefill(model, info.folder)
+    progress(f"converting the prefill to OpenVINO ({'int8 weights, nncf' if precision is Precision.int8 else 'f32 weights'})")
+    files = ov_prefill.convert_prefill(model, info.folder, precision)
     record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
-              "weights": "int8 asymmetric, one scale per output channel (nncf INT8_ASYM)", "inference_precision": "f32"}
+              "weights": ov_prefill.WEIGHTS[precision], "inference_precision": "f32"}
     info.meta[PREFILL_KEY] = record
     progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
     try:

@@ -1,6 +1,6 @@
-"""The OpenVINO prefill graph of an int8 export (docs/export.md): gpt2x's PyTorch model converted by OpenVINO's
-own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a fresh prompt only
-(no past), its weights compressed to int8 by nncf. Inputs input_ids, attention_mask, position_ids (batch and
+"""The OpenVINO prefill graph of an fp32 or int8 export (docs/export.md): gpt2x's PyTorch model converted by
+OpenVINO's own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a fresh
+prompt only (no past), its weights kept at f32 (fp32) or compressed to int8 by nncf (int8). Inputs input_ids, attention_mask, position_ids (batch and
 sequence dynamic); outputs the last position's logits and every layer's present key and value (B, H, T, D)."""
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..choices import Precision
 from ..model.gpt2 import GPT2
 from . import names as io
 from .artifact import PREFILL_BIN, PREFILL_XML
 
-# What the prefill graph needs beyond the export extra (the openvino extra's).
-MODULES = ("openvino", "nncf")
+# The precisions that get a prefill graph, and what it needs beyond the export extra (the openvino extra's). int4
+# gets none: nncf's int4 (its own groups, some layers left at int8) is not the main graph's and has no gate of its own.
+MODULES = {Precision.fp32: ("openvino",), Precision.int8: ("openvino", "nncf")}
+# The record's `weights`, by precision.
+WEIGHTS = {Precision.fp32: "f32, as the model's",
+           Precision.int8: "int8 asymmetric, one scale per output channel (nncf INT8_ASYM)"}
 
 
 class _Prefill(nn.Module):
@@ -53,9 +58,9 @@ def _quiet():
         nncf_log.setLevel(level)
 
 
-def convert_prefill(model: GPT2, folder: Path) -> list[str]:
-    """Write the int8 prefill graph into `folder` (PREFILL_XML and PREFILL_BIN); returns their names."""
-    import nncf
+def convert_prefill(model: GPT2, folder: Path, precision: Precision = Precision.int8) -> list[str]:
+    """Write the prefill graph of a `precision` export into `folder` (PREFILL_XML and PREFILL_BIN); returns their
+    names."""
     import openvino as ov
 
     cfg = model.config
@@ -70,10 +75,13 @@ def convert_prefill(model: GPT2, folder: Path) -> list[str]:
             names = io.output_names(cfg.n_layer)
             for output, name in zip(converted.outputs, names):
                 output.get_tensor().set_names({name})
-            # Per-channel asymmetric int8 on every weight, the tied embedding and unembedding included.
-            compressed = nncf.compress_weights(converted, mode=nncf.CompressWeightsMode.INT8_ASYM)
+            if precision is Precision.int8:
+                import nncf
+
+                # Per-channel asymmetric int8 on every weight, the tied embedding and unembedding included.
+                converted = nncf.compress_weights(converted, mode=nncf.CompressWeightsMode.INT8_ASYM)
     finally:
         sys.setrecursionlimit(limit)
     (folder / PREFILL_XML).parent.mkdir(parents=True, exist_ok=True)
-    ov.save_model(compressed, str(folder / PREFILL_XML), compress_to_fp16=False)
+    ov.save_model(converted, str(folder / PREFILL_XML), compress_to_fp16=False)
     return [PREFILL_XML, PREFILL_BIN]

@@ -1,5 +1,5 @@
-"""OpenVINO running an int8 export's prefill graph (openvino/prefill.xml) for the ONNX Runtime backend, which takes
-its presents into its own KV cache (runtime/prefill.py chooses when). No torch."""
+"""OpenVINO running an fp32 or int8 export's prefill graph (openvino/prefill.xml) for the ONNX Runtime backend,
+writing its presents straight into that backend's KV cache (runtime/prefill.py chooses when). No torch."""
 
 from __future__ import annotations
 
@@ -11,15 +11,32 @@ from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from .providers import physical_cores
 
+# The compute precisions a prefill graph may be gated and recorded at (its record's `inference_precision`).
+F32, BF16 = "f32", "bf16"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 BF16 or AMX)."""
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def compute_precision(info: ExportInfo) -> str:
+    """The compute precision the export's record chose, f32 where it says bf16 and this CPU has none: every record
+    choosing bf16 passed the same gate at f32 first (evaluate/prefill.py), so f32 is the gated fallback."""
+    recorded = (info.prefill or {}).get("inference_precision", F32)
+    return BF16 if recorded == BF16 and cpu_has_bf16() else F32
+
 
 class OpenVinoPrefill:
-    """The compiled prefill graph and one infer request; a call's presents are views valid until the next call."""
+    """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
+    request."""
 
     def __init__(self, info: ExportInfo, threads: int | None = None):
+        self.inference_precision = compute_precision(info)
         config = {
             "INFERENCE_NUM_THREADS": threads or physical_cores(),
-            # f32 compute: the graph was gated at f32 (bf16 compute is OpenVINO's default where the CPU has it).
-            "INFERENCE_PRECISION_HINT": "f32",
+            # The gated compute precision: OpenVINO's own default is bf16 wherever the CPU has it, gated or not.
+            "INFERENCE_PRECISION_HINT": self.inference_precision,
             "PERFORMANCE_HINT": "LATENCY",
             # Pinned threads wait for their core beside ONNX Runtime's (runtime/openvino.py measured it).
             "ENABLE_CPU_PINNING": False,
@@ -35,10 +52,17 @@ class OpenVinoPrefill:
         self._logits = self.compiled.output(io.LOGITS)
         self._presents = [self.compiled.output(name) for name in io.output_names(n)[1:]]
 
-    def __call__(self, input_ids, attention_mask, position_ids) -> tuple[np.ndarray, list[np.ndarray]]:
-        """The last position's logits (B, V), a copy, and the presents (B, H, T, D), views into the request."""
+    def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray]) -> np.ndarray:
+        """The last position's logits (B, V); every layer's presents written by OpenVINO straight into the first T
+        positions of `presents` (C-contiguous float32 arrays (B, H, >= T, D), in the outputs' order): no copy after.
+        The request keeps pointers into them until the next call sets its own, and writes only during a call."""
+        B, T = input_ids.shape
         for port, arr in zip(self._ports, (input_ids, attention_mask, position_ids)):
             self.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
+        for port, arr in zip(self._presents, presents):
+            whole = ov.Tensor(arr, shared_memory=True)
+            # A region (positions [0, T)) of a longer buffer: the Python binding shares C-contiguous arrays only.
+            region = whole if arr.shape[2] == T else ov.Tensor(whole, [0, 0, 0, 0], [B, arr.shape[1], T, arr.shape[3]])
+            self.request.set_tensor(port, region)
         self.request.infer()
-        logits = self.request.get_tensor(self._logits).data[:, -1].copy()
-        return logits, [self.request.get_tensor(port).data for port in self._presents]
+        return self.request.get_tensor(self._logits).data[:, -1].copy()

@@ -213,7 +213,7 @@ class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
     cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name).
     `prefill` (runtime.prefill.PrefillChoice; None: GPT2X_PREFILL's, else auto): where a fresh prompt's `step` runs,
-    ONNX Runtime or an int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache."""
+    ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -266,6 +266,11 @@ class OrtBackend(Closable):
         return "onnxruntime" if self._openvino_prefill is None else "openvino"
 
     @property
+    def prefill_precision(self) -> str | None:
+        """OpenVINO's compute precision for the prefill ("f32" or "bf16", the export's record's; None: no OpenVINO)."""
+        return None if self._openvino_prefill is None else self._openvino_prefill.inference_precision
+
+    @property
     def prefill_from(self) -> int | None:
         """The prompt length from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from
@@ -305,13 +310,19 @@ class OrtBackend(Closable):
         return logits[:, -1], present
 
     def _openvino_step(self, input_ids, attention_mask, position_ids):
-        """A fresh prompt on OpenVINO's prefill graph; its presents copied into this backend's cache form."""
+        """A fresh prompt on OpenVINO's prefill graph, which writes its presents straight into this backend's cache
+        form (the in-place buffers, with room to grow as from_numpy's, or a growing cache's arrays)."""
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; a prefill's is the ids' {input_ids.shape}")
-        logits, presents = self._openvino_prefill(input_ids, attention_mask, position_ids)
-        if self.in_place_kv:  # copied into the fixed-capacity buffers
-            return logits, InPlaceCache.from_numpy(self, presents)
-        return logits, GrowingCache.from_numpy(self, [a.copy() for a in presents])  # ORT would share the views
+        B, T = input_ids.shape
+        if self.in_place_kv:
+            buffers = InPlaceCache.allocate(self, B, min(self.n_positions, T + InPlaceCache.capacity_step), None)
+            logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays)
+            buffers.length = T
+            return logits, InPlaceCache(buffers, T, self)
+        arrays = [np.empty((B, self.cfg.n_head, T, self.cfg.head_dim), self.kv_dtype) for _ in range(2 * self.cfg.n_layer)]
+        logits = self._openvino_prefill(input_ids, attention_mask, position_ids, arrays)
+        return logits, GrowingCache(self, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])  # shared: no copy
 
     def step_greedy(self, input_ids, attention_mask, position_ids, past):
         """On CUDA a one-node ArgMax graph (first of equal maxima, as NumPy's) sends only the tokens back."""

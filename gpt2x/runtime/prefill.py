@@ -1,4 +1,4 @@
-"""Which runtime runs a fresh prompt's prefill on an int8 export: ONNX Runtime on model.onnx, or OpenVINO on the
+"""Which runtime runs a fresh prompt's prefill on an fp32 or int8 export: ONNX Runtime on model.onnx, or OpenVINO on the
 export's prefill graph (docs/backends.md, the OpenVINO prefill). Chosen from the figures the export measured, not by
 name; a user may force either way. Neither openvino nor torch is imported here."""
 
@@ -38,7 +38,7 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
     usable = record is not None and on_cpu and not missing_modules("openvino")
     if choice is PrefillChoice.openvino:
         if not usable:
-            why = "it has no OpenVINO prefill graph (an int8 export made with openvino and nncf installed has one)" \
+            why = "it has no OpenVINO prefill graph (an fp32 or int8 export made with the openvino extra installed has one)" \
                 if record is None else "OpenVINO runs on the CPU only" if not on_cpu else "openvino does not import"
             raise ProviderError(f"{info.folder}: cannot run the prefill on OpenVINO: {why}")
         return 2

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
                  progress: Progress = no_progress, openvino_prefill: bool | None = None) -> ExportInfo:
-    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An int8 export
-    also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
+    """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
+    export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
     GPT2X_OPENVINO_PREFILL's 0 or 1, default 1; docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export

@@ -1,6 +1,7 @@
-"""An int8 export's OpenVINO prefill graph (onnx/openvino_prefill.py, evaluate/prefill.py): written with its files
-recorded and checked like the others, gated on its own (a perturbed graph is dropped and the export goes on), timed
-beside ONNX Runtime's prefill, and left out, saying so, where openvino and nncf do not import."""
+"""An int8 or fp32 export's OpenVINO prefill graph (onnx/openvino_prefill.py, evaluate/prefill.py): written with its
+files recorded and checked like the others, gated on its own at the export's tolerances (a perturbed graph is dropped
+and the export goes on; bf16 compute kept only where it passes the same gate), timed beside ONNX Runtime's prefill,
+and left out, saying so, where openvino and nncf do not import."""
 
 from __future__ import annotations
 
@@ -44,6 +45,38 @@ def test_the_int8_export_keeps_a_gated_and_timed_prefill_graph(tiny):
     assert record["outputs"][0] == "logits" and len(record["outputs"]) == 1 + 2 * info.config.n_layer
 
 
+def test_bf16_compute_is_tried_with_the_same_gate_and_recorded(tiny):
+    from gpt2x.runtime.openvino_prefill import cpu_has_bf16
+
+    _, _, info = tiny
+    record, bf16 = info.prefill, info.prefill["bf16"]
+    if not cpu_has_bf16():
+        assert record["inference_precision"] == "f32" and bf16 == {"kept": False, "reason": "this CPU has no bf16 compute"}
+        return
+    assert bf16["parity"]["status"] == "passed"  # int8's gate: bf16 rounding is small beside int8 weights'
+    assert len(bf16["f32_ms"]) == len(bf16["bf16_ms"]) == 2 and all(ms > 0 for ms in bf16["f32_ms"] + bf16["bf16_ms"])
+    assert record["inference_precision"] == ("bf16" if bf16["kept"] else "f32")
+    if bf16["kept"]:
+        assert record["parity_f32"]["status"] == "passed"  # the fallback on a CPU without bf16
+
+
+def test_the_fp32_export_keeps_a_prefill_graph_gated_at_fp32s_tolerances(tiny_export):
+    """f32 weights (no nncf), fp32's gate (1e-4 of the logits' scale), and bf16 compute refused by that gate."""
+    from gpt2x.runtime.openvino_prefill import cpu_has_bf16
+
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    record, tol = info.prefill, TOLERANCES[Precision.fp32]
+    assert record is not None and record["weights"].startswith("f32")
+    assert info.meta["sizes"][PREFILL_BIN] >= 4 * model.wte.weight.numel()  # 4 bytes a weight: not compressed
+    parity = record["parity"]
+    assert parity["status"] == "passed" and parity["tolerance"]["max_rel"] == tol.max_rel
+    assert parity["logits"]["max_rel"] <= tol.max_rel and parity["logits"]["present_max_rel"] <= tol.max_rel
+    assert parity["greedy"]["share"] == 1.0 and record["inference_precision"] == "f32"
+    if cpu_has_bf16():
+        assert record["bf16"]["kept"] is False and record["bf16"]["reason"].startswith("out of tolerance")
+    verify_export(info.folder)
+
+
 def test_a_changed_prefill_graph_is_refused_on_load(tiny, tmp_path):
     _, _, info = tiny
     copy = tmp_path / "copy"
@@ -56,7 +89,7 @@ def test_a_changed_prefill_graph_is_refused_on_load(tiny, tmp_path):
 
 def perturbed(convert):
     """convert_prefill on a copy of the model with one projection nudged: a graph that is not the model's."""
-    def convert_perturbed(model, folder):
+    def convert_perturbed(model, folder, *args):
         import copy
 
         import torch
@@ -65,7 +98,7 @@ def perturbed(convert):
         with torch.no_grad():
             w = bad.h[0].mlp.c_proj.weight  # noise, not a constant: the next LayerNorm would remove a constant shift
             w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.5)
-        return convert(bad, folder)
+        return convert(bad, folder, *args)
 
     return convert_perturbed
 

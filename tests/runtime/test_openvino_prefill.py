@@ -1,7 +1,7 @@
-"""The ONNX Runtime backend with an int8 export's OpenVINO prefill graph (runtime/prefill.py, openvino_prefill.py):
-OpenVINO's prefill, then ONNX Runtime's decode on its own cache, checked against PyTorch's forward without a cache,
-row by row, on a left-padded batch, after a merge and a rollback; and the choice, forced or read from the export's
-timings."""
+"""The ONNX Runtime backend with an int8 or fp32 export's OpenVINO prefill graph (runtime/prefill.py,
+openvino_prefill.py): OpenVINO's prefill, then ONNX Runtime's decode on its own cache, checked against PyTorch's
+forward without a cache, row by row, on a left-padded batch, after a merge and a rollback; the choice, forced or read
+from the export's timings; and the compute precision its record chose."""
 
 from __future__ import annotations
 
@@ -82,17 +82,17 @@ def left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def decode(backend, model, ids, mask, cache, steps: int) -> None:
+def decode(backend, model, ids, mask, cache, steps: int, tol: float = 0.1) -> None:
     """Greedy steps from `cache`, each step's logits checked against PyTorch's no-cache forward of the whole rows."""
     logits = None
     for _ in range(steps):
         want = full_forward(model, ids, mask)
         if logits is not None:
-            assert rel(want, logits) < 0.1
+            assert rel(want, logits) < tol
         tok = want.argmax(-1)[:, None]
         ids, mask = np.concatenate([ids, tok], 1), np.concatenate([mask, np.ones_like(tok)], 1)
         logits, cache = backend.step(tok, mask, positions(mask, 1), cache)
-    assert rel(full_forward(model, ids, mask), logits) < 0.1
+    assert rel(full_forward(model, ids, mask), logits) < tol
     return ids, mask, cache
 
 
@@ -121,6 +121,53 @@ def test_join_merge_and_truncate_after_an_openvino_prefill(tiny, hybrid):
     ids, mask, cache = decode(hybrid, model, ids, mask, merged, 4)
     back = cache.truncate(cache.length - 2)
     decode(hybrid, model, ids[:, :-2], mask[:, :-2], back, 3)
+
+
+def test_an_fp32_exports_prefill_then_decode_is_pytorchs_without_a_cache(tiny_export):
+    """fp32: OpenVINO writes its presents straight into a growing cache's arrays; a second prefill leaves the first
+    one's cache as it was; every logit within fp32's gate of PyTorch's (TOLERANCES[fp32].max_rel, 1e-4)."""
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    assert info.prefill is not None, info.meta.get("openvino_prefill")
+    with OrtBackend(info, threads=1, prefill="openvino") as fp32:
+        assert fp32.prefill_precision == "f32"
+        ids, mask = left_padded(PROMPTS)
+        logits, cache = fp32.step(ids, mask, positions(mask, ids.shape[1]), None)
+        assert type(cache).__name__ == "GrowingCache" and cache.length == ids.shape[1]
+        other, other_mask = left_padded([PROMPTS[1] * 5])
+        fp32.step(other, other_mask, positions(other_mask, other.shape[1]), None)
+        assert rel(full_forward(model, ids, mask), logits) < 1e-4
+        decode(fp32, model, ids, mask, cache, 5, tol=1e-4)
+        s = SamplingSettings(max_new_tokens=12, greedy=True, ignore_eos=True)
+        [got] = generate(fp32, [""], s, prompt_ids=[PROMPTS[2]])
+        assert got.tokens == torch_greedy(model, PROMPTS[2], 12)
+
+
+def compiled_precision(backend: OrtBackend) -> str:
+    """The compute precision OpenVINO compiled the prefill graph at, as OpenVINO reports it."""
+    return backend._openvino_prefill.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+
+def test_the_records_compute_precision_is_honoured_and_bf16_falls_back_to_f32_without_it(tiny, monkeypatch):
+    """bf16 where the record chose it and the CPU has it (its logits then differ from f32 compute's, within int8's
+    gate); f32 on a CPU without bf16, where every bf16 record's f32 fallback passed the gate too."""
+    from gpt2x.evaluate.prefill import at_compute
+    from gpt2x.runtime import openvino_prefill
+
+    model, info = tiny
+    ids, mask = left_padded(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    with OrtBackend(at_compute(info, "f32"), threads=1, prefill="openvino") as f32:
+        assert f32.prefill_precision == compiled_precision(f32) == "f32"
+        want = f32.step(ids, mask, pos, None)[0]
+    if openvino_prefill.cpu_has_bf16():
+        with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as bf16:
+            assert bf16.prefill_precision == compiled_precision(bf16) == "bf16"
+            got = bf16.step(ids, mask, pos, None)[0]
+        assert 1e-5 < rel(want, got) < 0.1
+    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
+    with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as fallback:
+        assert fallback.prefill_precision == compiled_precision(fallback) == "f32"
+        assert np.array_equal(fallback.step(ids, mask, pos, None)[0], want)
 
 
 def test_run_and_a_step_on_a_past_stay_on_onnx_runtime(tiny, hybrid, monkeypatch):
