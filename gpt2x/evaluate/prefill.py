@@ -147,10 +147,10 @@ def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = Non
     if parity["status"] == "failed":
         raise ParityError(f"the OpenVINO prefill is out of tolerance: {parity['message']}")
     bf16 = try_bf16(reference, f32, threads)
-    record = {"inference_precision": F32, "parity": parity, "bf16": {k: v for k, v in bf16.items() if k != "parity"}}
+    record = {"inference_precision": F32, "parity": parity, "bf16": dict(bf16)}
+    if "parity" in bf16:  # its verdict here; the whole of it is `parity` where bf16 is kept
+        record["bf16"]["parity"] = {k: bf16["parity"][k] for k in ("status", "message")}
     if bf16["kept"]:
         record.update(inference_precision=BF16, parity=bf16["parity"], parity_f32=parity)
-    elif "parity" in bf16:
-        record["bf16"]["parity"] = {k: bf16["parity"][k] for k in ("status", "message")}
     record["timing"] = time_prefills(at_compute(info, record["inference_precision"]), threads)
     return record

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 
 import pytest
 
@@ -58,6 +59,22 @@ def test_bf16_compute_is_tried_with_the_same_gate_and_recorded(tiny):
     assert record["inference_precision"] == ("bf16" if bf16["kept"] else "f32")
     if bf16["kept"]:
         assert record["parity_f32"]["status"] == "passed"  # the fallback on a CPU without bf16
+
+
+def test_a_kept_bf16_is_the_records_choice_with_its_gate_and_the_f32_fallbacks(tiny, monkeypatch):
+    """gate_prefill where the bf16 trial kept bf16 (whether it does on the tiny model is the timings' call): the
+    record chooses bf16, `parity` is bf16's gate, `parity_f32` the fallback's, and the timing is taken at bf16."""
+    from gpt2x.evaluate import prefill
+
+    model, _, info = tiny
+    bf16_parity = {"status": "passed", "message": "", "precision": "int8"}
+    monkeypatch.setattr(prefill, "try_bf16", lambda *a, **k: {"kept": True, "reason": "passed, faster", "parity": bf16_parity})
+    timed = []
+    monkeypatch.setattr(prefill, "time_prefills", lambda i, threads=None: timed.append(i.prefill["inference_precision"]) or {})
+    record = gate_prefill(TorchBackend(model), info)
+    assert record["inference_precision"] == "bf16" and timed == ["bf16"]
+    assert record["parity"] is bf16_parity and record["bf16"]["parity"] == {"status": "passed", "message": ""}
+    assert record["parity_f32"]["status"] == "passed" and record["parity_f32"]["tolerance"] == asdict(TOLERANCES[Precision.int8])
 
 
 def test_the_fp32_export_keeps_a_prefill_graph_gated_at_fp32s_tolerances(tiny_export):
