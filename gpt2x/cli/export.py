@@ -46,7 +46,7 @@ def export(
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
     openvino_prefill: Annotated[Optional[bool], typer.Option(
         help="fp32 and int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
-             "(needs the openvino extra; default: on, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
+             "(needs the openvino extra; default: int8 only, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "

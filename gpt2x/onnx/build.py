@@ -46,19 +46,24 @@ from .trace import trace_to_onnx
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
-# Whether an fp32 or int8 export gets OpenVINO's prefill graph when not said (1, the default, or 0): it costs an export
-# seconds (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
+# Whether an fp32 or int8 export gets OpenVINO's prefill graph when not said (1 or 0): it costs an export seconds
+# (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
+# Unset, int8 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights) for a
+# prefill measured no faster than ONNX Runtime's at export on this project's CPU (docs/results/engines.md).
+OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8,)
 
 
-def openvino_prefill_wanted(asked: bool | None) -> bool:
-    """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else True; one UsageError line for another value."""
+def openvino_prefill_wanted(asked: bool | None, precision: Precision = Precision.int8) -> bool:
+    """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else whether `precision` is in OPENVINO_PREFILL_BY_DEFAULT;
+    one UsageError line for another value."""
+    value = os.environ.get(OPENVINO_PREFILL_ENV)
+    if value not in (None, "0", "1"):
+        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}")
     if asked is not None:
         return asked
-    value = os.environ.get(OPENVINO_PREFILL_ENV, "1")
-    if value not in ("0", "1"):
-        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return precision in OPENVINO_PREFILL_BY_DEFAULT if value is None else value == "1"
+
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
 PrefillGate = Callable[[ExportInfo], dict]
@@ -86,7 +91,7 @@ def export(
     `prefill_gate` passes it (None: not checked, and not made: the runtime uses no graph nothing checked);
     `openvino_prefill` False: none (None: openvino_prefill_wanted's default)."""
     with_prefill = precision in ov_prefill.MODULES
-    want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill)
+    want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill, precision)
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"

@@ -26,7 +26,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
                  progress: Progress = no_progress, openvino_prefill: bool | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
-    GPT2X_OPENVINO_PREFILL's 0 or 1, default 1; docs/export.md)."""
+    GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only; docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend

@@ -156,13 +156,16 @@ def test_an_export_without_openvino_still_works_and_says_so(tiny_hf, tmp_path):
 
 
 def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypatch):
-    """GPT2X_OPENVINO_PREFILL: 1 (the default) or 0; anything else is one UsageError line, before any work."""
+    """GPT2X_OPENVINO_PREFILL: 1 or 0 (unset: int8 only); anything else is one UsageError line, before any work."""
     from gpt2x.onnx.build import OPENVINO_PREFILL_ENV, openvino_prefill_wanted
     from gpt2x.workflows.exports import export_model
 
     model, source, _ = tiny
     monkeypatch.delenv(OPENVINO_PREFILL_ENV, raising=False)
     assert openvino_prefill_wanted(None) is True and openvino_prefill_wanted(False) is False
+    assert openvino_prefill_wanted(None, Precision.fp32) is False and openvino_prefill_wanted(True, Precision.fp32) is True
+    monkeypatch.setenv(OPENVINO_PREFILL_ENV, "1")
+    assert openvino_prefill_wanted(None, Precision.fp32) is True
     monkeypatch.setenv(OPENVINO_PREFILL_ENV, "0")
     assert openvino_prefill_wanted(None) is False and openvino_prefill_wanted(True) is True
     info = export_model(model, source, tmp_path / "off", Precision.int8)
