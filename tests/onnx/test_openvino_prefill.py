@@ -46,6 +46,18 @@ def test_the_int8_export_keeps_a_gated_and_timed_prefill_graph(tiny):
     assert record["outputs"][0] == "logits" and len(record["outputs"]) == 1 + 2 * info.config.n_layer
 
 
+def test_the_int8_graph_carries_its_activation_group_and_the_runtime_compiles_at_it(tiny):
+    """The group size is in the graph (the one the gate ran), not the runtime's config, which must not override it:
+    OpenVINO's own default is 32."""
+    from gpt2x.runtime.openvino_prefill import OpenVinoPrefill
+
+    _, _, info = tiny
+    assert openvino_prefill.ACTIVATION_GROUP != 32
+    compiled = OpenVinoPrefill(info, threads=1).compiled
+    assert int(compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")) == openvino_prefill.ACTIVATION_GROUP
+    assert str(openvino_prefill.ACTIVATION_GROUP) in info.prefill["weights"]
+
+
 def test_bf16_compute_is_tried_with_the_same_gate_and_recorded(tiny):
     from gpt2x.runtime.openvino_prefill import cpu_has_bf16
 
