@@ -24,14 +24,14 @@ from .artifact import PREFILL_BIN, PREFILL_XML
 # The precisions that get a prefill graph, and what it needs beyond the export extra (the openvino extra's). int4
 # gets none: nncf's int4 (its own groups, some layers left at int8) is not the main graph's and has no gate of its own.
 MODULES = {Precision.fp32: ("openvino",), Precision.int8: ("openvino", "nncf")}
-# The record's `weights`, by precision.
-WEIGHTS = {Precision.fp32: "f32, as the model's",
-           Precision.int8: "int8 asymmetric, one scale per output channel (nncf INT8_ASYM); activations quantized "
-                           "at run time in groups of 128 (DYNAMIC_QUANTIZATION_GROUP_SIZE, in the graph)"}
 # OpenVINO's CPU plugin multiplies int8 weights by activations it quantizes to int8 itself, one scale per group of
 # this many (its default 32): 128 is faster at 32 and 512 tokens with its error well inside int8's gate, outlier
 # channels included (docs/export.md). The graph carries it (rt_info), so the gate runs what the runtime will.
 ACTIVATION_GROUP = 128
+# The record's `weights`, by precision.
+WEIGHTS = {Precision.fp32: "f32, as the model's",
+           Precision.int8: "int8 asymmetric, one scale per output channel (nncf INT8_ASYM); activations quantized "
+                           f"at run time in groups of {ACTIVATION_GROUP} (DYNAMIC_QUANTIZATION_GROUP_SIZE, in the graph)"}
 
 
 class _Prefill(nn.Module):
