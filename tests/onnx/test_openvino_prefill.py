@@ -186,3 +186,15 @@ def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypa
     with pytest.raises(UsageError, match="GPT2X_OPENVINO_PREFILL must be 0 or 1"):
         export_model(model, source, tmp_path / "bad", Precision.int8)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("f32_ms,bf16_ms,wins", [
+    ([17.3, 105.0], [16.7, 95.1], True),    # 9% faster at 256 tokens, 3% at 32
+    ([18.1, 124.5], [19.3, 118.4], False),  # under 5% faster at the longest
+    ([10.0, 100.0], [10.4, 90.0], True),    # 4% slower at 32: within the 5%
+    ([10.0, 100.0], [12.0, 80.0], False),   # 20% slower at 32
+])
+def test_bf16_is_kept_where_faster_at_the_longest_length_and_no_slower_elsewhere(f32_ms, bf16_ms, wins):
+    from gpt2x.evaluate.prefill import bf16_wins
+
+    assert bf16_wins(f32_ms, bf16_ms) is wins
