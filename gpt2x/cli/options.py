@@ -57,7 +57,8 @@ def _use_prefill(value: Optional[str]) -> Optional[str]:
 PrefillOpt = Annotated[Optional[str], typer.Option(
     "--prefill", envvar=PREFILL_ENV, callback=_use_prefill, metavar="|".join(c.value for c in PrefillChoice),
     show_default=False,
-    help="Where the ort backend runs a new prompt's prefill on an int8 export: auto (default: OpenVINO's prefill graph "
+    help="Where the ort backend runs a new prompt's prefill on an export with OpenVINO's prefill graph (int8, or fp32 "
+         "exported with --openvino-prefill): auto (default: that graph "
          "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
