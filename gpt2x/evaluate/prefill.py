@@ -14,7 +14,7 @@ import numpy as np
 from ..choices import Precision
 from ..errors import ParityError
 from ..numerics import positions
-from ..onnx.artifact import PREFILL_KEY, ExportInfo
+from ..onnx.artifact import BF16, F32, PREFILL_KEY, ExportInfo
 from ..runtime.base import Backend
 from ..runtime.ort import OrtBackend
 from ..runtime.prefill import PrefillChoice
@@ -126,7 +126,7 @@ def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, l
              repeat: int = TIMED_REPEAT) -> dict:
     """The prefill at bf16 compute, where this CPU has it: gated as f32's (the export precision's tolerances), then
     timed beside f32 compute; `kept` where it passed and bf16_wins."""
-    from ..runtime.openvino_prefill import BF16, F32, cpu_has_bf16
+    from ..runtime.openvino_prefill import cpu_has_bf16
 
     if not cpu_has_bf16():
         return {"kept": False, "reason": "this CPU has no bf16 compute"}
@@ -146,8 +146,6 @@ def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = Non
     tolerance), then at bf16 where the CPU has it (try_bf16: kept only where it passes the same gate and is faster),
     then timed beside ONNX Runtime's at the compute precision chosen: {"inference_precision", "parity" (the chosen
     one's), "parity_f32" (where bf16 was chosen: the fallback's), "bf16", "timing"} for gpt2x.json."""
-    from ..runtime.openvino_prefill import BF16, F32
-
     f32 = at_compute(info, F32)
     parity = _gate_at(reference, f32, threads)
     if parity["status"] == "failed":

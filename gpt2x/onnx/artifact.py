@@ -36,6 +36,7 @@ EXPORTS_ENV = "GPT2X_EXPORTS"  # the folder of the exports made by model name (e
 PREFILL_XML = "openvino/prefill.xml"
 PREFILL_BIN = "openvino/prefill.bin"
 PREFILL_KEY = "openvino_prefill"
+F32, BF16 = "f32", "bf16"  # the compute precisions a prefill graph is gated and recorded at (`inference_precision`)
 
 
 def safe_model_name(model_name: str) -> str:

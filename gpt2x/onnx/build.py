@@ -27,6 +27,7 @@ from . import names as io
 from . import openvino_prefill as ov_prefill  # imports neither openvino nor nncf
 from .artifact import (
     DEFAULT_OPSET,
+    F32,
     FORMAT,
     FORMAT_VERSION,
     IR_VERSION,
@@ -63,6 +64,7 @@ def openvino_prefill_wanted(asked: bool | None, precision: Precision = Precision
     if asked is not None:
         return asked
     return precision in OPENVINO_PREFILL_BY_DEFAULT if value is None else value == "1"
+
 
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
@@ -141,7 +143,8 @@ def export(
         if with_prefill:
             meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if want_prefill else \
                 {"kept": False, "reason": "not asked for"}
-            _record_files(tmp, meta)
+            if meta[PREFILL_KEY]["kept"]:  # its files join the others' (a dropped graph's are gone)
+                _record_files(tmp, meta)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return ExportInfo(out, meta)
 
@@ -166,7 +169,7 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
     progress(f"converting the prefill to OpenVINO ({'int8 weights, nncf' if precision is Precision.int8 else 'f32 weights'})")
     files = ov_prefill.convert_prefill(model, info.folder, precision)
     record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
-              "weights": ov_prefill.WEIGHTS[precision], "inference_precision": "f32"}
+              "weights": ov_prefill.WEIGHTS[precision], "inference_precision": F32}
     info.meta[PREFILL_KEY] = record
     progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
     try:

@@ -8,11 +8,8 @@ import openvino as ov
 
 from ..errors import ArtifactError
 from ..onnx import names as io
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import BF16, F32, ExportInfo
 from .providers import physical_cores
-
-# The compute precisions a prefill graph may be gated and recorded at (its record's `inference_precision`).
-F32, BF16 = "f32", "bf16"
 
 
 def cpu_has_bf16() -> bool:

@@ -263,7 +263,7 @@ class OrtBackend(Closable):
     def prefill(self) -> str:
         """The runtime that runs a fresh prompt's prefill: "onnxruntime", or "openvino" (from `prefill_from`
         tokens on; `run`, every position's logits, stays on ONNX Runtime)."""
-        return "onnxruntime" if self._openvino_prefill is None else "openvino"
+        return (PrefillChoice.onnxruntime if self._openvino_prefill is None else PrefillChoice.openvino).value
 
     @property
     def prefill_precision(self) -> str | None:
@@ -278,7 +278,7 @@ class OrtBackend(Closable):
     def prefill_runtime(self, prompt_len: int) -> str:
         """The runtime that runs a fresh prompt of `prompt_len` tokens: "onnxruntime" or "openvino"."""
         openvino = self._openvino_prefill is not None and prompt_len >= self._openvino_from
-        return "openvino" if openvino else "onnxruntime"
+        return (PrefillChoice.openvino if openvino else PrefillChoice.onnxruntime).value
 
     @property
     def shared_kv(self) -> bool:
@@ -304,7 +304,7 @@ class OrtBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        if past is None and self.prefill_runtime(input_ids.shape[1]) == "openvino":
+        if past is None and self.prefill_runtime(input_ids.shape[1]) == PrefillChoice.openvino.value:
             return self._openvino_step(input_ids, attention_mask, position_ids)
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
@@ -316,7 +316,8 @@ class OrtBackend(Closable):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; a prefill's is the ids' {input_ids.shape}")
         B, T = input_ids.shape
         if self.in_place_kv:
-            buffers = InPlaceCache.allocate(self, B, min(self.n_positions, T + InPlaceCache.capacity_step), None)
+            buffers = buffers_for_step(None, B, T, self.n_positions, InPlaceCache.capacity_step,
+                                       lambda b, c, k: InPlaceCache.allocate(self, b, c, k))
             logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays)
             buffers.length = T
             return logits, InPlaceCache(buffers, T, self)
