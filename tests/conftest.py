@@ -5,9 +5,22 @@ how the workers split the run."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 # No test touches the network: huggingface_hub reads this when it is first imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The run's own HOME (set before anything reads it; the workers and every process they start inherit it): nothing
+# the tests run reads or writes the user's, and OpenVINO's and NNCF's usage telemetry is declined in it, in the
+# consent file they read there, as CI systems decline it. Otherwise each conversion forks the process it runs in to
+# reach Google Analytics, and each process waits for those sends at exit.
+_HOME = os.path.join(tempfile.gettempdir(), f"gpt2x-tests-{os.getuid()}", "home")
+_CONSENT = os.path.join(_HOME, "intel", "openvino_telemetry")
+if not os.path.isfile(_CONSENT):  # written once, atomically: the workers start together
+    os.makedirs(os.path.dirname(_CONSENT), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(_CONSENT), delete=False) as _f:
+        _f.write("0")
+    os.replace(_f.name, _CONSENT)
+os.environ["HOME"] = _HOME
 # Ray starts no idle Python workers ahead of its actors: every cluster the tests start (in this process
 # and in the servers they run) then spends the cores only on the processes it uses.
 os.environ.setdefault("RAY_enable_worker_prestart", "0")
