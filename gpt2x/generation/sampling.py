@@ -56,15 +56,39 @@ class Sampler:
 
     def draw(self, p: np.ndarray) -> np.ndarray:
         """One token per row of `p` (unnormalised is fine), by inverse CDF, one uniform per row in row order."""
-        return _inverse_cdf(p.copy(), self.rng.random(p.shape[0]))
+        return _inverse_cdf(p, self.rng.random(p.shape[0]))
+
+
+# The inverse CDF's blocks: a running sum over a whole row is sequential (NumPy's cumsum: ~3.4 ns a token here, 170 us
+# a row of GPT-2's vocabulary, 3 ms a 16-row step), block sums are not, and then only one block is summed in order.
+CDF_BLOCK = 512
 
 
 def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """Row i's first index whose cumulative mass reaches u[i] of its total, by bisection; `p` is overwritten."""
-    cdf = np.cumsum(p, axis=-1, out=p)
-    cut = u * cdf[:, -1]
-    picked = [np.searchsorted(row, c, side="left") for row, c in zip(cdf, cut)]
-    return np.minimum(np.asarray(picked, dtype=np.int64), p.shape[-1] - 1)
+    """Row i's first index whose cumulative mass reaches u[i] of its total (p: rows of non-negative masses, each
+    row's total > 0; left as it is): the block where the cumulative block sums reach it, then the index in that block."""
+    rows, n = p.shape
+    full = n // CDF_BLOCK
+    sums = np.empty((rows, -(-n // CDF_BLOCK)))
+    sums[:, :full] = p[:, : full * CDF_BLOCK].reshape(rows, full, CDF_BLOCK).sum(axis=-1)
+    if full < sums.shape[1]:
+        sums[:, full] = p[:, full * CDF_BLOCK :].sum(axis=-1)
+    ends = np.cumsum(sums, axis=-1)  # the mass up to each block's end
+    cut = u * ends[:, -1]
+    block = (ends >= cut[:, None]).argmax(axis=-1)
+    r = np.arange(rows)
+    columns = block[:, None] * CDF_BLOCK + np.arange(CDF_BLOCK)
+    mass = np.take_along_axis(p, np.minimum(columns, n - 1), axis=-1)
+    mass[columns >= n] = 0.0  # the last block's columns past the row
+    cdf = np.where(block > 0, ends[r, block - 1], 0.0)[:, None] + np.cumsum(mass, axis=-1)
+    reached = cdf >= cut[:, None]
+    i = reached.argmax(axis=-1)
+    # Summed in another order, a block's running sum can end a rounding error short of its block sum: the cut is
+    # then at the block's end, its last token with mass.
+    short = ~reached[r, i]
+    if short.any():
+        i[short] = [np.flatnonzero(mass[k])[-1] for k in np.flatnonzero(short)]
+    return np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
 
 
 def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
@@ -81,7 +105,7 @@ def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
 def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: np.ndarray,
                   rows: Sequence[History]) -> np.ndarray:
     """Each processor type any row has, applied once with per-row parameters; one argmax over the greedy rows,
-    one softmax and cumsum over the others."""
+    one softmax and inverse CDF over the others."""
     scores = logits.astype(np.float64)
     if len(samplers) == 1:  # the batch of one: its own list
         batch = samplers[0].processors
