@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpt2x.errors import UsageError
+from gpt2x.generation import sampling
 from gpt2x.generation.decode import Event, Sequence, decode, decode_steps, sample_rows, start, step_rows
 from gpt2x.generation.decode import step as step_batch
 from gpt2x.generation.processors import History
@@ -152,6 +153,31 @@ def test_rows_with_samplers_of_their_own_draw_as_each_prompt_alone(tiny):
 
 
 # ---------------------------------------------------------------- draws, by hand
+
+
+def running_sum_draws(p: np.ndarray, u: np.ndarray) -> list[int]:
+    """The reference: each row's first index whose running sum over the whole row reaches u of its total."""
+    return [int(np.searchsorted(c, x * c[-1], side="left")) for c, x in zip(np.cumsum(p, axis=-1), u)]
+
+
+@pytest.mark.parametrize("block,width,rows", [(4, 10, 4000), (sampling.CDF_BLOCK, 50257, 48)],
+                         ids=["blocks of 4 over 10 tokens", "GPT-2's vocabulary"])
+def test_the_draw_by_blocks_is_the_running_sum_over_the_row(monkeypatch, block, width, rows):
+    """Sampler.draw sums its inverse CDF by blocks: the same tokens as one running sum over the row, for
+    dense rows, rows that are mostly zeros (top-k's, with the mass at a block's edges, in the short last
+    block, or in one token), and never a token without mass; one uniform per row from the seed's stream."""
+    monkeypatch.setattr(sampling, "CDF_BLOCK", block)
+    rng = np.random.default_rng(5)
+    p = rng.random((rows, width)) ** 4
+    p[rows // 4 : rows // 2] *= rng.random((rows // 4, width)) < 0.1  # a tenth of the tokens keep mass ...
+    p[np.arange(rows // 4, rows // 2), rng.integers(0, width, rows // 4)] += 0.5  # ... and one at least
+    p[rows // 2 : 3 * rows // 4] = 0.0  # one token with all of it, anywhere
+    p[np.arange(rows // 2, 3 * rows // 4), rng.integers(0, width, rows // 4)] = 1.0
+    p[3 * rows // 4 :, : -(width % block or block)] = 0.0  # the short last block's tokens alone
+    got = Sampler(SamplingSettings(seed=9)).draw(p.copy())
+    want = running_sum_draws(p, np.random.default_rng(9).random(rows))
+    assert got.tolist() == want
+    assert (p[np.arange(rows), got] > 0).all()
 
 
 def test_a_shared_sampler_draws_for_every_row_while_any_runs():
