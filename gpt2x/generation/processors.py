@@ -120,13 +120,39 @@ class TopK:
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
         v = scores.shape[-1]
         def warp(s: np.ndarray, k: int | np.ndarray) -> np.ndarray:
-            if np.ndim(k) == 0:
-                kth = np.partition(s, v - k, axis=-1)[:, v - k, None]
-            else:  # one partition puts every row's k-th largest in its sorted place, however many ks the rows ask
-                kth_at = v - k[:, 0]
-                kth = np.partition(s, np.unique(kth_at), axis=-1)[np.arange(len(s)), kth_at][:, None]
-            return np.where(s < kth, -np.inf, s)
+            ks = np.broadcast_to(np.asarray(k, dtype=np.int64).reshape(-1), (len(s),))
+            kth = _kth_largest_by_blocks(s, ks)
+            if kth is None:  # one partition puts every row's k-th largest in its sorted place, however many ks
+                kth_at = v - ks
+                kth = np.partition(s, np.unique(kth_at), axis=-1)[np.arange(len(s)), kth_at]
+            return np.where(s < kth[:, None], -np.inf, s)
         return _on_rows(scores, self.k, lambda k: (k > 0) & (k < v), warp)
+
+
+TOP_K_BLOCK = 512  # see _kth_largest_by_blocks
+
+
+def _kth_largest_by_blocks(s: np.ndarray, k: np.ndarray) -> np.ndarray | None:
+    """Each row's k-th largest score, as np.partition gives it, without partitioning the whole row (np.partition
+    over GPT-2's vocabulary is most of a top-k step): the k-th largest of the rows' block maxima is at or below
+    it (k blocks reach it), so only the scores at or above that are partitioned. None where that does not hold
+    (k above the number of blocks) or a NaN is there (np.partition's order puts it last)."""
+    rows, v = s.shape
+    full = v // TOP_K_BLOCK
+    tops = np.empty((rows, -(-v // TOP_K_BLOCK)))
+    tops[:, :full] = s[:, : full * TOP_K_BLOCK].reshape(rows, full, TOP_K_BLOCK).max(axis=-1)
+    if full < tops.shape[1]:
+        tops[:, full] = s[:, full * TOP_K_BLOCK :].max(axis=-1)
+    blocks = tops.shape[1]
+    if k.max() > blocks or np.isnan(tops).any():
+        return None
+    at = blocks - k
+    floor = np.partition(tops, np.unique(at), axis=-1)[np.arange(rows), at]
+    kth = np.empty(rows)
+    for r in range(rows):
+        head = s[r][s[r] >= floor[r]]
+        kth[r] = np.partition(head, len(head) - k[r])[len(head) - k[r]]
+    return kth
 
 
 class TopP:

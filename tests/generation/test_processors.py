@@ -307,6 +307,30 @@ PER_ROW = {
 }
 
 
+def test_top_k_over_the_wide_vocabulary_keeps_what_transformers_does_with_ties_infinities_and_nan():
+    """TopK finds the k-th largest from the rows' block maxima down (TOP_K_BLOCK): rows of GPT-2's width with
+    ties at the k-th score, -inf over most of the row, the top scores in one block, in the short last one or one
+    in each block, per-row ks up to and past the number of blocks (99 here), and a NaN (np.partition's order: the
+    largest)."""
+    rng = np.random.default_rng(3)
+    logits = np.round(rng.normal(size=(8, WIDE)) * 3, 1)  # ties everywhere
+    logits[1, rng.random(WIDE) < 0.9] = -np.inf
+    logits[2, 512:1024] += 40.0  # the top 512 in one block
+    logits[3, -(WIDE % 512):] += 40.0  # ... in the short last block
+    logits[4, 7] = np.nan
+    logits[6] = -10.0
+    logits[6, ::512] = np.arange(WIDE // 512 + 1, 0, -1)  # one high score a block: the k-th is the k-th block maximum
+    ks = np.array([1, 50, 200, 99, 50, 100, 60, 512])
+    alone = [TopK(int(k))(logits[i : i + 1].copy())[0] for i, k in enumerate(ks)]
+    batched = TopK(np.minimum(ks, 99))(logits.copy())  # per-row ks, all within the blocks' reach
+    for i, row_k in enumerate(ks):
+        for got, k in ((alone[i], row_k), (batched[i], min(row_k, 99))):
+            kth = np.partition(logits[i], WIDE - k)[WIDE - k]  # NaN last, as the largest
+            np.testing.assert_array_equal(got, np.where(logits[i] < kth, -np.inf, logits[i]))
+            if i != 4:
+                np.testing.assert_array_equal(got, tf(TopKLogitsWarper(int(k)), logits[i], History([], [])))
+
+
 @pytest.mark.parametrize("name", PER_ROW)
 def test_a_batch_with_per_row_parameters_gives_each_row_what_it_gives_alone(name):
     """One processor made for the batch from each row's own (for_rows, what sample_many runs) gives
