@@ -312,13 +312,15 @@ class BenchResult(Record):
         """The best measured configuration for each goal (GOALS) among every backend (see `best`)."""
         return [f for f in (self.best(goal) for goal in GOALS) if f is not None]
 
-    def best(self, goal: str, among: tuple[BackendKind, ...] | None = None) -> Fastest | None:
-        """The speed row best at `goal` (`decode`: most decode tokens/s at any batch; `first_token`: shortest time to
-        first token at batch 1) among rows that did not fail a parity gate; None when none qualifies."""
+    def best(self, goal: str, among: tuple[BackendKind, ...] | None = None, batch: int | None = None) -> Fastest | None:
+        """The speed row best at `goal` (`decode`: most decode tokens/s at any batch, or at `batch` when given;
+        `first_token`: shortest time to first token at batch 1) among rows that did not fail a parity gate; None when
+        none qualifies."""
         if goal not in GOALS:
             raise ValueError(f"goal must be one of {', '.join(GOALS)}, not {goal!r}")
         failed = {(p.backend, p.precision) for p in self.parity if not p.passed}
-        rows = [r for r in self.speed if (r.backend, r.precision) not in failed and (among is None or r.backend in among)]
+        rows = [r for r in self.speed if (r.backend, r.precision) not in failed and (among is None or r.backend in among)
+                and (batch is None or r.batch == batch)]
         if goal == "first_token":
             rows = [r for r in rows if r.batch == 1]
             return Fastest.of(goal, min(rows, key=lambda r: r.ttft_ms)) if rows else None

@@ -80,7 +80,9 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: P
     """--from-bench: the served configuration a saved `gpt2x bench` measured fastest at decoding; a flag
     given on the command line wins over it."""
     result = BenchResult.from_user_file(read_text_file(path, "--from-bench file"), f"--from-bench {path}")
-    best = result.best("decode", among=SERVED)
+    # The served batch decides where it was measured: the fastest at batch 4 need not be the fastest at 16.
+    best = (max_batch_size is not None and result.best("decode", among=SERVED, batch=max_batch_size)) or \
+        result.best("decode", among=SERVED)
     if best is None:
         raise UsageError(f"--from-bench {path}: it measured no configuration of {', '.join(k.value for k in SERVED)} "
                          "that passed its parity gate")
@@ -95,6 +97,9 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: P
     backend = backend if given("backend") else best.backend
     provider = provider if given("provider") else result.settings.provider
     precision = precision if precision is not None else best.precision
+    if max_batch_size is not None and best.batch != max_batch_size:
+        notice(f"note: {path} measured no decoding at batch {max_batch_size}, the batch served; its choice is the "
+               f"fastest at batch {best.batch} (gpt2x bench --batch lists the batches it measures)")
     if max_batch_size is None and best.batch > 1:
         max_batch_size = best.batch
     notice(f"from {path}: --backend {backend.value} --provider {provider.value} --precision {precision.value}"
