@@ -159,7 +159,8 @@ def serve(
         "tokenizer_config.json chat_template, if it has one).", show_default=False)] = None,
     bench_file: Annotated[Optional[Path], typer.Option(
         "--from-bench", help="Serve the configuration this saved `gpt2x bench --output FILE` measured fastest at decoding "
-        "(backend, provider, precision and, above batch 1, --max-batch-size); flags given here win.",
+        "(backend, provider, precision and, above batch 1, --max-batch-size), at --max-batch-size where given and measured; "
+        "flags given here win.",
         show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print what is served as one JSON line on stdout once ready.")] = False,
 ) -> None:
