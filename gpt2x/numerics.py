@@ -15,3 +15,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
     """Position ids (B, seq_len) of a mask's last slots: real tokens before each, so left padding shifts nothing."""
     return np.maximum(np.cumsum(mask, axis=-1) - 1, 0)[:, mask.shape[1] - seq_len :].astype(np.int64)
+
+
+def block_reduce(reduce: np.ufunc, a: np.ndarray, block: int) -> np.ndarray:
+    """`reduce` (np.add, np.maximum) over each run of `block` columns of a (rows, n) array, the last run shorter
+    where n is not a multiple of it: (rows, ceil(n / block))."""
+    rows, n = a.shape
+    full = n // block
+    out = np.empty((rows, -(-n // block)), dtype=a.dtype)
+    out[:, :full] = reduce.reduce(a[:, : full * block].reshape(rows, full, block), axis=-1)
+    if full < out.shape[1]:
+        out[:, full] = reduce.reduce(a[:, full * block :], axis=-1)
+    return out

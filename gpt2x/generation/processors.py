@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..numerics import block_reduce
 from ..tokenizer import EOT_ID
 from .constraints import Constraint, ConstraintSpec, mask_rows
 from .settings import SamplingSettings
@@ -137,12 +138,8 @@ def _kth_largest_by_blocks(s: np.ndarray, k: np.ndarray) -> np.ndarray | None:
     over GPT-2's vocabulary is most of a top-k step): the k-th largest of the rows' block maxima is at or below
     it (k blocks reach it), so only the scores at or above that are partitioned. None where that does not hold
     (k above the number of blocks) or a NaN is there (np.partition's order puts it last)."""
-    rows, v = s.shape
-    full = v // TOP_K_BLOCK
-    tops = np.empty((rows, -(-v // TOP_K_BLOCK)))
-    tops[:, :full] = s[:, : full * TOP_K_BLOCK].reshape(rows, full, TOP_K_BLOCK).max(axis=-1)
-    if full < tops.shape[1]:
-        tops[:, full] = s[:, full * TOP_K_BLOCK :].max(axis=-1)
+    rows = len(s)
+    tops = block_reduce(np.maximum, s, TOP_K_BLOCK)
     blocks = tops.shape[1]
     if k.max() > blocks or np.isnan(tops).any():
         return None

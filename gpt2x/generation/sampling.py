@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.random  # noqa: F401  loaded here, not by the first Sampler a request makes (NumPy 2 loads it lazily: ~6.5 ms)
 
+from ..numerics import block_reduce
 from .processors import ORDER, History, LogitsProcessor, processors_for, softmax
 from .settings import SamplingSettings
 
@@ -59,8 +60,8 @@ class Sampler:
         return _inverse_cdf(p, self.rng.random(p.shape[0]))
 
 
-# The inverse CDF's blocks: a running sum over a whole row is sequential (NumPy's cumsum: ~3.4 ns a token here, 170 us
-# a row of GPT-2's vocabulary, 3 ms a 16-row step), block sums are not, and then only one block is summed in order.
+# The inverse CDF's blocks: NumPy's running sum over a whole row goes one token at a time, block sums do not, and then
+# only one block is summed in order (benchmarks/results/sampling-speed-blocked-cdf-cpu-2core: half a 16-row draw).
 CDF_BLOCK = 512
 
 
@@ -68,12 +69,7 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Row i's first index whose cumulative mass reaches u[i] of its total (p: rows of non-negative masses, each
     row's total > 0; left as it is): the block where the cumulative block sums reach it, then the index in that block."""
     rows, n = p.shape
-    full = n // CDF_BLOCK
-    sums = np.empty((rows, -(-n // CDF_BLOCK)))
-    sums[:, :full] = p[:, : full * CDF_BLOCK].reshape(rows, full, CDF_BLOCK).sum(axis=-1)
-    if full < sums.shape[1]:
-        sums[:, full] = p[:, full * CDF_BLOCK :].sum(axis=-1)
-    ends = np.cumsum(sums, axis=-1)  # the mass up to each block's end
+    ends = np.cumsum(block_reduce(np.add, p, CDF_BLOCK), axis=-1)  # the mass up to each block's end
     cut = u * ends[:, -1]
     block = (ends >= cut[:, None]).argmax(axis=-1)
     r = np.arange(rows)
