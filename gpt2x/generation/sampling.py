@@ -69,6 +69,9 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Row i's first index whose cumulative mass reaches u[i] of its total (p: rows of non-negative masses, each
     row's total > 0; left as it is): the block where the cumulative block sums reach it, then the index in that block."""
     rows, n = p.shape
+    if n <= CDF_BLOCK:  # one block: its running sum is the row's, without the blocks' bookkeeping
+        cdf = np.cumsum(p, axis=-1)
+        return np.minimum((cdf >= (u * cdf[:, -1])[:, None]).argmax(axis=-1), n - 1).astype(np.int64)
     ends = np.cumsum(block_reduce(np.add, p, CDF_BLOCK), axis=-1)  # the mass up to each block's end
     cut = u * ends[:, -1]
     block = (ends >= cut[:, None]).argmax(axis=-1)

@@ -160,8 +160,8 @@ def running_sum_draws(p: np.ndarray, u: np.ndarray) -> list[int]:
     return [int(np.searchsorted(c, x * c[-1], side="left")) for c, x in zip(np.cumsum(p, axis=-1), u)]
 
 
-@pytest.mark.parametrize("block,width,rows", [(4, 10, 4000), (sampling.CDF_BLOCK, 50257, 48)],
-                         ids=["blocks of 4 over 10 tokens", "GPT-2's vocabulary"])
+@pytest.mark.parametrize("block,width,rows", [(4, 10, 4000), (sampling.CDF_BLOCK, 50257, 48), (sampling.CDF_BLOCK, 300, 400)],
+                         ids=["blocks of 4 over 10 tokens", "GPT-2's vocabulary", "one block"])
 def test_the_draw_by_blocks_is_the_running_sum_over_the_row(monkeypatch, block, width, rows):
     """Sampler.draw sums its inverse CDF by blocks: the same tokens as one running sum over the row, for
     dense rows, rows that are mostly zeros (top-k's, with the mass at a block's edges, in the short last
