@@ -18,13 +18,6 @@ PAST = "past_sequence_length"
 TOTAL = "total_sequence_length"  # past_sequence_length + sequence_length
 LOGITS_SEQUENCE = "logits_sequence_length"  # sequence_length, or min(logits_to_keep, sequence_length)
 
-# The mixed step's graph (onnx/mixed.py): the chunk stream's inputs and outputs are the decode stream's, prefixed.
-CHUNK_PREFIX = "chunk."
-CHUNK_SEQUENCE = "chunk_sequence_length"
-CHUNK_PAST = "chunk_past_sequence_length"
-CHUNK_TOTAL = "chunk_total_sequence_length"
-MIXED_ROWS = "mixed_rows"  # the decode rows + 1 (the chunk's last position)
-
 
 def past_key(i: int) -> str:
     return f"past_key_values.{i}.key"  # [batch, n_head, past_sequence, head_dim]
