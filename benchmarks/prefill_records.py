@@ -39,7 +39,8 @@ def main() -> int:
             rows.append(f"| {name} | not kept: {r.get('reason', 'no record').replace('|', '/')} | | | | |")
             continue
         bf16, timing, lg = r.get("bf16", {}), r["timing"], r["parity"]["logits"]
-        rows.append(f"| {name} | {r['inference_precision']} | {lg['max_rel']:.2g} / {lg['present_max_rel']:.2g} "
+        compute = r["inference_precision"] + (f", bf16 from {r['bf16_from']} tokens" if r.get("bf16_from") else "")
+        rows.append(f"| {name} | {compute} | {lg['max_rel']:.2g} / {lg['present_max_rel']:.2g} "
                     f"| bf16: {bf16.get('reason', '-').replace('|', '/')}; f32 {_ms(bf16.get('f32_ms'))}, bf16 {_ms(bf16.get('bf16_ms'))} "
                     f"| {_ms(timing['openvino_ms'])} against {_ms(timing['onnxruntime_ms'])} | {timing['openvino_from']} |")
     env = system_info()

@@ -24,6 +24,9 @@ from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreeme
 # Fresh prompts only (the graph has no past): one row, a left-padded batch, a longer batch.
 PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
 TIMED_LENGTHS = (32, 256)  # prompt lengths both prefills are timed at (capped at the model's context)
+# Prompt lengths f32 and bf16 compute are timed at: bf16 may win on long prompts only (GPT-2 124M at int8 weights:
+# slower at 256 tokens, faster at 512, benchmarks/prefill_profile.py), so the runtime may use it from a length on.
+BF16_LENGTHS = (32, 256, 512)
 TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
 # OpenVINO counts as faster only by this share: a near-tie stays on ONNX Runtime, whose caches every other path makes.
 FASTER_BY = 0.05
@@ -106,9 +109,13 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
 
-def at_compute(info: ExportInfo, precision: str) -> ExportInfo:
-    """`info` with its prefill record's compute precision set to `precision` (what the runtime then compiles at)."""
-    return ExportInfo(info.folder, {**info.meta, PREFILL_KEY: {**info.prefill, "inference_precision": precision}})
+def at_compute(info: ExportInfo, precision: str, bf16_from: int | None = None) -> ExportInfo:
+    """`info` with its prefill record's compute precision set to `precision` (what the runtime then compiles at),
+    for every prompt length, or bf16 from `bf16_from` tokens on."""
+    record = {k: v for k, v in info.prefill.items() if k != "bf16_from"} | {"inference_precision": precision}
+    if bf16_from is not None:
+        record["bf16_from"] = bf16_from
+    return ExportInfo(info.folder, {**info.meta, PREFILL_KEY: record})
 
 
 def _gate_at(reference: Backend, info: ExportInfo, threads: int | None) -> dict:
@@ -122,10 +129,22 @@ def bf16_wins(f32_ms: list[float], bf16_ms: list[float]) -> bool:
     return bf16_ms[-1] < f32_ms[-1] * (1 - FASTER_BY) and all(b <= f * (1 + FASTER_BY) for b, f in zip(bf16_ms, f32_ms))
 
 
-def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
+def bf16_start(lengths: list[int], f32_ms: list[float], bf16_ms: list[float]) -> int | None:
+    """The prompt length from which bf16 compute runs: 2 (every length) where bf16_wins, else the shortest timed
+    length from which bf16 was faster by FASTER_BY at that and every longer one (None: not at the longest)."""
+    if bf16_wins(f32_ms, bf16_ms):
+        return 2
+    start = len(lengths)
+    while start and bf16_ms[start - 1] < f32_ms[start - 1] * (1 - FASTER_BY):
+        start -= 1
+    return None if start == len(lengths) else lengths[start]
+
+
+def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = BF16_LENGTHS,
              repeat: int = TIMED_REPEAT) -> dict:
     """The prefill at bf16 compute, where this CPU has it: gated as f32's (the export precision's tolerances), then
-    timed beside f32 compute; `kept` where it passed and bf16_wins."""
+    timed beside f32 compute; `kept` (for every length) where it passed and bf16_wins, `from` the prompt length from
+    which it runs where it passed (bf16_start; None: never)."""
     from ..runtime.openvino_prefill import cpu_has_bf16
 
     if not cpu_has_bf16():
@@ -136,16 +155,18 @@ def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, l
         return {"kept": False, "reason": f"out of tolerance: {parity['message']}", "parity": parity}
     lengths, prompts = _prompts(info, lengths)
     ms = {p: _medians(at_compute(info, p), PrefillChoice.openvino, prompts, threads, repeat) for p in (F32, BF16)}
-    faster = bf16_wins(ms[F32], ms[BF16])
-    return {"kept": faster, "reason": "passed, faster" if faster else "passed, not faster", "parity": parity,
-            "lengths": lengths, "f32_ms": ms[F32], "bf16_ms": ms[BF16]}
+    start = bf16_start(lengths, ms[F32], ms[BF16])
+    reason = "passed, faster" if start == 2 else "passed, not faster" if start is None else f"passed, faster from {start} tokens"
+    return {"kept": start == 2, "from": start, "reason": reason, "parity": parity, "lengths": lengths,
+            "f32_ms": ms[F32], "bf16_ms": ms[BF16]}
 
 
 def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
     """The export's OpenVINO prefill gated against `reference` at f32 compute (raises ParityError when out of
     tolerance), then at bf16 where the CPU has it (try_bf16: kept only where it passes the same gate and is faster),
     then timed beside ONNX Runtime's at the compute precision chosen: {"inference_precision", "parity" (the chosen
-    one's), "parity_f32" (where bf16 was chosen: the fallback's), "bf16", "timing"} for gpt2x.json."""
+    one's), "parity_f32" (where bf16 was chosen: the fallback's), "bf16_from" and "parity_bf16" (where bf16 runs
+    from a prompt length on only, f32 below it), "bf16", "timing"} for gpt2x.json."""
     f32 = at_compute(info, F32)
     parity = _gate_at(reference, f32, threads)
     if parity["status"] == "failed":
@@ -156,5 +177,7 @@ def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = Non
         record["bf16"]["parity"] = {k: bf16["parity"][k] for k in ("status", "message")}
     if bf16["kept"]:
         record.update(inference_precision=BF16, parity=bf16["parity"], parity_f32=parity)
-    record["timing"] = time_prefills(at_compute(info, record["inference_precision"]), threads)
+    elif bf16.get("from") is not None:
+        record.update(bf16_from=bf16["from"], parity_bf16=bf16["parity"])
+    record["timing"] = time_prefills(at_compute(info, record["inference_precision"], record.get("bf16_from")), threads)
     return record

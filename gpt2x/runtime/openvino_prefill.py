@@ -24,42 +24,65 @@ def compute_precision(info: ExportInfo) -> str:
     return BF16 if recorded == BF16 and cpu_has_bf16() else F32
 
 
-class OpenVinoPrefill:
-    """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
-    request."""
+def bf16_from(info: ExportInfo) -> int | None:
+    """The prompt length from which the prefill computes in bf16 where the record chose bf16 for long prompts only
+    (its `bf16_from`, evaluate/prefill.py; None: one compute precision for every length, or this CPU has no bf16)."""
+    start = (info.prefill or {}).get("bf16_from")
+    return start if start is not None and compute_precision(info) == F32 and cpu_has_bf16() else None
 
-    def __init__(self, info: ExportInfo, threads: int | None = None):
-        self.inference_precision = compute_precision(info)
+
+class _Compiled:
+    """The graph compiled at one compute precision, its ports and one infer request."""
+
+    def __init__(self, model: ov.Model, precision: str, threads: int, n_layer: int):
         config = {
-            "INFERENCE_NUM_THREADS": threads or physical_cores(),
+            "INFERENCE_NUM_THREADS": threads,
             # The gated compute precision: OpenVINO's own default is bf16 wherever the CPU has it, gated or not.
-            "INFERENCE_PRECISION_HINT": self.inference_precision,
+            "INFERENCE_PRECISION_HINT": precision,
             "PERFORMANCE_HINT": "LATENCY",
             # Pinned threads wait for their core beside ONNX Runtime's (runtime/openvino.py measured it).
             "ENABLE_CPU_PINNING": False,
         }
-        core = ov.Core()
+        self.compiled = ov.Core().compile_model(model, "CPU", config)
+        self.request = self.compiled.create_infer_request()
+        self.inputs = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
+        self.logits = self.compiled.output(io.LOGITS)
+        self.presents = [self.compiled.output(name) for name in io.output_names(n_layer)[1:]]
+
+
+class OpenVinoPrefill:
+    """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
+    request; where the record chose bf16 from a prompt length on (bf16_from), the graph compiled at bf16 too, which
+    runs the prompts of that length and longer."""
+
+    def __init__(self, info: ExportInfo, threads: int | None = None):
+        self.inference_precision = compute_precision(info)
+        self.bf16_from = bf16_from(info)
+        threads, n = threads or physical_cores(), info.config.n_layer
         try:
-            self.compiled = core.compile_model(core.read_model(str(info.prefill_path)), "CPU", config)
+            model = ov.Core().read_model(str(info.prefill_path))
+            self._base = _Compiled(model, self.inference_precision, threads, n)
+            self._bf16 = None if self.bf16_from is None else _Compiled(model, BF16, threads, n)
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
-        self.request = self.compiled.create_infer_request()
-        n = info.config.n_layer
-        self._ports = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
-        self._logits = self.compiled.output(io.LOGITS)
-        self._presents = [self.compiled.output(name) for name in io.output_names(n)[1:]]
+        self.compiled, self.request = self._base.compiled, self._base.request
+
+    def precision_for(self, prompt_len: int) -> str:
+        """The compute precision a prompt of `prompt_len` tokens runs at."""
+        return BF16 if self.bf16_from is not None and prompt_len >= self.bf16_from else self.inference_precision
 
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray]) -> np.ndarray:
         """The last position's logits (B, V); every layer's presents written by OpenVINO straight into the first T
         positions of `presents` (C-contiguous float32 arrays (B, H, >= T, D), in the outputs' order): no copy after.
         The request keeps pointers into them until the next call sets its own, and writes only during a call."""
         B, T = input_ids.shape
-        for port, arr in zip(self._ports, (input_ids, attention_mask, position_ids)):
-            self.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
-        for port, arr in zip(self._presents, presents):
+        graph = self._bf16 if self._bf16 is not None and T >= self.bf16_from else self._base
+        for port, arr in zip(graph.inputs, (input_ids, attention_mask, position_ids)):
+            graph.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
+        for port, arr in zip(graph.presents, presents):
             whole = ov.Tensor(arr, shared_memory=True)
             # A region (positions [0, T)) of a longer buffer: the Python binding shares C-contiguous arrays only.
             region = whole if arr.shape[2] == T else ov.Tensor(whole, [0, 0, 0, 0], [B, arr.shape[1], T, arr.shape[3]])
-            self.request.set_tensor(port, region)
-        self.request.infer()
-        return self.request.get_tensor(self._logits).data[:, -1].copy()
+            graph.request.set_tensor(port, region)
+        graph.request.infer()
+        return graph.request.get_tensor(graph.logits).data[:, -1].copy()

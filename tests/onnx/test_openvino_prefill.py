@@ -89,6 +89,23 @@ def test_a_kept_bf16_is_the_records_choice_with_its_gate_and_the_f32_fallbacks(t
     assert record["parity_f32"]["status"] == "passed" and record["parity_f32"]["tolerance"] == asdict(TOLERANCES[Precision.int8])
 
 
+def test_bf16_from_a_length_keeps_f32_as_the_records_choice_and_is_timed_as_the_runtime_runs_it(tiny, monkeypatch):
+    """gate_prefill where the bf16 trial found bf16 faster from 512 tokens only: f32 stays the record's compute (its
+    gate `parity`), `bf16_from` and bf16's gate are recorded, and the timing runs the same mix."""
+    from gpt2x.evaluate import prefill
+
+    model, _, info = tiny
+    bf16_parity = {"status": "passed", "message": "", "precision": "int8"}
+    monkeypatch.setattr(prefill, "try_bf16", lambda *a, **k: {"kept": False, "from": 512, "reason": "passed, faster from 512 tokens",
+                                                              "parity": bf16_parity})
+    timed = []
+    monkeypatch.setattr(prefill, "time_prefills", lambda i, threads=None: timed.append(dict(i.prefill)) or {})
+    record = gate_prefill(TorchBackend(model), info)
+    assert record["inference_precision"] == "f32" and record["parity"]["precision"] == "int8" and "parity_f32" not in record
+    assert record["bf16_from"] == 512 and record["parity_bf16"] is bf16_parity
+    assert [(t["inference_precision"], t["bf16_from"]) for t in timed] == [("f32", 512)]
+
+
 def test_the_fp32_export_keeps_a_prefill_graph_gated_at_fp32s_tolerances(tiny_export):
     """f32 weights (no nncf), fp32's gate (1e-4 of the logits' scale), and bf16 compute refused by that gate."""
     from gpt2x.runtime.openvino_prefill import cpu_has_bf16
@@ -198,3 +215,15 @@ def test_bf16_is_kept_where_faster_at_the_longest_length_and_no_slower_elsewhere
     from gpt2x.evaluate.prefill import bf16_wins
 
     assert bf16_wins(f32_ms, bf16_ms) is wins
+
+
+@pytest.mark.parametrize("f32_ms,bf16_ms,start", [
+    ([17.3, 105.0, 230.0], [16.7, 95.1, 200.0], 2),     # bf16_wins: every length
+    ([20.2, 115.6, 252.1], [19.2, 125.0, 225.4], 512),  # 8% slower at 256 tokens, 11% faster at 512
+    ([20.0, 100.0, 250.0], [16.0, 90.0, 240.0], None),  # faster at 32 and 256, under 5% at the longest
+    ([20.0, 100.0, 250.0], [25.0, 90.0, 225.0], 256),   # 25% slower at 32: from 256 on
+])
+def test_bf16_runs_from_the_shortest_length_it_is_faster_at_and_at_every_longer_one(f32_ms, bf16_ms, start):
+    from gpt2x.evaluate.prefill import bf16_start
+
+    assert bf16_start([32, 256, 512], f32_ms, bf16_ms) == start

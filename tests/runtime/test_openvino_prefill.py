@@ -170,6 +170,33 @@ def test_the_records_compute_precision_is_honoured_and_bf16_falls_back_to_f32_wi
         assert np.array_equal(fallback.step(ids, mask, pos, None)[0], want)
 
 
+def test_bf16_from_a_prompt_length_runs_shorter_prompts_at_f32_and_longer_at_bf16(tiny, monkeypatch):
+    """A record choosing bf16 from a prompt length on: shorter prompts' logits are f32 compute's exactly, longer
+    ones' bf16 compute's exactly (each against a backend compiled at that precision alone); no bf16 on the CPU: f32
+    for every length."""
+    from gpt2x.evaluate.prefill import at_compute
+    from gpt2x.runtime import openvino_prefill
+
+    _, info = tiny
+    short, short_mask = left_padded(PROMPTS[:2])  # 5 positions
+    long, long_mask = left_padded(PROMPTS[2:])  # 11
+    args = [(short, short_mask, positions(short_mask, 5)), (long, long_mask, positions(long_mask, 11))]
+    with OrtBackend(at_compute(info, "f32"), threads=1, prefill="openvino") as f32:
+        want_f32 = [f32.step(*a, None)[0] for a in args]
+    if openvino_prefill.cpu_has_bf16():
+        with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as bf16:
+            want_bf16 = [bf16.step(*a, None)[0] for a in args]
+        with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as mixed:
+            assert mixed.prefill_precision == "f32" and mixed._openvino_prefill.bf16_from == 8
+            got = [mixed.step(*a, None)[0] for a in args]
+        assert np.array_equal(got[0], want_f32[0]) and np.array_equal(got[1], want_bf16[1])
+        assert not np.array_equal(got[1], want_f32[1])
+    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
+    with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as fallback:
+        assert fallback._openvino_prefill.bf16_from is None
+        assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
+
+
 def test_run_and_a_step_on_a_past_stay_on_onnx_runtime(tiny, hybrid, monkeypatch):
     calls = []
     real = hybrid._openvino_prefill
