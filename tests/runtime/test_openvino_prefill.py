@@ -187,13 +187,13 @@ def test_bf16_from_a_prompt_length_runs_shorter_prompts_at_f32_and_longer_at_bf1
         with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as bf16:
             want_bf16 = [bf16.step(*a, None)[0] for a in args]
         with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as mixed:
-            assert mixed.prefill_precision == "f32" and mixed._openvino_prefill.bf16_from == 8
+            assert mixed.prefill_precision == "f32" and mixed.prefill_bf16_from == 8
             got = [mixed.step(*a, None)[0] for a in args]
         assert np.array_equal(got[0], want_f32[0]) and np.array_equal(got[1], want_bf16[1])
         assert not np.array_equal(got[1], want_f32[1])
     monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
     with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as fallback:
-        assert fallback._openvino_prefill.bf16_from is None
+        assert fallback.prefill_bf16_from is None
         assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
 
 
