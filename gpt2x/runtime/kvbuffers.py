@@ -7,12 +7,16 @@ from an older view is refused: it would overwrite what the newer view holds.
 from __future__ import annotations
 
 import mmap
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and grows by at least
+# Idle KV memory a backend keeps for its next buffers (IdleBuffers): a 512-token GPT-2 124M row holds about 45 MB.
+IDLE_KEEP_BYTES = 512 << 20
 
 
 class KVBuffers:
@@ -108,6 +112,52 @@ def holding(arrays: list[np.ndarray], keep: KVCacheView | None) -> list[np.ndarr
 def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView | None = None) -> list[np.ndarray]:
     """`count` zeroed arrays of `shape`, holding `keep`'s filled rows and positions if given."""
     return holding([np.zeros(shape, dtype=dtype) for _ in range(count)], keep)
+
+
+class IdleBuffers:
+    """The memory of a backend's KV buffers, kept once nothing references it, for its next buffers of about that size:
+    a fresh buffer's first writes fault its pages in one by one (14-22 ms of a 512-token prefill of GPT-2 124M here,
+    docs/results/engines.md), a reused one's do not. Only for buffers that may be left unset (what they held before
+    is not cleared). A block is idle when this pool holds its only reference: every array, view and OrtValue made
+    from it holds one (through NumPy's `base`), so memory still seen anywhere is never handed out again. At most
+    `keep_bytes` of idle blocks are kept, the most recently adopted."""
+
+    def __init__(self, keep_bytes: int = IDLE_KEEP_BYTES):
+        self.keep_bytes = keep_bytes
+        self.reused = 0  # arrays handed out again (read by the tests)
+        self._blocks: list[np.ndarray] = []  # oldest first
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray] | None:
+        """`count` arrays of `shape` over idle blocks of at least their size and at most twice it, or None."""
+        need = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        with self._lock:
+            fits = sorted((self._blocks[i].nbytes, i) for i in self._idle() if need <= self._blocks[i].nbytes <= 2 * need)
+            if need == 0 or len(fits) < count:
+                return None
+            self.reused += count
+            return [self._blocks[i].reshape(-1).view(np.uint8)[:need].view(dtype).reshape(shape) for _, i in fits[:count]]
+
+    def adopt(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """`arrays` (fresh, C-contiguous), their memory kept for reuse once they and their views are gone."""
+        with self._lock:
+            for a in arrays:
+                block = a.base if isinstance(a.base, np.ndarray) else a  # views of `a` reference its base array
+                if block.flags.c_contiguous and not any(b is block for b in self._blocks):
+                    self._blocks.append(block)
+            idle = self._idle()
+            kept = sum(self._blocks[i].nbytes for i in idle)
+            for i in idle:  # oldest first
+                if kept <= self.keep_bytes:
+                    break
+                kept -= self._blocks[i].nbytes
+                self._blocks[i] = None  # type: ignore[call-overload]
+            self._blocks = [b for b in self._blocks if b is not None]
+        return arrays
+
+    def _idle(self) -> list[int]:
+        # The list's reference and getrefcount's argument: nothing else holds the block.
+        return [i for i in range(len(self._blocks)) if sys.getrefcount(self._blocks[i]) == 2]
 
 
 def small_page_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ from ..onnx.artifact import ExportInfo
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
+    IdleBuffers,
     KVBuffers,
     KVCacheView,
     buffers_for_step,
@@ -152,7 +153,9 @@ class InPlaceCache(BufferCache):
         """Unset buffers holding `keep`, with at least as many rows as its buffers had (rows may join later)."""
         batch, rows = rows_to_keep(batch, keep)
         shape = (batch, owner.cfg.n_head, capacity, owner.cfg.head_dim)
-        arrays = holding(unset_arrays(shape, 2 * owner.cfg.n_layer, owner.kv_dtype), keep)
+        count = 2 * owner.cfg.n_layer
+        reused = owner.idle.take(shape, count, owner.kv_dtype)
+        arrays = holding(reused or owner.idle.adopt(unset_arrays(shape, count, owner.kv_dtype)), keep)
         return _KVBuffers(arrays) if keep is None else _KVBuffers(arrays, keep.length, rows)
 
     @property
@@ -237,6 +240,7 @@ class OrtBackend(Closable):
         self.vocab_size = self.cfg.vocab_size
         self.provider = provider
         self.session = create_session(info.model_path, provider, threads)
+        self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
         self.names_in = io.input_names(self.cfg.n_layer)

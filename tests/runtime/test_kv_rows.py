@@ -179,8 +179,9 @@ def tiny(tiny_export):
     return model, info, tiny_export(n_positions=128, gqa=True)[2]
 
 
-PROMPT_IDS = [encode(t) for t in ("ROMEO:", "The king is dead, and long live the king", "What light", "O",
-                                  "Now is the winter of our discontent made glorious summer by this sun of York")]
+PROMPT_TEXTS = ("ROMEO:", "The king is dead, and long live the king", "What light", "O",
+                "Now is the winter of our discontent made glorious summer by this sun of York")
+PROMPT_IDS = [encode(t) for t in PROMPT_TEXTS]
 
 
 def prefill(backend, prompts):
@@ -366,3 +367,52 @@ def test_rows_leave_and_join_inside_the_in_place_cache(tiny):
     assert any(len(rows) > batch for _, _, rows, _, batch in merges)  # the buffers needed more rows
     # a joiner took the place of a row that left, inside the batch
     assert any(any(r >= n and i < n for i, r in enumerate(rows)) for n, _, rows, _, _ in merges)
+
+
+def test_idle_buffers_hand_out_only_memory_nothing_references():
+    """IdleBuffers: a block is handed out again only once no array, view or OrtValue of it is left, only for
+    a size it fits (at most twice it), and at most keep_bytes of idle blocks are kept (the newest)."""
+    import onnxruntime as ort
+
+    from gpt2x.runtime.kvbuffers import IdleBuffers, small_page_arrays
+
+    shape = (2, 3, 8, 4)  # 768 bytes in float32
+    pool = IdleBuffers(keep_bytes=4 * 768)
+    arrays = pool.adopt(small_page_arrays(shape, 2, np.float32))
+    where = [a.ctypes.data for a in arrays]
+    assert pool.take(shape, 1, np.float32) is None  # both still held
+    view = arrays[0][:1, :, 2:]
+    value = ort.OrtValue.ortvalue_from_numpy(arrays[1][:1])
+    del arrays
+    assert pool.take(shape, 1, np.float32) is None  # a view of one, an OrtValue over the other
+    del value
+    again = pool.take(shape, 1, np.float32)
+    assert again is not None and again[0].ctypes.data == where[1] and again[0].shape == shape
+    assert pool.take(shape, 1, np.float32) is None  # the other is still seen through `view`
+    del view, again
+    assert sorted(a.ctypes.data for a in pool.take(shape, 2, np.float32)) == sorted(where)  # both idle
+    assert pool.take((2, 3, 3, 4), 1, np.float32) is None  # 288 bytes: a 768-byte block is over twice that
+    assert pool.take((2, 3, 5, 4), 1, np.float32)[0].ctypes.data in where  # 480 bytes: it fits
+    pool.adopt(small_page_arrays(shape, 6, np.float32))  # dropped at once: 8 idle blocks
+    held = pool.adopt(small_page_arrays(shape, 1, np.float32))  # trims them to the 4 newest idle ones
+    assert len(pool._blocks) == 5 and not {b.ctypes.data for b in pool._blocks} & set(where)
+    assert held[0].ctypes.data in {b.ctypes.data for b in pool._blocks}
+
+
+def test_the_in_place_cache_reuses_a_finished_generations_memory_and_decodes_as_before(tiny):
+    """The in-place cache's buffers after a generation that filled them: the next generation takes their memory
+    (unset: what they held stays until written) and gives the tokens and logits of a backend that never ran."""
+    _, _, gqa = tiny
+    used, fresh = OrtBackend(gqa, in_place_kv=True), OrtBackend(gqa, in_place_kv=True)
+    settings = SamplingSettings(max_new_tokens=12, greedy=True)
+    generate(used, [PROMPT_TEXTS[4]], settings)  # the longest prompt: every buffer written well past the next one's
+    assert used.idle.reused == 0
+    for text in (PROMPT_TEXTS[0], PROMPT_TEXTS[2]):
+        a, b = generate(used, [text], settings)[0], generate(fresh, [text], settings)[0]
+        assert a.tokens == b.tokens
+    assert used.idle.reused > 0
+    mask = np.ones((1, len(PROMPT_IDS[1])), dtype=np.int64)
+    ids = np.asarray([PROMPT_IDS[1]])
+    got, _ = used.step(ids, mask, positions(mask, ids.shape[1]), None)
+    want, _ = fresh.step(ids, mask, positions(mask, ids.shape[1]), None)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
