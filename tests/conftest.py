@@ -30,6 +30,9 @@ os.environ.setdefault("GPT2X_PREFILL", "onnxruntime")
 # and no export made during the run (by the tests, or the commands they run) builds that graph unless asked: it
 # costs each fp32 or int8 export seconds (tests/onnx/test_openvino_prefill.py and its runtime twin ask for it).
 os.environ.setdefault("GPT2X_OPENVINO_PREFILL", "0")
+# Nor an int8 export its batched decode graph (a second quantization, gate and timing: seconds); the tests of that
+# graph ask for it (tests/onnx/test_batched.py, tests/runtime/test_batched.py).
+os.environ.setdefault("GPT2X_BATCHED_DECODE", "0")
 
 import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -62,12 +65,13 @@ def shared_dir(tmp_path_factory, worker_id) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_export(shared_dir):
-    """tiny_export(precision=fp32, seed=31, gated=True, gqa=False, openvino_prefill=False, **config) -> (GPT2,
+    """tiny_export(precision=fp32, seed=31, gated=True, gqa=False, openvino_prefill=False, batched=False, **config) -> (GPT2,
     ModelSource, ExportInfo): a tiny random GPT-2 (helpers.make_hf_model: TINY with `config`'s overrides,
     n_positions 96 unless given) and its export, each made once per run in the workers' shared folder (under
     a file lock) and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32
     export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 or fp32 export with
-    its OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill)."""
+    its OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill); `batched`: an
+    int8 export with its batched decode graph (else none, for the same reason)."""
     from filelock import FileLock
 
     from gpt2x.choices import Precision
@@ -89,15 +93,16 @@ def tiny_export(shared_dir):
         return models[key]
 
     def get(precision: Precision = Precision.fp32, seed: int = 31, gated: bool = True, gqa: bool = False,
-            openvino_prefill: bool = False, **config):
+            openvino_prefill: bool = False, batched: bool = False, **config):
         config.setdefault("n_positions", 96)
         key, model, source = model_of(seed, config)
-        name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "") + ("-ovprefill" if openvino_prefill else "")
+        name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "") + \
+            ("-ovprefill" if openvino_prefill else "") + ("-batched" if batched else "")
         folder = root / "exports" / name
         with FileLock(f"{folder}.lock"):
             if not is_export(folder):
                 export_model(model, source, folder, Precision(precision), check_parity=gated,
-                             openvino_prefill=openvino_prefill)
+                             openvino_prefill=openvino_prefill, batched_decode=batched)
             info = read_export(folder)
             if gqa:
                 gqa_folder = root / "exports" / f"{name}-gqa"

@@ -526,3 +526,10 @@ def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subpr
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
     cmd = [sys.executable, "-c", BLOCKED_RUNNER, *args] if blocked else [sys.executable, "-m", "gpt2x", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def torch_last_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """PyTorch's last-position logits of whole (left-padded) sequences, without a cache: an independent reference."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor(ids), torch.tensor(mask), torch.tensor(positions(mask, ids.shape[1])))
+    return logits[:, -1].numpy()

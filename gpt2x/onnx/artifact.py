@@ -37,6 +37,11 @@ PREFILL_XML = "openvino/prefill.xml"
 PREFILL_BIN = "openvino/prefill.bin"
 PREFILL_KEY = "openvino_prefill"
 F32, BF16 = "f32", "bf16"  # the compute precisions a prefill graph is gated and recorded at (`inference_precision`)
+# int8 exports: a second decode graph, quantized by ONNX Runtime's quantize_dynamic (per-channel int8, MLAS's QGEMM),
+# for steps of many rows x new tokens, and its record in gpt2x.json, kept only when it passed the export's gate
+# (docs/export.md, the batched decode graph).
+BATCHED_FILE = "model_batched.onnx"
+BATCHED_KEY = "batched_decode"
 
 
 def safe_model_name(model_name: str) -> str:
@@ -107,6 +112,16 @@ class ExportInfo:
     @property
     def prefill_path(self) -> Path:
         return self.folder / PREFILL_XML
+
+    @property
+    def batched(self) -> dict | None:
+        """The batched decode graph's record (parity, timings, batched_from) when the export kept one, else None."""
+        record = self.meta.get(BATCHED_KEY)
+        return record if isinstance(record, dict) and record.get("kept") else None
+
+    @property
+    def batched_path(self) -> Path:
+        return self.folder / BATCHED_FILE
 
 
 def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:

@@ -26,6 +26,8 @@ from ..tokenizer import BPE_SHA256
 from . import names as io
 from . import openvino_prefill as ov_prefill  # imports neither openvino nor nncf
 from .artifact import (
+    BATCHED_FILE,
+    BATCHED_KEY,
     DEFAULT_OPSET,
     F32,
     FORMAT,
@@ -41,7 +43,7 @@ from .artifact import (
     file_name,
 )
 from .interop import write_interop_files
-from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8
+from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8, quantize_int8_dynamic
 from .trace import trace_to_onnx
 
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
@@ -55,20 +57,42 @@ OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
 OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8,)
 
 
+# Whether an int8 export gets the batched decode graph (BATCHED_FILE) when not said (1 or 0; unset: 1): it costs an
+# export a second quantization, gate and timing, and the folder the graph's size.
+BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
+
+
+def _env_flag(name: str) -> bool | None:
+    """An environment variable's 0 or 1 (None: unset); one UsageError line for another value."""
+    value = os.environ.get(name)
+    if value not in (None, "0", "1"):
+        raise UsageError(f"{name} must be 0 or 1, got {value!r}")
+    return None if value is None else value == "1"
+
+
 def openvino_prefill_wanted(asked: bool | None, precision: Precision = Precision.int8) -> bool:
     """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else whether `precision` is in OPENVINO_PREFILL_BY_DEFAULT;
     one UsageError line for another value."""
-    value = os.environ.get(OPENVINO_PREFILL_ENV)
-    if value not in (None, "0", "1"):
-        raise UsageError(f"{OPENVINO_PREFILL_ENV} must be 0 or 1, got {value!r}")
+    value = _env_flag(OPENVINO_PREFILL_ENV)
     if asked is not None:
         return asked
-    return precision in OPENVINO_PREFILL_BY_DEFAULT if value is None else value == "1"
+    return precision in OPENVINO_PREFILL_BY_DEFAULT if value is None else value
+
+
+def batched_decode_wanted(asked: bool | None) -> bool:
+    """`asked`, else GPT2X_BATCHED_DECODE's 0 or 1, else yes (int8 exports only have the graph)."""
+    value = _env_flag(BATCHED_DECODE_ENV)
+    if asked is not None:
+        return asked
+    return True if value is None else value
 
 
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
 PrefillGate = Callable[[ExportInfo], dict]
+# The batched decode graph's gate and timings (evaluate.batched): returns its record's parity, timings and
+# batched_from, or raises ParityError, and the graph is then dropped.
+BatchedGate = Callable[[ExportInfo], dict]
 
 
 def versions() -> dict[str, str]:
@@ -87,11 +111,16 @@ def export(
     progress: Progress = no_progress,
     prefill_gate: PrefillGate | None = None,
     openvino_prefill: bool | None = None,
+    batched_gate: BatchedGate | None = None,
+    batched_decode: bool | None = None,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
     or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
     `prefill_gate` passes it (None: not checked, and not made: the runtime uses no graph nothing checked);
-    `openvino_prefill` False: none (None: openvino_prefill_wanted's default)."""
+    `openvino_prefill` False: none (None: openvino_prefill_wanted's default). An int8 export also gets the batched
+    decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
+    False (None: batched_decode_wanted's default)."""
+    want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
     want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill, precision)
     out = Path(out)
@@ -107,6 +136,9 @@ def export(
         if precision is Precision.int8:
             progress("quantizing MatMul weights to int8")
             ops = quantize_int8(fused, tmp / MODEL_FILE)
+            if want_batched:
+                progress("quantizing the batched decode graph's MatMul weights (quantize_dynamic, per channel)")
+                quantize_int8_dynamic(fused, tmp / BATCHED_FILE)
         elif precision is Precision.int4:
             progress(f"quantizing MatMul weights to int4 (the unembedding to int{INT4_HEAD_BITS})")
             ops = quantize_int4(fused, tmp / MODEL_FILE)
@@ -140,6 +172,10 @@ def export(
             meta["parity"] = gate(info)
         else:
             meta["parity"] = {"status": NOT_CHECKED}
+        if precision is Precision.int8:  # after the gate: that one runs model.onnx alone
+            meta[BATCHED_KEY] = _batched_decode(info, batched_gate, progress) if want_batched else \
+                {"kept": False, "reason": "not asked for" if batched_gate is not None else NOT_CHECKED}
+            _record_files(tmp, meta)  # a dropped graph's file is gone
         if with_prefill:
             meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if want_prefill else \
                 {"kept": False, "reason": "not asked for"}
@@ -178,4 +214,20 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
         reason = str(e)
     shutil.rmtree((info.folder / PREFILL_XML).parent)
     progress(f"OpenVINO prefill graph dropped: {reason}")
+    return {"kept": False, "reason": reason}
+
+
+def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> dict:
+    """The batched decode graph (written beside model.onnx), gated and timed; its record for gpt2x.json. A graph
+    that fails its gate is removed: every step then runs on model.onnx."""
+    record = {"kept": True, "file": BATCHED_FILE, "weights": "int8 symmetric, one scale per output channel "
+              "(ONNX Runtime quantize_dynamic, QInt8); activations quantized per step (uint8, one scale a tensor)"}
+    info.meta[BATCHED_KEY] = record
+    progress("checking the batched decode graph against PyTorch and timing both decode graphs")
+    try:
+        return record | gate(info)
+    except ParityError as e:
+        reason = str(e)
+    info.batched_path.unlink()
+    progress(f"batched decode graph dropped: {reason}")
     return {"kept": False, "reason": reason}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from collections import Counter
 from io import StringIO
 from pathlib import Path
@@ -177,6 +178,39 @@ def quantize_int8(fused: Path, out: Path) -> dict[str, int]:
     """int8 MatMulNBits weights (symmetric, blocks of 128, int8 activations), the tied unembedding too (every step
     reads it whole); GroupQueryAttention for the in-place KV cache."""
     return _finish_nbits(_matmul_nbits(_load_folded(fused), **_int8_options()), out)
+
+
+@contextlib.contextmanager
+def _root_logger_quiet():
+    """The quantizer warns through logging.warning, whose first call on a root logger without handlers installs
+    one (basicConfig) for the rest of the process: a handler held meanwhile, and the level raised."""
+    root = logging.getLogger()
+    hold, level = logging.NullHandler(), root.level
+    root.addHandler(hold)
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.removeHandler(hold)
+        root.setLevel(level)
+
+
+def quantize_int8_dynamic(fused: Path, out: Path) -> dict[str, int]:
+    """int8 weights by ONNX Runtime's quantize_dynamic: one scale per output channel, activations quantized per step
+    (MLAS's u8s8 QGEMM: faster than MatMulNBits from ~16 rows a step, slower at one; docs/results/engines.md), the
+    tied unembedding too; GroupQueryAttention after, as quantize_int8's. The batched decode graph (build.py)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp, _root_logger_quiet():
+        src, dst = Path(tmp) / "folded.onnx", Path(tmp) / "quantized.onnx"
+        # external data: the quantizer's own shape inference copies the graph, which protobuf caps at 2 GB
+        onnx.save(_load_folded(fused), str(src), save_as_external_data=True, location="folded.onnx.data")
+        # MatMulConstBOnly: activation x activation products (none here past attention's own op) stay fp32;
+        # DefaultTensorType: the fused contrib ops' outputs have no inferred type, which the quantizer needs.
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
+                         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
+        q = onnx.load(str(dst))
+    return _finish_nbits(q, out)
 
 
 # int4 defaults, by measured quality against PyTorch fp32 (docs/export.md's table): blocks of 32, RTN symmetric (keeps

@@ -1,6 +1,7 @@
 """ONNX Runtime backend (no torch): IO binding, the KV cache kept as OrtValues on the device between steps.
 Two cache forms: `GrowingCache` (each step's presents are the next past) and `InPlaceCache` (GroupQueryAttention
-graphs on the CPU: one buffer bound as past and present; docs/export.md).
+graphs on the CPU: one buffer bound as past and present; docs/export.md). An int8 export's batched decode graph, where
+it has one, runs the steps of many rows x new tokens on the same caches (`OrtBackend.batched_from`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class _KVBuffers(KVBuffers):
 
     def rows_changed(self) -> None:
         self.values = [ort.OrtValue.ortvalue_from_numpy(a[: self.rows]) for a in self.arrays]  # no copy
-        self.binding = None  # an IOBinding with these buffers bound as past and present, reused
+        # IOBindings with these buffers bound as past and present, reused: one per session (a binding is its session's)
+        self.bindings: dict[int, object] = {}
 
 
 class GrowingCache:
@@ -86,12 +88,13 @@ class GrowingCache:
         B, T = input_ids.shape
         if B > 1 and T > 1 and self.length and not self.owner.batched_multi_token_past:
             return self._forward_rows(input_ids, attention_mask, position_ids, keep)
-        binding = self.owner.session.io_binding()
+        session = self.owner.session_for(B * T)
+        binding = session.io_binding()
         self.owner.bind_inputs(binding, input_ids, attention_mask, position_ids, self.values, keep)
         binding.bind_output(io.LOGITS, "cpu")
         for name in self.owner.names_out[1:]:
             binding.bind_output(name, self.owner.device)
-        self.owner.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return outputs[0].numpy(), GrowingCache(self.owner, list(outputs[1:]))
 
@@ -196,27 +199,47 @@ class InPlaceCache(BufferCache):
     @staticmethod
     def _run_views(owner: OrtBackend, buffers: _KVBuffers, row_views: list[np.ndarray] | None, input_ids,
                    attention_mask, position_ids, keep: int) -> np.ndarray:
-        """One run with `buffers` bound as past and present, or `row_views` (one row of each) for a row run."""
-        if row_views is None:
-            if buffers.binding is None:
-                buffers.binding = owner.bind_in_place(buffers.values)
-            binding = buffers.binding
-        else:
-            binding = owner.bind_in_place([ort.OrtValue.ortvalue_from_numpy(a) for a in row_views])
-        owner.bind_inputs(binding, input_ids, attention_mask, position_ids, [], keep)
+        """One run with `buffers` bound as past and present, or `row_views` (one row of each) for a row run, on
+        the session for its rows x new tokens."""
         B, T = input_ids.shape
+        session = owner.session_for(B * T)
+        if row_views is None:
+            binding = buffers.bindings.get(id(session))
+            if binding is None:
+                binding = buffers.bindings[id(session)] = owner.bind_in_place(buffers.values, session)
+        else:
+            binding = owner.bind_in_place([ort.OrtValue.ortvalue_from_numpy(a) for a in row_views], session)
+        owner.bind_inputs(binding, input_ids, attention_mask, position_ids, [], keep)
         kept = min(keep, T) if keep and owner.logits_to_keep is not None else T
         logits = np.empty((B, kept, owner.vocab_size), dtype=np.float32)
         binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        owner.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return logits
+
+
+def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | None:
+    """The rows x new tokens from which a step runs on the export's batched decode graph (None: never): the record's
+    batched_from (where it timed the graph faster from there on), 1 where asked for (refused in one line where the
+    export has none, or off the CPU), None where refused."""
+    if asked is False:
+        return None
+    record = info.batched
+    if asked:
+        if record is None or not on_cpu:
+            why = "it has none (an int8 export has one unless GPT2X_BATCHED_DECODE=0 or its gate dropped it)" \
+                if record is None else "it runs on the CPU only"
+            raise ProviderError(f"{info.folder}: cannot run steps on a batched decode graph: {why}")
+        return 1
+    return record.get("batched_from") if record is not None and on_cpu else None
 
 
 class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
     cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name).
     `prefill` (runtime.prefill.PrefillChoice; None: GPT2X_PREFILL's, else auto): where a fresh prompt's `step` runs,
-    ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache."""
+    ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache.
+    `batched` (CPU): None runs a step of rows x new tokens >= the export's recorded batched_from on its batched decode
+    graph (none where it has none), True every step, False none."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -227,7 +250,7 @@ class OrtBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  in_place_kv: bool | None = None, *, shared_kv: bool | None = None,
-                 prefill: PrefillChoice | str | None = None):
+                 prefill: PrefillChoice | str | None = None, batched: bool | None = None):
         if shared_kv is not None:
             warnings.warn("OrtBackend(shared_kv=...) is deprecated; use in_place_kv=...", DeprecationWarning, stacklevel=2)
             if in_place_kv is None:
@@ -241,6 +264,8 @@ class OrtBackend(Closable):
         self.provider = provider
         self.session = create_session(info.model_path, provider, threads)
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
+        self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
+        self._batched = None if self._batched_from is None else create_session(info.batched_path, provider, threads)
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
         self.names_in = io.input_names(self.cfg.n_layer)
@@ -291,6 +316,15 @@ class OrtBackend(Closable):
         return (PrefillChoice.openvino if openvino else PrefillChoice.onnxruntime).value
 
     @property
+    def batched_from(self) -> int | None:
+        """The rows x new tokens from which a step runs on the export's batched decode graph (None: never)."""
+        return self._batched_from
+
+    def session_for(self, tokens: int):
+        """The session that runs a step of `tokens` rows x new tokens: the batched decode graph's from batched_from."""
+        return self._batched if self._batched is not None and tokens >= self._batched_from else self.session
+
+    @property
     def shared_kv(self) -> bool:
         """Deprecated: `in_place_kv`'s former name (for one release)."""
         warnings.warn("OrtBackend.shared_kv is deprecated; use in_place_kv", DeprecationWarning, stacklevel=2)
@@ -298,6 +332,7 @@ class OrtBackend(Closable):
 
     def close(self) -> None:
         self.session = Released(self.name)
+        self._batched = None if self._batched is None else self.session
         self._openvino_prefill = None
         self._helpers.clear()
 
@@ -360,8 +395,8 @@ class OrtBackend(Closable):
         for name, value in zip(self.names_in[3:], past_values):
             binding.bind_ortvalue_input(name, value)
 
-    def bind_in_place(self, values: list):
-        binding = self.session.io_binding()
+    def bind_in_place(self, values: list, session):
+        binding = session.io_binding()
         for name, value in zip(self.names_in[3:], values):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(self.names_out[1:], values):

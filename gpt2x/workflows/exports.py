@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, UsageError
+from ..evaluate.batched import gate_batched
 from ..evaluate.parity import gate_export
 from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
 
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
-                 progress: Progress = no_progress, openvino_prefill: bool | None = None) -> ExportInfo:
+                 progress: Progress = no_progress, openvino_prefill: bool | None = None,
+                 batched_decode: bool | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
-    GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only; docs/export.md)."""
+    GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only); an int8 export the batched decode graph, gated on its own,
+    unless `batched_decode` is False (None: GPT2X_BATCHED_DECODE's 0 or 1, default yes; docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
@@ -37,8 +40,12 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     def prefill_gate(info: ExportInfo) -> dict:
         return gate_prefill(TorchBackend(model, model_name=source.name), info)
 
+    def batched_gate(info: ExportInfo) -> dict:
+        return gate_batched(TorchBackend(model, model_name=source.name), info)
+
     return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
-                  prefill_gate if check_parity else None, openvino_prefill)
+                  prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
+                  batched_decode)
 
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
