@@ -2,7 +2,7 @@
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
-        [--gpt2x-backends ort] [--contenders gpt2x,openvino-genai]
+        [--gpt2x-backends ort] [--gpt2x-batched auto] [--contenders gpt2x,openvino-genai]
 
 The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
 prompts of --prompt-len random tokens (seeded), each generating --new-tokens greedy tokens that EOS
@@ -12,7 +12,9 @@ wall time from handing them over to the last token.
 - gpt2x: the serving engine `gpt2x serve` runs (gpt2x.serve.core.engine.Engine, max batch = --prompts, its
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
   precision (workflows.ensure_export, parity-gated when made; export_backend, threads = cores), every
-  prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
+  prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens); with --gpt2x-batched
+  auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
+  record's batched_from, and never (model.onnx alone, as before that graph);
 - OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
   same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
   precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
@@ -60,13 +62,14 @@ CONTENDERS = ("gpt2x", "openvino-genai")
 class Gpt2xEngine:
     """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all."""
 
-    def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int):
-        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}"
+    def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int, batched: bool | None = None):
+        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" batched-off" if batched is False else "")
         self.precision = info.precision.value
-        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads)
+        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched)
         self.settings = EngineSettings(max_batch_size=batch)
         self.engine = Engine(self.backend, self.settings).start()
-        self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None)}
+        self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None),
+                        "batched_from": getattr(self.backend, "batched_from", None)}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)
@@ -149,10 +152,14 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
             info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
             for kind in args.gpt2x_backends:
-                try:
-                    contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts))
-                except Exception as e:
-                    skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+                # the batched decode graph's switch: the ort backend's option, on the int8 exports that have one
+                choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
+                for choice in choices:
+                    try:
+                        contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts,
+                                                      None if choice == "auto" else False))
+                    except Exception as e:
+                        skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
     if "openvino-genai" in args.contenders:
         try:
             variants = compute_variants(threads)
@@ -196,11 +203,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
     ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8 (default: %(default)s)")
     ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino (default: %(default)s)")
+    ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
+                    "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     args = ap.parse_args()
     args.precisions = parse_list(args.precisions, [p.value for p in WEIGHT_FORMATS], "--precisions", ap)
     args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
+    args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
     if min(args.prompts, args.prompt_len, args.new_tokens, args.rounds) < 1:
         ap.error("--prompts, --prompt-len, --new-tokens and --rounds must be at least 1")
     threads = physical_cores()

@@ -11,7 +11,7 @@ import typer
 
 from ..choices import Precision
 from ..errors import OutputError, UsageError
-from ..onnx.artifact import DEFAULT_OPSET, PREFILL_KEY, default_export_dir
+from ..onnx.artifact import BATCHED_KEY, DEFAULT_OPSET, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
 from ..workflows.transformers_js import export_transformers_js
@@ -81,9 +81,25 @@ def export(
                   f"{lg['top1_agreement']:.3f}, greedy agreement {parity['greedy']['share']:.2f}")
     else:
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
+    batched = meta.get(BATCHED_KEY)
+    if batched is not None:
+        out.print(_batched_line(batched), markup=False)
     prefill = meta.get(PREFILL_KEY)
     if prefill is not None:
         out.print(_prefill_line(prefill), markup=False)
+
+
+def _batched_line(record: dict) -> str:
+    """The batched decode graph in one line: kept, its gate and both graphs' step timings; or why not."""
+    if not record.get("kept"):
+        return f"batched decode graph: not kept ({record.get('reason', '')})"
+    lg, timing = record["parity"]["logits"], record["timing"]
+    times = ", ".join(f"{m} rows {b:.1f} against {a:.1f} ms" for m, b, a in
+                      zip(timing["rows"], timing["batched_ms"], timing["model_ms"]))
+    start = record["batched_from"]
+    use = f"used from {start} rows x new tokens on" if start is not None else "not used (slower)"
+    return (f"batched decode graph: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale, greedy agreement "
+            f"{record['parity']['greedy']['share']:.2f}); a decode step, batched graph against model.onnx: {times}; {use}")
 
 
 def _prefill_line(record: dict) -> str:

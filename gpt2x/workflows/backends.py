@@ -80,11 +80,11 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
-                   threads: int | None = None, in_place_kv: bool | None = None) -> Backend:
-    """A runtime on an export folder, checked before its module is imported. `in_place_kv`: the native backend's
-    (OrtBackend's) option."""
+                   threads: int | None = None, in_place_kv: bool | None = None, batched: bool | None = None) -> Backend:
+    """A runtime on an export folder, checked before its module is imported. `in_place_kv` and `batched` (its
+    batched decode graph: None as recorded, False never): the native backend's (OrtBackend's) options."""
     caps = capabilities_of(backend)
     if caps.reference:
         raise UsageError(f"the {backend.value} backend does not run export folders (it runs the model itself, in {caps.runtime})")
-    options = {"in_place_kv": in_place_kv} if caps.native else {}
+    options = {"in_place_kv": in_place_kv, "batched": batched} if caps.native else {}
     return backend_class(backend)(info, provider, threads, **options)
