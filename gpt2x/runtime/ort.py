@@ -88,7 +88,7 @@ class GrowingCache:
         B, T = input_ids.shape
         if B > 1 and T > 1 and self.length and not self.owner.batched_multi_token_past:
             return self._forward_rows(input_ids, attention_mask, position_ids, keep)
-        session = self.owner.session_for(B * T)
+        session = self.owner.session_for(B, T)
         binding = session.io_binding()
         self.owner.bind_inputs(binding, input_ids, attention_mask, position_ids, self.values, keep)
         binding.bind_output(io.LOGITS, "cpu")
@@ -202,7 +202,7 @@ class InPlaceCache(BufferCache):
         """One run with `buffers` bound as past and present, or `row_views` (one row of each) for a row run, on
         the session for its rows x new tokens."""
         B, T = input_ids.shape
-        session = owner.session_for(B * T)
+        session = owner.session_for(B, T)
         if row_views is None:
             binding = buffers.bindings.get(id(session))
             if binding is None:
@@ -215,6 +215,12 @@ class InPlaceCache(BufferCache):
         binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         session.run_with_iobinding(binding)
         return logits
+
+
+# Rows a step needs to run on the batched decode graph (unless asked for every step): the export times steps of rows,
+# and one row's 32-token prefill, on that graph after decode steps on model.onnx, came later than on model.onnx
+# (gpt2x bench at batch 1, docs/results/engines.md).
+BATCHED_MIN_ROWS = 2
 
 
 def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | None:
@@ -265,6 +271,7 @@ class OrtBackend(Closable):
         self.session = create_session(info.model_path, provider, threads)
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
+        self._batched_rows = 1 if batched else BATCHED_MIN_ROWS
         self._batched = None if self._batched_from is None else create_session(info.batched_path, provider, threads)
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
@@ -320,9 +327,11 @@ class OrtBackend(Closable):
         """The rows x new tokens from which a step runs on the export's batched decode graph (None: never)."""
         return self._batched_from
 
-    def session_for(self, tokens: int):
-        """The session that runs a step of `tokens` rows x new tokens: the batched decode graph's from batched_from."""
-        return self._batched if self._batched is not None and tokens >= self._batched_from else self.session
+    def session_for(self, rows: int, new_tokens: int):
+        """The session that runs a step of `rows` x `new_tokens`: the batched decode graph's from batched_from rows x
+        new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step."""
+        batched = self._batched is not None and rows >= self._batched_rows and rows * new_tokens >= self._batched_from
+        return self._batched if batched else self.session
 
     @property
     def shared_kv(self) -> bool:

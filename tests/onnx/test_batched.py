@@ -81,7 +81,7 @@ def test_its_logits_and_presents_match_pytorchs_without_a_cache(tiny):
     mask[0, :3] = 0
     reference = TorchBackend(model)
     with OrtBackend(info, threads=1, batched=True) as backend:
-        assert backend.batched_from == 1 and backend.session_for(1) is not backend.session
+        assert backend.batched_from == 1 and backend.session_for(1, 1) is not backend.session
         logits, cache = backend.step(ids[:, :8], mask[:, :8], positions(mask[:, :8], 8), None)
         want = torch_last_logits(model, ids[:, :8], mask[:, :8])
         assert np.abs(logits - want).max() / np.abs(want).max() <= tol
