@@ -272,7 +272,9 @@ class OrtBackend(Closable):
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
         self._batched_rows = 1 if batched else BATCHED_MIN_ROWS
-        self._batched = None if self._batched_from is None else create_session(info.batched_path, provider, threads)
+        # Opened by the first step that runs on it: a batch-1 user never loads its weights (282 MB for GPT-2 124M).
+        self._batched = None
+        self._threads = threads
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
         self.names_in = io.input_names(self.cfg.n_layer)
@@ -330,8 +332,16 @@ class OrtBackend(Closable):
     def session_for(self, rows: int, new_tokens: int):
         """The session that runs a step of `rows` x `new_tokens`: the batched decode graph's from batched_from rows x
         new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step."""
-        batched = self._batched is not None and rows >= self._batched_rows and rows * new_tokens >= self._batched_from
-        return self._batched if batched else self.session
+        if self._batched_from is None or rows < self._batched_rows or rows * new_tokens < self._batched_from:
+            return self.session
+        if self._batched is None:
+            self._batched = create_session(self.info.batched_path, self.provider, self._threads)
+        return self._batched
+
+    @property
+    def batched_open(self) -> bool:
+        """Whether the batched decode graph's session is open (a step has run on it)."""
+        return self._batched is not None and self._batched is not self.session
 
     @property
     def shared_kv(self) -> bool:
@@ -341,7 +351,7 @@ class OrtBackend(Closable):
 
     def close(self) -> None:
         self.session = Released(self.name)
-        self._batched = None if self._batched is None else self.session
+        self._batched = None if self._batched_from is None else self.session  # batched steps refused as the others
         self._openvino_prefill = None
         self._helpers.clear()
 

@@ -44,6 +44,11 @@ def test_the_record_sets_batched_from_and_a_user_may_turn_it_off(tiny):
     _, info = tiny
     with OrtBackend(info, threads=1) as backend:
         assert backend.batched_from == info.batched["batched_from"]
+        assert not backend.batched_open  # opened by the first step that runs on it, not at load
+        assert backend.session_for(1, 1) is backend.session and not backend.batched_open
+        rows = max(BATCHED_MIN_ROWS, backend.batched_from)
+        batched = backend.session_for(rows, 1)
+        assert batched is not backend.session and backend.batched_open and backend.session_for(rows, 1) is batched
     with OrtBackend(info, threads=1, batched=False) as backend:
         assert backend.batched_from is None and backend.session_for(1000, 1000) is backend.session
     with OrtBackend(with_from(info, None), threads=1) as backend:  # timed never faster: never
