@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and grows by at least
-# Idle KV memory a backend keeps for its next buffers (IdleBuffers): a 512-token GPT-2 124M row holds about 45 MB.
+# Idle KV memory a backend keeps for its next buffers (IdleBuffers): one GPT-2 124M row of 768 positions is 57 MB.
 IDLE_KEEP_BYTES = 512 << 20
 
 
@@ -116,8 +116,8 @@ def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView |
 
 class IdleBuffers:
     """The memory of a backend's KV buffers, kept once nothing references it, for its next buffers of about that size:
-    a fresh buffer's first writes fault its pages in one by one (14-22 ms of a 512-token prefill of GPT-2 124M here,
-    docs/results/engines.md), a reused one's do not. Only for buffers that may be left unset (what they held before
+    a fresh buffer's first writes fault its pages in one by one, a reused one's do not (a 512-token first token of
+    GPT-2 124M 1-4% sooner here, benchmarks/idle_buffers.py). Only for buffers that may be left unset (what they held before
     is not cleared). A block is idle when this pool holds its only reference: every array, view and OrtValue made
     from it holds one (through NumPy's `base`), so memory still seen anywhere is never handed out again. At most
     `keep_bytes` of idle blocks are kept, the most recently adopted."""
