@@ -14,7 +14,7 @@ from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.ort import OrtBackend
 from .parity import check
-from .prefill import FASTER_BY, TIMED_REPEAT
+from .prefill import FASTER_BY, TIMED_REPEAT, faster_from
 
 TIMED_ROWS = (1, 4, 8, 16, 32)  # decode steps of this many rows (one new token each): M = rows x new tokens
 TIMED_PAST = 32  # positions every row holds before the timed step (capped below the model's context)
@@ -47,11 +47,8 @@ def time_steps(info: ExportInfo, threads: int | None = None, rows: tuple[int, ..
     for name, batched in (("model_ms", False), ("batched_ms", True)):
         with OrtBackend(info, threads=threads, batched=batched) as backend:
             figures[name] = [round(_step_ms(backend, r, past, repeat), 3) for r in rows]
-    start = len(rows)
-    while start and figures["batched_ms"][start - 1] < figures["model_ms"][start - 1] * (1 - FASTER_BY):
-        start -= 1
     return {"rows": list(rows), "new_tokens": 1, "past": past, "repeat": repeat, "faster_by": FASTER_BY, **figures,
-            "batched_from": None if start == len(rows) else rows[start]}
+            "batched_from": faster_from(list(rows), figures["model_ms"], figures["batched_ms"])}
 
 
 def gate_batched(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:

@@ -92,6 +92,15 @@ def _prompts(info: ExportInfo, lengths: tuple[int, ...]) -> tuple[list[int], lis
     return lengths, [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
 
 
+def faster_from(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> int | None:
+    """The smallest of `sizes` (ascending) from which `new_ms` was faster than `base_ms` by FASTER_BY at that size and
+    every larger one (None: not at the largest)."""
+    start = len(sizes)
+    while start and new_ms[start - 1] < base_ms[start - 1] * (1 - FASTER_BY):
+        start -= 1
+    return None if start == len(sizes) else sizes[start]
+
+
 def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
                   repeat: int = TIMED_REPEAT) -> dict:
     """Both prefills' medians (ms, batch 1) at `lengths` (OpenVINO's at the record's compute precision), and
@@ -100,11 +109,8 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
     lengths, prompts = _prompts(info, lengths)
     figures = {choice.value: _medians(info, choice, prompts, threads, repeat)
                for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino)}
-    faster = [o < r * (1 - FASTER_BY) for o, r in zip(figures["openvino"], figures["onnxruntime"])]
-    start = len(faster)
-    while start and faster[start - 1]:
-        start -= 1
-    openvino_from = None if start == len(faster) else 2 if start == 0 else lengths[start]
+    start = faster_from(lengths, figures["onnxruntime"], figures["openvino"])
+    openvino_from = 2 if start is not None and start == lengths[0] else start  # 2: every prompt length
     return {"batch": 1, "lengths": lengths, "repeat": repeat, "faster_by": FASTER_BY, "onnxruntime_ms": figures["onnxruntime"],
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
@@ -132,12 +138,7 @@ def bf16_wins(f32_ms: list[float], bf16_ms: list[float]) -> bool:
 def bf16_start(lengths: list[int], f32_ms: list[float], bf16_ms: list[float]) -> int | None:
     """The prompt length from which bf16 compute runs: 2 (every length) where bf16_wins, else the shortest timed
     length from which bf16 was faster by FASTER_BY at that and every longer one (None: not at the longest)."""
-    if bf16_wins(f32_ms, bf16_ms):
-        return 2
-    start = len(lengths)
-    while start and bf16_ms[start - 1] < f32_ms[start - 1] * (1 - FASTER_BY):
-        start -= 1
-    return None if start == len(lengths) else lengths[start]
+    return 2 if bf16_wins(f32_ms, bf16_ms) else faster_from(lengths, f32_ms, bf16_ms)
 
 
 def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = BF16_LENGTHS,
