@@ -206,15 +206,8 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
     files = ov_prefill.convert_prefill(model, info.folder, precision)
     record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
               "weights": ov_prefill.WEIGHTS[precision], "inference_precision": F32}
-    info.meta[PREFILL_KEY] = record
-    progress("checking the OpenVINO prefill against PyTorch and timing both prefills")
-    try:
-        return record | gate(info)
-    except ParityError as e:
-        reason = str(e)
-    shutil.rmtree((info.folder / PREFILL_XML).parent)
-    progress(f"OpenVINO prefill graph dropped: {reason}")
-    return {"kept": False, "reason": reason}
+    return _gated(info, PREFILL_KEY, record, gate, lambda: shutil.rmtree((info.folder / PREFILL_XML).parent),
+                  "OpenVINO prefill graph", "checking the OpenVINO prefill against PyTorch and timing both prefills", progress)
 
 
 def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> dict:
@@ -222,12 +215,20 @@ def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> 
     that fails its gate is removed: every step then runs on model.onnx."""
     record = {"kept": True, "file": BATCHED_FILE, "weights": "int8 symmetric, one scale per output channel "
               "(ONNX Runtime quantize_dynamic, QInt8); activations quantized per step (uint8, one scale a tensor)"}
-    info.meta[BATCHED_KEY] = record
-    progress("checking the batched decode graph against PyTorch and timing both decode graphs")
+    return _gated(info, BATCHED_KEY, record, gate, info.batched_path.unlink, "batched decode graph",
+                  "checking the batched decode graph against PyTorch and timing both decode graphs", progress)
+
+
+def _gated(info: ExportInfo, key: str, record: dict, gate: Gate, drop: Callable[[], None], what: str, checking: str,
+           progress: Progress) -> dict:
+    """A graph written into the export, under `key` in its metadata while `gate` checks and times it: its record with
+    the gate's, or, where the gate raises ParityError, the graph's files removed (`drop`) and why."""
+    info.meta[key] = record
+    progress(checking)
     try:
         return record | gate(info)
     except ParityError as e:
         reason = str(e)
-    info.batched_path.unlink()
-    progress(f"batched decode graph dropped: {reason}")
+    drop()
+    progress(f"{what} dropped: {reason}")
     return {"kept": False, "reason": reason}
