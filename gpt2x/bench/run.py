@@ -273,7 +273,7 @@ def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt
     device_mb = backend.peak_device_memory_mb()
     page_mb = backend.page_memory_mb() if page else None
     info = backend.page_info if page else None
-    prefill = backend.prefill_runtime(prompt.shape[1]) if hasattr(backend, "prefill_runtime") else None
+    prefill = backend.prefill_runtime(prompt.shape[1], prompt.shape[0]) if hasattr(backend, "prefill_runtime") else None
     return Timing(backend=kind, precision=precision, batch=prompt.shape[0], run=median_run(runs), cold_start_s=cold_s,
                   peak_rss_mb=rss, peak_gpu_mb=device_mb, page_memory_mb=page_mb,
                   page_info=None if info is None else {k: info[k] for k in ("version", "threads", "crossOriginIsolated", "userAgent")},

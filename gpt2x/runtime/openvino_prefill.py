@@ -25,8 +25,9 @@ def compute_precision(info: ExportInfo) -> str:
 
 
 def bf16_from(info: ExportInfo) -> int | None:
-    """The prompt length from which the prefill computes in bf16 where the record chose bf16 for long prompts only
-    (its `bf16_from`, evaluate/prefill.py; None: one compute precision for every length, or this CPU has no bf16)."""
+    """The prefill tokens (rows x prompt length) from which the prefill computes in bf16 where the record chose bf16
+    for long prompts only (its `bf16_from`, a prompt length at batch 1, evaluate/prefill.py; None: one compute
+    precision for every size, or this CPU has no bf16)."""
     start = (info.prefill or {}).get("bf16_from")
     return start if start is not None and compute_precision(info) == F32 and cpu_has_bf16() else None
 
@@ -53,7 +54,7 @@ class _Compiled:
 class OpenVinoPrefill:
     """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
     request; where the record chose bf16 from a prompt length on (bf16_from), the graph compiled at bf16 too, which
-    runs the prompts of that length and longer."""
+    runs the prefills of that many tokens (rows x prompt length) and more."""
 
     def __init__(self, info: ExportInfo, threads: int | None = None):
         self.inference_precision = compute_precision(info)
@@ -67,16 +68,16 @@ class OpenVinoPrefill:
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
         self.compiled, self.request = self._base.compiled, self._base.request
 
-    def precision_for(self, prompt_len: int) -> str:
-        """The compute precision a prompt of `prompt_len` tokens runs at."""
-        return BF16 if self.bf16_from is not None and prompt_len >= self.bf16_from else self.inference_precision
+    def precision_for(self, prompt_len: int, rows: int = 1) -> str:
+        """The compute precision `rows` prompts of `prompt_len` tokens run at."""
+        return BF16 if self.bf16_from is not None and rows * prompt_len >= self.bf16_from else self.inference_precision
 
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray]) -> np.ndarray:
         """The last position's logits (B, V); every layer's presents written by OpenVINO straight into the first T
         positions of `presents` (C-contiguous float32 arrays (B, H, >= T, D), in the outputs' order): no copy after.
         The request keeps pointers into them until the next call sets its own, and writes only during a call."""
         B, T = input_ids.shape
-        graph = self._bf16 if self._bf16 is not None and T >= self.bf16_from else self._base
+        graph = self._bf16 if self.precision_for(T, B) == BF16 and self._bf16 is not None else self._base
         for port, arr in zip(graph.inputs, (input_ids, attention_mask, position_ids)):
             graph.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
         for port, arr in zip(graph.presents, presents):

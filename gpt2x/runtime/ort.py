@@ -310,18 +310,20 @@ class OrtBackend(Closable):
 
     @property
     def prefill_bf16_from(self) -> int | None:
-        """The prompt length from which OpenVINO's prefill computes in bf16 instead of prefill_precision (None:
-        every length at prefill_precision)."""
+        """The prefill tokens (rows x prompt length) from which OpenVINO's prefill computes in bf16 instead of
+        prefill_precision (None: every size at prefill_precision)."""
         return None if self._openvino_prefill is None else self._openvino_prefill.bf16_from
 
     @property
     def prefill_from(self) -> int | None:
-        """The prompt length from which OpenVINO runs the prefill (None: never)."""
+        """The prefill tokens (rows x prompt length) from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from
 
-    def prefill_runtime(self, prompt_len: int) -> str:
-        """The runtime that runs a fresh prompt of `prompt_len` tokens: "onnxruntime" or "openvino"."""
-        openvino = self._openvino_prefill is not None and prompt_len >= self._openvino_from
+    def prefill_runtime(self, prompt_len: int, rows: int = 1) -> str:
+        """The runtime that runs `rows` fresh prompts of `prompt_len` tokens: "onnxruntime" or "openvino". The export
+        timed one row's prompts; a batch is placed by its tokens, rows x prompt_len, which its matmuls scale with
+        (16 rows of 32 tokens ran sooner on OpenVINO, as one of 512 does: docs/results/engines.md)."""
+        openvino = self._openvino_prefill is not None and rows * prompt_len >= self._openvino_from
         return (PrefillChoice.openvino if openvino else PrefillChoice.onnxruntime).value
 
     @property
@@ -368,7 +370,7 @@ class OrtBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        if past is None and self.prefill_runtime(input_ids.shape[1]) == PrefillChoice.openvino.value:
+        if past is None and self.prefill_runtime(input_ids.shape[1], input_ids.shape[0]) == PrefillChoice.openvino.value:
             return self._openvino_step(input_ids, attention_mask, position_ids)
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present

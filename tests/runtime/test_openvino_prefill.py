@@ -170,29 +170,32 @@ def test_the_records_compute_precision_is_honoured_and_bf16_falls_back_to_f32_wi
         assert np.array_equal(fallback.step(ids, mask, pos, None)[0], want)
 
 
-def test_bf16_from_a_prompt_length_runs_shorter_prompts_at_f32_and_longer_at_bf16(tiny, monkeypatch):
-    """A record choosing bf16 from a prompt length on: shorter prompts' logits are f32 compute's exactly, longer
-    ones' bf16 compute's exactly (each against a backend compiled at that precision alone); no bf16 on the CPU: f32
-    for every length."""
+def test_bf16_from_a_prompt_length_runs_smaller_prefills_at_f32_and_larger_at_bf16(tiny, monkeypatch):
+    """A record choosing bf16 from a prompt length on, applied to a prefill's tokens (rows x length): smaller
+    prefills' logits are f32 compute's exactly, larger ones' bf16 compute's exactly (each against a backend compiled
+    at that precision alone), a batch of short prompts included; no bf16 on the CPU: f32 for every size."""
     from gpt2x.evaluate.prefill import at_compute
     from gpt2x.runtime import openvino_prefill
 
     _, info = tiny
-    short, short_mask = left_padded(PROMPTS[:2])  # 5 positions
-    long, long_mask = left_padded(PROMPTS[2:])  # 11
-    args = [(short, short_mask, positions(short_mask, 5)), (long, long_mask, positions(long_mask, 11))]
+    short, short_mask = left_padded(PROMPTS[:2])  # 2 rows x 5 positions: 10 tokens
+    long, long_mask = left_padded(PROMPTS[2:])  # 1 row x 11
+    many, many_mask = left_padded(PROMPTS[:1] * 3)  # 3 rows x 5: 15
+    args = [(short, short_mask, positions(short_mask, 5)), (long, long_mask, positions(long_mask, 11)),
+            (many, many_mask, positions(many_mask, 5))]
     with OrtBackend(at_compute(info, "f32"), threads=1, prefill="openvino") as f32:
         want_f32 = [f32.step(*a, None)[0] for a in args]
     if openvino_prefill.cpu_has_bf16():
         with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as bf16:
             want_bf16 = [bf16.step(*a, None)[0] for a in args]
-        with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as mixed:
-            assert mixed.prefill_precision == "f32" and mixed.prefill_bf16_from == 8
+        with OrtBackend(at_compute(info, "f32", bf16_from=11), threads=1, prefill="openvino") as mixed:
+            assert mixed.prefill_precision == "f32" and mixed.prefill_bf16_from == 11
             got = [mixed.step(*a, None)[0] for a in args]
         assert np.array_equal(got[0], want_f32[0]) and np.array_equal(got[1], want_bf16[1])
-        assert not np.array_equal(got[1], want_f32[1])
+        assert np.array_equal(got[2], want_bf16[2])  # five tokens a row, but 15 in the prefill
+        assert not np.array_equal(got[1], want_f32[1]) and not np.array_equal(got[2], want_f32[2])
     monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
-    with OrtBackend(at_compute(info, "f32", bf16_from=8), threads=1, prefill="openvino") as fallback:
+    with OrtBackend(at_compute(info, "f32", bf16_from=11), threads=1, prefill="openvino") as fallback:
         assert fallback.prefill_bf16_from is None
         assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
 
@@ -226,13 +229,20 @@ def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
     with OrtBackend(with_timing(info, 8), threads=1) as from8:
         assert from8.prefill == "openvino" and from8.prefill_from == 8
         assert [from8.prefill_runtime(n) for n in (7, 8)] == ["onnxruntime", "openvino"]  # what the bench records
+        assert [from8.prefill_runtime(n, rows=2) for n in (3, 4)] == ["onnxruntime", "openvino"]  # by rows x length
         calls = []
         real = from8._openvino_prefill
-        from8._openvino_prefill = lambda *a: calls.append(a[0].shape[1]) or real(*a)
+        from8._openvino_prefill = lambda *a: calls.append(a[0].shape) or real(*a)
         for prompt in PROMPTS:
             ids, mask = left_padded([prompt])
             from8.step(ids, mask, positions(mask, ids.shape[1]), None)
-        assert calls == [11]  # the 11-token prompt only
+        assert calls == [(1, 11)]  # the 11-token prompt only
+        ids, mask = left_padded(PROMPTS[:1] * 2)  # two rows of the 5-token prompt: 10 tokens
+        cfg = info.config
+        want = real(ids, mask, positions(mask, 5), [np.empty((2, cfg.n_head, 5, cfg.head_dim), np.float32)
+                                                     for _ in range(2 * cfg.n_layer)])
+        got, _ = from8.step(ids, mask, positions(mask, 5), None)
+        assert calls[1:] == [(2, 5)] and np.array_equal(got, want)
     monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")  # the CLI's --prefill sets it
     with OrtBackend(with_timing(info, 2), threads=1) as forced:
         assert forced.prefill == "onnxruntime"
