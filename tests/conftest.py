@@ -203,7 +203,6 @@ def bundled_exports_made_side_by_side(request, worker_id, bundled_export):
         bundled_export(precision)
 
 
-
 @pytest.fixture(scope="session")
 def export_dir(bundled_export):
     """The bundled model's fp32 export folder, for the tests that serve or score it; they only read it."""
