@@ -53,7 +53,7 @@ def test_lookup_finds_whole_blocks_of_the_same_tokens_and_leaves_the_last_token(
     assert len(cache.lookup([1, 2, 3, 4, 5])) == 0  # the same tokens elsewhere are another prefix
     assert (cache.queries, cache.hits) == (10 + 8 + 9 + 9 + 5, 4 * (2 + 1 + 2 + 1))
     # gather writes the tokens' KV right-aligned, zeros before them untouched
-    out = [np.zeros((2, 1, 7, 1), np.float32) for _ in range(4)]
+    out = np.zeros((4, 2, 1, 7, 1), np.float32)
     cache.gather(cache.lookup(a), 6, out, 1)
     assert out[3][1, 0, :, 0].tolist() == [0] + [3000 + t for t in range(6)]
     assert not out[0][0].any()
@@ -66,10 +66,10 @@ def test_store_takes_the_rows_positions_where_its_prompt_ends():
           for ka, kb in zip(kv_of(a), kv_of(b))]  # two rows, left-padded to 5
     cache.store(a, kv, 0, 5)
     cache.store(b, kv, 1, 5)
-    out = [np.zeros((1, 1, 4, 1), np.float32) for _ in range(4)]
+    out = np.zeros((4, 1, 1, 4, 1), np.float32)
     cache.gather(cache.lookup(b), 4, out, 0)
     assert out[1][0, 0, :, 0].tolist() == [1008, 1009, 1010, 1011]
-    out = [np.zeros((1, 1, 2, 1), np.float32) for _ in range(4)]
+    out = np.zeros((4, 1, 1, 2, 1), np.float32)
     cache.gather(cache.lookup(a), 2, out, 0)
     assert out[2][0, 0, :, 0].tolist() == [2005, 2006]
     assert not cache.lacks(b) and cache.lacks(b + [13])

@@ -96,17 +96,16 @@ class PrefixCache:
         n = len(ids) // self.block_tokens
         return len(self._match(ids, n)) < n
 
-    def gather(self, blocks: list[_Block], length: int, out: list[np.ndarray], row: int) -> None:
-        """Write the first `length` tokens' KV of `blocks` into row `row` of `out` (2 * n_layer arrays
-        (B, H, W, D)), right-aligned: columns W - length .. W - 1."""
-        width = out[0].shape[2]
-        at = width - length
+    def gather(self, blocks: list[_Block], length: int, out: np.ndarray, row: int) -> None:
+        """Write the first `length` tokens' KV of `blocks` into row `row` of `out` ((2 * n_layer, B, H, W, D),
+        the arrays KVCache.to_numpy gives, stacked), right-aligned: columns W - length .. W - 1. One copy a
+        block, every layer's key and value at once."""
+        at = out.shape[3] - length
         for j, block in enumerate(blocks):
             n = min(self.block_tokens, length - j * self.block_tokens)
             if n <= 0:
                 break
-            for t, src in zip(out, block.kv):
-                t[row, :, at : at + n] = src[:, :n]
+            out[:, row, :, at : at + n] = block.kv[:, :, :n]
             at += n
 
     # -- inside

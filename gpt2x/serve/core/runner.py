@@ -225,12 +225,14 @@ class Runner:
         past = None
         if K:
             layers, heads, _, dim = next(h for h in hits if h)[0].kv.shape
-            kv = np.zeros((layers, len(prompts), heads, K, dim), dtype=np.float32)  # (2L, U, H, K, D)
-            arrays = list(kv)
+            # Not zero-filled: gather writes each row's last `cached` columns, and only the columns left of
+            # them (a shorter row's padding) are zeroed; a whole zeroed copy cost a served batch its step.
+            kv = np.empty((layers, len(prompts), heads, K, dim), dtype=np.float32)  # (2L, U, H, K, D)
             for u, (h, c) in enumerate(zip(hits, cached)):
+                kv[:, u, :, : K - c] = 0
                 if c:
-                    self.prefix_cache.gather(h, c, arrays, u)
-            past = self.backend.past_from_numpy(arrays)
+                    self.prefix_cache.gather(h, c, kv, u)
+            past = self.backend.past_from_numpy(list(kv))
         past_mask = (np.arange(K)[None, :] >= K - np.asarray(cached)[:, None]).astype(np.int64)  # (U, K)
         for row, c in zip(rows, cached if index is None else [cached[i] for i in index]):
             row.cached_tokens = c
