@@ -73,19 +73,17 @@ def step_profile(path: Path, cfg: dict, rows: int, past: int, steps: int, thread
             session.run_with_iobinding(binding)
             walls.append((time.perf_counter() - t) * 1e3)
         events = json.loads(Path(session.end_profiling()).read_text())
-    per_run: dict[str, list[float]] = collections.defaultdict(list)
-    run = -1
+    # Each node's time goes to the run whose interval holds it (the profile lists a run after its nodes).
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    timed = runs[-steps:]  # after the warm-up
+    sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0] * len(timed))
     for e in events:
-        if e.get("cat") == "Session" and e.get("name") == "model_run":
-            run += 1
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            per_run[e["args"]["op_name"]].append((run, e["dur"] / 1e3))
-    ops = {}
-    for op, times in per_run.items():
-        sums = collections.Counter()
-        for r, ms in times:
-            sums[r] += ms
-        ops[op] = statistics.median(sums[r] for r in range(3, 3 + steps))  # the timed steps, not the warm-up
+            for i, (start, end) in enumerate(timed):
+                if start <= e["ts"] <= end:
+                    sums[e["args"]["op_name"]][i] += e["dur"] / 1e3
+                    break
+    ops = {op: statistics.median(per_step) for op, per_step in sums.items()}
     return statistics.median(walls), dict(sorted(ops.items(), key=lambda kv: -kv[1]))
 
 
