@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -83,36 +84,38 @@ def export(
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
     batched = meta.get(BATCHED_KEY)
     if batched is not None:
-        out.print(_batched_line(batched), markup=False)
+        out.print(_graph_line("batched decode graph", batched, _batched_timings), markup=False)
     prefill = meta.get(PREFILL_KEY)
     if prefill is not None:
-        out.print(_prefill_line(prefill), markup=False)
+        out.print(_graph_line("OpenVINO prefill graph", prefill, _prefill_timings, presents=True), markup=False)
 
 
-def _batched_line(record: dict) -> str:
-    """The batched decode graph in one line: kept, its gate and both graphs' step timings; or why not."""
+def _graph_line(title: str, record: dict, timed: Callable[[dict], str], presents: bool = False) -> str:
+    """A graph kept beside model.onnx in one line: its gate and the timings that decide its use (`timed`); or why
+    it was not kept."""
     if not record.get("kept"):
-        return f"batched decode graph: not kept ({record.get('reason', '')})"
-    lg, timing = record["parity"]["logits"], record["timing"]
+        return f"{title}: not kept ({record.get('reason', '')})"
+    parity = record["parity"]
+    lg = parity["logits"]
+    extra = f", presents {lg['present_max_rel']:.2g}" if presents else ""
+    return (f"{title}: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale{extra}, greedy agreement "
+            f"{parity['greedy']['share']:.2f}); {timed(record)}")
+
+
+def _batched_timings(record: dict) -> str:
+    timing, start = record["timing"], record["batched_from"]
     times = ", ".join(f"{m} rows {b:.1f} against {a:.1f} ms" for m, b, a in
                       zip(timing["rows"], timing["batched_ms"], timing["model_ms"]))
-    start = record["batched_from"]
     use = f"used from {start} rows x new tokens on" if start is not None else "not used (slower)"
-    return (f"batched decode graph: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale, greedy agreement "
-            f"{record['parity']['greedy']['share']:.2f}); a decode step, batched graph against model.onnx: {times}; {use}")
+    return f"a decode step, batched graph against model.onnx: {times}; {use}"
 
 
-def _prefill_line(record: dict) -> str:
-    """The OpenVINO prefill graph in one line: kept, its gate and both prefills' timings; or why not."""
-    if not record.get("kept"):
-        return f"OpenVINO prefill graph: not kept ({record.get('reason', '')})"
-    lg, timing = record["parity"]["logits"], record["timing"]
+def _prefill_timings(record: dict) -> str:
+    timing = record["timing"]
     times = ", ".join(f"{n} tokens {o:.1f} against {r:.1f} ms" for n, o, r in
                       zip(timing["lengths"], timing["openvino_ms"], timing["onnxruntime_ms"]))
     use = f"used from {timing['openvino_from']} tokens on" if timing["openvino_from"] is not None else "not used (slower)"
-    return (f"OpenVINO prefill graph: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale, presents "
-            f"{lg['present_max_rel']:.2g}, greedy agreement {record['parity']['greedy']['share']:.2f}); OpenVINO against "
-            f"ONNX Runtime at batch 1: {times}; {use}")
+    return f"OpenVINO against ONNX Runtime at batch 1: {times}; {use}"
 
 
 def _export_transformers_js(model: str, revision: Optional[str], precision: Optional[Precision], out_dir: Optional[Path],

@@ -103,11 +103,15 @@ class ExportInfo:
     def attention(self) -> dict:
         return self.meta.get("attention") or attention_layout(self.meta.get("fused_operators", {}))
 
+    def _kept(self, key: str) -> dict | None:
+        """The record under `key` of a graph the export kept beside model.onnx, else None."""
+        record = self.meta.get(key)
+        return record if isinstance(record, dict) and record.get("kept") else None
+
     @property
     def prefill(self) -> dict | None:
         """The OpenVINO prefill graph's record (files, parity, timings) when the export kept one, else None."""
-        record = self.meta.get(PREFILL_KEY)
-        return record if isinstance(record, dict) and record.get("kept") else None
+        return self._kept(PREFILL_KEY)
 
     @property
     def prefill_path(self) -> Path:
@@ -116,8 +120,7 @@ class ExportInfo:
     @property
     def batched(self) -> dict | None:
         """The batched decode graph's record (parity, timings, batched_from) when the export kept one, else None."""
-        record = self.meta.get(BATCHED_KEY)
-        return record if isinstance(record, dict) and record.get("kept") else None
+        return self._kept(BATCHED_KEY)
 
     @property
     def batched_path(self) -> Path:

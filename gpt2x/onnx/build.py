@@ -62,29 +62,26 @@ OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8,)
 BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
 
 
-def _env_flag(name: str) -> bool | None:
-    """An environment variable's 0 or 1 (None: unset); one UsageError line for another value."""
-    value = os.environ.get(name)
+def _wanted(asked: bool | None, env: str, default: bool) -> bool:
+    """`asked`, else the environment variable `env`'s 0 or 1, else `default`; one UsageError line for another value
+    of `env` (even where asked)."""
+    value = os.environ.get(env)
     if value not in (None, "0", "1"):
-        raise UsageError(f"{name} must be 0 or 1, got {value!r}")
-    return None if value is None else value == "1"
+        raise UsageError(f"{env} must be 0 or 1, got {value!r}")
+    if asked is not None:
+        return asked
+    return default if value is None else value == "1"
 
 
 def openvino_prefill_wanted(asked: bool | None, precision: Precision = Precision.int8) -> bool:
     """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else whether `precision` is in OPENVINO_PREFILL_BY_DEFAULT;
     one UsageError line for another value."""
-    value = _env_flag(OPENVINO_PREFILL_ENV)
-    if asked is not None:
-        return asked
-    return precision in OPENVINO_PREFILL_BY_DEFAULT if value is None else value
+    return _wanted(asked, OPENVINO_PREFILL_ENV, precision in OPENVINO_PREFILL_BY_DEFAULT)
 
 
 def batched_decode_wanted(asked: bool | None) -> bool:
     """`asked`, else GPT2X_BATCHED_DECODE's 0 or 1, else yes (int8 exports only have the graph)."""
-    value = _env_flag(BATCHED_DECODE_ENV)
-    if asked is not None:
-        return asked
-    return True if value is None else value
+    return _wanted(asked, BATCHED_DECODE_ENV, True)
 
 
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
