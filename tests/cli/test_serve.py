@@ -98,6 +98,16 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(export_dir, reserve_port, mo
         assert ready["url"] == f"http://127.0.0.1:{port}" and ready["model"] == "shakespeare" and ready["api_key"] is True
         assert ready["ray"] == ("local" if mode == "ray" else None) and ready["replicas"] == 1
         assert KEY not in json.dumps(ready)
+        if mode == "ray":  # the local instance's proxy and replica took deploy.LOCAL_INSTANCE_ENV (gRPC between them)
+            envs = {}
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    envs[" ".join(p.cmdline())] = p.environ().get("RAY_SERVE_PROXY_USE_GRPC")
+                except psutil.Error:  # a process that ended meanwhile
+                    pass
+            actors = {t: v for t, v in envs.items() if t.startswith(("ray::ProxyActor", "ray::ServeReplica"))}
+            assert len(actors) == 2 and set(actors.values()) == {"1"}, envs
+            assert "RAY_SERVE_PROXY_USE_GRPC" not in os.environ  # the test's own environment did not give it
         auth = {"Authorization": f"Bearer {KEY}"}
         r = httpx.post(f"{ready['url']}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0},
                        headers=auth, timeout=60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -25,7 +26,13 @@ from gpt2x.generation.generate import generate  # noqa: E402
 from gpt2x.generation.settings import SamplingSettings  # noqa: E402
 from gpt2x.numerics import log_softmax  # noqa: E402
 from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
-from gpt2x.serve.ray.deploy import ReplicaConfig, ServeSettings, start  # noqa: E402
+from gpt2x.serve.ray.deploy import (  # noqa: E402
+    LOCAL_INSTANCE_ENV,
+    ReplicaConfig,
+    ServeSettings,
+    local_instance_environment,
+    start,
+)
 from gpt2x.tokenizer import decode, encode  # noqa: E402
 
 from ..helpers import (  # noqa: E402
@@ -48,7 +55,8 @@ PROMPTS = LINES[100:124]  # 24 prompts of different lengths
 @pytest.fixture(scope="module")
 def server(export_dir, reserve_port):
     port = reserve_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="gpt2x-tests", log_to_driver=False)
+    with local_instance_environment():  # as gpt2x serve starts its local instance
+        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="gpt2x-tests", log_to_driver=False)
     try:
         main = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1,
                              engine=EngineSettings(max_batch_size=16, max_waiting=64))
@@ -60,6 +68,20 @@ def server(export_dir, reserve_port):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_a_local_instance_gets_its_environment_and_the_users_settings_win(monkeypatch):
+    """LOCAL_INSTANCE_ENV is in the environment while the instance starts and gone after; a value the
+    user set is left as it is."""
+    [(name, value)] = LOCAL_INSTANCE_ENV.items()
+    monkeypatch.delenv(name, raising=False)
+    with local_instance_environment():
+        assert os.environ[name] == value
+    assert name not in os.environ
+    monkeypatch.setenv(name, "0")
+    with local_instance_environment():
+        assert os.environ[name] == "0"
+    assert os.environ[name] == "0"
 
 
 @pytest.fixture

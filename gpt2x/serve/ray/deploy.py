@@ -31,6 +31,7 @@ notes the signal; the main thread stops between steps (`StopRequested` while sta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -73,6 +74,10 @@ REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of 
 HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
 PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
 HUB_NAMESPACE = "gpt2x"
+# What the processes of a local instance started here take from this process's environment (those of a
+# cluster keep their own): Ray Serve's proxy reaches the replicas over gRPC rather than through Ray's
+# actor calls, which costs less per streamed chunk (benchmarks/results/serve-ray-transport-cpu-2core).
+LOCAL_INSTANCE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
 @ray.remote(num_cpus=0)
@@ -276,6 +281,20 @@ def _cancel_alarm() -> None:
         signal.alarm(0)
 
 
+@contextlib.contextmanager
+def local_instance_environment():
+    """LOCAL_INSTANCE_ENV in os.environ while a local Ray instance starts (its GCS and raylet inherit it,
+    and the raylet passes it on to every worker it starts); a variable the user has set keeps its value.
+    The environment is as it was afterwards."""
+    added = {k: v for k, v in LOCAL_INSTANCE_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def _init_ray(settings: ServeSettings) -> None:
     """ray.init: a local instance (its processes in their own session) or the cluster at `address`,
     with this process's signal handlers left in place (Ray's own SIGTERM handlers exit mid-start). In
@@ -288,8 +307,9 @@ def _init_ray(settings: ServeSettings) -> None:
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main else {}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None
     try:
-        with ray_processes_in_their_own_session(_local_processes if settings.address is None else []), \
-                rays_sigterm_handlers_left_out():
+        local = settings.address is None
+        with ray_processes_in_their_own_session(_local_processes if local else []), rays_sigterm_handlers_left_out(), \
+                (local_instance_environment() if local else contextlib.nullcontext()):
             # "local": a new instance even where `ray start` left a cluster running on this machine
             # (which ray.init() would otherwise join, and stop() would then shut down).
             ray.init(address=settings.address or "local", include_dashboard=False, logging_level=logging.WARNING,
