@@ -436,7 +436,8 @@ def main() -> int:
         "command": f"{Path(sys.executable).name} " + " ".join(sys.argv),
         "model": args.model, "weights": weights, "llama_server": str(llama_server), "llama_server_version": llama_version,
         "vllm_python": str(vllm_python), "vllm_version": vllm_version, "vllm_env": envs["vllm"],
-        "server_commands": shown, "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS + args.gpt2x_args.split(),
+        "server_commands": shown,
+        "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS + args.gpt2x_args.split(),
                          **{v: GPT2X_SERVE_FLAGS + args.gpt2x_args.split() + f for v, f in VARIANTS.items()}},
         "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()}
         | ({BENCH: readable(" ".join(["vllm bench serve", *bench_cmd(vllm_python, "URL", "MODEL", hf_tok, "C", args, Path("OUT.json"))[3:]]))}

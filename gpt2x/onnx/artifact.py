@@ -318,10 +318,14 @@ def external_data_locations(model_path: Path) -> set[str]:
             return out
 
 
+def needs_external_data(proto: onnx.ModelProto) -> bool:
+    """Whether `proto`'s weights pass what protobuf holds in one file (save_onnx writes them beside it)."""
+    return sum(len(t.raw_data) for t in proto.graph.initializer) >= EXTERNAL_DATA_BYTES
+
+
 def save_onnx(proto: onnx.ModelProto, path: Path) -> None:
     """Save, with the weights in `<name>.data` beside the graph when they pass protobuf's 2 GB."""
-    total = sum(len(t.raw_data) for t in proto.graph.initializer)
-    if total >= EXTERNAL_DATA_BYTES:
+    if needs_external_data(proto):
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=EXTERNAL_MIN_BYTES)
     else:

@@ -41,6 +41,8 @@ from .artifact import (
     attention_layout,
     export_files,
     file_name,
+    needs_external_data,
+    save_onnx,
 )
 from .interop import write_interop_files
 from .optimize import INT4_HEAD_BITS, fuse, quantize_int4, quantize_int8, quantize_int8_dynamic
@@ -125,11 +127,14 @@ def export(
         work = tmp / "work"
         work.mkdir()
         progress("tracing the model to ONNX")
-        trace_to_onnx(model.float().eval(), work / "raw.onnx", opset)
+        raw = trace_to_onnx(model.float().eval(), opset)
+        if needs_external_data(raw):  # fused from disk, beside its weights' file (optimize.fuse)
+            save_onnx(raw, work / "raw.onnx")
+            raw = work / "raw.onnx"
         progress("fusing with ONNX Runtime's transformer optimizer")
         fused = work / "fused.onnx"
         quantized = precision in (Precision.int8, Precision.int4)
-        ops = fuse(work / "raw.onnx", fused if quantized else tmp / MODEL_FILE, model.config, precision)
+        ops = fuse(raw, fused if quantized else tmp / MODEL_FILE, model.config, precision)
         if precision is Precision.int8:
             progress("quantizing MatMul weights to int8")
             ops = quantize_int8(fused, tmp / MODEL_FILE)

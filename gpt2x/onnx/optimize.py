@@ -26,14 +26,15 @@ FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLaye
 
 
 
-def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[str, int]:
+def fuse(raw: onnx.ModelProto | Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[str, int]:
     """ONNX Runtime's transformer optimizer (SkipLayerNormalization, FastGelu; attention is already
-    MultiHeadAttention), then fp16 conversion. Returns the fused operator counts."""
+    MultiHeadAttention), then fp16 conversion, into `out`. `raw`: the traced graph, or its file where its
+    weights are in a data file beside it. Returns the fused operator counts."""
     from onnxruntime.transformers.onnx_model import OnnxModel
     from onnxruntime.transformers.optimizer import optimize_model
 
-    data = raw.with_name(raw.name + ".data")
-    if data.exists():
+    data = raw.with_name(raw.name + ".data") if isinstance(raw, Path) else None
+    if data is not None and data.exists():
         # Past 2 GB, the graph is fused alone (the fusions read a few constants) and keeps the data file:
         # the weights held three times (torch, graph, optimizer) ran gpt2-xl out of memory.
         proto = onnx.load(str(raw), load_external_data=False)
@@ -53,7 +54,7 @@ def fuse(raw: Path, out: Path, cfg: GPT2Config, precision: Precision) -> dict[st
         opt = OnnxModel(onnx.load(str(out)))  # the fp16 conversion needs the weights themselves
         out.with_name(out.name + ".data").unlink()  # rewritten below only if fp16 still passes 2 GB
     else:
-        opt = optimize_model(str(raw), model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
+        opt = optimize_model(str(raw) if isinstance(raw, Path) else raw, model_type="gpt2", num_heads=cfg.n_head, hidden_size=cfg.n_embd, opt_level=0)
     if precision is Precision.fp16:
         # Logits stay fp32 for the sampler; the KV cache is fp16; the kernels keep LayerNorm and softmax in fp32.
         opt.convert_float_to_float16(keep_io_types=[io.LOGITS], use_symbolic_shape_infer=True)

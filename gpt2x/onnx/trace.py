@@ -27,7 +27,7 @@ from ..errors import OutputError
 from ..fileio import write_atomic
 from ..model.gpt2 import GPT2
 from . import names as io
-from .artifact import IR_VERSION, save_onnx
+from .artifact import IR_VERSION
 from .ops import TRANSLATIONS
 
 
@@ -152,8 +152,8 @@ def _keep_template(path: Path, template: tuple[onnx.ModelProto, list[_Weight]]) 
         pass
 
 
-def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
-    """The fp32 graph of `model` at `path`, with the conventional names and symbolic dims: traced by
+def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
+    """The fp32 graph of `model`, with the conventional names and symbolic dims: traced by
     torch's dynamo exporter, or the architecture's traced graph (this process's, or one kept in
     traces_root() by an earlier process) with this model's weights."""
     key = (type(model), model.config, opset, torch.__version__)  # a subclass may trace to another graph
@@ -177,7 +177,7 @@ def trace_to_onnx(model: GPT2, path: Path, opset: int) -> None:
             _TEMPLATES[key] = _template(proto, params)
             if disk_key is not None and _TEMPLATES[key] is not None:
                 _keep_template(root / f"{disk_key}.onnx", _TEMPLATES[key])
-    save_onnx(proto, path)
+    return proto
 
 
 def _template(proto: onnx.ModelProto, params: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[_Weight]] | None:

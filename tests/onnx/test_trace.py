@@ -4,7 +4,6 @@ mapped one to one is traced every time."""
 
 from __future__ import annotations
 
-import onnx
 import pytest
 import torch
 
@@ -37,19 +36,18 @@ def model(seed: int) -> GPT2:
     return GPT2(CFG).init_weights(seed).eval()
 
 
-def test_a_second_model_of_the_architecture_is_refilled_not_traced(traces, tmp_path):
+def test_a_second_model_of_the_architecture_is_refilled_not_traced(traces):
     a, b = model(1), model(2)
-    trace.trace_to_onnx(a, tmp_path / "a.onnx", OPSET)
-    trace.trace_to_onnx(b, tmp_path / "b.onnx", OPSET)
+    first = trace.trace_to_onnx(a, OPSET)
+    refilled = trace.trace_to_onnx(b, OPSET)
     assert traces == [a]  # b took a's graph
     trace._TEMPLATES.clear()
-    trace.trace_to_onnx(b, tmp_path / "b-traced.onnx", OPSET)
+    traced = trace.trace_to_onnx(b, OPSET)
     assert traces == [a, b]
-    refilled, traced = onnx.load(str(tmp_path / "b.onnx")), onnx.load(str(tmp_path / "b-traced.onnx"))
     assert refilled.SerializeToString() == traced.SerializeToString()
-    assert onnx.load(str(tmp_path / "a.onnx")).graph.initializer != traced.graph.initializer  # the weights differ
+    assert first.graph.initializer != traced.graph.initializer  # the weights differ
     scaled = Scaled(CFG).init_weights(1).eval()  # the same config, another forward: its own trace
-    trace.trace_to_onnx(scaled, tmp_path / "scaled.onnx", OPSET)
+    trace.trace_to_onnx(scaled, OPSET)
     assert traces == [a, b, scaled]
 
 
@@ -59,14 +57,14 @@ class Scaled(GPT2):
         return 2 * logits, presents
 
 
-def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces, tmp_path):
+def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces):
     twin = model(3)
     with torch.no_grad():  # the MLP's input weight equals the embedding (both 64 x 16): its folded transpose matches both
         twin.h[0].mlp.c_fc.weight.copy_(twin.wte.weight)
-    trace.trace_to_onnx(twin, tmp_path / "t1.onnx", OPSET)
+    trace.trace_to_onnx(twin, OPSET)
     assert trace._TEMPLATES[(GPT2, CFG, OPSET, torch.__version__)] is None
     other = model(4)
-    trace.trace_to_onnx(other, tmp_path / "t2.onnx", OPSET)
+    trace.trace_to_onnx(other, OPSET)
     assert traces == [twin, other]
 
 
@@ -76,27 +74,27 @@ def test_a_later_process_takes_the_graph_kept_on_disk(traces, tmp_path, monkeypa
     kept = tmp_path / "traces"
     monkeypatch.setenv(trace.TRACES_ENV, str(kept))
     a, b = model(1), model(2)
-    trace.trace_to_onnx(a, tmp_path / "a.onnx", OPSET)
+    trace.trace_to_onnx(a, OPSET)
     [file] = kept.iterdir()
     trace._TEMPLATES.clear()  # as a new process
-    trace.trace_to_onnx(b, tmp_path / "b.onnx", OPSET)
+    refilled = trace.trace_to_onnx(b, OPSET)
     assert traces == [a]
     monkeypatch.setenv(trace.TRACES_ENV, "off")
     trace._TEMPLATES.clear()
-    trace.trace_to_onnx(b, tmp_path / "b-traced.onnx", OPSET)
+    traced = trace.trace_to_onnx(b, OPSET)
     assert traces == [a, b]
-    assert onnx.load(str(tmp_path / "b.onnx")).SerializeToString() == onnx.load(str(tmp_path / "b-traced.onnx")).SerializeToString()
+    assert refilled.SerializeToString() == traced.SerializeToString()
 
     monkeypatch.setenv(trace.TRACES_ENV, str(kept))
     whole = file.read_bytes()
     file.write_bytes(whole[: len(whole) // 2])
     trace._TEMPLATES.clear()
-    trace.trace_to_onnx(b, tmp_path / "b2.onnx", OPSET)
+    trace.trace_to_onnx(b, OPSET)
     assert traces == [a, b, b] and file.read_bytes() == whole  # traced again, and kept whole again
     wider = GPT2(GPT2Config(vocab_size=64, n_positions=24, n_embd=32, n_layer=1, n_head=2)).init_weights(5).eval()
     file.rename(kept / f"{trace._disk_key(wider, OPSET)}.onnx")  # a file under another architecture's name
     trace._TEMPLATES.clear()
-    trace.trace_to_onnx(wider, tmp_path / "w.onnx", OPSET)
+    trace.trace_to_onnx(wider, OPSET)
     assert traces == [a, b, b, wider]
     assert trace._disk_key(wider, OPSET) != trace._disk_key(b, OPSET) != trace._disk_key(Scaled(CFG), OPSET)
 
@@ -105,6 +103,5 @@ def test_a_cache_folder_that_cannot_be_written_costs_only_the_trace(traces, tmp_
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(trace.TRACES_ENV, str(blocker / "traces"))  # under a file: mkdir fails
-    trace.trace_to_onnx(model(1), tmp_path / "a.onnx", OPSET)
-    assert len(onnx.load(str(tmp_path / "a.onnx")).graph.node) > 0
+    assert len(trace.trace_to_onnx(model(1), OPSET).graph.node) > 0
     assert len(traces) == 1 and not (blocker / "traces").exists()
