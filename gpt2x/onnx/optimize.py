@@ -9,16 +9,18 @@ import logging
 import os
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..choices import Precision
 from ..model.config import GPT2Config
 from . import names as io
-from .artifact import IR_VERSION, save_onnx
+from .artifact import IR_VERSION, attention_layout, save_onnx
 from .names import MSFT
 
 FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
@@ -336,3 +338,41 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     del graph.node[:]
     graph.node.extend(prelude + [n for n in nodes if not (n.op_type == "Split" and n.output[0] in dropped)])
     return replaced
+
+
+IN_MEMORY = "in-memory"  # the location of a weight handed to ONNX Runtime as an array (external initializers)
+
+
+@dataclass(frozen=True)
+class InMemoryGraph:
+    """A graph for ONNX Runtime made from an export's file in memory: `graph` (serialized) marks each large weight as
+    held outside it, and `weights` holds them (name -> array, views of the bytes read from the file)."""
+
+    graph: bytes
+    weights: dict[str, np.ndarray]
+    attention: dict  # artifact.attention_layout of the graph
+
+
+def in_place_form(path: Path) -> InMemoryGraph | None:
+    """A MultiHeadAttention graph's GroupQueryAttention twin (mha_to_gqa) in memory, for the in-place KV cache on
+    ONNX Runtime's CPU provider (whose GroupQueryAttention runs fp32; its CUDA kernels do not), without a second
+    file in the export. The weights are not serialized again: they go to ONNX Runtime as arrays. None where the
+    graph keeps its weights in a data file beside it (past 2 GB), or has no MultiHeadAttention."""
+    path = Path(path)
+    if path.with_name(path.name + ".data").exists():
+        return None
+    proto = onnx.load(str(path))
+    if not mha_to_gqa(proto):
+        return None
+    weights = {}
+    for init in proto.graph.initializer:
+        if init.HasField("raw_data") and len(init.raw_data) >= _IN_MEMORY_MIN_BYTES:
+            shape = tuple(init.dims)
+            weights[init.name] = np.frombuffer(init.raw_data, helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(shape)
+            init.ClearField("raw_data")
+            init.data_location = TensorProto.EXTERNAL
+            init.external_data.add(key="location", value=IN_MEMORY)
+    return InMemoryGraph(proto.SerializeToString(), weights, attention_layout(count_ops(proto)))
+
+
+_IN_MEMORY_MIN_BYTES = 1024  # smaller initializers (shapes, axes, scalars) stay in the graph

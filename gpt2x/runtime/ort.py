@@ -15,6 +15,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
+from ..onnx.optimize import in_place_form
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
@@ -268,7 +269,17 @@ class OrtBackend(Closable):
         self.n_positions = self.cfg.n_positions
         self.vocab_size = self.cfg.vocab_size
         self.provider = provider
-        self.session = create_session(info.model_path, provider, threads)
+        layout = info.attention
+        # Asked for the in-place KV cache, an fp32 export's MultiHeadAttention graph runs on the CPU as its
+        # GroupQueryAttention twin, made in memory: a step copies no past (docs/export.md).
+        twin = in_place_form(info.model_path) if provider is ProviderKind.cpu and in_place_kv \
+            and not io.in_place_kv(layout) else None
+        if twin is not None:
+            layout = twin.attention
+            self.session = create_session(twin.graph, provider, threads, weights=twin.weights)
+        else:
+            self.session = create_session(info.model_path, provider, threads)
+        self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
         self._batched_rows = 1 if batched else BATCHED_MIN_ROWS
@@ -284,7 +295,6 @@ class OrtBackend(Closable):
         overridable = {i.name for i in self.session.get_overridable_initializers()}
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
             if io.LOGITS_TO_KEEP in overridable else None
-        layout = info.attention
         self.batched_multi_token_past = layout["batched_multi_token_past"]
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu
         if in_place_kv and not can:

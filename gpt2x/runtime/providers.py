@@ -45,8 +45,10 @@ def session_options(threads: int | None = None):
     return so
 
 
-def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None):
-    """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback."""
+def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None,
+                   weights: dict[str, np.ndarray] | None = None):
+    """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback. `weights`: the
+    arrays of a graph whose initializers say they are held outside it (onnx.optimize.InMemoryGraph)."""
     name = ORT_PROVIDERS[provider]
     if name not in ort.get_available_providers():
         raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {name}; {CUDA_HELP}")
@@ -56,10 +58,17 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
         providers.append(("CPUExecutionProvider", {}))  # for the few shape ops ORT places there
     try:
         model = model_path if isinstance(model_path, bytes) else str(model_path)
-        sess = ort.InferenceSession(model, sess_options=session_options(threads), providers=providers)
+        options = session_options(threads)
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (weights or {}).values()]
+        if weights:
+            options.add_external_initializers(list(weights), values)
+        sess = ort.InferenceSession(model, sess_options=options, providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph/... types for unreadable models
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ArtifactError(f"ONNX Runtime cannot load {model_path}: {first}") from None
+        where = "a graph made in memory" if isinstance(model_path, bytes) else model_path
+        raise ArtifactError(f"ONNX Runtime cannot load {where}: {first}") from None
+    if values:
+        sess.external_weights = values  # ONNX Runtime reads them where they are: they live as long as the session
     if sess.get_providers()[0] != name:
         raise ProviderError(
             f"{name} failed to load (ONNX Runtime fell back to {sess.get_providers()[0]}); {CUDA_HELP}"

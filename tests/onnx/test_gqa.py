@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gpt2x.choices import Precision
+from gpt2x.errors import ProviderError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
@@ -208,7 +209,6 @@ def test_a_stale_shared_cache_is_refused(tiny_gqa, monkeypatch):
 def test_in_place_kv_is_read_under_either_key_and_the_old_keyword_still_works(tiny_gqa):
     """Exports record the in-place cache as `in_place_kv`, those made before as `shared_kv_buffer`; a
     reader takes either key. `OrtBackend(shared_kv=...)` and `.shared_kv` still work for one release, warning."""
-    from gpt2x.errors import ProviderError
     from gpt2x.onnx.artifact import ExportInfo
 
     _, mha_info, info = tiny_gqa
@@ -223,8 +223,38 @@ def test_in_place_kv_is_read_under_either_key_and_the_old_keyword_still_works(ti
     assert old.in_place_kv is False
     with pytest.warns(DeprecationWarning, match="in_place_kv"):
         assert OrtBackend(info).shared_kv is True
-    with pytest.raises(ProviderError, match="in place"):
-        OrtBackend(mha_info, in_place_kv=True)  # MultiHeadAttention: no in-place cache
+    assert OrtBackend(mha_info).in_place_kv is False  # MultiHeadAttention: the growing cache unless asked
+
+
+def test_an_fp32_export_asked_in_place_runs_a_twin_that_passes_the_fp32_gate(tiny_gqa, monkeypatch):
+    """OrtBackend(in_place_kv=True) on an fp32 MultiHeadAttention export runs a GroupQueryAttention twin made in
+    memory (optimize.in_place_form): the in-place cache, the whole fp32 gate against PyTorch passed, and the
+    greedy tokens of the rewritten export on disk (tests/helpers.as_gqa). Without a twin (weights in a data
+    file), asking for the in-place cache is refused in one line."""
+    model, mha_info, gqa_info = tiny_gqa
+    twin = OrtBackend(mha_info, in_place_kv=True)
+    assert twin.in_place_kv is True and twin.attention == gqa_info.attention
+    result = parity.check(TorchBackend(model), twin, Precision.fp32)
+    assert result["status"] == "passed", result["message"]
+    settings = SamplingSettings(max_new_tokens=12, greedy=True)
+    assert [r.tokens for r in generate(twin, PROMPTS[:3], settings)] == \
+        [r.tokens for r in generate(OrtBackend(gqa_info), PROMPTS[:3], settings)]
+    monkeypatch.setattr(runtime, "in_place_form", lambda path: None)
+    with pytest.raises(ProviderError, match="cannot update its KV cache in place"):
+        OrtBackend(mha_info, in_place_kv=True)
+
+
+def test_a_graph_whose_weights_are_in_a_data_file_has_no_in_memory_twin(tiny_gqa, tmp_path):
+    _, mha_info, _ = tiny_gqa
+    import shutil
+
+    from gpt2x.onnx.optimize import in_place_form
+
+    folder = tmp_path / "copy"
+    shutil.copytree(mha_info.folder, folder)
+    assert in_place_form(folder / "model.onnx") is not None
+    (folder / "model.onnx.data").write_bytes(b"")
+    assert in_place_form(folder / "model.onnx") is None
 
 
 def test_unset_buffer_values_are_never_read(tiny_gqa, monkeypatch):
