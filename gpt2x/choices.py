@@ -26,6 +26,20 @@ class ProviderKind(str, Enum):
     cuda = "cuda"
 
 
+class KvCache(str, Enum):
+    """ONNX Runtime's KV cache form (`ort` backend): auto (in place where the export's graph updates it so: int8,
+    int4), in-place (also an fp32 export's, through its GroupQueryAttention twin on the CPU), growing."""
+
+    auto = "auto"
+    in_place = "in-place"
+    growing = "growing"
+
+    @property
+    def in_place_kv(self) -> bool | None:
+        """OrtBackend's `in_place_kv` for it."""
+        return {KvCache.auto: None, KvCache.in_place: True, KvCache.growing: False}[self]
+
+
 class Precision(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"

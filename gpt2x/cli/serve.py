@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from ..bench.results import BenchResult
 from ..bench.system import cpu_model
-from ..choices import BackendKind, Precision, ProviderKind
+from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
 from ..runtime.providers import physical_cores
@@ -146,6 +146,10 @@ def serve(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",
     cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
+    kv_cache: Annotated[KvCache, typer.Option(
+        help="The ort backend's KV cache: auto (written in place where the export's graph allows it: int8, int4), "
+        "in-place (an fp32 export's too, on the CPU: its graph's GroupQueryAttention twin, made in memory), or growing.")
+    ] = KvCache.auto,
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
         "Each replica then decodes one request at a time (max batch size 1).")] = None,
@@ -200,6 +204,9 @@ def serve(
         require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
         refuse_batched_draft(max_batch_size)
+    if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
+        raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
+                         option="kv-cache")
     if address is None:
         require_provider([backend], provider)
     with Status("preparing the export") as status:
@@ -210,7 +217,7 @@ def serve(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
         engine=engine, api_key=api_key or None, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
-        chat_template=template,
+        chat_template=template, in_place_kv=kv_cache.in_place_kv,
     )
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")

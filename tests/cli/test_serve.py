@@ -203,6 +203,28 @@ def test_one_machine_serves_without_ray_and_what_needs_ray_names_its_extra(expor
     assert not tried.exists(), tried.read_text()  # nothing on the way tried ray, guarded or not
 
 
+def test_kv_cache_in_place_serves_an_fp32_export_from_its_twin_and_other_backends_refuse_it(export_dir, reserve_port, reference):
+    """--kv-cache in-place on the fp32 export: /health says the replica's cache is in place (the export's
+    GroupQueryAttention twin) and a greedy completion is gpt2x's generation code's; by default the cache grows. A
+    backend with its own cache refuses the option in one line."""
+    r = run_cli("serve", "--onnx", str(export_dir), "--backend", "openvino", "--kv-cache", "in-place", timeout=120)
+    assert_one_line_error(r.returncode, r.stderr, 2, "--kv-cache in-place applies to the ort backend")
+    for args, form in ((["--kv-cache", "in-place"], "in-place"), ([], "growing")):
+        port = reserve_port()
+        proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
+                                 "--json", "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        try:
+            url = json.loads(read_line(proc, 180))["url"]
+            assert httpx.get(f"{url}/health", timeout=10).json()["kv_cache"] == form
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}, timeout=60)
+            g = generate(reference, ["ROMEO:"], SamplingSettings(max_new_tokens=8, greedy=True))[0]
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == decode(g.tokens)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
 @RAY
 def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, reserve_port):
     """`ray start --head` (blocking, so that stopping it stops its processes), then `gpt2x serve

@@ -277,6 +277,7 @@ class Health(BaseModel):
     provider: str
     running: int
     waiting: int
+    kv_cache: Literal["in-place", "growing"] | None = None  # the ort backend's cache form (None: a backend's own)
     rss_mb: float | None = None
     max_rss_mb: float | None = None
 

@@ -58,8 +58,10 @@ class CompletionService:
         if self.drafter is not None:  # the draft, and its acceptance over every request so far (vLLM's terms)
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
+        kv_cache = {True: "in-place", False: "growing"}.get(getattr(self.backend, "in_place_kv", None))
         return schema.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
-                          provider=self.backend.provider.value, **stats, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
+                          provider=self.backend.provider.value, **stats, kv_cache=kv_cache, max_rss_mb=peak_rss_mb(),
+                          rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> CompletionRequest:
         req = parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
