@@ -7,6 +7,7 @@ machine, under `gpt2x loadtest` (and vLLM's own `vllm bench serve`).
         [--bench-concurrency 1,16] [--bench-requests 48] [--bench-input-len 32] [--bench-output-len 64]
         [--baseline CHECKOUT --servers gpt2x,gpt2x-baseline]  # before/after: another checkout's gpt2x serve
         [--gpt2x-args=--ray]  # more flags for every gpt2x server (its variants and the baseline too)
+        [--gpt2x-precision fp32 --servers gpt2x,gpt2x-in-place-kv]  # fp32, as exported and as its in-place twin
 
 Run with the .venv-peers python (benchmarks/setup_peers.sh: gpt2x installed editable, llama-cpp-python,
 llama.cpp's converter, and llama-server built from the same vendored llama.cpp). The same weights on
@@ -34,7 +35,9 @@ The servers, each started alone, on 127.0.0.1 and a free port, in its own proces
 - gpt2x-uncached (`--prefix-cache-mb 0`) and gpt2x-uncached-unchunked (`--prefix-cache-mb 0
   --prefill-chunk 0`), on the shared-prefix workload only: the same requests' first tokens without
   the prefix cache, and the inter-token latency of running streams while whole 544-token prompts
-  join, prefilled in chunks or at once.
+  join, prefilled in chunks or at once;
+- gpt2x-in-place-kv (`--kv-cache in-place`), on both workloads: with `--gpt2x-precision fp32`, the fp32
+  export's GroupQueryAttention twin and its in-place KV cache beside the export as it is.
 Each is ready when GET /health answers 200. Then `gpt2x loadtest URL ... --json` runs as a subprocess
 (2 unmeasured requests first): the general workload (the default prompts, closed loop, --requests per
 level at concurrency --concurrency, default 1,4,16, --max-tokens each, temperature 1: OpenAI's and
@@ -91,7 +94,9 @@ GPT2X_SERVE_FLAGS = ["--max-batch-size", "16"]
 # only, for what the cache gives (the same requests' first tokens uncached) and what chunked prefill
 # gives to the streams running while 512-token prompts join (their inter-token latency p99).
 VARIANTS = {"gpt2x-uncached": ["--prefix-cache-mb", "0"],
-            "gpt2x-uncached-unchunked": ["--prefix-cache-mb", "0", "--prefill-chunk", "0"]}
+            "gpt2x-uncached-unchunked": ["--prefix-cache-mb", "0", "--prefill-chunk", "0"],
+            "gpt2x-in-place-kv": ["--kv-cache", "in-place"]}  # an fp32 export's in-place twin (--gpt2x-precision fp32)
+PREFIX_ONLY = ("gpt2x-uncached", "gpt2x-uncached-unchunked")  # the variants run on the shared-prefix workload only
 # vLLM's CPU settings: threads bound to the cores (OMP), KV cache space in GiB (its default, 4 GiB,
 # is more than 16 x 1,024 GPT-2 positions need).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -191,16 +196,17 @@ def run_loadtest(url: str, args_list: list[str]) -> tuple[dict, str]:
 
 
 def make_weights(args, work: Path, threads: int, gguf_too: bool) -> tuple[Path, Path, Path | None, dict]:
-    """gpt2x's int8 export, the Hugging Face folder of the same weights with GPT-2's tokenizer files
+    """gpt2x's export (int8 unless --gpt2x-precision), the Hugging Face folder of the same weights with GPT-2's tokenizer files
     (vLLM's, and the tokenizer `vllm bench serve` counts with) and (`gguf_too`) llama.cpp's q8_0 GGUF;
     their paths and a record."""
     model, source = load_model(args.model)
-    folder = default_export_dir(args.model, Precision.int8, args.exports) if args.exports else None
-    info = ensure_export(args.model, Precision.int8, folder=folder, loaded=(model, source), progress=log, notice=log)
+    precision = Precision(args.gpt2x_precision)
+    folder = default_export_dir(args.model, precision, args.exports) if args.exports else None
+    info = ensure_export(args.model, precision, folder=folder, loaded=(model, source), progress=log, notice=log)
     hf_dir = work / "hf"
     save_hf(model, hf_dir)
     ctx = Context(hf_dir=hf_dir, work=work, threads=threads, model=model, source=source, model_name=args.model,
-                  exports_dir=info.folder.parent, precisions=[Precision.int8], kinds=[], max_prompt=0, new_tokens=0,
+                  exports_dir=info.folder.parent, precisions=[precision], kinds=[], max_prompt=0, new_tokens=0,
                   results={"skipped": {}})
     hf_tok = ctx.hf_dir_with_tokenizer()
     if not gguf_too:
@@ -313,6 +319,7 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="", help="more llama-server flags, space-separated")
     ap.add_argument("--vllm-python", type=Path, default=Path(f"{sys.prefix}-vllm") / "bin" / "python",
                     help="the python of vLLM's venv (default: %(default)s, what setup_peers.sh makes)")
+    ap.add_argument("--gpt2x-precision", default="int8", choices=["fp32", "int8", "int4"], help="gpt2x's export (default: %(default)s)")
     ap.add_argument("--gpt2x-args", default="", help="more gpt2x serve flags, space-separated (every gpt2x server: e.g. --ray)")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
     ap.add_argument("--vllm-args", default="", help="more vLLM server flags, space-separated")
@@ -404,7 +411,7 @@ def main() -> int:
                 try:
                     run_loadtest(server.url, warmup)  # unmeasured: first runs allocate
                     for workload, wl_args in workloads.items():
-                        if name in VARIANTS and workload == "general":
+                        if name in PREFIX_ONLY and workload == "general":
                             continue
                         log(f"round {rnd + 1}/{args.rounds}, {name}, {workload}")
                         result, cmd = run_loadtest(server.url, wl_args)
@@ -446,7 +453,7 @@ def main() -> int:
         "rounds": args.rounds, "startup_s": startup, "wall_s": time.time() - began, "environment": env,
         "rows": rows, "runs": runs,
     }
-    lines = [f"# gpt2x serve vs llama.cpp's llama-server and vLLM (CPU): {args.model} (gpt2x int8 export, llama.cpp GGUF q8_0, "
+    lines = [f"# gpt2x serve vs llama.cpp's llama-server and vLLM (CPU): {args.model} (gpt2x {args.gpt2x_precision} export, llama.cpp GGUF q8_0, "
              f"vLLM {args.vllm_dtype}, of the same weights)", "",
              f"Machine: {machine}; client (gpt2x loadtest) and server share it. {args.rounds} round(s), servers one at a time, "
              "the order alternating; each figure the median over the rounds (prefix-cache hit rate: cached / prompt tokens "
