@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..choices import BackendKind, ProviderKind
+from ..choices import BackendKind, KvCache, ProviderKind
 from ..errors import UsageError
 from ..generation.constraints import ConstraintSpec
 from ..generation.generate import generate as run_generation
@@ -23,6 +23,7 @@ from ..workflows.drafts import DRAFT_HELP, open_drafter
 from .options import (
     ExportsOpt,
     JsonOpt,
+    KvCacheOpt,
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
@@ -37,6 +38,7 @@ from .options import (
     progress_to,
     read_prompts_file,
     read_text_file,
+    refuse_kv_cache,
 )
 
 EPILOG = ("Examples:\n\n"
@@ -131,6 +133,7 @@ def generate(
     draft_adaptive: Annotated[bool, typer.Option(
         help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled run is reproduced exactly.")] = True,
+    kv_cache: KvCacheOpt = KvCache.auto,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
@@ -138,6 +141,7 @@ def generate(
         raise UsageError("give a PROMPT or --prompts-file, not both")
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
+    refuse_kv_cache(kv_cache, backend)
     prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
@@ -154,7 +158,7 @@ def generate(
         raise UsageError("--draft and --num-beams do not combine: speculative decoding samples or decodes greedily")
     with Status("starting") as status:
         runner = open_backend(backend, provider, model, revision, precision, onnx_dir, threads,
-                              progress=progress_to(status), notice=notice)
+                              progress=progress_to(status), notice=notice, in_place_kv=kv_cache.in_place_kv)
         drafter = None if draft is None else open_drafter(draft, runner, backend, provider, None, draft_settings, revision,
                                                           progress=progress_to(status), notice=notice)
     stream = len(prompts) == 1 and not as_json and num_beams == 1 and n == 1

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .. import __version__
-from ..choices import Precision
+from ..choices import BackendKind, KvCache, Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
@@ -74,6 +74,18 @@ ModelOptional = Annotated[
 PrecisionOpt = Annotated[Optional[Precision], typer.Option(
     help="fp32 (default); int8 and int4: exports, run by the ort, openvino, genai and web backends; fp16: CUDA only.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).")]
+KvCacheOpt = Annotated[KvCache, typer.Option(
+    help="The ort backend's KV cache: auto (written in place where the export's graph allows it: int8, int4), "
+    "in-place (an fp32 export's too, on the CPU: its graph's GroupQueryAttention twin, made in memory), or growing.")]
+
+
+def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind) -> None:
+    """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it."""
+    from ..runtime.registry import capabilities_of  # the backends' records, read only when the option is given
+
+    if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
+        raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
+                         option="kv-cache")
 
 
 def version_callback(value: bool) -> None:

@@ -25,6 +25,7 @@ from ..workflows.drafts import DRAFT_HELP
 from ..workflows.exports import resolve_export
 from .options import (
     ExportsOpt,
+    KvCacheOpt,
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
@@ -37,6 +38,7 @@ from .options import (
     out,
     progress_to,
     read_text_file,
+    refuse_kv_cache,
 )
 
 EPILOG = ("Examples:\n\n"
@@ -146,10 +148,7 @@ def serve(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",
     cpus_per_replica: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica.")] = 1.0,
-    kv_cache: Annotated[KvCache, typer.Option(
-        help="The ort backend's KV cache: auto (written in place where the export's graph allows it: int8, int4), "
-        "in-place (an fp32 export's too, on the CPU: its graph's GroupQueryAttention twin, made in memory), or growing.")
-    ] = KvCache.auto,
+    kv_cache: KvCacheOpt = KvCache.auto,
     draft: Annotated[Optional[str], typer.Option(
         help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own. "
         "Each replica then decodes one request at a time (max batch size 1).")] = None,
@@ -204,9 +203,7 @@ def serve(
         require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
         refuse_batched_draft(max_batch_size)
-    if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
-        raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
-                         option="kv-cache")
+    refuse_kv_cache(kv_cache, backend)
     if address is None:
         require_provider([backend], provider)
     with Status("preparing the export") as status:

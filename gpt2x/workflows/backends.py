@@ -62,9 +62,10 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
                  model: str | None = None, revision: str | None = None, precision: Precision | None = None,
                  onnx_dir: Path | None = None, threads: int | None = None,
                  loaded: tuple[GPT2, ModelSource] | None = None,
-                 progress: Progress = no_progress, notice: Progress = no_progress) -> Backend:
+                 progress: Progress = no_progress, notice: Progress = no_progress, in_place_kv: bool | None = None) -> Backend:
     """The backend the user asked for: the model in PyTorch for the reference (`loaded` reuses one), else the
-    export in `onnx_dir` or the default folder (exported first when missing). Refusals come before any work."""
+    export in `onnx_dir` or the default folder (exported first when missing). Refusals come before any work.
+    `in_place_kv`: the native backend's KV cache form (export_backend)."""
     refuse_unsupported(backend, provider, precision or Precision.fp32)
     if capabilities_of(backend).reference:
         name = model or DEFAULT_MODEL
@@ -76,7 +77,7 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
     require_runtime(backend)
     info = resolve_export(model, revision, precision, onnx_dir, loaded, progress, notice)
     progress(f"loading {info.folder} on {backend.value} ({provider.value})")
-    return export_backend(backend, info, provider, threads)
+    return export_backend(backend, info, provider, threads, in_place_kv=in_place_kv)
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
