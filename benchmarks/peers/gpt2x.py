@@ -115,7 +115,7 @@ def load(ctx: Context) -> list:
                 baseline = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, prefill="onnxruntime"))
                 baseline.name += " (ONNX Runtime prefill)"
                 contenders.append(baseline)
-            if kind is BackendKind.ort and getattr(backend, "in_place_kv", True) is False:  # and asked for it, in the same rounds
+            if backend.capabilities.native and not backend.in_place_kv:  # and asked for it, in the same rounds
                 from gpt2x.runtime.ort import OrtBackend
 
                 in_place = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, in_place_kv=True))

@@ -58,7 +58,8 @@ class CompletionService:
         if self.drafter is not None:  # the draft, and its acceptance over every request so far (vLLM's terms)
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
-        kv_cache = {True: "in-place", False: "growing"}.get(getattr(self.backend, "in_place_kv", None))
+        # The native backend's cache form (its in_place_kv, as workflows.export_backend sets it); the others keep their own.
+        kv_cache = ("in-place" if self.backend.in_place_kv else "growing") if self.backend.capabilities.native else None
         return schema.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
                           provider=self.backend.provider.value, **stats, kv_cache=kv_cache, max_rss_mb=peak_rss_mb(),
                           rss_mb=rss_mb())
