@@ -8,8 +8,9 @@
 # A GPU lease is 15 minutes of device time in all: run `quick` first, in the call right after the
 # bundle is installed (about 6 minutes), then the other stages only if time is left.
 #   quick   check, the CUDA tests (150 s at most) and GPT-2 124M at batch 1 (32-token prompt, 128
-#           tokens, 3 repeats: ort and torch at fp32 and fp16, genai where it runs), each step's
-#           files written before the next starts, all packed into RESULTS_DIR.tgz (one file back)
+#           tokens, 3 repeats): benchmarks/cuda_decode.py (ort's growing cache, fixed cache and CUDA
+#           graph, genai, transformers) and gpt2x bench (torch, ort, genai) at fp32 and fp16, each
+#           step's files written before the next starts, all packed into RESULTS_DIR.tgz (one file back)
 #
 # GPT2X_GPU_PROVIDER=cpu rehearses every stage on the CPU provider (the CUDA assertion skipped, fp32
 # only), so that a lease is spent measuring, not debugging: its figures are CPU figures.
@@ -29,13 +30,17 @@ out=${1:?usage: bash benchmarks/gpu_run.sh RESULTS_DIR [quick|check|tests|small|
 shift
 stages=${*:-check tests small medium large xl spec}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 GPT2X_PROGRESS=lines
+export PYTHONUNBUFFERED=1 GPT2X_PROGRESS=lines GPT2X_EXPORTS=${GPT2X_EXPORTS:-/tmp/gpt2x-exports}
 provider=${GPT2X_GPU_PROVIDER:-cuda}
 case $provider in
     cuda) precisions=fp32,fp16 ;;
     cpu) precisions=fp32; echo "rehearsal on the cpu provider: no figure here is a CUDA figure" | tee "$out/REHEARSAL-CPU.txt" ;;
     *) echo "GPT2X_GPU_PROVIDER must be cuda or cpu, not $provider" >&2; exit 2 ;;
 esac
+
+# The files holding the CUDA tests: collecting the whole suite would import the serving stack, which the GPU
+# machine lacks (FastAPI, jsonschema, llguidance, ...).
+cuda_tests="tests/runtime/test_cuda.py tests/cli/test_export.py"
 
 check() {  # GPU, driver, versions; stops the run unless the asked provider loads
     if command -v nvidia-smi >/dev/null; then nvidia-smi | tee "$out/nvidia-smi.txt"; else echo "no nvidia-smi" | tee "$out/nvidia-smi.txt"; fi
@@ -69,16 +74,27 @@ for stage in $stages; do
         quick)
             check; pack
             # Its own limit, so that a hang cannot eat the lease; its exit status is kept, not fatal.
-            timeout 150 python3 -m pytest -m cuda -n 0 -q -rA -p no:cacheprovider > "$out/cuda-tests.log" 2>&1 \
+            timeout 150 python3 -m pytest -m cuda -n 0 -q -rA -p no:cacheprovider $cuda_tests > "$out/cuda-tests.log" 2>&1 \
                 || echo "cuda tests: exit $?" | tee -a "$out/stages.txt"
             pack
+            # Every batch-1 decode path beside genai and transformers in one process (exports made here once).
+            timeout 180 python3 benchmarks/cuda_decode.py --out "$out/cuda-decode" --provider "$provider" --precisions "$precisions" \
+                --prompt-len 32 --new-tokens 128 --repeat 3 > "$out/cuda-decode.log" 2>&1 \
+                || echo "cuda decode: exit $?" | tee -a "$out/stages.txt"
+            pack
             # genai runs only where onnxruntime-genai is installed: the bench records it as skipped otherwise.
-            gpt2x bench --provider "$provider" --model random:gpt2 --backends torch,ort,genai --precisions "$precisions" \
+            timeout 150 gpt2x bench --provider "$provider" --model random:gpt2 --backends torch,ort,genai --precisions "$precisions" \
                 --batch 1 --prompt-len 32 --new-tokens 128 --repeat 3 --output "$out/quick-bench.json" \
                 > "$out/quick-bench.log" 2>&1 || echo "quick bench: exit $?" | tee -a "$out/stages.txt"
+            if [ $(( $(date +%s) - start )) -lt 300 ]; then  # time left in the lease's plan: batch 8, longer prompts
+                pack
+                timeout 100 python3 benchmarks/cuda_decode.py --out "$out/cuda-decode-b8" --provider "$provider" \
+                    --precisions "${precisions#*,}" --batch 8 --prompt-len 128 --new-tokens 128 --repeat 3 \
+                    > "$out/cuda-decode-b8.log" 2>&1 || echo "cuda decode b8: exit $?" | tee -a "$out/stages.txt"
+            fi
             ;;
         check) check ;;
-        tests) python3 -m pytest -m cuda -n 0 -q -rA 2>&1 | tee "$out/cuda-tests.log" ;;  # one process: one CUDA context
+        tests) python3 -m pytest -m cuda -n 0 -q -rA $cuda_tests 2>&1 | tee "$out/cuda-tests.log" ;;  # one process: one CUDA context
         small) bench_matrix random:gpt2 ;;
         medium|large|xl) bench_matrix "random:gpt2-$stage" ;;
         spec)

@@ -358,12 +358,98 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     ONNX Runtime's CPU provider (whose GroupQueryAttention runs fp32; its CUDA kernels do not), without a second
     file in the export. The weights are not serialized again: they go to ONNX Runtime as arrays. None where the
     graph keeps its weights in a data file beside it (past 2 GB), or has no MultiHeadAttention."""
+    proto = _gqa_proto(path, require_rewrite=True)
+    return None if proto is None else _in_memory(proto)
+
+
+def unpadded_prefill_form(path: Path) -> InMemoryGraph | None:
+    """The export's GroupQueryAttention graph (or twin) for prompts without padding: no attention bias (the operator's
+    own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their fastest path. None as static_decode_form."""
+    proto = _gqa_proto(path, require_rewrite=False)
+    if proto is None:
+        return None
+    _drop_attention_bias(proto.graph)
+    _prune(proto.graph)
+    return _in_memory(proto)
+
+
+def static_decode_form(path: Path) -> InMemoryGraph | None:
+    """The export's one-token decode step with every shape fixed, for a step captured in a CUDA graph: the
+    GroupQueryAttention graph (the export's, or its twin) reading its lengths from the inputs seqlens_k (on the
+    device) and total_sequence_length (the cache's capacity, constant) instead of the attention mask, which goes
+    (rows hold no padding), and returning each row's argmax (next_token) instead of the logits. None where the weights
+    are in a data file."""
+    proto = _gqa_proto(path, require_rewrite=False)
+    if proto is None:
+        return None
+    to_static_decode(proto)
+    return _in_memory(proto)
+
+
+def _gqa_proto(path: Path, require_rewrite: bool) -> onnx.ModelProto | None:
     path = Path(path)
     if path.with_name(path.name + ".data").exists():
         return None
     proto = onnx.load(str(path))
-    if not mha_to_gqa(proto):
+    rewritten = mha_to_gqa(proto)
+    if require_rewrite and not rewritten:
         return None
+    if not any(n.op_type == GQA for n in proto.graph.node):
+        return None
+    return proto
+
+
+def to_static_decode(proto: onnx.ModelProto) -> None:
+    """In place: see static_decode_form. Input ids and position ids become [batch, 1]."""
+    graph = proto.graph
+    _drop_attention_bias(graph)
+    for n in graph.node:
+        if n.op_type == GQA and n.domain == MSFT:
+            n.input[5], n.input[6] = io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH
+    kept = [i for i in graph.input if i.name not in (io.ATTENTION_MASK, io.LOGITS_TO_KEEP)]  # logits_to_keep: constant
+    for i in kept:
+        if i.name in (io.INPUT_IDS, io.POSITION_IDS):
+            i.type.tensor_type.shape.dim[1].Clear()
+            i.type.tensor_type.shape.dim[1].dim_value = 1
+    del graph.input[:]
+    graph.input.extend(kept + [
+        helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, [io.BATCH]),
+        helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
+    ])
+    graph.node.append(helper.make_node("ArgMax", [io.LOGITS], [io.NEXT_TOKEN], axis=-1, keepdims=0))
+    outputs = [helper.make_tensor_value_info(io.NEXT_TOKEN, TensorProto.INT64, [io.BATCH, 1])] + \
+        [o for o in graph.output if o.name != io.LOGITS]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    _prune(graph)
+
+
+def _drop_attention_bias(graph: onnx.GraphProto) -> None:
+    for n in graph.node:
+        if n.op_type == GQA and n.domain == MSFT:
+            inputs = list(n.input)[:10]  # input 10: the additive mask
+            while inputs and not inputs[-1]:
+                inputs.pop()
+            del n.input[:]
+            n.input.extend(inputs)
+
+
+def _prune(graph: onnx.GraphProto) -> None:
+    """Drop the nodes and initializers no output depends on (the attention mask's, the twin's length prelude)."""
+    needed = {o.name for o in graph.output}
+    kept = []
+    for n in reversed(graph.node):
+        if any(o in needed for o in n.output):
+            kept.append(n)
+            needed.update(i for i in n.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    inits = [t for t in graph.initializer if t.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+
+
+def _in_memory(proto: onnx.ModelProto) -> InMemoryGraph:
     weights = {}
     for init in proto.graph.initializer:
         if init.HasField("raw_data") and len(init.raw_data) >= _IN_MEMORY_MIN_BYTES:

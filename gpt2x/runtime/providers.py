@@ -46,9 +46,10 @@ def session_options(threads: int | None = None):
 
 
 def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None,
-                   weights: dict[str, np.ndarray] | None = None):
+                   weights: dict[str, np.ndarray] | None = None, dims: dict[str, int] | None = None):
     """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback. `weights`: the
-    arrays of a graph whose initializers say they are held outside it (onnx.optimize.InMemoryGraph)."""
+    arrays of a graph whose initializers say they are held outside it (onnx.optimize.InMemoryGraph). `dims`: symbolic
+    dimensions fixed (a fixed-shape graph's shape computations fold away)."""
     name = ORT_PROVIDERS[provider]
     if name not in ort.get_available_providers():
         raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {name}; {CUDA_HELP}")
@@ -59,6 +60,8 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
     try:
         model = model_path if isinstance(model_path, bytes) else str(model_path)
         options = session_options(threads)
+        for dim, size in (dims or {}).items():
+            options.add_free_dimension_override_by_name(dim, size)
         values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (weights or {}).values()]
         if weights:
             options.add_external_initializers(list(weights), values)

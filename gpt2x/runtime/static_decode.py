@@ -1,0 +1,126 @@
+"""Greedy decoding with every buffer fixed, for ONNX Runtime on CUDA (and the CPU, where it is tested): the in-place KV
+cache at a fixed capacity on the device, a decode step whose next token is taken in the graph (only the tokens come
+back to the host), and on CUDA that step captured once in a CUDA graph and replayed (docs/engines.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from ..choices import Precision, ProviderKind
+from ..errors import ProviderError
+from ..onnx import names as io
+from ..onnx.artifact import ExportInfo
+from ..onnx.optimize import static_decode_form, unpadded_prefill_form
+from .base import Closable, Released
+from .providers import create_session, refuse_fp16_on_cpu
+
+
+class StaticDecoder(Closable):
+    """`rows` prompts of one length (no padding) decoded greedily into one fixed-capacity cache of `capacity`
+    positions (default: the model's). The prompt runs on the export's GroupQueryAttention graph (the fp32 and fp16
+    exports' twin made in memory), the steps on its fixed-shape decode form; `cuda_graph` captures a step on the
+    first runs and replays it after (CUDA only). ONNX Runtime's GroupQueryAttention runs fp16 (and bf16) on CUDA, fp32
+    on the CPU."""
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cuda, rows: int = 1,
+                 capacity: int | None = None, cuda_graph: bool = False, threads: int | None = None):
+        refuse_fp16_on_cpu(info, provider)
+        if cuda_graph and provider is not ProviderKind.cuda:
+            raise ProviderError("a CUDA graph needs the cuda provider")
+        if provider is ProviderKind.cuda and info.precision is not Precision.fp16:
+            raise ProviderError(f"{info.folder}: the fixed-capacity cache on CUDA needs an fp16 export "
+                                f"(ONNX Runtime's GroupQueryAttention has no fp32 CUDA kernel), not {info.precision.value}")
+        cfg = info.config
+        self.rows, self.capacity = rows, capacity or cfg.n_positions
+        if not 1 < self.capacity <= cfg.n_positions:
+            raise ValueError(f"capacity must be 2..{cfg.n_positions}, not {self.capacity}")
+        prefill, decode = unpadded_prefill_form(info.model_path), static_decode_form(info.model_path)
+        if prefill is None or decode is None:
+            raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
+        self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
+        self.cuda_graph = cuda_graph
+        self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
+        self._decode = create_session(
+            decode.graph, provider, threads, weights=decode.weights,
+            provider_options={"enable_cuda_graph": "1"} if cuda_graph else None,
+            dims={io.BATCH: rows, io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
+        dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        shape = (rows, cfg.n_head, self.capacity, cfg.head_dim)
+        # One buffer per layer and K/V, bound as both past and present in every session: nothing is copied.
+        self._kv = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0) for _ in range(2 * cfg.n_layer)]
+        self._ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
+        self._positions = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
+        self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
+        self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
+        self._next = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
+        self._binding = self._decode_binding(cfg.n_layer)
+        self.length = 0  # positions in the cache
+        self.runs = 0  # decode runs on this decoder (a CUDA graph is captured on one of the first)
+
+    def _decode_binding(self, n_layer: int):
+        binding = self._decode.io_binding()
+        for name, value in ((io.INPUT_IDS, self._ids), (io.POSITION_IDS, self._positions), (io.SEQLENS_K, self._seqlens),
+                            (io.TOTAL_SEQUENCE_LENGTH, self._total)):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(io.input_names(n_layer)[3:], self._kv):
+            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(io.output_names(n_layer)[1:], self._kv):
+            binding.bind_ortvalue_output(name, value)
+        binding.bind_ortvalue_output(io.NEXT_TOKEN, self._next)
+        return binding
+
+    def prefill(self, prompt_ids: np.ndarray) -> np.ndarray:
+        """Fill the cache with `prompt_ids` [rows, T] (replacing what it held); each row's first new token."""
+        prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int64)
+        B, T = prompt_ids.shape
+        if B != self.rows or not 0 < T < self.capacity:
+            raise ValueError(f"prompts must be {self.rows} rows of 1..{self.capacity - 1} tokens, not {B} x {T}")
+        binding = self._prefill.io_binding()
+        n_layer = len(self._kv) // 2
+        binding.bind_cpu_input(io.INPUT_IDS, prompt_ids)
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
+        if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
+            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)))
+        for name, value in zip(io.input_names(n_layer)[3:], self._kv):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs follows the order of binding
+        for name, value in zip(io.output_names(n_layer)[1:], self._kv):
+            binding.bind_ortvalue_output(name, value)
+        self._prefill.run_with_iobinding(binding)
+        self.length = T
+        return binding.get_outputs()[0].numpy()[:, -1].argmax(axis=-1).astype(np.int64)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Append `tokens` [rows] at the next position; each row's next token (argmax, first of equal maxima)."""
+        if self.length == 0:
+            raise ValueError("prefill a prompt first")
+        if self.length >= self.capacity:
+            raise ValueError(f"the cache is full ({self.capacity} positions)")
+        # Written into the bound buffers: a replayed CUDA graph reads them where it was captured.
+        self._ids.update_inplace(np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.rows, 1))
+        self._positions.update_inplace(np.full((self.rows, 1), self.length, np.int64))
+        self._seqlens.update_inplace(np.full(self.rows, self.length, np.int32))
+        self._decode.run_with_iobinding(self._binding)
+        self.runs += 1
+        self.length += 1
+        return self._next.numpy()[:, 0]
+
+    def generate(self, prompt_ids: np.ndarray, new_tokens: int) -> np.ndarray:
+        """Greedy: `new_tokens` tokens per row [rows, new_tokens] after `prompt_ids` [rows, T]."""
+        prompt_ids = np.asarray(prompt_ids)
+        if prompt_ids.ndim != 2 or prompt_ids.shape[1] + new_tokens > self.capacity:
+            raise ValueError(f"a prompt of {prompt_ids.shape[-1]} tokens and {new_tokens} new ones do not fit "
+                             f"{self.capacity} positions")
+        out = np.empty((self.rows, new_tokens), np.int64)
+        if new_tokens == 0:
+            return out
+        out[:, 0] = self.prefill(prompt_ids)
+        for i in range(1, new_tokens):
+            out[:, i] = self.step(out[:, i - 1])
+        return out
+
+    def close(self) -> None:
+        self._prefill = self._decode = Released("static decoder")
+        self._kv = []

@@ -1,0 +1,73 @@
+"""StaticDecoder on the CPU provider (its CUDA graph: tests/runtime/test_cuda.py): the fixed-capacity cache and the
+fixed-shape decode graph against the PyTorch model's greedy generation, and its refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.errors import ProviderError
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx import names as io
+from gpt2x.onnx.optimize import static_decode_form
+from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.runtime.static_decode import StaticDecoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    model, _, info = tiny_export(Precision.fp32)
+    return model, info
+
+
+def torch_greedy(model, prompts: np.ndarray, n: int) -> np.ndarray:
+    """Each row's greedy continuation by the PyTorch model (gpt2x's generate on token ids, EOS not stopping)."""
+    settings = SamplingSettings(max_new_tokens=n, greedy=True, ignore_eos=True)
+    return np.array([r.tokens for r in generate(TorchBackend(model), [""] * len(prompts), settings, prompt_ids=prompts.tolist())])
+
+
+def test_fixed_cache_tokens_equal_torch(tiny):
+    model, info = tiny
+    prompts = np.random.default_rng(3).integers(0, info.config.vocab_size, (3, 7))
+    want = torch_greedy(model, prompts, 20)
+    decoder = StaticDecoder(info, ProviderKind.cpu, rows=3, capacity=32)
+    np.testing.assert_array_equal(decoder.generate(prompts, 20), want)
+    # A second prompt overwrites the cache: nothing of the first one's positions is read.
+    others = np.random.default_rng(4).integers(0, info.config.vocab_size, (3, 11))
+    np.testing.assert_array_equal(decoder.generate(others, 20), torch_greedy(model, others, 20))
+    assert decoder.length == 11 + 19
+
+
+def test_decode_graph_has_fixed_io(tiny):
+    _, info = tiny
+    graph = onnx.load_from_string(static_decode_form(info.model_path).graph).graph
+    inputs = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert io.ATTENTION_MASK not in inputs and io.LOGITS_TO_KEEP not in inputs
+    assert inputs[io.INPUT_IDS] == [io.BATCH, 1] and inputs[io.SEQLENS_K] == [io.BATCH]
+    assert [o.name for o in graph.output][0] == io.NEXT_TOKEN and io.LOGITS not in [o.name for o in graph.output]
+    assert all(len(n.input) <= 10 for n in graph.node if n.op_type == "GroupQueryAttention")  # no attention bias
+
+
+def test_refusals(tiny, tiny_export):
+    _, info = tiny
+    with pytest.raises(ProviderError, match="CUDA graph needs the cuda provider"):
+        StaticDecoder(info, ProviderKind.cpu, cuda_graph=True)
+    with pytest.raises(ValueError, match="capacity must be"):
+        StaticDecoder(info, ProviderKind.cpu, capacity=info.config.n_positions + 1)
+    decoder = StaticDecoder(info, ProviderKind.cpu, rows=2, capacity=8)
+    with pytest.raises(ValueError, match="prefill a prompt first"):
+        decoder.step(np.array([1, 2]))
+    with pytest.raises(ValueError, match="prompts must be 2 rows"):
+        decoder.prefill(np.ones((1, 3), np.int64))
+    with pytest.raises(ValueError, match="do not fit 8 positions"):
+        decoder.generate(np.ones((2, 5), np.int64), 4)
+    decoder.generate(np.ones((2, 5), np.int64), 3)
+    decoder.step(np.array([1, 2]))
+    with pytest.raises(ValueError, match="the cache is full"):
+        decoder.step(np.array([1, 2]))
+    fp16 = tiny_export(Precision.fp16, gated=False)[2]
+    with pytest.raises(ProviderError):
+        StaticDecoder(fp16, ProviderKind.cpu)
