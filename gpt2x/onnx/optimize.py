@@ -400,17 +400,21 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> onnx.ModelProto | None:
 
 
 def to_static_decode(proto: onnx.ModelProto) -> None:
-    """In place: see static_decode_form. Input ids and position ids become [batch, 1]."""
+    """In place: see static_decode_form. Input ids become [batch, 1]; position ids are computed from seqlens_k."""
     graph = proto.graph
     _drop_attention_bias(graph)
     for n in graph.node:
         if n.op_type == GQA and n.domain == MSFT:
             n.input[5], n.input[6] = io.SEQLENS_K, io.TOTAL_SEQUENCE_LENGTH
-    kept = [i for i in graph.input if i.name not in (io.ATTENTION_MASK, io.LOGITS_TO_KEEP)]  # logits_to_keep: constant
+    # logits_to_keep becomes a constant; each row's new position is its seqlens_k (no padding): one input less to write
+    kept = [i for i in graph.input if i.name not in (io.ATTENTION_MASK, io.LOGITS_TO_KEEP, io.POSITION_IDS)]
     for i in kept:
-        if i.name in (io.INPUT_IDS, io.POSITION_IDS):
+        if i.name == io.INPUT_IDS:
             i.type.tensor_type.shape.dim[1].Clear()
             i.type.tensor_type.shape.dim[1].dim_value = 1
+    graph.initializer.append(helper.make_tensor("static_axis_1", TensorProto.INT64, [1], [1]))
+    graph.node.insert(0, helper.make_node("Unsqueeze", [io.SEQLENS_K, "static_axis_1"], ["static_seqlens_2d"]))
+    graph.node.insert(1, helper.make_node("Cast", ["static_seqlens_2d"], [io.POSITION_IDS], to=TensorProto.INT64))
     del graph.input[:]
     graph.input.extend(kept + [
         helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, [io.BATCH]),

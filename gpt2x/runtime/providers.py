@@ -54,7 +54,11 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
     if name not in ort.get_available_providers():
         raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {name}; {CUDA_HELP}")
     ort.set_default_logger_severity(4)  # a failing provider is reported below, in one line
-    providers = [(name, provider_options or {})]
+    ep_options = dict(provider_options or {})
+    if provider is ProviderKind.cuda:
+        # fp32 is computed in fp32: ONNX Runtime's CUDA default, TF32 matmuls, misses the fp32 gate (1e-3 on an H100).
+        ep_options.setdefault("use_tf32", "0")
+    providers = [(name, ep_options)]
     if provider is ProviderKind.cuda:
         providers.append(("CPUExecutionProvider", {}))  # for the few shape ops ORT places there
     try:

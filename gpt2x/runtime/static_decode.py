@@ -49,25 +49,25 @@ class StaticDecoder(Closable):
         shape = (rows, cfg.n_head, self.capacity, cfg.head_dim)
         # One buffer per layer and K/V, bound as both past and present in every session: nothing is copied.
         self._kv = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0) for _ in range(2 * cfg.n_layer)]
-        self._ids = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
-        self._positions = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
+        # The step's input ids and its output next_token are one buffer: a step's token feeds the next step where it
+        # is (its ArgMax runs after every read of the ids). Positions come from seqlens_k in the graph.
+        self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
         self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
-        self._next = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
         self._binding = self._decode_binding(cfg.n_layer)
         self.length = 0  # positions in the cache
+        self._pending, self._host_tokens = None, False  # the prefill's tokens, chosen on the host
         self.runs = 0  # decode runs on this decoder (a CUDA graph is captured on one of the first)
 
     def _decode_binding(self, n_layer: int):
         binding = self._decode.io_binding()
-        for name, value in ((io.INPUT_IDS, self._ids), (io.POSITION_IDS, self._positions), (io.SEQLENS_K, self._seqlens),
-                            (io.TOTAL_SEQUENCE_LENGTH, self._total)):
+        for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.input_names(n_layer)[3:], self._kv):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.output_names(n_layer)[1:], self._kv):
             binding.bind_ortvalue_output(name, value)
-        binding.bind_ortvalue_output(io.NEXT_TOKEN, self._next)
+        binding.bind_ortvalue_output(io.NEXT_TOKEN, self._tokens)
         return binding
 
     def prefill(self, prompt_ids: np.ndarray) -> np.ndarray:
@@ -90,22 +90,28 @@ class StaticDecoder(Closable):
             binding.bind_ortvalue_output(name, value)
         self._prefill.run_with_iobinding(binding)
         self.length = T
-        return binding.get_outputs()[0].numpy()[:, -1].argmax(axis=-1).astype(np.int64)
+        # The first token is chosen on the host: the next step copies it to the device first.
+        self._pending = binding.get_outputs()[0].numpy()[:, -1].argmax(axis=-1).astype(np.int64)
+        self._host_tokens = True
+        return self._pending
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Append `tokens` [rows] at the next position; each row's next token (argmax, first of equal maxima)."""
+    def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Append `tokens` [rows] at the next position (None: the tokens the last step chose, already on the device);
+        each row's next token (argmax, first of equal maxima)."""
         if self.length == 0:
             raise ValueError("prefill a prompt first")
         if self.length >= self.capacity:
             raise ValueError(f"the cache is full ({self.capacity} positions)")
-        # Written into the bound buffers: a replayed CUDA graph reads them where it was captured.
-        self._ids.update_inplace(np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.rows, 1))
-        self._positions.update_inplace(np.full((self.rows, 1), self.length, np.int64))
+        if tokens is not None or self._host_tokens:
+            chosen = self._pending if tokens is None else tokens
+            self._tokens.update_inplace(np.ascontiguousarray(chosen, dtype=np.int64).reshape(self.rows, 1))
+            self._host_tokens = False
+        # Written into the bound buffer: a replayed CUDA graph reads it where it was captured.
         self._seqlens.update_inplace(np.full(self.rows, self.length, np.int32))
         self._decode.run_with_iobinding(self._binding)
         self.runs += 1
         self.length += 1
-        return self._next.numpy()[:, 0]
+        return self._tokens.numpy()[:, 0]
 
     def generate(self, prompt_ids: np.ndarray, new_tokens: int) -> np.ndarray:
         """Greedy: `new_tokens` tokens per row [rows, new_tokens] after `prompt_ids` [rows, T]."""
@@ -118,7 +124,7 @@ class StaticDecoder(Closable):
             return out
         out[:, 0] = self.prefill(prompt_ids)
         for i in range(1, new_tokens):
-            out[:, i] = self.step(out[:, i - 1])
+            out[:, i] = self.step()
         return out
 
     def close(self) -> None:

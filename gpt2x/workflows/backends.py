@@ -36,7 +36,9 @@ def torch_backend(model: GPT2, provider: ProviderKind = ProviderKind.cpu, model_
     refuse_unsupported(BackendKind.torch, provider, precision)
     if threads:
         torch.set_num_threads(threads)
-    m = copy.deepcopy(model).half() if precision is Precision.fp16 else model
+    # A copy for CUDA (TorchBackend moves its module): the caller's model, the CPU reference of `gpt2x bench`, stays.
+    m = copy.deepcopy(model).half() if precision is Precision.fp16 else \
+        copy.deepcopy(model) if provider is ProviderKind.cuda else model
     return TorchBackend(m, "cuda" if provider is ProviderKind.cuda else "cpu", model_name)
 
 
