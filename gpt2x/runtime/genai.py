@@ -118,6 +118,8 @@ class GenaiBackend(Closable):
             config.clear_providers()
             if provider in GENAI_PROVIDERS:
                 config.append_provider(GENAI_PROVIDERS[provider])
+            if provider is ProviderKind.cuda:  # fp32 in fp32, as gpt2x's own sessions (providers.create_session)
+                config.set_provider_option(GENAI_PROVIDERS[provider], "use_tf32", "0")
             model = og.Model(config)
         except Exception as e:  # genai raises RuntimeError with ORT's or its own message
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

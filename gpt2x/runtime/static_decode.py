@@ -1,6 +1,6 @@
 """Greedy decoding with every buffer fixed, for ONNX Runtime on CUDA (and the CPU, where it is tested): the in-place KV
 cache at a fixed capacity on the device, a decode step whose next token is taken in the graph (only the tokens come
-back to the host), and on CUDA that step captured once in a CUDA graph and replayed (docs/engines.md)."""
+back to the host), and on CUDA that step captured once in a CUDA graph and replayed (docs/results/cuda.md)."""
 
 from __future__ import annotations
 
