@@ -441,7 +441,7 @@ class WebBackend(Closable):
                             np.asarray(position_ids).ravel().tolist(), B, T, 0 if past is None else past.handle, keep, greedy])
         if len(self.page_ms) >= PAGE_MS_LIMIT:
             del self.page_ms[: PAGE_MS_LIMIT // 2]
-        self.page_ms.append(reply["ms"])
+        self.page_ms.append(float(reply["ms"]))  # JSON gives a whole number of ms as an int
         present = self._cache(reply, B, length + T)
         return (reply if greedy else _b64_floats(reply["logits"], reply["dims"])), present
 

@@ -401,11 +401,16 @@ def test_a_killed_replica_is_restarted_and_the_server_keeps_answering(server, cl
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::main#")]
     assert len(names) == 2
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    answered, deadline = 0, time.time() + 60
+    killed_at = time.time()
+    answered, deadline, failed = 0, killed_at + 60, []
     replicas: set[str] = set()
     while time.time() < deadline:
-        body = complete(client, f"{server}/main", prompt="ROMEO:", max_tokens=2, temperature=0)
-        answered += len(body["choices"]) == 1
+        r = client.post(f"{server}/main/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0},
+                        headers=AUTH)
+        if r.status_code == 200:
+            answered += len(r.json()["choices"]) == 1
+        else:  # routed to the killed replica before Ray Serve saw it die (docs/serving/deployment.md)
+            failed.append((round(time.time() - killed_at, 1), r.status_code))
         replicas.add(health(client, f"{server}/main")["replica"])
         status = serve.status().applications["main"].deployments["gpt2x"]
         if status.status == "HEALTHY" and len(replicas - {names[0].split("#")[-1]}) == 2:
@@ -413,6 +418,7 @@ def test_a_killed_replica_is_restarted_and_the_server_keeps_answering(server, cl
         time.sleep(0.2)
     assert status.status == "HEALTHY" and status.replica_states.get("RUNNING") == 2
     assert answered > 0
+    assert all(after < 10 and code >= 500 for after, code in failed) and len(failed) <= 2, failed
 
 
 def test_soak_1000_requests_at_concurrency_16(server, client):
