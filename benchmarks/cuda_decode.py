@@ -10,7 +10,10 @@ Contenders (each skipped with its reason where it cannot run here):
   the fixed-shape decode graph whose ArgMax leaves only the token to copy back;
 - `ort fixed cache + CUDA graph`: the same step captured once and replayed (CUDA only);
 - `onnxruntime-genai`: the same export folder, its own greedy loop (append_tokens, generate_next_token);
-- `transformers eager`: GPT2LMHeadModel of the same config and weights in torch, `generate` greedy, fp16 on CUDA.
+- `transformers eager`: GPT2LMHeadModel of the same config and weights in torch, `generate` greedy, fp16 on CUDA;
+- sampled at temperature 0.8 (seed 1): `ort growing, sampled` (the host sampler on each step's logits, as `gpt2x
+  generate` samples) and `ort fixed cache (+ CUDA graph), sampled on the device` (generation.static_decoding: the
+  draw in the decode graph from the host sampler's uniforms), their tokens compared with each other.
 
 Each contender decodes the same random prompts (--batch rows of --prompt-len token ids) into --new-tokens tokens, --repeat times
 after one warm-up. TTFT: the prompt's run and first token; decode tok/s: the other new tokens of every row over their time.
@@ -27,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +38,9 @@ import numpy as np
 
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision, ProviderKind
+from gpt2x.generation.sampling import Sampler
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.generation.static_decoding import decode_static
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.static_decode import StaticDecoder
@@ -85,6 +92,46 @@ def ort_fixed(info, provider, prompt, n, cuda_graph: bool):
         for i in range(1, n):
             out[:, i] = decoder.step()  # the last step's tokens, already on the device
         return first, time.perf_counter() - start, out
+
+    return run, decoder._decode.get_providers()[0]
+
+
+SAMPLED = SamplingSettings(temperature=0.8, seed=1, ignore_eos=True)  # the sampled contenders' settings (+ new tokens)
+
+
+def ort_growing_sampled(info, provider, prompt, n):
+    """The host sampler on every step's logits (what `gpt2x generate` does when it samples)."""
+    backend = OrtBackend(info, provider, in_place_kv=False)
+    B, T = prompt.shape
+
+    def run():
+        sampler = Sampler(replace(SAMPLED, max_new_tokens=n))
+        start = time.perf_counter()
+        logits, past = backend.step(prompt, np.ones_like(prompt), np.arange(T, dtype=np.int64)[None].repeat(B, 0), None)
+        out = [sampler(logits)]
+        first = time.perf_counter() - start
+        for i in range(n - 1):
+            length = T + i
+            logits, past = backend.step(out[-1].reshape(B, 1), np.ones((B, length + 1), np.int64),
+                                        np.full((B, 1), length, np.int64), past)
+            out.append(sampler(logits))
+        return first, time.perf_counter() - start, np.stack(out, 1)
+
+    return run, backend.session.get_providers()[0]
+
+
+def ort_fixed_sampled(info, provider, prompt, n, cuda_graph: bool):
+    """StaticDecoder drawing on the device from the sampler's uniforms (generation.static_decoding)."""
+    decoder = StaticDecoder(info, provider, rows=prompt.shape[0], capacity=prompt.shape[1] + n, cuda_graph=cuda_graph,
+                            sampling=True)
+
+    def run():  # the first token timed alone (a generation of one), as transformers_eager does
+        start = time.perf_counter()
+        decode_static(decoder, prompt, replace(SAMPLED, max_new_tokens=1))
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        out = decode_static(decoder, prompt, replace(SAMPLED, max_new_tokens=n))
+        return first, max(time.perf_counter() - start, first), out
 
     return run, decoder._decode.get_providers()[0]
 
@@ -191,8 +238,13 @@ def main() -> int:
             ("ort fixed cache + CUDA graph", partial(ort_fixed, info, a.provider, prompt, a.new_tokens, cuda_graph=True)),
             ("onnxruntime-genai", partial(genai, info, a.provider, prompt, a.new_tokens)),
             ("transformers eager", partial(transformers_eager, a.model, precision, a.provider, prompt, a.new_tokens)),
+            ("ort growing, sampled", partial(ort_growing_sampled, info, a.provider, prompt, a.new_tokens)),
+            ("ort fixed cache + CUDA graph, sampled on the device",
+             partial(ort_fixed_sampled, info, a.provider, prompt, a.new_tokens, cuda_graph=True)),
+            ("ort fixed cache, sampled on the device",
+             partial(ort_fixed_sampled, info, a.provider, prompt, a.new_tokens, cuda_graph=False)),
         ]
-        reference = None
+        references = {}  # greedy and sampled contenders each compared with their group's first
         for name, make in contenders:
             log(f"-- {precision.value} {name}")
             try:
@@ -204,8 +256,7 @@ def main() -> int:
                 log(f"   skipped: {why}")
                 save()
                 continue
-            if reference is None:
-                reference, reference_name = tokens, name
+            reference, reference_name = references.setdefault("sampled" in name, (tokens, name))
             agree = float((tokens[:, : reference.shape[1]] == reference).mean()) if tokens.shape == reference.shape else 0.0
             first_diff = int(np.argmax(tokens[0] != reference[0])) if agree < 1 else None
             rows.append({"precision": precision.value, "contender": name, "ran_on": ran_on,

@@ -22,7 +22,9 @@ LOGITS_SEQUENCE = "logits_sequence_length"  # sequence_length, or min(logits_to_
 # onnxruntime-genai's names, and each row's greedy next token taken in the graph.
 SEQLENS_K = "seqlens_k"  # [batch] int32: positions already in the cache (the new token's position)
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # [1] int32, on the host: the cache's capacity
-NEXT_TOKEN = "next_token"  # [batch, 1] int64: the argmax of the logits
+NEXT_TOKEN = "next_token"  # [batch, 1] int64: the argmax of the logits, or the sampling form's draw
+TEMPERATURE = "temperature"  # [batch] float64, the sampling form's: > 0 draws at that temperature, 0 takes the argmax
+UNIFORM = "uniform"  # [batch] float64 in [0, 1): the sampling form's draw by inverse CDF (the host's seeded generator)
 
 
 def past_key(i: int) -> str:

@@ -373,16 +373,16 @@ def unpadded_prefill_form(path: Path) -> InMemoryGraph | None:
     return _in_memory(proto)
 
 
-def static_decode_form(path: Path) -> InMemoryGraph | None:
+def static_decode_form(path: Path, sampling: bool = False) -> InMemoryGraph | None:
     """The export's one-token decode step with every shape fixed, for a step captured in a CUDA graph: the
     GroupQueryAttention graph (the export's, or its twin) reading its lengths from the inputs seqlens_k (on the
     device) and total_sequence_length (the cache's capacity, constant) instead of the attention mask, which goes
-    (rows hold no padding), and returning each row's argmax (next_token) instead of the logits. None where the weights
-    are in a data file."""
+    (rows hold no padding), and returning each row's argmax (next_token) instead of the logits; `sampling`: each
+    row's draw at its temperature instead (sampling_head). None where the weights are in a data file."""
     proto = _gqa_proto(path, require_rewrite=False)
     if proto is None:
         return None
-    to_static_decode(proto)
+    to_static_decode(proto, sampling)
     return _in_memory(proto)
 
 
@@ -399,7 +399,7 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> onnx.ModelProto | None:
     return proto
 
 
-def to_static_decode(proto: onnx.ModelProto) -> None:
+def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
     """In place: see static_decode_form. Input ids become [batch, 1]; position ids are computed from seqlens_k."""
     graph = proto.graph
     _drop_attention_bias(graph)
@@ -420,12 +420,54 @@ def to_static_decode(proto: onnx.ModelProto) -> None:
         helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, [io.BATCH]),
         helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
     ])
-    graph.node.append(helper.make_node("ArgMax", [io.LOGITS], [io.NEXT_TOKEN], axis=-1, keepdims=0))
+    if sampling:
+        graph.input.extend([helper.make_tensor_value_info(io.TEMPERATURE, TensorProto.DOUBLE, [io.BATCH]),
+                            helper.make_tensor_value_info(io.UNIFORM, TensorProto.DOUBLE, [io.BATCH])])
+        graph.node.extend(sampling_head(graph))
+    else:
+        graph.node.append(helper.make_node("ArgMax", [io.LOGITS], [io.NEXT_TOKEN], axis=-1, keepdims=0))
     outputs = [helper.make_tensor_value_info(io.NEXT_TOKEN, TensorProto.INT64, [io.BATCH, 1])] + \
         [o for o in graph.output if o.name != io.LOGITS]
     del graph.output[:]
     graph.output.extend(outputs)
     _prune(graph)
+
+
+def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes from the logits [batch, 1, vocab] to next_token [batch, 1]: the sampler's draw (generation.sampling) on
+    the device. Each row's logits over its temperature, their softmax's running sum, and the first token where it
+    reaches the row's uniform of its total (inverse CDF, the host sampler's rule), in float64 as the host's: in
+    float32 the running sum over 50,257 near-equal masses drifted by tokens; a row at temperature 0 takes the argmax."""
+    def const(name: str, dtype: int, dims: list[int], values: list) -> str:
+        graph.initializer.append(helper.make_tensor(name, dtype, dims, values))
+        return name
+
+    axes12 = const("sample_axes_12", TensorProto.INT64, [2], [1, 2])
+    last = const("sample_last", TensorProto.INT64, [], [-1])
+    last_axes = const("sample_last_axes", TensorProto.INT64, [1], [-1])  # opset 18: ReduceMax takes axes as an input
+    tiny = const("sample_tiny", TensorProto.DOUBLE, [], [1e-6])
+    zero = const("sample_zero", TensorProto.DOUBLE, [], [0.0])
+    n = helper.make_node
+    return [
+        n("Cast", [io.LOGITS], ["sample_logits"], to=TensorProto.DOUBLE),
+        n("Max", [io.TEMPERATURE, tiny], ["sample_t"]),  # a greedy row's 0 divides nothing by zero
+        n("Unsqueeze", ["sample_t", axes12], ["sample_t3"]),
+        n("Div", ["sample_logits", "sample_t3"], ["sample_scaled"]),
+        n("ReduceMax", ["sample_scaled", last_axes], ["sample_max"], keepdims=1),
+        n("Sub", ["sample_scaled", "sample_max"], ["sample_shifted"]),
+        n("Exp", ["sample_shifted"], ["sample_mass"]),
+        n("CumSum", ["sample_mass", last], ["sample_cdf"]),
+        n("ReduceMax", ["sample_cdf", last_axes], ["sample_total"], keepdims=1),  # the running sum's end
+        n("Unsqueeze", [io.UNIFORM, axes12], ["sample_u3"]),
+        n("Mul", ["sample_u3", "sample_total"], ["sample_cut"]),
+        n("GreaterOrEqual", ["sample_cdf", "sample_cut"], ["sample_reached"]),
+        n("Cast", ["sample_reached"], ["sample_reached_f"], to=TensorProto.FLOAT),  # ArgMax takes no bool
+        n("ArgMax", ["sample_reached_f"], ["sample_drawn"], axis=-1, keepdims=0),  # the first reached
+        n("ArgMax", ["sample_logits"], ["sample_greedy"], axis=-1, keepdims=0),
+        n("Greater", [io.TEMPERATURE, zero], ["sample_draws"]),
+        n("Unsqueeze", ["sample_draws", const("sample_axis_1", TensorProto.INT64, [1], [1])], ["sample_draws2"]),
+        n("Where", ["sample_draws2", "sample_drawn", "sample_greedy"], [io.NEXT_TOKEN]),
+    ]
 
 
 def _drop_attention_bias(graph: onnx.GraphProto) -> None:

@@ -23,11 +23,13 @@ class StaticDecoder(Closable):
     """`rows` prompts of one length (no padding) decoded greedily into one fixed-capacity cache of `capacity`
     positions (default: the model's). The prompt runs on the export's GroupQueryAttention graph (the fp32 and fp16
     exports' twin made in memory), the steps on its fixed-shape decode form; `cuda_graph` captures the step when the
-    decoder is made and replays it at every step (CUDA only). ONNX Runtime's GroupQueryAttention runs fp16 (and bf16) on CUDA, fp32
-    on the CPU."""
+    decoder is made and replays it at every step (CUDA only). `sampling`: the step draws each row's token at its
+    temperature from a uniform the caller gives (the sampler's draw on the device: generation.static_decoding); else
+    it takes the argmax. ONNX Runtime's GroupQueryAttention runs fp16 (and bf16) on CUDA, fp32 on the CPU."""
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cuda, rows: int = 1,
-                 capacity: int | None = None, cuda_graph: bool = False, threads: int | None = None):
+                 capacity: int | None = None, cuda_graph: bool = False, threads: int | None = None,
+                 sampling: bool = False):
         refuse_fp16_on_cpu(info, provider)
         if cuda_graph and provider is not ProviderKind.cuda:
             raise ProviderError("a CUDA graph needs the cuda provider")
@@ -38,7 +40,7 @@ class StaticDecoder(Closable):
         self.rows, self.capacity = rows, capacity or cfg.n_positions
         if not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"capacity must be 2..{cfg.n_positions}, not {self.capacity}")
-        prefill, decode = unpadded_prefill_form(info.model_path), static_decode_form(info.model_path)
+        prefill, decode = unpadded_prefill_form(info.model_path), static_decode_form(info.model_path, sampling)
         if prefill is None or decode is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
@@ -57,11 +59,16 @@ class StaticDecoder(Closable):
         self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
         self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
+        self.sampling = sampling
+        if sampling:  # each row's temperature (0: argmax) and the uniform its draw reads, written before each step
+            self._temperature = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
+            self._uniform = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
         self._binding = self._decode_binding(cfg.n_layer)
         if cuda_graph:
             self._capture()
         self.length = 0  # positions in the cache
-        self._pending, self._host_tokens = None, False  # the prefill's tokens, chosen on the host
+        self._pending, self._host_tokens = None, False  # the first tokens after a prefill, chosen on the host
+        self._device_tokens = False  # whether the bound ids hold the tokens of the next position (a step's choice)
         self.runs = 0  # decode runs on this decoder (a CUDA graph is captured on one of the first)
 
     def _capture(self) -> None:
@@ -75,6 +82,9 @@ class StaticDecoder(Closable):
         binding = self._decode.io_binding()
         for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
             binding.bind_ortvalue_input(name, value)
+        if self.sampling:
+            binding.bind_ortvalue_input(io.TEMPERATURE, self._temperature)
+            binding.bind_ortvalue_input(io.UNIFORM, self._uniform)
         for name, value in zip(io.input_names(n_layer)[3:], self._kv):
             binding.bind_ortvalue_input(name, value)
         for name, value in zip(io.output_names(n_layer)[1:], self._kv):
@@ -83,7 +93,12 @@ class StaticDecoder(Closable):
         return binding
 
     def prefill(self, prompt_ids: np.ndarray) -> np.ndarray:
-        """Fill the cache with `prompt_ids` [rows, T] (replacing what it held); each row's first new token."""
+        """Fill the cache with `prompt_ids` [rows, T] (replacing what it held); each row's first new token (argmax)."""
+        return self.prefill_tokens(self.prefill_logits(prompt_ids).argmax(axis=-1).astype(np.int64))
+
+    def prefill_logits(self, prompt_ids: np.ndarray) -> np.ndarray:
+        """Fill the cache with `prompt_ids` [rows, T]; the last position's logits [rows, vocab], for a sampler on the
+        host to choose the first tokens (then prefill_tokens)."""
         prompt_ids = np.ascontiguousarray(prompt_ids, dtype=np.int64)
         B, T = prompt_ids.shape
         if B != self.rows or not 0 < T < self.capacity:
@@ -102,18 +117,40 @@ class StaticDecoder(Closable):
             binding.bind_ortvalue_output(name, value)
         self._prefill.run_with_iobinding(binding)
         self.length = T
-        # The first token is chosen on the host: the next step copies it to the device first.
-        self._pending = binding.get_outputs()[0].numpy()[:, -1].argmax(axis=-1).astype(np.int64)
+        self._pending, self._host_tokens, self._device_tokens = None, False, False
+        return binding.get_outputs()[0].numpy()[:, -1]
+
+    def prefill_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """The first tokens after a prefill_logits, chosen on the host: the next step copies them to the device."""
+        if self.length == 0:
+            raise ValueError("prefill a prompt first")
+        self._pending = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.rows)
         self._host_tokens = True
         return self._pending
 
-    def step(self, tokens: np.ndarray | None = None) -> np.ndarray:
+    def set_temperature(self, temperature: float | np.ndarray) -> None:
+        """Each row's temperature for the sampling steps (0: the argmax)."""
+        if not self.sampling:
+            raise ValueError("this decoder takes the argmax: make it with sampling=True to draw")
+        t = np.broadcast_to(np.asarray(temperature, np.float64), (self.rows,))
+        if (t < 0).any() or not np.isfinite(t).all():
+            raise ValueError(f"temperatures must be finite and >= 0, not {t.tolist()}")
+        self._temperature.update_inplace(np.ascontiguousarray(t))
+
+    def step(self, tokens: np.ndarray | None = None, uniform: np.ndarray | None = None) -> np.ndarray:
         """Append `tokens` [rows] at the next position (None: the tokens the last step chose, already on the device);
-        each row's next token (argmax, first of equal maxima)."""
+        each row's next token: the argmax (first of equal maxima), or on a sampling decoder the draw at the row's
+        temperature that `uniform` [rows] in [0, 1) picks by inverse CDF."""
         if self.length == 0:
             raise ValueError("prefill a prompt first")
         if self.length >= self.capacity:
             raise ValueError(f"the cache is full ({self.capacity} positions)")
+        if self.sampling != (uniform is not None):
+            raise ValueError("a sampling decoder's step takes a uniform per row; an argmax decoder's takes none")
+        if uniform is not None:
+            self._uniform.update_inplace(np.ascontiguousarray(np.broadcast_to(uniform, (self.rows,)), dtype=np.float64))
+        if tokens is None and not (self._host_tokens or self._device_tokens):
+            raise ValueError("no tokens for the next position: pass them, or choose the first ones with prefill_tokens")
         if tokens is not None or self._host_tokens:
             chosen = self._pending if tokens is None else tokens
             self._tokens.update_inplace(np.ascontiguousarray(chosen, dtype=np.int64).reshape(self.rows, 1))
@@ -123,10 +160,14 @@ class StaticDecoder(Closable):
         self._decode.run_with_iobinding(self._binding)
         self.runs += 1
         self.length += 1
+        self._device_tokens = True
         return self._tokens.numpy()[:, 0]
 
     def generate(self, prompt_ids: np.ndarray, new_tokens: int) -> np.ndarray:
-        """Greedy: `new_tokens` tokens per row [rows, new_tokens] after `prompt_ids` [rows, T]."""
+        """Greedy: `new_tokens` tokens per row [rows, new_tokens] after `prompt_ids` [rows, T] (an argmax decoder's;
+        a sampling decoder's generation: generation.static_decoding)."""
+        if self.sampling:
+            raise ValueError("a sampling decoder generates through generation.static_decoding (its sampler's uniforms)")
         prompt_ids = np.asarray(prompt_ids)
         if prompt_ids.ndim != 2 or prompt_ids.shape[1] + new_tokens > self.capacity:
             raise ValueError(f"a prompt of {prompt_ids.shape[-1]} tokens and {new_tokens} new ones do not fit "

@@ -12,6 +12,7 @@ from gpt2x.choices import Precision, ProviderKind
 from gpt2x.evaluate.parity import check
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
+from gpt2x.generation.static_decoding import decode_static
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.runtime.ort import OrtBackend
@@ -186,3 +187,18 @@ def test_fixed_cache_and_its_cuda_graph_on_cuda(tiny):
     settings = SamplingSettings(max_new_tokens=30, greedy=True, ignore_eos=True)
     growing = [r.tokens for r in generate(OrtBackend(info, ProviderKind.cuda), [""] * 2, settings, prompt_ids=prompts.tolist())]
     assert (np.array(growing) == want).mean() >= 0.8
+
+
+def test_the_draw_on_the_device_follows_the_host_sampler_on_cuda(tiny):
+    """decode_static on CUDA (fp16): the CUDA graph's draws equal the plain steps', and follow the host sampler on
+    the export's growing cache (another attention kernel in fp16: a near boundary may part them, hence 0.8)."""
+    _, infos = tiny
+    info = infos[Precision.fp16]
+    prompts = np.random.default_rng(8).integers(0, info.config.vocab_size, (1, 7))
+    settings = SamplingSettings(temperature=0.9, seed=5, max_new_tokens=30, ignore_eos=True)
+    plain = decode_static(StaticDecoder(info, ProviderKind.cuda, capacity=48, sampling=True), prompts, settings)
+    graph = decode_static(StaticDecoder(info, ProviderKind.cuda, capacity=48, sampling=True, cuda_graph=True), prompts,
+                          settings)
+    np.testing.assert_array_equal(graph, plain)
+    host = generate(OrtBackend(info, ProviderKind.cuda), [""], settings, prompt_ids=prompts.tolist())[0].tokens
+    assert (np.array(host) == plain[0]).mean() >= 0.8
