@@ -109,7 +109,9 @@ def first_output_seconds(cmd: list[str], skip: int) -> tuple[float, str]:
 
 
 def warm_page_cache(folder: Path) -> None:
-    for p in folder.iterdir():
+    for p in folder.rglob("*"):  # an export's folders too (its OpenVINO prefill graph)
+        if not p.is_file():
+            continue
         with open(p, "rb") as f:
             while f.read(1 << 24):
                 pass

@@ -21,6 +21,7 @@ from ..choices import Precision
 from ..model.config import GPT2Config
 from . import names as io
 from .artifact import IR_VERSION, attention_layout, save_onnx
+from .mapped import IN_MEMORY, MAPPED_MIN_BYTES, load_mapped
 from .names import MSFT
 
 FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
@@ -340,7 +341,6 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     return replaced
 
 
-IN_MEMORY = "in-memory"  # the location of a weight handed to ONNX Runtime as an array (external initializers)
 
 
 @dataclass(frozen=True)
@@ -358,19 +358,19 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     ONNX Runtime's CPU provider (whose GroupQueryAttention runs fp32; its CUDA kernels do not), without a second
     file in the export. The weights are not serialized again: they go to ONNX Runtime as arrays. None where the
     graph keeps its weights in a data file beside it (past 2 GB), or has no MultiHeadAttention."""
-    proto = _gqa_proto(path, require_rewrite=True)
-    return None if proto is None else _in_memory(proto)
+    loaded = _gqa_proto(path, require_rewrite=True)
+    return None if loaded is None else _in_memory(*loaded)
 
 
 def unpadded_prefill_form(path: Path) -> InMemoryGraph | None:
     """The export's GroupQueryAttention graph (or twin) for prompts without padding: no attention bias (the operator's
     own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their fastest path. None as static_decode_form."""
-    proto = _gqa_proto(path, require_rewrite=False)
-    if proto is None:
+    loaded = _gqa_proto(path, require_rewrite=False)
+    if loaded is None:
         return None
-    _drop_attention_bias(proto.graph)
-    _prune(proto.graph)
-    return _in_memory(proto)
+    _drop_attention_bias(loaded[0].graph)
+    _prune(loaded[0].graph)
+    return _in_memory(*loaded)
 
 
 def static_decode_form(path: Path, sampling: bool = False) -> InMemoryGraph | None:
@@ -379,24 +379,26 @@ def static_decode_form(path: Path, sampling: bool = False) -> InMemoryGraph | No
     device) and total_sequence_length (the cache's capacity, constant) instead of the attention mask, which goes
     (rows hold no padding), and returning each row's argmax (next_token) instead of the logits; `sampling`: each
     row's draw at its temperature instead (sampling_head). None where the weights are in a data file."""
-    proto = _gqa_proto(path, require_rewrite=False)
-    if proto is None:
+    loaded = _gqa_proto(path, require_rewrite=False)
+    if loaded is None:
         return None
-    to_static_decode(proto, sampling)
-    return _in_memory(proto)
+    to_static_decode(loaded[0], sampling)
+    return _in_memory(*loaded)
 
 
-def _gqa_proto(path: Path, require_rewrite: bool) -> onnx.ModelProto | None:
+def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
+    """The export's graph with GroupQueryAttention (rewritten where it has MultiHeadAttention) and its large weights
+    as arrays (onnx.mapped: no copy through protobuf), or None."""
     path = Path(path)
     if path.with_name(path.name + ".data").exists():
         return None
-    proto = onnx.load(str(path))
+    proto, weights = load_mapped(path)
     rewritten = mha_to_gqa(proto)
     if require_rewrite and not rewritten:
         return None
     if not any(n.op_type == GQA for n in proto.graph.node):
         return None
-    return proto
+    return proto, weights
 
 
 def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
@@ -495,10 +497,11 @@ def _prune(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(inits)
 
 
-def _in_memory(proto: onnx.ModelProto) -> InMemoryGraph:
-    weights = {}
+def _in_memory(proto: onnx.ModelProto, weights: dict[str, np.ndarray] | None = None) -> InMemoryGraph:
+    """`proto` serialized without its large weights, which go with `weights` (those already held outside it)."""
+    weights = dict(weights or {})
     for init in proto.graph.initializer:
-        if init.HasField("raw_data") and len(init.raw_data) >= _IN_MEMORY_MIN_BYTES:
+        if init.HasField("raw_data") and len(init.raw_data) >= MAPPED_MIN_BYTES:
             shape = tuple(init.dims)
             weights[init.name] = np.frombuffer(init.raw_data, helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(shape)
             init.ClearField("raw_data")
@@ -506,5 +509,3 @@ def _in_memory(proto: onnx.ModelProto) -> InMemoryGraph:
             init.external_data.add(key="location", value=IN_MEMORY)
     return InMemoryGraph(proto.SerializeToString(), weights, attention_layout(count_ops(proto)))
 
-
-_IN_MEMORY_MIN_BYTES = 1024  # smaller initializers (shapes, axes, scalars) stay in the graph
