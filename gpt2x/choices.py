@@ -27,8 +27,9 @@ class ProviderKind(str, Enum):
 
 
 class KvCache(str, Enum):
-    """ONNX Runtime's KV cache form (`ort` backend): auto (in place where the export's graph updates it so: int8,
-    int4), in-place (also an fp32 export's, through its GroupQueryAttention twin on the CPU), growing."""
+    """ONNX Runtime's KV cache form (`ort` backend): auto (in place wherever it can be on the CPU: int8 and int4
+    graphs, an fp32 export's through its GroupQueryAttention twin; growing on CUDA), in-place (required: refused where
+    it cannot be), growing (the export's own graph, each step's presents the next past)."""
 
     auto = "auto"
     in_place = "in-place"

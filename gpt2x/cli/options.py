@@ -75,8 +75,9 @@ PrecisionOpt = Annotated[Optional[Precision], typer.Option(
     help="fp32 (default); int8 and int4: exports, run by the ort, openvino, genai and web backends; fp16: CUDA only.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).")]
 KvCacheOpt = Annotated[KvCache, typer.Option(
-    help="The ort backend's KV cache: auto (written in place where the export's graph allows it: int8, int4), "
-    "in-place (an fp32 export's too, on the CPU: its graph's GroupQueryAttention twin, made in memory), or growing.")]
+    help="The ort backend's KV cache: auto (written in place wherever it can be on the CPU: int8 and int4 graphs, an "
+    "fp32 export's through its graph's GroupQueryAttention twin, made in memory), in-place (required), or growing "
+    "(the export's own graph).")]
 
 
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind) -> None:

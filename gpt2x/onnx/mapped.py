@@ -1,7 +1,8 @@
 """An ONNX file read without copying its weights through protobuf: the file is mapped, its protobuf fields scanned
 for the large initializers' raw_data, and those become NumPy views of the mapping (the graph proto marks them as held
-outside it, IN_MEMORY), while protobuf parses the rest (the nodes and small tensors). For GPT-2 124M's fp32 file it
-takes about 0.15 s where onnx.load and copying the weights out again took 1 s (docs/export.md)."""
+outside it, IN_MEMORY), while protobuf parses the rest (the nodes and small tensors): ONNX Runtime then reads the
+weights where the file's pages are (benchmarks/results/cold-start-*: the fp32 twin's first token came sooner than the
+export's own graph's, read from its file by ONNX Runtime)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ LENGTH_DELIMITED = 2
 
 IN_MEMORY = "in-memory"  # the location of a weight handed to ONNX Runtime as an array (external initializers)
 MAPPED_MIN_BYTES = 1024  # smaller initializers (shapes, axes, scalars) are parsed as they are
+UNALIGNED_VIEW_MIN_BYTES = 1 << 20  # an unaligned tensor from this size on is used where it is (see _load_mapped)
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -62,7 +64,7 @@ def _fields(buf: memoryview, start: int, end: int):
 
 def load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The model at `path` (its weights inside the file) and its large initializers' arrays by name: views of the
-    mapped file (copies where a tensor's bytes are not aligned to its element size). The proto's copies of those
+    mapped file (copies of the small ones whose bytes are not aligned to their element size). The proto's copies of those
     initializers carry no data and say where it is (IN_MEMORY); the rest is protobuf's parse. A file that is not
     one is an ArtifactError."""
     try:
@@ -108,7 +110,11 @@ def _load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
         count = (raw[1] - raw[0]) // dtype.itemsize
         array = np.frombuffer(mapping, dtype=dtype, count=count, offset=raw[0]).reshape(tuple(tensor.dims))
-        weights[tensor.name] = array if raw[0] % dtype.itemsize == 0 else array.copy()
+        # Unaligned bytes stay where they are when large (matmul weights, which ONNX Runtime packs into its own
+        # buffers, and embeddings, which it gathers and transposes): copying 400 MB of them took 0.9 s of page faults
+        # in a fresh process. Small ones (biases, norms), which elementwise kernels read directly, are copied.
+        aligned = raw[0] % dtype.itemsize == 0 or array.nbytes >= UNALIGNED_VIEW_MIN_BYTES
+        weights[tensor.name] = array if aligned else array.copy()
         tensor.data_location = TensorProto.EXTERNAL
         tensor.external_data.add(key="location", value=IN_MEMORY)
     return proto, weights

@@ -242,7 +242,7 @@ def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | No
 
 class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
-    cache where the export allows it, False never, True requires it (`shared_kv`: its deprecated name).
+    cache wherever it can on the CPU (an fp32 export through its twin), False never, True requires it (`shared_kv`: its deprecated name).
     `prefill` (runtime.prefill.PrefillChoice; None: GPT2X_PREFILL's, else auto): where a fresh prompt's `step` runs,
     ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache.
     `batched` (CPU): None runs a step of rows x new tokens >= the export's recorded batched_from on its batched decode
@@ -270,9 +270,9 @@ class OrtBackend(Closable):
         self.vocab_size = self.cfg.vocab_size
         self.provider = provider
         layout = info.attention
-        # Asked for the in-place KV cache, an fp32 export's MultiHeadAttention graph runs on the CPU as its
-        # GroupQueryAttention twin, made in memory: a step copies no past (docs/export.md).
-        twin = in_place_form(info.model_path) if provider is ProviderKind.cpu and in_place_kv \
+        # Unless asked not to, an fp32 export's MultiHeadAttention graph runs on the CPU as its GroupQueryAttention
+        # twin, made in memory: a step copies no past, and its weights are read where the file is (docs/export.md).
+        twin = in_place_form(info.model_path) if provider is ProviderKind.cpu and in_place_kv is not False \
             and not io.in_place_kv(layout) else None
         if twin is not None:
             layout = twin.attention

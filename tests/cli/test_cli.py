@@ -33,19 +33,22 @@ def test_generate_json_and_seed(capsys):
     assert json.loads(cli(capsys, *args)[1]) == first  # same seed, same text
 
 
-def test_generate_kv_cache_in_place_runs_the_fp32_twin_with_the_same_tokens(capsys, monkeypatch):
-    """--kv-cache in-place: the fp32 export runs as its GroupQueryAttention twin (made once; by default none is),
-    with the greedy tokens of the export as it is; a backend with a cache of its own refuses the option in one line."""
+def test_generate_runs_the_fp32_twin_by_default_with_the_tokens_of_the_growing_cache(capsys, monkeypatch):
+    """By default (and with --kv-cache in-place) the fp32 export runs as its GroupQueryAttention twin (made once per
+    run), with the greedy tokens of the export as it is (--kv-cache growing: no twin); a backend with a cache of its own
+    refuses the option in one line."""
     from gpt2x.runtime import ort
 
     made, real = [], ort.in_place_form
     monkeypatch.setattr(ort, "in_place_form", lambda path: made.append(path) or real(path))
     args = ["generate", "ROMEO:", "--max-new-tokens", "12", "--greedy", "--json"]
-    code, out, _ = cli(capsys, *args)
+    code, out, _ = cli(capsys, *args, "--kv-cache", "growing")
     assert code == 0 and made == []
-    code, twin, _ = cli(capsys, *args, "--kv-cache", "in-place")
+    code, twin, _ = cli(capsys, *args)
     assert code == 0 and len(made) == 1
     assert json.loads(twin)["tokens"] == json.loads(out)["tokens"]
+    code, asked, _ = cli(capsys, *args, "--kv-cache", "in-place")
+    assert code == 0 and len(made) == 2 and json.loads(asked)["tokens"] == json.loads(out)["tokens"]
     code, _, err = cli(capsys, "generate", "ROMEO:", "--backend", "openvino", "--kv-cache", "in-place")
     assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache in-place applies to the ort backend")
 

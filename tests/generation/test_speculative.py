@@ -128,7 +128,9 @@ def make_backend(bundled, kind: str):
         return TorchBackend(bundled.model)
     runtime, precision = kind.split("-")
     info = bundled.infos[Precision(precision)]
-    return OrtBackend(info, threads=1) if runtime == "ort" else openvino_backend(info)
+    # ort-fp32: the growing cache (ort-int8 has its cache in place), so that both forms are covered
+    return OrtBackend(info, threads=1, in_place_kv=None if precision == "int8" else False) if runtime == "ort" \
+        else openvino_backend(info)
 
 
 def in_place(kind: str) -> bool:

@@ -71,11 +71,11 @@ def test_ort_logits_and_presents_match_torch(tiny, batch, past, seq, pad):
     assert got.shape == (batch, seq, 50257)
     assert rel_err(ref.numpy()[real], got[real]) <= REL_TOL
     arrays = present.to_numpy()
+    held = mask.bool().numpy()  # a padded position's entry is never read: what a layer past the first holds there is not the model's
     for (k, v), ok, ov in zip(ref_present, arrays[0::2], arrays[1::2]):
         assert ok.shape == (batch, model.config.n_head, past + seq, model.config.head_dim)
-        rows = real.any(-1)
-        assert rel_err(k.numpy()[rows], ok[rows]) <= REL_TOL
-        assert rel_err(v.numpy()[rows], ov[rows]) <= REL_TOL
+        for ref_kv, got_kv in ((k.numpy(), ok), (v.numpy(), ov)):
+            assert rel_err(ref_kv.transpose(0, 2, 1, 3)[held], got_kv.transpose(0, 2, 1, 3)[held]) <= REL_TOL
 
 
 def test_step_by_step_onnx_equals_full_torch_forward(tiny):
@@ -102,7 +102,7 @@ def test_logits_to_keep_gives_the_last_positions_of_the_full_logits(tiny, batch,
     import onnxruntime as ort
 
     model, _, info = tiny
-    backend = OrtBackend(info)
+    backend = OrtBackend(info, in_place_kv=False)  # the export's own graph, whose session is fed directly below
     rng = np.random.default_rng(batch * 10 + seq)
     ids = rng.integers(0, 50257, (batch, past + seq), dtype=np.int64)
     mask = np.ones_like(ids)

@@ -223,7 +223,8 @@ def test_in_place_kv_is_read_under_either_key_and_the_old_keyword_still_works(ti
     assert old.in_place_kv is False
     with pytest.warns(DeprecationWarning, match="in_place_kv"):
         assert OrtBackend(info).shared_kv is True
-    assert OrtBackend(mha_info).in_place_kv is False  # MultiHeadAttention: the growing cache unless asked
+    # MultiHeadAttention: in place through its twin on the CPU unless asked not to
+    assert OrtBackend(mha_info).in_place_kv is True and OrtBackend(mha_info, in_place_kv=False).in_place_kv is False
 
 
 def test_an_fp32_export_asked_in_place_runs_a_twin_that_passes_the_fp32_gate(tiny_gqa, monkeypatch):

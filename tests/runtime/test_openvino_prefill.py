@@ -128,7 +128,7 @@ def test_an_fp32_exports_prefill_then_decode_is_pytorchs_without_a_cache(tiny_ex
     one's cache as it was; every logit within fp32's gate of PyTorch's (TOLERANCES[fp32].max_rel, 1e-4)."""
     model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
     assert info.prefill is not None, info.meta.get("openvino_prefill")
-    with OrtBackend(info, threads=1, prefill="openvino") as fp32:
+    with OrtBackend(info, threads=1, prefill="openvino", in_place_kv=False) as fp32:
         assert fp32.prefill_precision == "f32"
         ids, mask = left_padded(PROMPTS)
         logits, cache = fp32.step(ids, mask, positions(mask, ids.shape[1]), None)

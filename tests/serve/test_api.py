@@ -334,7 +334,7 @@ def test_rows_scored_and_with_logprobs_join_a_running_batch(export_dir, bundled_
     from gpt2x.serve.core.engine import Engine, Row
 
     folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
-    backend = OrtBackend(read_export(folder), threads=1)
+    backend = OrtBackend(read_export(folder), threads=1, in_place_kv=False if kind == "fp32" else None)  # both forms
     assert backend.in_place_kv == (kind == "int8-in-place")
     ref = OrtBackend(read_export(folder), threads=1, in_place_kv=False)
     engine = Engine(backend, EngineSettings(max_batch_size=4, max_join_delay_s=0)).start()
@@ -467,7 +467,7 @@ def test_identical_prompts_are_prefilled_once(export_dir, bundled_export, kind):
     from gpt2x.serve.core.scheduler import Row
 
     folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
-    backend = Prefills(read_export(folder), threads=1)
+    backend = Prefills(read_export(folder), threads=1, in_place_kv=False if kind == "fp32" else None)  # both forms
     backend.prefills = []
     assert backend.in_place_kv == (kind == "int8-in-place")
     sampled = kind == "fp32"

@@ -47,7 +47,8 @@ def exports(bundled_export):
 
 @pytest.fixture(scope="module")
 def fp32(exports):
-    return OrtBackend(read_export(exports[Precision.fp32]), threads=1)
+    """The growing cache (the int8 target covers the in-place one)."""
+    return OrtBackend(read_export(exports[Precision.fp32]), threads=1, in_place_kv=False)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def exports(bundled_export):
 def backend(request, exports):
     """fp32's growing cache, and int8's graph with its cache in place (serve's default) and growing."""
     precision = Precision.fp32 if request.param == "fp32" else Precision.int8
-    b = OrtBackend(read_export(exports[precision]), threads=1, in_place_kv=False if request.param == "int8-growing" else None)
+    b = OrtBackend(read_export(exports[precision]), threads=1, in_place_kv=False if request.param != "int8-in-place" else None)
     assert b.in_place_kv == (request.param == "int8-in-place")
     return b
 

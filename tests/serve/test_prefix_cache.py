@@ -120,7 +120,7 @@ def open_backend(kind: str, exports):
 
         return OpenVinoBackend(exports[Precision.fp32], threads=1)
     precision = Precision.fp32 if kind == "fp32" else Precision.int8
-    backend = OrtBackend(read_export(exports[precision].folder), threads=1, in_place_kv=False if kind == "int8-growing" else None)
+    backend = OrtBackend(read_export(exports[precision].folder), threads=1, in_place_kv=False if kind != "int8-in-place" else None)
     assert backend.in_place_kv == (kind == "int8-in-place")
     return backend
 
