@@ -59,14 +59,31 @@ class OpenVinoPrefill:
     def __init__(self, info: ExportInfo, threads: int | None = None):
         self.inference_precision = compute_precision(info)
         self.bf16_from = bf16_from(info)
-        threads, n = threads or physical_cores(), info.config.n_layer
+        self._threads, self._n_layer, self._path = threads or physical_cores(), info.config.n_layer, info.prefill_path
         try:
-            model = ov.Core().read_model(str(info.prefill_path))
-            self._base = _Compiled(model, self.inference_precision, threads, n)
-            self._bf16 = None if self.bf16_from is None else _Compiled(model, BF16, threads, n)
+            self._model = ov.Core().read_model(str(info.prefill_path))
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
-        self.compiled, self.request = self._base.compiled, self._base.request
+        self._graphs: dict[str, _Compiled] = {}
+
+    def _graph(self, precision: str) -> _Compiled:
+        """The graph compiled at `precision`, at its first use: a process whose prompts all run on ONNX Runtime (short
+        ones) never compiles it (0.25 s for GPT-2 124M int8 here)."""
+        if precision not in self._graphs:
+            try:
+                self._graphs[precision] = _Compiled(self._model, precision, self._threads, self._n_layer)
+            except Exception as e:  # as read_model's
+                raise ArtifactError(f"OpenVINO {ov.__version__} cannot compile {self._path}: {e}".splitlines()[0]) from None
+        return self._graphs[precision]
+
+    @property
+    def compiled(self):
+        """The compiled graph at inference_precision (compiled now if it was not)."""
+        return self._graph(self.inference_precision).compiled
+
+    @property
+    def request(self):
+        return self._graph(self.inference_precision).request
 
     def precision_for(self, prompt_len: int, rows: int = 1) -> str:
         """The compute precision `rows` prompts of `prompt_len` tokens run at."""
@@ -77,7 +94,7 @@ class OpenVinoPrefill:
         positions of `presents` (C-contiguous float32 arrays (B, H, >= T, D), in the outputs' order): no copy after.
         The request keeps pointers into them until the next call sets its own, and writes only during a call."""
         B, T = input_ids.shape
-        graph = self._bf16 if self.precision_for(T, B) == BF16 and self._bf16 is not None else self._base
+        graph = self._graph(self.precision_for(T, B))
         for port, arr in zip(graph.inputs, (input_ids, attention_mask, position_ids)):
             graph.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
         for port, arr in zip(graph.presents, presents):

@@ -29,7 +29,7 @@ from .kvbuffers import (
     small_page_arrays,
 )
 from .prefill import PrefillChoice, asked, openvino_from
-from .providers import create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
+from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
@@ -278,7 +278,7 @@ class OrtBackend(Closable):
             layout = twin.attention
             self.session = create_session(twin.graph, provider, threads, weights=twin.weights)
         else:
-            self.session = create_session(info.model_path, provider, threads)
+            self.session = create_export_session(info.model_path, provider, threads)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
@@ -347,7 +347,7 @@ class OrtBackend(Closable):
         if self._batched_from is None or rows < self._batched_rows or rows * new_tokens < self._batched_from:
             return self.session
         if self._batched is None:
-            self._batched = create_session(self.info.batched_path, self.provider, self._threads)
+            self._batched = create_export_session(self.info.batched_path, self.provider, self._threads)
         return self._batched
 
     @property
