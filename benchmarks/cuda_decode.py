@@ -93,7 +93,7 @@ def ort_fixed(info, provider, prompt, n, cuda_graph: bool):
             out[:, i] = decoder.step()  # the last step's tokens, already on the device
         return first, time.perf_counter() - start, out
 
-    return run, decoder._decode.get_providers()[0]
+    return run, decoder.providers[0]
 
 
 SAMPLED = SamplingSettings(temperature=0.8, seed=1, ignore_eos=True)  # the sampled contenders' settings (+ new tokens)
@@ -133,7 +133,7 @@ def ort_fixed_sampled(info, provider, prompt, n, cuda_graph: bool):
         out = decode_static(decoder, prompt, replace(SAMPLED, max_new_tokens=n))
         return first, max(time.perf_counter() - start, first), out
 
-    return run, decoder._decode.get_providers()[0]
+    return run, decoder.providers[0]
 
 
 def genai(info, provider, prompt, n):

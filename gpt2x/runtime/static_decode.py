@@ -71,6 +71,11 @@ class StaticDecoder(Closable):
         self._device_tokens = False  # whether the bound ids hold the tokens of the next position (a step's choice)
         self.runs = 0  # decode runs on this decoder (a CUDA graph is captured on one of the first)
 
+    @property
+    def providers(self) -> list[str]:
+        """The execution providers of the decode session, first the one it runs on (a caller checks it is CUDA's)."""
+        return self._decode.get_providers()
+
     def _capture(self) -> None:
         """Dummy steps (token 0 at position 0, which a prefill overwrites) until ONNX Runtime has captured the CUDA
         graph: on an H100 (ONNX Runtime 1.31) the runs before the capture chose wrong tokens and the replays right
