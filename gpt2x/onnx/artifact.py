@@ -19,6 +19,7 @@ from ..errors import ArtifactError
 from ..fileio import sha256
 from ..model.config import GPT2Config
 from ..tokenizer import BPE_SHA256
+from . import wire
 from .names import IN_PLACE_KV
 
 FORMAT = "gpt2x-onnx"
@@ -207,9 +208,7 @@ def check_external_data(model_path: Path) -> None:
 # length and a jump. Every place a model can hold a tensor is walked; field numbers come from onnx's descriptors.
 
 
-def _number(message, field: str) -> int:
-    return message.DESCRIPTOR.fields_by_name[field].number
-
+_number = wire.number
 
 _MODEL_GRAPH, _MODEL_FUNCTIONS = _number(onnx.ModelProto, "graph"), _number(onnx.ModelProto, "functions")
 _GRAPH_NODES, _GRAPH_INITS = _number(onnx.GraphProto, "node"), _number(onnx.GraphProto, "initializer")
@@ -224,41 +223,11 @@ _TENSOR_EXTERNAL = _number(onnx.TensorProto, "external_data")
 _ENTRY_KEY, _ENTRY_VALUE = _number(onnx.StringStringEntryProto, "key"), _number(onnx.StringStringEntryProto, "value")
 
 
-def _varint(buf, i: int, end: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if i >= end or shift > 63:
-            raise ValueError("truncated or malformed protobuf")
-        byte = buf[i]
-        value |= (byte & 0x7F) << shift
-        i += 1
-        if byte < 0x80:
-            return value, i
-        shift += 7
-
-
 def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int]]:
     """(field number, start, end) of every length-delimited field in buf[start:end]; the others stepped over."""
-    i = start
-    while i < end:
-        key, i = _varint(buf, i, end)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            i = _varint(buf, i, end)[1]
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            n, i = _varint(buf, i, end)
-            if i + n > end:
-                raise ValueError("truncated or malformed protobuf")
-            yield field, i, i + n
-            i += n
-        else:
-            raise ValueError(f"malformed protobuf (wire type {wire})")
-        if field == 0 or i > end:
-            raise ValueError("truncated or malformed protobuf")
+    for field, kind, a, b, _ in wire.fields(buf, start, end):
+        if kind == wire.LENGTH_DELIMITED:
+            yield field, a, b
 
 
 def _tensor_locations(buf, start: int, end: int, out: set[str]) -> None:

@@ -1,8 +1,8 @@
 """An ONNX file read without copying its weights through protobuf: the file is mapped, its protobuf fields scanned
 for the large initializers' raw_data, and those become NumPy views of the mapping (the graph proto marks them as held
 outside it, IN_MEMORY), while protobuf parses the rest (the nodes and small tensors): ONNX Runtime then reads the
-weights where the file's pages are (benchmarks/results/cold-start-*: the fp32 twin's first token came sooner than the
-export's own graph's, read from its file by ONNX Runtime)."""
+weights where the file's pages are (benchmarks/results/cold-start-in-place-cpu-2core: GPT-2 124M int8's first token
+1.31 s from process start, 1.75 s when ONNX Runtime read the file itself)."""
 
 from __future__ import annotations
 
@@ -15,51 +15,15 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper
 
 from ..errors import ArtifactError
+from . import wire
 
-# Field numbers of onnx.proto3's messages (checked against onnx's descriptors in tests/onnx/test_mapped.py).
-MODEL_GRAPH = 7
-GRAPH_INITIALIZER = 5
-TENSOR_RAW_DATA = 9
-LENGTH_DELIMITED = 2
+MODEL_GRAPH = wire.number(onnx.ModelProto, "graph")
+GRAPH_INITIALIZER = wire.number(onnx.GraphProto, "initializer")
+TENSOR_RAW_DATA = wire.number(onnx.TensorProto, "raw_data")
 
 IN_MEMORY = "in-memory"  # the location of a weight handed to ONNX Runtime as an array (external initializers)
 MAPPED_MIN_BYTES = 1024  # smaller initializers (shapes, axes, scalars) are parsed as they are
 UNALIGNED_VIEW_MIN_BYTES = 1 << 20  # an unaligned tensor from this size on is used where it is (see _load_mapped)
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if b < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: memoryview, start: int, end: int):
-    """(number, wire type, value start, value end, field start) of each field of the message in buf[start:end]."""
-    pos = start
-    while pos < end:
-        field_start = pos
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, after = _varint(buf, pos)
-        elif wire == 1:
-            after = pos + 8
-        elif wire == LENGTH_DELIMITED:
-            length, pos = _varint(buf, pos)
-            after = pos + length
-        elif wire == 5:
-            after = pos + 4
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire} at byte {field_start}")
-        yield number, wire, pos, after, field_start
-        pos = after
-    if pos != end:
-        raise ValueError("a protobuf message overruns its length")
 
 
 def load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
@@ -78,8 +42,8 @@ def _load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private pages: the arrays may be written
     buf = memoryview(mapping)
     model_rest, graph_at = bytearray(), None
-    for number, wire, start, end, field_start in _fields(buf, 0, len(buf)):
-        if number == MODEL_GRAPH and wire == LENGTH_DELIMITED:
+    for number, kind, start, end, field_start in wire.fields(buf, 0, len(buf)):
+        if number == MODEL_GRAPH and kind == wire.LENGTH_DELIMITED:
             graph_at = (start, end)
         else:
             model_rest += buf[field_start:end]
@@ -88,8 +52,8 @@ def _load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     if graph_at is None:
         return proto, {}
     graph_rest, large = bytearray(), []
-    for number, wire, start, end, field_start in _fields(buf, *graph_at):
-        if number == GRAPH_INITIALIZER and wire == LENGTH_DELIMITED and end - start >= MAPPED_MIN_BYTES:
+    for number, kind, start, end, field_start in wire.fields(buf, *graph_at):
+        if number == GRAPH_INITIALIZER and kind == wire.LENGTH_DELIMITED and end - start >= MAPPED_MIN_BYTES:
             large.append((start, end))
         else:
             graph_rest += buf[field_start:end]
@@ -97,8 +61,8 @@ def _load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     weights: dict[str, np.ndarray] = {}
     for start, end in large:
         rest, raw = bytearray(), None
-        for number, wire, value_start, value_end, field_start in _fields(buf, start, end):
-            if number == TENSOR_RAW_DATA and wire == LENGTH_DELIMITED:
+        for number, kind, value_start, value_end, field_start in wire.fields(buf, start, end):
+            if number == TENSOR_RAW_DATA and kind == wire.LENGTH_DELIMITED:
                 raw = (value_start, value_end)
             else:
                 rest += buf[field_start:value_end]

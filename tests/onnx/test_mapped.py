@@ -13,12 +13,6 @@ from gpt2x.onnx import mapped
 from gpt2x.onnx.mapped import IN_MEMORY, load_mapped
 
 
-def test_field_numbers_are_onnxs():
-    assert onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number == mapped.MODEL_GRAPH
-    assert onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number == mapped.GRAPH_INITIALIZER
-    assert onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number == mapped.TENSOR_RAW_DATA
-
-
 def same_as_onnx_load(path) -> dict[str, np.ndarray]:
     proto, weights = load_mapped(path)
     want = onnx.load(str(path))
@@ -70,7 +64,7 @@ def test_a_damaged_file_is_one_error(tiny_export, tmp_path):
     data = tiny_export(Precision.fp32)[2].model_path.read_bytes()
     path = tmp_path / "cut.onnx"
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ArtifactError, match="cut.onnx is not a readable ONNX model: a protobuf message overruns"):
+    with pytest.raises(ArtifactError, match="cut.onnx is not a readable ONNX model: truncated or malformed protobuf"):
         load_mapped(path)
     path.write_bytes(b"\xff" * 64)  # not protobuf at all
     with pytest.raises(ArtifactError, match="not a readable ONNX model"):
