@@ -402,7 +402,7 @@ BENCH_SCHEMA = {
     "schema_version": int,
     "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
                  "prompt_len": int, "new_tokens": int, "repeat": int, "warmup": int, "threads": int, "text": str,
-                 "greedy_tokens": int, "drafts": [str], "num_speculative_tokens": int, "prompt_text": (str, type(None))},
+                 "greedy_tokens": int, "drafts": [str], "num_speculative_tokens": int, "prompt_text": (str, type(None)), "kv_cache": str},
     "environment": dict,
     "model": {"name": str, "config": {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
                                       "layer_norm_epsilon": float}, "parameters": int},

@@ -89,6 +89,7 @@ class RunSettings(Record):
     drafts: list[str] = spec(default_factory=list)  # schema 2 on
     num_speculative_tokens: int | None = None  # schema 2 and 3: draft_tokens; None in schema 1
     prompt_text: str | None = None
+    kv_cache: str = "auto"  # the ort rows' KV cache form (choices.KvCache); results before it: auto
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunSettings:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progress
+from ..choices import BackendKind, KvCache, Precision, Progress, ProviderKind, no_progress
 from ..errors import UsageError
 from ..evaluate.metrics import heldout_text, perplexity, summarize_latencies
 from ..evaluate.parity import check
@@ -90,6 +90,7 @@ class BenchSettings:
     # The prompt of the speculative rows and their plain baseline, as text (its tokens, as many as it
     # encodes to); None: prompt_len random token ids, as the other rows.
     prompt_text: str | None = None
+    kv_cache: KvCache = KvCache.auto  # the native (ort) rows' KV cache form; the other backends keep their own
 
     def __post_init__(self) -> None:
         if self.precisions is None:
@@ -102,6 +103,8 @@ class BenchSettings:
         if not self.batches or min(self.batches) < 1:
             raise UsageError("batch sizes must be at least 1", option="batch")
         self.draft_settings()  # num_speculative_tokens in range
+        if self.kv_cache is not KvCache.auto and not any(capabilities_of(k).native for k in self.backends):
+            raise UsageError(f"kv_cache {self.kv_cache.value} applies to the ort rows, and none is asked for", option="kv_cache")
         if self.prompt_text is not None and not encode(self.prompt_text):
             raise UsageError("prompt_text is empty: it encodes to no tokens", option="prompt_text")
 
@@ -116,7 +119,7 @@ class BenchSettings:
             batches=list(self.batches), prompt_len=self.prompt_len, new_tokens=self.new_tokens, repeat=self.repeat,
             warmup=self.warmup, threads=threads, text=str(self.text or "bundled held-out Shakespeare"),
             greedy_tokens=self.greedy_tokens, drafts=list(self.drafts), num_speculative_tokens=self.num_speculative_tokens,
-            prompt_text=self.prompt_text)
+            prompt_text=self.prompt_text, kv_cache=self.kv_cache.value)
 
 
 def label(kind: BackendKind, precision: Precision) -> str:
@@ -236,7 +239,7 @@ def open_timed(s: BenchSettings, kind: BackendKind, precision: Precision, info: 
     t0 = time.perf_counter()
     folder = info.folder if info is not None else None
     backend = open_backend(kind, s.provider, None if folder else s.model, precision=precision,
-                           onnx_dir=folder, threads=threads, loaded=loaded)
+                           onnx_dir=folder, threads=threads, loaded=loaded, in_place_kv=s.kv_cache.in_place_kv)
     backend.step(prompt, np.ones_like(prompt), positions(np.ones_like(prompt), s.prompt_len), None)
     return backend, time.perf_counter() - t0
 

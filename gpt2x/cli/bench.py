@@ -10,7 +10,7 @@ import typer
 from ..bench.report import bench_tables, plot, require_matplotlib
 from ..bench.run import BenchSettings, run_bench
 from ..bench.system import system_info
-from ..choices import BackendKind, Precision, ProviderKind
+from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import ParityError
 from ..generation.speculative import DraftSettings
 from ..workflows.backends import require_provider
@@ -18,6 +18,7 @@ from ..workflows.drafts import DRAFT_HELP
 from .options import (
     ExportsOpt,
     JsonOpt,
+    KvCacheOpt,
     ModelOpt,
     NumSpeculativeTokensOpt,
     OutputOpt,
@@ -65,6 +66,7 @@ def bench(
     prompt_text: Annotated[Optional[str], typer.Option(
         help="The prompt of the --draft rows and their plain baseline, as text (all its tokens; "
         "default: --prompt-len random token ids, as the other rows).")] = None,
+    kv_cache: KvCacheOpt = KvCache.auto,
 ) -> None:
     """Parity and tokens/sec of each backend x precision x batch, against the memory-bandwidth roofline."""
     settings = BenchSettings(
@@ -73,7 +75,7 @@ def bench(
         batches=parse_list(batch, int, "--batch"),
         prompt_len=prompt_len, new_tokens=new_tokens, repeat=repeat, threads=threads, text=text,
         drafts=parse_list(draft or "", str, "--draft"), num_speculative_tokens=num_speculative_tokens,
-        prompt_text=prompt_text,
+        prompt_text=prompt_text, kv_cache=kv_cache,
     )
     if plot_file:
         require_matplotlib()

@@ -14,7 +14,7 @@ from gpt2x.bench import roofline
 from gpt2x.bench import run as bench
 from gpt2x.bench.report import bench_tables
 from gpt2x.bench.results import BenchResult
-from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.choices import BackendKind, KvCache, Precision, ProviderKind
 from gpt2x.errors import UsageError
 from gpt2x.evaluate import metrics
 from gpt2x.evaluate.metrics import kl_divergence, logit_stats
@@ -186,7 +186,7 @@ def test_run_bench_json_schema_and_gate(tiny, tmp_path, monkeypatch):
 
 def upgraded(old: dict) -> dict:
     """A result file of an earlier schema as schema 4 writes it (the README's history of the schema):
-    schema 1 had no speculative rows nor their settings; schemas 2 and 3 called K `draft_tokens`."""
+    schema 1 had no speculative rows nor their settings; schemas 2 and 3 called K `draft_tokens`; none had kv_cache."""
     new = json.loads(json.dumps(old))
     new["schema_version"] = 4
     settings = new["settings"]
@@ -195,6 +195,7 @@ def upgraded(old: dict) -> dict:
         new["speculative"] = []
     if "draft_tokens" in settings:
         settings["num_speculative_tokens"] = settings.pop("draft_tokens")
+    settings.setdefault("kv_cache", "auto")  # added within schema 4
     for row in new["speculative"]:
         row["num_speculative_tokens"] = row.pop("draft_tokens", row.get("num_speculative_tokens"))
     return new
@@ -267,6 +268,7 @@ def rendered(result: BenchResult) -> str:
 @pytest.mark.parametrize("kwargs,option", [
     ({"warmup": -1}, "warmup"), ({"batches": [0]}, "batch"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 33}, "num_speculative_tokens"), ({"prompt_text": ""}, "prompt_text"),
+    ({"kv_cache": KvCache.growing, "backends": [BackendKind.torch, BackendKind.openvino]}, "kv_cache"),
 ])
 def test_bench_settings_refuse_bad_values(kwargs, option):
     from gpt2x.errors import UsageError
@@ -274,6 +276,16 @@ def test_bench_settings_refuse_bad_values(kwargs, option):
     with pytest.raises(UsageError) as e:
         bench.BenchSettings(**kwargs)
     assert e.value.option == option
+
+
+@pytest.mark.parametrize("kv_cache,in_place", [(KvCache.auto, True), (KvCache.growing, False), (KvCache.in_place, True)])
+def test_the_ort_rows_take_the_kv_cache_form_asked_for(tiny_export, kv_cache, in_place):
+    """An fp32 export's ort row: in place by default (its twin), growing when asked; recorded in the settings."""
+    info = tiny_export(Precision.fp32)[2]
+    s = bench.BenchSettings(backends=[BackendKind.ort], precisions=[Precision.fp32], kv_cache=kv_cache)
+    backend, _ = bench.open_timed(s, BackendKind.ort, Precision.fp32, info, np.ones((1, 4), np.int64), 1, None)
+    assert backend.in_place_kv is in_place
+    assert s.recorded(1).kv_cache == kv_cache.value
 
 
 def test_first_difference():
