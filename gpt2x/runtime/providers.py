@@ -87,8 +87,8 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
 
 def create_export_session(path: Path, provider: ProviderKind, threads: int | None = None):
     """create_session on an export's graph file; on the CPU, unless its weights are in a data file, with its weights
-    handed to ONNX Runtime where the mapped file holds them (onnx.mapped), which ONNX Runtime would read and copy:
-    0.32 s against 0.70 s for GPT-2 124M int8 here."""
+    handed to ONNX Runtime where the mapped file holds them (onnx.mapped), which ONNX Runtime would read and copy
+    (the cold start it saves: docs/export.md)."""
     path = Path(path)
     if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
         proto, weights = load_mapped(path)
