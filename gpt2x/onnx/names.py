@@ -18,7 +18,7 @@ PAST = "past_sequence_length"
 TOTAL = "total_sequence_length"  # past_sequence_length + sequence_length
 LOGITS_SEQUENCE = "logits_sequence_length"  # sequence_length, or min(logits_to_keep, sequence_length)
 
-# The fixed-shape decode graph's own I/O (optimize.static_decode_form): GroupQueryAttention's two length inputs,
+# The fixed-shape decode graph's own I/O (optimize.static_forms): GroupQueryAttention's two length inputs,
 # onnxruntime-genai's names, and each row's greedy next token taken in the graph.
 SEQLENS_K = "seqlens_k"  # [batch] int32: positions already in the cache (the new token's position)
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # [1] int32, on the host: the cache's capacity

@@ -21,7 +21,7 @@ from ..choices import Precision
 from ..model.config import GPT2Config
 from . import names as io
 from .artifact import IR_VERSION, attention_layout, save_onnx
-from .mapped import IN_MEMORY, MAPPED_MIN_BYTES, load_mapped
+from .mapped import load_mapped
 from .names import MSFT
 
 FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
@@ -362,28 +362,26 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     return None if loaded is None else _in_memory(*loaded)
 
 
-def unpadded_prefill_form(path: Path) -> InMemoryGraph | None:
-    """The export's GroupQueryAttention graph (or twin) for prompts without padding: no attention bias (the operator's
-    own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their fastest path. None as static_decode_form."""
+def static_forms(path: Path, sampling: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
+    """The export's two graphs for StaticDecoder, from one read of its file, their weights shared:
+    - the prompt's: its GroupQueryAttention graph (the export's, or its twin) without the attention bias, for prompts
+      without padding (the operator's own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their
+      fastest path;
+    - the one-token decode step with every shape fixed, for a step captured in a CUDA graph (to_static_decode): its
+      lengths read from the inputs seqlens_k (on the device) and total_sequence_length (the cache's capacity,
+      constant) instead of the attention mask, which goes (rows hold no padding), and each row's argmax (next_token)
+      returned instead of the logits; `sampling`: each row's draw at its temperature instead (sampling_head).
+    None where the weights are in a data file, or the graph has no attention to rewrite."""
     loaded = _gqa_proto(path, require_rewrite=False)
     if loaded is None:
         return None
-    _drop_attention_bias(loaded[0].graph)
-    _prune(loaded[0].graph)
-    return _in_memory(*loaded)
-
-
-def static_decode_form(path: Path, sampling: bool = False) -> InMemoryGraph | None:
-    """The export's one-token decode step with every shape fixed, for a step captured in a CUDA graph: the
-    GroupQueryAttention graph (the export's, or its twin) reading its lengths from the inputs seqlens_k (on the
-    device) and total_sequence_length (the cache's capacity, constant) instead of the attention mask, which goes
-    (rows hold no padding), and returning each row's argmax (next_token) instead of the logits; `sampling`: each
-    row's draw at its temperature instead (sampling_head). None where the weights are in a data file."""
-    loaded = _gqa_proto(path, require_rewrite=False)
-    if loaded is None:
-        return None
-    to_static_decode(loaded[0], sampling)
-    return _in_memory(*loaded)
+    prefill, weights = loaded
+    decode = onnx.ModelProto()
+    decode.CopyFrom(prefill)  # the graph alone: its large weights are in `weights`
+    _drop_attention_bias(prefill.graph)
+    _prune(prefill.graph)
+    to_static_decode(decode, sampling)
+    return _in_memory(prefill, weights), _in_memory(decode, weights)
 
 
 def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
@@ -402,7 +400,8 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict
 
 
 def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
-    """In place: see static_decode_form. Input ids become [batch, 1]; position ids are computed from seqlens_k."""
+    """In place: the decode graph of static_forms. Input ids become [batch, 1]; position ids are computed from
+    seqlens_k."""
     graph = proto.graph
     _drop_attention_bias(graph)
     for n in graph.node:
@@ -497,15 +496,10 @@ def _prune(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(inits)
 
 
-def _in_memory(proto: onnx.ModelProto, weights: dict[str, np.ndarray] | None = None) -> InMemoryGraph:
-    """`proto` serialized without its large weights, which go with `weights` (those already held outside it)."""
-    weights = dict(weights or {})
-    for init in proto.graph.initializer:
-        if init.HasField("raw_data") and len(init.raw_data) >= MAPPED_MIN_BYTES:
-            shape = tuple(init.dims)
-            weights[init.name] = np.frombuffer(init.raw_data, helper.tensor_dtype_to_np_dtype(init.data_type)).reshape(shape)
-            init.ClearField("raw_data")
-            init.data_location = TensorProto.EXTERNAL
-            init.external_data.add(key="location", value=IN_MEMORY)
+def _in_memory(proto: onnx.ModelProto, weights: dict[str, np.ndarray]) -> InMemoryGraph:
+    """`proto` (from load_mapped: its large weights held outside it) serialized, with the arrays of those of its
+    initializers that `weights` holds (a pruned graph keeps fewer)."""
+    names = {t.name for t in proto.graph.initializer}
+    weights = {name: array for name, array in weights.items() if name in names}
     return InMemoryGraph(proto.SerializeToString(), weights, attention_layout(count_ops(proto)))
 

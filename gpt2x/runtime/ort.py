@@ -32,6 +32,16 @@ from .prefill import PrefillChoice, asked, openvino_from
 from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
+def bind_past_and_present(binding, values: list) -> None:
+    """Each layer's K and V OrtValue in `values` (the io.input_names order) bound as its past and its present: the same
+    buffers, written in place by GroupQueryAttention."""
+    n_layer = len(values) // 2
+    for name, value in zip(io.input_names(n_layer)[3:], values):
+        binding.bind_ortvalue_input(name, value)
+    for name, value in zip(io.output_names(n_layer)[1:], values):
+        binding.bind_ortvalue_output(name, value)
+
+
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
     """Arrays left unset: GroupQueryAttention reads no position before writing it (tests/onnx/test_gqa.py fills
     them with NaN to check). Small pages: only the pages written are touched (kvbuffers.small_page_arrays)."""
@@ -428,10 +438,7 @@ class OrtBackend(Closable):
 
     def bind_in_place(self, values: list, session):
         binding = session.io_binding()
-        for name, value in zip(self.names_in[3:], values):
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(self.names_out[1:], values):
-            binding.bind_ortvalue_output(name, value)  # the same buffers: written in place
+        bind_past_and_present(binding, values)
         return binding
 
     def _helper(self, kind: str):

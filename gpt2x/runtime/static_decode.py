@@ -11,8 +11,9 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from ..onnx.optimize import static_decode_form, unpadded_prefill_form
+from ..onnx.optimize import static_forms
 from .base import Closable, Released
+from .ort import bind_past_and_present
 from .providers import create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
@@ -40,12 +41,16 @@ class StaticDecoder(Closable):
         self.rows, self.capacity = rows, capacity or cfg.n_positions
         if not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"capacity must be 2..{cfg.n_positions}, not {self.capacity}")
-        prefill, decode = unpadded_prefill_form(info.model_path), static_decode_form(info.model_path, sampling)
-        if prefill is None or decode is None:
+        forms = static_forms(info.model_path, sampling)
+        if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         self.cuda_graph = cuda_graph
+        prefill, decode = forms
         self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
+        overridable = {i.name for i in self._prefill.get_overridable_initializers()}
+        # The prompt's logits at its last position only (exports older than logits_to_keep unembed every position).
+        self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)) if io.LOGITS_TO_KEEP in overridable else None
         self._decode = create_session(
             decode.graph, provider, threads, weights=decode.weights,
             provider_options={"enable_cuda_graph": "1"} if cuda_graph else None,
@@ -63,7 +68,7 @@ class StaticDecoder(Closable):
         if sampling:  # each row's temperature (0: argmax) and the uniform its draw reads, written before each step
             self._temperature = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
             self._uniform = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
-        self._binding = self._decode_binding(cfg.n_layer)
+        self._binding = self._decode_binding()
         if cuda_graph:
             self._capture()
         self.length = 0  # positions in the cache
@@ -83,17 +88,14 @@ class StaticDecoder(Closable):
         for _ in range(CAPTURE_RUNS):
             self._decode.run_with_iobinding(self._binding)
 
-    def _decode_binding(self, n_layer: int):
+    def _decode_binding(self):
         binding = self._decode.io_binding()
         for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
             binding.bind_ortvalue_input(name, value)
         if self.sampling:
             binding.bind_ortvalue_input(io.TEMPERATURE, self._temperature)
             binding.bind_ortvalue_input(io.UNIFORM, self._uniform)
-        for name, value in zip(io.input_names(n_layer)[3:], self._kv):
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(io.output_names(n_layer)[1:], self._kv):
-            binding.bind_ortvalue_output(name, value)
+        bind_past_and_present(binding, self._kv)
         binding.bind_ortvalue_output(io.NEXT_TOKEN, self._tokens)
         return binding
 
@@ -109,17 +111,13 @@ class StaticDecoder(Closable):
         if B != self.rows or not 0 < T < self.capacity:
             raise ValueError(f"prompts must be {self.rows} rows of 1..{self.capacity - 1} tokens, not {B} x {T}")
         binding = self._prefill.io_binding()
-        n_layer = len(self._kv) // 2
         binding.bind_cpu_input(io.INPUT_IDS, prompt_ids)
         binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
         binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
-        if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
-            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)))
-        for name, value in zip(io.input_names(n_layer)[3:], self._kv):
-            binding.bind_ortvalue_input(name, value)
+        if self._keep_last is not None:
+            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
         binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs follows the order of binding
-        for name, value in zip(io.output_names(n_layer)[1:], self._kv):
-            binding.bind_ortvalue_output(name, value)
+        bind_past_and_present(binding, self._kv)
         self._prefill.run_with_iobinding(binding)
         self.length = T
         self._pending, self._host_tokens, self._device_tokens = None, False, False

@@ -12,7 +12,7 @@ from gpt2x.errors import ProviderError
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx import names as io
-from gpt2x.onnx.optimize import static_decode_form
+from gpt2x.onnx.optimize import static_forms
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.runtime.static_decode import StaticDecoder
 
@@ -43,7 +43,7 @@ def test_fixed_cache_tokens_equal_torch(tiny):
 
 def test_decode_graph_has_fixed_io(tiny):
     _, info = tiny
-    graph = onnx.load_from_string(static_decode_form(info.model_path).graph).graph
+    graph = onnx.load_from_string(static_forms(info.model_path)[1].graph).graph
     inputs = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
     assert io.ATTENTION_MASK not in inputs and io.LOGITS_TO_KEEP not in inputs
     assert inputs[io.INPUT_IDS] == [io.BATCH, 1] and inputs[io.SEQLENS_K] == [io.BATCH]
