@@ -36,13 +36,15 @@ class History:
 class LogitsProcessor(Protocol):
     """scores (B, V) float64 and each row's History -> scores (removed tokens: -inf).
 
-    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `reads_history`: without it, `rows`
+    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `masks_only`: it only sets scores to -inf,
+    so greedy rows may run it on float32 logits, whose argmax is then the float64 one. `reads_history`: without it, `rows`
     may be None. A stateful processor keeps its state per `History.row` and syncs it to each call's
     histories (roll back what `output` no longer holds, consume what is new): speculative decoding calls it
     at drafted positions, in position order, then with what the target accepted; no other hook is needed.
     `for_rows(procs)`: one processor treating row i as procs[i] would alone (None: left as it is)."""
 
     argmax_invariant: bool
+    masks_only: bool
     reads_history: bool
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
@@ -90,6 +92,7 @@ class Temperature:
 
     argmax_invariant = True
     reads_history = False
+    masks_only = False
 
     def __init__(self, temperature: float | np.ndarray):
         self.temperature = temperature  # one for every row, or one per row (as every processor's parameters)
@@ -110,6 +113,7 @@ class TopK:
 
     argmax_invariant = True
     reads_history = False
+    masks_only = False
 
     def __init__(self, k: int | np.ndarray):
         self.k = k
@@ -158,6 +162,7 @@ class TopP:
 
     argmax_invariant = True
     reads_history = False
+    masks_only = False
 
     def __init__(self, p: float | np.ndarray):
         self.p = p
@@ -205,6 +210,7 @@ class MinP:
 
     argmax_invariant = True
     reads_history = False
+    masks_only = False
 
     def __init__(self, min_p: float | np.ndarray):
         self.min_p = min_p
@@ -226,6 +232,7 @@ class MinTokens:
 
     argmax_invariant = False
     reads_history = True
+    masks_only = True
 
     def __init__(self, min_tokens: int | np.ndarray, end_ids: Iterable[int]):
         self.min_tokens = min_tokens  # 0: left as is
@@ -260,6 +267,7 @@ class AllowedTokens:
 
     argmax_invariant = False
     reads_history = False
+    masks_only = True
 
     def __init__(self, ids: Iterable[int], each: Sequence[AllowedTokens | None] | None = None):
         self.ids = np.unique(np.asarray(list(ids), dtype=np.int64))
@@ -293,6 +301,7 @@ class LogitBias:
 
     argmax_invariant = False
     reads_history = False
+    masks_only = False
 
     def __init__(self, bias: Mapping[int, float] | Iterable[tuple[int, float]]):
         pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
@@ -334,6 +343,7 @@ class RepetitionPenalty:
 
     argmax_invariant = False
     reads_history = True
+    masks_only = False
 
     def __init__(self, penalty: float | np.ndarray):
         self.penalty = penalty
@@ -360,6 +370,7 @@ class PresenceFrequencyPenalty:
 
     argmax_invariant = False
     reads_history = True
+    masks_only = False
 
     def __init__(self, presence: float | np.ndarray, frequency: float | np.ndarray):
         self.presence = presence
@@ -388,6 +399,7 @@ class ConstraintMask:
 
     argmax_invariant = False
     reads_history = True
+    masks_only = True
 
     def __init__(self, spec: ConstraintSpec | None, each: Sequence[ConstraintMask | None] | None = None):
         self.spec = spec

@@ -108,7 +108,8 @@ class KVCache(Protocol):
         ...
 
     def to_numpy(self) -> list[np.ndarray]:
-        """The cache as 2 * n_layer float32 arrays (B, H, P, D), key then value per layer (copies)."""
+        """The cache as 2 * n_layer float32 arrays (B, H, P, D), key then value per layer: copies, or views of the
+        cache's own memory where it holds float32 on the host, so read them before its next step and never write them."""
         ...
 
     # -- with capabilities.rolls_back

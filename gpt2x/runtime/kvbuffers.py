@@ -304,7 +304,7 @@ class BufferCache(KVCacheView):
         return self.allocate(self.owner, batch, capacity, keep)
 
     def to_numpy(self) -> list[np.ndarray]:
-        return [a.astype(np.float32) for a in self.filled()]  # copies
+        return [a.astype(np.float32, copy=False) for a in self.filled()]  # views of float32 buffers
 
     def reorder(self, rows: np.ndarray):
         """New buffers with the rows gathered by `rows` (filled positions only)."""

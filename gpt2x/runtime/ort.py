@@ -90,7 +90,7 @@ class GrowingCache:
         return self.values[0].shape()[2]
 
     def to_numpy(self) -> list[np.ndarray]:
-        return [v.numpy().astype(np.float32) for v in self.values]
+        return [v.numpy().astype(np.float32, copy=False) for v in self.values]  # numpy() copies already
 
     # -- stepping
 

@@ -33,7 +33,7 @@ from gpt2x.generation.processors import (
     TopP,
     processors_for,
 )
-from gpt2x.generation.sampling import Sampler, sample_many
+from gpt2x.generation.sampling import Sampler, masking_dtype, sample_many
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.tokenizer import EOT_ID
 
@@ -215,6 +215,35 @@ def test_greedy_takes_the_argmax_of_the_processed_scores():
     assert Sampler(SamplingSettings(greedy=True, logit_bias={2: 1.0})).greedy(x).tolist() == [2]
     with pytest.raises(ValueError, match="history"):
         penalised(x)  # a processor that reads histories is never given none
+
+
+def test_greedy_rows_that_only_mask_give_the_masked_argmax_in_float32_and_the_others_stay_float64():
+    """Greedy rows whose processors only set -inf (min_tokens, allowed tokens) run them on float32 logits: the tokens
+    are the argmax after masking by hand; a penalty or a sampled row keeps float64, and float64 logits stay so."""
+    S = SamplingSettings
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 500)).astype(np.float32)
+    x = np.concatenate([x, np.zeros((3, EOT_ID + 1 - 500), np.float32)], axis=1)
+    x[:, EOT_ID] = 50.0  # end-of-text is every row's raw argmax
+    x[2, 7] = 40.0  # and token 7 the third row's next best, outside its allowed tokens
+    masked = [S(greedy=True, min_tokens=4), S(greedy=True, min_tokens=4, stop_token_ids=[11]),
+              S(greedy=True, allowed_token_ids=list(range(0, 300, 2)))]
+    samplers = [Sampler(s) for s in masked]
+    rows = [History([1], [2], i) for i in range(3)]
+    by_hand = x.astype(np.float64)
+    by_hand[:2, EOT_ID] = -np.inf
+    by_hand[1, 11] = -np.inf
+    by_hand[2, [t for t in range(x.shape[1]) if t % 2 or t >= 300]] = -np.inf
+    want = by_hand.argmax(axis=-1).tolist()
+    assert masking_dtype(x, samplers) == np.float32
+    assert sample_many(samplers, x, rows).tolist() == want
+    assert [int(s.greedy(x[i : i + 1], [rows[i]])[0]) for i, s in enumerate(samplers)] == want
+    assert want[2] != 7 and EOT_ID not in want
+    assert masking_dtype(x.astype(np.float16), samplers) == np.float32
+    assert masking_dtype(x.astype(np.float64), samplers) == np.float64
+    assert masking_dtype(x, samplers + [Sampler(S(greedy=True, repetition_penalty=1.2))]) == np.float64
+    assert masking_dtype(x, samplers + [Sampler(S(seed=1, min_tokens=4))]) == np.float64
+    assert masking_dtype(x, [Sampler(S(greedy=True, logit_bias={3: 1.0}))]) == np.float64
 
 
 def test_a_drafted_position_sees_the_drafted_tokens_before_it():
