@@ -11,7 +11,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from ..choices import Precision, ProviderKind
-from ..errors import ArtifactError, ProviderError
+from ..errors import ArtifactError, ProviderError, UsageError
 from ..onnx.artifact import IR_VERSION, ExportInfo
 from ..onnx.mapped import load_mapped
 
@@ -37,9 +37,33 @@ def physical_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+# How long ONNX Runtime's intra-op threads spin after a run, waiting for the next (its session option). Its own default
+# spins long enough to hold a core while OpenVINO's prefill runs right after a decode step (a 32-token first token in
+# 28 against 18 ms); 1 ms still covers the host's work between decode steps (benchmarks/results/ort-spin-*).
+SPIN_ENV = "GPT2X_ORT_SPIN_US"  # microseconds, or "default": ONNX Runtime's own
+SPIN_US = 1000
+SPIN_KEY = "session.intra_op.spin_duration_us"
+
+
+def spin_duration_us() -> int | None:
+    """The intra-op spin after a run, in microseconds: GPT2X_ORT_SPIN_US's, else SPIN_US; None for "default" (ONNX
+    Runtime's own). One UsageError line for another value."""
+    value = os.environ.get(SPIN_ENV)
+    if value is None:
+        return SPIN_US
+    if value == "default":
+        return None
+    if not value.isdigit():
+        raise UsageError(f"{SPIN_ENV} must be a whole number of microseconds or 'default', got {value!r}")
+    return int(value)
+
+
 def session_options(threads: int | None = None):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or physical_cores()
+    spin = spin_duration_us()
+    if spin is not None:
+        so.add_session_config_entry(SPIN_KEY, str(spin))
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -63,9 +87,9 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
     providers = [(name, ep_options)]
     if provider is ProviderKind.cuda:
         providers.append(("CPUExecutionProvider", {}))  # for the few shape ops ORT places there
+    options = session_options(threads)  # a bad GPT2X_ORT_SPIN_US is its own error, not the graph's
     try:
         model = model_path if isinstance(model_path, bytes) else str(model_path)
-        options = session_options(threads)
         for dim, size in (dims or {}).items():
             options.add_free_dimension_override_by_name(dim, size)
         values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (weights or {}).values()]
