@@ -34,10 +34,11 @@ class History:
 
 
 class LogitsProcessor(Protocol):
-    """scores (B, V) float64 and each row's History -> scores (removed tokens: -inf).
+    """scores (B, V) float64 (float32 or wider where sampling.masking_dtype allows) and each row's History -> scores
+    (removed tokens: -inf).
 
-    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `masks_only`: it only sets scores to -inf,
-    so greedy rows may run it on float32 logits, whose argmax is then the float64 one. `reads_history`: without it, `rows`
+    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `masks_only`: it only sets scores to -inf, so
+    greedy rows may run it on float32 logits, whose argmax is then the float64 one. `reads_history`: without it, `rows`
     may be None. A stateful processor keeps its state per `History.row` and syncs it to each call's
     histories (roll back what `output` no longer holds, consume what is new): speculative decoding calls it
     at drafted positions, in position order, then with what the target accepted; no other hook is needed.
