@@ -143,7 +143,7 @@ def serve(
         "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
-        "keep streaming (0: whole).")] = EngineSettings.prefill_chunk,
+        "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
     scheduling_policy: Annotated[str, typer.Option(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",

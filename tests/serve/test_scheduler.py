@@ -207,19 +207,34 @@ def test_joiners_are_prefilled_a_chunk_before_each_step_then_join():
 
 def test_joiners_share_a_chunk_and_run_whole_when_no_row_runs():
     clock = Clock()
-    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)
+    scheduler, shapes, rows = running(2, clock, prefill_chunk=16, max_join_delay_s=0)
     joiners = [row(prompt=40, clock=clock), row(prompt=30, clock=clock)]
     scheduler.submit(joiners)
     assert shapes.step().chunk == 16 and shapes.columns == [8]  # two prompts: 8 columns each chunk
     rows[0].cancel()
     shapes.step()  # its step ends it (cancelled)
     assert rows[0].finished
-    assert shapes.step().chunk is None and shapes.columns == [8, 32]  # nobody streams: the rest at once
+    assert shapes.step().chunk is None and shapes.columns == [8, 32]  # 2 joiners, 1 row running: the rest at once
     plan = shapes.step()
-    assert plan.regroup.joins and plan.regroup.order.tolist() == [1, 2] and plan.decode
+    assert plan.regroup.joins and sorted(plan.regroup.order.tolist()) == [1, 2, 3] and plan.decode  # row 0 left out
     scheduler, shapes, rows = running(1, clock, prefill_chunk=0, max_join_delay_s=0)
     scheduler.submit([row(prompt=40, clock=clock)])
     assert shapes.step().chunk is None  # chunking off: whole
+
+
+def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
+    """A wave of requests joining one row (vllm bench serve's closed loop): one prefill, not a chunk a step; as many
+    joiners as rows running are still chunked."""
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)
+    wave = [row(prompt=32, clock=clock) for _ in range(3)]
+    scheduler.submit(wave)
+    plan = shapes.step()
+    assert plan.join == tuple(wave) and plan.chunk is None and shapes.columns == [32]
+    assert shapes.step().regroup.joins  # brought in at the batch's next step
+    scheduler, shapes, rows = running(3, clock, prefill_chunk=16, max_join_delay_s=0)
+    scheduler.submit([row(prompt=32, clock=clock) for _ in range(3)])
+    assert shapes.step().chunk == 16 and shapes.columns == [16]  # one prompt, run once for the three
 
 
 def test_the_batch_regroups_when_half_of_it_has_finished():
