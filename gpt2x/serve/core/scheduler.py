@@ -275,7 +275,7 @@ class Scheduler:
             self.in_flight = batch.rows + self._prefilling
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
-        # (vllm bench serve at c=16: TTFT p50 350 against 200 ms, docs/results/serving.md).
+        # (docs/serving/index.md#chunked-prefill).
         chunk = (self.settings.prefill_chunk or None) if live and len(self._prefilling) <= len(live) else None
         return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk)
 
