@@ -83,7 +83,7 @@ from gpt2x.bench.roofline import cpu_read_bandwidth, roofline_tokens_per_s
 from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import BackendKind, Precision
 from gpt2x.model.weights import save_hf
-from gpt2x.runtime.providers import physical_cores
+from gpt2x.runtime.providers import physical_cores, spin_duration_us
 from gpt2x.workflows.models import load_model
 
 # x transformers' generate (end-to-end tok/s, same batch), from the issue
@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--contenders", default=",".join(optional),
                     help="peers to run besides transformers (the reference, always run), from benchmarks/peers/: "
                          f"{', '.join(optional)} (default: all)")
+    ap.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra buffer types (no AMX, no repacked layouts): on a CPU with AMX its "
+                         "q8_0 and q4_0 crash otherwise (peers/llamacpp.no_extra_buffer_types)")
     args = ap.parse_args()
     batches = parse_ints(args.batch, "--batch", ap)
     prompt_lens = parse_ints(args.prompt_len, "--prompt-len", ap)
@@ -171,6 +174,7 @@ def main() -> int:
     env = system_info()
     env["torch_threads"] = torch.get_num_threads()
     env["ort_intra_op_threads"] = threads
+    env["ort_spin_us"] = spin_duration_us()  # None: ONNX Runtime's own
     env["peer packages"] = installed_versions(*PEER_PACKAGES)
     model, source = load_model(args.model)
     cfg = model.config
@@ -193,6 +197,10 @@ def main() -> int:
                       exports_dir=args.exports, precisions=precisions, kinds=kinds, max_prompt=max(prompt_lens),
                       new_tokens=args.new_tokens, results=results)
         contenders: list = []
+        if args.llama_no_extra_bufts and "llama.cpp" in keys:
+            from peers.llamacpp import no_extra_buffer_types
+
+            no_extra_buffer_types()
         for module in modules:
             if module.KEY != "transformers" and module.KEY not in keys:
                 continue
@@ -263,8 +271,11 @@ def markdown(results: dict) -> str:
         f"Machine: {env['cpu']}, {env['cores']} cores, {env['platform']}; measured read bandwidth "
         f"{results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {env['date']}, gpt2x git {env['git']}; "
         + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env.get("peer packages", {})).items()) + ".",
-        f"ONNX Runtime sessions: {env.get('ort_intra_op_threads')} intra-op threads, sequential, spinning on "
-        "(ORT's default) in every session; llama.cpp, OpenVINO GenAI and CTranslate2 with as many threads.",
+        f"ONNX Runtime sessions: {env.get('ort_intra_op_threads')} intra-op threads, sequential; gpt2x's spin "
+        f"{env.get('ort_spin_us') or 'as ONNX Runtime does, not'} µs after a run (GPT2X_ORT_SPIN_US), the other ONNX Runtime users "
+        "as ONNX Runtime does; llama.cpp, OpenVINO GenAI and CTranslate2 with as many threads"
+        + (" (llama.cpp without its extra buffer types, --llama-no-extra-bufts: no AMX, no repacked weights)."
+           if results["settings"].get("llama_no_extra_bufts") else "."),
         "",
         "| engine | batch | prompt | end-to-end tok/s | spread (e2e) | decode tok/s | TTFT (ms) | x transformers (e2e) "
         f"| x transformers (decode) | % of roofline (decode) | first {k} tokens = transformers' | target |",

@@ -75,25 +75,6 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def no_extra_buffer_types() -> None:
-    """Every Llama made from now on loads its weights without llama.cpp's extra buffer types
-    (llama_model_params.use_extra_bufts = false: no AMX and no repacked CPU layouts, the plain
-    quantized kernels), which Llama(...) has no argument for. --llama-no-extra-bufts: on a CPU with
-    AMX, llama.cpp's AMX matrix multiply crashes on the quantized GGUFs here (a segmentation fault
-    in ggml_backend_amx_mul_mat at the first llama_decode; ggml-org/llama.cpp#20824) unless the
-    bindings were built without AMX."""
-    import llama_cpp.llama_cpp as bindings
-
-    default = bindings.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    bindings.llama_model_default_params = params  # what Llama.__init__ calls
-
-
 def child(job: dict) -> dict:
     """Load one engine and answer `requests` requests: load time, each request's time to first token
     (and the minor page faults it took: memory touched for the first time), and the first token of
@@ -120,7 +101,7 @@ def child(job: dict) -> dict:
                            on_token=lambda row, token: stamps.append(time.perf_counter()) if not stamps else None)
             return stamps[0] - t0, int(out[0].tokens[0])
     else:
-        from peers.llamacpp import LlamaCpp
+        from peers.llamacpp import LlamaCpp, no_extra_buffer_types
 
         from gpt2x.choices import Precision
 

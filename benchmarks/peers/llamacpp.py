@@ -59,6 +59,25 @@ QUANTIZE = ("import ctypes, sys, llama_cpp\n"
             "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
 
 
+def no_extra_buffer_types() -> None:
+    """Every Llama made from now on loads its weights without llama.cpp's extra buffer types
+    (llama_model_params.use_extra_bufts = false: no AMX and no repacked CPU layouts, the plain
+    quantized kernels), which Llama(...) has no argument for. --llama-no-extra-bufts: on a CPU with
+    AMX, llama.cpp's AMX matrix multiply crashes on the quantized GGUFs here (a segmentation fault
+    in ggml_backend_amx_mul_mat at the first llama_decode; ggml-org/llama.cpp#20824) unless the
+    bindings were built without AMX."""
+    import llama_cpp.llama_cpp as bindings
+
+    default = bindings.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    bindings.llama_model_default_params = params  # what Llama.__init__ calls
+
+
 class LlamaCpp(StampedLoop):
     batches = {1}
     only = "batch 1 only (llama.cpp: one sequence per llama_decode here)"
