@@ -272,8 +272,9 @@ def markdown(results: dict) -> str:
         f"{results['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; {env['date']}, gpt2x git {env['git']}; "
         + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env.get("peer packages", {})).items()) + ".",
         f"ONNX Runtime sessions: {env.get('ort_intra_op_threads')} intra-op threads, sequential; gpt2x's spin "
-        f"{env.get('ort_spin_us') or 'as ONNX Runtime does, not'} µs after a run (GPT2X_ORT_SPIN_US), the other ONNX Runtime users "
-        "as ONNX Runtime does; llama.cpp, OpenVINO GenAI and CTranslate2 with as many threads"
+        + ("as ONNX Runtime's default does" if env.get("ort_spin_us") is None else f"{env['ort_spin_us']} µs")
+        + " after a run (GPT2X_ORT_SPIN_US), the other ONNX Runtime users as ONNX Runtime does; llama.cpp, OpenVINO "
+        "GenAI and CTranslate2 with as many threads"
         + (" (llama.cpp without its extra buffer types, --llama-no-extra-bufts: no AMX, no repacked weights)."
            if results["settings"].get("llama_no_extra_bufts") else "."),
         "",
