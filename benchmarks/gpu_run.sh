@@ -9,8 +9,9 @@
 # bundle is installed (about 6 minutes), then the other stages only if time is left.
 #   quick   check, the CUDA tests (150 s at most: a fresh H100 ran 9 of them in 70 s) and GPT-2 124M at batch 1 (32-token prompt, 128
 #           tokens, 3 repeats): benchmarks/cuda_decode.py (ort's growing cache, fixed cache and CUDA
-#           graph, genai, transformers) and gpt2x bench (torch, ort, genai) at fp32 and fp16, each
-#           step's files written before the next starts, all packed into RESULTS_DIR.tgz (one file back)
+#           graph, genai, transformers), gpt2x bench (torch, ort, genai; ort's fp16 on the fixed cache
+#           too) at fp32 and fp16 and benchmarks/cuda_profile.py (a step's kernels), each step's files
+#           written before the next starts, all packed into RESULTS_DIR.tgz (one file back)
 #
 # GPT2X_GPU_PROVIDER=cpu rehearses every stage on the CPU provider (the CUDA assertion skipped, fp32
 # only), so that a lease is spent measuring, not debugging: its figures are CPU figures.
@@ -83,10 +84,15 @@ for stage in $stages; do
                 || echo "cuda decode: exit $?" | tee -a "$out/stages.txt"
             pack
             # genai runs only where onnxruntime-genai is installed: the bench records it as skipped otherwise.
+            # On CUDA the bench times ort's fp16 rows on the fixed cache and its CUDA graph too (--fixed-cache's default).
             timeout 120 gpt2x bench --provider "$provider" --model random:gpt2 --backends torch,ort,genai --precisions "$precisions" \
                 --batch 1 --prompt-len 32 --new-tokens 128 --repeat 3 --output "$out/quick-bench.json" \
                 > "$out/quick-bench.log" 2>&1 || echo "quick bench: exit $?" | tee -a "$out/stages.txt"
-            if [ $(( $(date +%s) - start )) -lt 330 ]; then  # time left in the lease's plan: batch 8, longer prompts
+            pack
+            # Where a step's time goes: wall time against the kernels it ran, with and without the CUDA graph.
+            timeout 100 python3 benchmarks/cuda_profile.py --out "$out/cuda-profile" --provider "$provider" \
+                > "$out/cuda-profile.log" 2>&1 || echo "cuda profile: exit $?" | tee -a "$out/stages.txt"
+            if [ $(( $(date +%s) - start )) -lt 400 ]; then  # time left in the lease's plan: batch 8, longer prompts
                 pack
                 timeout 80 python3 benchmarks/cuda_decode.py --out "$out/cuda-decode-b8" --provider "$provider" \
                     --precisions "${precisions#*,}" --batch 8 --prompt-len 128 --new-tokens 128 --repeat 3 \

@@ -402,7 +402,8 @@ BENCH_SCHEMA = {
     "schema_version": int,
     "settings": {"model": str, "provider": str, "backends": [str], "precisions": [str], "batches": [int],
                  "prompt_len": int, "new_tokens": int, "repeat": int, "warmup": int, "threads": int, "text": str,
-                 "greedy_tokens": int, "drafts": [str], "num_speculative_tokens": int, "prompt_text": (str, type(None)), "kv_cache": str},
+                 "greedy_tokens": int, "drafts": [str], "num_speculative_tokens": int, "prompt_text": (str, type(None)), "kv_cache": str,
+                 "fixed_cache": Opt(bool)},
     "environment": dict,
     "model": {"name": str, "config": {"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int,
                                       "layer_norm_epsilon": float}, "parameters": int},
@@ -420,6 +421,8 @@ BENCH_SCHEMA = {
                "native_share": Opt(float), "native_ttft_ratio": Opt(float),
                # the runtime that ran the prompt, in the rows of a backend that says (ort)
                "prefill": Opt(str),
+               # the ort rows timed on StaticDecoder (--fixed-cache)
+               "decoder": Opt(str), "same_tokens": Opt(float),
                # the web backend's rows (tests/test_web.py)
                "page_memory_mb": Opt(float), "page": Opt(dict), "page_ttft_ms": Opt(float),
                "page_decode_tokens_per_s": Opt(float), "page_decode_latency": Opt(dict), "page_native_share": Opt(float)}],

@@ -39,19 +39,22 @@ def bench_tables(result: BenchResult) -> list[Table]:
                         f"{bw.kind}: {bw.bytes_per_s / 1e9:.1f} GB/s)")
     shares = any(e.native_share is not None for e in result.speed)
     pages = any(e.page is not None for e in result.speed)
+    fixed = any(e.decoder is not None for e in result.speed)
     for col in ("backend", "precision", "batch", "cold s", "TTFT ms", "p50 ms", "p90 ms", "p99 ms", "decode tok/s",
                 "e2e tok/s", "roofline tok/s", "% roofline", *(["x ort"] if shares else []), "peak RSS MB",
-                *(["page tok/s", "page x ort", "page MB"] if pages else [])):
+                *(["page tok/s", "page x ort", "page MB"] if pages else []), *(["same tokens"] if fixed else [])):
         speed.add_column(col, justify="right")
     for e in result.speed:
         lat = e.decode_latency
         speed.add_row(
-            e.backend.value, e.precision.value, str(e.batch), _f(e.cold_start_s, ".2f"), _f(e.ttft_ms, ".1f"),
+            e.backend.value if e.decoder is None else f"{e.backend.value}, {e.decoder}", e.precision.value, str(e.batch),
+            _f(e.cold_start_s, ".2f"), _f(e.ttft_ms, ".1f"),
             _f(lat.get("p50_ms"), ".2f"), _f(lat.get("p90_ms"), ".2f"), _f(lat.get("p99_ms"), ".2f"),
             _f(e.decode_tokens_per_s, ".1f"), _f(e.e2e_tokens_per_s, ".1f"), _f(e.roofline_tokens_per_s, ".0f"),
             f"{e.roofline_share * 100:.0f}%", *([_f(e.native_share, ".2f")] if shares else []),
             _f(e.peak_rss_mb, ".0f"),
             *(page_cells(e.page) if pages else []),
+            *([_f(e.same_tokens and e.same_tokens * 100, ".0f") + "%" if e.same_tokens is not None else "-"] if fixed else []),
         )
     skipped = [f"{x.backend.value}/{x.precision.value} ({x.reason})" for x in result.skipped if x.draft is None]
     if skipped:

@@ -90,6 +90,7 @@ class RunSettings(Record):
     num_speculative_tokens: int | None = None  # schema 2 and 3: draft_tokens; None in schema 1
     prompt_text: str | None = None
     kv_cache: str = "auto"  # the ort rows' KV cache form (choices.KvCache); results before it: auto
+    fixed_cache: bool | None = spec(default=None, optional=True)  # --fixed-cache as asked (None: on CUDA only)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunSettings:
@@ -204,6 +205,8 @@ class SpeedRow(Record):
     native_ttft_ratio: float | None = spec(default=None, optional=True)  # time to first token over ort's
     page: PageFigures | None = spec(default=None, optional=True)
     prefill: str | None = spec(default=None, optional=True)  # the runtime that ran the prompt (ort: onnxruntime or openvino)
+    decoder: str | None = spec(default=None, optional=True)  # ort's rows on StaticDecoder: "fixed cache" (+ " + CUDA graph")
+    same_tokens: float | None = spec(default=None, optional=True)  # those rows: the share of tokens equal to ort's plain row's
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -320,8 +323,9 @@ class BenchResult(Record):
         if goal not in GOALS:
             raise ValueError(f"goal must be one of {', '.join(GOALS)}, not {goal!r}")
         failed = {(p.backend, p.precision) for p in self.parity if not p.passed}
+        # A fixed-cache row is not a configuration `gpt2x serve` runs: never named.
         rows = [r for r in self.speed if (r.backend, r.precision) not in failed and (among is None or r.backend in among)
-                and (batch is None or r.batch == batch)]
+                and (batch is None or r.batch == batch) and r.decoder is None]
         if goal == "first_token":
             rows = [r for r in rows if r.batch == 1]
             return Fastest.of(goal, min(rows, key=lambda r: r.ttft_ms)) if rows else None

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..choices import BackendKind, KvCache, Precision, Progress, ProviderKind, no_progress
-from ..errors import UsageError
+from ..errors import ProviderError, UsageError
 from ..evaluate.metrics import heldout_text, perplexity, summarize_latencies
 from ..evaluate.parity import check
 from ..generation.decode import Sequence, decode_steps
@@ -42,6 +42,7 @@ from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import default_precisions
 from ..runtime.registry import cannot_roll_back, capabilities_of, unsupported
+from ..runtime.static_decode import fixed_cache_refusal
 from ..tokenizer import encode
 from ..workflows.backends import open_backend, torch_backend
 from ..workflows.drafts import check_draft, open_drafter
@@ -91,6 +92,9 @@ class BenchSettings:
     # encodes to); None: prompt_len random token ids, as the other rows.
     prompt_text: str | None = None
     kv_cache: KvCache = KvCache.auto  # the native (ort) rows' KV cache form; the other backends keep their own
+    # The ort rows timed again on runtime.static_decode.StaticDecoder (fixed-capacity cache, argmax in the graph, a
+    # CUDA graph on CUDA) where the precision allows it (fixed_cache_refusal); None: on CUDA only.
+    fixed_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if self.precisions is None:
@@ -107,6 +111,17 @@ class BenchSettings:
             raise UsageError(f"kv_cache {self.kv_cache.value} applies to the ort rows, and none is asked for", option="kv_cache")
         if self.prompt_text is not None and not encode(self.prompt_text):
             raise UsageError("prompt_text is empty: it encodes to no tokens", option="prompt_text")
+        if self.fixed_cache:
+            if not any(capabilities_of(k).native for k in self.backends):
+                raise UsageError("fixed_cache times the ort rows, and none is asked for", option="fixed_cache")
+            reasons = [fixed_cache_refusal(self.provider, p) for p in self.precisions]
+            if all(reasons):
+                raise UsageError(reasons[0], option="fixed_cache")
+
+    def fixed_rows(self, kind: BackendKind, precision: Precision) -> bool:
+        """Whether `kind` at `precision` is also timed on the fixed-capacity cache."""
+        wanted = self.provider is ProviderKind.cuda if self.fixed_cache is None else self.fixed_cache
+        return wanted and capabilities_of(kind).native and fixed_cache_refusal(self.provider, precision) is None
 
     def draft_settings(self) -> DraftSettings:
         """The drafts' settings: K up to num_speculative_tokens, adaptive (as `gpt2x generate --draft`)."""
@@ -119,7 +134,7 @@ class BenchSettings:
             batches=list(self.batches), prompt_len=self.prompt_len, new_tokens=self.new_tokens, repeat=self.repeat,
             warmup=self.warmup, threads=threads, text=str(self.text or "bundled held-out Shakespeare"),
             greedy_tokens=self.greedy_tokens, drafts=list(self.drafts), num_speculative_tokens=self.num_speculative_tokens,
-            prompt_text=self.prompt_text, kv_cache=self.kv_cache.value)
+            prompt_text=self.prompt_text, kv_cache=self.kv_cache.value, fixed_cache=self.fixed_cache)
 
 
 def label(kind: BackendKind, precision: Precision) -> str:
@@ -219,6 +234,24 @@ def timed_speculative(target: Backend, drafter: Drafter, prompt_ids: list[int], 
             "tokens": [seq.tokens], "stats": stats, "k_history": list(stats.k_history)}
 
 
+def timed_fixed(decoder, prompt_ids: np.ndarray, new_tokens: int) -> dict:
+    """One greedy run on a StaticDecoder, timed as timed_generation: the prefill and the first tokens (chosen on the
+    host), then each step (its tokens copied back, so it has finished)."""
+    steps: list[float] = []
+    out = np.empty((prompt_ids.shape[0], new_tokens), np.int64)
+    t0 = time.perf_counter()
+    out[:, 0] = decoder.prefill(prompt_ids)
+    ttft = time.perf_counter() - t0
+    last = t0 + ttft
+    for i in range(1, new_tokens):
+        out[:, i] = decoder.step()
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+    return {"ttft_s": ttft, "steps_s": steps, "decode_s": sum(steps), "decoded": len(steps),
+            "total_s": time.perf_counter() - t0, "tokens": out.tolist(), "page_ms": None}
+
+
 def decode_rate(run: dict, batch: int = 1) -> float:
     """Decode tokens per second of a timed run (timed_generation or timed_speculative), the same
     measure for both: the tokens after the first over the time after the first."""
@@ -260,6 +293,12 @@ class Timing:
     page_memory_mb: float | None  # capabilities.page: the page's process, peak over these runs
     page_info: dict[str, Any] | None  # capabilities.page: what ran it (onnxruntime-web's version, threads, ...)
     prefill: str | None = None  # the runtime that ran the prompt, where the backend says (ort: onnxruntime or openvino)
+    decoder: str | None = None  # the ort rows timed on StaticDecoder: which (FIXED_CACHE, FIXED_CACHE_GRAPH)
+    same_tokens: float | None = None  # those rows: the share of their tokens equal to the ort row's
+
+
+# The decoders of the fixed-cache rows, as a speed row names them.
+FIXED_CACHE, FIXED_CACHE_GRAPH = "fixed cache", "fixed cache + CUDA graph"
 
 
 def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt: np.ndarray, cold_s: float,
@@ -283,6 +322,33 @@ def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt
                   prefill=prefill)
 
 
+def time_fixed(s: BenchSettings, info: ExportInfo, precision: Precision, prompt: np.ndarray, threads: int,
+               plain: Timing) -> Timing:
+    """The ort row of `plain` timed again on a StaticDecoder of `prompt`'s rows and the run's positions (a CUDA graph
+    on CUDA): cold start (made, its graph captured, and its first prefill), s.warmup + s.repeat runs as time_batch's,
+    and the share of its tokens equal to `plain`'s (greedy both: a near tie may flip at fp16)."""
+    from ..runtime.static_decode import StaticDecoder  # onnxruntime, only where these rows run
+
+    reset_peak_rss()
+    graph = s.provider is ProviderKind.cuda
+    t0 = time.perf_counter()
+    decoder = StaticDecoder(info, s.provider, rows=prompt.shape[0], capacity=s.prompt_len + s.new_tokens,
+                            cuda_graph=graph, threads=threads)
+    try:
+        decoder.prefill(prompt)
+        cold_s = time.perf_counter() - t0
+        for _ in range(s.warmup):
+            timed_fixed(decoder, prompt, min(8, s.new_tokens))
+        runs = [timed_fixed(decoder, prompt, s.new_tokens) for _ in range(s.repeat)]
+    finally:
+        decoder.close()
+    run = median_run(runs)
+    same = float(np.mean(np.asarray(run["tokens"]) == np.asarray(plain.run["tokens"])))
+    return Timing(backend=plain.backend, precision=precision, batch=prompt.shape[0], run=run, cold_start_s=cold_s,
+                  peak_rss_mb=peak_rss_mb(), peak_gpu_mb=None, page_memory_mb=None, page_info=None,
+                  decoder=FIXED_CACHE_GRAPH if graph else FIXED_CACHE, same_tokens=same)
+
+
 def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> SpeedRow:
     """A timed row's figures; `roof_tps` is the roofline's tokens/s halfway through the run's context."""
     run, batch = t.run, t.batch
@@ -297,7 +363,7 @@ def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> S
         decode_latency=summarize_latencies(steps) if steps else {}, decode_tokens_per_s=decode,
         e2e_tokens_per_s=batch * new_tokens / run["total_s"], roofline_tokens_per_s=roof_tps,
         roofline_share=decode / roof_tps, latency_by_context=by_context, peak_rss_mb=t.peak_rss_mb,
-        peak_gpu_mb=t.peak_gpu_mb, page=page_figures(t), prefill=t.prefill,
+        peak_gpu_mb=t.peak_gpu_mb, page=page_figures(t), prefill=t.prefill, decoder=t.decoder, same_tokens=t.same_tokens,
     )
 
 
@@ -316,7 +382,8 @@ def page_figures(t: Timing) -> PageFigures | None:
 
 
 def speed_rows(timings: list[Timing], s: BenchSettings, cfg: GPT2Config, bytes_per_s: float) -> list[SpeedRow]:
-    """The speed rows, against the roofline at `bytes_per_s` and against the native backend's rows."""
+    """The speed rows, against the roofline at `bytes_per_s` and against the native backend's rows (its rows on
+    a fixed-cache decoder against its plain ones too)."""
     mid_context = s.prompt_len + s.new_tokens // 2
     return native_shares([speed_row(t, s.new_tokens, s.prompt_len,
                                     roofline_tokens_per_s(bytes_per_s, cfg, t.precision, t.batch, mid_context))
@@ -328,7 +395,7 @@ def native_shares(speed: list[SpeedRow]) -> list[SpeedRow]:
     `native`) at the same precision and batch in the same run (where there is one): `native_share`,
     its decode tok/s over native's, `native_ttft_ratio`, its time to first token over native's, and
     for a backend with a page `page.native_share`, the page's own decode tok/s over native's."""
-    native = {(e.precision, e.batch): e for e in speed if capabilities_of(e.backend).native}
+    native = {(e.precision, e.batch): e for e in speed if capabilities_of(e.backend).native and e.decoder is None}
     out = []
     for e in speed:
         ort = native.get((e.precision, e.batch))
@@ -555,9 +622,17 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
         with backend:
             progress(f"{label(kind, precision)}: parity")
             parity.append(parity_row(base, kind, precision, backend, info, s.greedy_tokens))
+            fixed = s.fixed_rows(kind, precision)
             for batch in s.batches:
                 progress(f"{label(kind, precision)}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
                 timings.append(time_batch(backend, kind, precision, prompts[batch], cold_s, s))
+                if fixed:
+                    progress(f"{label(kind, precision)}: batch {batch} on the {FIXED_CACHE}")
+                    try:
+                        timings.append(time_fixed(s, info, precision, prompts[batch], threads, timings[-1]))
+                    except ProviderError as e:  # an export StaticDecoder cannot run (weights in a data file)
+                        skipped.append(Skipped(backend=kind, precision=precision, reason=f"{FIXED_CACHE}: {e}"))
+                        fixed = False
             if s.drafts:
                 rows, skips = speculate(s, kind, precision, backend, spec_prompt, progress, loaded, notice)
                 speculative += rows

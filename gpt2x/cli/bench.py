@@ -36,7 +36,7 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x bench\n\n"
     "  gpt2x bench --model random:gpt2 --batch 1,4 --output bench.json --plot bench.png\n\n"
     "  gpt2x bench --backends ort --precisions fp32 --json > bench.json    (tables on stderr)\n\n"
-    "  gpt2x bench --provider cuda --batch 1,8    (fp32 and fp16: the provider's precisions)\n\n"
+    "  gpt2x bench --provider cuda --batch 1,8    (fp32 and fp16: the provider's precisions; fp16 on the fixed cache too)\n\n"
     "  gpt2x bench --backends ort --precisions fp32 --draft int4,ngram --num-speculative-tokens 5")
 
 
@@ -67,6 +67,11 @@ def bench(
         help="The prompt of the --draft rows and their plain baseline, as text (all its tokens; "
         "default: --prompt-len random token ids, as the other rows).")] = None,
     kv_cache: KvCacheOpt = KvCache.auto,
+    fixed_cache: Annotated[Optional[bool], typer.Option(
+        "--fixed-cache/--no-fixed-cache",
+        help="Also time the ort rows on the fixed-capacity cache (StaticDecoder: one buffer per layer bound as past and "
+        "present, the argmax in the graph, the step in a CUDA graph on CUDA), at the precision it runs: fp16 on cuda, "
+        "fp32 on cpu. Default: on with --provider cuda.", show_default=False)] = None,
 ) -> None:
     """Parity and tokens/sec of each backend x precision x batch, against the memory-bandwidth roofline."""
     settings = BenchSettings(
@@ -75,7 +80,7 @@ def bench(
         batches=parse_list(batch, int, "--batch"),
         prompt_len=prompt_len, new_tokens=new_tokens, repeat=repeat, threads=threads, text=text,
         drafts=parse_list(draft or "", str, "--draft"), num_speculative_tokens=num_speculative_tokens,
-        prompt_text=prompt_text, kv_cache=kv_cache,
+        prompt_text=prompt_text, kv_cache=kv_cache, fixed_cache=fixed_cache,
     )
     if plot_file:
         require_matplotlib()

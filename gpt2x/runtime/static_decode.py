@@ -20,6 +20,16 @@ from .providers import create_session, refuse_fp16_on_cpu
 CAPTURE_RUNS = 3
 
 
+def fixed_cache_refusal(provider: ProviderKind, precision: Precision) -> str | None:
+    """Why StaticDecoder cannot run `precision` on `provider`, or None: ONNX Runtime's GroupQueryAttention runs fp16
+    on CUDA and fp32 on the CPU (its int8 and int4 graphs are not rewritten)."""
+    runs = Precision.fp16 if provider is ProviderKind.cuda else Precision.fp32
+    if precision is runs:
+        return None
+    return (f"the fixed-capacity cache on {provider.value} needs an {runs.value} export (ONNX Runtime's "
+            f"GroupQueryAttention on {provider.value}), not {precision.value}")
+
+
 class StaticDecoder(Closable):
     """`rows` prompts of one length (no padding) decoded greedily into one fixed-capacity cache of `capacity`
     positions (default: the model's). The prompt runs on the export's GroupQueryAttention graph (the fp32 and fp16
@@ -34,9 +44,9 @@ class StaticDecoder(Closable):
         refuse_fp16_on_cpu(info, provider)
         if cuda_graph and provider is not ProviderKind.cuda:
             raise ProviderError("a CUDA graph needs the cuda provider")
-        if provider is ProviderKind.cuda and info.precision is not Precision.fp16:
-            raise ProviderError(f"{info.folder}: the fixed-capacity cache on CUDA needs an fp16 export "
-                                f"(ONNX Runtime's GroupQueryAttention has no fp32 CUDA kernel), not {info.precision.value}")
+        why = fixed_cache_refusal(provider, info.precision)
+        if why:
+            raise ProviderError(f"{info.folder}: {why}")
         cfg = info.config
         self.rows, self.capacity = rows, capacity or cfg.n_positions
         if not 1 < self.capacity <= cfg.n_positions:
@@ -57,8 +67,11 @@ class StaticDecoder(Closable):
             dims={io.BATCH: rows, io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
         dtype = np.float16 if info.precision is Precision.fp16 else np.float32
         shape = (rows, cfg.n_head, self.capacity, cfg.head_dim)
-        # One buffer per layer and K/V, bound as both past and present in every session: nothing is copied.
-        self._kv = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0) for _ in range(2 * cfg.n_layer)]
+        # One buffer per layer and K/V, bound as both past and present in every session: nothing is copied. Zeroed, not
+        # left as allocated: what an earlier tensor left there (NaN, inf) must not reach an attention kernel that reads
+        # positions not yet written (docs/results/cuda.md).
+        # (An array each: on the CPU an OrtValue holds the array's own memory.)
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.device, 0) for _ in range(2 * cfg.n_layer)]
         # The step's input ids and its output next_token are one buffer: a step's token feeds the next step where it
         # is (its ArgMax runs after every read of the ids). Positions come from seqlens_k in the graph.
         self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)

@@ -288,6 +288,65 @@ def test_the_ort_rows_take_the_kv_cache_form_asked_for(tiny_export, kv_cache, in
     assert s.recorded(1).kv_cache == kv_cache.value
 
 
+def test_fixed_cache_rows_beside_the_plain_ones(tiny, tmp_path, monkeypatch):
+    """--fixed-cache on the CPU: each ort row timed again on StaticDecoder (its fixed-shape decode graph), named as
+    such, its greedy tokens those of the plain row (a second graph of the same export), its speed a share of the
+    plain row's, and never named fastest (gpt2x serve does not run it)."""
+    model, source = tiny
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))
+    s = bench.BenchSettings(model="tiny", backends=[BackendKind.ort], precisions=[Precision.fp32], batches=[1, 2],
+                            prompt_len=4, new_tokens=6, repeat=1, fixed_cache=True)
+    result = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
+    assert [(e.batch, e.decoder) for e in result.speed] == [(1, None), (1, "fixed cache"), (2, None), (2, "fixed cache")]
+    for plain, fixed in zip(result.speed[::2], result.speed[1::2]):
+        assert fixed.same_tokens == 1.0 and plain.same_tokens is None
+        assert fixed.native_share == pytest.approx(fixed.decode_tokens_per_s / plain.decode_tokens_per_s)
+    # The fixed rows made the fastest at both goals: the plain rows are still the ones named.
+    quick = dataclasses.replace(result, speed=[e if e.decoder is None else dataclasses.replace(
+        e, decode_tokens_per_s=1e9, ttft_ms=1e-6) for e in result.speed])
+    plain_rows = {(e.batch, e.decode_tokens_per_s, e.ttft_ms) for e in result.speed if e.decoder is None}
+    assert len(quick.fastest) == 2 and {(f.batch, f.decode_tokens_per_s, f.ttft_ms) for f in quick.fastest} <= plain_rows
+    written = json.loads(result.to_json())
+    validate(written, BENCH_SCHEMA)
+    assert written["settings"]["fixed_cache"] is True
+    assert BenchResult.from_json(result.to_json()) == result
+    assert "ort, fixed cache" in rendered(result) and "same tokens" in rendered(result)
+
+
+def test_fixed_cache_counts_tokens_unlike_the_plain_rows(tiny_export):
+    """same_tokens is the share of the fixed decoder's tokens equal to the plain row's: half of them changed there,
+    half agree."""
+    _, _, info = tiny_export(Precision.fp32)
+    s = bench.BenchSettings(backends=[BackendKind.ort], precisions=[Precision.fp32], prompt_len=4, new_tokens=6,
+                            repeat=1, warmup=0, fixed_cache=True)
+    prompt = np.arange(1, 9, dtype=np.int64).reshape(2, 4)
+    from gpt2x.runtime.static_decode import StaticDecoder
+
+    want = StaticDecoder(info, ProviderKind.cpu, rows=2, capacity=10).generate(prompt, 6)
+    changed = want.copy()
+    changed[:, :3] = (changed[:, :3] + 1) % info.config.vocab_size
+    plain = bench.Timing(backend=BackendKind.ort, precision=Precision.fp32, batch=2, run={"tokens": changed.tolist()},
+                         cold_start_s=0, peak_rss_mb=0, peak_gpu_mb=None, page_memory_mb=None, page_info=None)
+    fixed = bench.time_fixed(s, info, Precision.fp32, prompt, 1, plain)
+    assert fixed.same_tokens == pytest.approx(0.5) and fixed.decoder == bench.FIXED_CACHE
+    assert fixed.run["tokens"] == want.tolist() and len(fixed.run["steps_s"]) == 5
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"precisions": [Precision.int8]}, "on cpu needs an fp32 export"),
+    ({"backends": [BackendKind.torch]}, "none is asked for"),
+])
+def test_fixed_cache_refused_where_it_cannot_run(kwargs, fragment):
+    with pytest.raises(UsageError, match=fragment) as e:
+        bench.BenchSettings(**{"backends": [BackendKind.ort], "precisions": [Precision.fp32], "fixed_cache": True, **kwargs})
+    assert e.value.option == "fixed_cache"
+    # Not asked for on the CPU: no fixed rows; on CUDA by default at fp16 only.
+    assert not bench.BenchSettings(backends=[BackendKind.ort], precisions=[Precision.fp32]).fixed_rows(BackendKind.ort, Precision.fp32)
+    cuda = bench.BenchSettings(provider=ProviderKind.cuda, backends=[BackendKind.ort, BackendKind.torch])
+    assert [cuda.fixed_rows(k, p) for k in (BackendKind.ort, BackendKind.torch) for p in (Precision.fp32, Precision.fp16)] == \
+        [False, True, False, False]
+
+
 def test_first_difference():
     assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1

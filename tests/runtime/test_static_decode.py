@@ -71,3 +71,6 @@ def test_refusals(tiny, tiny_export):
     fp16 = tiny_export(Precision.fp16, gated=False)[2]
     with pytest.raises(ProviderError):
         StaticDecoder(fp16, ProviderKind.cpu)
+    int8 = tiny_export(Precision.int8)[2]
+    with pytest.raises(ProviderError, match="on cpu needs an fp32 export .* not int8"):
+        StaticDecoder(int8, ProviderKind.cpu)
