@@ -617,13 +617,20 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
     timings: list[Timing] = []
     speculative: list[SpeculativeRow] = []
     for kind, precision in pairs:
+        most = capabilities_of(kind).max_batch
+        batches = [b for b in s.batches if most is None or b <= most]
+        skipped += [Skipped(backend=kind, precision=precision, reason=f"batch {b}: {capabilities_of(kind).runtime} batches "
+                            f"at most {most} rows (gpt2x runs more as a batch of one a row, not its speed)")
+                    for b in s.batches if b not in batches]
+        if not batches:
+            continue
         info = prepare_export(s, kind, precision, loaded, progress, notice)
-        backend, cold_s = open_timed(s, kind, precision, info, prompts[s.batches[0]], threads, loaded, progress)
+        backend, cold_s = open_timed(s, kind, precision, info, prompts[batches[0]], threads, loaded, progress)
         with backend:
             progress(f"{label(kind, precision)}: parity")
             parity.append(parity_row(base, kind, precision, backend, info, s.greedy_tokens))
             fixed = s.fixed_rows(kind, precision)
-            for batch in s.batches:
+            for batch in batches:
                 progress(f"{label(kind, precision)}: batch {batch}, {s.warmup} warm-up + {s.repeat} timed runs")
                 timings.append(time_batch(backend, kind, precision, prompts[batch], cold_s, s))
                 if fixed:

@@ -50,6 +50,8 @@ class Capabilities:
     # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: forwards run in a browser page,
     # which times them and measures its own memory.
     page: bool = False
+    # The most rows one batch of the runtime takes where it is fastest (None: any); the bench measures no more.
+    max_batch: int | None = None
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:

@@ -21,6 +21,9 @@ from .base import CPU_PRECISIONS, Capabilities, Closable, Released
 from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
+# onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):
+# a larger batch runs as one single-row generator per row, as a padded one does.
+GENAI_MAX_BATCH = 32
 
 
 class _Lane:
@@ -83,7 +86,7 @@ class GenaiBackend(Closable):
 
     name = "genai"
     # The generator owns its cache: no past from elsewhere, no joins, no rollback.
-    capabilities = Capabilities(runtime="onnxruntime-genai",
+    capabilities = Capabilities(runtime="onnxruntime-genai", max_batch=GENAI_MAX_BATCH,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)})
     cache_forms = (GenaiState,)
 
@@ -192,7 +195,7 @@ class GenaiBackend(Closable):
             raise ValueError("this cache was already stepped from (or reordered); step from the cache the last step returned")
         new_mask = mask[:, width:]
         if past is None:
-            if new_mask.all():
+            if new_mask.all() and B <= GENAI_MAX_BATCH:
                 lane = self._new_lane(B, ids)
                 return self._logits(lane, T, last_only), GenaiState(self, [lane], True, mask)
             past = GenaiState(self, [_Lane(None, 1, self.n_positions) for _ in range(B)], False, mask[:, :0])
@@ -276,6 +279,8 @@ class GenaiBackend(Closable):
             lane.tokens[:, : lane.length] = gathered
             self._replay(lane)
             return GenaiState(self, [lane], True, mask)
+        if rows.size > GENAI_MAX_BATCH:
+            return GenaiState(self, [self._new_lane(1, gathered[r : r + 1]) for r in range(rows.size)], False, mask)
         return GenaiState(self, [self._new_lane(rows.size, gathered)], True, mask)
 
     # -- the cache in gpt2x's layout

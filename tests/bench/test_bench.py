@@ -347,6 +347,18 @@ def test_fixed_cache_refused_where_it_cannot_run(kwargs, fragment):
         [False, True, False, False]
 
 
+def test_batches_above_a_backends_most_are_skipped(tiny, tmp_path, monkeypatch):
+    """onnxruntime-genai batches at most 32 rows: the bench times its batch of 2 and says why it leaves 33 out."""
+    model, source = tiny
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))
+    s = bench.BenchSettings(model="tiny", backends=[BackendKind.genai], precisions=[Precision.fp32], batches=[2, 33],
+                            prompt_len=4, new_tokens=3, repeat=1)
+    result = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
+    assert [(e.backend, e.batch) for e in result.speed] == [(BackendKind.genai, 2)]
+    assert [(x.backend, x.reason.split(":")[0]) for x in result.skipped] == [(BackendKind.genai, "batch 33")]
+    assert "at most 32 rows" in result.skipped[0].reason
+
+
 def test_first_difference():
     assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1

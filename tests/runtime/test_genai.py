@@ -70,7 +70,8 @@ def test_backend_attributes(tiny, backends):
     genai, _ = backends[Precision.fp32]
     # The generator owns its cache: no cache from elsewhere, no joining rows, no rollback, nor their methods.
     assert (genai.name, genai.provider.value, genai.capabilities) == ("genai", "cpu", Capabilities(
-        runtime="onnxruntime-genai", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)}))
+        runtime="onnxruntime-genai", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
+        max_batch=32))
     assert not any(hasattr(genai, m) for m in ("past_from_numpy", "merge", "truncate", "step_greedy"))
     assert (genai.n_positions, genai.vocab_size) == (64, 50257)
     assert genai.model_name == infos[Precision.fp32].meta["model"]["name"]
@@ -231,6 +232,32 @@ def test_fp16_on_the_cpu_is_refused(tiny):
     fp16 = replace(info, meta={**info.meta, "precision": "fp16"})
     with pytest.raises(ProviderError, match="fp16"):
         GenaiBackend(fp16)
+
+
+def test_more_rows_than_a_genai_generator_takes(backends):
+    """33 rows without padding, one more than onnxruntime-genai's generators take (it raises on 33): the prompt and
+    two steps give ONNX Runtime's logits on the same export."""
+    genai, ort = backends[Precision.fp32]
+    ids = np.random.default_rng(3).integers(0, 50257, (33, 5))
+    mask = np.ones_like(ids)
+    got, past = genai.step(ids, mask, positions(mask, 5), None)
+    want, ort_past = ort.step(ids, mask, positions(mask, 5), None)
+    assert rel_err(want, got) < REL_TOL
+    for t in range(2):
+        nxt = want.argmax(-1)[:, None]
+        mask = np.ones((33, 6 + t), np.int64)
+        got, past = genai.step(nxt, mask, positions(mask, 1), past)
+        want, ort_past = ort.step(nxt, mask, positions(mask, 1), ort_past)
+        assert rel_err(want, got) < REL_TOL
+    # A batch of 2 rows gathered into 34 (as n samples a prompt): more than a generator takes again.
+    rows = np.array([0, 1] * 17)
+    few, few_ort = genai.step(ids[:2], np.ones((2, 5), np.int64), positions(np.ones((2, 5), np.int64), 5), None)[1], \
+        ort.step(ids[:2], np.ones((2, 5), np.int64), positions(np.ones((2, 5), np.int64), 5), None)[1]
+    mask = np.ones((34, 6), np.int64)
+    nxt = np.full((34, 1), 7)
+    got = genai.step(nxt, mask, positions(mask, 1), few.reorder(rows))[0]
+    want = ort.step(nxt, mask, positions(mask, 1), few_ort.reorder(rows))[0]
+    assert rel_err(want, got) < REL_TOL
 
 
 def test_a_folder_genai_cannot_load_is_an_artifact_error(tiny, tmp_path):
