@@ -31,4 +31,4 @@ for model in ("shakespeare", "random:gpt2"):
                 for _ in range(2):
                     got = d.generate(p, 30)
                     res.append(f"{(got == want).mean():.2f}/{got[0, :3].tolist()}")
-                print(model,  # noqa: T201 "rows", rows, "graph", graph, "fill", fill, "want", want[0, :3].tolist(), "gens:", " ".join(res), flush=True)
+                print(model, "rows", rows, "graph", graph, "fill", fill, "want", want[0, :3].tolist(), "gens:", " ".join(res), flush=True)  # noqa: T201
