@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_decode.py --out RESULTS/cuda-decode [--provider cuda] [--model random:gpt2]
         [--precisions fp32,fp16] [--batch 1] [--prompt-len 32] [--new-tokens 128] [--repeat 3] [--exports ROOT]
+        [--contenders sampled]
 
 Contenders (each skipped with its reason where it cannot run here):
 - `ort growing`: OrtBackend, IO binding, presents left on the device as the next past, the argmax taken on the
@@ -209,7 +210,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--exports", type=Path, default=None, help="exports root (default: GPT2X_EXPORTS, as gpt2x's)")
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated words: only the contenders whose name holds one (default: all), e.g. 'sampled'")
     a = ap.parse_args()
+    words = None if a.contenders is None else [w.strip() for w in a.contenders.split(",") if w.strip()]
     precisions = [Precision(p) for p in a.precisions.split(",")]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     rows, skipped = [], []
@@ -246,6 +250,8 @@ def main() -> int:
         ]
         references = {}  # greedy and sampled contenders each compared with their group's first
         for name, make in contenders:
+            if words is not None and not any(w in name for w in words):
+                continue
             log(f"-- {precision.value} {name}")
             try:
                 run, ran_on = make()

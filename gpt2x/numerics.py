@@ -17,6 +17,12 @@ def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
     return np.maximum(np.cumsum(mask, axis=-1) - 1, 0)[:, mask.shape[1] - seq_len :].astype(np.int64)
 
 
+# The inverse CDF's blocks, on the host (generation.sampling) and the device (onnx.optimize.sampling_head): a running
+# sum over a whole row goes one token at a time (on CUDA, ONNX Runtime's CumSum sums every prefix again), block sums do
+# not, and then only one block is summed in order (benchmarks/results/sampling-speed-blocked-cdf-cpu-2core).
+CDF_BLOCK = 512
+
+
 def block_reduce(reduce: np.ufunc, a: np.ndarray, block: int) -> np.ndarray:
     """`reduce` (np.add, np.maximum) over each run of `block` columns of a (rows, n) array, the last run shorter
     where n is not a multiple of it: (rows, ceil(n / block))."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.random  # noqa: F401  loaded here, not by the first Sampler a request makes (NumPy 2 loads it lazily: ~6.5 ms)
 
-from ..numerics import block_reduce
+from ..numerics import CDF_BLOCK, block_reduce
 from .processors import ORDER, History, LogitsProcessor, processors_for, softmax
 from .settings import SamplingSettings
 
@@ -59,11 +59,6 @@ class Sampler:
     def draw(self, p: np.ndarray) -> np.ndarray:
         """One token per row of `p` (unnormalised is fine), by inverse CDF, one uniform per row in row order."""
         return _inverse_cdf(p, self.rng.random(p.shape[0]))
-
-
-# The inverse CDF's blocks: NumPy's running sum over a whole row goes one token at a time, block sums do not, and then
-# only one block is summed in order (benchmarks/results/sampling-speed-blocked-cdf-cpu-2core: half a 16-row draw).
-CDF_BLOCK = 512
 
 
 def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..choices import Precision
 from ..model.config import GPT2Config
+from ..numerics import CDF_BLOCK
 from . import names as io
 from .artifact import IR_VERSION, attention_layout, save_onnx
 from .mapped import load_mapped
@@ -436,37 +437,70 @@ def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
 
 def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """Nodes from the logits [batch, 1, vocab] to next_token [batch, 1]: the sampler's draw (generation.sampling) on
-    the device. Each row's logits over its temperature, their softmax's running sum, and the first token where it
-    reaches the row's uniform of its total (inverse CDF, the host sampler's rule), in float64 as the host's: in
-    float32 the running sum over 50,257 near-equal masses drifted by tokens; a row at temperature 0 takes the argmax."""
+    the device. Each row's logits over its temperature and their exponentials, then the host sampler's blocked
+    inverse CDF in float64 as the host's (in float32 the running sum over 50,257 near-equal masses drifted by tokens):
+    the block of CDF_BLOCK tokens where the running sum of the block sums reaches the row's uniform of its total, then
+    the first token in it where the running sum does (the block's last token with mass where rounding leaves it a hair
+    short). A row at temperature 0 takes the argmax."""
+    vocab = next(o for o in graph.output if o.name == io.LOGITS).type.tensor_type.shape.dim[2].dim_value
+    blocks = -(-vocab // CDF_BLOCK)
+
     def const(name: str, dtype: int, dims: list[int], values: list) -> str:
         graph.initializer.append(helper.make_tensor(name, dtype, dims, values))
         return name
 
-    axes12 = const("sample_axes_12", TensorProto.INT64, [2], [1, 2])
-    last = const("sample_last", TensorProto.INT64, [], [-1])
-    last_axes = const("sample_last_axes", TensorProto.INT64, [1], [-1])  # opset 18: ReduceMax takes axes as an input
-    tiny = const("sample_tiny", TensorProto.DOUBLE, [], [1e-6])
-    zero = const("sample_zero", TensorProto.DOUBLE, [], [0.0])
+    i64, f64 = TensorProto.INT64, TensorProto.DOUBLE
+    axes12 = const("sample_axes_12", i64, [2], [1, 2])
+    last = const("sample_last", i64, [], [-1])
+    last_axes = const("sample_last_axes", i64, [1], [-1])  # opset 18: the reductions take axes as an input
+    axis1 = const("sample_axis_1", i64, [1], [1])
     n = helper.make_node
     return [
-        n("Cast", [io.LOGITS], ["sample_logits"], to=TensorProto.DOUBLE),
-        n("Max", [io.TEMPERATURE, tiny], ["sample_t"]),  # a greedy row's 0 divides nothing by zero
+        n("Cast", [io.LOGITS], ["sample_logits"], to=f64),
+        n("Max", [io.TEMPERATURE, const("sample_tiny", f64, [], [1e-6])], ["sample_t"]),  # a greedy row's 0 divides nothing
         n("Unsqueeze", ["sample_t", axes12], ["sample_t3"]),
         n("Div", ["sample_logits", "sample_t3"], ["sample_scaled"]),
         n("ReduceMax", ["sample_scaled", last_axes], ["sample_max"], keepdims=1),
         n("Sub", ["sample_scaled", "sample_max"], ["sample_shifted"]),
-        n("Exp", ["sample_shifted"], ["sample_mass"]),
-        n("CumSum", ["sample_mass", last], ["sample_cdf"]),
-        n("ReduceMax", ["sample_cdf", last_axes], ["sample_total"], keepdims=1),  # the running sum's end
-        n("Unsqueeze", [io.UNIFORM, axes12], ["sample_u3"]),
-        n("Mul", ["sample_u3", "sample_total"], ["sample_cut"]),
+        n("Exp", ["sample_shifted"], ["sample_mass3"]),
+        # [batch, vocab], zeros past the vocabulary to whole blocks, [batch, blocks, CDF_BLOCK]
+        n("Reshape", ["sample_mass3", const("sample_rows", i64, [2], [0, vocab])], ["sample_mass"]),
+        n("Pad", ["sample_mass", const("sample_pads", i64, [4], [0, 0, 0, blocks * CDF_BLOCK - vocab])], ["sample_padded"]),
+        n("Reshape", ["sample_padded", const("sample_blocked", i64, [3], [0, blocks, CDF_BLOCK])], ["sample_blocks"]),
+        n("ReduceSum", ["sample_blocks", last_axes], ["sample_block_mass"], keepdims=0),  # [batch, blocks]
+        n("CumSum", ["sample_block_mass", last], ["sample_ends"]),  # the mass up to each block's end
+        n("CumSum", ["sample_block_mass", last], ["sample_starts"], exclusive=1),  # ... and before its start
+        n("ReduceMax", ["sample_ends", last_axes], ["sample_total"], keepdims=1),  # [batch, 1]
+        n("Unsqueeze", [io.UNIFORM, axis1], ["sample_u"]),
+        n("Mul", ["sample_u", "sample_total"], ["sample_cut"]),
+        n("GreaterOrEqual", ["sample_ends", "sample_cut"], ["sample_block_reached"]),
+        n("Cast", ["sample_block_reached"], ["sample_block_reached_f"], to=TensorProto.FLOAT),  # ArgMax takes no bool
+        n("ArgMax", ["sample_block_reached_f"], ["sample_block"], axis=-1, keepdims=1),  # [batch, 1]: the first reached
+        n("GatherElements", ["sample_starts", "sample_block"], ["sample_base"], axis=1),
+        n("Unsqueeze", ["sample_block", axis1], ["sample_block3"]),
+        n("Expand", ["sample_block3", const("sample_block_shape", i64, [3], [1, 1, CDF_BLOCK])], ["sample_block_index"]),
+        n("GatherElements", ["sample_blocks", "sample_block_index"], ["sample_in_block3"], axis=1),
+        n("Reshape", ["sample_in_block3", const("sample_block_row", i64, [2], [0, CDF_BLOCK])], ["sample_in_block"]),
+        n("CumSum", ["sample_in_block", last], ["sample_running"]),
+        n("Add", ["sample_base", "sample_running"], ["sample_cdf"]),
         n("GreaterOrEqual", ["sample_cdf", "sample_cut"], ["sample_reached"]),
-        n("Cast", ["sample_reached"], ["sample_reached_f"], to=TensorProto.FLOAT),  # ArgMax takes no bool
-        n("ArgMax", ["sample_reached_f"], ["sample_drawn"], axis=-1, keepdims=0),  # the first reached
-        n("ArgMax", ["sample_logits"], ["sample_greedy"], axis=-1, keepdims=0),
-        n("Greater", [io.TEMPERATURE, zero], ["sample_draws"]),
-        n("Unsqueeze", ["sample_draws", const("sample_axis_1", TensorProto.INT64, [1], [1])], ["sample_draws2"]),
+        n("Cast", ["sample_reached"], ["sample_reached_f"], to=TensorProto.FLOAT),
+        n("ArgMax", ["sample_reached_f"], ["sample_first"], axis=-1, keepdims=1),
+        n("ReduceMax", ["sample_reached_f", last_axes], ["sample_any"], keepdims=1),
+        # The block's last token with mass: the largest index among those with mass
+        n("Greater", ["sample_in_block", const("sample_zero", f64, [], [0.0])], ["sample_has_mass"]),
+        n("Cast", ["sample_has_mass"], ["sample_has_mass_f"], to=TensorProto.FLOAT),
+        n("Mul", ["sample_has_mass_f", const("sample_columns", TensorProto.FLOAT, [CDF_BLOCK], list(range(CDF_BLOCK)))],
+          ["sample_massed_columns"]),
+        n("ArgMax", ["sample_massed_columns"], ["sample_last_massed"], axis=-1, keepdims=1),
+        n("Cast", ["sample_any"], ["sample_any_b"], to=TensorProto.BOOL),
+        n("Where", ["sample_any_b", "sample_first", "sample_last_massed"], ["sample_in_block_index"]),
+        n("Mul", ["sample_block", const("sample_block_size", i64, [], [CDF_BLOCK])], ["sample_block_start"]),
+        n("Add", ["sample_block_start", "sample_in_block_index"], ["sample_index"]),
+        n("Min", ["sample_index", const("sample_vocab_last", i64, [], [vocab - 1])], ["sample_drawn"]),
+        n("ArgMax", ["sample_logits"], ["sample_greedy"], axis=-1, keepdims=0),  # [batch, 1]
+        n("Greater", [io.TEMPERATURE, const("sample_zero_t", f64, [], [0.0])], ["sample_draws"]),
+        n("Unsqueeze", ["sample_draws", axis1], ["sample_draws2"]),
         n("Where", ["sample_draws2", "sample_drawn", "sample_greedy"], [io.NEXT_TOKEN]),
     ]
 
