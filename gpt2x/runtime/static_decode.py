@@ -96,8 +96,7 @@ class StaticDecoder(Closable):
 
     def _capture(self) -> None:
         """Dummy steps (token 0 at position 0, which a prefill overwrites) until ONNX Runtime has captured the CUDA
-        graph: on an H100 (ONNX Runtime 1.31) the runs before the capture chose wrong tokens and the replays right
-        ones (benchmarks/results/cuda-h100), so every step of a generation is a replay."""
+        graph, so that every step of a generation is a replay and none pays for the capture."""
         for _ in range(CAPTURE_RUNS):
             self._decode.run_with_iobinding(self._binding)
 
