@@ -52,6 +52,9 @@ class Capabilities:
     page: bool = False
     # The most rows one batch of the runtime takes where it is fastest (None: any); the bench measures no more.
     max_batch: int | None = None
+    # `prefill_ms(rows, new_tokens, past_tokens)`: a prefill's estimated time (None where the backend cannot tell),
+    # for a caller choosing between prefills that compute more or fewer tokens on different runtimes.
+    estimates_prefill: bool = False
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:

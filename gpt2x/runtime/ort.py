@@ -28,7 +28,7 @@ from .kvbuffers import (
     rows_to_keep,
     small_page_arrays,
 )
-from .prefill import PrefillChoice, asked, openvino_from
+from .prefill import PrefillChoice, asked, estimate_ms, openvino_from
 from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
@@ -262,7 +262,8 @@ class OrtBackend(Closable):
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
     capabilities = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
-                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True)
+                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
+                                estimates_prefill=True)
     cache_forms = (GrowingCache, InPlaceCache)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -338,6 +339,16 @@ class OrtBackend(Closable):
     def prefill_from(self) -> int | None:
         """The prefill tokens (rows x prompt length) from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from
+
+    def prefill_ms(self, rows: int, new_tokens: int, past_tokens: int = 0) -> float | None:
+        """The estimated ms of a prefill of `rows` x `new_tokens` on a past of `past_tokens` (a past runs on ONNX
+        Runtime; a fresh prompt where prefill_runtime says), from the times the export recorded for one row on both
+        runtimes (runtime.prefill.estimate_ms); None without an OpenVINO prefill, where every prefill runs on ONNX
+        Runtime and fewer tokens take less time."""
+        if self._openvino_prefill is None:
+            return None
+        fresh = PrefillChoice(self.prefill_runtime(new_tokens, rows)) if past_tokens == 0 else PrefillChoice.onnxruntime
+        return estimate_ms(self.info.prefill.get("timing"), fresh, rows * new_tokens)
 
     def prefill_runtime(self, prompt_len: int, rows: int = 1) -> str:
         """The runtime that runs `rows` fresh prompts of `prompt_len` tokens: "onnxruntime" or "openvino". The export

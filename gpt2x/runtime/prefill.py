@@ -45,3 +45,15 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
     if not usable:
         return None
     return (record.get("timing") or {}).get("openvino_from")
+
+
+def estimate_ms(timing: dict | None, runtime: PrefillChoice, tokens: int) -> float | None:
+    """A prefill's time on `runtime` for `tokens` (rows x new tokens), from the export's record of one row's prompts
+    timed on both runtimes (`timing`: lengths, onnxruntime_ms, openvino_ms): the line through its first and last
+    lengths' times. None where the record has no such times."""
+    ms = (timing or {}).get(f"{runtime.value}_ms")
+    lengths = (timing or {}).get("lengths")
+    if not ms or not lengths or len(ms) != len(lengths) or len(lengths) < 2 or lengths[-1] == lengths[0]:
+        return None
+    per_token = (ms[-1] - ms[0]) / (lengths[-1] - lengths[0])
+    return max(0.0, ms[0] + per_token * (tokens - lengths[0]))

@@ -121,6 +121,16 @@ def tiny(tmp_path_factory):
     return load_model(str(folder))
 
 
+@pytest.fixture
+def quick_bench(monkeypatch, tmp_path):
+    """For bench tests that check neither the bandwidth nor the perplexity: the bandwidth a constant (its measure
+    takes seconds a run), and a short text (its path, for BenchSettings.text)."""
+    monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)
+    text = tmp_path / "short.txt"
+    text.write_text(GROUNDED * 4, encoding="utf-8")
+    return text
+
+
 def test_perturbed_backend_fails_the_gate_and_a_clean_one_passes(tiny):
     model, _ = tiny
     assert check(TorchBackend(model), TorchBackend(model), Precision.fp32)["status"] == "passed"
@@ -288,14 +298,14 @@ def test_the_ort_rows_take_the_kv_cache_form_asked_for(tiny_export, kv_cache, in
     assert s.recorded(1).kv_cache == kv_cache.value
 
 
-def test_fixed_cache_rows_beside_the_plain_ones(tiny, tmp_path, monkeypatch):
+def test_fixed_cache_rows_beside_the_plain_ones(tiny, tmp_path, monkeypatch, quick_bench):
     """--fixed-cache on the CPU: each ort row timed again on StaticDecoder (its fixed-shape decode graph), named as
     such, its greedy tokens those of the plain row (a second graph of the same export), its speed a share of the
     plain row's, and never named fastest (gpt2x serve does not run it)."""
     model, source = tiny
     monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))
     s = bench.BenchSettings(model="tiny", backends=[BackendKind.ort], precisions=[Precision.fp32], batches=[1, 2],
-                            prompt_len=4, new_tokens=6, repeat=1, fixed_cache=True)
+                            prompt_len=4, new_tokens=6, repeat=1, fixed_cache=True, text=quick_bench)
     result = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
     assert [(e.batch, e.decoder) for e in result.speed] == [(1, None), (1, "fixed cache"), (2, None), (2, "fixed cache")]
     for plain, fixed in zip(result.speed[::2], result.speed[1::2]):
@@ -347,12 +357,12 @@ def test_fixed_cache_refused_where_it_cannot_run(kwargs, fragment):
         [False, True, False, False]
 
 
-def test_batches_above_a_backends_most_are_skipped(tiny, tmp_path, monkeypatch):
+def test_batches_above_a_backends_most_are_skipped(tiny, tmp_path, monkeypatch, quick_bench):
     """onnxruntime-genai batches at most 32 rows: the bench times its batch of 2 and says why it leaves 33 out."""
     model, source = tiny
     monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))
     s = bench.BenchSettings(model="tiny", backends=[BackendKind.genai], precisions=[Precision.fp32], batches=[2, 33],
-                            prompt_len=4, new_tokens=3, repeat=1)
+                            prompt_len=4, new_tokens=3, repeat=1, text=quick_bench)
     result = bench.run_bench(s, {"cores": 1}, loaded=(model, source))
     assert [(e.backend, e.batch) for e in result.speed] == [(BackendKind.genai, 2)]
     assert [(x.backend, x.reason.split(":")[0]) for x in result.skipped] == [(BackendKind.genai, "batch 33")]

@@ -16,6 +16,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.prefill import PrefillChoice, estimate_ms
 
 from ..helpers import run_gpt2x
 
@@ -246,6 +247,35 @@ def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
     monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")  # the CLI's --prefill sets it
     with OrtBackend(with_timing(info, 2), threads=1) as forced:
         assert forced.prefill == "onnxruntime"
+
+
+# The times an int8 GPT-2 124M export recorded on an Intel Xeon (one row; ms at 32 and 256 tokens).
+XEON_TIMING = {"batch": 1, "lengths": [32, 256], "onnxruntime_ms": [26.7, 178.2], "openvino_ms": [17.1, 73.6]}
+
+
+def test_prefill_estimates_follow_the_records_lines():
+    """estimate_ms: the line through the record's two times, by hand: OpenVINO's 17.1 + (73.6 - 17.1) / 224 ms a
+    token past 32, ONNX Runtime's 26.7 + (178.2 - 26.7) / 224."""
+    assert estimate_ms(XEON_TIMING, PrefillChoice.openvino, 480) == pytest.approx(17.1 + 56.5 / 224 * 448)  # 130.1
+    assert estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 240) == pytest.approx(26.7 + 151.5 / 224 * 208)  # 167.4
+    assert estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 1) == pytest.approx(26.7 - 151.5 / 224 * 31)
+    assert estimate_ms(None, PrefillChoice.openvino, 32) is None
+    assert estimate_ms({"lengths": [32], "openvino_ms": [17.1]}, PrefillChoice.openvino, 32) is None
+
+
+def test_a_backend_estimates_a_past_on_onnx_runtime_and_a_fresh_prompt_where_it_runs(tiny, tiny_export):
+    """OrtBackend.prefill_ms: a prompt on a past is ONNX Runtime's line, a fresh one the line of the runtime that
+    runs it (OpenVINO from 8 tokens here); no estimate without an OpenVINO prefill."""
+    _, info = tiny
+    timed = with_timing(info, 8)
+    timed.meta["openvino_prefill"]["timing"].update(XEON_TIMING)
+    with OrtBackend(timed, threads=1, prefill="auto") as backend:
+        assert backend.prefill_ms(15, 16, 16) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 240))
+        assert backend.prefill_ms(15, 32, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.openvino, 480))
+        assert backend.prefill_ms(1, 4, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 4))
+        assert backend.prefill_ms(15, 16, 16) > backend.prefill_ms(15, 32, 0)  # the measured case: 250 ms against 140
+    with OrtBackend(tiny_export(Precision.int8)[2], threads=1) as plain:
+        assert plain.prefill_ms(15, 16, 16) is None
 
 
 def test_openvino_forced_where_it_cannot_run_and_bad_values_are_one_error(tiny, tiny_export):

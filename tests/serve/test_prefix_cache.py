@@ -192,6 +192,38 @@ def test_cached_prefixes_give_the_uncached_tokens(kind, exports):
         backend.close()
 
 
+@pytest.mark.parametrize("fresh_sooner", [True, False])
+def test_the_cache_is_taken_where_the_backend_estimates_it_sooner(exports, monkeypatch, fresh_sooner):
+    """A backend that estimates its prefills (capabilities.estimates_prefill): where a whole prompt is estimated
+    sooner than its rest on the cached blocks (another runtime runs it), the prompt is prefilled whole, counted as a
+    query without a hit; else the cache gives its blocks. The tokens are the uncached ones either way."""
+    backend = open_backend("int8-growing", exports)
+    seen = []
+
+    def prefill_ms(rows, new_tokens, past_tokens):
+        seen.append((rows, new_tokens, past_tokens))
+        return (1.0 if past_tokens == 0 else 100.0) if fresh_sooner else float(new_tokens)
+
+    monkeypatch.setattr(backend, "prefill_ms", prefill_ms, raising=False)
+    engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0.05)).start()
+    try:
+        s = SamplingSettings(max_new_tokens=6, greedy=True)
+        ids = SHARED + SUFFIXES[0]
+        run_rows(engine, [ids], [s])  # leaves its blocks
+        assert seen == []  # nothing held yet: no estimate asked
+        (sink, row), = run_rows(engine, [ids], [s])
+        held = (len(ids) - 1) // 16 * 16
+        assert seen == [(1, len(ids) - held, held), (1, len(ids), 0)]
+        assert sink.tokens == reference(backend, ids, s)
+        stats = engine.stats()
+        assert row.cached_tokens == (0 if fresh_sooner else held)
+        assert stats["prefix_cache_hits"] == (0 if fresh_sooner else held)
+        assert stats["prefix_cache_queries"] == 2 * len(ids)
+    finally:
+        engine.close()
+        backend.close()
+
+
 @pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing"])
 def test_a_batch_sharing_a_prefix_computes_it_once(kind, exports):
     """Four prompts that begin with the same 100 tokens arrive together, the cache empty: the first is

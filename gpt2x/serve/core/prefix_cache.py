@@ -59,11 +59,18 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup(self, ids: list[int]) -> list[_Block]:
+    def held(self, ids: list[int]) -> int:
+        """The tokens `lookup` would give `ids`, neither counted nor touched."""
+        return len(self._match(ids, (len(ids) - 1) // self.block_tokens)) * self.block_tokens
+
+    def lookup(self, ids: list[int], use: bool = True) -> list[_Block]:
         """The held blocks that begin `ids`, at most up to its last token but one (whose logits its
-        prefill must compute); counted, and touched."""
-        blocks = self._match(ids, (len(ids) - 1) // self.block_tokens)
+        prefill must compute); counted, and touched. `use` False: a query its caller prefills whole
+        (counted as one, with no hit)."""
         self.queries += len(ids)
+        if not use:
+            return []
+        blocks = self._match(ids, (len(ids) - 1) // self.block_tokens)
         self.hits += len(blocks) * self.block_tokens
         self._touch(blocks)
         return blocks
