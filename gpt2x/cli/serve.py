@@ -136,8 +136,9 @@ def serve(
         help="Requests decoded together per replica (1: no batching). Default: 16, or 1 with --draft.", show_default=False)] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
     continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
-    batch_wait_ms: Annotated[float, typer.Option(
-        help="A new batch waits this long for requests arriving together (0: later ones join at the next step).")] = 0.0,
+    batch_wait_ms: Annotated[Optional[float], typer.Option(
+        help="A new batch waits up to this long for requests arriving together (0: later ones join at the next step). "
+        "Default: 5 ms after a batch that ran several rows at once, none after a batch of one.", show_default=False)] = None,
     prefix_cache_mb: Annotated[float, typer.Option(
         help="Host memory per replica for the KV of prompt prefixes, reused by later prompts that begin the same way "
         "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
@@ -180,7 +181,7 @@ def serve(
         caps = capabilities_of(backend)
         why = "is the reference" if caps.reference else f"runs the export in a browser page ({caps.runtime}), to measure it there"
         raise UsageError(f"--backend {backend.value} {why}; it is not served: serve an export with {named(list(SERVED))}")
-    if batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
+    if batch_wait_ms is not None and batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
     if bench_file is not None:
         backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
@@ -194,7 +195,7 @@ def serve(
             raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
-                            batch_wait_s=batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                            batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
                             scheduling_policy=scheduling_policy)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)

@@ -5,9 +5,10 @@ row uses), every row sampling a token that is not end of text; a fake clock time
 from __future__ import annotations
 
 import threading
+import time
 
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
+from gpt2x.serve.core.scheduler import AUTO_BATCH_WAIT_S, DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
 
 TOKEN = 11  # what every row samples: never end of text
 
@@ -363,3 +364,67 @@ def test_schedule_blocks_until_a_row_arrives():
     scheduler.submit([r])
     waiter.join(5)
     assert plans == [SchedulerOutput(prefill=(r,))]
+
+
+def run_out(scheduler: Scheduler, shapes: Shapes, rows: list[Row]) -> None:
+    """Steps until `rows` (a batch just prefilled) have finished and the batch is released."""
+    while not (shapes.step().release):
+        pass
+    assert all(r.finished for r in rows) and shapes.batch is None
+
+
+def next_batch_after(scheduler: Scheduler, shapes: Shapes, late_s: float) -> tuple[SchedulerOutput, float]:
+    """A row submitted now, a second one `late_s` later from another thread: the next plan, and how long it took
+    (the second is taken by it, or left waiting)."""
+    first, second = row(), row()
+    later = threading.Timer(late_s, lambda: scheduler.submit([second]))
+    start = time.monotonic()
+    scheduler.submit([first])
+    later.start()
+    plan = shapes.step()
+    took = time.monotonic() - start
+    later.join()
+    return plan, took
+
+
+def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_together(monkeypatch):
+    """batch_wait_s None (auto): after a batch that ran 2 rows at once, a new batch waits AUTO_BATCH_WAIT_S (0.5 s
+    here, for a margin on a busy machine) for a request arriving 10 ms after the first and takes both; after a batch
+    of one row it starts at once, alone; batch_wait_s 0 never waits, a set wait always does."""
+    from gpt2x.serve.core import scheduler as module
+
+    monkeypatch.setattr(module, "AUTO_BATCH_WAIT_S", 0.5)
+    scheduler, shapes = engine(max_batch_size=2)
+    assert scheduler.batch_wait() == 0.0  # no batch yet
+    pair = [row(tokens=2), row(tokens=2)]
+    scheduler.submit(pair)
+    assert shapes.step().prefill == tuple(pair)
+    run_out(scheduler, shapes, pair)
+    assert scheduler.batch_wait() == 0.5
+    plan, took = next_batch_after(scheduler, shapes, 0.01)
+    assert len(plan.prefill) == 2 and 0.01 <= took < 0.5  # it started once a batch's worth (2) waited
+    scheduler, shapes = engine()
+    alone = row(tokens=2)
+    scheduler.submit([alone])
+    shapes.step()
+    run_out(scheduler, shapes, [alone])
+    assert scheduler.batch_wait() == 0.0
+    plan, took = next_batch_after(scheduler, shapes, 0.3)
+    assert len(plan.prefill) == 1 and took < 0.25
+    for wait, taken in ((0.0, 1), (0.3, 2)):
+        scheduler, shapes = engine(batch_wait_s=wait, max_batch_size=2)
+        scheduler.submit([row(tokens=2)])
+        shapes.step()  # a batch of one: a set wait applies all the same
+        run_out(scheduler, shapes, list(shapes.batch.rows))
+        plan, _ = next_batch_after(scheduler, shapes, 0.05 if wait else 0.3)
+        assert len(plan.prefill) == taken, wait
+
+
+def test_a_waiting_batch_starts_once_a_batchs_worth_waits():
+    """A set wait of 10 s ends as soon as max_batch_size rows wait."""
+    scheduler, shapes = engine(batch_wait_s=10.0, max_batch_size=2)
+    first, second = row(), row()
+    threading.Timer(0.01, lambda: scheduler.submit([second])).start()
+    start = time.monotonic()
+    scheduler.submit([first])
+    assert shapes.step().prefill == (first, second) and time.monotonic() - start < 5

@@ -21,6 +21,10 @@ from .outputs import Sink
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# A new batch's wait for requests arriving together after a batch of several rows (EngineSettings.batch_wait_s None).
+# vllm bench serve at c=16 (a scratch run, int8, 2-core Xeon): TTFT p50 135-138 ms with a 5 or 10 ms wait, 172 ms
+# without; at c=1 a fixed wait cost every first token 7-11 ms, which the auto rule does not pay.
+AUTO_BATCH_WAIT_S = 0.005
 
 
 class QueueFull(RuntimeError):
@@ -36,10 +40,12 @@ class EngineSettings:
     max_batch_size: int = 16  # rows decoded together; 1 = no batching
     max_waiting: int = 64  # rows waiting for a place in the batch; more are refused (QueueFull)
     continuous: bool = True  # waiting rows join a running batch between decode steps
-    # A new batch waits this long after its first request for others. 0: requests arriving a moment
-    # later join at the next decode step; measured on the 2-core VM (2026-11-25, int8, gpt2x loadtest
-    # c=1 and 16): 0 against 2 ms, TTFT p50 15.3 against 18.1 ms at c=1, 111 against 113 ms at c=16.
-    batch_wait_s: float = 0.0
+    # A new batch waits this long after its first request for others (at most; it starts once a batch's
+    # worth waits). 0: requests arriving a moment later join at the next decode step. None (auto):
+    # AUTO_BATCH_WAIT_S after a batch that ran several rows at once, none after one of a single row:
+    # a closed loop's requests come back in waves, while one request at a time would pay the wait on
+    # every first token (docs/serving/index.md#batching).
+    batch_wait_s: float | None = None
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
@@ -62,7 +68,7 @@ class EngineSettings:
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
         for name in ("batch_wait_s", "max_join_delay_s"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
 
 
@@ -155,6 +161,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self.running = 0  # rows of the batch in flight that have not finished
+        self._peak = 0  # the most rows the batch in flight (or the last) has run at once
         self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
         # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
         # the rows being prefilled to join, and which half of a step the next plan is.
@@ -331,21 +338,34 @@ class Scheduler:
 
     def wait_for_work(self) -> bool:
         """Block until rows wait (True) or the scheduler is closed with none waiting (False). A new
-        batch waits batch_wait_s more, so that requests that arrive together batch together."""
+        batch waits up to batch_wait (batch_wait_s, or auto) more while fewer than a batch's worth
+        wait, so that requests that arrive together batch together."""
         with self._cond:
             while not self._waiting and not self._closed:
                 self._cond.wait()
             if self._closed and not self._waiting:
                 self.running = 0
                 return False
-            short = len(self._waiting) < self.settings.max_batch_size
-        if self.settings.batch_wait_s and short:
-            time.sleep(self.settings.batch_wait_s)
+            deadline = time.monotonic() + self.batch_wait()
+            self._peak = 0
+            while len(self._waiting) < self.settings.max_batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
         return True
+
+    def batch_wait(self) -> float:
+        """How long a new batch waits for more requests: batch_wait_s, or where it is None AUTO_BATCH_WAIT_S after a
+        batch that ran more than one row at once and none after one of a single row."""
+        if self.settings.batch_wait_s is not None:
+            return self.settings.batch_wait_s
+        return AUTO_BATCH_WAIT_S if self._peak > 1 else 0.0
 
     def set_running(self, n: int) -> None:
         with self._cond:
             self.running = n
+            self._peak = max(self._peak, n)  # the batch's most rows at once, for the next one's batch_wait
 
     def take(self, rows: list[Row], width: int | None) -> list[Row]:
         """Waiting rows (in arrival order, or by priority with the priority policy) that fit beside
