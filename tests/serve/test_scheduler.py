@@ -8,7 +8,7 @@ import threading
 import time
 
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.serve.core.scheduler import AUTO_BATCH_WAIT_S, DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
+from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
 
 TOKEN = 11  # what every row samples: never end of text
 
