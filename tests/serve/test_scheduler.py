@@ -388,12 +388,14 @@ def next_batch_after(scheduler: Scheduler, shapes: Shapes, late_s: float) -> tup
 
 
 def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_together(monkeypatch):
-    """batch_wait_s None (auto): after a batch that ran 2 rows at once, a new batch waits AUTO_BATCH_WAIT_S (0.5 s
-    here, for a margin on a busy machine) for a request arriving 10 ms after the first and takes both; after a batch
-    of one row it starts at once, alone; batch_wait_s 0 never waits, a set wait always does."""
+    """batch_wait_s None (auto): after a batch that ran 2 rows at once, a new batch waits (AUTO_QUIET_S 0.2 s and
+    AUTO_BATCH_WAIT_S 0.5 s here, for a margin on a busy machine) for a request arriving 10 ms after the first and
+    takes both; after a batch of one row it starts at once, alone; batch_wait_s 0 never waits, a set wait always
+    does."""
     from gpt2x.serve.core import scheduler as module
 
     monkeypatch.setattr(module, "AUTO_BATCH_WAIT_S", 0.5)
+    monkeypatch.setattr(module, "AUTO_QUIET_S", 0.2)
     scheduler, shapes = engine(max_batch_size=2)
     assert scheduler.batch_wait() == 0.0  # no batch yet
     pair = [row(tokens=2), row(tokens=2)]
@@ -418,6 +420,32 @@ def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_t
         run_out(scheduler, shapes, list(shapes.batch.rows))
         plan, _ = next_batch_after(scheduler, shapes, 0.05 if wait else 0.3)
         assert len(plan.prefill) == taken, wait
+
+
+def test_an_auto_wait_ends_once_requests_stop_arriving(monkeypatch):
+    """Auto, after a batch of 2 rows: requests at 0 and 10 ms, then a pause longer than AUTO_QUIET_S (50 ms here):
+    the new batch takes the two, long before AUTO_BATCH_WAIT_S (1 s); the third waits for the next step."""
+    from gpt2x.serve.core import scheduler as module
+
+    monkeypatch.setattr(module, "AUTO_BATCH_WAIT_S", 1.0)
+    monkeypatch.setattr(module, "AUTO_QUIET_S", 0.05)
+    scheduler, shapes = engine()
+    pair = [row(tokens=2), row(tokens=2)]
+    scheduler.submit(pair)
+    shapes.step()
+    run_out(scheduler, shapes, pair)
+    first, second, third = row(), row(), row()
+    timers = [threading.Timer(0.01, lambda: scheduler.submit([second])), threading.Timer(0.6, lambda: scheduler.submit([third]))]
+    start = time.monotonic()
+    scheduler.submit([first])
+    for t in timers:
+        t.start()
+    plan = shapes.step()
+    took = time.monotonic() - start
+    for t in timers:
+        t.join()
+    assert plan.prefill == (first, second) and 0.05 <= took < 0.5
+    assert scheduler.counts()[1] == 1  # the third waits
 
 
 def test_a_waiting_batch_starts_once_a_batchs_worth_waits():

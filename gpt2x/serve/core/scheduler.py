@@ -21,10 +21,13 @@ from .outputs import Sink
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# A new batch's wait for requests arriving together after a batch of several rows (EngineSettings.batch_wait_s None).
-# vllm bench serve at c=16 (a scratch run, int8, 2-core Xeon): TTFT p50 135-138 ms with a 5 or 10 ms wait, 172 ms
-# without; at c=1 a fixed wait cost every first token 7-11 ms, which the auto rule does not pay.
-AUTO_BATCH_WAIT_S = 0.005
+# A new batch's wait for requests arriving together after a batch of several rows (EngineSettings.batch_wait_s None):
+# until AUTO_QUIET_S pass with no request arriving, at most AUTO_BATCH_WAIT_S. vllm bench serve at c=16 (scratch
+# runs, int8, 2-core Xeon): TTFT p50 135-138 ms with a fixed 5 or 10 ms wait, 168-176 ms without; at 5 ms part of a
+# wave was left to join it, its prefill chunked beside the rows running (ITL p99 47-52 against 31-38 ms); at c=1 a
+# fixed wait cost every first token 7-11 ms, which the auto rule does not pay.
+AUTO_BATCH_WAIT_S = 0.02
+AUTO_QUIET_S = 0.002
 
 
 class QueueFull(RuntimeError):
@@ -162,6 +165,7 @@ class Scheduler:
         self._closed = False
         self.running = 0  # rows of the batch in flight that have not finished
         self._peak = 0  # the most rows the batch in flight (or the last) has run at once
+        self._arrived = 0.0  # time.monotonic() of the last submission
         self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
         # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
         # the rows being prefilled to join, and which half of a step the next plan is.
@@ -187,6 +191,7 @@ class Scheduler:
             if len(self._waiting) + len(rows) > self.settings.max_waiting + self._free_places():
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.settings.max_waiting})")
             self._waiting.extend(rows)
+            self._arrived = time.monotonic()
             if self.settings.scheduling_policy == "priority":  # a stable sort: arrival order among equals
                 self._waiting = deque(sorted(self._waiting, key=lambda r: r.priority))
             self._cond.notify()
@@ -346,18 +351,23 @@ class Scheduler:
             if self._closed and not self._waiting:
                 self.running = 0
                 return False
-            deadline = time.monotonic() + self.batch_wait()
+            wait = self.batch_wait()
+            auto = self.settings.batch_wait_s is None
+            deadline = time.monotonic() + wait
             self._peak = 0
-            while len(self._waiting) < self.settings.max_batch_size and not self._closed:
-                left = deadline - time.monotonic()
+            while wait and len(self._waiting) < self.settings.max_batch_size and not self._closed:
+                # auto: until the requests stop arriving for AUTO_QUIET_S (a wave has come), at most the deadline
+                until = min(deadline, self._arrived + AUTO_QUIET_S) if auto else deadline
+                left = until - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
         return True
 
     def batch_wait(self) -> float:
-        """How long a new batch waits for more requests: batch_wait_s, or where it is None AUTO_BATCH_WAIT_S after a
-        batch that ran more than one row at once and none after one of a single row."""
+        """The longest a new batch waits for more requests: batch_wait_s, or where it is None AUTO_BATCH_WAIT_S (less
+        once no request has arrived for AUTO_QUIET_S) after a batch that ran more than one row at once, and none after
+        one of a single row."""
         if self.settings.batch_wait_s is not None:
             return self.settings.batch_wait_s
         return AUTO_BATCH_WAIT_S if self._peak > 1 else 0.0
