@@ -25,9 +25,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # until AUTO_QUIET_S pass with no request arriving, at most AUTO_BATCH_WAIT_S. vllm bench serve at c=16 (scratch
 # runs, int8, 2-core Xeon): TTFT p50 135-138 ms with a fixed 5 or 10 ms wait, 168-176 ms without; at 5 ms part of a
 # wave was left to join it, its prefill chunked beside the rows running (ITL p99 47-52 against 31-38 ms); at c=1 a
-# fixed wait cost every first token 7-11 ms, which the auto rule does not pay.
+# fixed wait cost every first token 7-11 ms, which the auto rule does not pay. A wave's requests came 0.3-2.3 ms
+# apart, its second up to 6.5 ms after its first; a 2 ms quiet split waves (docs/results/engines.md).
 AUTO_BATCH_WAIT_S = 0.02
-AUTO_QUIET_S = 0.002
+AUTO_QUIET_S = 0.005
 
 
 class QueueFull(RuntimeError):
