@@ -620,7 +620,7 @@ def run_bench(s: BenchSettings, environment: dict, progress: Progress = no_progr
         most = capabilities_of(kind).max_batch
         batches = [b for b in s.batches if most is None or b <= most]
         skipped += [Skipped(backend=kind, precision=precision, reason=f"batch {b}: {capabilities_of(kind).runtime} batches "
-                            f"at most {most} rows (gpt2x runs more as a batch of one a row, not its speed)")
+                            f"at most {most} rows (gpt2x runs more as one generator a row, which is not its speed)")
                     for b in s.batches if b not in batches]
         if not batches:
             continue
