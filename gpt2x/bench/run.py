@@ -42,7 +42,7 @@ from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import default_precisions
 from ..runtime.registry import cannot_roll_back, capabilities_of, unsupported
-from ..runtime.static_decode import fixed_cache_refusal
+from ..runtime.static_decode import StaticDecoder, fixed_cache_refusal
 from ..tokenizer import encode
 from ..workflows.backends import open_backend, torch_backend
 from ..workflows.drafts import check_draft, open_drafter
@@ -327,8 +327,6 @@ def time_fixed(s: BenchSettings, info: ExportInfo, precision: Precision, prompt:
     """The ort row of `plain` timed again on a StaticDecoder of `prompt`'s rows and the run's positions (a CUDA graph
     on CUDA): cold start (made, its graph captured, and its first prefill), s.warmup + s.repeat runs as time_batch's,
     and the share of its tokens equal to `plain`'s (greedy both: a near tie may flip at fp16)."""
-    from ..runtime.static_decode import StaticDecoder  # onnxruntime, only where these rows run
-
     reset_peak_rss()
     graph = s.provider is ProviderKind.cuda
     t0 = time.perf_counter()

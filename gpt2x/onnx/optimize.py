@@ -454,6 +454,7 @@ def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     last = const("sample_last", i64, [], [-1])
     last_axes = const("sample_last_axes", i64, [1], [-1])  # opset 18: the reductions take axes as an input
     axis1 = const("sample_axis_1", i64, [1], [1])
+    zero = const("sample_zero", f64, [], [0.0])
     n = helper.make_node
     return [
         n("Cast", [io.LOGITS], ["sample_logits"], to=f64),
@@ -488,7 +489,7 @@ def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         n("ArgMax", ["sample_reached_f"], ["sample_first"], axis=-1, keepdims=1),
         n("ReduceMax", ["sample_reached_f", last_axes], ["sample_any"], keepdims=1),
         # The block's last token with mass: the largest index among those with mass
-        n("Greater", ["sample_in_block", const("sample_zero", f64, [], [0.0])], ["sample_has_mass"]),
+        n("Greater", ["sample_in_block", zero], ["sample_has_mass"]),
         n("Cast", ["sample_has_mass"], ["sample_has_mass_f"], to=TensorProto.FLOAT),
         n("Mul", ["sample_has_mass_f", const("sample_columns", TensorProto.FLOAT, [CDF_BLOCK], list(range(CDF_BLOCK)))],
           ["sample_massed_columns"]),
@@ -499,7 +500,7 @@ def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         n("Add", ["sample_block_start", "sample_in_block_index"], ["sample_index"]),
         n("Min", ["sample_index", const("sample_vocab_last", i64, [], [vocab - 1])], ["sample_drawn"]),
         n("ArgMax", ["sample_logits"], ["sample_greedy"], axis=-1, keepdims=0),  # [batch, 1]
-        n("Greater", [io.TEMPERATURE, const("sample_zero_t", f64, [], [0.0])], ["sample_draws"]),
+        n("Greater", [io.TEMPERATURE, zero], ["sample_draws"]),
         n("Unsqueeze", ["sample_draws", axis1], ["sample_draws2"]),
         n("Where", ["sample_draws2", "sample_drawn", "sample_greedy"], [io.NEXT_TOKEN]),
     ]

@@ -59,9 +59,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def _lookup_blocks(self, ids: list[int]) -> list[_Block]:
+        """The held blocks that begin `ids`, at most up to its last token but one."""
+        return self._match(ids, (len(ids) - 1) // self.block_tokens)
+
     def held(self, ids: list[int]) -> int:
         """The tokens `lookup` would give `ids`, neither counted nor touched."""
-        return len(self._match(ids, (len(ids) - 1) // self.block_tokens)) * self.block_tokens
+        return len(self._lookup_blocks(ids)) * self.block_tokens
 
     def lookup(self, ids: list[int], use: bool = True) -> list[_Block]:
         """The held blocks that begin `ids`, at most up to its last token but one (whose logits its
@@ -70,7 +74,7 @@ class PrefixCache:
         self.queries += len(ids)
         if not use:
             return []
-        blocks = self._match(ids, (len(ids) - 1) // self.block_tokens)
+        blocks = self._lookup_blocks(ids)
         self.hits += len(blocks) * self.block_tokens
         self._touch(blocks)
         return blocks

@@ -244,8 +244,10 @@ class Runner:
         them whole: a backend may run a fresh prompt on a faster runtime than a prompt with a past (the OpenVINO
         prefill: 15 rows of 16 tokens on a cached 16 took 250 ms, the same rows of 32 fresh 140;
         docs/serving/index.md#prefix-caching). Yes wherever the backend gives no estimate."""
+        if not self.backend.capabilities.estimates_prefill:
+            return True
         held = [self.prefix_cache.held(p) for p in prompts]
-        if not any(held) or not self.backend.capabilities.estimates_prefill:
+        if not any(held):
             return True
         rows = len(prompts)
         with_cache = self.backend.prefill_ms(rows, max(len(p) - h for p, h in zip(prompts, held)), max(held))
