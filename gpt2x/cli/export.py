@@ -112,10 +112,17 @@ def _batched_timings(record: dict) -> str:
 
 def _prefill_timings(record: dict) -> str:
     timing = record["timing"]
+    said = f"OpenVINO against ONNX Runtime at batch 1: {_timed_lengths(timing)}"
+    if timing.get("past"):
+        said += f"; on a {timing['past']['past']}-token past: {_timed_lengths(timing['past'])}"
+    return said
+
+
+def _timed_lengths(timing: dict) -> str:
     times = ", ".join(f"{n} tokens {o:.1f} against {r:.1f} ms" for n, o, r in
                       zip(timing["lengths"], timing["openvino_ms"], timing["onnxruntime_ms"]))
     use = f"used from {timing['openvino_from']} tokens on" if timing["openvino_from"] is not None else "not used (slower)"
-    return f"OpenVINO against ONNX Runtime at batch 1: {times}; {use}"
+    return f"{times}; {use}"
 
 
 def _export_transformers_js(model: str, revision: Optional[str], precision: Optional[Precision], out_dir: Optional[Path],

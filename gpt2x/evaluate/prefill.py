@@ -1,7 +1,7 @@
 """The OpenVINO prefill graph's own gate and timings (docs/export.md, the OpenVINO prefill): its last-position logits
-and presents against the reference on fresh prompts (a left-padded batch among them), the whole pipeline's greedy
-agreement (OpenVINO's prefill, then ONNX Runtime's decode), and both prefills timed with their caches made, so the
-backend can choose the faster from measured figures. No torch here."""
+and presents against the reference on fresh prompts and on a past (a left-padded batch among each), the whole
+pipeline's greedy agreement (OpenVINO's prefill, then ONNX Runtime's decode), and both prefills timed with their caches
+made, fresh and on a past, so the backend can choose the faster from measured figures. No torch here."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ from ..numerics import positions
 from ..onnx.artifact import BF16, F32, PREFILL_KEY, ExportInfo
 from ..runtime.base import Backend
 from ..runtime.ort import OrtBackend
-from ..runtime.prefill import PrefillChoice
+from ..runtime.prefill import PrefillChoice, takes_past
 from .metrics import logit_stats
 from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreement, out_of_tolerance
 
-# Fresh prompts only (the graph has no past): one row, a left-padded batch, a longer batch.
+# Fresh prompts: one row, a left-padded batch, a longer batch.
 PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
+# On a past (a graph that takes one): a prompt's next chunk, a left-padded batch's.
+PAST_CASES = [Case(1, 9, 6, False), Case(3, 11, 4, True)]
 TIMED_LENGTHS = (32, 256)  # prompt lengths both prefills are timed at (capped at the model's context)
+TIMED_PAST = 256  # the past those lengths are timed on too (capped to half the model's context)
 # Prompt lengths f32 and bf16 compute are timed at: bf16 may win on long prompts only (GPT-2 124M at int8 weights:
 # slower at 256 tokens, faster at 512, benchmarks/prefill_profile.py), so the runtime may use it from a length on.
 BF16_LENGTHS = (32, 256, 512)
@@ -32,16 +35,22 @@ TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
 FASTER_BY = 0.05
 
 
-def compare_prefills(reference: Backend, backend: Backend, seed: int = 0) -> dict:
+def compare_prefills(reference: Backend, backend: Backend, seed: int = 0, past: bool = False) -> dict:
     """Last-position logits and every layer's presents (real positions only) of `backend`'s prefill against
-    `reference`'s on PREFILL_CASES."""
+    `reference`'s on PREFILL_CASES, and with `past` on PAST_CASES too: the reference makes the past, both then
+    run the rest of the prompt on it."""
     rng = np.random.default_rng(seed)
     refs, gots, present_err = [], [], 0.0
-    for c in PREFILL_CASES:
+    cases = PREFILL_CASES + (PAST_CASES if past else [])
+    for c in cases:
         ids, mask = case_inputs(c, reference.vocab_size, rng)
         pos = positions(mask, c.seq)
-        ref, ref_cache = reference.step(ids, mask, pos, None)
-        got, got_cache = backend.step(ids, mask, pos, None)
+        ref_past = got_past = None
+        if c.past:
+            _, ref_past = reference.run(ids[:, : c.past], mask[:, : c.past], positions(mask[:, : c.past], c.past), None)
+            got_past = backend.past_from_numpy(ref_past.to_numpy())
+        ref, ref_cache = reference.step(ids[:, c.past :], mask, pos, ref_past)
+        got, got_cache = backend.step(ids[:, c.past :], mask, pos, got_past)
         refs.append(ref)
         gots.append(got)
         keep = mask.astype(bool)  # a padding slot's cache entry is never attended to
@@ -50,7 +59,7 @@ def compare_prefills(reference: Backend, backend: Backend, seed: int = 0) -> dic
         present_err = max(present_err, float(np.abs(want - have).max() / max(np.abs(want).max(), 1e-12)))
     stats = logit_stats(np.concatenate(refs), np.concatenate(gots))
     stats["present_max_rel"] = present_err
-    stats["cases"] = [asdict(c) for c in PREFILL_CASES]
+    stats["cases"] = [asdict(c) for c in cases]
     return stats
 
 
@@ -59,7 +68,7 @@ def check_prefill(reference: Backend, backend: OrtBackend, precision: Precision 
     """The prefill's parity against `reference` and whether it passes `precision`'s gate (the presents held to the
     logits' relative bound)."""
     tol = TOLERANCES[precision]
-    stats = compare_prefills(reference, backend)
+    stats = compare_prefills(reference, backend, past=backend.prefill_past_from is not None)
     greedy = greedy_agreement(reference, backend, greedy_tokens)
     failures = out_of_tolerance(stats, greedy, tol)
     if stats["present_max_rel"] > tol.max_rel:
@@ -80,16 +89,32 @@ def _median_ms(backend: OrtBackend, ids: np.ndarray, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _medians(info: ExportInfo, prefill: PrefillChoice, prompts: list[np.ndarray], threads: int | None, repeat: int) -> list[float]:
+def _median_past_ms(backend: OrtBackend, ids: np.ndarray, past: int, repeat: int) -> float:
+    """The median ms of the step of ids[:, past:] on the cache of ids[:, :past] (made anew for each, untimed)."""
+    mask = np.ones_like(ids)
+    T = ids.shape[1] - past
+    times = []
+    for _ in range(repeat + 1):  # the first a warm-up
+        _, cache = backend.step(ids[:, :past], mask[:, :past], positions(mask[:, :past], past), None)
+        start = time.perf_counter()
+        backend.step(ids[:, past:], mask, positions(mask, T), cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _medians(info: ExportInfo, prefill: PrefillChoice, prompts: list[np.ndarray], threads: int | None, repeat: int,
+             past: int = 0) -> list[float]:
     with OrtBackend(info, threads=threads, prefill=prefill) as backend:
+        if past:
+            return [round(_median_past_ms(backend, ids, past, repeat), 3) for ids in prompts]
         return [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
 
 
-def _prompts(info: ExportInfo, lengths: tuple[int, ...]) -> tuple[list[int], list[np.ndarray]]:
-    """`lengths` capped at the model's context, sorted, and a batch-1 prompt of each."""
-    lengths = sorted({min(n, info.config.n_positions - 1) for n in lengths})
+def _prompts(info: ExportInfo, lengths: tuple[int, ...], past: int = 0) -> tuple[list[int], list[np.ndarray]]:
+    """`lengths` capped at the model's context after `past`, sorted, and a batch-1 prompt of `past` + each."""
+    lengths = sorted({min(n, info.config.n_positions - 1 - past) for n in lengths})
     rng = np.random.default_rng(0)
-    return lengths, [rng.integers(0, info.config.vocab_size, (1, n), dtype=np.int64) for n in lengths]
+    return lengths, [rng.integers(0, info.config.vocab_size, (1, past + n), dtype=np.int64) for n in lengths]
 
 
 def faster_from(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> int | None:
@@ -105,9 +130,20 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
                   repeat: int = TIMED_REPEAT) -> dict:
     """Both prefills' medians (ms, batch 1) at `lengths` (OpenVINO's at the record's compute precision), and
     `openvino_from`: the prompt length from which OpenVINO's was faster (by FASTER_BY at least) at that and every
-    longer timed length (2: at all of them; None: not at the longest)."""
-    lengths, prompts = _prompts(info, lengths)
-    figures = {choice.value: _medians(info, choice, prompts, threads, repeat)
+    longer timed length (2: at all of them; None: not at the longest); where the graph takes a past, the same for
+    those lengths on a past of TIMED_PAST tokens (`past`), from which the runtime runs a prompt's next chunk."""
+    timing = _timed(info, threads, lengths, repeat, 0)
+    if takes_past(info):
+        past = min(TIMED_PAST, (info.config.n_positions - 1) // 2)
+        timing["past"] = {"past": past, **_timed(info, threads, lengths, repeat, past)}
+    return timing
+
+
+def _timed(info: ExportInfo, threads: int | None, lengths: tuple[int, ...], repeat: int, past: int) -> dict:
+    """Both runtimes' medians of a batch-1 prompt of each of `lengths` new tokens on a `past` (0: fresh; capped at
+    the model's context), and from which OpenVINO's was faster (faster_from; 2: at every length)."""
+    lengths, prompts = _prompts(info, lengths, past)
+    figures = {choice.value: _medians(info, choice, prompts, threads, repeat, past)
                for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino)}
     start = faster_from(lengths, figures["onnxruntime"], figures["openvino"])
     openvino_from = 2 if start is not None and start == lengths[0] else start  # 2: every prompt length

@@ -206,7 +206,8 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
         return {"kept": False, "reason": NOT_CHECKED}
     progress(f"converting the prefill to OpenVINO ({'int8 weights, nncf' if precision is Precision.int8 else 'f32 weights'})")
     files = ov_prefill.convert_prefill(model, info.folder, precision)
-    record = {"kept": True, "files": files, "inputs": io.input_names(0), "outputs": io.output_names(model.config.n_layer),
+    record = {"kept": True, "files": files, "inputs": io.input_names(model.config.n_layer),
+              "outputs": io.output_names(model.config.n_layer),
               "weights": ov_prefill.WEIGHTS[precision], "inference_precision": F32}
     return _gated(info, PREFILL_KEY, record, gate, lambda: shutil.rmtree((info.folder / PREFILL_XML).parent),
                   "OpenVINO prefill graph", "checking the OpenVINO prefill against PyTorch and timing both prefills", progress)

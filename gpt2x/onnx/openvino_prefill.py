@@ -1,7 +1,9 @@
 """The OpenVINO prefill graph of an fp32 or int8 export (docs/export.md): gpt2x's PyTorch model converted by
-OpenVINO's own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a fresh
-prompt only (no past), its weights kept at f32 (fp32) or compressed to int8 by nncf (int8). Inputs input_ids, attention_mask, position_ids (batch and
-sequence dynamic); outputs the last position's logits and every layer's present key and value (B, H, T, D)."""
+OpenVINO's own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a prompt's
+tokens on a past of any length, none included (a fresh prompt, or the next chunk of one), its weights kept at f32 (fp32)
+or compressed to int8 by nncf (int8). Inputs input_ids, attention_mask (B, P + T), position_ids, and every layer's
+past key and value (B, H, P, D), with batch, sequence and past dynamic; outputs the last position's logits and every
+layer's key and value of the T new positions only (B, H, T, D), which the runtime writes after the past in place."""
 
 from __future__ import annotations
 
@@ -35,15 +37,17 @@ WEIGHTS = {Precision.fp32: "f32, as the model's",
 
 
 class _Prefill(nn.Module):
-    """The model from an empty cache: the last position's logits, then key and value of every layer."""
+    """The model on a past: the last position's logits, then key and value of every layer at the new positions."""
 
     def __init__(self, model: GPT2):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        logits, presents = self.model(input_ids, attention_mask, position_ids, None, logits_to_keep=1)
-        return (logits, *[t for kv in presents for t in kv])
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        P = past[0].shape[2]
+        layers = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, presents = self.model(input_ids, attention_mask, position_ids, layers, logits_to_keep=1)
+        return (logits, *[t[:, :, P:] for kv in presents for t in kv])  # (B, H, T, D) each
 
 
 @contextlib.contextmanager
@@ -69,17 +73,21 @@ def convert_prefill(model: GPT2, folder: Path, precision: Precision = Precision.
     import openvino as ov
 
     cfg = model.config
-    T = 8
-    example = (torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.long), torch.arange(T)[None])
-    shapes = [(name, ov.PartialShape([-1, -1]), ov.Type.i64) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
+    P, T = 4, 8
+    example = (torch.zeros(1, T, dtype=torch.long), torch.ones(1, P + T, dtype=torch.long), torch.arange(P, P + T)[None],
+               *[torch.zeros(1, cfg.n_head, P, cfg.head_dim) for _ in range(2 * cfg.n_layer)])
+    # Shapes by position: the converter names a traced module's inputs after forward's arguments (*past has none).
+    shapes = [(ov.PartialShape([-1, -1]), ov.Type.i64)] * 3 + \
+        [(ov.PartialShape([-1, cfg.n_head, -1, cfg.head_dim]), ov.Type.f32)] * (2 * cfg.n_layer)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 10000))  # the TorchScript trace of a deep model recurses
     try:
         with torch.no_grad(), _quiet():
             converted = ov.convert_model(_Prefill(model.float().eval()), example_input=example, input=shapes)
-            names = io.output_names(cfg.n_layer)
-            for output, name in zip(converted.outputs, names):
-                output.get_tensor().set_names({name})
+            for port, name in zip(converted.inputs, io.input_names(cfg.n_layer)):
+                port.get_tensor().set_names({name})
+            for port, name in zip(converted.outputs, io.output_names(cfg.n_layer)):
+                port.get_tensor().set_names({name})
             if precision is Precision.int8:
                 import nncf
 

@@ -17,6 +17,13 @@ import numpy as np
 KV_CAPACITY_STEP = 256  # positions a cache holds beyond its first step, and grows by at least
 # Idle KV memory a backend keeps for its next buffers (IdleBuffers): one GPT-2 124M row of 768 positions is 57 MB.
 IDLE_KEEP_BYTES = 512 << 20
+# Rows a merge that outgrows its buffers makes the new ones with, at least (and the whole context, for a form whose
+# kernels read only the positions held): positions not yet written are address space, not memory (their pages are
+# faulted in when first written), so a serving batch filling up to 16 rows moves every row once, not at 2, 4 and 8
+# rows and again when its width outgrows the buffers (a move of 4 rows of 575 positions took 80-130 ms of a decode
+# step's gap, of 11 rows of 800 positions 364 ms, 512-token prompts joining; an in-place decode step of 8 rows takes
+# as long in buffers of 640 or 1024 positions).
+MERGE_MIN_ROWS = 16
 
 
 class KVBuffers:
@@ -242,10 +249,11 @@ def write_right_aligned(out: np.ndarray, where: np.ndarray, rows: np.ndarray, pa
 
 
 def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | None, width: int,
-               allocate: Allocate, n_positions: int,
-               capacity_step: int = KV_CAPACITY_STEP) -> KVBuffers:
+               allocate: Allocate, n_positions: int, capacity_step: int = KV_CAPACITY_STEP,
+               whole_context: bool = False) -> KVBuffers:
     """`KVCache.merge` inside fixed-capacity buffers. In the cache's own buffers when they fit, writing only
-    the rows that move (rows or width change); else in larger ones (twice the rows, doubled capacity)."""
+    the rows that move (rows or width change); else in larger ones (twice the rows and MERGE_MIN_ROWS at least;
+    the whole context where `whole_context`, a form whose kernels read only the positions held, else doubled capacity)."""
     refuse_stale(cache)
     rows = np.asarray(rows, dtype=np.int64)
     n, length, buffers = cache.rows, cache.length, cache.buffers
@@ -255,9 +263,10 @@ def merge_rows(cache: KVCacheView, rows: np.ndarray, joiner: list[np.ndarray] | 
     if not 0 < width <= n_positions:
         raise ValueError(f"a width of {width} positions is outside the model's context ({n_positions})")
     if len(rows) > buffers.batch or width > buffers.capacity:
-        capacity = buffers.capacity if width < buffers.capacity else \
+        batch = max(len(rows), 2 * buffers.batch, MERGE_MIN_ROWS) if len(rows) > buffers.batch else buffers.batch
+        capacity = n_positions if whole_context else buffers.capacity if width < buffers.capacity else \
             grown_capacity(buffers.capacity, min(width + 1, n_positions), n_positions, capacity_step)
-        target = allocate(max(len(rows), 2 * buffers.batch) if len(rows) > buffers.batch else buffers.batch, capacity, None)
+        target = allocate(batch, capacity, None)
         moving = np.ones(len(rows), dtype=bool)
     else:
         target = buffers
@@ -278,6 +287,9 @@ class BufferCache(KVCacheView):
     `owner` is the backend."""
 
     capacity_step = KV_CAPACITY_STEP
+    # Whether a merge that moves the cache makes its new buffers as long as the context (its kernels read only the
+    # positions held) rather than doubled
+    merges_to_context = False
 
     def __init__(self, buffers: KVBuffers, length: int, owner: Any):
         super().__init__(buffers, length)
@@ -317,5 +329,5 @@ class BufferCache(KVCacheView):
 
     def merge(self, rows: np.ndarray, joiner: BufferCache | None, width: int):
         buffers = merge_rows(self, rows, None if joiner is None else joiner.filled(), width, self._allocate,
-                             self.owner.n_positions, self.capacity_step)
+                             self.owner.n_positions, self.capacity_step, self.merges_to_context)
         return type(self)(buffers, buffers.length, self.owner)

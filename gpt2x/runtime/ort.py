@@ -28,7 +28,7 @@ from .kvbuffers import (
     rows_to_keep,
     small_page_arrays,
 )
-from .prefill import PrefillChoice, asked, estimate_ms, openvino_from
+from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
 from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
 
@@ -161,6 +161,8 @@ class GrowingCache:
 
 class InPlaceCache(BufferCache):
     """Buffers a GroupQueryAttention graph reads as past and writes as present, bound once per buffers and rows."""
+
+    merges_to_context = True  # a merged batch decodes: a one-token step takes as long in 640 or 1024 positions
 
     @classmethod
     def allocate(cls, owner: OrtBackend, batch: int, capacity: int, keep: KVCacheView | None) -> _KVBuffers:
@@ -311,7 +313,11 @@ class OrtBackend(Closable):
         if in_place_kv and not can:
             raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
         self.in_place_kv = can if in_place_kv is None else in_place_kv
-        self._openvino_from = openvino_from(info, asked(prefill), provider is ProviderKind.cpu)
+        choice = asked(prefill)
+        self._openvino_from = openvino_from(info, choice, provider is ProviderKind.cpu)
+        # A step of several new tokens a row on a past (a prompt's next chunk, its rest after a cached prefix) on
+        # OpenVINO too, where it reads and writes the in-place cache's buffers (a growing cache stays on ONNX Runtime).
+        self._openvino_past_from = openvino_past_from(info, choice, self._openvino_from) if self.in_place_kv else None
         self._openvino_prefill = None
         if self._openvino_from is not None:
             from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
@@ -340,21 +346,31 @@ class OrtBackend(Closable):
         """The prefill tokens (rows x prompt length) from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from
 
+    @property
+    def prefill_past_from(self) -> int | None:
+        """The new tokens (rows x new tokens) from which OpenVINO runs a multi-token step on a past (None: never)."""
+        return self._openvino_past_from
+
     def prefill_ms(self, rows: int, new_tokens: int, past_tokens: int = 0) -> float | None:
-        """The estimated ms of a prefill of `rows` x `new_tokens` on a past of `past_tokens` (a past runs on ONNX
-        Runtime; a fresh prompt where prefill_runtime says), from the times the export recorded for one row on both
-        runtimes (runtime.prefill.estimate_ms); None without an OpenVINO prefill, where every prefill runs on ONNX
-        Runtime and fewer tokens take less time."""
+        """The estimated ms of a prefill of `rows` x `new_tokens` on a past of `past_tokens`, on the runtime that
+        prefill_runtime says runs it, from the times the export recorded for one row on both runtimes
+        (runtime.prefill.estimate_ms: fresh prompts, and chunks on the one past it timed; an export without the
+        latter, ONNX Runtime's fresh line); None without an OpenVINO prefill, where every prefill runs on ONNX Runtime
+        and fewer tokens take less time."""
         if self._openvino_prefill is None:
             return None
-        fresh = PrefillChoice(self.prefill_runtime(new_tokens, rows)) if past_tokens == 0 else PrefillChoice.onnxruntime
-        return estimate_ms(self.info.prefill.get("timing"), fresh, rows * new_tokens)
+        runtime = PrefillChoice(self.prefill_runtime(new_tokens, rows, past_tokens))
+        timing = self.info.prefill.get("timing") or {}
+        on_past = timing.get("past") if past_tokens else None
+        return estimate_ms(on_past or timing, runtime, rows * new_tokens)
 
-    def prefill_runtime(self, prompt_len: int, rows: int = 1) -> str:
-        """The runtime that runs `rows` fresh prompts of `prompt_len` tokens: "onnxruntime" or "openvino". The export
-        timed one row's prompts; a batch is placed by its tokens, rows x prompt_len, which its matmuls scale with
-        (16 rows of 32 tokens ran sooner on OpenVINO, as one of 512 does: docs/results/engines.md)."""
-        openvino = self._openvino_prefill is not None and rows * prompt_len >= self._openvino_from
+    def prefill_runtime(self, prompt_len: int, rows: int = 1, past_tokens: int = 0) -> str:
+        """The runtime that runs `rows` prompts of `prompt_len` new tokens on a past of `past_tokens`: "onnxruntime"
+        or "openvino". The export timed one row's prompts; a batch is placed by its tokens, rows x prompt_len, which
+        its matmuls scale with (16 rows of 32 tokens ran sooner on OpenVINO, as one of 512 does:
+        docs/results/engines.md). A decode step (one new token a row) always runs on ONNX Runtime."""
+        start = self._openvino_past_from if past_tokens else self._openvino_from
+        openvino = self._openvino_prefill is not None and start is not None and prompt_len > 1 and rows * prompt_len >= start
         return (PrefillChoice.openvino if openvino else PrefillChoice.onnxruntime).value
 
     @property
@@ -401,17 +417,26 @@ class OrtBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, keep=0)
 
     def step(self, input_ids, attention_mask, position_ids, past):
-        if past is None and self.prefill_runtime(input_ids.shape[1], input_ids.shape[0]) == PrefillChoice.openvino.value:
-            return self._openvino_step(input_ids, attention_mask, position_ids)
+        B, T = input_ids.shape
+        if self.prefill_runtime(T, B, 0 if past is None else past.length) == PrefillChoice.openvino.value:
+            return self._openvino_step(input_ids, attention_mask, position_ids, past)
         logits, present = self._forward(input_ids, attention_mask, position_ids, past, keep=1)
         return logits[:, -1], present
 
-    def _openvino_step(self, input_ids, attention_mask, position_ids):
-        """A fresh prompt on OpenVINO's prefill graph, which writes its presents straight into this backend's cache
-        form (the in-place buffers, with room to grow as from_numpy's, or a growing cache's arrays)."""
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask has shape {attention_mask.shape}; a prefill's is the ids' {input_ids.shape}")
+    def _openvino_step(self, input_ids, attention_mask, position_ids, past: InPlaceCache | None):
+        """A prompt on OpenVINO's prefill graph, which writes its presents straight into this backend's cache form (the
+        in-place buffers, with room to grow as from_numpy's, or a growing cache's arrays); on a past, it reads the
+        in-place buffers' filled positions and writes the new ones after them."""
         B, T = input_ids.shape
+        length = 0 if past is None else past.length
+        if attention_mask.shape != (B, length + T):
+            raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
+                             f"and the step {T} new ones for {B} rows")
+        if past is not None:
+            buffers = past.buffers_for_step(B, T)
+            logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays, past=length)
+            buffers.length = length + T
+            return logits, InPlaceCache(buffers, length + T, self)
         if self.in_place_kv:
             buffers = buffers_for_step(None, B, T, self.n_positions, InPlaceCache.capacity_step,
                                        lambda b, c, k: InPlaceCache.allocate(self, b, c, k))

@@ -8,6 +8,7 @@ import os
 from enum import Enum
 
 from ..errors import ProviderError, UsageError, missing_modules
+from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 
 PREFILL_ENV = "GPT2X_PREFILL"  # the choice for this process and those it starts (the CLI's --prefill sets it)
@@ -45,6 +46,23 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
     if not usable:
         return None
     return (record.get("timing") or {}).get("openvino_from")
+
+
+def takes_past(info: ExportInfo) -> bool:
+    """Whether the export's prefill graph takes a past: the next chunk of a prompt, or its rest after a cached prefix
+    (exports made before it did run fresh prompts only)."""
+    return io.past_key(0) in (info.prefill or {}).get("inputs", ())
+
+
+def openvino_past_from(info: ExportInfo, choice: PrefillChoice, fresh_from: int | None) -> int | None:
+    """The new tokens (rows x new tokens, more than one a row) from which OpenVINO runs a step on a past (None: never):
+    where it runs fresh prompts (`fresh_from`, openvino_from's) and the graph takes a past; forced, every such step;
+    auto, from the export's timing of chunks on a past on both runtimes (its `past`)."""
+    if fresh_from is None or not takes_past(info):
+        return None
+    if choice is PrefillChoice.openvino:
+        return 2
+    return ((info.prefill.get("timing") or {}).get("past") or {}).get("openvino_from")
 
 
 def estimate_ms(timing: dict | None, runtime: PrefillChoice, tokens: int) -> float | None:

@@ -20,7 +20,7 @@ from gpt2x.generation.generate import generate, left_pad
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import positions
 from gpt2x.runtime.base import right_aligned_rows
-from gpt2x.runtime.kvbuffers import KVBuffers, KVCacheView, merge_rows, refuse_stale
+from gpt2x.runtime.kvbuffers import MERGE_MIN_ROWS, KVBuffers, KVCacheView, merge_rows, refuse_stale
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
@@ -85,8 +85,8 @@ def merges(draw):
 
 
 @hsettings(max_examples=300, deadline=None)
-@given(merges())
-def test_merge_rows_equals_the_host_reference(case):
+@given(merges(), st.booleans())
+def test_merge_rows_equals_the_host_reference(case, whole_context):
     n, batch, length, capacity, joined, joiner_length, rows, width, seed = case
     rng = np.random.default_rng(seed)
     buffers = garbage(batch, capacity)
@@ -105,7 +105,8 @@ def test_merge_rows_equals_the_host_reference(case):
         allocated.append(garbage(b, c))
         return allocated[-1]
 
-    out = merge_rows(cache, np.asarray(rows), joiner, width, allocate, n_positions=16, capacity_step=4)
+    out = merge_rows(cache, np.asarray(rows), joiner, width, allocate, n_positions=16, capacity_step=4,
+                     whole_context=whole_context)
     want = reference(before, joiner, rows, width)
     got = KVCacheView(out, out.length).filled()
     assert all(np.array_equal(g, w) for g, w in zip(got, want))  # no NaN: every position written or kept
@@ -118,8 +119,9 @@ def test_merge_rows_equals_the_host_reference(case):
         moving = {i for i, r in enumerate(rows) if r != i or r >= n or width != length}
         assert all(a.__dict__.get("written", set()) == moving for a in out.arrays)
     else:
-        assert out.batch >= len(rows) and out.capacity >= width and buffers.retired and cache.stale
-        assert out.batch == batch or out.batch >= 2 * batch
+        assert buffers.retired and cache.stale
+        assert out.capacity == 16 if whole_context else out.capacity >= width
+        assert out.batch == (batch if len(rows) <= batch else max(len(rows), 2 * batch, MERGE_MIN_ROWS))
 
 
 def test_merge_rows_refuses_rows_it_does_not_have():

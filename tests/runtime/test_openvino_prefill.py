@@ -143,6 +143,56 @@ def test_an_fp32_exports_prefill_then_decode_is_pytorchs_without_a_cache(tiny_ex
         assert got.tokens == torch_greedy(model, PROMPTS[2], 12)
 
 
+def chunked(backend, ids, mask, sizes: list[int]):
+    """The prompt's prefill in chunks of `sizes` columns (the first fresh, each next on the past so far): the last
+    chunk's logits and the cache."""
+    cache, done = None, 0
+    for n in sizes:
+        done += n
+        logits, cache = backend.step(ids[:, done - n : done], mask[:, :done], positions(mask[:, :done], n), cache)
+    assert done == ids.shape[1]
+    return logits, cache
+
+
+def test_an_fp32_prompt_chunked_on_openvinos_past_then_decoded_is_pytorchs_without_a_cache(tiny_export):
+    """fp32, in place: each chunk after the first reads the past OpenVINO and ONNX Runtime wrote into the buffers and
+    writes its own positions after it, for a left-padded batch (its padding in the first chunk); every logit within
+    fp32's gate of PyTorch's forward of the whole rows."""
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    with OrtBackend(info, threads=1, prefill="openvino") as fp32:
+        assert fp32.in_place_kv and fp32.prefill_past_from == 2
+        calls = []
+        real = fp32._openvino_prefill
+        fp32._openvino_prefill = lambda *a, **k: calls.append(k.get("past", 0)) or real(*a, **k)
+        ids, mask = left_padded([PROMPTS[2] * 3, PROMPTS[0] * 4])  # 33 and 20 tokens
+        logits, cache = chunked(fp32, ids, mask, [8, 16, 9])
+        assert calls == [0, 8, 24] and type(cache).__name__ == "InPlaceCache" and cache.length == 33
+        assert rel(full_forward(model, ids, mask), logits) < 1e-4
+        decode(fp32, model, ids, mask, cache, 4, tol=1e-4)
+
+
+def test_an_int8_batch_chunked_on_a_past_is_the_whole_prompts_prefill(tiny, hybrid):
+    """int8: a left-padded batch prefilled in chunks on OpenVINO gives the logits of its prefill in one (to the
+    rounding of a different split) and the same next tokens; then every decode step on ONNX Runtime is within int8's
+    gate of PyTorch's forward of the whole rows."""
+    model, _ = tiny
+    ids, mask = left_padded([PROMPTS[2] * 2, PROMPTS[1] * 3])
+    whole, _ = hybrid.step(ids, mask, positions(mask, ids.shape[1]), None)
+    logits, cache = chunked(hybrid, ids, mask, [5, 12, 5])
+    assert rel(whole, logits) < 1e-3 and np.array_equal(whole.argmax(-1), logits.argmax(-1))
+    assert rel(full_forward(model, ids, mask), logits) < 0.1
+    decode(hybrid, model, ids, mask, cache, 6)
+
+
+def test_an_export_whose_record_lists_no_past_runs_every_step_on_a_past_on_onnx_runtime(tiny):
+    """Exports made before the graph took a past list three inputs: their chunks stay on ONNX Runtime."""
+    _, info = tiny
+    old = ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "inputs": ["input_ids", "attention_mask", "position_ids"]}})
+    with OrtBackend(old, threads=1, prefill="openvino") as backend:
+        assert backend.prefill == "openvino" and backend.prefill_past_from is None
+        assert backend.prefill_runtime(8, 2, 16) == "onnxruntime"
+
+
 def compiled_precision(backend: OrtBackend) -> str:
     """The compute precision OpenVINO compiled the prefill graph at, as OpenVINO reports it."""
     return backend._openvino_prefill.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
@@ -201,18 +251,21 @@ def test_bf16_from_a_prompt_length_runs_smaller_prefills_at_f32_and_larger_at_bf
         assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
 
 
-def test_run_and_a_step_on_a_past_stay_on_onnx_runtime(tiny, hybrid, monkeypatch):
+def test_run_and_one_token_steps_stay_on_onnx_runtime_and_a_chunk_on_a_past_runs_on_openvino(tiny, hybrid, monkeypatch):
     calls = []
     real = hybrid._openvino_prefill
-    monkeypatch.setattr(hybrid, "_openvino_prefill", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(hybrid, "_openvino_prefill", lambda *a, **k: calls.append((a[0].shape, k.get("past", 0))) or real(*a, **k))
     ids, mask = left_padded(PROMPTS[:1])
     hybrid.run(ids, mask, positions(mask, ids.shape[1]), None)
     assert calls == []
     _, cache = hybrid.step(ids, mask, positions(mask, ids.shape[1]), None)
-    assert calls == [ids.shape]
+    assert calls == [(ids.shape, 0)]
     mask = np.ones((1, ids.shape[1] + 2), np.int64)
-    hybrid.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
-    assert calls == [ids.shape]
+    _, cache = hybrid.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
+    assert calls[1:] == [((1, 2), ids.shape[1])]  # the graph reads the 5 positions held
+    mask = np.ones((1, ids.shape[1] + 3), np.int64)
+    hybrid.step(np.array([[7]]), mask, positions(mask, 1), cache)  # a decode step
+    assert len(calls) == 2
 
 
 def with_timing(info: ExportInfo, openvino_from) -> ExportInfo:
@@ -263,17 +316,32 @@ def test_prefill_estimates_follow_the_records_lines():
     assert estimate_ms({"lengths": [32], "openvino_ms": [17.1]}, PrefillChoice.openvino, 32) is None
 
 
-def test_a_backend_estimates_a_past_on_onnx_runtime_and_a_fresh_prompt_where_it_runs(tiny, tiny_export):
-    """OrtBackend.prefill_ms: a prompt on a past is ONNX Runtime's line, a fresh one the line of the runtime that
-    runs it (OpenVINO from 8 tokens here); no estimate without an OpenVINO prefill."""
+# Chunks on a 256-token past as an export records them (`timing["past"]`; figures of the Xeon's order, by hand).
+XEON_PAST = {"past": 256, "lengths": [32, 256], "onnxruntime_ms": [30.0, 153.5], "openvino_ms": [36.0, 73.5],
+             "openvino_from": 256}
+
+
+def test_a_backend_estimates_a_prompt_on_the_runtime_that_runs_it(tiny, tiny_export):
+    """OrtBackend.prefill_ms: a fresh prompt on the line of the runtime that runs it (OpenVINO from 8 tokens here), a
+    prompt on a past on the line of the chunks timed on a past (OpenVINO from 256 new tokens); an export that timed
+    no past (made before its graph took one) runs a past on ONNX Runtime, on the fresh line; no estimate without an
+    OpenVINO prefill."""
     _, info = tiny
     timed = with_timing(info, 8)
-    timed.meta["openvino_prefill"]["timing"].update(XEON_TIMING)
+    timed.meta["openvino_prefill"]["timing"].update(XEON_TIMING, past=XEON_PAST)
     with OrtBackend(timed, threads=1, prefill="auto") as backend:
-        assert backend.prefill_ms(15, 16, 16) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 240))
         assert backend.prefill_ms(15, 32, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.openvino, 480))
         assert backend.prefill_ms(1, 4, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 4))
-        assert backend.prefill_ms(15, 16, 16) > backend.prefill_ms(15, 32, 0)  # the measured case: 250 ms against 140
+        assert backend.prefill_past_from == 256
+        assert backend.prefill_ms(15, 16, 16) == pytest.approx(30.0 + 123.5 / 224 * 208)  # 240 tokens: ONNX Runtime
+        assert backend.prefill_ms(2, 128, 16) == pytest.approx(73.5)  # 256 tokens: OpenVINO
+        assert [backend.prefill_runtime(n, 2, 16) for n in (127, 128)] == ["onnxruntime", "openvino"]
+        assert backend.prefill_runtime(1, 300, 16) == "onnxruntime"  # one token a row: a decode step
+    del timed.meta["openvino_prefill"]["timing"]["past"]
+    with OrtBackend(timed, threads=1, prefill="auto") as before:
+        assert before.prefill_past_from is None and before.prefill_runtime(128, 2, 16) == "onnxruntime"
+        assert before.prefill_ms(15, 16, 16) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 240))
+        assert before.prefill_ms(15, 16, 16) > before.prefill_ms(15, 32, 0)  # the measured case: 250 ms against 140
     with OrtBackend(tiny_export(Precision.int8)[2], threads=1) as plain:
         assert plain.prefill_ms(15, 16, 16) is None
 
