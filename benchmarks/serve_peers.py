@@ -6,6 +6,8 @@ machine, under `gpt2x loadtest` (and vLLM's own `vllm bench serve`).
         [--llama-server .venv-peers/llama.cpp-build/bin/llama-server] [--vllm-python .venv-peers-vllm/bin/python]
         [--bench-concurrency 1,16] [--bench-requests 48] [--bench-input-len 32] [--bench-output-len 64]
         [--baseline CHECKOUT --servers gpt2x,gpt2x-baseline]  # before/after: another checkout's gpt2x serve
+        [--baseline-onnx EXPORT]  # ... on an export that checkout made, where the format changed since
+        [--prefix-rate 1.5]  # the shared-prefix workload's prompts join at this rate (Poisson), not a closed loop
         [--gpt2x-args=--ray]  # more flags for every gpt2x server (its variants and the baseline too)
         [--gpt2x-precision fp32 --servers gpt2x,gpt2x-in-place-kv]  # fp32, as exported and as its in-place twin
 
@@ -300,12 +302,14 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| server | workload | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | failed / requests | prefix-cache hit rate |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| server | workload | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | ITL p99 / p50 | "
+           "failed / requests | prefix-cache hit rate |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hit = "n/a" if r["prefix_cache_hit_rate"] is None else f"{100 * r['prefix_cache_hit_rate']:.1f}%"
         out.append(f"| {r['server']} | {r['workload']} | {r['concurrency']} | {fmt(r['output_token_throughput'], '.1f')} | "
                    f"{fmt(r['ttft_p50_ms'], '.1f')} | {fmt(r['itl_p50_ms'], '.1f')} | {fmt(r['itl_p99_ms'], '.1f')} | "
+                   f"{fmt(r['itl_p99_ms'] / r['itl_p50_ms'] if r['itl_p99_ms'] and r['itl_p50_ms'] else None, '.2f')} | "
                    f"{r['failed']} / {r['requests']} | {hit} |")
     return "\n".join(out)
 
@@ -341,12 +345,20 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     ap.add_argument("--baseline", type=Path, default=None,
                     help=f"a checkout of gpt2x (e.g. a git worktree of an earlier commit) served as {BASELINE} on the same export")
+    ap.add_argument("--baseline-onnx", type=Path, default=None,
+                    help=f"the export {BASELINE} serves instead (one made by that checkout, where the format changed since)")
+    ap.add_argument("--prefix-rate", type=float, default=None,
+                    help="the shared-prefix workload's requests arrive at this many a second (Poisson; default: a closed loop)")
     args = ap.parse_args()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in SERVERS for s in servers):
         ap.error(f"--servers: each of {', '.join(SERVERS)}")
     if (BASELINE in servers) != (args.baseline is not None) or (args.baseline and not (args.baseline / "gpt2x" / "__init__.py").is_file()):
         ap.error(f"--baseline CHECKOUT (a folder holding gpt2x/) goes with --servers ...,{BASELINE}")
+    if args.baseline_onnx is not None and (args.baseline is None or not (args.baseline_onnx / "gpt2x.json").is_file()):
+        ap.error("--baseline-onnx EXPORT (a folder holding gpt2x.json) goes with --baseline")
+    if args.prefix_rate is not None and args.prefix_rate <= 0:
+        ap.error("--prefix-rate must be above 0")
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or args.prefix_requests < 0:
         ap.error("--rounds, --requests and --max-tokens must be at least 1, --prefix-requests at least 0")
     llama_server = args.llama_server.resolve()
@@ -363,7 +375,7 @@ def main() -> int:
         workloads[f"shared prefix {args.shared_prefix_tokens}x{args.prefixes}+{args.suffix_tokens}"] = [
             "--requests", str(args.prefix_requests), "--concurrency", args.prefix_concurrency, *common,
             "--shared-prefix-tokens", str(args.shared_prefix_tokens), "--prefixes", str(args.prefixes),
-            "--suffix-tokens", str(args.suffix_tokens)]
+            "--suffix-tokens", str(args.suffix_tokens), *(["--rate", f"{args.prefix_rate:g}"] if args.prefix_rate else [])]
     warmup = ["--requests", "2", "--concurrency", "2", "--max-tokens", "4", "--timeout", f"{args.timeout:g}"]
     threads = physical_cores()
     env = system_info()
@@ -390,7 +402,9 @@ def main() -> int:
         envs = {"vllm": vllm_env(vllm_python, threads)}
         baseline_commit = None
         if args.baseline is not None:  # its gpt2x package first on the path: imported in place of this one
-            commands[BASELINE] = commands["gpt2x"]
+            commands[BASELINE] = list(commands["gpt2x"])
+            if args.baseline_onnx is not None:
+                commands[BASELINE][commands[BASELINE].index("--onnx") + 1] = str(args.baseline_onnx.resolve())
             envs[BASELINE] = {"PYTHONPATH": str(args.baseline.resolve())}
             baseline_commit = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "HEAD"], capture_output=True,
                                              text=True).stdout.strip() or None
@@ -459,7 +473,8 @@ def main() -> int:
              f"Machine: {machine}; client (gpt2x loadtest) and server share it. {args.rounds} round(s), servers one at a time, "
              "the order alternating; each figure the median over the rounds (prefix-cache hit rate: cached / prompt tokens "
              "as the server states them; n/a: it states none). Temperature 1 (the default; vllm bench serve sends none, so the "
-             "server's default, 1), closed loop.", "",
+             "server's default, 1), closed loop" + (f"; the shared-prefix workload's requests arriving at {args.prefix_rate:g}/s "
+             "(Poisson) instead" if args.prefix_rate else "") + ".", "",
              f"Command: `{record['command']}`", ""]
     lines += [f"- {n}: `{shown[n]}`" for n in servers]
     lines += [f"- {w}: `{c}`" for w, c in record["loadtest_commands"].items()]

@@ -55,6 +55,9 @@ class Capabilities:
     # `prefill_ms(rows, new_tokens, past_tokens)`: a prefill's estimated time (None where the backend cannot tell),
     # for a caller choosing between prefills that compute more or fewer tokens on different runtimes.
     estimates_prefill: bool = False
+    # `warm_up()`: opens now what its first steps of each kind would open (graphs, sessions), for a server, whose first
+    # requests would otherwise wait for it.
+    warms_up: bool = False
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:

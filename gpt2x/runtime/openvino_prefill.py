@@ -103,6 +103,14 @@ class OpenVinoPrefill:
     def request(self):
         return self._graph(self.inference_precision).request
 
+    def warm_up(self, past: bool) -> None:
+        """Every graph compiled that a prefill may run: at each compute precision, fresh and (`past`) on a past."""
+        precisions = [self.inference_precision] + ([BF16] if self.bf16_from is not None else [])
+        forms = [False, True] if past and self.takes_past else [False]
+        for precision in precisions:
+            for form in forms:
+                self._graph(precision, form)
+
     def precision_for(self, prompt_len: int, rows: int = 1) -> str:
         """The compute precision `rows` prompts of `prompt_len` tokens run at."""
         return BF16 if self.bf16_from is not None and rows * prompt_len >= self.bf16_from else self.inference_precision

@@ -109,6 +109,8 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     get_encoding()  # built now, not by the first request (~55 ms)
     backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
                              in_place_kv=config.in_place_kv)
+    if backend.capabilities.warms_up:
+        backend.warm_up()
     drafter = None
     if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
         drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),

@@ -131,3 +131,13 @@ def test_asking_for_it_where_there_is_none_is_one_line(tiny_export):
     with OrtBackend(info, threads=1) as backend:
         assert backend.batched_from is None
 
+
+
+def test_warm_up_opens_the_batched_graph_where_steps_would_run_on_it(tiny):
+    _, info = tiny
+    with OrtBackend(with_from(info, FROM), threads=1) as switching, OrtBackend(info, threads=1, batched=False) as model:
+        assert not switching.batched_open
+        switching.warm_up()
+        assert switching.batched_open and switching.session_for(FROM, 1) is switching._batched
+        model.warm_up()
+        assert not model.batched_open  # no batched graph in use: nothing to open

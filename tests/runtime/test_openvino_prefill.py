@@ -193,6 +193,22 @@ def test_an_export_whose_record_lists_no_past_runs_every_step_on_a_past_on_onnx_
         assert backend.prefill_runtime(8, 2, 16) == "onnxruntime"
 
 
+def test_warm_up_compiles_every_graph_a_prefill_may_run(tiny, monkeypatch):
+    """Fresh and on a past, at f32 and, where the record runs bf16 from a length, at bf16 too; none on a past where
+    the record lists no past."""
+    _, info = tiny
+    monkeypatch.setattr("gpt2x.runtime.openvino_prefill.cpu_has_bf16", lambda: True)
+    record = {**info.prefill, "inference_precision": "f32", "bf16_from": 64}
+    with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as both:
+        assert both._openvino_prefill._graphs == {}  # compiled at first use
+        both.warm_up()
+        assert set(both._openvino_prefill._graphs) == {("f32", False), ("f32", True), ("bf16", False), ("bf16", True)}
+    record = {k: v for k, v in record.items() if k != "bf16_from"} | {"inputs": ["input_ids", "attention_mask", "position_ids"]}
+    with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as fresh:
+        fresh.warm_up()
+        assert set(fresh._openvino_prefill._graphs) == {("f32", False)}
+
+
 def compiled_precision(backend: OrtBackend) -> str:
     """The compute precision OpenVINO compiled the prefill graph at, as OpenVINO reports it."""
     return backend._openvino_prefill.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
