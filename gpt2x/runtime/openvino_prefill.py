@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import openvino as ov
+from openvino import passes
 
 from ..errors import ArtifactError
 from ..onnx import names as io
@@ -65,6 +66,18 @@ def _fresh(model: ov.Model, n_layer: int) -> ov.Model:
     return fresh
 
 
+def _folded(model: ov.Model) -> ov.Model:
+    """The graph with its weights' decompression (int8 times a scale, nncf's) folded into f32 constants, for bf16
+    compute: OpenVINO then converts them to bf16 once and multiplies them as such, where it would decompress the int8
+    weights at every call (16 prompts of 32 tokens 98 against 112 ms, 512 tokens 124 against 141, at bf16 on the
+    2-core Xeon: scratch). The same weights' values; 250 MB more memory for GPT-2 124M, folded in about 1 s."""
+    folded = model.clone()
+    manager = passes.Manager()
+    manager.register_pass(passes.ConstantFolding())
+    manager.run_passes(folded)
+    return folded
+
+
 class OpenVinoPrefill:
     """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
     request; where the record chose bf16 from a prompt length on (bf16_from), the graph compiled at bf16 too, which
@@ -88,6 +101,8 @@ class OpenVinoPrefill:
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
         if (precision, past) not in self._graphs:
             model = _fresh(self._model, self._n_layer) if self.takes_past and not past else self._model
+            if precision == BF16:
+                model = _folded(model)
             try:
                 self._graphs[precision, past] = _Compiled(model, precision, self._threads, self._n_layer, self.takes_past)
             except Exception as e:  # as read_model's

@@ -209,6 +209,37 @@ def test_warm_up_compiles_every_graph_a_prefill_may_run(tiny, monkeypatch):
         assert set(fresh._openvino_prefill._graphs) == {("f32", False)}
 
 
+def test_bf16_compute_runs_the_int8_weights_decompression_folded(tiny, monkeypatch):
+    """The int8 graph's weights are u8 constants; folded, none is left (f32 weights, the same values), and the
+    runtime compiles its bf16 graphs, not its f32 ones, from the folded graph."""
+    import openvino as ov
+
+    from gpt2x.runtime import openvino_prefill
+
+    _, info = tiny
+    graph = ov.Core().read_model(str(info.prefill_path))
+
+    def weight_types(model):
+        return {str(op.get_output_element_type(0)) for op in model.get_ops()
+                if op.get_type_name() == "Constant" and len(op.get_output_partial_shape(0)) == 2}
+
+    assert any("u8" in t or "uint8" in t for t in weight_types(graph))
+    folded = openvino_prefill._folded(graph)
+    assert not any("8" in t for t in weight_types(folded)) and any("f32" in t or "float32" in t for t in weight_types(folded))
+    assert any("uint8" in t or "u8" in t for t in weight_types(graph))  # the graph itself is left as it was
+    calls = []
+    real = openvino_prefill._folded
+    monkeypatch.setattr(openvino_prefill, "_folded", lambda m: calls.append(m) or real(m))
+    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: True)
+    record = {**info.prefill, "inference_precision": "f32", "bf16_from": 64}
+    with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as both:
+        both._openvino_prefill._graph("f32", False)
+        assert calls == []
+        both._openvino_prefill._graph("bf16", False)
+        both._openvino_prefill._graph("bf16", True)
+        assert len(calls) == 2
+
+
 def compiled_precision(backend: OrtBackend) -> str:
     """The compute precision OpenVINO compiled the prefill graph at, as OpenVINO reports it."""
     return backend._openvino_prefill.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
