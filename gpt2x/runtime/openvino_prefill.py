@@ -119,12 +119,27 @@ class OpenVinoPrefill:
         return self._graph(self.inference_precision).request
 
     def warm_up(self, past: bool) -> None:
-        """Every graph compiled that a prefill may run: at each compute precision, fresh and (`past`) on a past."""
+        """Every graph compiled that a prefill may run, at each compute precision, fresh and (`past`) on a past, and
+        run once on two tokens: OpenVINO lays its weights out for its kernels at a graph's first inference, whatever its
+        shape (a first 16-row prefill at bf16 200 ms, the next 65-85: scratch)."""
         precisions = [self.inference_precision] + ([BF16] if self.bf16_from is not None else [])
         forms = [False, True] if past and self.takes_past else [False]
         for precision in precisions:
             for form in forms:
-                self._graph(precision, form)
+                self._warm(self._graph(precision, form), 2 if form else 0)
+
+    def _warm(self, graph: _Compiled, past: int) -> None:
+        """One inference of the graph on a row of two tokens after `past` (zeros: only its time matters)."""
+        feeds = (np.zeros((1, 2), np.int64), np.ones((1, past + 2), np.int64), np.arange(past, past + 2, dtype=np.int64)[None])
+        for port, arr in zip(graph.inputs, feeds):
+            graph.request.set_tensor(port, ov.Tensor(arr))
+        _, heads, _, dim = graph.presents[0].get_partial_shape()  # (B, H, T, D)
+        H, D = heads.get_length(), dim.get_length()
+        for port in graph.past:
+            graph.request.set_tensor(port, ov.Tensor(np.zeros((1, H, past, D), np.float32)))
+        for port in graph.presents:  # its own arrays: every call sets the cache's regions again
+            graph.request.set_tensor(port, ov.Tensor(np.empty((1, H, 2, D), np.float32)))
+        graph.request.infer()
 
     def precision_for(self, prompt_len: int, rows: int = 1) -> str:
         """The compute precision `rows` prompts of `prompt_len` tokens run at."""
