@@ -37,7 +37,7 @@ def bf16_from(info: ExportInfo) -> int | None:
 class _Compiled:
     """The graph compiled at one compute precision, its ports and one infer request."""
 
-    def __init__(self, model: ov.Model, precision: str, threads: int, n_layer: int, past: bool = True):
+    def __init__(self, model: ov.Model, precision: str, threads: int, n_layer: int, past: bool):
         config = {
             "INFERENCE_NUM_THREADS": threads,
             # The gated compute precision: OpenVINO's own default is bf16 wherever the CPU has it, gated or not.
