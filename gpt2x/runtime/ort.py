@@ -442,6 +442,8 @@ class OrtBackend(Closable):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
                              f"and the step {T} new ones for {B} rows")
         if past is not None:
+            if past.rows != B:
+                raise ValueError(f"the KV cache holds {past.rows} rows; the step has {B}")
             buffers = past.buffers_for_step(B, T)
             logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays, past=length)
             buffers.length = length + T

@@ -168,7 +168,10 @@ def test_an_fp32_prompt_chunked_on_openvinos_past_then_decoded_is_pytorchs_witho
         logits, cache = chunked(fp32, ids, mask, [8, 16, 9])
         assert calls == [0, 8, 24] and type(cache).__name__ == "InPlaceCache" and cache.length == 33
         assert rel(full_forward(model, ids, mask), logits) < 1e-4
-        decode(fp32, model, ids, mask, cache, 4, tol=1e-4)
+        ids, mask, cache = decode(fp32, model, ids, mask, cache, 4, tol=1e-4)
+        mask = np.ones((1, cache.length + 2), np.int64)
+        with pytest.raises(ValueError, match="holds 2 rows; the step has 1"):
+            fp32.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
 
 
 def test_an_int8_batch_chunked_on_a_past_is_the_whole_prompts_prefill(tiny, hybrid):
