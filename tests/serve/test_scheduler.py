@@ -422,6 +422,30 @@ def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_t
         assert len(plan.prefill) == taken, wait
 
 
+def test_after_a_batch_of_one_a_new_batch_waits_where_several_requests_wait_already(monkeypatch):
+    """Auto, after a batch of one row: two requests waiting when the batch starts are a wave arriving (vllm bench
+    serve's first wave after its c=1 level came as 4 rows, then 12 joining them): it waits, and a third arriving 10 ms
+    later comes in too; one request alone does not wait (the test above)."""
+    from gpt2x.serve.core import scheduler as module
+
+    monkeypatch.setattr(module, "AUTO_BATCH_WAIT_S", 0.5)
+    monkeypatch.setattr(module, "AUTO_QUIET_S", 0.2)
+    scheduler, shapes = engine()
+    alone = row(tokens=2)
+    scheduler.submit([alone])
+    shapes.step()
+    run_out(scheduler, shapes, [alone])
+    wave = [row(tokens=2) for _ in range(3)]
+    scheduler.submit([wave[0]])
+    scheduler.submit([wave[1]])
+    assert scheduler.batch_wait() == 0.5
+    timer = threading.Timer(0.01, lambda: scheduler.submit([wave[2]]))
+    timer.start()
+    plan = shapes.step()
+    timer.join()
+    assert plan.prefill == tuple(wave)
+
+
 def test_an_auto_wait_ends_once_requests_stop_arriving(monkeypatch):
     """Auto, after a batch of 2 rows: requests at 0 and 10 ms, then a pause longer than AUTO_QUIET_S (50 ms here):
     the new batch takes the two, long before AUTO_BATCH_WAIT_S (1 s); the third waits for the next step."""

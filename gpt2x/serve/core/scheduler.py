@@ -21,7 +21,8 @@ from .outputs import Sink
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# A new batch's wait for requests arriving together after a batch of several rows (EngineSettings.batch_wait_s None):
+# A new batch's wait for requests arriving together after a batch of several rows, or where several wait already
+# (EngineSettings.batch_wait_s None):
 # until AUTO_QUIET_S pass with no request arriving, at most AUTO_BATCH_WAIT_S. vllm bench serve at c=16 (scratch
 # runs, int8, 2-core Xeon): TTFT p50 135-138 ms with a fixed 5 or 10 ms wait, 168-176 ms without; at 5 ms part of a
 # wave was left to join it, its prefill chunked beside the rows running (ITL p99 47-52 against 31-38 ms); at c=1 a
@@ -167,6 +168,7 @@ class Scheduler:
         self.running = 0  # rows of the batch in flight that have not finished
         self._peak = 0  # the most rows the batch in flight (or the last) has run at once
         self._arrived = 0.0  # time.monotonic() of the last submission
+        self._burst = 0  # submissions since the queue was last empty
         self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
         # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
         # the rows being prefilled to join, and which half of a step the next plan is.
@@ -191,7 +193,10 @@ class Scheduler:
             self._purge()
             if len(self._waiting) + len(rows) > self.settings.max_waiting + self._free_places():
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.settings.max_waiting})")
+            if not self._waiting:
+                self._burst = 0
             self._waiting.extend(rows)
+            self._burst += 1
             self._arrived = time.monotonic()
             if self.settings.scheduling_policy == "priority":  # a stable sort: arrival order among equals
                 self._waiting = deque(sorted(self._waiting, key=lambda r: r.priority))
@@ -367,11 +372,11 @@ class Scheduler:
 
     def batch_wait(self) -> float:
         """The longest a new batch waits for more requests: batch_wait_s, or where it is None AUTO_BATCH_WAIT_S (less
-        once no request has arrived for AUTO_QUIET_S) after a batch that ran more than one row at once, and none after
-        one of a single row."""
+        once no request has arrived for AUTO_QUIET_S) after a batch that ran more than one row at once or where more
+        than one request waits already (a wave is arriving), and none for a lone request after one of a single row."""
         if self.settings.batch_wait_s is not None:
             return self.settings.batch_wait_s
-        return AUTO_BATCH_WAIT_S if self._peak > 1 else 0.0
+        return AUTO_BATCH_WAIT_S if self._peak > 1 or self._burst > 1 else 0.0
 
     def set_running(self, n: int) -> None:
         with self._cond:
