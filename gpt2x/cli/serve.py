@@ -138,8 +138,8 @@ def serve(
     continuous: Annotated[bool, typer.Option(help="Waiting requests join a running batch between decode steps (--no-continuous: static batches).")] = True,
     batch_wait_ms: Annotated[Optional[float], typer.Option(
         help="A new batch waits up to this long for requests arriving together (0: later ones join at the next step). "
-        "Default: after a batch that ran several rows at once, until requests stop arriving for 5 ms (20 ms at most); "
-        "none after a batch of one.", show_default=False)] = None,
+        "Default: after a batch that ran several rows at once, or where several requests wait already, until requests "
+        "stop arriving for 5 ms (20 ms at most); none for a lone request after a batch of one.", show_default=False)] = None,
     prefix_cache_mb: Annotated[float, typer.Option(
         help="Host memory per replica for the KV of prompt prefixes, reused by later prompts that begin the same way "
         "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
