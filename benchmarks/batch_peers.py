@@ -66,6 +66,8 @@ class Gpt2xEngine:
         self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" batched-off" if batched is False else "")
         self.precision = info.precision.value
         self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched)
+        if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
+            self.backend.warm_up()
         self.settings = EngineSettings(max_batch_size=batch)
         self.engine = Engine(self.backend, self.settings).start()
         self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None),

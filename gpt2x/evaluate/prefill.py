@@ -160,8 +160,11 @@ def at_compute(info: ExportInfo, precision: str, bf16_from: int | None = None) -
     return ExportInfo(info.folder, {**info.meta, PREFILL_KEY: record})
 
 
-def _gate_at(reference: Backend, info: ExportInfo, threads: int | None) -> dict:
+def _gate_at(reference: Backend, info: ExportInfo, threads: int | None, warmed: bool = False) -> dict:
+    """The gate on the backend as a process runs it; `warmed`: as `gpt2x serve` runs it, after warm_up."""
     with OrtBackend(info, threads=threads, prefill=PrefillChoice.openvino) as backend:
+        if warmed:
+            backend.warm_up(fold_bf16=True)
         return check_prefill(reference, backend, info.precision)
 
 
@@ -181,7 +184,9 @@ def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, l
              repeat: int = TIMED_REPEAT) -> dict:
     """The prefill at bf16 compute, where this CPU has it: gated as f32's (the export precision's tolerances), then
     timed beside f32 compute; `kept` (for every length) where it passed and bf16_wins, `from` the prompt length from
-    which it runs where it passed (bf16_start; None: never)."""
+    which it runs where it passed (bf16_start; None: never). `folded`: the same gate's verdict on the graph a server
+    compiles, its int8 weights' decompression folded into constants (runtime.openvino_prefill), which it runs only
+    where that passed."""
     from ..runtime.openvino_prefill import cpu_has_bf16
 
     if not cpu_has_bf16():
@@ -190,12 +195,13 @@ def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, l
     parity = _gate_at(reference, bf16, threads)
     if parity["status"] == "failed":
         return {"kept": False, "reason": f"out of tolerance: {parity['message']}", "parity": parity}
+    folded = _gate_at(reference, bf16, threads, warmed=True)
     lengths, prompts = _prompts(info, lengths)
     ms = {p: _medians(at_compute(info, p), PrefillChoice.openvino, prompts, threads, repeat) for p in (F32, BF16)}
     start = bf16_start(lengths, ms[F32], ms[BF16])
     reason = "passed, faster" if start == 2 else "passed, not faster" if start is None else f"passed, faster from {start} tokens"
     return {"kept": start == 2, "from": start, "reason": reason, "parity": parity, "lengths": lengths,
-            "f32_ms": ms[F32], "bf16_ms": ms[BF16]}
+            "f32_ms": ms[F32], "bf16_ms": ms[BF16], "folded": {k: folded[k] for k in ("status", "message")}}
 
 
 def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:

@@ -70,7 +70,8 @@ def _folded(model: ov.Model) -> ov.Model:
     """The graph with its weights' decompression (int8 times a scale, nncf's) folded into f32 constants, for bf16
     compute: OpenVINO then converts them to bf16 once and multiplies them as such, where it would decompress the int8
     weights at every call (16 prompts of 32 tokens 98 against 112 ms, 512 tokens 124 against 141, at bf16 on the
-    2-core Xeon: scratch). The same weights' values; 250 MB more memory for GPT-2 124M, folded in about 1 s."""
+    2-core Xeon: scratch). The same weights' values; 250 MB more memory for GPT-2 124M, and about 1 s to fold: a
+    server's (OpenVinoPrefill.warm_up), not a one-shot process's first long prompt."""
     folded = model.clone()
     manager = passes.Manager()
     manager.register_pass(passes.ConstantFolding())
@@ -95,13 +96,16 @@ class OpenVinoPrefill:
         # The graph says whether it takes a past (exports before it did run fresh prompts only).
         self.takes_past = io.past_key(0) in {name for port in self._model.inputs for name in port.get_names()}
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
+        # bf16 graphs compiled from _folded (warm_up's choice), where the export's gate passed that graph too
+        self.fold_bf16 = False
+        self._folds_gated = ((info.prefill or {}).get("bf16") or {}).get("folded", {}).get("status") == "passed"
 
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
         if (precision, past) not in self._graphs:
             model = _fresh(self._model, self._n_layer) if self.takes_past and not past else self._model
-            if precision == BF16:
+            if precision == BF16 and self.fold_bf16:
                 model = _folded(model)
             try:
                 self._graphs[precision, past] = _Compiled(model, precision, self._threads, self._n_layer, self.takes_past)
@@ -118,10 +122,14 @@ class OpenVinoPrefill:
     def request(self):
         return self._graph(self.inference_precision).request
 
-    def warm_up(self, past: bool) -> None:
+    def warm_up(self, past: bool, fold_bf16: bool = False) -> None:
         """Every graph compiled that a prefill may run, at each compute precision, fresh and (`past`) on a past, and
         run once on two tokens: OpenVINO lays its weights out for its kernels at a graph's first inference, whatever its
-        shape (a first 16-row prefill at bf16 200 ms, the next 65-85: scratch)."""
+        shape (a first 16-row prefill at bf16 200 ms, the next 65-85: scratch). `fold_bf16`: its bf16 graphs from
+        _folded, where the export gated that (`bf16.folded`; or when asked, as the gate itself does)."""
+        if fold_bf16 or self._folds_gated:
+            self.fold_bf16 = True
+            self._graphs = {key: graph for key, graph in self._graphs.items() if key[0] != BF16}
         precisions = [self.inference_precision] + ([BF16] if self.bf16_from is not None else [])
         forms = [False, True] if past and self.takes_past else [False]
         for precision in precisions:

@@ -387,14 +387,15 @@ class OrtBackend(Closable):
             self._batched = create_export_session(self.info.batched_path, self.provider, self._threads)
         return self._batched
 
-    def warm_up(self) -> None:
+    def warm_up(self, fold_bf16: bool = False) -> None:
         """Open now what a step would on its first use: the batched decode graph's session, and OpenVINO's prefill
         graph compiled for each compute precision and form (fresh, on a past) it may run at (a 512-token prompt joining
-        a served batch first: 270-390 ms more of the rows' wait, scratch)."""
+        a served batch first: 270-390 ms more of the rows' wait, scratch), its bf16 graphs with their weights folded
+        where the export gated that (`fold_bf16`: regardless, for that gate)."""
         if self._batched_from is not None:
             self.session_for(max(self._batched_rows, self._batched_from), 1)  # a decode step it runs
         if self._openvino_prefill is not None:
-            self._openvino_prefill.warm_up(past=self._openvino_past_from is not None)
+            self._openvino_prefill.warm_up(past=self._openvino_past_from is not None, fold_bf16=fold_bf16)
 
     @property
     def batched_open(self) -> bool:

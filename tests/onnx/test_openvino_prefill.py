@@ -67,6 +67,7 @@ def test_bf16_compute_is_tried_with_the_same_gate_and_recorded(tiny):
         assert record["inference_precision"] == "f32" and bf16 == {"kept": False, "reason": "this CPU has no bf16 compute"}
         return
     assert bf16["parity"]["status"] == "passed"  # int8's gate: bf16 rounding is small beside int8 weights'
+    assert bf16["folded"]["status"] == "passed"  # and on its weights folded, as gpt2x serve compiles it
     assert len(bf16["f32_ms"]) == len(bf16["bf16_ms"]) == 2 and all(ms > 0 for ms in bf16["f32_ms"] + bf16["bf16_ms"])
     assert record["inference_precision"] == ("bf16" if bf16["kept"] else "f32")
     if bf16["kept"]:

@@ -212,9 +212,10 @@ def test_warm_up_compiles_every_graph_a_prefill_may_run(tiny, monkeypatch):
         assert set(fresh._openvino_prefill._graphs) == {("f32", False)}
 
 
-def test_bf16_compute_runs_the_int8_weights_decompression_folded(tiny, monkeypatch):
-    """The int8 graph's weights are u8 constants; folded, none is left (f32 weights, the same values), and the
-    runtime compiles its bf16 graphs, not its f32 ones, from the folded graph."""
+def test_a_server_runs_bf16_on_the_int8_weights_folded_where_the_export_gated_that(tiny, monkeypatch):
+    """The int8 graph's weights are u8 constants; folded, none is left (f32 weights, the same values). A one-shot
+    process compiles its bf16 graphs as they are (folding costs about 1 s on GPT-2 124M); warm_up (gpt2x serve's)
+    compiles them from the folded graph, where the export's record says that passed the gate too; never the f32 ones."""
     import openvino as ov
 
     from gpt2x.runtime import openvino_prefill
@@ -226,21 +227,30 @@ def test_bf16_compute_runs_the_int8_weights_decompression_folded(tiny, monkeypat
         return {str(op.get_output_element_type(0)) for op in model.get_ops()
                 if op.get_type_name() == "Constant" and len(op.get_output_partial_shape(0)) == 2}
 
-    assert any("u8" in t or "uint8" in t for t in weight_types(graph))
+    assert any("uint8" in t for t in weight_types(graph))
     folded = openvino_prefill._folded(graph)
-    assert not any("8" in t for t in weight_types(folded)) and any("f32" in t or "float32" in t for t in weight_types(folded))
-    assert any("uint8" in t or "u8" in t for t in weight_types(graph))  # the graph itself is left as it was
+    assert not any("int8" in t for t in weight_types(folded)) and any("float32" in t for t in weight_types(folded))
+    assert any("uint8" in t for t in weight_types(graph))  # the graph itself is left as it was
     calls = []
     real = openvino_prefill._folded
     monkeypatch.setattr(openvino_prefill, "_folded", lambda m: calls.append(m) or real(m))
     monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: True)
-    record = {**info.prefill, "inference_precision": "f32", "bf16_from": 64}
-    with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as both:
-        both._openvino_prefill._graph("f32", False)
+
+    def with_folded(status):
+        bf16 = {**info.prefill.get("bf16", {}), "folded": {"status": status, "message": ""}}
+        return ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "inference_precision": "f32",
+                                                                         "bf16_from": 64, "bf16": bf16}})
+
+    with OrtBackend(with_folded("passed"), threads=1, prefill="openvino") as one_shot:
+        one_shot._openvino_prefill._graph("bf16", True)
         assert calls == []
-        both._openvino_prefill._graph("bf16", False)
-        both._openvino_prefill._graph("bf16", True)
-        assert len(calls) == 2
+    with OrtBackend(with_folded("passed"), threads=1, prefill="openvino") as served:
+        served.warm_up()
+        assert len(calls) == 2 and served._openvino_prefill.fold_bf16  # bf16, fresh and on a past
+    calls.clear()
+    with OrtBackend(with_folded("failed"), threads=1, prefill="openvino") as ungated:
+        ungated.warm_up()
+        assert calls == [] and not ungated._openvino_prefill.fold_bf16
 
 
 def compiled_precision(backend: OrtBackend) -> str:
