@@ -32,7 +32,7 @@ from gpt2x.bench.system import system_info
 from gpt2x.onnx import names as io
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.kvbuffers import small_page_arrays
-from gpt2x.runtime.openvino_prefill import cpu_has_bf16
+from gpt2x.runtime.openvino_prefill import cpu_has_bf16, fresh_graph
 from gpt2x.runtime.providers import physical_cores
 
 COMPILED: dict = {}
@@ -67,6 +67,10 @@ class Graph:
                        io.ATTENTION_MASK: np.ones((1, T), np.int64), io.POSITION_IDS: np.arange(T, dtype=np.int64)[None]}
         if "beam_idx" in names:
             self.inputs["beam_idx"] = np.zeros(1, np.int32)
+        for port in self.compiled.inputs:  # the rest, a past (gpt2x's graph, as fresh_graph made it): an empty one
+            if not port.get_names() & set(self.inputs):
+                shape = port.get_partial_shape()  # (B, H, 0, D)
+                self.inputs[port.get_any_name()] = np.zeros((1, shape[1].get_length(), 0, shape[3].get_length()), np.float32)
         self.stateful = bool(self.request.query_state())
         self.capacity, self.fresh = capacity, fresh
         self.buffers = []
@@ -118,7 +122,7 @@ def configurations(args, computes: list[str]) -> list[tuple[str, str, ov.Model, 
     for export, genai in zip(args.export, args.genai):
         info = read_export(export)
         tag = info.precision.value
-        ours = core.read_model(str(info.prefill_path))
+        ours = fresh_graph(core.read_model(str(info.prefill_path)), info.config.n_layer)  # as the runtime compiles it
         theirs = core.read_model(str(Path(genai) / "openvino_model.xml"))
         for compute in computes:
             out.append((f"gpt2x {tag} ({compute}), presents into new buffers", compute, ours, args.capacity, True))

@@ -54,9 +54,17 @@ class _Compiled:
         self.past = [self.compiled.input(name) for name in io.input_names(n_layer)[3:]] if past else []
 
 
-def _fresh(model: ov.Model, n_layer: int) -> ov.Model:
-    """A graph that takes a past, its past made 0 positions long: OpenVINO then drops the concatenations and slices
-    a fresh prompt does not need (5-9% of a prefill's time here, as fast as a graph without a past)."""
+def graph_takes_past(model: ov.Model) -> bool:
+    """Whether a prefill graph takes a past (exports before it did run fresh prompts only)."""
+    return any(io.past_key(0) in port.get_names() for port in model.inputs)
+
+
+def fresh_graph(model: ov.Model, n_layer: int) -> ov.Model:
+    """The prefill graph as it runs fresh prompts: one that takes a past with its past made 0 positions long (OpenVINO
+    then drops the concatenations and slices a fresh prompt does not need: 5-9% of a prefill's time here, as fast as a
+    graph without a past), one that does not as it is."""
+    if not graph_takes_past(model):
+        return model
     fresh = model.clone()
     shapes = {}
     for name in io.input_names(n_layer)[3:]:
@@ -83,7 +91,7 @@ class OpenVinoPrefill:
     """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
     request; where the record chose bf16 from a prompt length on (bf16_from), the graph compiled at bf16 too, which
     runs the prefills of that many tokens (rows x prompt length) and more. A graph that takes a past is compiled twice,
-    for fresh prompts (_fresh) and on a past, each at its first use."""
+    for fresh prompts (fresh_graph) and on a past, each at its first use."""
 
     def __init__(self, info: ExportInfo, threads: int | None = None):
         self.inference_precision = compute_precision(info)
@@ -93,8 +101,7 @@ class OpenVinoPrefill:
             self._model = ov.Core().read_model(str(info.prefill_path))
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
-        # The graph says whether it takes a past (exports before it did run fresh prompts only).
-        self.takes_past = io.past_key(0) in {name for port in self._model.inputs for name in port.get_names()}
+        self.takes_past = graph_takes_past(self._model)
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
         # bf16 graphs compiled from _folded (warm_up's choice), where the export's gate passed that graph too
         self.fold_bf16 = False
@@ -104,7 +111,7 @@ class OpenVinoPrefill:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
         if (precision, past) not in self._graphs:
-            model = _fresh(self._model, self._n_layer) if self.takes_past and not past else self._model
+            model = self._model if past else fresh_graph(self._model, self._n_layer)
             if precision == BF16 and self.fold_bf16:
                 model = _folded(model)
             try:

@@ -47,9 +47,10 @@ class EngineSettings:
     continuous: bool = True  # waiting rows join a running batch between decode steps
     # A new batch waits this long after its first request for others (at most; it starts once a batch's
     # worth waits). 0: requests arriving a moment later join at the next decode step. None (auto): after
-    # a batch that ran several rows at once, until none has arrived for AUTO_QUIET_S (AUTO_BATCH_WAIT_S
-    # at most), none after one of a single row: a closed loop's requests come back in waves, while one
-    # request at a time would pay the wait on every first token (docs/serving/index.md#batching).
+    # a batch that ran several rows at once, or where several requests wait already, until none has arrived
+    # for AUTO_QUIET_S (AUTO_BATCH_WAIT_S at most), none for a lone request after one of a single row: a closed
+    # loop's requests come back in waves, while one request at a time would pay the wait on every first token
+    # (docs/serving/index.md#batching).
     batch_wait_s: float | None = None
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
