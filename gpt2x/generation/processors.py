@@ -117,7 +117,8 @@ class TopK:
     masks_only = False
 
     def __init__(self, k: int | np.ndarray):
-        self.k = k
+        # A k past int64's range keeps every score, as any k >= V does (a request may send one: JSON ints are unbounded).
+        self.k = min(k, np.iinfo(np.int64).max) if isinstance(k, int) else k
 
     @classmethod
     def for_rows(cls, procs: Sequence[TopK | None]) -> TopK:

@@ -278,6 +278,8 @@ def test_hand_computed_cases():
     assert np.isinf(TopP(0.75)(x)).tolist() == [[False, False, True, True]]  # 0.5 + 0.3 reach 0.75
     assert np.isinf(TopP(0.85)(x)).tolist() == [[False, False, False, True]]  # 0.8 before 0.15; 0.95 before 0.05
     assert np.isinf(TopK(2)(x)).tolist() == [[False, False, True, True]]
+    for huge in (4, 2**100):  # k >= V keeps every score, one past int64's range too (a request's top_k, and batched)
+        assert not np.isinf(TopK(huge)(x)).any() and not np.isinf(TopK.for_rows([TopK(huge), TopK(2)])(x[[0, 0]])[0]).any()
     assert np.isinf(MinP(0.31)(x)).tolist() == [[False, False, True, True]]  # 0.15 < 0.31 * 0.5
     assert np.isinf(MinP(0.29)(x)).tolist() == [[False, False, False, True]]  # 0.05 < 0.145 <= 0.15
     np.testing.assert_allclose(Temperature(0.5)(x), 2 * x)
