@@ -5,6 +5,7 @@ made, fresh and on a past, so the backend can choose the faster from measured fi
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict
@@ -25,11 +26,13 @@ from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreeme
 PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
 # On a past (a graph that takes one): a prompt's next chunk, a left-padded batch's.
 PAST_CASES = [Case(1, 9, 6, False), Case(3, 11, 4, True)]
-TIMED_LENGTHS = (32, 256)  # prompt lengths both prefills are timed at (capped at the model's context)
+# Prompt lengths both prefills are timed at (capped at the model's context): the runtime switches where the two lines
+# cross between neighbouring lengths (crossover), so a prompt's chunk of 128 gets the faster one.
+TIMED_LENGTHS = (32, 128, 256)
 TIMED_PAST = 256  # the past those lengths are timed on too (capped to half the model's context)
 # Prompt lengths f32 and bf16 compute are timed at: bf16 may win on long prompts only (GPT-2 124M at int8 weights:
 # slower at 256 tokens, faster at 512, benchmarks/prefill_profile.py), so the runtime may use it from a length on.
-BF16_LENGTHS = (32, 256, 512)
+BF16_LENGTHS = (32, 128, 256, 512)
 TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
 # OpenVINO counts as faster only by this share: a near-tie stays on ONNX Runtime, whose caches every other path makes.
 FASTER_BY = 0.05
@@ -126,6 +129,22 @@ def faster_from(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> 
     return None if start == len(sizes) else sizes[start]
 
 
+def crossover(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> int | None:
+    """The size from which `new_ms` is faster than `base_ms` by FASTER_BY: faster_from's timed size where it is the
+    smallest (2: every size), else where the two lines cross between it and the timed size below it (each line
+    straight between its two timed points), so that sizes between two timed ones get the faster side too. None: not
+    faster at the largest."""
+    start = faster_from(sizes, base_ms, new_ms)
+    if start is None or start == sizes[0]:
+        return None if start is None else 2
+    hi = sizes.index(start)
+    lo = hi - 1
+    # The margin new has over base at each end: not positive at lo (not faster enough there), positive at hi.
+    m_lo = base_ms[lo] * (1 - FASTER_BY) - new_ms[lo]
+    m_hi = base_ms[hi] * (1 - FASTER_BY) - new_ms[hi]
+    return min(start, sizes[lo] + math.ceil((sizes[hi] - sizes[lo]) * -m_lo / (m_hi - m_lo)))
+
+
 def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = TIMED_LENGTHS,
                   repeat: int = TIMED_REPEAT) -> dict:
     """Both prefills' medians (ms, batch 1) at `lengths` (OpenVINO's at the record's compute precision), and
@@ -145,8 +164,7 @@ def _timed(info: ExportInfo, threads: int | None, lengths: tuple[int, ...], repe
     lengths, prompts = _prompts(info, lengths, past)
     figures = {choice.value: _medians(info, choice, prompts, threads, repeat, past)
                for choice in (PrefillChoice.onnxruntime, PrefillChoice.openvino)}
-    start = faster_from(lengths, figures["onnxruntime"], figures["openvino"])
-    openvino_from = 2 if start is not None and start == lengths[0] else start  # 2: every prompt length
+    openvino_from = crossover(lengths, figures["onnxruntime"], figures["openvino"])
     return {"batch": 1, "lengths": lengths, "repeat": repeat, "faster_by": FASTER_BY, "onnxruntime_ms": figures["onnxruntime"],
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
@@ -177,7 +195,7 @@ def bf16_wins(f32_ms: list[float], bf16_ms: list[float]) -> bool:
 def bf16_start(lengths: list[int], f32_ms: list[float], bf16_ms: list[float]) -> int | None:
     """The prompt length from which bf16 compute runs: 2 (every length) where bf16_wins, else the shortest timed
     length from which bf16 was faster by FASTER_BY at that and every longer one (None: not at the longest)."""
-    return 2 if bf16_wins(f32_ms, bf16_ms) else faster_from(lengths, f32_ms, bf16_ms)
+    return 2 if bf16_wins(f32_ms, bf16_ms) else crossover(lengths, f32_ms, bf16_ms)
 
 
 def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = BF16_LENGTHS,

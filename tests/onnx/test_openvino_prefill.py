@@ -220,11 +220,25 @@ def test_bf16_is_kept_where_faster_at_the_longest_length_and_no_slower_elsewhere
 
 @pytest.mark.parametrize("f32_ms,bf16_ms,start", [
     ([17.3, 105.0, 230.0], [16.7, 95.1, 200.0], 2),     # bf16_wins: every length
-    ([20.2, 115.6, 252.1], [19.2, 125.0, 225.4], 512),  # 8% slower at 256 tokens, 11% faster at 512
+    # 8% slower at 256 tokens, 11% faster at 512: margins (0.95 f32 - bf16) -15.18 and 14.095, crossing 0.5185 of the
+    # way from 256 to 512 (132.7 tokens, rounded up)
+    ([20.2, 115.6, 252.1], [19.2, 125.0, 225.4], 389),
     ([20.0, 100.0, 250.0], [16.0, 90.0, 240.0], None),  # faster at 32 and 256, under 5% at the longest
-    ([20.0, 100.0, 250.0], [25.0, 90.0, 225.0], 256),   # 25% slower at 32: from 256 on
+    ([20.0, 100.0, 250.0], [25.0, 90.0, 225.0], 155),   # 25% slower at 32, faster from 256: margins -6 and 5, 32 + 6/11 of 224
 ])
-def test_bf16_runs_from_the_shortest_length_it_is_faster_at_and_at_every_longer_one(f32_ms, bf16_ms, start):
+def test_bf16_runs_from_where_it_turns_faster_between_the_timed_lengths(f32_ms, bf16_ms, start):
     from gpt2x.evaluate.prefill import bf16_start
 
     assert bf16_start([32, 256, 512], f32_ms, bf16_ms) == start
+
+
+def test_chunks_on_a_past_switch_to_openvino_where_the_two_lines_cross():
+    """The 2-core Xeon's record of chunks on a 256-token past (ONNX Runtime 26.208 and 164.865 ms at 32 and 256
+    tokens, OpenVINO 25.427 and 75.331): under 5% faster at 32, so the timed lengths alone said 256; the margins
+    (0.95 ORT - OV) -0.529 and 81.291 cross 0.00647 of the way, 1.45 tokens past 32, so from 34."""
+    from gpt2x.evaluate.prefill import crossover
+
+    assert crossover([32, 256], [26.208, 164.865], [25.427, 75.331]) == 34
+    assert crossover([32, 128, 256], [26.2, 60.0, 164.9], [25.4, 40.0, 75.3]) == 35  # 32 + 96 x 0.51 / 17.51, up
+    assert crossover([32, 256], [26.2, 164.9], [20.0, 75.3]) == 2  # faster at every timed length
+    assert crossover([32, 256], [26.2, 164.9], [30.0, 160.0]) is None
