@@ -334,7 +334,7 @@ def main() -> int:
     ap.add_argument("--bench-output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="rounds, alternating which server goes first")
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of: " + ", ".join(SERVERS))
-    ap.add_argument("--requests", type=int, default=48, help="requests per concurrency level, general workload")
+    ap.add_argument("--requests", type=int, default=48, help="requests per concurrency level, general workload (0: skip it)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prefix-requests", type=int, default=32, help="requests per level, shared-prefix workload (0: skip it)")
@@ -359,8 +359,10 @@ def main() -> int:
         ap.error("--baseline-onnx EXPORT (a folder holding gpt2x.json) goes with --baseline")
     if args.prefix_rate is not None and args.prefix_rate <= 0:
         ap.error("--prefix-rate must be above 0")
-    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or args.prefix_requests < 0:
-        ap.error("--rounds, --requests and --max-tokens must be at least 1, --prefix-requests at least 0")
+    if args.rounds < 1 or args.max_tokens < 1 or args.requests < 0 or args.prefix_requests < 0:
+        ap.error("--rounds and --max-tokens must be at least 1, --requests and --prefix-requests at least 0")
+    if not args.requests and not args.prefix_requests and not args.bench_concurrency.strip():
+        ap.error("nothing to run: --requests, --prefix-requests and --bench-concurrency all ask for none")
     llama_server = args.llama_server.resolve()
     if "llama.cpp" in servers and not os.access(llama_server, os.X_OK):
         ap.error(f"--llama-server: {llama_server} is not an executable (bash benchmarks/setup_peers.sh builds it)")
@@ -370,7 +372,8 @@ def main() -> int:
         ap.error(f"--vllm-python: {vllm_python} is not an executable (bash benchmarks/setup_peers.sh makes vLLM's venv; "
                  "or --servers without vllm and --bench-concurrency '')")
     common = ["--max-tokens", str(args.max_tokens), "--timeout", f"{args.timeout:g}"]
-    workloads = {"general": ["--requests", str(args.requests), "--concurrency", args.concurrency, *common]}
+    workloads = {"general": ["--requests", str(args.requests), "--concurrency", args.concurrency, *common]} \
+        if args.requests else {}
     if args.prefix_requests:
         workloads[f"shared prefix {args.shared_prefix_tokens}x{args.prefixes}+{args.suffix_tokens}"] = [
             "--requests", str(args.prefix_requests), "--concurrency", args.prefix_concurrency, *common,
