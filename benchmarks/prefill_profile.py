@@ -7,7 +7,8 @@ prefill), then one inference profiled by OpenVINO's counters (PERF_COUNT, a comp
 type and kernel, and by where in the model a node is (the embedding, attention, the MLP, the unembedding).
 
 gpt2x's graph runs as its runtime runs it (runtime/openvino_prefill.py): the presents written into regions of
-longer buffers (--capacity positions, as ONNX Runtime's KV cache), and also with OpenVINO's own output tensors.
+longer buffers (--capacity positions, as ONNX Runtime's KV cache; at bf16 compute given out in bf16 and widened into
+them, on one thread), and also with OpenVINO's own output tensors.
 The GenAI IR computes logits at every position (GenAI's pipeline slices the last position before its unembedding):
 its unembedding's time is reported on its own.
 
@@ -32,7 +33,7 @@ from gpt2x.bench.system import system_info
 from gpt2x.onnx import names as io
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.kvbuffers import small_page_arrays
-from gpt2x.runtime.openvino_prefill import cpu_has_bf16, fresh_graph
+from gpt2x.runtime.openvino_prefill import cpu_has_bf16, fresh_graph, presents_in_bf16, widen
 from gpt2x.runtime.providers import physical_cores
 
 COMPILED: dict = {}
@@ -79,6 +80,8 @@ class Graph:
                 H, D = port.get_partial_shape()[1].get_length(), port.get_partial_shape()[3].get_length()
                 self.buffers.append((port, H, D))
         self.regions = self._regions(T)
+        # gpt2x's graph at bf16, as the runtime compiles it: presents given out in bf16, then widened into the buffers
+        self.narrow = len(self.compiled.outputs) > 1 and self.compiled.outputs[1].get_element_type() == ov.Type.bf16
 
     def _regions(self, T: int) -> list[ov.Tensor]:
         """Regions (positions [0, T)) of new buffers of `capacity` positions, in small pages as the runtime's."""
@@ -94,9 +97,14 @@ class Graph:
             self.regions = self._regions(self.inputs[io.INPUT_IDS].shape[1])
         for name, arr in self.inputs.items():
             self.request.set_tensor(name, ov.Tensor(arr))
-        for (port, _, _), region in zip(self.buffers, self.regions):
-            self.request.set_tensor(port, region)
+        if not self.narrow:
+            for (port, _, _), region in zip(self.buffers, self.regions):
+                self.request.set_tensor(port, region)
         self.request.infer()
+        if self.narrow:  # one thread here; the runtime shares them among its threads
+            T = self.inputs[io.INPUT_IDS].shape[1]
+            for (port, _, _), arr in zip(self.buffers, self._arrays):
+                widen(self.request.get_tensor(port), arr, 1, 0, T)
         self.request.get_tensor(self.compiled.outputs[0]).data[:, -1].copy()
         return time.perf_counter() - t0
 
@@ -122,9 +130,10 @@ def configurations(args, computes: list[str]) -> list[tuple[str, str, ov.Model, 
     for export, genai in zip(args.export, args.genai):
         info = read_export(export)
         tag = info.precision.value
-        ours = fresh_graph(core.read_model(str(info.prefill_path)), info.config.n_layer)  # as the runtime compiles it
+        fresh = fresh_graph(core.read_model(str(info.prefill_path)), info.config.n_layer)  # as the runtime compiles it
         theirs = core.read_model(str(Path(genai) / "openvino_model.xml"))
         for compute in computes:
+            ours = presents_in_bf16(fresh) if compute == "bf16" else fresh
             out.append((f"gpt2x {tag} ({compute}), presents into new buffers", compute, ours, args.capacity, True))
             out.append((f"gpt2x {tag} ({compute}), presents into the same buffers", compute, ours, args.capacity, False))
             out.append((f"gpt2x {tag} ({compute}), OpenVINO's outputs", compute, ours, None, False))

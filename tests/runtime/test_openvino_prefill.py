@@ -311,6 +311,24 @@ def test_bf16_from_a_prompt_length_runs_smaller_prefills_at_f32_and_larger_at_bf
         assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
 
 
+def test_bf16_presents_are_widened_into_their_positions_of_the_cache_exactly():
+    """bf16 bits by hand (1.0 is 0x3F80, -2.5 0xC020, 2**-10 0x3A80) into positions [2, 4) of rows [0, 2) of a
+    float32 buffer of 3 rows x 6 positions: every other position and row left as it was."""
+    import openvino as ov
+
+    from gpt2x.runtime.openvino_prefill import widen
+
+    bits = np.array([0x3F80, 0xC020, 0x3A80, 0x3F80], np.uint16).reshape(1, 1, 2, 2).repeat(2, axis=0)  # (2, H1, T2, D2)
+    narrow = ov.Tensor(ov.Type.bf16, ov.Shape([2, 1, 2, 2]))
+    narrow.data.view(np.uint16)[...] = bits
+    buffer = np.full((3, 1, 6, 2), 7.0, np.float32)
+    widen(narrow, buffer, 2, 2, 4)
+    assert buffer[:2, 0, 2:4].tolist() == [[[1.0, -2.5], [2.0**-10, 1.0]]] * 2
+    untouched = np.ones(buffer.shape, bool)
+    untouched[:2, :, 2:4] = False
+    assert (buffer[untouched] == 7.0).all()
+
+
 def test_run_and_one_token_steps_stay_on_onnx_runtime_and_a_chunk_on_a_past_runs_on_openvino(tiny, hybrid, monkeypatch):
     calls = []
     real = hybrid._openvino_prefill
