@@ -21,8 +21,10 @@ times for each prompt length and batch size (one module per peer in benchmarks/p
 - gpt2x, every contender opened through gpt2x.workflows as a user's would be (ensure_export into
   --exports, parity-gated when made, then export_backend; torch_backend for PyTorch), through the
   shared decode loop and sampler: PyTorch fp32, and ONNX Runtime, OpenVINO and onnxruntime-genai
-  (gpt2x's step-by-step backend) at each of --precisions (fp32, int8, int4 by default). --gpt2x-backends
-  and --precisions narrow the run (peers/gpt2x.py);
+  (gpt2x's step-by-step backend) at each of --precisions (fp32, int8, int4 by default); where the ONNX Runtime
+  backend takes an OpenVINO prefill, the same export with ONNX Runtime's prefill, and a second backend warmed up as
+  `gpt2x serve` opens it ("warmed up": every graph run once, bf16 prefills on folded weights), in the same rounds.
+  --gpt2x-backends and --precisions narrow the run (peers/gpt2x.py);
 - onnxruntime-genai running gpt2x's exports, one per --precisions (same graphs, genai's own C++ loop
   choosing the tokens; batch 1) when importable (peers/genai.py);
 - llama.cpp through llama-cpp-python: the folder converted by llama.cpp's convert_hf_to_gguf.py to

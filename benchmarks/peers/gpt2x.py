@@ -115,6 +115,11 @@ def load(ctx: Context) -> list:
                 baseline = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, prefill="onnxruntime"))
                 baseline.name += " (ONNX Runtime prefill)"
                 contenders.append(baseline)
+            if backend.capabilities.warms_up:  # as gpt2x serve opens it (its bf16 prefill on folded weights), in the same rounds
+                served = Gpt2x(kind, precision, export_backend(kind, info, ProviderKind.cpu, ctx.threads))
+                served.backend.warm_up()
+                served.name += " (warmed up, as gpt2x serve)"
+                contenders.append(served)
             if backend.capabilities.native and not backend.in_place_kv:  # and asked for it, in the same rounds
                 from gpt2x.runtime.ort import OrtBackend
 

@@ -38,7 +38,9 @@ class _ExportAttention(nn.Module):
         super().__init__()
         self.c_attn, self.c_proj, self.n_head = attn.c_attn, attn.c_proj, attn.n_head
 
-    def forward(self, x, bias, past):
+    def forward(self, x, bias, past, keep: int = 0):
+        if keep:  # the graph's logits_to_keep is an input of its own (optimize.py): every position runs here
+            raise ValueError("the ONNX export traces every position (logits_to_keep 0)")
         C = x.shape[-1]
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         y, k, v = torch.ops.gpt2x.mha(q, k, v, past[0], past[1], bias, self.n_head)

@@ -84,6 +84,32 @@ def test_cached_decoding_matches_transformers_and_full_forward(tiny_hf):
         assert past[0][0].shape == (2, 4, full_ids.shape[1], 8)
 
 
+@pytest.mark.parametrize("keep", [1, 3, 40])
+def test_logits_to_keep_runs_the_last_block_at_those_positions_and_matches_transformers(tiny_hf, keep):
+    """A left-padded batch's chunk on a past, its last `keep` positions' logits (the last block then runs its
+    attention output and MLP there only; more than the chunk keeps all of it) against transformers' logits at those
+    positions, and every layer's key and value at every position against its cache."""
+    folder, hf = tiny_hf
+    ours, _ = load_model(str(folder))
+    gen = torch.Generator().manual_seed(4)
+    ids, mask, pos = padded_batch(gen, [9, 20], 50257)
+    with torch.no_grad():
+        _, past = ours(ids[:, :12], mask[:, :12], pos[:, :12])
+        logits, presents = ours(ids[:, 12:], mask, pos[:, 12:], past, logits_to_keep=keep)
+        hf_past = hf(input_ids=ids[:, :12], attention_mask=mask[:, :12], position_ids=pos[:, :12],
+                     use_cache=True).past_key_values
+        want = hf(input_ids=ids[:, 12:], attention_mask=mask, position_ids=pos[:, 12:], past_key_values=hf_past,
+                  use_cache=True)
+    assert logits.shape == (2, min(keep, 8), 50257)
+    assert (logits - want.logits[:, -keep:]).abs().max().item() <= ATOL
+    real = mask.bool()  # (B, P+T): padding's key and value are never read
+    for layer, (k, v) in enumerate(presents):
+        hf_k, hf_v = want.past_key_values.layers[layer].keys, want.past_key_values.layers[layer].values
+        assert k.shape == (2, 4, 20, 8)
+        for ours_kv, hf_kv in ((k, hf_k), (v, hf_v)):  # (B, H, P+T, D) -> (real positions, H, D)
+            assert (ours_kv.transpose(1, 2)[real] - hf_kv.transpose(1, 2)[real]).abs().max().item() <= ATOL
+
+
 def test_left_padded_batch_equals_per_row_runs(tiny_hf):
     ours, _ = load_model(str(tiny_hf[0]))
     gen = torch.Generator().manual_seed(2)
