@@ -71,7 +71,8 @@ def tiny_export(shared_dir):
     a file lock) and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32
     export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 or fp32 export with
     its OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill); `batched`: an
-    int8 export with its batched decode graph (else none, for the same reason)."""
+    int8 export with its batched decode graph (else none, for the same reason); `int8_kv`: an int8 or int4 export with
+    its int8 KV cache's scales (else none)."""
     from filelock import FileLock
 
     from gpt2x.choices import Precision
@@ -93,16 +94,16 @@ def tiny_export(shared_dir):
         return models[key]
 
     def get(precision: Precision = Precision.fp32, seed: int = 31, gated: bool = True, gqa: bool = False,
-            openvino_prefill: bool = False, batched: bool = False, **config):
+            openvino_prefill: bool = False, batched: bool = False, int8_kv: bool = False, **config):
         config.setdefault("n_positions", 96)
         key, model, source = model_of(seed, config)
         name = f"{key}-{Precision(precision).value}" + ("-gated" if gated else "") + \
-            ("-ovprefill" if openvino_prefill else "") + ("-batched" if batched else "")
+            ("-ovprefill" if openvino_prefill else "") + ("-batched" if batched else "") + ("-kv8" if int8_kv else "")
         folder = root / "exports" / name
         with FileLock(f"{folder}.lock"):
             if not is_export(folder):
                 export_model(model, source, folder, Precision(precision), check_parity=gated,
-                             openvino_prefill=openvino_prefill, batched_decode=batched)
+                             openvino_prefill=openvino_prefill, batched_decode=batched, int8_kv=int8_kv)
             info = read_export(folder)
             if gqa:
                 gqa_folder = root / "exports" / f"{name}-gqa"
@@ -151,10 +152,14 @@ def session_exports(shared_dir) -> Path:
     others wait for it and then use it. A test that must see exports made from nothing sets its own
     (`own_exports`)."""
     from gpt2x.onnx.artifact import EXPORTS_ENV
+    from gpt2x.onnx.build import INT8_KV_ENV
     from gpt2x.onnx.trace import TRACES_ENV
 
     root = shared_dir / "exported"
     os.environ[EXPORTS_ENV] = str(root)
+    # Exports by name without the int8 KV cache's scales: their gate times steps on both caches (seconds), and whether
+    # the runtime then holds int8 would follow those timings from run to run. tests/onnx/test_kvcache.py asks for them.
+    os.environ[INT8_KV_ENV] = "0"
     os.environ[TRACES_ENV] = str(shared_dir / "traces")  # the run's traced graphs, never the user's
     return root
 

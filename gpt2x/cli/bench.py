@@ -19,6 +19,7 @@ from .options import (
     ExportsOpt,
     JsonOpt,
     KvCacheOpt,
+    KvDtypeOpt,
     ModelOpt,
     NumSpeculativeTokensOpt,
     OutputOpt,
@@ -44,6 +45,7 @@ def bench(
     model: ModelOpt = "shakespeare",
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
+    kv_cache_dtype: KvDtypeOpt = None,
     provider: Annotated[ProviderKind, typer.Option(help="cpu, or cuda (fails clearly without a GPU).")] = ProviderKind.cpu,
     backends: Annotated[str, typer.Option(help="Comma-separated: torch, ort, openvino, genai, web (onnxruntime-web in headless Chromium).")] = "torch,ort",
     precisions: Annotated[Optional[str], typer.Option(

@@ -12,7 +12,7 @@ import typer
 
 from ..choices import Precision
 from ..errors import OutputError, UsageError
-from ..onnx.artifact import BATCHED_KEY, DEFAULT_OPSET, PREFILL_KEY, default_export_dir
+from ..onnx.artifact import BATCHED_KEY, DEFAULT_OPSET, KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
 from ..workflows.transformers_js import export_transformers_js
@@ -48,6 +48,9 @@ def export(
     openvino_prefill: Annotated[Optional[bool], typer.Option(
         help="fp32 and int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
              "(needs the openvino extra; default: int8 only, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
+    int8_kv: Annotated[Optional[bool], typer.Option(
+        help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
+             "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1).")] = None,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
@@ -56,8 +59,8 @@ def export(
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
     if layout is Layout.transformers_js:
-        if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None:
-            raise UsageError("--opset, --no-check-parity and --[no-]openvino-prefill apply to --layout gpt2x; a "
+        if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None or int8_kv is not None:
+            raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill and --[no-]int8-kv apply to --layout gpt2x; a "
                              "transformers.js folder copies parity-checked exports at the default opset")
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
@@ -67,7 +70,7 @@ def export(
         raise OutputError(f"{folder} exists; pass --force to replace it")
     with Status(f"loading {model}") as status:
         info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
-                              openvino_prefill)
+                              openvino_prefill, int8_kv)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))
@@ -88,6 +91,9 @@ def export(
     prefill = meta.get(PREFILL_KEY)
     if prefill is not None:
         out.print(_graph_line("OpenVINO prefill graph", prefill, _prefill_timings, presents=True), markup=False)
+    kv = meta.get(KV_KEY)
+    if kv is not None:
+        out.print(_graph_line("int8 KV cache", kv, _kv_timings, presents=True), markup=False)
 
 
 def _graph_line(title: str, record: dict, timed: Callable[[dict], str], presents: bool = False) -> str:
@@ -108,6 +114,15 @@ def _batched_timings(record: dict) -> str:
                       zip(timing["rows"], timing["batched_ms"], timing["model_ms"]))
     use = f"used from {start} rows x new tokens on" if start is not None else "not used (slower)"
     return f"a decode step, batched graph against model.onnx: {times}; {use}"
+
+
+def _kv_timings(record: dict) -> str:
+    timing, long = record["timing"], record["long"]
+    times = ", ".join(f"on {p} positions {i:.2f} against {f:.2f} ms" for p, i, f in
+                      zip(timing["pasts"], timing["int8_ms"], timing["float_ms"]))
+    use = "used" if record["use"] else f"not used (not {timing['faster_by']:.0%} faster on the longest)"
+    return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale; a decode step, int8 "
+            f"cache against float: {times}; {use}")
 
 
 def _prefill_timings(record: dict) -> str:

@@ -24,6 +24,7 @@ from .options import (
     ExportsOpt,
     JsonOpt,
     KvCacheOpt,
+    KvDtypeOpt,
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
@@ -75,6 +76,7 @@ def generate(
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
+    kv_cache_dtype: KvDtypeOpt = None,
     backend: Annotated[BackendKind, typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
         "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,

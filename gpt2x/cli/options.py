@@ -19,6 +19,8 @@ from ..choices import BackendKind, KvCache, Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
+from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
+from ..runtime.kvdtype import asked as asked_kv_dtype
 from ..runtime.prefill import PREFILL_ENV, PrefillChoice, asked
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
@@ -60,6 +62,20 @@ PrefillOpt = Annotated[Optional[str], typer.Option(
     help="Where the ort backend runs a new prompt's prefill on an export with OpenVINO's prefill graph (int8, or fp32 "
          "exported with --openvino-prefill): auto (default: that graph "
          "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
+def _use_kv_dtype(value: Optional[str]) -> Optional[str]:
+    """--kv-cache-dtype: checked (one line, exit 2) and set as GPT2X_KV_CACHE_DTYPE for this process and those it
+    starts (the ONNX Runtime backend reads it: runtime.kvdtype)."""
+    if value is not None:
+        os.environ[KV_DTYPE_ENV] = asked_kv_dtype(value).value
+    return value
+
+
+KvDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-cache-dtype", envvar=KV_DTYPE_ENV, callback=_use_kv_dtype, metavar="|".join(c.value for c in KvDtypeChoice),
+    show_default=False,
+    help="The dtype of the ort backend's KV cache on an int8 or int4 export: auto (default: int8 where the export "
+         "calibrated and gated its scales and timed decode steps on them faster), int8 (a quarter of the bytes), or "
+         "float.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 OutputOpt = Annotated[Optional[Path], typer.Option(

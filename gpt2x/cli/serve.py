@@ -26,6 +26,7 @@ from ..workflows.exports import resolve_export
 from .options import (
     ExportsOpt,
     KvCacheOpt,
+    KvDtypeOpt,
     ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
@@ -116,6 +117,7 @@ def serve(
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
+    kv_cache_dtype: KvDtypeOpt = None,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option(
         "--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,

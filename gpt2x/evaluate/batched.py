@@ -20,7 +20,7 @@ TIMED_ROWS = (1, 4, 8, 16, 32)  # decode steps of this many rows (one new token 
 TIMED_PAST = 32  # positions every row holds before the timed step (capped below the model's context)
 
 
-def _step_ms(backend: OrtBackend, rows: int, past: int, repeat: int) -> float:
+def decode_step_ms(backend: OrtBackend, rows: int, past: int, repeat: int) -> float:
     """The median of one decode step of `rows` rows on a `past`-position cache (rolled back after each step)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, backend.vocab_size, (rows, past + 1), dtype=np.int64)
@@ -46,7 +46,7 @@ def time_steps(info: ExportInfo, threads: int | None = None, rows: tuple[int, ..
     figures = {}
     for name, batched in (("model_ms", False), ("batched_ms", True)):
         with OrtBackend(info, threads=threads, batched=batched) as backend:
-            figures[name] = [round(_step_ms(backend, r, past, repeat), 3) for r in rows]
+            figures[name] = [round(decode_step_ms(backend, r, past, repeat), 3) for r in rows]
     return {"rows": list(rows), "new_tokens": 1, "past": past, "repeat": repeat, "faster_by": FASTER_BY, **figures,
             "batched_from": faster_from(list(rows), figures["model_ms"], figures["batched_ms"])}
 

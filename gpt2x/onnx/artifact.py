@@ -43,6 +43,8 @@ F32, BF16 = "f32", "bf16"  # the compute precisions a prefill graph is gated and
 # (docs/export.md, the batched decode graph).
 BATCHED_FILE = "model_batched.onnx"
 BATCHED_KEY = "batched_decode"
+KV_SCALES_FILE = "kv_scales.safetensors"  # the int8 KV cache's scales (onnx/kvcache.py)
+KV_KEY = "kv_cache"  # their record in gpt2x.json
 
 
 def safe_model_name(model_name: str) -> str:
@@ -126,6 +128,12 @@ class ExportInfo:
     @property
     def batched_path(self) -> Path:
         return self.folder / BATCHED_FILE
+
+    @property
+    def int8_kv(self) -> dict | None:
+        """The int8 KV cache's record (parity, timings, whether the runtime uses it) when the export kept its scales,
+        else None."""
+        return self._kept(KV_KEY)
 
 
 def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:

@@ -9,8 +9,10 @@ import os
 import shutil
 from collections.abc import Callable
 from datetime import datetime, timezone
+from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 import onnxscript
@@ -23,6 +25,7 @@ from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
 from ..tokenizer import BPE_SHA256
+from . import kvcache
 from . import names as io
 from . import openvino_prefill as ov_prefill  # imports neither openvino nor nncf
 from .artifact import (
@@ -33,6 +36,8 @@ from .artifact import (
     FORMAT,
     FORMAT_VERSION,
     IR_VERSION,
+    KV_KEY,
+    KV_SCALES_FILE,
     METADATA_FILE,
     MODEL_FILE,
     PREFILL_KEY,
@@ -64,6 +69,16 @@ OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8,)
 BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
 
 
+# Whether an int8 or int4 export gets the int8 KV cache's scales (KV_SCALES_FILE) when not said (1 or 0; unset:
+# 1): it costs an export a calibration forward, a gate and a timing.
+INT8_KV_ENV = "GPT2X_INT8_KV"
+INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
+# The scales' headroom over the largest |key| or |value| calibration saw at a channel: a value up to that much larger
+# is stored unclipped, at 1/127 of the widened range. Fresh random rows reached 1.6-1.9x calibration's largest at a
+# few channels (GPT-2 124M random and the bundled model, scratch): the tail grows with the tokens seen.
+KV_MARGIN = 2.0
+
+
 def _wanted(asked: bool | None, env: str, default: bool) -> bool:
     """`asked`, else the environment variable `env`'s 0 or 1, else `default`; one UsageError line for another value
     of `env` (even where asked)."""
@@ -86,12 +101,20 @@ def batched_decode_wanted(asked: bool | None) -> bool:
     return _wanted(asked, BATCHED_DECODE_ENV, True)
 
 
+def int8_kv_wanted(asked: bool | None) -> bool:
+    """`asked`, else GPT2X_INT8_KV's 0 or 1, else yes (int8 and int4 exports only)."""
+    return _wanted(asked, INT8_KV_ENV, True)
+
+
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
 # raises ParityError, and the graph is then dropped (the export goes on without it).
 PrefillGate = Callable[[ExportInfo], dict]
 # The batched decode graph's gate and timings (evaluate.batched): returns its record's parity, timings and
 # batched_from, or raises ParityError, and the graph is then dropped.
 BatchedGate = Callable[[ExportInfo], dict]
+# The int8 KV cache's gate and timings (evaluate.kvcache): returns its record's parity, timings and whether the runtime
+# uses it, or raises ParityError, and the scales are then dropped.
+KvGate = Callable[[ExportInfo], dict]
 
 
 def versions() -> dict[str, str]:
@@ -112,13 +135,17 @@ def export(
     openvino_prefill: bool | None = None,
     batched_gate: BatchedGate | None = None,
     batched_decode: bool | None = None,
+    kv_gate: KvGate | None = None,
+    int8_kv: bool | None = None,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
     or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
     `prefill_gate` passes it (None: not checked, and not made: the runtime uses no graph nothing checked);
     `openvino_prefill` False: none (None: openvino_prefill_wanted's default). An int8 export also gets the batched
     decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
-    False (None: batched_decode_wanted's default)."""
+    False (None: batched_decode_wanted's default). An int8 or int4 export also gets its int8 KV cache's scales, kept
+    only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default)."""
+    want_kv = precision in INT8_KV_PRECISIONS and int8_kv_wanted(int8_kv) and kv_gate is not None
     want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
     want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill, precision)
@@ -183,6 +210,10 @@ def export(
                 {"kept": False, "reason": "not asked for"}
             if meta[PREFILL_KEY]["kept"]:  # its files join the others' (a dropped graph's are gone)
                 _record_files(tmp, meta)
+        if precision in INT8_KV_PRECISIONS:  # last: its gate runs the whole backend, every graph above on its cache
+            meta[KV_KEY] = _int8_kv(model, info, kv_gate, progress) if want_kv else \
+                {"kept": False, "reason": "not asked for" if kv_gate is not None else NOT_CHECKED}
+            _record_files(tmp, meta)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return ExportInfo(out, meta)
 
@@ -220,6 +251,52 @@ def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> 
               "(ONNX Runtime quantize_dynamic, QInt8); activations quantized per step (uint8, one scale a tensor)"}
     return _gated(info, BATCHED_KEY, record, gate, info.batched_path.unlink, "batched decode graph",
                   "checking the batched decode graph against PyTorch and timing both decode graphs", progress)
+
+
+def _int8_kv(model: GPT2, info: ExportInfo, gate: KvGate, progress: Progress) -> dict:
+    """The int8 KV cache's scales, calibrated and written beside model.onnx, gated and timed; its record for
+    gpt2x.json. Scales that fail the gate are removed: the runtime keeps a float cache."""
+    progress("calibrating the int8 KV cache's scales")
+    absmax = kv_absmax(model)
+    kvcache.save_scales(info.folder, kvcache.scales_from_absmax(absmax, KV_MARGIN))
+    record = {"kept": True, "file": KV_SCALES_FILE, "margin": KV_MARGIN,
+              "scales": "float32 per layer, key or value, head and channel: the largest |value| at that channel over "
+                        "the calibration rows (kv_calibration_ids) times the margin, over 127",
+              "rule": "round half to even of value / scale, clipped to [-128, 127] (GroupQueryAttention's)"}
+    return _gated(info, KV_KEY, record, gate, (info.folder / KV_SCALES_FILE).unlink, "int8 KV cache",
+                  "checking the int8 KV cache against PyTorch and timing decode steps on both caches", progress)
+
+
+KV_SHORT_ROWS = (16, 64)  # calibration's short rows (rows, tokens): the first positions' values, where they differ
+
+
+def kv_calibration_ids(n_positions: int, vocab_size: int) -> list[torch.Tensor]:
+    """Calibration batches of token ids: two rows of the whole context, English prose (the bundled model's card, tiled:
+    not the held-out text that `gpt2x eval` scores) and random ids (every kind of token, as the parity gate sends), then
+    KV_SHORT_ROWS of random ids."""
+    from ..tokenizer import encode
+
+    text = encode((resources.files("gpt2x") / "data" / "shakespeare" / "MODEL_CARD.md").read_text(encoding="utf-8"))
+    text = [t for t in text if t < vocab_size] or [0]
+    natural = (text * (n_positions // len(text) + 1))[:n_positions]
+    draw = torch.Generator().manual_seed(0)
+    random = torch.randint(0, vocab_size, (n_positions,), generator=draw).tolist()
+    rows, tokens = KV_SHORT_ROWS
+    return [torch.tensor([natural, random], dtype=torch.long),
+            torch.randint(0, vocab_size, (rows, min(tokens, n_positions)), generator=draw)]
+
+
+@torch.no_grad()
+def kv_absmax(model: GPT2) -> np.ndarray:
+    """(2L, H, D): the largest |key| and |value| of each layer, head and channel over kv_calibration_ids, every
+    position."""
+    cfg = model.config
+    model = model.float().eval()
+    seen = []
+    for ids in kv_calibration_ids(cfg.n_positions, cfg.vocab_size):
+        _, presents = model(ids, logits_to_keep=1)
+        seen.append(np.stack([t.abs().amax(dim=(0, 2)).numpy() for layer in presents for t in layer]))  # (H, D) each
+    return np.max(seen, axis=0)
 
 
 def _gated(info: ExportInfo, key: str, record: dict, gate: Gate, drop: Callable[[], None], what: str, checking: str,

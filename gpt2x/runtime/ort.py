@@ -15,6 +15,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
+from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.optimize import in_place_form
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
@@ -28,6 +29,8 @@ from .kvbuffers import (
     rows_to_keep,
     small_page_arrays,
 )
+from .kvdtype import KvDtypeChoice, int8_kv_scales
+from .kvdtype import asked as asked_kv_dtype
 from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
 from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
 
@@ -179,6 +182,19 @@ class InPlaceCache(BufferCache):
         return self.buffers.values
 
     @classmethod
+    def from_numpy(cls, owner: OrtBackend, arrays: list[np.ndarray]) -> InPlaceCache:
+        """As BufferCache's; float arrays quantized as the cache stores them where it is int8 (owner.kv_scales)."""
+        if owner.kv_scales is not None:
+            arrays = [quantize(a, s) for a, s in zip(arrays, owner.kv_scales)]
+        return super().from_numpy(owner, arrays)
+
+    def to_numpy(self) -> list[np.ndarray]:
+        """float32 arrays (B, H, length, D); an int8 cache's dequantized."""
+        if self.owner.kv_scales is None:
+            return super().to_numpy()
+        return [dequantize(a, s) for a, s in zip(self.filled(), self.owner.kv_scales)]
+
+    @classmethod
     def first(cls, owner: OrtBackend, input_ids, attention_mask, position_ids, keep: int) -> tuple[np.ndarray, InPlaceCache]:
         """A prefill. A batch's gets no spare positions (GroupQueryAttention's multi-token step grows with the
         capacity); a single row's keeps them, where the later move costs more (docs/results/serving.md)."""
@@ -258,7 +274,8 @@ class OrtBackend(Closable):
     `prefill` (runtime.prefill.PrefillChoice; None: GPT2X_PREFILL's, else auto): where a fresh prompt's `step` runs,
     ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache.
     `batched` (CPU): None runs a step of rows x new tokens >= the export's recorded batched_from on its batched decode
-    graph (none where it has none), True every step, False none."""
+    graph (none where it has none), True every step, False none. `kv_cache_dtype` (runtime.kvdtype.KvDtypeChoice;
+    None: GPT2X_KV_CACHE_DTYPE's, else auto): an int8 or int4 export's in-place cache in int8 or its float."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -270,7 +287,8 @@ class OrtBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  in_place_kv: bool | None = None, *, shared_kv: bool | None = None,
-                 prefill: PrefillChoice | str | None = None, batched: bool | None = None):
+                 prefill: PrefillChoice | str | None = None, batched: bool | None = None,
+                 kv_cache_dtype: KvDtypeChoice | str | None = None):
         if shared_kv is not None:
             warnings.warn("OrtBackend(shared_kv=...) is deprecated; use in_place_kv=...", DeprecationWarning, stacklevel=2)
             if in_place_kv is None:
@@ -289,9 +307,19 @@ class OrtBackend(Closable):
             and not io.in_place_kv(layout) else None
         if twin is not None:
             layout = twin.attention
+        can = io.in_place_kv(layout) and provider is ProviderKind.cpu
+        if in_place_kv and not can:
+            raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
+        self.in_place_kv = can if in_place_kv is None else in_place_kv
+        # An int8 or int4 export's cache in int8 where its record chose that (runtime.kvdtype): the graphs rewritten
+        # in memory to read and write it (onnx.kvcache.with_int8_kv).
+        self.kv_scales = int8_kv_scales(info, asked_kv_dtype(kv_cache_dtype), self.in_place_kv and twin is None)
+        scales = self.kv_scales
+        self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
+        if twin is not None:
             self.session = create_session(twin.graph, provider, threads, weights=twin.weights)
         else:
-            self.session = create_export_session(info.model_path, provider, threads)
+            self.session = create_export_session(info.model_path, provider, threads, self._transform)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
@@ -300,7 +328,7 @@ class OrtBackend(Closable):
         self._batched = None
         self._threads = threads
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
-        self.kv_dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        self.kv_dtype = np.int8 if scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._helpers: dict = {}  # one-node graphs on this provider (gather, slice, argmax), made when first used
@@ -309,10 +337,6 @@ class OrtBackend(Closable):
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
             if io.LOGITS_TO_KEEP in overridable else None
         self.batched_multi_token_past = layout["batched_multi_token_past"]
-        can = io.in_place_kv(layout) and provider is ProviderKind.cpu
-        if in_place_kv and not can:
-            raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
-        self.in_place_kv = can if in_place_kv is None else in_place_kv
         choice = asked(prefill)
         self._openvino_from = openvino_from(info, choice, provider is ProviderKind.cpu)
         # A step of several new tokens a row on a past (a prompt's next chunk, its rest after a cached prefix) on
@@ -322,7 +346,7 @@ class OrtBackend(Closable):
         if self._openvino_from is not None:
             from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
 
-            self._openvino_prefill = OpenVinoPrefill(info, threads)
+            self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
 
     @property
     def prefill(self) -> str:
@@ -384,7 +408,7 @@ class OrtBackend(Closable):
         if self._batched_from is None or rows < self._batched_rows or rows * new_tokens < self._batched_from:
             return self.session
         if self._batched is None:
-            self._batched = create_export_session(self.info.batched_path, self.provider, self._threads)
+            self._batched = create_export_session(self.info.batched_path, self.provider, self._threads, self._transform)
         return self._batched
 
     def warm_up(self, fold_bf16: bool = False) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
@@ -109,14 +111,20 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
     return sess
 
 
-def create_export_session(path: Path, provider: ProviderKind, threads: int | None = None):
+def create_export_session(path: Path, provider: ProviderKind, threads: int | None = None,
+                          transform: Callable[[onnx.ModelProto], None] | None = None):
     """create_session on an export's graph file; on the CPU, unless its weights are in a data file, with its weights
     handed to ONNX Runtime where the mapped file holds them (onnx.mapped), which ONNX Runtime would read and copy
-    (the cold start it saves: docs/export.md)."""
+    (the cold start it saves: docs/export.md). `transform`: a rewrite of the graph in place before the session (its
+    weights kept as they are; the CPU, weights in the file only)."""
     path = Path(path)
     if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
         proto, weights = load_mapped(path)
+        if transform is not None:
+            transform(proto)
         return create_session(proto.SerializeToString(), provider, threads, weights=weights)
+    if transform is not None:
+        raise ProviderError(f"{path}: a graph rewritten in memory runs on the CPU, its weights in the graph's file")
     return create_session(path, provider, threads)
 
 

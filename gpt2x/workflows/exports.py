@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, UsageError
 from ..evaluate.batched import gate_batched
+from ..evaluate.kvcache import gate_int8_kv
 from ..evaluate.parity import gate_export
 from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
@@ -25,11 +26,13 @@ if TYPE_CHECKING:
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
                  progress: Progress = no_progress, openvino_prefill: bool | None = None,
-                 batched_decode: bool | None = None) -> ExportInfo:
+                 batched_decode: bool | None = None, int8_kv: bool | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
     GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only); an int8 export the batched decode graph, gated on its own,
-    unless `batched_decode` is False (None: GPT2X_BATCHED_DECODE's 0 or 1, default yes; docs/export.md)."""
+    unless `batched_decode` is False (None: GPT2X_BATCHED_DECODE's 0 or 1, default yes); an int8 or int4 export its
+    int8 KV cache's scales, gated on their own, unless `int8_kv` is False (None: GPT2X_INT8_KV's 0 or 1, default yes;
+    docs/export.md)."""
     require_export_extra("exporting")
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
@@ -43,20 +46,23 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     def batched_gate(info: ExportInfo) -> dict:
         return gate_batched(TorchBackend(model, model_name=source.name), info)
 
+    def kv_gate(info: ExportInfo) -> dict:
+        return gate_int8_kv(TorchBackend(model, model_name=source.name), info)
+
     return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
                   prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
-                  batched_decode)
+                  batched_decode, kv_gate if check_parity else None, int8_kv)
 
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
                    check_parity: bool = True, progress: Progress = no_progress,
-                   openvino_prefill: bool | None = None) -> ExportInfo:
+                   openvino_prefill: bool | None = None, int8_kv: bool | None = None) -> ExportInfo:
     """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
-                        check_parity, progress, openvino_prefill)
+                        check_parity, progress, openvino_prefill, int8_kv=int8_kv)
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:

@@ -329,6 +329,23 @@ def test_bf16_presents_are_widened_into_their_positions_of_the_cache_exactly():
     assert (buffer[untouched] == 7.0).all()
 
 
+def test_bf16_integers_are_stored_into_an_int8_cache_exactly():
+    """cache_in_int8's bf16 presents hold integers: by hand, 3 is 0x4040, -128 0xC300, 127 0x42FE, -1 0xBF80, 0 0x0000;
+    into positions [1, 3) of row 0 of an int8 buffer, the rest left as it was."""
+    import openvino as ov
+
+    from gpt2x.runtime.openvino_prefill import widen
+
+    narrow = ov.Tensor(ov.Type.bf16, ov.Shape([1, 1, 2, 3]))
+    narrow.data.view(np.uint16)[...] = np.array([0x4040, 0xC300, 0x42FE, 0xBF80, 0x0000, 0x4040], np.uint16).reshape(1, 1, 2, 3)
+    buffer = np.full((2, 1, 4, 3), 9, np.int8)
+    widen(narrow, buffer, 1, 1, 3)
+    assert buffer[0, 0, 1:3].tolist() == [[3, -128, 127], [-1, 0, 3]]
+    untouched = np.ones(buffer.shape, bool)
+    untouched[0, :, 1:3] = False
+    assert (buffer[untouched] == 9).all()
+
+
 def test_run_and_one_token_steps_stay_on_onnx_runtime_and_a_chunk_on_a_past_runs_on_openvino(tiny, hybrid, monkeypatch):
     calls = []
     real = hybrid._openvino_prefill

@@ -1,0 +1,86 @@
+"""An int8 or int4 export's int8 KV cache (onnx/kvcache.py): gated by the export's own parity check with the cache in
+int8, and by a long context decoded on it (where an int8 cache matters, and where its error would show: every step
+attends to hundreds of quantized positions), then one-row decode steps timed on both caches, so that the runtime
+holds it in int8 from measured figures (docs/export.md, the int8 KV cache). No torch here."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from ..errors import ParityError
+from ..numerics import positions
+from ..onnx.artifact import ExportInfo
+from ..runtime.base import Backend
+from ..runtime.kvdtype import KvDtypeChoice
+from ..runtime.ort import OrtBackend
+from .batched import decode_step_ms
+from .metrics import logit_stats
+from .parity import TOLERANCES, check
+from .prefill import FASTER_BY, TIMED_REPEAT
+
+LONG_PROMPT = 512  # positions before the long check's decode steps (capped below the model's context)
+LONG_STEPS = 16  # decode steps the long check compares, each on every position before it
+TIMED_PASTS = (32, 512)  # one-row decode steps timed on caches this long (capped below the model's context)
+# Rounds of both caches' timings, alternating, both backends open: timed once each, one after the other, the int8
+# cache's steps came 1.4 ms slower than the float's at 32 positions, and 0.9 ms faster side by side (GPT-2 124M int8,
+# scratch).
+TIMED_ROUNDS = 3
+
+
+def compare_long(reference: Backend, backend: Backend, seed: int = 0) -> dict:
+    """Logit statistics of LONG_STEPS one-token steps after a LONG_PROMPT-token prompt (random ids, as the parity cases),
+    the backend stepping on its own cache, against the reference's forward over the whole sequence without a cache."""
+    steps = min(LONG_STEPS, reference.n_positions // 4)
+    prompt = min(LONG_PROMPT, reference.n_positions - steps)
+    ids = np.random.default_rng(seed).integers(0, reference.vocab_size, (1, prompt + steps), dtype=np.int64)
+    mask = np.ones_like(ids)
+    want, _ = reference.run(ids, mask, positions(mask, prompt + steps), None)
+    want = want[0, prompt - 1 : prompt + steps - 1]  # (steps, V): the logits each step's input follows
+    got, cache = backend.step(ids[:, :prompt], mask[:, :prompt], positions(mask[:, :prompt], prompt), None)
+    rows = [got[0]]
+    for t in range(prompt, prompt + steps - 1):
+        got, cache = backend.step(ids[:, t : t + 1], mask[:, : t + 1], positions(mask[:, : t + 1], 1), cache)
+        rows.append(got[0])
+    return {"prompt": prompt, "steps": steps, **logit_stats(want, np.stack(rows))}
+
+
+def time_steps(info: ExportInfo, threads: int | None = None, repeat: int = TIMED_REPEAT, rounds: int = TIMED_ROUNDS) -> dict:
+    """One-row decode steps' medians (ms) on a float and an int8 cache at TIMED_PASTS, both backends open and timed in
+    alternating rounds (the median of each round's median), and `use`: whether the int8 cache was faster by FASTER_BY
+    at the longest (where the bytes it saves are most of a step's)."""
+    pasts = sorted({min(p, info.config.n_positions - 2) for p in TIMED_PASTS})
+    kinds = {"float_ms": KvDtypeChoice.float, "int8_ms": KvDtypeChoice.int8}
+    backends = {name: OrtBackend(info, threads=threads, kv_cache_dtype=dtype) for name, dtype in kinds.items()}
+    try:
+        runs: dict[str, list[list[float]]] = {name: [[] for _ in pasts] for name in kinds}
+        for r in range(rounds):
+            for name in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+                for i, p in enumerate(pasts):
+                    runs[name][i].append(decode_step_ms(backends[name], 1, p, repeat))
+    finally:
+        for backend in backends.values():
+            backend.close()
+    figures = {name: [round(statistics.median(times), 3) for times in per_past] for name, per_past in runs.items()}
+    use = figures["int8_ms"][-1] < figures["float_ms"][-1] * (1 - FASTER_BY)
+    return {"rows": 1, "pasts": pasts, "repeat": repeat, "rounds": rounds, "faster_by": FASTER_BY, **figures, "use": use}
+
+
+def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+    """The int8 KV cache through the export precision's parity check and the long check against `reference` (raises
+    ParityError when either is out of tolerance), then timed beside the float cache: {"parity", "long", "timing",
+    "use"} for gpt2x.json."""
+    tol = TOLERANCES[info.precision]
+    with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.int8) as backend:
+        parity = check(reference, backend, info.precision)
+        long = compare_long(reference, backend)
+    if parity["status"] == "failed":
+        raise ParityError(f"the int8 KV cache is out of tolerance: {parity['message']}")
+    failures = [f"max |Δlogit| {long['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})"] if long["max_rel"] > tol.max_rel else []
+    if long["mean_kl"] > tol.max_kl:
+        failures.append(f"mean KL {long['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
+    if failures:
+        raise ParityError(f"the int8 KV cache is out of tolerance after a {long['prompt']}-token prompt: {'; '.join(failures)}")
+    timing = time_steps(info, threads)
+    return {"parity": parity, "long": long, "timing": timing, "use": timing["use"]}

@@ -1,0 +1,51 @@
+"""Which dtype the ONNX Runtime backend's KV cache holds on an int8 or int4 export: the export's float, or int8 with
+the scales the export calibrated and gated (onnx/kvcache.py; docs/export.md, the int8 KV cache). Chosen from the
+figures the export measured, not by name; a user may force either way. No torch."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+import numpy as np
+
+from ..errors import ProviderError, UsageError
+from ..onnx.artifact import ExportInfo
+
+KV_DTYPE_ENV = "GPT2X_KV_CACHE_DTYPE"  # the choice for this process and those it starts (the CLI's --kv-cache-dtype)
+
+
+class KvDtypeChoice(str, Enum):
+    auto = "auto"  # int8 where the export kept its scales and timed decode steps on them faster
+    int8 = "int8"  # refused where the export has no gated scales or the cache cannot be int8
+    float = "float"  # the export's float dtype (float32; float16 for fp16 exports)
+
+
+def asked(choice: KvDtypeChoice | str | None) -> KvDtypeChoice:
+    """The choice given, else GPT2X_KV_CACHE_DTYPE's, else auto; one UsageError line for a bad value."""
+    value = choice if choice is not None else os.environ.get(KV_DTYPE_ENV) or KvDtypeChoice.auto
+    try:
+        return KvDtypeChoice(value)
+    except ValueError:
+        raise UsageError(f"kv-cache-dtype: {value!r} is not one of {', '.join(c.value for c in KvDtypeChoice)}"
+                         f" (the choice or {KV_DTYPE_ENV})", option="kv-cache-dtype") from None
+
+
+def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> np.ndarray | None:
+    """The (2L, H, D) scales of an int8 cache for this export, or None for a float one. Auto: where the export's record
+    says its decode steps ran faster on them; int8: wherever the export kept gated scales. The cache must be written
+    in place (GroupQueryAttention on the CPU, `in_place`): int8 refused in one line otherwise."""
+    if choice is KvDtypeChoice.float:
+        return None
+    record = info.int8_kv
+    if choice is KvDtypeChoice.int8:
+        if record is None or not in_place:
+            why = "it kept no gated scales for one (exported before gpt2x had one, with GPT2X_INT8_KV=0, or its gate " \
+                  "dropped them: its gpt2x.json says which)" if record is None else \
+                "the cache is not written in place (int8 and int4 exports on the CPU, --kv-cache auto or in-place)"
+            raise ProviderError(f"{info.folder}: cannot hold an int8 KV cache: {why}")
+    elif record is None or not in_place or not record.get("use"):
+        return None
+    from ..onnx.kvcache import load_scales  # safetensors only where the cache is int8
+
+    return load_scales(info.folder, info.config.n_layer)
