@@ -115,6 +115,12 @@ def load(ctx: Context) -> list:
                 baseline = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, prefill="onnxruntime"))
                 baseline.name += " (ONNX Runtime prefill)"
                 contenders.append(baseline)
+            if getattr(backend, "kv_scales", None) is not None:  # the same export on its float KV cache, in the same rounds
+                from gpt2x.runtime.ort import OrtBackend
+
+                floats = Gpt2x(kind, precision, OrtBackend(info, ProviderKind.cpu, ctx.threads, kv_cache_dtype="float"))
+                floats.name += " (float KV cache)"
+                contenders.append(floats)
             if backend.capabilities.warms_up:  # as gpt2x serve opens it (its bf16 prefill on folded weights), in the same rounds
                 served = Gpt2x(kind, precision, export_backend(kind, info, ProviderKind.cpu, ctx.threads))
                 served.backend.warm_up()
