@@ -121,8 +121,8 @@ def _kv_timings(record: dict) -> str:
     times = ", ".join(f"on {p} positions {i:.2f} against {f:.2f} ms" for p, i, f in
                       zip(timing["pasts"], timing["int8_ms"], timing["float_ms"]))
     use = "used" if record["use"] else f"not used (not {timing['faster_by']:.0%} faster on the longest)"
-    return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale; a decode step, int8 "
-            f"cache against float: {times}; {use}")
+    return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale (float cache "
+            f"{record['long_float']['max_rel']:.2g}); a decode step, int8 cache against float: {times}; {use}")
 
 
 def _prefill_timings(record: dict) -> str:

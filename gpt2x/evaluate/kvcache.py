@@ -69,8 +69,8 @@ def time_steps(info: ExportInfo, threads: int | None = None, repeat: int = TIMED
 
 def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
     """The int8 KV cache through the export precision's parity check and the long check against `reference` (raises
-    ParityError when either is out of tolerance), then timed beside the float cache: {"parity", "long", "timing",
-    "use"} for gpt2x.json."""
+    ParityError when either is out of tolerance), the long check on the float cache beside it, then timed beside the
+    float cache: {"parity", "long", "long_float", "timing", "use"} for gpt2x.json."""
     tol = TOLERANCES[info.precision]
     with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.int8) as backend:
         parity = check(reference, backend, info.precision)
@@ -82,5 +82,7 @@ def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = Non
         failures.append(f"mean KL {long['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
     if failures:
         raise ParityError(f"the int8 KV cache is out of tolerance after a {long['prompt']}-token prompt: {'; '.join(failures)}")
+    with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.float) as floats:
+        long_float = compare_long(reference, floats)  # what the int8 cache adds to the export's own error
     timing = time_steps(info, threads)
-    return {"parity": parity, "long": long, "timing": timing, "use": timing["use"]}
+    return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": timing["use"]}

@@ -111,7 +111,8 @@ def presents_in_bf16(model: ov.Model) -> ov.Model:
 def cache_in_int8(model: ov.Model, scales: np.ndarray, bf16: bool = False) -> ov.Model:
     """The graph on an int8 KV cache (onnx/kvcache.py): each past input int8, dequantized by its (H, D) scales in
     `scales` (2L, H, D), and each present quantized as the cache stores it, round half to even of value / scale,
-    clipped to int8 (GroupQueryAttention's rule: both runtimes store the same bytes for the same value). Given out as
+    clipped to int8 (GroupQueryAttention's rule: both runtimes store the same bytes for the same value), the attention
+    reading the new positions as stored too. Given out as
     int8, or for bf16 compute (`bf16`) as bf16 holding those integers (exactly): an int8 or a rescaled bf16 output
     kept OpenVINO's key and value path in f32 (a reorder of each fused QKV, an f32 split: a 512-token prefill of GPT-2
     124M int8 124 against 107 ms, scratch), as float32 outputs do (presents_in_bf16)."""
@@ -119,15 +120,28 @@ def cache_in_int8(model: ov.Model, scales: np.ndarray, bf16: bool = False) -> ov
     past_names, present_names = io.input_names(n_layer)[3:], io.output_names(n_layer)[1:]
     low, high = kvcache.INT8_RANGE
     quantized = model.clone()
+
+    def scale_of(i: int):
+        return opset.constant(scales[i][None, :, None, :].astype(np.float32))  # (1, H, 1, D)
+
     for port in quantized.outputs:
         names = port.get_names()
         hit = [n for n in present_names if n in names]
         if not hit:
             continue
+        i = present_names.index(hit[0])
         result = port.get_node()
         source = result.input_value(0)
-        inverse = opset.constant((1 / scales[present_names.index(hit[0])])[None, :, None, :].astype(np.float32))
-        q = opset.clamp(opset.round(opset.multiply(source, inverse), "half_to_even"), low, high)
+        # present = Slice(Concat(past, new))[past:] (onnx/openvino_prefill.py): the new positions quantized, and the
+        # attention given them dequantized, as GroupQueryAttention attends (so a prompt's tokens see the same values
+        # however it is chunked, on either runtime).
+        sliced = source.get_node()
+        concat = sliced.input_value(0).get_node()
+        if sliced.get_type_name() != "Slice" or concat.get_type_name() != "Concat" or concat.get_input_size() != 2:
+            raise ValueError(f"{hit[0]} is not the new positions of a past and new concatenation")
+        inverse = opset.constant((1 / scales[i])[None, :, None, :].astype(np.float32))
+        q = opset.clamp(opset.round(opset.multiply(concat.input_value(1), inverse), "half_to_even"), low, high)
+        concat.input(1).replace_source_output(opset.multiply(q, scale_of(i)).output(0))
         q = opset.convert(q, ov.Type.bf16 if bf16 else ov.Type.i8).output(0)
         source.get_tensor().set_names(set())  # the output's names move to what it now gives out
         q.get_tensor().set_names(names)
@@ -138,8 +152,7 @@ def cache_in_int8(model: ov.Model, scales: np.ndarray, bf16: bool = False) -> ov
         if not hit:
             continue
         narrow = opset.parameter(param.get_partial_shape(), ov.Type.i8)
-        scale = opset.constant(scales[past_names.index(hit[0])][None, :, None, :].astype(np.float32))  # (1, H, 1, D)
-        wide = opset.multiply(opset.convert(narrow, ov.Type.f32), scale).output(0)
+        wide = opset.multiply(opset.convert(narrow, ov.Type.f32), scale_of(past_names.index(hit[0]))).output(0)
         for target in list(param.output(0).get_target_inputs()):
             target.replace_source_output(wide)
         param.output(0).get_tensor().set_names(set())

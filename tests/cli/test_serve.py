@@ -217,7 +217,8 @@ def test_kv_cache_serves_an_fp32_export_from_its_twin_by_default_and_other_backe
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
         try:
             url = json.loads(read_line(proc, 180))["url"]
-            assert httpx.get(f"{url}/health", timeout=10).json()["kv_cache"] == form
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            assert health["kv_cache"] == form and health["kv_cache_dtype"] == "float32"
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}, timeout=60)
             g = generate(reference, ["ROMEO:"], SamplingSettings(max_new_tokens=8, greedy=True))[0]
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == decode(g.tokens)

@@ -133,6 +133,7 @@ def test_the_export_keeps_gated_and_timed_scales(tiny):
     assert record["parity"]["status"] == "passed" and record["parity"]["logits"]["max_rel"] <= tol.max_rel
     long = record["long"]
     assert long["steps"] > 0 and long["max_rel"] <= tol.max_rel and long["mean_kl"] <= tol.max_kl
+    assert record["long_float"]["prompt"] == long["prompt"] and record["long_float"]["max_rel"] <= tol.max_rel
     timing = record["timing"]
     assert timing["pasts"][-1] == info.config.n_positions - 2  # 512, capped below this model's context
     assert all(ms > 0 for ms in timing["float_ms"] + timing["int8_ms"])

@@ -1,26 +1,31 @@
 """The serving engine and the OpenAI protocol without HTTP or Ray: every row's tokens equal gpt2x's
 generation code run on that prompt alone (the reference), whether it decoded alone, in a static
 batch or joined a running batch (fp32's growing cache, int8's in-place one, where rows leave and join
-inside its buffers, and int8's growing one); cancellation, the queue bound, failures and shutdown;
+inside its buffers, in float32 and in int8, and int8's growing one); cancellation, the queue bound, failures and shutdown;
 request validation and stop strings on hand-made cases. test_kv_rows.py checks the row moves
 themselves."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from gpt2x.choices import Precision
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.onnx.artifact import read_export
+from gpt2x.onnx.artifact import KV_KEY, KV_SCALES_FILE, METADATA_FILE, ExportInfo, read_export
+from gpt2x.onnx.build import KV_MARGIN, kv_absmax
+from gpt2x.onnx.kvcache import save_scales, scales_from_absmax
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 from gpt2x.serve.openai import errors, render, request, schema
 from gpt2x.tokenizer import EOT_ID, decode, encode
+from gpt2x.workflows.models import load_model
 
 from ..helpers import LINES, Collect
 
@@ -32,9 +37,27 @@ def exports(bundled_export):
     return {precision: bundled_export(precision).folder for precision in (Precision.fp32, Precision.int8)}
 
 
-@pytest.fixture(params=["fp32", "int8-in-place", "int8-growing"])
-def backend(request, exports):
-    """fp32's growing cache, and int8's graph with its cache in place (serve's default) and growing."""
+@pytest.fixture(scope="module")
+def int8_kv_export(exports, tmp_path_factory):
+    """The bundled int8 export with int8 KV cache scales (calibrated as the export does; not gated or timed here:
+    tests/onnx/test_kvcache.py checks that), in a copy."""
+    folder = tmp_path_factory.mktemp("kv8") / "export"
+    shutil.copytree(exports[Precision.int8], folder)
+    model, _ = load_model("shakespeare")
+    save_scales(folder, scales_from_absmax(kv_absmax(model), KV_MARGIN))
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    meta[KV_KEY] = {"kept": True, "file": KV_SCALES_FILE, "use": True}
+    return ExportInfo(folder, meta)
+
+
+@pytest.fixture(params=["fp32", "int8-in-place", "int8-growing", "int8-int8-kv"])
+def backend(request, exports, int8_kv_export):
+    """fp32's growing cache, and int8's graph with its cache in place (serve's default) and growing, and in place in
+    int8."""
+    if request.param == "int8-int8-kv":
+        b = OrtBackend(int8_kv_export, threads=1, kv_cache_dtype="int8")
+        assert b.in_place_kv and b.kv_dtype == np.int8
+        return b
     precision = Precision.fp32 if request.param == "fp32" else Precision.int8
     b = OrtBackend(read_export(exports[precision]), threads=1, in_place_kv=False if request.param != "int8-in-place" else None)
     assert b.in_place_kv == (request.param == "int8-in-place")
@@ -57,6 +80,23 @@ def cases():
 
 def reference_tokens(backend, ids, settings) -> list[int]:
     return generate(backend, [""], settings, prompt_ids=[ids])[0].tokens
+
+
+NEAR_TIE = 0.05  # a top-2 logit margin an int8 cache's rounding may reverse (the bundled model: ~2e-2, scratch)
+
+
+def greedy_margins(backend, ids, n: int) -> list[float]:
+    """The row alone, greedy: the margin between its two largest logits at each of its first n steps."""
+    ids = np.asarray([ids], dtype=np.int64)
+    T = ids.shape[1]
+    logits, past = backend.step(ids, np.ones_like(ids), np.arange(T)[None], None)
+    margins = []
+    for i in range(n):
+        top = np.sort(logits[0])[-2:]
+        margins.append(float(top[1] - top[0]))
+        token = np.array([[logits[0].argmax()]])
+        logits, past = backend.step(token, np.ones((1, T + i + 1), np.int64), np.array([[T + i]]), past)
+    return margins
 
 
 @pytest.mark.parametrize("mode", ["continuous", "static", "off"])
@@ -95,6 +135,14 @@ def test_every_row_equals_generate_alone(backend, mode):
                 assert len(sink.tokens) <= s.max_new_tokens and sink.end[0] == "done"
                 continue
             expected = reference_tokens(backend, ids, s)
+            if not exact and backend.kv_dtype == np.int8 and sink.tokens != expected:
+                # An int8 cache rounds each key and value: a row's prompt prefilled in another batch, chunk or
+                # runtime can store a value one step away, which moves its logits by ~1e-2 more than a float cache:
+                # greedy rows may part where the row alone had a near-tie, and only there.
+                parted = next(i for i, (a, b) in enumerate(zip(sink.tokens + [-1], expected)) if a != b)
+                assert greedy_margins(backend, ids, parted + 1)[parted] < NEAR_TIE, (decode(ids)[:40], parted)
+                compared += 1
+                continue
             assert sink.tokens == expected, (decode(ids)[:40], s)
             assert sink.end == ("done", "eos" if len(expected) < s.max_new_tokens else "length")
             compared += 1

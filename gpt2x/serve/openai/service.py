@@ -20,6 +20,8 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
+
 from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
 from ...memory import peak_rss_mb, rss_mb
@@ -59,10 +61,12 @@ class CompletionService:
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
         # The native backend's cache form (its in_place_kv, as workflows.export_backend sets it); the others keep their own.
-        kv_cache = ("in-place" if self.backend.in_place_kv else "growing") if self.backend.capabilities.native else None
+        native = self.backend.capabilities.native
+        kv_cache = ("in-place" if self.backend.in_place_kv else "growing") if native else None
+        kv_dtype = np.dtype(self.backend.kv_dtype).name if native else None
         return schema.Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
-                          provider=self.backend.provider.value, **stats, kv_cache=kv_cache, max_rss_mb=peak_rss_mb(),
-                          rss_mb=rss_mb())
+                          provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_dtype,
+                          max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> CompletionRequest:
         req = parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
