@@ -2,7 +2,7 @@
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
-        [--gpt2x-backends ort] [--gpt2x-batched auto] [--contenders gpt2x,openvino-genai]
+        [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--contenders gpt2x,openvino-genai]
 
 The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
 prompts of --prompt-len random tokens (seeded), each generating --new-tokens greedy tokens that EOS
@@ -14,7 +14,8 @@ wall time from handing them over to the last token.
   precision (workflows.ensure_export, parity-gated when made; export_backend, threads = cores), every
   prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens); with --gpt2x-batched
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
-  record's batched_from, and never (model.onnx alone, as before that graph);
+  record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
+  the ort backend on an int8 export that kept int8 KV scales with its cache as the record says and in float32;
 - OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
   same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
   precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
@@ -62,16 +63,20 @@ CONTENDERS = ("gpt2x", "openvino-genai")
 class Gpt2xEngine:
     """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all."""
 
-    def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int, batched: bool | None = None):
-        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" batched-off" if batched is False else "")
+    def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int, batched: bool | None = None,
+                 kv_cache_dtype: str | None = None):
+        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" batched-off" if batched is False else "") \
+            + (f" {kv_cache_dtype} KV cache" if kv_cache_dtype not in (None, "auto") else "")
         self.precision = info.precision.value
-        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched)
+        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched,
+                                      kv_cache_dtype=kv_cache_dtype)
         if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
             self.backend.warm_up()
         self.settings = EngineSettings(max_batch_size=batch)
         self.engine = Engine(self.backend, self.settings).start()
         self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None),
-                        "batched_from": getattr(self.backend, "batched_from", None)}
+                        "batched_from": getattr(self.backend, "batched_from", None),
+                        "kv_cache_dtype": np.dtype(getattr(self.backend, "kv_dtype", np.float32)).name}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)
@@ -156,12 +161,15 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
             for kind in args.gpt2x_backends:
                 # the batched decode graph's switch: the ort backend's option, on the int8 exports that have one
                 choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
+                # and the KV cache's dtype: the ort backend's option, on the exports that kept int8 scales
+                dtypes = args.gpt2x_kv_dtypes if kind == "ort" and info.int8_kv is not None else ["auto"]
                 for choice in choices:
-                    try:
-                        contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts,
-                                                      None if choice == "auto" else False))
-                    except Exception as e:
-                        skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+                    for dtype in dtypes:
+                        try:
+                            contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts,
+                                                          None if choice == "auto" else False, dtype))
+                        except Exception as e:
+                            skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
     if "openvino-genai" in args.contenders:
         try:
             variants = compute_variants(threads)
@@ -207,12 +215,15 @@ def main() -> int:
     ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino (default: %(default)s)")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
+    ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
+                    "kept int8 scales: auto (as its record says), int8, float; several: auto,float")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     args = ap.parse_args()
     args.precisions = parse_list(args.precisions, [p.value for p in WEIGHT_FORMATS], "--precisions", ap)
     args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
+    args.gpt2x_kv_dtypes = parse_list(args.gpt2x_kv_dtypes, ["auto", "int8", "float"], "--gpt2x-kv-dtypes", ap)
     if min(args.prompts, args.prompt_len, args.new_tokens, args.rounds) < 1:
         ap.error("--prompts, --prompt-len, --new-tokens and --rounds must be at least 1")
     threads = physical_cores()

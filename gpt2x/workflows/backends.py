@@ -83,11 +83,13 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
-                   threads: int | None = None, in_place_kv: bool | None = None, batched: bool | None = None) -> Backend:
-    """A runtime on an export folder, checked before its module is imported. `in_place_kv` and `batched` (its
-    batched decode graph: None as recorded, False never): the native backend's (OrtBackend's) options."""
+                   threads: int | None = None, in_place_kv: bool | None = None, batched: bool | None = None,
+                   kv_cache_dtype: str | None = None) -> Backend:
+    """A runtime on an export folder, checked before its module is imported. `in_place_kv`, `batched` (its
+    batched decode graph: None as recorded, False never) and `kv_cache_dtype` (None: GPT2X_KV_CACHE_DTYPE's, else
+    auto): the native backend's (OrtBackend's) options."""
     caps = capabilities_of(backend)
     if caps.reference:
         raise UsageError(f"the {backend.value} backend does not run export folders (it runs the model itself, in {caps.runtime})")
-    options = {"in_place_kv": in_place_kv, "batched": batched} if caps.native else {}
+    options = {"in_place_kv": in_place_kv, "batched": batched, "kv_cache_dtype": kv_cache_dtype} if caps.native else {}
     return backend_class(backend)(info, provider, threads, **options)
