@@ -120,6 +120,11 @@ class KVCache(Protocol):
         cache's own memory where it holds float32 on the host, so read them before its next step and never write them."""
         ...
 
+    def stored(self) -> list[np.ndarray]:
+        """As to_numpy, in the dtype the cache stores (int8 for the ort backend's int8 cache, else to_numpy's), which
+        Backend.past_from_numpy takes back as it is: what a copy kept for later (the prefix cache) holds."""
+        ...
+
     # -- with capabilities.rolls_back
 
     def truncate(self, length: int) -> KVCache:

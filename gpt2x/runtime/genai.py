@@ -80,6 +80,8 @@ class GenaiState:
         """From genai's last present outputs; padding slots of a per-row state are zeros."""
         return self.owner.present_arrays(self)
 
+    stored = to_numpy
+
 
 class GenaiBackend(Closable):
     """One export folder on onnxruntime-genai, gpt2x's thread count and provider laid over its genai_config.json."""

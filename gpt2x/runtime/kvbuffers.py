@@ -318,6 +318,10 @@ class BufferCache(KVCacheView):
     def to_numpy(self) -> list[np.ndarray]:
         return [a.astype(np.float32, copy=False) for a in self.filled()]  # views of float32 buffers
 
+    def stored(self) -> list[np.ndarray]:
+        """Views of the filled positions, in the buffers' dtype."""
+        return self.filled()
+
     def reorder(self, rows: np.ndarray):
         """New buffers with the rows gathered by `rows` (filled positions only)."""
         rows = np.asarray(rows, dtype=np.int64)

@@ -95,6 +95,8 @@ class GrowingCache:
     def to_numpy(self) -> list[np.ndarray]:
         return [v.numpy().astype(np.float32, copy=False) for v in self.values]  # numpy() copies already
 
+    stored = to_numpy  # float32, or float16 read as float32
+
     # -- stepping
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int) -> tuple[np.ndarray, GrowingCache]:
@@ -183,8 +185,9 @@ class InPlaceCache(BufferCache):
 
     @classmethod
     def from_numpy(cls, owner: OrtBackend, arrays: list[np.ndarray]) -> InPlaceCache:
-        """As BufferCache's; float arrays quantized as the cache stores them where it is int8 (owner.kv_scales)."""
-        if owner.kv_scales is not None:
+        """As BufferCache's; where the cache is int8 (owner.kv_scales), float arrays quantized as it stores them and
+        int8 ones (`stored`'s) taken as they are."""
+        if owner.kv_scales is not None and arrays[0].dtype != np.int8:
             arrays = [quantize(a, s) for a, s in zip(arrays, owner.kv_scales)]
         return super().from_numpy(owner, arrays)
 

@@ -31,6 +31,8 @@ class TorchCache:
     def to_numpy(self) -> list[np.ndarray]:
         return [t.float().cpu().numpy() for kv in self.layers for t in kv]
 
+    stored = to_numpy
+
     def truncate(self, length: int) -> TorchCache:
         """Views of the first `length` positions (no copy; the next step concatenates)."""
         if not 0 <= length <= self.length:

@@ -314,6 +314,8 @@ class WebCache:
         reply = self.owner._call("(h) => window.gpt2x.get(h)", self.handle)
         return [_b64_floats(a, reply["dims"]).copy() for a in reply["arrays"]]
 
+    stored = to_numpy
+
     def reorder(self, rows: np.ndarray) -> WebCache:
         rows = [int(r) for r in np.asarray(rows)]
         return self.owner._cache(self.owner._call("([h, r]) => window.gpt2x.gather(h, r)", [self.handle, rows]),

@@ -8,7 +8,6 @@ themselves."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -18,16 +17,13 @@ import pytest
 from gpt2x.choices import Precision
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.onnx.artifact import KV_KEY, KV_SCALES_FILE, METADATA_FILE, ExportInfo, read_export
-from gpt2x.onnx.build import KV_MARGIN, kv_absmax
-from gpt2x.onnx.kvcache import save_scales, scales_from_absmax
+from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 from gpt2x.serve.openai import errors, render, request, schema
 from gpt2x.tokenizer import EOT_ID, decode, encode
-from gpt2x.workflows.models import load_model
 
-from ..helpers import LINES, Collect
+from ..helpers import LINES, Collect, with_int8_kv
 
 LONG = encode(" ".join(LINES[300:340]))[:150]  # a prompt that only fits beside short rows
 
@@ -39,15 +35,8 @@ def exports(bundled_export):
 
 @pytest.fixture(scope="module")
 def int8_kv_export(exports, tmp_path_factory):
-    """The bundled int8 export with int8 KV cache scales (calibrated as the export does; not gated or timed here:
-    tests/onnx/test_kvcache.py checks that), in a copy."""
-    folder = tmp_path_factory.mktemp("kv8") / "export"
-    shutil.copytree(exports[Precision.int8], folder)
-    model, _ = load_model("shakespeare")
-    save_scales(folder, scales_from_absmax(kv_absmax(model), KV_MARGIN))
-    meta = json.loads((folder / METADATA_FILE).read_text())
-    meta[KV_KEY] = {"kept": True, "file": KV_SCALES_FILE, "use": True}
-    return ExportInfo(folder, meta)
+    """The bundled int8 export with int8 KV cache scales, in a copy."""
+    return with_int8_kv(read_export(exports[Precision.int8]), tmp_path_factory.mktemp("kv8") / "export")
 
 
 @pytest.fixture(params=["fp32", "int8-in-place", "int8-growing", "int8-int8-kv"])

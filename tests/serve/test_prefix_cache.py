@@ -24,7 +24,7 @@ from gpt2x.serve.core.prefix_cache import PrefixCache
 from gpt2x.serve.core.scheduler import Scheduler
 from gpt2x.tokenizer import encode
 
-from ..helpers import REPO
+from ..helpers import REPO, with_int8_kv
 
 TEXT = " ".join(line for line in (REPO / "tests/data/tinyshakespeare.txt").read_text().splitlines()[400:520] if line)
 SHARED = encode(TEXT)[:100]  # a prefix of 100 tokens: six whole blocks of 16
@@ -110,11 +110,17 @@ def test_a_joiner_prefilled_in_chunks_fits_the_context_when_it_joins():
 
 
 @pytest.fixture(scope="module")
-def exports(bundled_export):
-    return {p: bundled_export(p) for p in (Precision.fp32, Precision.int8)}
+def exports(bundled_export, tmp_path_factory):
+    out = {p: bundled_export(p) for p in (Precision.fp32, Precision.int8)}
+    out["int8-kv"] = with_int8_kv(out[Precision.int8], tmp_path_factory.mktemp("kv8") / "export")
+    return out
 
 
 def open_backend(kind: str, exports):
+    if kind == "int8-int8-kv":  # the prefix cache's blocks in int8, as the cache stores them
+        backend = OrtBackend(exports["int8-kv"], threads=1, kv_cache_dtype="int8")
+        assert backend.kv_dtype == np.int8
+        return backend
     if kind == "openvino":
         from gpt2x.runtime.openvino import OpenVinoBackend
 
@@ -160,7 +166,7 @@ def reference(backend, ids, s) -> list[int]:
     return generate(backend, [""], s, prompt_ids=[ids])[0].tokens
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing", "openvino"])
+@pytest.mark.parametrize("kind", ["fp32", "int8-in-place", "int8-growing", "openvino", "int8-int8-kv"])
 def test_cached_prefixes_give_the_uncached_tokens(kind, exports):
     """A first request leaves its prompt's blocks; then four prompts that begin with the same 100
     tokens, together (one batch, rests of different lengths: 96 of them found in the cache) and one by

@@ -8,8 +8,9 @@ lookup walks the prompt block by block and stops at the first block not held. Th
 tokens themselves (a dict keyed by (parent block's id, block tokens)), so a hit is never a hash
 collision. A hit leaves at least the prompt's last token to run, for its logits.
 
-The blocks live in host memory as float32, one array (2 * n_layer, H, block_tokens, D) each (key then
-value per layer, as KVCache.to_numpy gives them), under a budget in bytes; when a new block does not
+The blocks live in host memory as the backend's cache stores them (float32, or int8 for an int8 cache), one array
+(2 * n_layer, H, block_tokens, D) each (key then value per layer, as KVCache.stored gives them), under a budget in
+bytes; when a new block does not
 fit, the least recently used blocks go first (a block's descendants with it: they cannot be found
 without it). A hit touches its blocks from the last to the first, and a stored chain likewise, so the
 blocks at the end of a chain are evicted before its beginning, which more prompts share.
@@ -36,7 +37,7 @@ class _Block:
     key: tuple[int, tuple[int, ...]]  # (the parent block's id, or -1 for a prompt's first block; its tokens)
     id: int
     parent: _Block | None
-    kv: np.ndarray  # (2 * n_layer, H, block_tokens, D) float32
+    kv: np.ndarray  # (2 * n_layer, H, block_tokens, D), as the cache stores it (float32, or int8)
     children: set = field(default_factory=set)
 
 
@@ -80,7 +81,7 @@ class PrefixCache:
         return blocks
 
     def store(self, ids: list[int], kv: list[np.ndarray], row: int, end: int) -> None:
-        """Keep the KV of `ids`' whole blocks: `kv` is a cache as KVCache.to_numpy gives it (2 * n_layer
+        """Keep the KV of `ids`' whole blocks: `kv` is a cache as KVCache.stored gives it (2 * n_layer
         arrays (B, H, W, D)), whose row `row` holds `ids`' positions in columns end - len(ids) .. end - 1.
         Blocks held already are only touched."""
         n = len(ids) // self.block_tokens
@@ -88,7 +89,7 @@ class PrefixCache:
         start = end - len(ids)
         for j in range(len(chain), n):
             a, b = start + j * self.block_tokens, start + (j + 1) * self.block_tokens
-            block_kv = np.stack([t[row, :, a:b] for t in kv]).astype(np.float32, copy=False)
+            block_kv = np.stack([t[row, :, a:b] for t in kv])
             if not self._make_room(block_kv.nbytes, chain):
                 break
             parent = chain[-1] if chain else None
@@ -109,7 +110,7 @@ class PrefixCache:
 
     def gather(self, blocks: list[_Block], length: int, out: np.ndarray, row: int) -> None:
         """Write the first `length` tokens' KV of `blocks` into row `row` of `out` ((2 * n_layer, B, H, W, D),
-        the arrays KVCache.to_numpy gives, stacked), right-aligned: columns W - length .. W - 1. One copy a
+        the arrays KVCache.stored gives, stacked), right-aligned: columns W - length .. W - 1. One copy a
         block, every layer's key and value at once."""
         at = out.shape[3] - length
         for j, block in enumerate(blocks):

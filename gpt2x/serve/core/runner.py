@@ -225,10 +225,11 @@ class Runner:
         K = max(cached)
         past = None
         if K:
-            layers, heads, _, dim = next(h for h in hits if h)[0].kv.shape
+            first = next(h for h in hits if h)[0].kv
+            layers, heads, _, dim = first.shape
             # Not zero-filled: gather writes each row's last `cached` columns, and only the columns left of
             # them (a shorter row's padding) are zeroed; a whole zeroed copy cost a served batch its step.
-            kv = np.empty((layers, len(prompts), heads, K, dim), dtype=np.float32)  # (2L, U, H, K, D)
+            kv = np.empty((layers, len(prompts), heads, K, dim), dtype=first.dtype)  # (2L, U, H, K, D), as stored
             for u, (h, c) in enumerate(zip(hits, cached)):
                 kv[:, u, :, : K - c] = 0
                 if c:
@@ -289,7 +290,7 @@ class Runner:
         new = [u for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
         if not new:
             return
-        kv = prefill.past.to_numpy()
+        kv = prefill.past.stored()  # an int8 cache's bytes: no float copy before the first tokens go out
         width = prefill.mask.shape[1]
         for u in new:
             cache.store(prefill.prompts[u], kv, u, width)
