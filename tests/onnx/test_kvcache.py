@@ -15,13 +15,14 @@ import torch
 from onnx import TensorProto, helper
 
 from gpt2x.choices import Precision
+from gpt2x.cli.export import _graph_line, _kv_timings
 from gpt2x.errors import ParityError, ProviderError, UsageError
 from gpt2x.evaluate.kvcache import gate_int8_kv
 from gpt2x.evaluate.parity import TOLERANCES
 from gpt2x.numerics import positions
 from gpt2x.onnx import build
 from gpt2x.onnx import names as io
-from gpt2x.onnx.artifact import KV_KEY, KV_SCALES_FILE, ExportInfo, verify_export
+from gpt2x.onnx.artifact import KV_KEY, KV_SCALES_FILE, METADATA_FILE, ExportInfo, read_export, verify_export
 from gpt2x.onnx.kvcache import dequantize, load_scales, quantize, save_scales, with_int8_kv
 from gpt2x.runtime import kvdtype
 from gpt2x.runtime.ort import OrtBackend
@@ -118,8 +119,18 @@ def test_with_int8_kv_refuses_scales_for_another_layer_count():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_export):
-    model, _, info = tiny_export(Precision.int8, int8_kv=True, openvino_prefill=True)
+def tiny(tiny_export, tmp_path_factory):
+    """The OpenVINO prefill tests' int8 export (made once per run), copied, and given its int8 KV cache's scales as
+    the export gives them (build._int8_kv: calibrated, gated and timed), its files recorded again."""
+    model, _, made = tiny_export(Precision.int8, openvino_prefill=True)
+    folder = tmp_path_factory.mktemp("kv8") / "export"
+    shutil.copytree(made.folder, folder)
+    info = ExportInfo(folder, json.loads(json.dumps(made.meta)))
+    info.meta[KV_KEY] = build._int8_kv(model, info, lambda i: gate_int8_kv(TorchBackend(model), i, threads=1), lambda m: None)
+    (folder / METADATA_FILE).unlink()  # written last, as the export writes it: not one of the files it records
+    build._record_files(folder, info.meta)
+    (folder / METADATA_FILE).write_text(json.dumps(info.meta))
+    info = read_export(folder)
     assert info.int8_kv is not None, info.meta.get(KV_KEY)
     return model, info
 
@@ -127,6 +138,9 @@ def tiny(tiny_export):
 def test_the_export_keeps_gated_and_timed_scales(tiny):
     _, info = tiny
     record = info.int8_kv
+    line = _graph_line("int8 KV cache", record, _kv_timings, presents=True)  # what `gpt2x export` prints
+    assert line.startswith("int8 KV cache: parity passed") and f"after a {record['long']['prompt']}-token prompt" in line
+    assert ("; used" if record["use"] else "not used") in line
     assert record["file"] == KV_SCALES_FILE and len(info.meta["files"][KV_SCALES_FILE]) == 64
     verify_export(info.folder)
     tol = TOLERANCES[Precision.int8]
