@@ -39,6 +39,7 @@ from .options import (
     out,
     progress_to,
     read_text_file,
+    refuse_int8_kv,
     refuse_kv_cache,
 )
 
@@ -208,6 +209,7 @@ def serve(
     if draft is not None:
         refuse_batched_draft(max_batch_size)
     refuse_kv_cache(kv_cache, backend)
+    refuse_int8_kv(precision, onnx_dir)
     if address is None:
         require_provider([backend], provider)
     with Status("preparing the export") as status:

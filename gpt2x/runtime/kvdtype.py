@@ -9,8 +9,9 @@ from enum import Enum
 
 import numpy as np
 
+from ..choices import Precision
 from ..errors import ProviderError, UsageError
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import KV_KEY, ExportInfo
 
 KV_DTYPE_ENV = "GPT2X_KV_CACHE_DTYPE"  # the choice for this process and those it starts (the CLI's --kv-cache-dtype)
 
@@ -40,8 +41,10 @@ def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> n
     record = info.int8_kv
     if choice is KvDtypeChoice.int8:
         if record is None or not in_place:
-            why = "it kept no gated scales for one (exported before gpt2x had one, with GPT2X_INT8_KV=0, or its gate " \
-                  "dropped them: its gpt2x.json says which)" if record is None else \
+            why = f"it is an {info.precision.value} export (int8 and int4 exports hold one)" \
+                if KV_KEY not in info.meta and info.precision not in (Precision.int8, Precision.int4) else \
+                "it kept no gated scales for one (exported before gpt2x had one, with GPT2X_INT8_KV=0, or its gate " \
+                "dropped them: its gpt2x.json says which)" if record is None else \
                 "the cache is not written in place (int8 and int4 exports on the CPU, --kv-cache auto or in-place)"
             raise ProviderError(f"{info.folder}: cannot hold an int8 KV cache: {why}")
     elif record is None or not in_place or not record.get("use"):

@@ -236,17 +236,22 @@ def test_int8_is_refused_in_one_line_where_it_cannot_be(tiny, tiny_export):
     with pytest.raises(ProviderError) as e:
         OrtBackend(tiny_export(Precision.int8)[2], threads=1, kv_cache_dtype="int8")
     assert "cannot hold an int8 KV cache: it kept no gated scales" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ProviderError, match="it is an fp32 export"):
+        OrtBackend(tiny_export(Precision.fp32)[2], threads=1, kv_cache_dtype="int8")
     with pytest.raises(ProviderError, match="not written in place"):
         OrtBackend(info, threads=1, in_place_kv=False, kv_cache_dtype="int8")
     with pytest.raises(UsageError, match="kv-cache-dtype: 'int4' is not one of auto, int8, float"):
         kvdtype.asked("int4")
 
 
-def test_the_cli_refuses_a_bad_dtype_in_one_line():
-    result = run_cli("generate", "hi", "--kv-cache-dtype", "fp8")
-    assert result.returncode == 2
-    assert "kv-cache-dtype: 'fp8' is not one of auto, int8, float" in result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_the_cli_refuses_a_bad_dtype_and_int8_for_a_float_export_in_one_line(own_exports):
+    """Both before anything is exported (GPT2X_EXPORTS is this test's own, empty folder)."""
+    for args, said in ((["--kv-cache-dtype", "fp8"], "kv-cache-dtype: 'fp8' is not one of auto, int8, float"),
+                       (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8 is for int8 and int4 exports; --precision fp32")):
+        result = run_cli("generate", "hi", *args)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not own_exports.exists() or not any(own_exports.iterdir())
 
 
 def test_scales_too_narrow_fail_the_gate_and_are_dropped(tiny, tmp_path):
