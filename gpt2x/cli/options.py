@@ -48,12 +48,18 @@ ExportsOpt = Annotated[Optional[Path], typer.Option(
     "--exports", envvar=EXPORTS_ENV, callback=_use_exports, metavar="DIR", show_default=False,
     help="Where exports made by model name are kept (DIR/MODEL-PRECISION); default ~/.cache/gpt2x/exported "
          "(under XDG_CACHE_HOME when set).")]
-def _use_prefill(value: Optional[str]) -> Optional[str]:
-    """--prefill: checked (one line, exit 2) and set as GPT2X_PREFILL for this process and those it starts
-    (the ONNX Runtime backend reads it: runtime.prefill)."""
-    if value is not None:
-        os.environ[PREFILL_ENV] = asked(value).value
-    return value
+def _sets_env(env: str, asked_for):
+    """A callback for an option the ONNX Runtime backend reads from `env`: the value checked (`asked_for`: one line,
+    exit 2) and set as `env` for this process and those it starts."""
+    def use(value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            os.environ[env] = asked_for(value).value
+        return value
+
+    return use
+
+
+_use_prefill = _sets_env(PREFILL_ENV, asked)  # runtime.prefill
 
 
 PrefillOpt = Annotated[Optional[str], typer.Option(
@@ -62,14 +68,7 @@ PrefillOpt = Annotated[Optional[str], typer.Option(
     help="Where the ort backend runs a new prompt's prefill on an export with OpenVINO's prefill graph (int8, or fp32 "
          "exported with --openvino-prefill): auto (default: that graph "
          "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
-def _use_kv_dtype(value: Optional[str]) -> Optional[str]:
-    """--kv-cache-dtype: checked (one line, exit 2) and set as GPT2X_KV_CACHE_DTYPE for this process and those it
-    starts (the ONNX Runtime backend reads it: runtime.kvdtype)."""
-    if value is not None:
-        os.environ[KV_DTYPE_ENV] = asked_kv_dtype(value).value
-    return value
-
-
+_use_kv_dtype = _sets_env(KV_DTYPE_ENV, asked_kv_dtype)  # runtime.kvdtype
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-dtype", envvar=KV_DTYPE_ENV, callback=_use_kv_dtype, metavar="|".join(c.value for c in KvDtypeChoice),
     show_default=False,

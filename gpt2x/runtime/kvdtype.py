@@ -4,14 +4,14 @@ figures the export measured, not by name; a user may force either way. No torch.
 
 from __future__ import annotations
 
-import os
 from enum import Enum
 
 import numpy as np
 
 from ..choices import Precision
-from ..errors import ProviderError, UsageError
+from ..errors import ProviderError
 from ..onnx.artifact import KV_KEY, ExportInfo
+from .prefill import env_choice
 
 KV_DTYPE_ENV = "GPT2X_KV_CACHE_DTYPE"  # the choice for this process and those it starts (the CLI's --kv-cache-dtype)
 
@@ -24,12 +24,7 @@ class KvDtypeChoice(str, Enum):
 
 def asked(choice: KvDtypeChoice | str | None) -> KvDtypeChoice:
     """The choice given, else GPT2X_KV_CACHE_DTYPE's, else auto; one UsageError line for a bad value."""
-    value = choice if choice is not None else os.environ.get(KV_DTYPE_ENV) or KvDtypeChoice.auto
-    try:
-        return KvDtypeChoice(value)
-    except ValueError:
-        raise UsageError(f"kv-cache-dtype: {value!r} is not one of {', '.join(c.value for c in KvDtypeChoice)}"
-                         f" (the choice or {KV_DTYPE_ENV})", option="kv-cache-dtype") from None
+    return env_choice(KvDtypeChoice, choice, KV_DTYPE_ENV, "kv-cache-dtype")
 
 
 def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> np.ndarray | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from enum import Enum
+from typing import TypeVar
 
 from ..errors import ProviderError, UsageError, missing_modules
 from ..onnx import names as io
@@ -20,14 +21,23 @@ class PrefillChoice(str, Enum):
     openvino = "openvino"  # refused where the export has no prefill graph or openvino does not import
 
 
+Choice = TypeVar("Choice", bound=Enum)
+
+
+def env_choice(kind: type[Choice], choice: Choice | str | None, env: str, option: str) -> Choice:
+    """The choice given, else the environment variable `env`'s, else `kind`'s auto; one UsageError line (naming
+    `option`) for a bad value."""
+    value = choice if choice is not None else os.environ.get(env) or kind("auto")
+    try:
+        return kind(value)
+    except ValueError:
+        raise UsageError(f"{option}: {value!r} is not one of {', '.join(c.value for c in kind)}"
+                         f" (the choice or {env})", option=option) from None
+
+
 def asked(choice: PrefillChoice | str | None) -> PrefillChoice:
     """The choice given, else GPT2X_PREFILL's, else auto; one UsageError line for a bad value."""
-    value = choice if choice is not None else os.environ.get(PREFILL_ENV) or PrefillChoice.auto
-    try:
-        return PrefillChoice(value)
-    except ValueError:
-        raise UsageError(f"prefill: {value!r} is not one of {', '.join(c.value for c in PrefillChoice)}"
-                         f" (the choice or {PREFILL_ENV})", option="prefill") from None
+    return env_choice(PrefillChoice, choice, PREFILL_ENV, "prefill")
 
 
 def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int | None:
