@@ -542,13 +542,12 @@ def with_int8_kv(info, folder: Path, model_name: str = "shakespeare"):
     """A copy of an int8 export in `folder` with int8 KV cache scales calibrated as the export calibrates them and
     recorded as used (not gated or timed: tests/onnx/test_kvcache.py checks those), as an ExportInfo."""
     from gpt2x.onnx.artifact import KV_KEY, KV_SCALES_FILE, METADATA_FILE, ExportInfo
-    from gpt2x.onnx.build import KV_MARGIN, kv_absmax
-    from gpt2x.onnx.kvcache import save_scales, scales_from_absmax
+    from gpt2x.onnx.build import write_kv_scales
     from gpt2x.workflows.models import load_model
 
     shutil.copytree(info.folder, folder)
     model, _ = load_model(model_name)
-    save_scales(folder, scales_from_absmax(kv_absmax(model), KV_MARGIN))
+    write_kv_scales(model, folder)
     meta = json.loads((folder / METADATA_FILE).read_text())
     meta[KV_KEY] = {"kept": True, "file": KV_SCALES_FILE, "use": True}
     return ExportInfo(folder, meta)

@@ -46,22 +46,18 @@ def compare_long(reference: Backend, backend: Backend, seed: int = 0) -> dict:
     return {"prompt": prompt, "steps": steps, **logit_stats(want, np.stack(rows))}
 
 
-def time_steps(info: ExportInfo, threads: int | None = None, repeat: int = TIMED_REPEAT, rounds: int = TIMED_ROUNDS) -> dict:
-    """One-row decode steps' medians (ms) on a float and an int8 cache at TIMED_PASTS, both backends open and timed in
-    alternating rounds (the median of each round's median), and `use`: whether the int8 cache was faster by FASTER_BY
-    at the longest (where the bytes it saves are most of a step's)."""
-    pasts = sorted({min(p, info.config.n_positions - 2) for p in TIMED_PASTS})
-    kinds = {"float_ms": KvDtypeChoice.float, "int8_ms": KvDtypeChoice.int8}
-    backends = {name: OrtBackend(info, threads=threads, kv_cache_dtype=dtype) for name, dtype in kinds.items()}
-    try:
-        runs: dict[str, list[list[float]]] = {name: [[] for _ in pasts] for name in kinds}
-        for r in range(rounds):
-            for name in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
-                for i, p in enumerate(pasts):
-                    runs[name][i].append(decode_step_ms(backends[name], 1, p, repeat))
-    finally:
-        for backend in backends.values():
-            backend.close()
+def time_steps(backends: dict[str, OrtBackend], n_positions: int, repeat: int = TIMED_REPEAT,
+               rounds: int = TIMED_ROUNDS) -> dict:
+    """One-row decode steps' medians (ms) on the float and the int8 cache (`backends`' "float_ms" and "int8_ms", both
+    open) at TIMED_PASTS, timed in alternating rounds (the median of each round's median), and `use`: whether the
+    int8 cache was faster by FASTER_BY at the longest (where the bytes it saves are most of a step's)."""
+    pasts = sorted({min(p, n_positions - 2) for p in TIMED_PASTS})
+    names = list(backends)
+    runs: dict[str, list[list[float]]] = {name: [[] for _ in pasts] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            for i, p in enumerate(pasts):
+                runs[name][i].append(decode_step_ms(backends[name], 1, p, repeat))
     figures = {name: [round(statistics.median(times), 3) for times in per_past] for name, per_past in runs.items()}
     use = figures["int8_ms"][-1] < figures["float_ms"][-1] * (1 - FASTER_BY)
     return {"rows": 1, "pasts": pasts, "repeat": repeat, "rounds": rounds, "faster_by": FASTER_BY, **figures, "use": use}
@@ -70,19 +66,21 @@ def time_steps(info: ExportInfo, threads: int | None = None, repeat: int = TIMED
 def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
     """The int8 KV cache through the export precision's parity check and the long check against `reference` (raises
     ParityError when either is out of tolerance), the long check on the float cache beside it, then timed beside the
-    float cache: {"parity", "long", "long_float", "timing", "use"} for gpt2x.json."""
+    float cache, the same two backends throughout: {"parity", "long", "long_float", "timing", "use"} for gpt2x.json."""
     tol = TOLERANCES[info.precision]
-    with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.int8) as backend:
-        parity = check(reference, backend, info.precision)
-        long = compare_long(reference, backend)
-    if parity["status"] == "failed":
-        raise ParityError(f"the int8 KV cache is out of tolerance: {parity['message']}")
-    failures = [f"max |Δlogit| {long['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})"] if long["max_rel"] > tol.max_rel else []
-    if long["mean_kl"] > tol.max_kl:
-        failures.append(f"mean KL {long['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
-    if failures:
-        raise ParityError(f"the int8 KV cache is out of tolerance after a {long['prompt']}-token prompt: {'; '.join(failures)}")
-    with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.float) as floats:
+    with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.int8) as int8, \
+            OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.float) as floats:
+        parity = check(reference, int8, info.precision)
+        long = compare_long(reference, int8)
+        if parity["status"] == "failed":
+            raise ParityError(f"the int8 KV cache is out of tolerance: {parity['message']}")
+        failures = [f"max |Δlogit| {long['max_rel']:.3g} of the logit scale (gate {tol.max_rel:g})"] \
+            if long["max_rel"] > tol.max_rel else []
+        if long["mean_kl"] > tol.max_kl:
+            failures.append(f"mean KL {long['mean_kl']:.3g} nats (gate {tol.max_kl:g})")
+        if failures:
+            raise ParityError(f"the int8 KV cache is out of tolerance after a {long['prompt']}-token prompt: "
+                              f"{'; '.join(failures)}")
         long_float = compare_long(reference, floats)  # what the int8 cache adds to the export's own error
-    timing = time_steps(info, threads)
+        timing = time_steps({"float_ms": floats, "int8_ms": int8}, info.config.n_positions)
     return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": timing["use"]}

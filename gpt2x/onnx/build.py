@@ -257,14 +257,18 @@ def _int8_kv(model: GPT2, info: ExportInfo, gate: KvGate, progress: Progress) ->
     """The int8 KV cache's scales, calibrated and written beside model.onnx, gated and timed; its record for
     gpt2x.json. Scales that fail the gate are removed: the runtime keeps a float cache."""
     progress("calibrating the int8 KV cache's scales")
-    absmax = kv_absmax(model)
-    kvcache.save_scales(info.folder, kvcache.scales_from_absmax(absmax, KV_MARGIN))
+    write_kv_scales(model, info.folder)
     record = {"kept": True, "file": KV_SCALES_FILE, "margin": KV_MARGIN,
               "scales": "float32 per layer, key or value, head and channel: the largest |value| at that channel over "
                         "the calibration rows (kv_calibration_ids) times the margin, over 127",
               "rule": "round half to even of value / scale, clipped to [-128, 127] (GroupQueryAttention's)"}
     return _gated(info, KV_KEY, record, gate, (info.folder / KV_SCALES_FILE).unlink, "int8 KV cache",
                   "checking the int8 KV cache against PyTorch and timing decode steps on both caches", progress)
+
+
+def write_kv_scales(model: GPT2, folder: Path) -> Path:
+    """The int8 KV cache's scales calibrated on `model` (kv_absmax, KV_MARGIN) and written into `folder`."""
+    return kvcache.save_scales(folder, kvcache.scales_from_absmax(kv_absmax(model), KV_MARGIN))
 
 
 KV_SHORT_ROWS = (16, 64)  # calibration's short rows (rows, tokens): the first positions' values, where they differ

@@ -16,10 +16,10 @@ from safetensors.numpy import load_file, save_file
 
 from . import names as io
 from .artifact import KV_SCALES_FILE
+from .names import MSFT
+from .optimize import GQA
 
 INT8_RANGE = (-128, 127)  # what GroupQueryAttention clips to
-GQA = "GroupQueryAttention"
-MSFT = "com.microsoft"
 _K_SCALE, _V_SCALE = 12, 13  # GroupQueryAttention's k_scale and v_scale inputs
 
 

@@ -41,8 +41,8 @@ def bf16_from(info: ExportInfo) -> int | None:
 class _Compiled:
     """The graph compiled at one compute precision, its ports and one infer request. At bf16 its presents come out
     in bf16 (`narrow`, presents_in_bf16), which __call__ widens into the float32 cache; with `kv_scales` the cache is
-    int8 (cache_in_int8), written straight at f32 and, at bf16, given out as bf16 integers that __call__ narrows into
-    it (to_int8)."""
+    int8 (cache_in_int8), written straight at f32 and, at bf16, given out as bf16 integers that __call__ stores into
+    it (widen)."""
 
     def __init__(self, model: ov.Model, precision: str, threads: int, n_layer: int, past: bool,
                  kv_scales: np.ndarray | None = None):
@@ -112,10 +112,10 @@ def cache_in_int8(model: ov.Model, scales: np.ndarray, bf16: bool = False) -> ov
     """The graph on an int8 KV cache (onnx/kvcache.py): each past input int8, dequantized by its (H, D) scales in
     `scales` (2L, H, D), and each present quantized as the cache stores it, round half to even of value / scale,
     clipped to int8 (GroupQueryAttention's rule: both runtimes store the same bytes for the same value), the attention
-    reading the new positions as stored too. Given out as
-    int8, or for bf16 compute (`bf16`) as bf16 holding those integers (exactly): an int8 or a rescaled bf16 output
-    kept OpenVINO's key and value path in f32 (a reorder of each fused QKV, an f32 split: a 512-token prefill of GPT-2
-    124M int8 124 against 107 ms, scratch), as float32 outputs do (presents_in_bf16)."""
+    reading the new positions as stored too. Given out as int8, or for bf16 compute (`bf16`) as bf16 holding those
+    integers (exactly): an int8 or a rescaled bf16 output kept OpenVINO's key and value path in f32 (a reorder of each
+    fused QKV, an f32 split: a 512-token prefill of GPT-2 124M int8 124 against 107 ms, scratch), as float32 outputs
+    do (presents_in_bf16)."""
     n_layer = len(scales) // 2
     past_names, present_names = io.input_names(n_layer)[3:], io.output_names(n_layer)[1:]
     low, high = kvcache.INT8_RANGE
@@ -270,8 +270,8 @@ class OpenVinoPrefill:
         """The last position's logits (B, V). `presents` are C-contiguous float32 arrays (int8 with kv_scales) (B' >= B,
         H, >= past + T, D), in the outputs' order, whose first `past` positions hold the past (a graph that takes_past
         only): OpenVINO reads those and writes the T new positions straight after them (at f32 compute; at bf16 it gives
-        them out in bf16 and they are widened into place: presents_in_bf16, cache_in_int8), the past never copied. The request keeps pointers
-        into them until the next call sets its own, and reads and writes only during a call."""
+        them out in bf16 and they are widened into place: presents_in_bf16, cache_in_int8), the past never copied. The
+        request keeps pointers into them until the next call sets its own, and reads and writes only during a call."""
         B, T = input_ids.shape
         if past and not self.takes_past:
             raise ValueError("this export's OpenVINO prefill graph takes no past (exported before it did)")
