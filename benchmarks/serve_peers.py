@@ -292,6 +292,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
             "ttft_p50_ms": median([lv["ttft"]["p50_ms"] if lv["ttft"] else None for lv in levels]),
             "itl_p50_ms": median([lv["itl"]["p50_ms"] if lv["itl"] else None for lv in levels]),
             "itl_p99_ms": median([lv["itl"]["p99_ms"] if lv["itl"] else None for lv in levels]),
+            # the longest gap of a stream (gpt2x loadtest's; vllm bench serve reports none)
+            "itl_max_ms": median([lv["itl"].get("max_ms") if lv["itl"] else None for lv in levels]),
             "prefix_cache_hit_rate": median([lv.get("prefix_cache_hit_rate") for lv in levels]),
         })
     return rows
@@ -303,14 +305,14 @@ def fmt(value: float | None, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     out = ["| server | workload | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | ITL p99 / p50 | "
-           "failed / requests | prefix-cache hit rate |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "ITL max ms | failed / requests | prefix-cache hit rate |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hit = "n/a" if r["prefix_cache_hit_rate"] is None else f"{100 * r['prefix_cache_hit_rate']:.1f}%"
         out.append(f"| {r['server']} | {r['workload']} | {r['concurrency']} | {fmt(r['output_token_throughput'], '.1f')} | "
                    f"{fmt(r['ttft_p50_ms'], '.1f')} | {fmt(r['itl_p50_ms'], '.1f')} | {fmt(r['itl_p99_ms'], '.1f')} | "
                    f"{fmt(r['itl_p99_ms'] / r['itl_p50_ms'] if r['itl_p99_ms'] and r['itl_p50_ms'] else None, '.2f')} | "
-                   f"{r['failed']} / {r['requests']} | {hit} |")
+                   f"{fmt(r.get('itl_max_ms'), '.1f')} | {r['failed']} / {r['requests']} | {hit} |")
     return "\n".join(out)
 
 

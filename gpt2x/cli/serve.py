@@ -149,6 +149,10 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
+    overlap_prefill: Annotated[bool, typer.Option(
+        help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "
+        "cores while the running requests decode on the other half, where the backend can share its cores (ort on the "
+        "CPU, 2 threads or more).")] = EngineSettings.overlap_prefill,
     scheduling_policy: Annotated[str, typer.Option(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",
@@ -199,7 +203,8 @@ def serve(
             raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
-                            batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                            batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
+                            overlap_prefill=overlap_prefill, prefix_cache_mb=prefix_cache_mb,
                             scheduling_policy=scheduling_policy)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)

@@ -6,7 +6,12 @@ it has one, runs the steps of many rows x new tokens on the same caches (`OrtBac
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -32,7 +37,15 @@ from .kvbuffers import (
 from .kvdtype import KvDtypeChoice, int8_kv_scales
 from .kvdtype import asked as asked_kv_dtype
 from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
-from .providers import create_export_session, create_session, gather_model, last_argmax_model, refuse_fp16_on_cpu, slice_positions_model
+from .providers import (
+    create_export_session,
+    create_session,
+    gather_model,
+    last_argmax_model,
+    physical_cores,
+    refuse_fp16_on_cpu,
+    slice_positions_model,
+)
 
 
 def bind_past_and_present(binding, values: list) -> None:
@@ -271,6 +284,17 @@ def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | No
     return record.get("batched_from") if record is not None and on_cpu else None
 
 
+@dataclass
+class _Half:
+    """What OrtBackend.sharing_cores' steps run on: sessions (and an OpenVINO prefill) on `threads`, half the
+    backend's."""
+
+    threads: int
+    session: Any
+    batched: Any = None
+    openvino_prefill: Any = None
+
+
 class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
     cache wherever it can on the CPU (an fp32 export through its twin), False never, True requires it (`shared_kv`: its deprecated name).
@@ -285,7 +309,7 @@ class OrtBackend(Closable):
     capabilities = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
-                                estimates_prefill=True, warms_up=True)
+                                estimates_prefill=True, warms_up=True, shares_cores=True)
     cache_forms = (GrowingCache, InPlaceCache)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -319,10 +343,8 @@ class OrtBackend(Closable):
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(kv_cache_dtype), self.in_place_kv and twin is None)
         scales = self.kv_scales
         self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
-        if twin is not None:
-            self.session = create_session(twin.graph, provider, threads, weights=twin.weights)
-        else:
-            self.session = create_export_session(info.model_path, provider, threads, self._transform)
+        self._twin = twin
+        self.session = self._open_session(threads)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)
@@ -350,6 +372,10 @@ class OrtBackend(Closable):
             from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
 
             self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
+        # sharing_cores(): the sessions and prefill graph its steps run on (half the threads), opened at its first use
+        self._half: _Half | None = None
+        self._half_lock = threading.Lock()
+        self._sharing = threading.local()  # .on: this thread's steps run on the half
 
     @property
     def prefill(self) -> str:
@@ -407,12 +433,68 @@ class OrtBackend(Closable):
 
     def session_for(self, rows: int, new_tokens: int):
         """The session that runs a step of `rows` x `new_tokens`: the batched decode graph's from batched_from rows x
-        new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step."""
+        new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step; inside sharing_cores, the
+        half's."""
+        half = self._half if getattr(self._sharing, "on", False) else None
         if self._batched_from is None or rows < self._batched_rows or rows * new_tokens < self._batched_from:
-            return self.session
+            return self.session if half is None else half.session
+        if half is not None:
+            return half.batched
         if self._batched is None:
-            self._batched = create_export_session(self.info.batched_path, self.provider, self._threads, self._transform)
+            self._batched = self._open_session(self._threads, batched=True)
         return self._batched
+
+    def _open_session(self, threads: int | None, batched: bool = False):
+        """A session on model.onnx (an fp32 export's in its in-place twin) or on the batched decode graph."""
+        if batched:
+            return create_export_session(self.info.batched_path, self.provider, threads, self._transform)
+        if self._twin is not None:
+            return create_session(self._twin.graph, self.provider, threads, weights=self._twin.weights)
+        return create_export_session(self.info.model_path, self.provider, threads, self._transform)
+
+    @property
+    def cores(self) -> int:
+        """The threads its steps run on (sharing_cores gives a thread half of them)."""
+        return self._threads or physical_cores()
+
+    @contextmanager
+    def sharing_cores(self) -> Iterator[None]:
+        """Steps made inside it, by this thread, run on half of the backend's threads, with sessions and a prefill
+        graph of their own (opened by prepare_sharing, or at the first use), so that another thread's steps
+        run beside them on the other half: a joining prompt's prefill beside the batch's decode steps
+        (docs/serving/index.md#prefill-beside-the-decode). With one thread, as they would run anyway."""
+        if self.cores < 2 or self.provider is not ProviderKind.cpu:
+            yield
+            return
+        self.prepare_sharing()
+        self._sharing.on = True
+        try:
+            yield
+        finally:
+            self._sharing.on = False
+
+    def prepare_sharing(self) -> None:
+        """Open now sharing_cores' sessions (and its batched decode graph's, and its OpenVINO prefill compiled and run
+        once, where the backend has them), once: both threads may ask at once."""
+        with self._half_lock:
+            if self._half is None and self.cores >= 2 and self.provider is ProviderKind.cpu:
+                threads = max(1, self.cores // 2)
+                half = _Half(threads, self._open_session(threads))
+                if self._batched_from is not None:
+                    half.batched = self._open_session(threads, batched=True)
+                if self._openvino_prefill is not None:
+                    from .openvino_prefill import OpenVinoPrefill
+
+                    half.openvino_prefill = OpenVinoPrefill(self.info, threads, self.kv_scales)
+                    half.openvino_prefill.warm_up(past=self._openvino_past_from is not None,
+                                                  fold_bf16=self._openvino_prefill.fold_bf16)
+                self._half = half
+
+    def _prefill_graph(self):
+        """The OpenVINO prefill this thread's steps run on: the half's inside sharing_cores."""
+        if getattr(self._sharing, "on", False):
+            return self._half.openvino_prefill
+        return self._openvino_prefill
 
     def warm_up(self, fold_bf16: bool = False) -> None:
         """Open now what a step would on its first use: the batched decode graph's session, and OpenVINO's prefill
@@ -439,6 +521,7 @@ class OrtBackend(Closable):
         self.session = Released(self.name)
         self._batched = None if self._batched_from is None else self.session  # batched steps refused as the others
         self._openvino_prefill = None
+        self._half = None
         self._helpers.clear()
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
@@ -465,6 +548,7 @@ class OrtBackend(Closable):
         in-place buffers, with room to grow as from_numpy's, or a growing cache's arrays); on a past, it reads the
         in-place buffers' filled positions and writes the new ones after them."""
         B, T = input_ids.shape
+        prefill = self._prefill_graph()
         length = 0 if past is None else past.length
         if attention_mask.shape != (B, length + T):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "
@@ -473,17 +557,17 @@ class OrtBackend(Closable):
             if past.rows != B:
                 raise ValueError(f"the KV cache holds {past.rows} rows; the step has {B}")
             buffers = past.buffers_for_step(B, T)
-            logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays, past=length)
+            logits = prefill(input_ids, attention_mask, position_ids, buffers.arrays, past=length)
             buffers.length = length + T
             return logits, InPlaceCache(buffers, length + T, self)
         if self.in_place_kv:
             buffers = buffers_for_step(None, B, T, self.n_positions, InPlaceCache.capacity_step,
                                        lambda b, c, k: InPlaceCache.allocate(self, b, c, k))
-            logits = self._openvino_prefill(input_ids, attention_mask, position_ids, buffers.arrays)
+            logits = prefill(input_ids, attention_mask, position_ids, buffers.arrays)
             buffers.length = T
             return logits, InPlaceCache(buffers, T, self)
         arrays = [np.empty((B, self.cfg.n_head, T, self.cfg.head_dim), self.kv_dtype) for _ in range(2 * self.cfg.n_layer)]
-        logits = self._openvino_prefill(input_ids, attention_mask, position_ids, arrays)
+        logits = prefill(input_ids, attention_mask, position_ids, arrays)
         return logits, GrowingCache(self, [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])  # shared: no copy
 
     def step_greedy(self, input_ids, attention_mask, position_ids, past):

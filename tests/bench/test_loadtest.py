@@ -121,6 +121,7 @@ def test_latencies_bracket_the_stub_delays(stub):
         assert lv["total_output_tokens"] == 12 * 2 * CHUNKS  # from usage.completion_tokens
         assert lv["ttft"]["p50_ms"] >= FIRST_S * 1e3
         assert lv["itl"]["p50_ms"] >= BETWEEN_S * 1e3
+        assert lv["itl"]["p99_ms"] <= lv["itl"]["max_ms"] and lv["e2e"]["max_ms"] >= lv["e2e"]["p99_ms"]
         assert lv["e2e"]["p50_ms"] >= (FIRST_S + (CHUNKS - 1) * BETWEEN_S) * 1e3
         assert lv["e2e"]["p50_ms"] < 1000 and lv["ttft"]["p99_ms"] <= lv["e2e"]["p99_ms"]
         assert lv["tpot"]["p50_ms"] > 0

@@ -20,6 +20,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
+from gpt2x.serve.core.runner import Runner
 from gpt2x.serve.openai import errors, render, request, schema
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
@@ -88,13 +89,22 @@ def greedy_margins(backend, ids, n: int) -> list[float]:
     return margins
 
 
-@pytest.mark.parametrize("mode", ["continuous", "static", "off"])
-def test_every_row_equals_generate_alone(backend, mode):
+@pytest.mark.parametrize("mode", ["continuous", "overlapped", "static", "off"])
+def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
     """Each row is submitted once the row before it has produced 3 tokens, so rows arrive while a
-    batch runs: they join it (continuous), wait for it (static), or queue (off)."""
+    batch runs: they join it (continuous; overlapped: on two threads, chunks of 4, so that joiners of
+    more than 8 tokens are prefilled on one thread beside the batch's steps on the other), wait for it
+    (static), or queue (off)."""
     settings = {"continuous": EngineSettings(max_batch_size=8, max_join_delay_s=0),
+                "overlapped": EngineSettings(max_batch_size=8, max_join_delay_s=0, prefill_chunk=4),
                 "static": EngineSettings(max_batch_size=8, continuous=False),
                 "off": EngineSettings(max_batch_size=1)}[mode]
+    overlapped = []
+    if mode == "overlapped":
+        backend = OrtBackend(backend.info, threads=2, in_place_kv=backend.in_place_kv,
+                             kv_cache_dtype="int8" if backend.kv_dtype == np.int8 else None)
+        prefill = Runner._prefill_overlapped
+        monkeypatch.setattr(Runner, "_prefill_overlapped", lambda self, p: overlapped.append(p) or prefill(self, p))
     engine = Engine(backend, settings).start()
     todo = cases()
     sinks: list[Collect] = []
@@ -138,8 +148,9 @@ def test_every_row_equals_generate_alone(backend, mode):
         assert compared >= 4
         stats = engine.stats()
         assert stats["rows"] == len(todo) and stats["running"] == 0 and stats["errors"] == 0
-        if mode == "continuous":
+        if mode in ("continuous", "overlapped"):
             assert stats["joins"] > 0 and stats["batches"] < len(todo)
+        assert (len(overlapped) > 0) == (mode == "overlapped")
         if mode == "off":
             assert stats["batches"] == len(todo)
     finally:

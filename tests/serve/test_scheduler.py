@@ -42,6 +42,9 @@ class Shapes:
         self.joined: Shape | None = None
         self.prefilling: tuple[list[Row], int] | None = None
         self.columns: list[int] = []  # the columns each chunk of a joiners' prefill ran
+        # An overlapped prefill: the decode steps it lasts (None: until the batch waits for it), and those left
+        self.overlap_steps: int | None = None
+        self.overlap_left: int | None = None
 
     def run(self, plan: SchedulerOutput) -> SchedulerOutput:
         joined, self.joined = self.joined, None
@@ -58,7 +61,12 @@ class Shapes:
             self.batch = prefilled(list(plan.prefill))
         if plan.join:
             self.prefilling = (list(plan.join), 0)
-        if plan.advance:
+        if plan.overlap:
+            self.overlap_left = self.overlap_steps if self.overlap_steps is not None else -1
+        elif plan.advance and self.overlap_left is not None:  # waited for
+            self.overlap_left = None
+            self.prefilling, self.joined = None, prefilled(self.prefilling[0])
+        elif plan.advance:
             rows, done = self.prefilling
             width = max(len(r.prompt_ids) for r in rows)
             distinct = len({tuple(r.prompt_ids) for r in rows})
@@ -74,6 +82,11 @@ class Shapes:
             assert o.width >= max(cols[i] for i in o.order)  # no column a row uses is dropped
             self.batch = Shape([rows[i] for i in o.order], o.width, [cols[i] for i in o.order])
         if plan.decode:
+            if self.overlap_left == 0:  # it has ended: the joiners are held for the next plan
+                self.overlap_left = None
+                self.prefilling, self.joined = None, prefilled(self.prefilling[0])
+            elif self.overlap_left is not None:
+                self.overlap_left -= 1
             b = self.batch
             b.width += 1
             b.cols = [c + 1 for c in b.cols]
@@ -100,16 +113,17 @@ def row(prompt: int = 4, tokens: int = 10, clock: Clock | None = None, **kw) -> 
     return r
 
 
-def engine(n_positions: int = 256, clock: Clock | None = None, **settings) -> tuple[Scheduler, Shapes]:
+def engine(n_positions: int = 256, clock: Clock | None = None, shares_cores: bool = False,
+           **settings) -> tuple[Scheduler, Shapes]:
     scheduler = Scheduler(EngineSettings(**{"max_join_delay_s": 0.05, **settings}), n_positions,
-                          clock=clock or Clock())
+                          clock=clock or Clock(), shares_cores=shares_cores)
     return scheduler, Shapes(scheduler)
 
 
-def running(n: int, clock: Clock, **settings) -> tuple[Scheduler, Shapes, list[Row]]:
-    """A scheduler whose batch of n rows (prompts of 4, 10 tokens each) has been prefilled."""
+def running(n: int, clock: Clock, tokens: int = 10, **settings) -> tuple[Scheduler, Shapes, list[Row]]:
+    """A scheduler whose batch of n rows (prompts of 4, `tokens` tokens each) has been prefilled."""
     scheduler, shapes = engine(clock=clock, **settings)
-    rows = [row(clock=clock) for _ in range(n)]
+    rows = [row(tokens=tokens, clock=clock) for _ in range(n)]
     scheduler.submit(rows)
     assert shapes.step().prefill == tuple(rows)
     return scheduler, shapes, rows
@@ -236,6 +250,70 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
     scheduler, shapes, rows = running(3, clock, prefill_chunk=16, max_join_delay_s=0)
     scheduler.submit([row(prompt=32, clock=clock) for _ in range(3)])
     assert shapes.step().chunk == 16 and shapes.columns == [16]  # one prompt, run once for the three
+
+
+def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_its_cores():
+    """A 200-token prompt joining a running row, chunks of 64: more than two chunks, so one overlapped prefill, then
+    decode steps only (no joiners' half) until it has ended, then the regroup that brings it in. Two chunks (two rows of
+    the same 100 tokens: one prompt prefilled), a backend that cannot share its cores, or overlap_prefill off: chunked
+    as before."""
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
+    shapes.overlap_steps = 3
+    joiner = row(prompt=200, clock=clock)
+    scheduler.submit([joiner])
+    plan = shapes.step()
+    assert plan.join == (joiner,) and plan.advance and plan.overlap and not plan.decode
+    plans = [shapes.step() for _ in range(5)]
+    assert plans[:4] == [DECODE] * 4  # the prefill lasts 3 steps, and ends before the 4th
+    assert plans[4].regroup.joins and plans[4].decode and shapes.batch.rows == [rows[0], joiner]
+    assert scheduler.in_flight == [rows[0], joiner]
+
+    for shares, prompts in ((True, [100, 100]), (False, [200])):
+        scheduler, shapes, rows = running(2, clock, tokens=40, shares_cores=shares, max_join_delay_s=0, prefill_chunk=64)
+        scheduler.submit([row(prompt=p, clock=clock) for p in prompts])
+        plan = shapes.step()
+        assert plan.advance and not plan.overlap and plan.chunk == 64
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
+                                      overlap_prefill=False)
+    scheduler.submit([row(prompt=200, clock=clock)])
+    assert not shapes.step().overlap
+
+
+def test_an_overlapped_prefill_is_waited_for_when_no_row_is_left_to_decode():
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
+    joiner = row(prompt=200, clock=clock)
+    scheduler.submit([joiner])
+    assert shapes.step().overlap
+    rows[0].cancel()
+    assert shapes.step() is DECODE and rows[0].finished  # its step ends it
+    assert shapes.step() == SchedulerOutput(advance=True)  # nobody decodes: the engine waits for the prefill
+    plan = shapes.step()
+    assert plan.regroup.joins and plan.regroup.order.tolist() == [1] and plan.decode
+    assert shapes.batch.rows == [joiner]
+
+
+def test_the_batch_waits_for_an_overlapped_prefill_once_it_may_run_no_further_ahead():
+    """Context 128: a row of 4 prompt tokens with 59 to go once prefilled (4 columns); a 40-token prompt with 80 to
+    generate joins (5 chunks of 8: overlapped). Joining after L steps needs max(4 + L, 40) + max(59 - L, 79) positions: 119 up to L = 36, then
+    4 + L + 79, so L <= 45. The batch steps 45 times beside the prefill, then waits for it, and the joiner's merged row
+    still fits its 79 tokens."""
+    clock = Clock()
+    scheduler = Scheduler(EngineSettings(max_join_delay_s=0, prefill_chunk=8), 128, clock=clock,
+                          shares_cores=True)
+    shapes = Shapes(scheduler)
+    first = row(prompt=4, tokens=60, clock=clock)
+    scheduler.submit([first])
+    shapes.step()
+    joiner = row(prompt=40, tokens=80, clock=clock)
+    scheduler.submit([joiner])
+    assert shapes.step().overlap
+    plans = [shapes.step() for _ in range(47)]
+    assert plans[:45] == [DECODE] * 45
+    assert plans[45] == SchedulerOutput(advance=True)
+    assert plans[46].regroup.joins and plans[46].regroup.width == 4 + 45
+    assert plans[46].regroup.width + joiner.remaining <= 128
 
 
 def test_the_batch_regroups_when_half_of_it_has_finished():

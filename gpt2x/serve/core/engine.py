@@ -62,7 +62,12 @@ class Engine:
         self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "compactions": 0, "errors": 0}
         if drafter is not None:
             self.counters.update(drafted=0, accepted=0, drafts=0)
-        self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None)
+        # A backend that shares its cores between two threads' steps prefills joiners beside the decode steps.
+        shares = backend.capabilities.shares_cores and backend.cores >= 2
+        self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
+                                   shares_cores=shares)
+        if self.scheduler.overlaps:  # what the overlapped prefill and its steps run on, open before the first join
+            backend.prepare_sharing()
         # Prefix caching needs a backend that steps from a cache made elsewhere (its blocks): not
         # onnxruntime-genai, whose generator owns its cache.
         self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20)) \

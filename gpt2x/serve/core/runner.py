@@ -7,7 +7,9 @@ it is done (`Executed`), for the engine to tell."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,8 @@ class Prefill:
     mask: np.ndarray
     past: Any
     done: int = 0
+    # An overlapped prefill's model steps (tokens, positions), told by the engine's thread once it has ended.
+    ran: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +117,9 @@ class Runner:
         self.batch: Batch | None = None  # the batch in flight
         self.prefilling: Prefill | None = None  # the joiners' prefill under way
         self.joined: Batch | None = None  # the joiners, prefilled: merged by the next plan, or dropped
+        # The joiners' prefill running overlapped (on half the cores, beside the decode steps), on its own thread.
+        self.overlap: Future | None = None
+        self._overlapping: ThreadPoolExecutor | None = None
 
     def execute(self, plan: SchedulerOutput) -> Iterator[Executed]:
         """Run `plan`'s parts in their order, each part's outcome yielded as it is done (a speculative
@@ -139,7 +146,11 @@ class Runner:
         if plan.join:
             self.counters["joins"] += 1
             self.prefilling = self.begin(list(plan.join))
-        if plan.advance:
+        if plan.overlap:
+            self.overlap = self._overlap_pool().submit(self._prefill_overlapped, self.prefilling)
+        elif plan.advance and self.overlap is not None:
+            yield from self._overlapped(wait_for_it=True)
+        elif plan.advance:
             done = self.advance(self.prefilling, plan.chunk)
             if done is not None:
                 self.prefilling = None
@@ -151,11 +162,45 @@ class Runner:
             self.batch = self.merge(self.batch, joined if plan.regroup.joins else None, plan.regroup.order,
                                     plan.regroup.width)
         if plan.decode:
-            yield Step(self.batch.rows, self.step(self.batch))
+            yield from self._overlapped(wait_for_it=False)  # ended: this step runs on every core
+            with self.backend.sharing_cores() if self.overlap is not None else nullcontext():
+                events = self.step(self.batch)
+            yield Step(self.batch.rows, events)
 
     def reset(self) -> None:
-        """Let go of every batch held (the batch ended, or failed)."""
+        """Let go of every batch held (the batch ended, or failed), once an overlapped prefill has stopped."""
+        if self.overlap is not None:
+            wait([self.overlap])
+            self.overlap = None
         self.batch = self.prefilling = self.joined = None
+
+    def _overlap_pool(self) -> ThreadPoolExecutor:
+        if self._overlapping is None:
+            self._overlapping = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-prefill")
+        return self._overlapping
+
+    def _prefill_overlapped(self, prefill: Prefill) -> tuple[Batch, list[Event]]:
+        """The joiners' prefill run whole on half the backend's cores (its own thread's steps): the decode steps
+        meanwhile run on the other half (docs/serving/index.md#overlapped-prefill)."""
+        with self.backend.sharing_cores():
+            result = self.advance(prefill, None, report=False)
+        assert result is not None
+        return result
+
+    def _overlapped(self, wait_for_it: bool) -> Iterator[Executed]:
+        """The overlapped prefill's end, where it has ended (or once it has, `wait_for_it`): the joiners held for the
+        next plan to merge, their first tokens told, its steps counted and its prompts' blocks kept here, on the
+        engine's thread. Its error is raised here, failing the batch as a chunk's would."""
+        if self.overlap is None or not (wait_for_it or self.overlap.done()):
+            return
+        future, self.overlap = self.overlap, None
+        prefill = self.prefilling
+        self.joined, events = future.result()
+        self.prefilling = None
+        for tokens, held in prefill.ran:
+            self._ran(tokens, held)
+        self._keep_prefixes(prefill)
+        yield Step(self.joined.rows, events)
 
     def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
         """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end). With a prefix
@@ -255,11 +300,13 @@ class Runner:
         whole = self.backend.prefill_ms(rows, max(len(p) for p in prompts), 0)
         return with_cache is None or whole is None or with_cache <= whole
 
-    def advance(self, prefill: Prefill, tokens: int | None) -> tuple[Batch, list[Event]] | None:
+    def advance(self, prefill: Prefill, tokens: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
         """Run the next chunk of a prefill: about `tokens` tokens (its rows share them: at least one
         column), or all that is left (None). When its last column has run, each row's first token is
         sampled and its prompt's whole blocks kept in the prefix cache: the batch and the events;
-        before that, None."""
+        before that, None. `report` False (another thread's prefill): its steps are left in `prefill.ran`
+        and its blocks not kept, for the engine's thread to do (`_overlapped`)."""
+        ran_step = self._ran if report else lambda tokens, held: prefill.ran.append((tokens, held))
         U, T = prefill.ids.shape
         cols = T - prefill.done if tokens is None else min(T - prefill.done, max(1, tokens // U))
         K = prefill.mask.shape[1] - T
@@ -270,13 +317,14 @@ class Runner:
         prefill.done += cols
         if prefill.done < T:
             _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
-            self._ran(ran, mask.size)
+            ran_step(ran, mask.size)
             return None
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
         nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, positions(mask, cols),
                                                        prefill.past, prefill.index)
-        self._ran(ran, mask.size)
-        self._keep_prefixes(prefill)
+        ran_step(ran, mask.size)
+        if report:
+            self._keep_prefixes(prefill)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows

@@ -30,6 +30,12 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # apart, its second up to 6.5 ms after its first; a 2 ms quiet split waves (docs/results/engines.md).
 AUTO_BATCH_WAIT_S = 0.02
 AUTO_QUIET_S = 0.005
+# A joiners' prefill is overlapped (EngineSettings.overlap_prefill) where chunking would spread it over more chunks than
+# this. On half the cores a prefill takes about twice as long (a 545-token prompt of GPT-2 124M int8 238 against 122 ms
+# on the 2-core Xeon, scratch): up to two chunks, with a step between them, its first token comes sooner chunked
+# (a 512-token joiner 165 against 268 ms); from three on, as soon overlapped (the 545-token joiners of
+# docs/results/serving.md#overlapped-prefill), and the rows running do not wait for the chunks.
+OVERLAP_AFTER_CHUNKS = 2
 
 
 class QueueFull(RuntimeError):
@@ -57,6 +63,11 @@ class EngineSettings:
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
     # joiners than rows running).
     prefill_chunk: int = 256
+    # Joiners whose prefill would take more than OVERLAP_AFTER_CHUNKS chunks are prefilled whole on half the cores
+    # while the batch decodes on the other half, where the backend can share its cores (else chunked as above): the
+    # rows running keep streaming, each step on half the cores, rather than waiting a chunk between two steps
+    # (docs/serving/index.md#overlapped-prefill).
+    overlap_prefill: bool = True
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
     # (prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
@@ -141,8 +152,9 @@ class SchedulerOutput:
     prefill: tuple[Row, ...] = ()  # a new batch, prefilled whole
     speculative: Row | None = None  # one row decoded whole with the draft
     join: tuple[Row, ...] = ()  # rows whose prefill begins beside the running batch
-    advance: bool = False  # the joiners' prefill runs its next chunk ...
+    advance: bool = False  # the joiners' prefill runs its next chunk (or, overlapped, is waited for to end) ...
     chunk: int | None = None  # ... of about this many tokens (None: all that is left)
+    overlap: bool = False  # ... whole, on half the cores, beside the decode steps that follow (runner.joined once done)
     regroup: Regroup | None = None  # the batch laid out anew, the joiners prefilled by now in or not
     decode: bool = False  # one decode step of every row of the batch
     release: bool = False  # the batch has ended: the runner lets its cache go
@@ -157,11 +169,13 @@ class Scheduler:
     prefilled apart (else batches are static); `speculative`: a draft decodes lone rows."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
-                 speculative: bool = False, clock: Callable[[], float] = time.monotonic):
+                 speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False):
         self.settings = settings
         self.n_positions = n_positions
         self.joins = settings.continuous and joins_rows and settings.max_batch_size > 1
         self.speculative = speculative
+        # the backend prefills on half its cores beside decode steps on the rest (Backend.sharing_cores)
+        self.overlaps = self.joins and shares_cores and settings.overlap_prefill and settings.prefill_chunk > 0
         self.clock = clock
         self._waiting: deque[Row] = deque()
         self._cond = threading.Condition()
@@ -176,6 +190,9 @@ class Scheduler:
         self._batch: Shape | None = None
         self._joined: Shape | None = None
         self._prefilling: list[Row] | None = None
+        # While the joiners' prefill runs overlapped: the decode steps the batch may still take before they must join
+        # (each row keeping room in the context: overlap_room); None otherwise.
+        self._overlap: int | None = None
         self._decoding = False
 
     # -- the callers' side (any thread)
@@ -262,7 +279,7 @@ class Scheduler:
     def fail(self) -> list[Row]:
         """A plan failed: the batch in flight is given up. Its rows and the joiners', to be told."""
         rows, self.in_flight = self.in_flight, []
-        self._batch = self._joined = self._prefilling = None
+        self._batch = self._joined = self._prefilling = self._overlap = None
         self._decoding = False
         return rows
 
@@ -281,6 +298,10 @@ class Scheduler:
         """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
         next chunk of their prefill (whole when no row runs: there is nobody to stall)."""
         live = _live(batch.rows)
+        if self._overlap is not None:  # the joiners' prefill runs beside the steps
+            if self._joined is not None or (live and self._overlap > 0):
+                return None
+            return SchedulerOutput(advance=True)  # no row decodes, or none may run further ahead: wait for it
         scored = searched = ended = join = ()
         if self._prefilling is None and live and self.joins and self.join_due(len(live)):
             taken = self.take([batch.rows[i] for i in live], batch.used(live))
@@ -295,7 +316,11 @@ class Scheduler:
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
         # (docs/serving/index.md#chunked-prefill).
-        chunk = (self.settings.prefill_chunk or None) if live and len(self._prefilling) <= len(live) else None
+        beside = bool(live) and len(self._prefilling) <= len(live)
+        if join and beside and self.overlaps and self.prefill_steps(list(join)) > OVERLAP_AFTER_CHUNKS:
+            self._overlap = self.overlap_room([batch.rows[i] for i in live], list(join), batch.used(live))
+            return SchedulerOutput(scored, searched, ended, join=join, advance=True, overlap=True)
+        chunk = (self.settings.prefill_chunk or None) if beside else None
         return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk)
 
     def _stepping(self, batch: Shape) -> SchedulerOutput | None:
@@ -304,7 +329,9 @@ class Scheduler:
         live = _live(batch.rows)
         joined, self._joined = self._joined, None
         if joined is not None:
-            self._prefilling = None
+            self._prefilling = self._overlap = None
+        elif self._overlap is not None:
+            self._overlap -= 1  # the step planned below
         if not live and joined is None:  # (a prefill under way ran whole, so ended by now)
             self._batch = None
             self.in_flight = []
@@ -401,23 +428,39 @@ class Scheduler:
             self.running = len(rows) + len(taken)
         return taken
 
-    def _fits(self, rows: list[Row], joiners: list[Row], width: int | None) -> bool:
+    def _fits(self, rows: list[Row], joiners: list[Row], width: int | None, lag: int | None = None) -> bool:
         """Whether every row keeps room in the context for its remaining tokens once `joiners` join a
         batch whose cache can be made `width` wide (None: they start a new one). The merged cache is
         at least as wide as that and the joiners' prompts; a running row samples its next token one
         position further, a joiner its first from its own prefill. Joiners prefilled in chunks join
         `lag` steps later, the batch's rows that many positions further on (and as many tokens
-        nearer their end)."""
+        nearer their end; `lag`: that many steps instead)."""
         joiners = [r for r in joiners if r.remaining > 0]  # a row that is only scored never joins the cache
         if not joiners:
             return True
         new_width = max(len(r.prompt_ids) for r in joiners)
-        lag = 0
-        if width is not None:
-            lag = self.prefill_steps(joiners) - 1
+        if width is None:
+            lag = 0
+        else:
+            lag = self.prefill_steps(joiners) - 1 if lag is None else lag
             new_width = max(width + lag, new_width)
         need = max([r.remaining - lag for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
         return new_width + need <= self.n_positions
+
+    def overlap_room(self, rows: list[Row], joiners: list[Row], width: int) -> int:
+        """The decode steps a batch whose live `rows` use `width` columns may take while `joiners` are prefilled beside
+        it, every row keeping room for its remaining tokens once they join (`_fits` at that lag: `take` checked the
+        chunked prefill's), at most n_positions: past it the batch waits for them. The widths `_fits` adds up first
+        shrink, then grow with the lag, so the lags that fit from the checked one on are an interval: its end is
+        searched."""
+        low, high = self.prefill_steps(joiners) - 1, self.n_positions  # low fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._fits(rows, joiners, width, mid):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def prefill_steps(self, joiners: list[Row]) -> int:
         """The steps that prefilling `joiners` beside a running batch takes at most (chunks of
