@@ -1,0 +1,108 @@
+"""Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
+inter-token gaps and the joiners' first tokens with the overlapped prefill on and off (EngineSettings.overlap_prefill),
+in alternating rounds on one backend, warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
+512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
+once, the prefix cache off (as serve_peers.py's joins workload).
+
+    python benchmarks/engine_joins.py --export EXPORT --out benchmarks/results/engine-joins-cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpt2x.bench.system import system_info
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.onnx.artifact import read_export
+from gpt2x.runtime.ort import OrtBackend
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import TokenOut
+
+
+def one_round(backend: OrtBackend, overlap: bool, args) -> dict:
+    """Every request's submission time and its tokens' arrival times, summarized."""
+    engine = Engine(backend, EngineSettings(overlap_prefill=overlap, prefix_cache_mb=0)).start()
+    rng = np.random.default_rng(args.seed)
+    prefixes = [rng.integers(0, backend.vocab_size, args.prefix_tokens).tolist() for _ in range(4)]
+    times: list[list[float]] = []
+    rows: list[Row] = []
+    due = time.perf_counter()
+    try:
+        for i in range(args.requests):
+            due += rng.exponential(1 / args.rate)
+            while time.perf_counter() < due or sum(not r.finished for r in rows) >= args.concurrency:
+                time.sleep(0.001)
+            stamps = [time.perf_counter()]
+            times.append(stamps)
+
+            def sink(out, stamps=stamps) -> None:
+                if isinstance(out, TokenOut):
+                    stamps.append(time.perf_counter())
+
+            prompt = prefixes[i % 4] + rng.integers(0, backend.vocab_size, args.suffix_tokens).tolist()
+            settings = SamplingSettings(max_new_tokens=args.max_tokens, ignore_eos=True, seed=i)
+            row = Row(prompt, settings, sink, max_tokens=args.max_tokens)
+            rows.append(row)
+            engine.submit([row])
+        while not all(r.finished for r in rows):
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    ttft = [(s[1] - s[0]) * 1e3 for s in times]
+    gaps = np.concatenate([np.diff(s[1:]) * 1e3 for s in times])
+    p50 = float(np.median(gaps))
+    return {"ttft_p50_ms": statistics.median(ttft), "itl_p50_ms": p50, "itl_p99_ms": float(np.percentile(gaps, 99)),
+            "itl_p999_ms": float(np.percentile(gaps, 99.9)), "itl_max_ms": float(gaps.max()),
+            "itl_over_3x_p50_pct": float(100 * (gaps > 3 * p50).mean()), "gaps": len(gaps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", type=Path, required=True)
+    ap.add_argument("--rate", type=float, default=1.5, help="requests a second (Poisson)")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prefix-tokens", type=int, default=512)
+    ap.add_argument("--suffix-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
+    args = ap.parse_args()
+    backend = OrtBackend(read_export(args.export))
+    backend.warm_up()
+    runs = []
+    for r in range(args.rounds):
+        for overlap in ((True, False) if r % 2 == 0 else (False, True)):
+            result = one_round(backend, overlap, args)
+            runs.append({"round": r + 1, "overlap_prefill": overlap, **result})
+            print(f"round {r + 1}, overlap {'on' if overlap else 'off'}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in result.items() if k != "gaps"), flush=True)
+    keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]
+    table = {mode: {k: statistics.median(r[k] for r in runs if r["overlap_prefill"] is mode) for k in keys}
+             for mode in (True, False)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({
+        "command": "python benchmarks/engine_joins.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "system": system_info(), "export": str(args.export), "runs": runs,
+        "medians": {"on" if m else "off": v for m, v in table.items()}}, indent=1, default=str))
+    lines = [f"# Long prompts joining, in the engine: overlapped prefill on and off ({system_info().get('cpu')}, "
+             f"{args.rounds} rounds, medians)", "",
+             "| overlap_prefill | TTFT p50 ms (every request) | ITL p50 ms | ITL p99 ms | p99 / p50 | ITL p99.9 ms | ITL max ms | "
+             "gaps over 3x p50 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, v in table.items():
+        lines.append(f"| {'on' if mode else 'off'} | {v['ttft_p50_ms']:.1f} | {v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | "
+                     f"{v['itl_p99_ms'] / v['itl_p50_ms']:.2f} | {v['itl_p999_ms']:.1f} | {v['itl_max_ms']:.1f} | "
+                     f"{v['itl_over_3x_p50_pct']:.2f}% |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
