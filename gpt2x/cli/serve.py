@@ -152,7 +152,8 @@ def serve(
     overlap_prefill: Annotated[bool, typer.Option(
         help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "
         "cores while the running requests decode on the other half, where the backend can share its cores (ort on the "
-        "CPU, 2 threads or more).")] = EngineSettings.overlap_prefill,
+        "CPU, 2 threads or more): the running requests' inter-token tail is shorter, the joiners' first tokens later, and "
+        "the server holds a second set of sessions (about twice the memory).")] = EngineSettings.overlap_prefill,
     scheduling_policy: Annotated[str, typer.Option(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",

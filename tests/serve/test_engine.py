@@ -96,7 +96,7 @@ def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
     more than 8 tokens are prefilled on one thread beside the batch's steps on the other), wait for it
     (static), or queue (off)."""
     settings = {"continuous": EngineSettings(max_batch_size=8, max_join_delay_s=0),
-                "overlapped": EngineSettings(max_batch_size=8, max_join_delay_s=0, prefill_chunk=4),
+                "overlapped": EngineSettings(max_batch_size=8, max_join_delay_s=0, prefill_chunk=4, overlap_prefill=True),
                 "static": EngineSettings(max_batch_size=8, continuous=False),
                 "off": EngineSettings(max_batch_size=1)}[mode]
     overlapped = []

@@ -255,10 +255,11 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
 def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_its_cores():
     """A 200-token prompt joining a running row, chunks of 64: more than two chunks, so one overlapped prefill, then
     decode steps only (no joiners' half) until it has ended, then the regroup that brings it in. Two chunks (two rows of
-    the same 100 tokens: one prompt prefilled), a backend that cannot share its cores, or overlap_prefill off: chunked
-    as before."""
+    the same 100 tokens: one prompt prefilled), a backend that cannot share its cores, or overlap_prefill off (the
+    default): chunked as before."""
     clock = Clock()
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
+                                      overlap_prefill=True)
     shapes.overlap_steps = 3
     joiner = row(prompt=200, clock=clock)
     scheduler.submit([joiner])
@@ -270,19 +271,20 @@ def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_it
     assert scheduler.in_flight == [rows[0], joiner]
 
     for shares, prompts in ((True, [100, 100]), (False, [200])):
-        scheduler, shapes, rows = running(2, clock, tokens=40, shares_cores=shares, max_join_delay_s=0, prefill_chunk=64)
+        scheduler, shapes, rows = running(2, clock, tokens=40, shares_cores=shares, max_join_delay_s=0, prefill_chunk=64,
+                                          overlap_prefill=True)
         scheduler.submit([row(prompt=p, clock=clock) for p in prompts])
         plan = shapes.step()
         assert plan.advance and not plan.overlap and plan.chunk == 64
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
-                                      overlap_prefill=False)
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
     scheduler.submit([row(prompt=200, clock=clock)])
     assert not shapes.step().overlap
 
 
 def test_an_overlapped_prefill_is_waited_for_when_no_row_is_left_to_decode():
     clock = Clock()
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
+    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
+                                      overlap_prefill=True)
     joiner = row(prompt=200, clock=clock)
     scheduler.submit([joiner])
     assert shapes.step().overlap
@@ -300,7 +302,7 @@ def test_the_batch_waits_for_an_overlapped_prefill_once_it_may_run_no_further_ah
     4 + L + 79, so L <= 45. The batch steps 45 times beside the prefill, then waits for it, and the joiner's merged row
     still fits its 79 tokens."""
     clock = Clock()
-    scheduler = Scheduler(EngineSettings(max_join_delay_s=0, prefill_chunk=8), 128, clock=clock,
+    scheduler = Scheduler(EngineSettings(max_join_delay_s=0, prefill_chunk=8, overlap_prefill=True), 128, clock=clock,
                           shares_cores=True)
     shapes = Shapes(scheduler)
     first = row(prompt=4, tokens=60, clock=clock)

@@ -65,9 +65,10 @@ class EngineSettings:
     prefill_chunk: int = 256
     # Joiners whose prefill would take more than OVERLAP_AFTER_CHUNKS chunks are prefilled whole on half the cores
     # while the batch decodes on the other half, where the backend can share its cores (else chunked as above): the
-    # rows running keep streaming, each step on half the cores, rather than waiting a chunk between two steps
-    # (docs/serving/index.md#overlapped-prefill).
-    overlap_prefill: bool = True
+    # rows running keep streaming, each step on half the cores, rather than waiting a chunk between two steps. Off
+    # by default: its second set of sessions and graphs doubled a served GPT-2 124M int8's memory (5.4 against
+    # 2.9 GB), and the joiners' first tokens come later (docs/serving/index.md#overlapped-prefill).
+    overlap_prefill: bool = False
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
     # (prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
