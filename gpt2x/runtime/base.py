@@ -58,9 +58,9 @@ class Capabilities:
     # `warm_up()`: opens now what its first steps of each kind would open (graphs, sessions), for a server, whose first
     # requests would otherwise wait for it.
     warms_up: bool = False
-    # `sharing_cores()`, `prepare_sharing()` and `cores`: steps a thread makes inside sharing_cores run on half of
-    # `cores`, so that another thread's steps run beside them on the rest (a joining prompt's prefill beside the
-    # batch's decode steps); prepare_sharing opens what they run on beforehand.
+    # `sharing_cores()`, `prepare_sharing()` and `sharing_threads`: steps a thread makes inside sharing_cores run on
+    # sharing_threads, half the backend's, so that another thread's steps run beside them on the rest (a joining
+    # prompt's prefill beside the batch's decode steps; None: nothing to share); prepare_sharing opens what they run on.
     shares_cores: bool = False
 
     @property

@@ -286,10 +286,8 @@ def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | No
 
 @dataclass
 class _Half:
-    """What OrtBackend.sharing_cores' steps run on: sessions (and an OpenVINO prefill) on `threads`, half the
-    backend's."""
+    """What OrtBackend.sharing_cores' steps run on: sessions (and an OpenVINO prefill) on its sharing_threads."""
 
-    threads: int
     session: Any
     batched: Any = None
     openvino_prefill: Any = None
@@ -372,7 +370,7 @@ class OrtBackend(Closable):
             from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
 
             self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
-        # sharing_cores(): the sessions and prefill graph its steps run on (half the threads), opened at its first use
+        # sharing_cores(): the sessions and prefill graph its steps run on (half the threads), opened by prepare_sharing
         self._half: _Half | None = None
         self._half_lock = threading.Lock()
         self._sharing = threading.local()  # .on: this thread's steps run on the half
@@ -453,20 +451,22 @@ class OrtBackend(Closable):
         return create_export_session(self.info.model_path, self.provider, threads, self._transform)
 
     @property
-    def cores(self) -> int:
-        """The threads its steps run on (sharing_cores gives a thread half of them)."""
-        return self._threads or physical_cores()
+    def sharing_threads(self) -> int | None:
+        """The threads a thread's steps run on inside sharing_cores, half the backend's; None where there is nothing
+        to share (one thread, or not on the CPU)."""
+        threads = self._threads or physical_cores()
+        return threads // 2 if threads >= 2 and self.provider is ProviderKind.cpu else None
 
     @contextmanager
     def sharing_cores(self) -> Iterator[None]:
         """Steps made inside it, by this thread, run on half of the backend's threads, with sessions and a prefill
         graph of their own (opened by prepare_sharing, or at the first use), so that another thread's steps
         run beside them on the other half: a joining prompt's prefill beside the batch's decode steps
-        (docs/serving/index.md#prefill-beside-the-decode). With one thread, as they would run anyway."""
-        if self.cores < 2 or self.provider is not ProviderKind.cpu:
+        (docs/serving/index.md#overlapped-prefill). Without sharing_threads, as they would run anyway."""
+        self.prepare_sharing()
+        if self._half is None:
             yield
             return
-        self.prepare_sharing()
         self._sharing.on = True
         try:
             yield
@@ -477,9 +477,9 @@ class OrtBackend(Closable):
         """Open now sharing_cores' sessions (and its batched decode graph's, and its OpenVINO prefill compiled and run
         once, where the backend has them), once: both threads may ask at once."""
         with self._half_lock:
-            if self._half is None and self.cores >= 2 and self.provider is ProviderKind.cpu:
-                threads = max(1, self.cores // 2)
-                half = _Half(threads, self._open_session(threads))
+            threads = self.sharing_threads
+            if self._half is None and threads is not None:
+                half = _Half(self._open_session(threads))
                 if self._batched_from is not None:
                     half.batched = self._open_session(threads, batched=True)
                 if self._openvino_prefill is not None:

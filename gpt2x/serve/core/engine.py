@@ -63,7 +63,7 @@ class Engine:
         if drafter is not None:
             self.counters.update(drafted=0, accepted=0, drafts=0)
         # A backend that shares its cores between two threads' steps prefills joiners beside the decode steps.
-        shares = backend.capabilities.shares_cores and backend.cores >= 2
+        shares = backend.capabilities.shares_cores and backend.sharing_threads is not None
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
                                    shares_cores=shares)
         if self.scheduler.overlaps:  # what the overlapped prefill and its steps run on, open before the first join
