@@ -2,7 +2,8 @@
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
-        [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--contenders gpt2x,openvino-genai]
+        [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--genai-kv-caches auto]
+        [--contenders gpt2x,openvino-genai]
 
 The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
 prompts of --prompt-len random tokens (seeded), each generating --new-tokens greedy tokens that EOS
@@ -19,7 +20,10 @@ wall time from handing them over to the last token.
 - OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
   same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
   precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
-  KV cache, dynamic split-fuse), generate(list of the prompts' token tensors, greedy configs).
+  KV cache, dynamic split-fuse), every prompt added at once (add_request, greedy configs) and the pipeline
+  stepped until none is left, as its generate() does; its KV cache in
+  the CPU plugin's default precision (u8 on a CPU), and with --genai-kv-caches auto,f32 again in f32
+  (KV_CACHE_PRECISION, as gpt2x's fp32 export keeps its cache).
 
 Each contender runs once unmeasured (its tokens kept for the check), then --rounds rounds run each once,
 in an order rotated every round (this VM's memory bandwidth drifts over minutes); the figure is the
@@ -81,7 +85,7 @@ class Gpt2xEngine:
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)
         tokens: list[list[int]] = [[] for _ in range(B)]
-        first = [0.0] * B
+        first, last = [0.0] * B, [0.0] * B
         left = [B]
         done, lock = threading.Event(), threading.Lock()
         errors: list[str] = []
@@ -89,8 +93,9 @@ class Gpt2xEngine:
         def sink_for(i: int):
             def sink(out: Output) -> None:
                 if isinstance(out, TokenOut):
+                    last[i] = time.perf_counter()
                     if not tokens[i]:
-                        first[i] = time.perf_counter()
+                        first[i] = last[i]
                     tokens[i].append(out.token)
                 elif isinstance(out, (Finished, Failed)):
                     if isinstance(out, Failed):
@@ -109,35 +114,58 @@ class Gpt2xEngine:
         wall = time.perf_counter() - t0
         if errors:
             raise RuntimeError(f"{self.name}: {errors[0]}")
-        return {"wall_s": wall, "ttft_s": [f - t0 for f in first], "tokens": tokens}
+        tpot = [(e - f) / (len(t) - 1) for f, e, t in zip(first, last, tokens) if len(t) > 1]
+        return {"wall_s": wall, "ttft_s": [f - t0 for f in first], "tpot_s": tpot, "tokens": tokens}
 
     def close(self) -> None:
         self.engine.close()
 
 
 class OvContinuousBatching:
-    """OpenVINO GenAI's ContinuousBatchingPipeline, its default SchedulerConfig; a run is one generate()."""
+    """OpenVINO GenAI's ContinuousBatchingPipeline, its default SchedulerConfig. A run adds every prompt (add_request)
+    and steps the pipeline until no request is left, as its generate() does, in Python so that each row's first and
+    last tokens are timed on this script's clock, as gpt2x's are: its own perf_metrics' TTFT starts later than the
+    submission (16 prompts of 32 tokens at f32: 150 ms mean against 209 on this clock, scratch, 2026-11-27)."""
 
-    def __init__(self, folder: Path, weight_format: str, compute: str, properties: dict):
+    def __init__(self, folder: Path, weight_format: str, compute: str, properties: dict, kv_cache: str = "auto"):
         import openvino as ov
         import openvino_genai as ov_genai
 
         self.ov = ov
-        self.name = f"OpenVINO GenAI {weight_format} ({compute})"
+        self.name = f"OpenVINO GenAI {weight_format} ({compute})" + ("" if kv_cache == "auto" else f" {kv_cache} KV cache")
+        if kv_cache != "auto":
+            properties = properties | {"KV_CACHE_PRECISION": kv_cache}
         self.precision = {v: k for k, v in WEIGHT_FORMATS.items()}[weight_format].value
         scheduler = ov_genai.SchedulerConfig()
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(folder), scheduler, "CPU", properties)
+        self.requests = 0
         self.details = {"ov_weight_format": weight_format, "ov_compute_precision": compute, "ov_properties": properties,
                         "scheduler_config": scheduler.to_string()}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         inputs = [self.ov.Tensor(np.ascontiguousarray(p[None, :], dtype=np.int64)) for p in prompts]
-        configs = [greedy_config(n)] * len(prompts)
+        config = greedy_config(n)
+        B = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        first, last = [0.0] * B, [0.0] * B
         t0 = time.perf_counter()
-        results = self.pipe.generate(inputs, configs)
+        handles = []
+        for x in inputs:
+            self.requests += 1
+            handles.append(self.pipe.add_request(self.requests, x, config))
+        while self.pipe.has_non_finished_requests():
+            self.pipe.step()
+            now = time.perf_counter()
+            for i, handle in enumerate(handles):
+                if handle.can_read():
+                    for out in handle.read().values():  # greedy: one sequence a request
+                        if out.generated_ids:
+                            first[i] = first[i] or now
+                            last[i] = now
+                            tokens[i].extend(out.generated_ids)
         wall = time.perf_counter() - t0
-        ttft = [r.perf_metrics.get_ttft().mean / 1e3 for r in results]  # its own per-request TTFT, ms
-        return {"wall_s": wall, "ttft_s": ttft, "tokens": [list(r.m_generation_ids[0]) for r in results]}
+        tpot = [(e - f) / (len(t) - 1) for f, e, t in zip(first, last, tokens) if len(t) > 1]
+        return {"wall_s": wall, "ttft_s": [f - t0 for f in first], "tpot_s": tpot, "tokens": tokens}
 
     def close(self) -> None:
         pass
@@ -184,21 +212,22 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
                 skipped[f"OpenVINO GenAI {fmt}"] = error_line(e)
                 continue
             for compute, properties in variants.items():
-                try:
-                    contenders.append(OvContinuousBatching(folder, fmt, compute, properties))
-                except Exception as e:
-                    skipped[f"OpenVINO GenAI {fmt} ({compute})"] = error_line(e)
+                for kv_cache in args.genai_kv_caches:
+                    try:
+                        contenders.append(OvContinuousBatching(folder, fmt, compute, properties, kv_cache))
+                    except Exception as e:
+                        skipped[f"OpenVINO GenAI {fmt} ({compute}, {kv_cache} KV cache)"] = error_line(e)
     for name, reason in skipped.items():
         log(f"{name}: skipped ({reason})")
     return contenders
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| engine | precision | output tok/s | spread | wall s | TTFT mean ms | rows = gpt2x fp32 (first 16 tokens) |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| engine | precision | output tok/s | spread | wall s | TTFT mean ms | TPOT mean ms | rows = gpt2x fp32 (first 16 tokens) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['name']} | {r['precision']} | {r['output_tokens_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
-                   f"{r['wall_s']:.2f} | {r['ttft_mean_ms']:.1f} | {r['rows_matching'] if r['rows_matching'] is not None else '-'} |")
+                   f"{r['wall_s']:.2f} | {r['ttft_mean_ms']:.1f} | {r['tpot_mean_ms']:.1f} | {r['rows_matching'] if r['rows_matching'] is not None else '-'} |")
     return "\n".join(out)
 
 
@@ -217,6 +246,8 @@ def main() -> int:
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
                     "kept int8 scales: auto (as its record says), int8, float; several: auto,float")
+    ap.add_argument("--genai-kv-caches", default="auto", help="OpenVINO GenAI's KV cache precision: auto (the CPU "
+                    "plugin's default, u8), f32, bf16, u8; several: auto,f32")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     args = ap.parse_args()
     args.precisions = parse_list(args.precisions, [p.value for p in WEIGHT_FORMATS], "--precisions", ap)
@@ -224,6 +255,7 @@ def main() -> int:
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
     args.gpt2x_kv_dtypes = parse_list(args.gpt2x_kv_dtypes, ["auto", "int8", "float"], "--gpt2x-kv-dtypes", ap)
+    args.genai_kv_caches = parse_list(args.genai_kv_caches, ["auto", "f32", "bf16", "u8"], "--genai-kv-caches", ap)
     if min(args.prompts, args.prompt_len, args.new_tokens, args.rounds) < 1:
         ap.error("--prompts, --prompt-len, --new-tokens and --rounds must be at least 1")
     threads = physical_cores()
@@ -277,7 +309,8 @@ def main() -> int:
             a[:CHECK_TOKENS] == b[:CHECK_TOKENS] for a, b in zip(checks[c.name], reference, strict=True))
         rows.append({"name": c.name, "precision": c.precision, "output_tokens_per_s": med["output_tokens"] / med["wall_s"],
                      "min": min(tps), "max": max(tps), "wall_s": med["wall_s"], "output_tokens": med["output_tokens"],
-                     "ttft_mean_ms": 1e3 * statistics.fmean(med["ttft_s"]), "rows_matching": matching,
+                     "ttft_mean_ms": 1e3 * statistics.fmean(med["ttft_s"]), "tpot_mean_ms": 1e3 * statistics.fmean(med["tpot_s"]),
+                     "rows_matching": matching,
                      "output_tokens_per_s_runs": tps, "runs": rs, **c.details})
     record = {"command": f"{Path(sys.executable).name} " + " ".join(sys.argv), "settings": vars(args) | {
                   "out": str(args.out), "exports": str(args.exports), "threads": threads, "check_tokens": CHECK_TOKENS},
@@ -287,8 +320,10 @@ def main() -> int:
              "continuous batching", "",
              f"{args.model} (GPT-2 124M, random weights), {args.prompts} prompts of {args.prompt_len} random tokens handed over "
              f"at once, {args.new_tokens} greedy tokens each (EOS masked); output tok/s = all output tokens / wall time; "
-             f"{args.rounds} interleaved rounds, median shown, spread = min-max. {threads} threads each. TTFT: gpt2x's from "
-             "the submit to each row's first token, OpenVINO GenAI's its own per-request perf_metrics; the mean over rows.",
+             f"{args.rounds} interleaved rounds, median shown, spread = min-max. {threads} threads each. TTFT: from "
+             "handing the prompts over to each row's first token, the mean over rows; TPOT: each row's time from its "
+             "first token to its last over its other tokens, the mean over rows; both on this script's clock for every "
+             "engine.",
              f"Machine: {machine}, {env['platform']}; {env['date']}, gpt2x git {env['git']}; "
              + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env["peer packages"]).items()) + ".",
              f"Command: `{record['command']}`", "", table(rows), ""]
