@@ -463,7 +463,8 @@ class OrtBackend(Closable):
         graph of their own (opened by prepare_sharing, or at the first use), so that another thread's steps
         run beside them on the other half: a joining prompt's prefill beside the batch's decode steps
         (docs/serving/index.md#overlapped-prefill). Without sharing_threads, as they would run anyway."""
-        self.prepare_sharing()
+        if self._half is None:  # entered for every decode step of an overlap: the lock only until it is open
+            self.prepare_sharing()
         if self._half is None:
             yield
             return
