@@ -36,20 +36,18 @@ def main() -> int:
                                   PREFILL_KEY: info.meta.get(PREFILL_KEY)}
         r = record[PREFILL_KEY] or {}
         if not r.get("kept"):
-            rows.append(f"| {name} | not kept: {r.get('reason', 'no record').replace('|', '/')} | | | | |")
+            rows.append(f"| {name} | not kept: {r.get('reason', 'no record').replace('|', '/')} | | | |")
             continue
-        bf16, timing, lg = r.get("bf16", {}), r["timing"], r["parity"]["logits"]
-        compute = r["inference_precision"] + (f", bf16 from {r['bf16_from']} tokens" if r.get("bf16_from") else "")
-        rows.append(f"| {name} | {compute} | {lg['max_rel']:.2g} / {lg['present_max_rel']:.2g} "
-                    f"| bf16: {bf16.get('reason', '-').replace('|', '/')}; f32 {_ms(bf16.get('f32_ms'))}, bf16 {_ms(bf16.get('bf16_ms'))} "
+        timing, lg = r["timing"], r["parity"]["logits"]
+        rows.append(f"| {name} | {r['inference_precision']} | {lg['max_rel']:.2g} / {lg['present_max_rel']:.2g} "
                     f"| {_ms(timing['openvino_ms'])} against {_ms(timing['onnxruntime_ms'])} | {timing['openvino_from']} |")
     env = system_info()
     lengths = " and ".join(str(n) for n in next((r[PREFILL_KEY]["timing"]["lengths"] for r in records.values()
                                                   if (r[PREFILL_KEY] or {}).get("kept")), []))
     md = (f"OpenVINO prefill records of {args.model}'s exports in {args.exports} (batch 1, prompts of {lengths} tokens, "
           f"median of 5 at export).\nMachine: {env.get('cpu', 'n/a')}, {env.get('platform', '')}; git {env.get('git')}.\n\n"
-          "| export | compute kept | gate: max rel. logits / presents | bf16 trial (ms) | OpenVINO against ONNX Runtime prefill (ms) "
-          "| openvino_from |\n| --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+          "| export | compute | gate: max rel. logits / presents | OpenVINO against ONNX Runtime prefill (ms) "
+          "| openvino_from |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
     save_results(args.out, {"environment": env, "model": args.model, "records": records}, md)
     print(md)
     return 0

@@ -12,11 +12,16 @@ import typer
 
 from ..choices import Precision
 from ..errors import OutputError, UsageError
-from ..onnx.artifact import BATCHED_KEY, DEFAULT_OPSET, KV_KEY, PREFILL_KEY, default_export_dir
+from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
 from ..workflows.transformers_js import export_transformers_js
 from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
+
+
+class PrefillCompute(str, Enum):
+    f32 = F32
+    bf16 = BF16
 
 
 class Layout(str, Enum):
@@ -51,6 +56,11 @@ def export(
     int8_kv: Annotated[Optional[bool], typer.Option(
         help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
              "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1).")] = None,
+    prefill_compute: Annotated[PrefillCompute, typer.Option(
+        help="int8: the compute precision of OpenVINO's prefill graph, gated at int8's tolerances: f32, or bf16 on a "
+             "CPU that computes it (AVX-512 BF16, AMX), faster on long prompts there. Chosen here, never by a timing: "
+             "every prefill then runs on OpenVINO, so a prompt gets the same numerics whole, chunked or after a "
+             "cached prefix.")] = PrefillCompute.f32,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
@@ -59,8 +69,10 @@ def export(
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
     if layout is Layout.transformers_js:
-        if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None or int8_kv is not None:
-            raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill and --[no-]int8-kv apply to --layout gpt2x; a "
+        if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None or int8_kv is not None or \
+                prefill_compute is not PrefillCompute.f32:
+            raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill, --prefill-compute and --[no-]int8-kv apply "
+                             "to --layout gpt2x; a "
                              "transformers.js folder copies parity-checked exports at the default opset")
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
@@ -70,7 +82,7 @@ def export(
         raise OutputError(f"{folder} exists; pass --force to replace it")
     with Status(f"loading {model}") as status:
         info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
-                              openvino_prefill, int8_kv)
+                              openvino_prefill, int8_kv, prefill_compute.value)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import numpy as np
 
 from ..choices import Precision
-from ..errors import ParityError
+from ..errors import ParityError, UsageError
 from ..numerics import positions
 from ..onnx.artifact import BF16, F32, PREFILL_KEY, ExportInfo
 from ..runtime.base import Backend
@@ -30,9 +30,6 @@ PAST_CASES = [Case(1, 9, 6, False), Case(3, 11, 4, True)]
 # cross between neighbouring lengths (crossover), so a prompt's chunk of 128 gets the faster one.
 TIMED_LENGTHS = (32, 128, 256)
 TIMED_PAST = 256  # the past those lengths are timed on too (capped to half the model's context)
-# Prompt lengths f32 and bf16 compute are timed at: bf16 may win on long prompts only (GPT-2 124M at int8 weights:
-# slower at 256 tokens, faster at 512, benchmarks/prefill_profile.py), so the runtime may use it from a length on.
-BF16_LENGTHS = (32, 128, 256, 512)
 TIMED_REPEAT = 5  # timed runs per length, after one warm-up; the median counts
 # OpenVINO counts as faster only by this share: a near-tie stays on ONNX Runtime, whose caches every other path makes.
 FASTER_BY = 0.05
@@ -169,12 +166,9 @@ def _timed(info: ExportInfo, threads: int | None, lengths: tuple[int, ...], repe
             "openvino_ms": figures["openvino"], "openvino_from": openvino_from}
 
 
-def at_compute(info: ExportInfo, precision: str, bf16_from: int | None = None) -> ExportInfo:
-    """`info` with its prefill record's compute precision set to `precision` (what the runtime then compiles at),
-    for every prompt length, or bf16 from `bf16_from` tokens on."""
+def at_compute(info: ExportInfo, precision: str) -> ExportInfo:
+    """`info` with its prefill record's compute precision set to `precision` (what the runtime then compiles at)."""
     record = {k: v for k, v in info.prefill.items() if k != "bf16_from"} | {"inference_precision": precision}
-    if bf16_from is not None:
-        record["bf16_from"] = bf16_from
     return ExportInfo(info.folder, {**info.meta, PREFILL_KEY: record})
 
 
@@ -186,59 +180,30 @@ def _gate_at(reference: Backend, info: ExportInfo, threads: int | None, warmed: 
         return check_prefill(reference, backend, info.precision)
 
 
-def bf16_wins(f32_ms: list[float], bf16_ms: list[float]) -> bool:
-    """bf16 compute faster by FASTER_BY at the longest timed length, where a prefill takes longest, and slower by no
-    more than FASTER_BY at any shorter one (a few percent either way on a short prompt is the rounds' noise)."""
-    return bf16_ms[-1] < f32_ms[-1] * (1 - FASTER_BY) and all(b <= f * (1 + FASTER_BY) for b, f in zip(bf16_ms, f32_ms))
-
-
-def bf16_start(lengths: list[int], f32_ms: list[float], bf16_ms: list[float]) -> int | None:
-    """The prompt length from which bf16 compute runs: 2 (every length) where bf16_wins, else the shortest timed
-    length from which bf16 was faster by FASTER_BY at that and every longer one (None: not at the longest)."""
-    return 2 if bf16_wins(f32_ms, bf16_ms) else crossover(lengths, f32_ms, bf16_ms)
-
-
-def try_bf16(reference: Backend, info: ExportInfo, threads: int | None = None, lengths: tuple[int, ...] = BF16_LENGTHS,
-             repeat: int = TIMED_REPEAT) -> dict:
-    """The prefill at bf16 compute, where this CPU has it: gated as f32's (the export precision's tolerances), then
-    timed beside f32 compute; `kept` (for every length) where it passed and bf16_wins, `from` the prompt length from
-    which it runs where it passed (bf16_start; None: never). `folded`: the same gate's verdict on the graph a server
-    compiles, its int8 weights' decompression folded into constants (runtime.openvino_prefill), which it runs only
-    where that passed."""
-    from ..runtime.openvino_prefill import cpu_has_bf16
-
-    if not cpu_has_bf16():
-        return {"kept": False, "reason": "this CPU has no bf16 compute"}
-    bf16 = at_compute(info, BF16)
-    parity = _gate_at(reference, bf16, threads)
-    if parity["status"] == "failed":
-        return {"kept": False, "reason": f"out of tolerance: {parity['message']}", "parity": parity}
-    folded = _gate_at(reference, bf16, threads, warmed=True)
-    lengths, prompts = _prompts(info, lengths)
-    ms = {p: _medians(at_compute(info, p), PrefillChoice.openvino, prompts, threads, repeat) for p in (F32, BF16)}
-    start = bf16_start(lengths, ms[F32], ms[BF16])
-    reason = "passed, faster" if start == 2 else "passed, not faster" if start is None else f"passed, faster from {start} tokens"
-    return {"kept": start == 2, "from": start, "reason": reason, "parity": parity, "lengths": lengths,
-            "f32_ms": ms[F32], "bf16_ms": ms[BF16], "folded": {k: folded[k] for k in ("status", "message")}}
-
-
-def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None, compute: str = F32) -> dict:
     """The export's OpenVINO prefill gated against `reference` at f32 compute (raises ParityError when out of
-    tolerance), then at bf16 where the CPU has it (try_bf16: kept only where it passes the same gate and is faster),
-    then timed beside ONNX Runtime's at the compute precision chosen: {"inference_precision", "parity" (the chosen
-    one's), "parity_f32" (where bf16 was chosen: the fallback's), "bf16_from" and "parity_bf16" (where bf16 runs
-    from a prompt length on only, f32 below it), "bf16", "timing"} for gpt2x.json."""
+    tolerance); with `compute` bf16 (asked for at export, never chosen by a timing: every prefill path must compute
+    the same way, docs/export.md), gated at bf16 too, on the graph as a one-shot process compiles it and with its
+    int8 weights folded as a server does (raises where either fails); then timed beside ONNX Runtime's at the compute
+    precision recorded: {"inference_precision", "parity" (that precision's gate), "parity_f32" (with bf16: the
+    fallback's on a CPU without it), "bf16_folded", "timing"} for gpt2x.json."""
     f32 = at_compute(info, F32)
     parity = _gate_at(reference, f32, threads)
     if parity["status"] == "failed":
         raise ParityError(f"the OpenVINO prefill is out of tolerance: {parity['message']}")
-    bf16 = try_bf16(reference, f32, threads)
-    record = {"inference_precision": F32, "parity": parity, "bf16": dict(bf16)}
-    if "parity" in bf16:  # its verdict here; the whole of it is `parity` where bf16 is kept
-        record["bf16"]["parity"] = {k: bf16["parity"][k] for k in ("status", "message")}
-    if bf16["kept"]:
-        record.update(inference_precision=BF16, parity=bf16["parity"], parity_f32=parity)
-    elif bf16.get("from") is not None:
-        record.update(bf16_from=bf16["from"], parity_bf16=bf16["parity"])
-    record["timing"] = time_prefills(at_compute(info, record["inference_precision"], record.get("bf16_from")), threads)
+    record = {"inference_precision": F32, "parity": parity}
+    if compute == BF16:
+        from ..runtime.openvino_prefill import cpu_has_bf16
+
+        if not cpu_has_bf16():
+            raise UsageError("bf16 prefill compute needs a CPU that computes bf16 (AVX-512 BF16 or AMX); this one does not")
+        bf16 = at_compute(info, BF16)
+        parity_bf16 = _gate_at(reference, bf16, threads)
+        folded = _gate_at(reference, bf16, threads, warmed=True)
+        for what, gate in (("", parity_bf16), (" with its weights folded", folded)):
+            if gate["status"] == "failed":
+                raise ParityError(f"the OpenVINO prefill at bf16 compute{what} is out of tolerance: {gate['message']}")
+        record.update(inference_precision=BF16, parity=parity_bf16, parity_f32=parity,
+                      bf16_folded={k: folded[k] for k in ("status", "message")})
+    record["timing"] = time_prefills(at_compute(info, record["inference_precision"]), threads)
     return record

@@ -24,18 +24,12 @@ def cpu_has_bf16() -> bool:
 
 
 def compute_precision(info: ExportInfo) -> str:
-    """The compute precision the export's record chose, f32 where it says bf16 and this CPU has none: every record
-    choosing bf16 passed the same gate at f32 first (evaluate/prefill.py), so f32 is the gated fallback."""
+    """The compute precision the export's record says, for every prefill whatever its size (an export asks for bf16,
+    no timing chooses it), f32 where it says bf16 and this CPU has none: every record choosing bf16 passed the same
+    gate at f32 first (evaluate/prefill.py), so f32 is the gated fallback. Records from before that rule may name a
+    length from which bf16 ran (`bf16_from`): they run f32 for every size, as gated."""
     recorded = (info.prefill or {}).get("inference_precision", F32)
     return BF16 if recorded == BF16 and cpu_has_bf16() else F32
-
-
-def bf16_from(info: ExportInfo) -> int | None:
-    """The prefill tokens (rows x prompt length) from which the prefill computes in bf16 where the record chose bf16
-    for long prompts only (its `bf16_from`, a prompt length at batch 1, evaluate/prefill.py; None: one compute
-    precision for every size, or this CPU has no bf16)."""
-    start = (info.prefill or {}).get("bf16_from")
-    return start if start is not None and compute_precision(info) == F32 and cpu_has_bf16() else None
 
 
 class _Compiled:
@@ -190,15 +184,13 @@ def _folded(model: ov.Model) -> ov.Model:
 
 
 class OpenVinoPrefill:
-    """The compiled prefill graph, at the compute precision its record chose (compute_precision), and one infer
-    request; where the record chose bf16 from a prompt length on (bf16_from), the graph compiled at bf16 too, which
-    runs the prefills of that many tokens (rows x prompt length) and more. A graph that takes a past is compiled twice,
-    for fresh prompts (fresh_graph) and on a past, each at its first use."""
+    """The compiled prefill graph, at the compute precision its record chose (compute_precision) for every prefill,
+    and one infer request. A graph that takes a past is compiled twice, for fresh prompts (fresh_graph) and on a past,
+    each at its first use."""
 
     def __init__(self, info: ExportInfo, threads: int | None = None, kv_scales: np.ndarray | None = None):
         self.kv_scales = kv_scales  # the int8 KV cache's (onnx/kvcache.py), where the backend's cache is int8
         self.inference_precision = compute_precision(info)
-        self.bf16_from = bf16_from(info)
         self._threads, self._n_layer, self._path = threads or physical_cores(), info.config.n_layer, info.prefill_path
         try:
             self._model = ov.Core().read_model(str(info.prefill_path))
@@ -209,7 +201,7 @@ class OpenVinoPrefill:
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
         # bf16 graphs compiled from _folded (warm_up's choice), where the export's gate passed that graph too
         self.fold_bf16 = False
-        self._folds_gated = ((info.prefill or {}).get("bf16") or {}).get("folded", {}).get("status") == "passed"
+        self._folds_gated = (info.prefill or {}).get("bf16_folded", {}).get("status") == "passed"
 
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
@@ -235,18 +227,15 @@ class OpenVinoPrefill:
         return self._graph(self.inference_precision).request
 
     def warm_up(self, past: bool, fold_bf16: bool = False) -> None:
-        """Every graph compiled that a prefill may run, at each compute precision, fresh and (`past`) on a past, and
+        """Every graph compiled that a prefill may run, fresh and (`past`) on a past, and
         run once on two tokens: OpenVINO lays its weights out for its kernels at a graph's first inference, whatever its
         shape (a first 16-row prefill at bf16 200 ms, the next 65-85: scratch). `fold_bf16`: its bf16 graphs from
-        _folded, where the export gated that (`bf16.folded`; or when asked, as the gate itself does)."""
+        _folded, where the export gated that (`bf16_folded`; or when asked, as the gate itself does)."""
         if fold_bf16 or self._folds_gated:
             self.fold_bf16 = True
             self._graphs = {key: graph for key, graph in self._graphs.items() if key[0] != BF16}
-        precisions = [self.inference_precision] + ([BF16] if self.bf16_from is not None else [])
-        forms = [False, True] if past and self.takes_past else [False]
-        for precision in precisions:
-            for form in forms:
-                self._warm(self._graph(precision, form), 2 if form else 0)
+        for form in [False, True] if past and self.takes_past else [False]:
+            self._warm(self._graph(self.inference_precision, form), 2 if form else 0)
 
     def _warm(self, graph: _Compiled, past: int) -> None:
         """One inference of the graph on a row of two tokens after `past` (zeros: only its time matters)."""
@@ -262,10 +251,6 @@ class OpenVinoPrefill:
                 graph.request.set_tensor(port, ov.Tensor(np.empty((1, H, 2, D), graph.kv_dtype)))
         graph.request.infer()
 
-    def precision_for(self, prompt_len: int, rows: int = 1) -> str:
-        """The compute precision `rows` prompts of `prompt_len` tokens run at."""
-        return BF16 if self.bf16_from is not None and rows * prompt_len >= self.bf16_from else self.inference_precision
-
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray], past: int = 0) -> np.ndarray:
         """The last position's logits (B, V). `presents` are C-contiguous float32 arrays (int8 with kv_scales) (B' >= B,
         H, >= past + T, D), in the outputs' order, whose first `past` positions hold the past (a graph that takes_past
@@ -275,7 +260,7 @@ class OpenVinoPrefill:
         B, T = input_ids.shape
         if past and not self.takes_past:
             raise ValueError("this export's OpenVINO prefill graph takes no past (exported before it did)")
-        graph = self._graph(self.precision_for(T, B), past > 0)
+        graph = self._graph(self.inference_precision, past > 0)
         for port, arr in zip(graph.inputs, (input_ids, attention_mask, position_ids)):
             graph.request.set_tensor(port, ov.Tensor(np.ascontiguousarray(arr, dtype=np.int64)))
         for port, arr in zip(graph.past, presents):

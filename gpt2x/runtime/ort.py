@@ -387,12 +387,6 @@ class OrtBackend(Closable):
         return None if self._openvino_prefill is None else self._openvino_prefill.inference_precision
 
     @property
-    def prefill_bf16_from(self) -> int | None:
-        """The prefill tokens (rows x prompt length) from which OpenVINO's prefill computes in bf16 instead of
-        prefill_precision (None: every size at prefill_precision)."""
-        return None if self._openvino_prefill is None else self._openvino_prefill.bf16_from
-
-    @property
     def prefill_from(self) -> int | None:
         """The prefill tokens (rows x prompt length) from which OpenVINO runs the prefill (None: never)."""
         return self._openvino_from

@@ -42,7 +42,8 @@ def asked(choice: PrefillChoice | str | None) -> PrefillChoice:
 
 def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int | None:
     """The prompt length from which OpenVINO runs the prefill (None: never). Auto: from the export's record, where
-    it timed OpenVINO's prefill (with the handoff of its cache) faster than ONNX Runtime's."""
+    it timed OpenVINO's prefill (with the handoff of its cache) faster than ONNX Runtime's; every prompt where the
+    record computes in bf16 (uniform_compute: a timing chooses no numerics)."""
     if choice is PrefillChoice.onnxruntime:
         return None
     record = info.prefill
@@ -55,7 +56,15 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
         return 2
     if not usable:
         return None
+    if uniform_compute(info):
+        return 2
     return (record.get("timing") or {}).get("openvino_from")
+
+
+def uniform_compute(info: ExportInfo) -> bool:
+    """Whether every prefill and chunk must run on OpenVINO: its record computes in bf16, which ONNX Runtime does not,
+    so a route chosen by a timing would give a prompt other numerics whole than chunked or after a cached prefix."""
+    return (info.prefill or {}).get("inference_precision") == "bf16"
 
 
 def takes_past(info: ExportInfo) -> bool:
@@ -66,11 +75,11 @@ def takes_past(info: ExportInfo) -> bool:
 
 def openvino_past_from(info: ExportInfo, choice: PrefillChoice, fresh_from: int | None) -> int | None:
     """The new tokens (rows x new tokens, more than one a row) from which OpenVINO runs a step on a past (None: never):
-    where it runs fresh prompts (`fresh_from`, openvino_from's) and the graph takes a past; forced, every such step;
-    auto, from the export's timing of chunks on a past on both runtimes (its `past`)."""
+    where it runs fresh prompts (`fresh_from`, openvino_from's) and the graph takes a past; forced or at bf16 compute,
+    every such step; auto, from the export's timing of chunks on a past on both runtimes (its `past`)."""
     if fresh_from is None or not takes_past(info):
         return None
-    if choice is PrefillChoice.openvino:
+    if choice is PrefillChoice.openvino or uniform_compute(info):
         return 2
     return ((info.prefill.get("timing") or {}).get("past") or {}).get("openvino_from")
 

@@ -14,7 +14,7 @@ from ..evaluate.parity import gate_export
 from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
 from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
-from ..onnx.artifact import DEFAULT_OPSET, EXPORTS_ENV, ExportInfo, default_export_dir, is_export, read_export
+from ..onnx.artifact import BF16, DEFAULT_OPSET, EXPORTS_ENV, F32, ExportInfo, default_export_dir, is_export, read_export
 from ..runtime.registry import require_export_extra
 from .models import DEFAULT_MODEL, load_model
 
@@ -26,14 +26,17 @@ if TYPE_CHECKING:
 def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precision = Precision.fp32,
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
                  progress: Progress = no_progress, openvino_prefill: bool | None = None,
-                 batched_decode: bool | None = None, int8_kv: bool | None = None) -> ExportInfo:
+                 batched_decode: bool | None = None, int8_kv: bool | None = None,
+                 prefill_compute: str = F32) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
     GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only); an int8 export the batched decode graph, gated on its own,
     unless `batched_decode` is False (None: GPT2X_BATCHED_DECODE's 0 or 1, default yes); an int8 or int4 export its
     int8 KV cache's scales, gated on their own, unless `int8_kv` is False (None: GPT2X_INT8_KV's 0 or 1, default yes;
-    docs/export.md)."""
+    docs/export.md). `prefill_compute` bf16: the int8 export's prefill graph computes in bf16 (refused in one line
+    before anything is exported on another precision or a CPU without bf16)."""
     require_export_extra("exporting")
+    check_prefill_compute(precision, prefill_compute)
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
 
@@ -41,7 +44,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
         return gate_export(TorchBackend(model, model_name=source.name), info)
 
     def prefill_gate(info: ExportInfo) -> dict:
-        return gate_prefill(TorchBackend(model, model_name=source.name), info)
+        return gate_prefill(TorchBackend(model, model_name=source.name), info, compute=prefill_compute)
 
     def batched_gate(info: ExportInfo) -> dict:
         return gate_batched(TorchBackend(model, model_name=source.name), info)
@@ -54,15 +57,33 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
                   batched_decode, kv_gate if check_parity else None, int8_kv)
 
 
+def check_prefill_compute(precision: Precision, compute: str) -> None:
+    """One UsageError line where bf16 prefill compute is asked for an export that cannot have it."""
+    if compute == F32:
+        return
+    if compute != BF16:
+        raise UsageError(f"prefill compute {compute!r} is not one of {F32}, {BF16}", option="prefill-compute")
+    if precision is not Precision.int8:
+        raise UsageError(f"--prefill-compute bf16 is for int8 exports: {precision.value}'s parity gate refuses bf16's "
+                         "rounding", option="prefill-compute")
+    from ..runtime.openvino_prefill import cpu_has_bf16
+
+    if not cpu_has_bf16():
+        raise UsageError("--prefill-compute bf16 needs a CPU that computes bf16 (AVX-512 BF16 or AMX); this one does not",
+                         option="prefill-compute")
+
+
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
                    check_parity: bool = True, progress: Progress = no_progress,
-                   openvino_prefill: bool | None = None, int8_kv: bool | None = None) -> ExportInfo:
+                   openvino_prefill: bool | None = None, int8_kv: bool | None = None,
+                   prefill_compute: str = F32) -> ExportInfo:
     """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
+    check_prefill_compute(precision, prefill_compute)
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
-                        check_parity, progress, openvino_prefill, int8_kv=int8_kv)
+                        check_parity, progress, openvino_prefill, int8_kv=int8_kv, prefill_compute=prefill_compute)
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """An int8 or fp32 export's OpenVINO prefill graph (onnx/openvino_prefill.py, evaluate/prefill.py): written with its
 files recorded and checked like the others, gated on its own at the export's tolerances (a perturbed graph is dropped
-and the export goes on; bf16 compute kept only where it passes the same gate), timed beside ONNX Runtime's prefill,
+and the export goes on; bf16 compute where asked for, gated the same way), timed beside ONNX Runtime's prefill,
 and left out, saying so, where openvino and nncf do not import."""
 
 from __future__ import annotations
@@ -58,59 +58,53 @@ def test_the_int8_graph_carries_its_activation_group_and_the_runtime_compiles_at
     assert str(openvino_prefill.ACTIVATION_GROUP) in info.prefill["weights"]
 
 
-def test_bf16_compute_is_tried_with_the_same_gate_and_recorded(tiny):
+def test_the_export_computes_at_f32_on_every_cpu_unless_bf16_is_asked_for(tiny):
+    """No timing chooses the compute precision (a CPU with bf16 and one without make the same record): a size-chosen
+    bf16 ran a whole prompt at bf16 and its chunks at f32, and a cached prefix's rest other than a fresh prompt."""
+    _, _, info = tiny
+    record = info.prefill
+    assert record["inference_precision"] == "f32" and "bf16_from" not in record and "bf16" not in record
+
+
+def test_bf16_asked_for_is_gated_at_bf16_as_run_and_folded_and_recorded_with_its_f32_fallback(tiny, monkeypatch):
+    """On a CPU with bf16 (both of CI's classes have it), the real gates: bf16's (`parity`, int8's tolerance), the
+    folded graph's, and f32's as the fallback; on one without, one line before anything runs."""
+    from gpt2x.evaluate import prefill
     from gpt2x.runtime.openvino_prefill import cpu_has_bf16
 
-    _, _, info = tiny
-    record, bf16 = info.prefill, info.prefill["bf16"]
-    if not cpu_has_bf16():
-        assert record["inference_precision"] == "f32" and bf16 == {"kept": False, "reason": "this CPU has no bf16 compute"}
-        return
-    assert bf16["parity"]["status"] == "passed"  # int8's gate: bf16 rounding is small beside int8 weights'
-    assert bf16["folded"]["status"] == "passed"  # and on its weights folded, as gpt2x serve compiles it
-    assert len(bf16["f32_ms"]) == len(bf16["bf16_ms"]) == 2 and all(ms > 0 for ms in bf16["f32_ms"] + bf16["bf16_ms"])
-    assert record["inference_precision"] == ("bf16" if bf16["kept"] else "f32")
-    if bf16["kept"]:
-        assert record["parity_f32"]["status"] == "passed"  # the fallback on a CPU without bf16
-
-
-def test_a_kept_bf16_is_the_records_choice_with_its_gate_and_the_f32_fallbacks(tiny, monkeypatch):
-    """gate_prefill where the bf16 trial kept bf16 (whether it does on the tiny model is the timings' call): the
-    record chooses bf16, `parity` is bf16's gate, `parity_f32` the fallback's, and the timing is taken at bf16."""
-    from gpt2x.evaluate import prefill
-
     model, _, info = tiny
-    bf16_parity = {"status": "passed", "message": "", "precision": "int8"}
-    monkeypatch.setattr(prefill, "try_bf16", lambda *a, **k: {"kept": True, "reason": "passed, faster", "parity": bf16_parity})
+    if not cpu_has_bf16():
+        with pytest.raises(UsageError, match="needs a CPU that computes bf16"):
+            gate_prefill(TorchBackend(model), info, compute="bf16")
+        return
     timed = []
     monkeypatch.setattr(prefill, "time_prefills", lambda i, threads=None: timed.append(i.prefill["inference_precision"]) or {})
-    record = gate_prefill(TorchBackend(model), info)
+    record = gate_prefill(TorchBackend(model), info, compute="bf16")
     assert record["inference_precision"] == "bf16" and timed == ["bf16"]
-    assert record["parity"] is bf16_parity and record["bf16"]["parity"] == {"status": "passed", "message": ""}
-    assert record["parity_f32"]["status"] == "passed" and record["parity_f32"]["tolerance"] == asdict(TOLERANCES[Precision.int8])
+    tol = asdict(TOLERANCES[Precision.int8])
+    assert record["parity"]["status"] == "passed" and record["parity"]["tolerance"] == tol
+    assert record["parity_f32"]["status"] == "passed" and record["parity_f32"]["tolerance"] == tol
+    assert record["bf16_folded"]["status"] == "passed"
+    # bf16's logits are not f32's: the gate ran at bf16 (its error above f32's, both within int8's bound).
+    assert record["parity"]["logits"]["max_rel"] != record["parity_f32"]["logits"]["max_rel"]
 
 
-def test_bf16_from_a_length_keeps_f32_as_the_records_choice_and_is_timed_as_the_runtime_runs_it(tiny, monkeypatch):
-    """gate_prefill where the bf16 trial found bf16 faster from 512 tokens only: f32 stays the record's compute (its
-    gate `parity`), `bf16_from` and bf16's gate are recorded, and the timing runs the same mix."""
-    from gpt2x.evaluate import prefill
+def test_bf16_prefill_compute_is_refused_in_one_line_where_it_cannot_be_had(monkeypatch, tmp_path):
+    """fp32's gate refuses bf16's rounding, and a CPU without bf16 cannot run it: said before anything is exported."""
+    from gpt2x.runtime import openvino_prefill as runtime_prefill
 
-    model, _, info = tiny
-    bf16_parity = {"status": "passed", "message": "", "precision": "int8"}
-    monkeypatch.setattr(prefill, "try_bf16", lambda *a, **k: {"kept": False, "from": 512, "reason": "passed, faster from 512 tokens",
-                                                              "parity": bf16_parity})
-    timed = []
-    monkeypatch.setattr(prefill, "time_prefills", lambda i, threads=None: timed.append(dict(i.prefill)) or {})
-    record = gate_prefill(TorchBackend(model), info)
-    assert record["inference_precision"] == "f32" and record["parity"]["precision"] == "int8" and "parity_f32" not in record
-    assert record["bf16_from"] == 512 and record["parity_bf16"] is bf16_parity
-    assert [(t["inference_precision"], t["bf16_from"]) for t in timed] == [("f32", 512)]
+    r = run_gpt2x("export", "--precision", "fp32", "--prefill-compute", "bf16", "--out", "x", cwd=tmp_path, blocked=False)
+    assert r.returncode == 2 and "--prefill-compute bf16 is for int8 exports" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+    from gpt2x.workflows.exports import check_prefill_compute
+
+    monkeypatch.setattr(runtime_prefill, "cpu_has_bf16", lambda: False)
+    with pytest.raises(UsageError, match="needs a CPU that computes bf16"):
+        check_prefill_compute(Precision.int8, "bf16")
 
 
 def test_the_fp32_export_keeps_a_prefill_graph_gated_at_fp32s_tolerances(tiny_export):
-    """f32 weights (no nncf), fp32's gate (1e-4 of the logits' scale), and bf16 compute refused by that gate."""
-    from gpt2x.runtime.openvino_prefill import cpu_has_bf16
-
+    """f32 weights (no nncf) and fp32's gate (1e-4 of the logits' scale)."""
     model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
     record, tol = info.prefill, TOLERANCES[Precision.fp32]
     assert record is not None and record["weights"].startswith("f32")
@@ -119,8 +113,6 @@ def test_the_fp32_export_keeps_a_prefill_graph_gated_at_fp32s_tolerances(tiny_ex
     assert parity["status"] == "passed" and parity["tolerance"]["max_rel"] == tol.max_rel
     assert parity["logits"]["max_rel"] <= tol.max_rel and parity["logits"]["present_max_rel"] <= tol.max_rel
     assert parity["greedy"]["share"] == 1.0 and record["inference_precision"] == "f32"
-    if cpu_has_bf16():
-        assert record["bf16"]["kept"] is False and record["bf16"]["reason"].startswith("out of tolerance")
     verify_export(info.folder)
 
 
@@ -204,32 +196,6 @@ def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypa
     with pytest.raises(UsageError, match="GPT2X_OPENVINO_PREFILL must be 0 or 1"):
         export_model(model, source, tmp_path / "bad", Precision.int8)
     assert not (tmp_path / "bad").exists()
-
-
-@pytest.mark.parametrize("f32_ms,bf16_ms,wins", [
-    ([17.3, 105.0], [16.7, 95.1], True),    # 9% faster at 256 tokens, 3% at 32
-    ([18.1, 124.5], [19.3, 118.4], False),  # under 5% faster at the longest
-    ([10.0, 100.0], [10.4, 90.0], True),    # 4% slower at 32: within the 5%
-    ([10.0, 100.0], [12.0, 80.0], False),   # 20% slower at 32
-])
-def test_bf16_is_kept_where_faster_at_the_longest_length_and_no_slower_elsewhere(f32_ms, bf16_ms, wins):
-    from gpt2x.evaluate.prefill import bf16_wins
-
-    assert bf16_wins(f32_ms, bf16_ms) is wins
-
-
-@pytest.mark.parametrize("f32_ms,bf16_ms,start", [
-    ([17.3, 105.0, 230.0], [16.7, 95.1, 200.0], 2),     # bf16_wins: every length
-    # 8% slower at 256 tokens, 11% faster at 512: margins (0.95 f32 - bf16) -15.18 and 14.095, crossing 0.5185 of the
-    # way from 256 to 512 (132.7 tokens, rounded up)
-    ([20.2, 115.6, 252.1], [19.2, 125.0, 225.4], 389),
-    ([20.0, 100.0, 250.0], [16.0, 90.0, 240.0], None),  # faster at 32 and 256, under 5% at the longest
-    ([20.0, 100.0, 250.0], [25.0, 90.0, 225.0], 155),   # 25% slower at 32, faster from 256: margins -6 and 5, 32 + 6/11 of 224
-])
-def test_bf16_runs_from_where_it_turns_faster_between_the_timed_lengths(f32_ms, bf16_ms, start):
-    from gpt2x.evaluate.prefill import bf16_start
-
-    assert bf16_start([32, 256, 512], f32_ms, bf16_ms) == start
 
 
 def test_chunks_on_a_past_switch_to_openvino_where_the_two_lines_cross():

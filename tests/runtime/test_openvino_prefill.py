@@ -233,16 +233,16 @@ def test_an_export_whose_record_lists_no_past_runs_every_step_on_a_past_on_onnx_
 
 
 def test_warm_up_compiles_every_graph_a_prefill_may_run(tiny, monkeypatch):
-    """Fresh and on a past, at f32 and, where the record runs bf16 from a length, at bf16 too; none on a past where
-    the record lists no past."""
+    """Fresh and on a past, at the record's one compute precision; none on a past where the record lists no past."""
     _, info = tiny
     monkeypatch.setattr("gpt2x.runtime.openvino_prefill.cpu_has_bf16", lambda: True)
-    record = {**info.prefill, "inference_precision": "f32", "bf16_from": 64}
-    with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as both:
-        assert both._openvino_prefill._graphs == {}  # compiled at first use
-        both.warm_up()
-        assert set(both._openvino_prefill._graphs) == {("f32", False), ("f32", True), ("bf16", False), ("bf16", True)}
-    record = {k: v for k, v in record.items() if k != "bf16_from"} | {"inputs": ["input_ids", "attention_mask", "position_ids"]}
+    for precision in ("f32", "bf16"):
+        record = {**info.prefill, "inference_precision": precision}
+        with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as both:
+            assert both._openvino_prefill._graphs == {}  # compiled at first use
+            both.warm_up()
+            assert set(both._openvino_prefill._graphs) == {(precision, False), (precision, True)}
+    record = {**info.prefill, "inputs": ["input_ids", "attention_mask", "position_ids"]}
     with OrtBackend(ExportInfo(info.folder, {**info.meta, "openvino_prefill": record}), threads=1, prefill="openvino") as fresh:
         fresh.warm_up()
         assert set(fresh._openvino_prefill._graphs) == {("f32", False)}
@@ -273,9 +273,8 @@ def test_a_server_runs_bf16_on_the_int8_weights_folded_where_the_export_gated_th
     monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: True)
 
     def with_folded(status):
-        bf16 = {**info.prefill.get("bf16", {}), "folded": {"status": status, "message": ""}}
-        return ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "inference_precision": "f32",
-                                                                         "bf16_from": 64, "bf16": bf16}})
+        return ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "inference_precision": "bf16",
+                                                                         "bf16_folded": {"status": status, "message": ""}}})
 
     with OrtBackend(with_folded("passed"), threads=1, prefill="openvino") as one_shot:
         one_shot._openvino_prefill._graph("bf16", True)
@@ -317,34 +316,30 @@ def test_the_records_compute_precision_is_honoured_and_bf16_falls_back_to_f32_wi
         assert np.array_equal(fallback.step(ids, mask, pos, None)[0], want)
 
 
-def test_bf16_from_a_prompt_length_runs_smaller_prefills_at_f32_and_larger_at_bf16(tiny, monkeypatch):
-    """A record choosing bf16 from a prompt length on, applied to a prefill's tokens (rows x length): smaller
-    prefills' logits are f32 compute's exactly, larger ones' bf16 compute's exactly (each against a backend compiled
-    at that precision alone), a batch of short prompts included; no bf16 on the CPU: f32 for every size."""
+def test_a_bf16_record_runs_every_prefill_and_chunk_on_openvino_and_an_old_length_record_runs_f32(tiny, monkeypatch):
+    """A record computing bf16 puts every prefill and every chunk on a past on OpenVINO whatever the timings said
+    (ONNX Runtime computes f32: a timed route would give a prompt other numerics whole than chunked); an f32 record
+    keeps its timed route. A record from before that rule, bf16 from a prompt length on, runs f32 at every size:
+    its logits are f32's exactly."""
     from gpt2x.evaluate.prefill import at_compute
     from gpt2x.runtime import openvino_prefill
 
     _, info = tiny
-    short, short_mask = left_padded(PROMPTS[:2])  # 2 rows x 5 positions: 10 tokens
-    long, long_mask = left_padded(PROMPTS[2:])  # 1 row x 11
-    many, many_mask = left_padded(PROMPTS[:1] * 3)  # 3 rows x 5: 15
-    args = [(short, short_mask, positions(short_mask, 5)), (long, long_mask, positions(long_mask, 11)),
-            (many, many_mask, positions(many_mask, 5))]
-    with OrtBackend(at_compute(info, "f32"), threads=1, prefill="openvino") as f32:
-        want_f32 = [f32.step(*a, None)[0] for a in args]
-    if openvino_prefill.cpu_has_bf16():
-        with OrtBackend(at_compute(info, "bf16"), threads=1, prefill="openvino") as bf16:
-            want_bf16 = [bf16.step(*a, None)[0] for a in args]
-        with OrtBackend(at_compute(info, "f32", bf16_from=11), threads=1, prefill="openvino") as mixed:
-            assert mixed.prefill_precision == "f32" and mixed.prefill_bf16_from == 11
-            got = [mixed.step(*a, None)[0] for a in args]
-        assert np.array_equal(got[0], want_f32[0]) and np.array_equal(got[1], want_bf16[1])
-        assert np.array_equal(got[2], want_bf16[2])  # five tokens a row, but 15 in the prefill
-        assert not np.array_equal(got[1], want_f32[1]) and not np.array_equal(got[2], want_f32[2])
-    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
-    with OrtBackend(at_compute(info, "f32", bf16_from=11), threads=1, prefill="openvino") as fallback:
-        assert fallback.prefill_bf16_from is None
-        assert all(np.array_equal(fallback.step(*a, None)[0], w) for a, w in zip(args, want_f32))
+    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: True)
+    monkeypatch.setenv("GPT2X_PREFILL", "auto")  # the suite's default is onnxruntime (conftest)
+    never = {"openvino_from": None, "past": {"openvino_from": None}}
+    timed = ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "timing": never}})
+    with OrtBackend(at_compute(timed, "bf16"), threads=1) as bf16:
+        assert bf16.prefill_precision == "bf16" and (bf16.prefill_from, bf16.prefill_past_from) == (2, 2)
+    with OrtBackend(at_compute(timed, "f32"), threads=1) as f32:
+        assert f32.prefill_from is None and f32.prefill_past_from is None
+    ids, mask = left_padded(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    old = ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "bf16_from": 2}})
+    with OrtBackend(at_compute(info, "f32"), threads=1, prefill="openvino") as f32, \
+            OrtBackend(old, threads=1, prefill="openvino") as legacy:
+        assert legacy.prefill_precision == compiled_precision(legacy) == "f32"
+        assert np.array_equal(legacy.step(ids, mask, pos, None)[0], f32.step(ids, mask, pos, None)[0])
 
 
 def test_bf16_presents_are_widened_into_their_positions_of_the_cache_exactly():
