@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from functools import cache
 from typing import Any
 
@@ -216,7 +217,7 @@ def to_json(body: BaseModel | dict) -> str:
     return body.model_dump_json(exclude=exclude)
 
 
-DONE = "[DONE]"  # a stream's last event
+DONE = "[DONE]"  # what a stream's last server-sent event carries
 
 
 def sse(body: BaseModel | dict | str) -> str:
@@ -224,14 +225,26 @@ def sse(body: BaseModel | dict | str) -> str:
     return f"data: {body if isinstance(body, str) else to_json(body)}\n\n"
 
 
+class StreamKind(Enum):
+    chunk = "chunk"  # a chunk of the response
+    error = "error"  # an error that ends the stream (DONE follows)
+    done = "done"  # the last event
+
+
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
-    """One event of a streamed response before it is rendered (`sse`): a chunk, with the finish
-    reasons of the choices it ends; an error that ends the stream; or the last, DONE."""
+    """One event of a streamed response before it is rendered (`render`): a chunk, with the finish
+    reasons of the choices it ends; an error that ends the stream; or the last (STREAM_DONE)."""
 
-    body: BaseModel | dict | str
+    body: BaseModel | dict | None
     reasons: tuple[str, ...] = ()
-    error: bool = False
+    kind: StreamKind = StreamKind.chunk
+
+    def render(self) -> str:
+        return sse(DONE if self.kind is StreamKind.done else self.body)
+
+
+STREAM_DONE = StreamEvent(None, kind=StreamKind.done)
 
 
 def model_list(model: str, created: int, max_model_len: int) -> ModelList:

@@ -273,16 +273,16 @@ class HttpApi:
         failed = counted = False
         try:
             async for event in events:
-                if event.error:
+                if event.kind is render.StreamKind.error:
                     failed = True
-                elif event.reasons:
-                    ended += [(reason, time.monotonic() - started) for reason in event.reasons]
-                elif event.body == render.DONE:
+                elif event.kind is render.StreamKind.done:
                     counted = True
                     if not failed:
                         usage = pending.usage()  # what the usage chunk says
                         await self._answered(usage.prompt_tokens, usage.completion_tokens, ended, pending)
-                yield render.sse(event.body)
+                else:
+                    ended += [(reason, time.monotonic() - started) for reason in event.reasons]
+                yield event.render()
         finally:
             if not counted:  # the client left mid-stream (the response was cancelled or closed)
                 self._aborted(pending, started, ended)

@@ -19,6 +19,8 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -83,8 +85,8 @@ class CompletionService:
     async def complete_chat(self, pending: Pending) -> dict:
         """The whole chat response (`chat.completion`)."""
         texts: list[list[str]] = [[] for _ in range(pending.req.choices)]
-        async for index, piece, _, _, _ in pending.events():
-            texts[index].append(piece)
+        async for event in pending.events():
+            texts[event.index].append(event.text)
         return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
 
     async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
@@ -93,10 +95,10 @@ class CompletionService:
         req = pending.req
         started: set[int] = set()
 
-        def delta(index, piece, reason, logprobs, extra) -> list:
-            first = index not in started
-            started.add(index)
-            return [chat.delta(index, piece, reason, first)]
+        def delta(event: ChoiceEvent) -> list:
+            first = event.index not in started
+            started.add(event.index)
+            return [chat.delta(event.index, event.text, event.finish_reason, first)]
 
         async for event in _events(pending, delta, lambda choices, usage: chat.chunk(req, choices, usage)):
             yield event
@@ -126,10 +128,11 @@ class CompletionService:
         parts: list[list[str]] = [[] for _ in range(req.choices)]
         reasons: list[str | None] = [None] * req.choices
         extras: list[dict] = [{} for _ in range(req.choices)]
-        async for index, delta, reason, _, extra in pending.events():
-            parts[index].append(delta)
-            reasons[index] = reason or reasons[index]
-            for key, value in extra.items():  # token_ids add up; the prompt's keys come once
+        async for event in pending.events():
+            index = event.index
+            parts[index].append(event.text)
+            reasons[index] = event.finish_reason or reasons[index]
+            for key, value in event.extra.items():  # token_ids add up; the prompt's keys come once
                 extras[index][key] = extras[index].get(key, []) + value if key == "token_ids" else value
         choices = [render.choice(i, "".join(p), reasons[i], None if lp is None else lp.whole(), **extras[i])
                    for i, (p, lp) in enumerate(zip(parts, pending.logprobs))]
@@ -142,30 +145,43 @@ class CompletionService:
         id), a usage chunk if asked for, then DONE."""
         req = pending.req
 
-        def choice(index, delta, reason, logprobs, extra) -> list:
-            return [render.choice(index, delta, reason, logprobs, **extra)]
+        def choice(event: ChoiceEvent) -> list:
+            return [render.choice(event.index, event.text, event.finish_reason, event.logprobs, **event.extra)]
 
         async for event in _events(pending, choice, lambda choices, usage: render.completion(req, choices, usage)):
             yield event
 
 
-async def _events(pending: Pending, choices_of: Callable[..., list], chunk: Callable[[list, dict | None], dict]
-                  ) -> AsyncIterator[render.StreamEvent]:
+async def _events(pending: Pending, choices_of: Callable[[ChoiceEvent], list],
+                  chunk: Callable[[list, schema.Usage | None], Any]) -> AsyncIterator[render.StreamEvent]:
     """A stream's events, completions' or chat's: `chunk(choices_of(*event), usage so far if asked)` per engine
     event, then a usage chunk if asked for, then DONE; an error once the stream has started is its last event."""
     req = pending.req
     try:
         async for event in pending.events():
             usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
-            reason = event[2]
-            yield render.StreamEvent(chunk(choices_of(*event), usage), (reason,) if reason else ())
+            reason = event.finish_reason
+            yield render.StreamEvent(chunk(choices_of(event), usage), (reason,) if reason else ())
     except APIError as e:  # the status line is sent already: the error is the last event
-        yield render.StreamEvent(e.body(), error=True)
-        yield render.StreamEvent(render.DONE)
+        yield render.StreamEvent(e.body(), kind=render.StreamKind.error)
+        yield render.STREAM_DONE
         return
     if req.include_usage:
         yield render.StreamEvent(chunk([], pending.usage()))
-    yield render.StreamEvent(render.DONE)
+    yield render.STREAM_DONE
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEvent:
+    """What one choice released (Pending.events): its text since its last event, its finish_reason on its last,
+    the logprobs of the tokens gathered since (None without logprobs), and vLLM's extra keys (token_ids,
+    prompt_token_ids, prompt_logprobs)."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: dict | None = None
+    extra: dict = field(default_factory=dict)
 
 
 class Pending:
@@ -247,15 +263,12 @@ class Pending:
         self.logprobs[index].add_prompt([(t, lp, None if top is None else top[:n]) for t, lp, top in entries])
         return self.prompts[index], extra
 
-    async def events(self) -> AsyncIterator[tuple[int, str, str | None, dict | None, dict]]:
-        """(choice index, text, finish_reason or None, logprobs of the tokens gathered since the
-        choice's last event, or None without logprobs, vLLM's extra keys for the choice: token_ids,
-        prompt_token_ids, prompt_logprobs) as each choice's text is released; each choice ends with
-        one event carrying its finish_reason. With echo the prompt comes first (once scored, with
-        logprobs). Leaving early cancels every row."""
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Each choice's text as it is released; each choice ends with one event carrying its finish_reason.
+        With echo the prompt comes first (once scored, with logprobs). Leaving early cancels every row."""
         if self.req.echo and not self.echo_scored:
             for i, prompt in enumerate(self.prompts):
-                yield i, prompt, None, self._taken(i), self._extra(i)
+                yield ChoiceEvent(i, prompt, None, self._taken(i), self._extra(i))
         open_rows = len(self.rows)
         try:
             while open_rows:
@@ -272,24 +285,24 @@ class Pending:
                         self.rows[index].cancel()
                         open_rows -= 1
                         self.reasons[index] = "stop"
-                        yield index, delta, "stop", self._taken(index), self._extra(index)
+                        yield ChoiceEvent(index, delta, "stop", self._taken(index), self._extra(index))
                     elif out.finish is not None:  # its last token: the rest of its text (held back) and its end
                         open_rows -= 1
                         delta += text.finish()
                         self.reasons[index] = render.finish_reason(out.finish, text)
-                        yield index, delta, self.reasons[index], self._taken(index), self._extra(index)
+                        yield ChoiceEvent(index, delta, self.reasons[index], self._taken(index), self._extra(index))
                     elif delta:
-                        yield index, delta, None, self._taken(index), self._extra(index)
+                        yield ChoiceEvent(index, delta, None, self._taken(index), self._extra(index))
                 elif isinstance(out, Finished):
                     open_rows -= 1
                     rest = text.finish()
                     if out.reason in (Finish.eos, Finish.stop):  # the end-of-text or stop token, not kept
                         self._note(index, out.logprob, self._start[index] + len(text.text))
                     self.reasons[index] = render.finish_reason(out.reason, text)
-                    yield index, rest, self.reasons[index], self._taken(index), self._extra(index)
+                    yield ChoiceEvent(index, rest, self.reasons[index], self._taken(index), self._extra(index))
                 elif isinstance(out, PromptLogprobs):
                     released, extra = self._prompt_event(index, out.entries)
-                    yield index, released, None, self._taken(index), extra
+                    yield ChoiceEvent(index, released, None, self._taken(index), extra)
                 elif self.engine.closing:  # Failed: waiting, or cut short by the server's stop
                     raise APIError(503, out.message, "server_error", code="unavailable")
                 else:
