@@ -803,6 +803,23 @@ def test_nan_and_infinity_are_not_json(client):
     assert math.isfinite(post(client, prompt="a", max_tokens=1, logprobs=5)["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
+def test_deeply_nested_bodies_and_schemas_are_one_400_in_openais_shape(client):
+    """A body 10^5 levels deep (Python's JSON parser recurses per level) and a JSON schema 900 levels deep (the schema's
+    checks recurse per level): each a 400 with OpenAI's error object, on completions and on chat, not a 500
+    text/plain with a traceback; the server answers the next request."""
+    deep = b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(route, content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text[:200]
+        assert r.json()["error"]["message"] == "the body is nested too deeply to read"
+    schema = '{"type": "object", "properties": {"a": ' * 450 + '{"type": "string"}' + "}}" * 450  # 900 JSON levels, as text
+    body = '{"prompt": "a", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % schema
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text[:300]
+    assert "nested too deeply" in r.json()["error"]["message"]
+    assert post(client, prompt="a", max_tokens=1)["usage"]["completion_tokens"] == 1
+
+
 def test_one_finish_list_mapped_to_openais_at_the_edge():
     """The engine's Finish (generation.settings), as OpenAI's finish_reason: end of text and a stop
     string are "stop"; the budget and the context that caps it are "length"."""

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ...tokenizer import encode
 from . import schema
 from .errors import bad, validation_error
-from .request import CompletionRequest, json_object
+from .request import CompletionRequest
 
 CHAT_TEMPLATE_FLAG = "--chat-template"
 EOS_TOKEN = "<|endoftext|>"
@@ -120,10 +120,10 @@ def find_template(export_folder: Path, given: str | None) -> ChatTemplate | None
     return ChatTemplate(found, str(path)) if isinstance(found, str) and found else None
 
 
-def completion_body(raw: bytes, template: ChatTemplate | None, n_positions: int) -> dict:
-    """The chat body as the completions body it is served as: its prompt rendered, max_completion_tokens
-    as max_tokens (by default, as many as the context leaves: vLLM's), the chat-only fields taken out."""
-    body = json_object(raw)
+def completion_body(body: dict, template: ChatTemplate | None, n_positions: int) -> dict:
+    """The chat body (read as a JSON object: request.json_object) as the completions body it is served as, handed
+    on as it is (request.request_from_body): its prompt rendered, max_completion_tokens as max_tokens (by default,
+    as many as the context leaves: vLLM's), the chat-only fields taken out."""
     try:
         p = ChatParams.model_validate(body)
     except ValidationError as e:

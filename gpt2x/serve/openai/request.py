@@ -217,6 +217,8 @@ def _spec(build: Callable[[Any], ConstraintSpec], value: Any, param: str) -> Con
         return build(value).validate()  # an invalid schema, regex or grammar: a 400, before any work
     except UsageError as e:
         raise bad(f"{param}: {e}", param) from None
+    except RecursionError:  # a schema's checks recurse once per level of nesting
+        raise bad(f"{param}: the schema is nested too deeply", param) from None
     except MissingDependencyError as e:
         raise APIError(501, str(e), param=param, code="not_implemented") from None
 
@@ -250,6 +252,8 @@ def json_object(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's parser recurses once per level of nesting
+        raise bad("the body is nested too deeply to read") from None
     if not isinstance(body, dict):
         raise bad("the body must be a JSON object")
     return body
@@ -262,7 +266,11 @@ def _reject_constant(name: str) -> None:
 def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: int = VOCAB_SIZE) -> CompletionRequest:
     """A validated completions request from the raw body, or an APIError (400 for a bad field, 404
     for a model other than the one served)."""
-    body = json_object(raw)
+    return request_from_body(json_object(raw), served_model, n_positions, vocab_size)
+
+
+def request_from_body(body: dict, served_model: str, n_positions: int, vocab_size: int = VOCAB_SIZE) -> CompletionRequest:
+    """parse_request on a body already read as a JSON object (chat's, which renders its prompt first)."""
     model = body.get("model")
     if isinstance(model, str) and model != served_model:
         raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {served_model!r}",

@@ -16,7 +16,6 @@ does, every choice's completion tokens, and the prompt tokens the prefix cache h
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from ..core.engine import Engine, EngineClosed, EngineSettings, LogprobEntry, Qu
 from ..core.outputs import Finished, Output, PromptLogprobs, TokenOut
 from . import chat, render, schema
 from .errors import APIError, bad
-from .request import CompletionRequest, parse_request
+from .request import CompletionRequest, json_object, request_from_body
 
 
 class CompletionService:
@@ -71,7 +70,10 @@ class CompletionService:
                           max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> CompletionRequest:
-        req = parse_request(raw, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
+        return self._checked(json_object(raw))
+
+    def _checked(self, body: dict) -> CompletionRequest:
+        req = request_from_body(body, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
         if req.priority and self.engine.settings.scheduling_policy != "priority":  # vLLM refuses it so too
             raise bad(f"priority is {req.priority}: this server schedules first come, first served; start it "
                           "with --scheduling-policy priority", "priority")
@@ -79,8 +81,7 @@ class CompletionService:
 
     def parse_chat(self, raw: bytes) -> CompletionRequest:
         """A chat completions body as the completions request it is served as (chat.py)."""
-        body = chat.completion_body(raw, self.chat_template, self.backend.n_positions)
-        return self.parse(json.dumps(body).encode())
+        return self._checked(chat.completion_body(json_object(raw), self.chat_template, self.backend.n_positions))
 
     async def complete_chat(self, pending: Pending) -> dict:
         """The whole chat response (`chat.completion`)."""
