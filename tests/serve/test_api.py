@@ -813,7 +813,8 @@ def test_deeply_nested_bodies_and_schemas_are_one_400_in_openais_shape(client):
         assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text[:200]
         assert r.json()["error"]["message"] == "the body is nested too deeply to read"
     schema = '{"type": "object", "properties": {"a": ' * 450 + '{"type": "string"}' + "}}" * 450  # 900 JSON levels, as text
-    body = '{"prompt": "a", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": %s}}}' % schema
+    body = '{"prompt": "a", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ' \
+        + schema + "}}}"
     r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text[:300]
     assert "nested too deeply" in r.json()["error"]["message"]

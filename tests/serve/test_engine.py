@@ -8,6 +8,7 @@ themselves."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 
@@ -265,6 +266,35 @@ def test_stop_strings_across_tokens():
     assert render.finish_reason("length", text) == "length" and text.tokens == len(tokens)
     pieces, text = release(tokens, ("d, fr",))
     assert text.tokens < len(tokens)  # usage counts the tokens up to the stop, not those after
+
+
+def _held_by_definition(text: str, stop: tuple[str, ...], floor: int) -> int:
+    """The hold-back as its definition reads (the longest k below a stop string's length with the text ending in
+    its first k characters, not before floor): quadratic in the stop strings, a reference on small cases only."""
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k]) and len(text) - k >= floor), default=0)
+
+
+def test_the_hold_back_is_its_definition_on_random_texts_and_stop_strings():
+    rng = random.Random(5)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stop = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 4)))
+        floor = rng.randint(0, len(text))
+        choice = render.ChoiceText(stop)
+        choice.text, choice.floor = text, floor
+        assert choice._held_back() == _held_by_definition(text, stop, floor), (text, stop, floor)
+
+
+def test_long_stop_strings_cost_what_the_text_costs():
+    """Four stop strings of 250,000 characters (about a megabyte of body, which the schema lets through) over 64
+    tokens: the hold-back is scanned from the text's side, so this takes milliseconds; scanned from the stop
+    strings' side it took seconds a token, on the event loop, stalling every other stream."""
+    tokens = encode("Hello world, friends of mine. " * 8)[:64]
+    stop = tuple(c * 250_000 for c in "HwfZ")
+    started = time.perf_counter()
+    pieces, text = release(tokens, stop)
+    assert time.perf_counter() - started < 1.0
+    assert "".join(pieces) == decode(tokens) and not text.stopped
 
 
 def test_utf8_split_across_tokens_is_released_whole():

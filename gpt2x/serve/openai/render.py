@@ -84,11 +84,24 @@ class ChoiceText:
                 final = True
         end = len(self.text)
         if not final and self.stop:
-            end -= max((k for s in self.stop for k in range(1, len(s))
-                        if self.text.endswith(s[:k]) and end - k >= self.floor), default=0)
+            end -= self._held_back()
         out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
+
+    def _held_back(self) -> int:
+        """The longest end of the text, after `floor`, that a stop string begins with and is longer than: what may
+        not be released yet. Found from the text's side (the earliest position whose rest begins a stop string), so
+        the cost is bounded by the text, which the context bounds, however long the stop strings are."""
+        text, held = self.text, 0
+        for s in self.stop:
+            p = max(self.floor, len(text) - len(s) + 1)
+            while 0 <= (p := text.find(s[0], p)) < len(text) - held:
+                if s.startswith(text[p:]):  # the earliest such position holds back the most
+                    held = max(held, len(text) - p)
+                    break
+                p += 1
+        return held
 
 
 @cache
