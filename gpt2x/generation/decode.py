@@ -78,6 +78,10 @@ class Sequence:
     cancelled: Finish | None = field(default=None, init=False)  # the reason a cancel() asked for, until it ends
     speculation: SpecStats | None = field(default=None, init=False)  # decoded with a draft: the run's statistics
     history: History = field(init=False, repr=False)  # what the logits processors read: prompt, tokens (live), the row
+    # A row that fails alone (its structured-output constraint cannot continue) ends as Finish.failed, its batch going
+    # on, where the caller serves rows of unrelated requests (the serving engine's); elsewhere the failure is raised.
+    fails_alone: bool = field(default=False, init=False)
+    error: str | None = field(default=None, init=False)  # why it ended as Finish.failed
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -92,6 +96,11 @@ class Sequence:
         """End the row at its next token, or before the next step when it is cancelled between steps,
         reporting `reason`. Any thread; no effect on a row that has ended."""
         self.cancelled = reason
+
+    def fail(self, message: str) -> None:
+        """End the row as Finish.failed at its next token (the token dropped), saying why."""
+        self.error = message
+        self.cancel(Finish.failed)
 
     def accept(self, token: int) -> tuple[int | None, Finish | None]:
         """The row's next sampled token: (the token it keeps, or None; why it ended, or None). The one

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import Gpt2xError
 from ..numerics import block_reduce
 from ..tokenizer import EOT_ID
 from .constraints import Constraint, ConstraintSpec, mask_rows
@@ -434,12 +435,31 @@ class ConstraintMask:
         consumed.extend(new[:ok])
         return matcher if ok == len(new) else None
 
+    def _usable(self, history: History) -> Constraint | None:
+        """_synced, checked, for a row with one history (no draft): a matcher that cannot continue (llguidance's limits, met by a grammar only as it runs)
+        fails its row alone where the row fails alone (decode.Sequence.fails_alone: None, the row left unmasked,
+        its token dropped); elsewhere the Gpt2xError is raised."""
+        try:
+            matcher = self._synced(history)
+            if matcher is None:  # one history a row holds no draft: its matcher refused what its mask allowed
+                own, _ = self._rows[id(history.row) if history.row is not None else None]
+                raise Gpt2xError(f"the {own.spec.kind.value} constraint refused a token its mask allowed: "
+                                 f"{own.matcher.get_error()}".splitlines()[0])
+            matcher.check()
+            return matcher
+        except Gpt2xError as e:
+            row = history.row
+            if not getattr(row, "fails_alone", False):
+                raise
+            row.fail(str(e))
+            return None
+
     def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
         if self._each is not None:  # rows of their own, each with its own matchers: one batched mask
-            mask_rows(scores, [None if own is None else own._synced(h) for own, h in zip(self._each, rows)])
+            mask_rows(scores, [None if own is None else own._usable(h) for own, h in zip(self._each, rows)])
             return scores
         if len({id(h.row) for h in rows}) == len(rows):  # one history per row: one batched mask
-            mask_rows(scores, [self._synced(h) for h in rows])
+            mask_rows(scores, [self._usable(h) for h in rows])
             return scores
         for i, h in enumerate(rows):  # a row at several drafted positions, in order
             matcher = self._synced(h)

@@ -125,6 +125,7 @@ class Finish(str, Enum):
     length = "length"  # the row's token budget (max_new_tokens, the API's max_tokens)
     context = "context"  # the model's context is full
     cancelled = "cancelled"  # the caller left (a client that went away)
+    failed = "failed"  # the row alone could not go on (its constraint failed: Sequence.error says why)
 
     def __str__(self) -> str:
         return self.value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpt2x.choices import BackendKind, Precision
+from gpt2x.errors import Gpt2xError
 from gpt2x.generation.constraints import ConstraintSpec
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import Finish, SamplingSettings
@@ -25,7 +27,7 @@ from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
-from gpt2x.serve.core.outputs import Finished, TokenOut
+from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
 from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode, encode
@@ -129,6 +131,61 @@ def test_served_rows_each_keep_their_own_constraint(bundled_export):
         if kind:
             assert ends[i] is Finish.eos and satisfied(kind, decode(got[i])), (i, decode(got[i]))
     assert engine.counters["errors"] == 0
+
+
+# A choice past llguidance's Earley row limit (2,000 items): it validates, then its matcher fails at the first token.
+TOO_MANY_CHOICES = [f"w{i}" for i in range(2500)]
+TOO_MANY = ConstraintSpec.choice(TOO_MANY_CHOICES)
+
+
+def test_a_row_whose_constraint_fails_ends_alone_and_its_batch_goes_on(bundled_export):
+    """One batch of four rows, one with a constraint that fails as it runs: that row is told Failed (the request's
+    own doing: client), nothing else; the other three get the tokens they get alone from generate(); the engine
+    counts no batch error. generate() itself, with no batch to protect, raises the failure in one line."""
+    backend = OrtBackend(bundled_export(Precision.int8), threads=1)
+    settings = [SamplingSettings(max_new_tokens=12, greedy=True, constraint=TOO_MANY if i == 1 else SPECS["regex"] if i == 2 else None)
+                for i in range(4)]
+    outs: list[list] = [[] for _ in settings]
+    done = threading.Semaphore(0)
+    engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0, max_join_delay_s=0)).start()
+
+    def sink(i):
+        def on(out):
+            outs[i].append(out)
+            if isinstance(out, (Finished, Failed)):
+                done.release()
+        return on
+
+    try:
+        engine.submit([Row(encode(PROMPTS[i % 2]), settings[i], sink(i)) for i in range(4)])
+        assert all(done.acquire(timeout=60) for _ in settings)
+    finally:
+        engine.close()
+    failed = outs[1][-1]
+    assert isinstance(failed, Failed) and failed.client and "max is 2000" in failed.message, outs[1]
+    assert sum(isinstance(o, TokenOut) for o in outs[1]) <= 1  # the first, which its mask allowed and its matcher refused
+    for i in (0, 2, 3):
+        alone = generate(backend, [PROMPTS[i % 2]], settings[i])[0]
+        assert [o.token for o in outs[i] if isinstance(o, TokenOut)] == alone.tokens, i
+        assert isinstance(outs[i][-1], Finished) and outs[i][-1].reason is alone.finish_reason
+    assert engine.counters["errors"] == 0
+    with pytest.raises(Gpt2xError, match="max is 2000"):
+        generate(backend, [PROMPTS[0]], settings[1])
+    backend.close()
+
+
+def test_the_api_answers_a_failing_constraint_400_and_the_requests_beside_it_200(client):
+    """Six requests at once, one with a constraint that fails as it runs: that one a 400 in OpenAI's shape (streamed:
+    its error event, then DONE), the five others answered whole."""
+    bad = {"prompt": "ROMEO:", "max_tokens": 8, "structured_outputs": {"choice": TOO_MANY_CHOICES}}
+    good = {"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda body: client.post("/v1/completions", json=body), [good, good, bad, good, good, good]))
+    assert answers[2].status_code == 400 and "max is 2000" in answers[2].json()["error"]["message"], answers[2].text
+    assert all(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] for i, r in enumerate(answers) if i != 2)
+    with client.stream("POST", "/v1/completions", json={**bad, "stream": True}) as s:
+        lines = [line for line in s.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and "max is 2000" in json.loads(lines[-2][6:])["error"]["message"]
 
 
 @pytest.mark.parametrize("draft", ["ngram", "int4 model"])

@@ -232,7 +232,9 @@ class Engine:
         if event.token is not None:
             self.counters["tokens"] += 1
             self._tell(row, TokenOut(event.token, event.logprob, event.finish))
-        if event.finish is not None:  # the logprobs of the end-of-text or stop token, which is not kept
+        if event.finish is Finish.failed:  # this row alone: the others of its batch go on
+            self._tell(row, Failed(row.error or "generation failed", client=True))
+        elif event.finish is not None:  # the logprobs of the end-of-text or stop token, which is not kept
             self._tell(row, Finished(event.finish, event.logprob if event.token is None else None))
 
     def _tell(self, row: Row, out: Output) -> None:

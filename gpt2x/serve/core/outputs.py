@@ -39,9 +39,11 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The row ended in an error (generation failed, or the server stopped), once, last."""
+    """The row ended in an error (generation failed, or the server stopped), once, last. `client`: the
+    request's own doing (its constraint could not go on), not the server's: a 400, its batch unharmed."""
 
     message: str
+    client: bool = False
 
 
 Output = TokenOut | PromptLogprobs | Finished | Failed

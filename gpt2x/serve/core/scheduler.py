@@ -100,6 +100,7 @@ class Row(Sequence):
         # Tokens to generate: settings.max_new_tokens unless given (0: the prompt is only scored).
         super().__init__(prompt_ids, settings, max_tokens, logprobs)
         self.sink = sink
+        self.fails_alone = True  # a row's own failure (its constraint) ends it alone, not its batch
         self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
         self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
         self.queued_at = time.monotonic()

@@ -304,6 +304,8 @@ class Pending:
                 elif isinstance(out, PromptLogprobs):
                     released, extra = self._prompt_event(index, out.entries)
                     yield ChoiceEvent(index, released, None, self._taken(index), extra)
+                elif out.client:  # Failed by the request's own doing (its constraint): the others went on
+                    raise APIError(400, out.message)
                 elif self.engine.closing:  # Failed: waiting, or cut short by the server's stop
                     raise APIError(503, out.message, "server_error", code="unavailable")
                 else:
