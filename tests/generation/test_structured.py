@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -188,6 +189,30 @@ def test_the_api_answers_a_failing_constraint_400_and_the_requests_beside_it_200
     assert lines[-1] == "data: [DONE]" and "max is 2000" in json.loads(lines[-2][6:])["error"]["message"]
 
 
+def test_a_request_is_read_and_its_schema_compiled_off_the_event_loop(client, monkeypatch):
+    """A schema can take seconds to compile (a 60,000-value enum: about 1.6 s here, 0.3-0.9 once llguidance's
+    tokenizer is built). Stood in for by a parse that takes a second: meanwhile /health answers at once, as every
+    other request and stream would; read on the event loop, each waited the whole second."""
+    target = client.service
+    real = target.parse
+
+    def slow(raw):
+        time.sleep(1.0)  # sleeps release the GIL, as llguidance's compile does
+        return real(raw)
+
+    monkeypatch.setattr(target, "parse", slow)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.post, "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 1})
+        time.sleep(0.1)  # the slow request is being read
+        waits = []
+        while not pending.done():
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            waits.append(time.perf_counter() - started)
+        assert pending.result().status_code == 200, pending.result().text
+    assert waits and max(waits) < 0.5, waits
+
+
 @pytest.mark.parametrize("draft", ["ngram", "int4 model"])
 def test_speculative_decoding_keeps_the_constraint_and_greedy_tokens(torch_backend, bundled_export, draft):
     """Prompt lookup drafts tokens the matcher may refuse (rejected, rolled back); a draft model
@@ -218,6 +243,7 @@ def test_speculative_decoding_keeps_the_constraint_and_greedy_tokens(torch_backe
 def client(export_dir):
     service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=8), "shakespeare")
     with TestClient(local_app(service)) as c:
+        c.service = service  # what the tests may stand in for
         yield c
     service.close()
 

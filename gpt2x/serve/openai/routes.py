@@ -227,7 +227,8 @@ class HttpApi:
         try:
             self.authorize(request)
             raw = await self.body(request)
-            req = service.parse_chat(raw) if chat else service.parse(raw)
+            # On a worker thread: a large schema or enum compiles for seconds, which would stall every stream
+            req = await asyncio.to_thread(service.parse_chat if chat else service.parse, raw)
             pending = service.submit(req)
         except APIError as e:
             return error_response(e)
