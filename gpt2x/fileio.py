@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from .errors import OutputError
 
@@ -26,15 +26,26 @@ def sha256(path: Path) -> str:
 
 
 @contextmanager
-def folder_lock(folder: Path) -> Iterator[None]:
-    """An OS lock on a hidden file beside `folder` (released if the process dies): makers of one folder take turns."""
+def folder_lock(folder: Path, wait: bool = True) -> Iterator[None]:
+    """An OS lock on a hidden file beside `folder` (released if the process dies): makers of one folder take turns;
+    with `wait` False, a folder another process is making is refused (OutputError) instead. A folder whose parent
+    cannot be written (a read-only file system) is one OutputError line too."""
     folder = Path(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create {folder.parent}: {e.strerror or e}") from None
-    with FileLock(folder.with_name(f".{folder.name}.lock")):
+    lock = FileLock(folder.with_name(f".{folder.name}.lock"))
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        raise OutputError(f"another process is writing {folder} now; wait for it, or write elsewhere") from None
+    except OSError as e:
+        raise OutputError(f"cannot write to {folder.parent}: {e.strerror or e}") from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -85,7 +96,7 @@ def folder_written_whole(out: Path, force: bool, what: str) -> Iterator[Path]:
     OutputError). An existing `out` is refused unless `force`."""
     out = Path(out)
     if out.exists() and not force:
-        raise OutputError(f"{out} exists (force=True replaces it)")
+        raise OutputError(f"{out} exists; pass --force to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(out)

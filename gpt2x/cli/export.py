@@ -12,6 +12,7 @@ import typer
 
 from ..choices import Precision
 from ..errors import OutputError, UsageError
+from ..fileio import folder_lock
 from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
@@ -78,11 +79,14 @@ def export(
         return
     precision = precision or Precision.fp32
     folder = out_dir or default_export_dir(model, precision)
-    if folder.exists() and not force:
-        raise OutputError(f"{folder} exists; pass --force to replace it")
-    with Status(f"loading {model}") as status:
-        info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
-                              openvino_prefill, int8_kv, prefill_compute.value)
+    # Refused while another process writes the folder (two exports to one --out: the later would replace the
+    # earlier unasked), and checked for an existing export once this one holds it.
+    with folder_lock(folder, wait=False):
+        if folder.exists() and not force:
+            raise OutputError(f"{folder} exists; pass --force to replace it")
+        with Status(f"loading {model}") as status:
+            info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
+                                  openvino_prefill, int8_kv, prefill_compute.value)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..choices import Precision, Progress, no_progress
-from ..errors import ArtifactError, UsageError
+from ..errors import ArtifactError, OutputError, UsageError
 from ..evaluate.batched import gate_batched
 from ..evaluate.kvcache import gate_int8_kv
 from ..evaluate.parity import gate_export
@@ -112,7 +112,10 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
     take turns (folder_lock) and the later ones use the first's. `notice` hears an export is about to happen."""
     folder = Path(folder) if folder is not None else default_export_dir(model, precision)
     if not is_export(folder):
-        with folder_lock(folder):  # another process making the same export: wait for it, then use it
+        with folder_lock(folder):
+            if folder.exists() and not is_export(folder):  # not ours to replace: say so before any work
+                raise OutputError(f"{folder} exists but holds no export (no gpt2x.json): remove it, or replace it "
+                                  f"with gpt2x export --out {folder} --force")  # another process making the same export: wait for it, then use it
             if not is_export(folder):
                 notice(f"no export at {folder}: exporting {model} ({precision.value}) first{_elsewhere(folder)}")
                 if loaded is None:

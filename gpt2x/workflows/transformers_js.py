@@ -23,7 +23,7 @@ def export_transformers_js(model: str = DEFAULT_MODEL, out: Path | None = None,
     precisions = check_precisions(precisions)
     out = Path(out) if out is not None else default_layout_dir(model)
     if out.exists() and not force:
-        raise OutputError(f"{out} exists (force=True replaces it)")
+        raise OutputError(f"{out} exists; pass --force to replace it")
     loaded = None
     exports = []
     for precision in precisions:

@@ -56,6 +56,45 @@ def test_export_prints_json_and_needs_force(capsys, tiny_dir, tmp_path):
     assert meta["created"] >= info.meta["created"]
 
 
+def test_an_export_to_a_folder_another_process_is_writing_is_refused(capsys, tiny_dir, tmp_path):
+    """Two `gpt2x export --out SAME` at once: the later is refused in one line (exit 9) while the earlier holds the
+    folder, where it had replaced the earlier's export unasked; nothing is written."""
+    from filelock import FileLock
+
+    out = tmp_path / "same"
+    with FileLock(tmp_path / ".same.lock"):  # as the earlier export holds it
+        code, _, err = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(out), "--force")
+    assert_one_line_error(code, err, OutputError.exit_code, f"another process is writing {out} now")
+    assert not out.exists()
+
+
+def test_an_unwritable_exports_folder_is_one_line_with_exit_9(capsys, monkeypatch, tmp_path):
+    """A read-only file system (a container's) under the exports folder: generate's first-use export says so in
+    one line and exits 9 (docs/errors.md), where it gave a 71-line traceback and exit 1."""
+    import filelock
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", read_only)
+    monkeypatch.setenv("GPT2X_EXPORTS", str(tmp_path / "exports"))
+    code, _, err = cli(capsys, "generate", "ROMEO:", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, OutputError.exit_code, f"cannot write to {tmp_path / 'exports'}: Read-only file system")
+
+
+def test_a_folder_without_an_export_in_an_exports_place_is_named_before_any_work(capsys, monkeypatch, tmp_path):
+    """A folder with no gpt2x.json where generate would export: one line naming it and the flag that replaces it
+    (not a Python keyword), before any "exporting first"; the folder is left as it was."""
+    monkeypatch.setenv("GPT2X_EXPORTS", str(tmp_path))
+    squatter = tmp_path / "shakespeare-fp32"
+    squatter.mkdir()
+    (squatter / "notes.txt").write_text("mine")
+    code, _, err = cli(capsys, "generate", "ROMEO:", "--max-new-tokens", "2")
+    assert_one_line_error(code, err, OutputError.exit_code, f"{squatter} exists but holds no export (no gpt2x.json)")
+    assert "--force" in err and "force=True" not in err
+    assert [p.name for p in squatter.iterdir()] == ["notes.txt"]
+
+
 def test_no_check_parity_is_recorded(capsys, tiny_dir, tmp_path):
     code, stdout, _ = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "e"), "--no-check-parity", "--json")
     assert code == 0 and json.loads(stdout)["parity"] == {"status": NOT_CHECKED}
