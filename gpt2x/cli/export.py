@@ -17,7 +17,7 @@ from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFI
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
 from ..workflows.transformers_js import export_transformers_js
-from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to
+from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to, read_chat_template
 
 
 class PrefillCompute(str, Enum):
@@ -62,6 +62,10 @@ def export(
              "CPU that computes it (AVX-512 BF16, AMX), faster on long prompts there. Chosen here, never by a timing: "
              "every prefill then runs on OpenVINO, so a prompt gets the same numerics whole, chunked or after a "
              "cached prefix.")] = PrefillCompute.f32,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        "--chat-template", help="A Jinja2 chat template file, recorded in the export's tokenizer_config.json (where "
+        "transformers, vLLM and gpt2x serve read it). Default: the bundled model's export carries gpt2x's default "
+        "one, other exports none.", show_default=False)] = None,
     layout: Annotated[Layout, typer.Option(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
@@ -71,14 +75,15 @@ def export(
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
     if layout is Layout.transformers_js:
         if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None or int8_kv is not None or \
-                prefill_compute is not PrefillCompute.f32:
-            raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill, --prefill-compute and --[no-]int8-kv apply "
-                             "to --layout gpt2x; a "
+                prefill_compute is not PrefillCompute.f32 or chat_template is not None:
+            raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill, --prefill-compute, --chat-template and "
+                             "--[no-]int8-kv apply to --layout gpt2x; a "
                              "transformers.js folder copies parity-checked exports at the default opset")
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
     precision = precision or Precision.fp32
     folder = out_dir or default_export_dir(model, precision)
+    template = None if chat_template is None else read_chat_template(chat_template)
     # Refused while another process writes the folder (two exports to one --out: the later would replace the
     # earlier unasked), and checked for an existing export once this one holds it.
     with folder_lock(folder, wait=False):
@@ -86,7 +91,7 @@ def export(
             raise OutputError(f"{folder} exists; pass --force to replace it")
         with Status(f"loading {model}") as status:
             info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
-                                  openvino_prefill, int8_kv, prefill_compute.value)
+                                  openvino_prefill, int8_kv, prefill_compute.value, template)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))

@@ -19,6 +19,7 @@ from ..choices import BackendKind, KvCache, Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
+from ..onnx.interop import check_chat_template
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
 from ..runtime.kvdtype import asked as asked_kv_dtype
 from ..runtime.prefill import PREFILL_ENV, PrefillChoice, asked
@@ -159,6 +160,13 @@ def read_text_file(path: Path, what: str) -> str:
         raise UsageError(f"{what} is not UTF-8 text: {path}") from None
     except OSError as e:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def read_chat_template(path: Path) -> str:
+    """A --chat-template file's text, checked as a Jinja2 template; one UsageError line where it is not one."""
+    text = read_text_file(path, "--chat-template file")
+    check_chat_template(text, f"--chat-template {path}")
+    return text
 
 
 def read_prompts_file(path: Path) -> list[str]:

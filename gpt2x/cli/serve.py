@@ -38,6 +38,7 @@ from .options import (
     notice,
     out,
     progress_to,
+    read_chat_template,
     read_text_file,
     refuse_int8_kv,
     refuse_kv_cache,
@@ -169,7 +170,11 @@ def serve(
         "(as gpt2x generate --draft D --no-draft-adaptive gives it).")] = True,
     chat_template: Annotated[Optional[Path], typer.Option(
         "--chat-template", help="A Jinja2 chat template file for /v1/chat/completions (default: the export's "
-        "tokenizer_config.json chat_template, if it has one).", show_default=False)] = None,
+        "tokenizer_config.json chat_template, else gpt2x's default one, a play's script).", show_default=False)] = None,
+    default_chat_template: Annotated[bool, typer.Option(
+        help="Where neither --chat-template nor the export gives a chat template, chat with gpt2x's default one, "
+        "saying so in one line at start (llama-server's behaviour); --no-default-chat-template answers chat "
+        "requests 400 instead.")] = True,
     bench_file: Annotated[Optional[Path], typer.Option(
         "--from-bench", help="Serve the configuration this saved `gpt2x bench --output FILE` measured fastest at decoding "
         "(backend, provider, precision and, above batch 1, --max-batch-size), at --max-batch-size where given and measured; "
@@ -183,7 +188,7 @@ def serve(
     require_serve_extra()
     # deferred: FastAPI and uvicorn are the serve extra (Ray Serve the ray extra), and the CLI starts without them
     from ..serve.core.engine import refuse_batched_draft
-    from ..serve.replica import ReplicaConfig, ServeSettings, describe, prepare_draft
+    from ..serve.replica import ReplicaConfig, ServeSettings, describe, has_chat_template, prepare_draft
     from ..serve.single_process import serve_in_process
 
     if backend not in SERVED:
@@ -196,12 +201,8 @@ def serve(
         backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
     if max_batch_size is None:
         max_batch_size = 1 if draft is not None else 16
-    template = None
-    if chat_template is not None:  # read here: the replicas are sent its text, not a path they may lack
-        try:
-            template = chat_template.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
+    # read here: the replicas are sent its text, not a path they may lack
+    template = None if chat_template is None else read_chat_template(chat_template)
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
@@ -226,8 +227,11 @@ def serve(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
         engine=engine, api_key=api_key or None, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
-        chat_template=template, in_place_kv=kv_cache.in_place_kv,
+        chat_template=template, default_chat_template=default_chat_template, in_place_kv=kv_cache.in_place_kv,
     )
+    if template is None and default_chat_template and not has_chat_template(info.folder):
+        notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a play's "
+               "script; --chat-template FILE for another, --no-default-chat-template to refuse chat)")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")
 

@@ -137,6 +137,7 @@ def export(
     batched_decode: bool | None = None,
     kv_gate: KvGate | None = None,
     int8_kv: bool | None = None,
+    chat_template: str | None = None,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
     or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
@@ -144,7 +145,8 @@ def export(
     `openvino_prefill` False: none (None: openvino_prefill_wanted's default). An int8 export also gets the batched
     decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
     False (None: batched_decode_wanted's default). An int8 or int4 export also gets its int8 KV cache's scales, kept
-    only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default)."""
+    only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default).
+    `chat_template`: recorded in tokenizer_config.json, where transformers, vLLM and gpt2x serve read it."""
     want_kv = precision in INT8_KV_PRECISIONS and int8_kv_wanted(int8_kv) and kv_gate is not None
     want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
@@ -175,7 +177,7 @@ def export(
         # config.json, tokenizer.json, genai_config.json ...: the folder loads in Optimum and genai too.
         attention = attention_layout(ops)
         write_interop_files(tmp, model.config, genai_provider="cuda" if precision is Precision.fp16 else None,
-                            share_buffer=io.in_place_kv(attention))
+                            share_buffer=io.in_place_kv(attention), chat_template=chat_template)
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

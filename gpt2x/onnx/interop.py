@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import UsageError
 from ..fileio import write_atomic
 from ..model.config import GPT2Config
 from ..model.hf_format import config_to_hf
@@ -80,8 +81,29 @@ def special_tokens_map() -> dict:
     return {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "unk_token": EOT_TOKEN}
 
 
-def tokenizer_config(cfg: GPT2Config) -> dict:
-    """tokenizer_config.json: GPT-2's fast tokenizer, no prefix space, no clean-up of spaces on decode."""
+# The chat template a served model without its own falls back to, and the bundled model's export carries (docs/serving):
+# a play's script, as the bundled model was trained on and GPT-2 has read: each turn its speaker's name in capitals
+# and a colon on a line of its own, then its text and a blank line; the reply opens as ASSISTANT's.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
+)
+
+
+def check_chat_template(text: str, origin: str) -> None:
+    """One UsageError line where `text` is not a Jinja2 template (compiled as chat templates are served: sandboxed)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(text)
+    except TemplateSyntaxError as e:
+        raise UsageError(f"{origin} is not a Jinja2 template: {e.message} (line {e.lineno})", option="chat-template") from None
+
+
+def tokenizer_config(cfg: GPT2Config, chat_template: str | None = None) -> dict:
+    """tokenizer_config.json: GPT-2's fast tokenizer, no prefix space, no clean-up of spaces on decode; with
+    `chat_template`, the Jinja2 template transformers' apply_chat_template and vLLM read."""
     return {
         "tokenizer_class": "GPT2Tokenizer",
         "add_bos_token": False,
@@ -91,6 +113,7 @@ def tokenizer_config(cfg: GPT2Config) -> dict:
         "model_max_length": cfg.n_positions,
         "added_tokens_decoder": {str(EOT_ID): _EOT_ADDED},
         **special_tokens_map(),
+        **({"chat_template": chat_template} if chat_template is not None else {}),
     }
 
 
@@ -159,14 +182,15 @@ def genai_config(cfg: GPT2Config, filename: str | None = None, provider: str | N
 
 
 def write_interop_files(folder: Path, cfg: GPT2Config, genai_provider: str | None = None,
-                        share_buffer: bool = False) -> list[str]:
-    """Write every interop file into `folder`, each atomically; returns their names."""
+                        share_buffer: bool = False, chat_template: str | None = None) -> list[str]:
+    """Write every interop file into `folder`, each atomically (tokenizer_config.json with `chat_template` where
+    given); returns their names."""
     folder = Path(folder)
     contents = {
         HF_CONFIG_FILE: hf_config(cfg),
         GENERATION_CONFIG_FILE: generation_config(),
         TOKENIZER_FILE: tokenizer_json(),
-        TOKENIZER_CONFIG_FILE: tokenizer_config(cfg),
+        TOKENIZER_CONFIG_FILE: tokenizer_config(cfg, chat_template),
         SPECIAL_TOKENS_FILE: special_tokens_map(),
         GENAI_CONFIG_FILE: genai_config(cfg, provider=genai_provider, share_buffer=share_buffer),
     }

@@ -18,7 +18,7 @@ from ..tokenizer import get_encoding
 from ..workflows.backends import export_backend
 from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
 from .core.engine import EngineSettings
-from .openai.chat import find_template
+from .openai.chat import export_template, find_template
 from .openai.routes import MAX_BODY_BYTES
 from .openai.service import CompletionService
 
@@ -62,6 +62,8 @@ class ReplicaConfig:
     # /v1/chat/completions' Jinja2 template: the text of --chat-template's file (None: the export
     # folder's tokenizer_config.json chat_template, if it has one; openai/chat.py)
     chat_template: str | None = None
+    # Without either: gpt2x's default template (True), or chat refused with a 400 (--no-default-chat-template)
+    default_chat_template: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,11 @@ class ServeSettings:
         return f"http://{host}:{self.port}{self.route_prefix.rstrip('/')}"
 
 
+def has_chat_template(export_folder: Path) -> bool:
+    """Whether the export records a chat template of its own (tokenizer_config.json's)."""
+    return export_template(export_folder) is not None
+
+
 def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     """A replica's service: the export's backend (and draft) opened, its engine started."""
     info = read_export(Path(config.export))
@@ -116,7 +123,8 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
         drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
                                ProviderKind(config.provider), None, config.draft_settings)
     return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
-                             config.draft, find_template(Path(config.export), config.chat_template))
+                             config.draft, find_template(Path(config.export), config.chat_template,
+                                                           config.default_chat_template))
 
 
 def close_service(service: CompletionService) -> None:

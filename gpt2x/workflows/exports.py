@@ -15,6 +15,7 @@ from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
 from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from ..onnx.artifact import BF16, DEFAULT_OPSET, EXPORTS_ENV, F32, ExportInfo, default_export_dir, is_export, read_export
+from ..onnx.interop import DEFAULT_CHAT_TEMPLATE
 from ..runtime.registry import require_export_extra
 from .models import DEFAULT_MODEL, load_model
 
@@ -27,16 +28,19 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
                  progress: Progress = no_progress, openvino_prefill: bool | None = None,
                  batched_decode: bool | None = None, int8_kv: bool | None = None,
-                 prefill_compute: str = F32) -> ExportInfo:
+                 prefill_compute: str = F32, chat_template: str | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
     GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only); an int8 export the batched decode graph, gated on its own,
     unless `batched_decode` is False (None: GPT2X_BATCHED_DECODE's 0 or 1, default yes); an int8 or int4 export its
     int8 KV cache's scales, gated on their own, unless `int8_kv` is False (None: GPT2X_INT8_KV's 0 or 1, default yes;
     docs/export.md). `prefill_compute` bf16: the int8 export's prefill graph computes in bf16 (refused in one line
-    before anything is exported on another precision or a CPU without bf16)."""
+    before anything is exported on another precision or a CPU without bf16). `chat_template`: the Jinja2 chat
+    template its tokenizer_config.json records (None: the default one for the bundled model, none for others)."""
     require_export_extra("exporting")
     check_prefill_compute(precision, prefill_compute)
+    if chat_template is None and source.kind == "bundled":
+        chat_template = DEFAULT_CHAT_TEMPLATE
     from ..onnx.build import export
     from ..runtime.pytorch import TorchBackend
 
@@ -54,7 +58,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
 
     return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
                   prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
-                  batched_decode, kv_gate if check_parity else None, int8_kv)
+                  batched_decode, kv_gate if check_parity else None, int8_kv, chat_template)
 
 
 def check_prefill_compute(precision: Precision, compute: str) -> None:
@@ -77,13 +81,14 @@ def export_by_name(name: str, out: Path | None = None, precision: Precision = Pr
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
                    check_parity: bool = True, progress: Progress = no_progress,
                    openvino_prefill: bool | None = None, int8_kv: bool | None = None,
-                   prefill_compute: str = F32) -> ExportInfo:
+                   prefill_compute: str = F32, chat_template: str | None = None) -> ExportInfo:
     """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
     check_prefill_compute(precision, prefill_compute)
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
-                        check_parity, progress, openvino_prefill, int8_kv=int8_kv, prefill_compute=prefill_compute)
+                        check_parity, progress, openvino_prefill, int8_kv=int8_kv, prefill_compute=prefill_compute,
+                        chat_template=chat_template)
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:

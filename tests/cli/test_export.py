@@ -95,6 +95,27 @@ def test_a_folder_without_an_export_in_an_exports_place_is_named_before_any_work
     assert [p.name for p in squatter.iterdir()] == ["notes.txt"]
 
 
+def test_a_chat_template_given_is_recorded_where_transformers_reads_it_and_a_bad_one_refused(capsys, tiny_dir, tmp_path):
+    """--chat-template FILE lands in tokenizer_config.json, which transformers' apply_chat_template reads; a file that
+    is not a Jinja2 template is one line (exit 2) before anything is exported; an export of a model other than the
+    bundled one records no template unless given."""
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    code, _, err = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "t"), "--chat-template", str(template))
+    assert code == 0, err
+    rendered = AutoTokenizer.from_pretrained(str(tmp_path / "t")).apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}], tokenize=False)
+    assert rendered == "<user>hi<assistant>ho"
+    assert cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "plain"))[0] == 0
+    assert "chat_template" not in json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
+    template.write_text("{% for m in messages %}")
+    code, _, err = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "bad"), "--chat-template", str(template))
+    assert_one_line_error(code, err, 2, f"--chat-template {template} is not a Jinja2 template")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_no_check_parity_is_recorded(capsys, tiny_dir, tmp_path):
     code, stdout, _ = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "e"), "--no-check-parity", "--json")
     assert code == 0 and json.loads(stdout)["parity"] == {"status": NOT_CHECKED}

@@ -53,11 +53,28 @@ KEY = "sekret-key-42"
     (["--max-batch-size", "0"], 2, "--max-batch-size must be >= 1"),
     (["--precision", "int8"], 2, "is a fp32 export, not int8"),
     (["--scheduling-policy", "lifo"], 2, "--scheduling-policy must be one of fcfs, priority"),
-    (["--chat-template", "/nonexistent/template.jinja"], 2, "--chat-template /nonexistent/template.jinja: cannot read"),
+    (["--chat-template", "/nonexistent/template.jinja"], 2, "--chat-template file not found: /nonexistent/template.jinja"),
 ])
 def test_bad_options_are_one_line(export_dir, args, code, fragment):
     r = run_cli("serve", "--onnx", str(export_dir), *args, timeout=120)
     assert_one_line_error(r.returncode, r.stderr, code, fragment)
+
+
+def test_an_export_without_a_chat_template_is_served_with_the_default_and_says_so(tiny_export):
+    """One warning line at start naming the fallback and both flags (llama-server's behaviour), none for the
+    bundled model's export, which carries the default; then the start goes on (here to a busy port's one line)."""
+    _, _, info = tiny_export()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        r = run_cli("serve", "--onnx", str(info.folder), "--port", port, timeout=120)
+        quiet = run_cli("serve", "--onnx", str(info.folder), "--port", port, "--no-default-chat-template", timeout=120)
+    warning, error = r.stderr.strip().splitlines()
+    assert warning.startswith(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default")
+    assert "--chat-template FILE" in warning and "--no-default-chat-template" in warning
+    assert_one_line_error(r.returncode, error, 2, "is in use")
+    assert_one_line_error(quiet.returncode, quiet.stderr, 2, "is in use")
 
 
 def test_missing_export_and_busy_port_are_one_line(export_dir, tmp_path):

@@ -13,11 +13,13 @@ from fastapi.testclient import TestClient
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
+from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
-from gpt2x.serve.openai.chat import ChatTemplate, find_template
+from gpt2x.serve.openai.chat import ChatTemplate, completion_body, find_template
 from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
+from gpt2x.serve.replica import has_chat_template
 from gpt2x.tokenizer import decode
 
 from ..helpers import uvicorn_server
@@ -100,9 +102,48 @@ def test_bad_chat_fields_are_400_naming_them(service, body, param):
 
 
 def test_the_template_from_the_export_folder(tmp_path):
-    assert find_template(tmp_path, None) is None
+    assert find_template(tmp_path, None, default=False) is None
+    assert find_template(tmp_path, None).source == DEFAULT_CHAT_TEMPLATE  # none of its own: the default
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": DIALOGPT}))
     assert find_template(tmp_path, None).render(MESSAGES, True, {}) == RENDERED
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": DIALOGPT}]}))
     assert find_template(tmp_path, None).render(MESSAGES, True, {}) == RENDERED
     assert find_template(tmp_path, "{{ messages[0].content }}").render(MESSAGES, True, {}) == MESSAGES[0]["content"]
+
+
+# The default template on MESSAGES, written out by hand: a play's script, the reply opened as ASSISTANT's.
+DEFAULT_RENDERED = ("USER:\nGood morrow, my lord.\n\nASSISTANT:\nWhat news?\n\nUSER:\nThe king is dead.\n\n"
+                    "ASSISTANT:\n")
+
+
+def test_the_bundled_export_carries_the_default_template_as_transformers_renders_it(export_dir):
+    """The bundled model's export records gpt2x's default template in tokenizer_config.json: transformers'
+    apply_chat_template renders it as written out by hand, and so does the server's chat (the prompt it completes)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(export_dir))
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == DEFAULT_RENDERED
+    body = completion_body({"messages": MESSAGES, "max_tokens": 4}, find_template(export_dir, None, default=False), 256)
+    assert body["prompt"] == DEFAULT_RENDERED
+
+
+def test_a_model_without_a_template_chats_on_the_default_unless_refused(tiny_export):
+    """An export with no template of its own (a random tiny model's): chat renders gpt2x's default, and the answer is
+    the completion of that text; with --no-default-chat-template (default=False) a 400 naming the flags."""
+    _, _, info = tiny_export()
+    assert not has_chat_template(info.folder)
+    for default in (True, False):
+        served = CompletionService(OrtBackend(info, threads=1), EngineSettings(max_batch_size=1), "m",
+                                   chat_template=find_template(info.folder, None, default))
+        try:
+            with TestClient(local_app(served)) as c:
+                r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0})
+                if default:
+                    want = generate(OrtBackend(info, threads=1), [DEFAULT_RENDERED], SamplingSettings(max_new_tokens=4, greedy=True))[0]
+                    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == decode(want.tokens)
+                else:
+                    error = r.json()["error"]
+                    assert r.status_code == 400 and error["code"] == "chat_template_missing", r.text
+                    assert "--no-default-chat-template" in error["message"] and "--chat-template" in error["message"]
+        finally:
+            served.close()

@@ -7,8 +7,9 @@ completions request with the same sampling fields, `n`, stop strings and structu
 `chat.completion.chunk` events whose first delta carries the role).
 
 The template: `--chat-template FILE`, else the `chat_template` of the export folder's
-tokenizer_config.json (where transformers and vLLM read a model's). A model with neither answers one
-400 that names the flag. Chat logprobs (OpenAI's chat shape) and tools are refused, not ignored.
+tokenizer_config.json (where transformers and vLLM read a model's), else gpt2x's default (a play's
+script: onnx.interop.DEFAULT_CHAT_TEMPLATE), unless the server was started with
+`--no-default-chat-template`: then one 400 that names the flags. Chat logprobs (OpenAI's chat shape) and tools are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ...onnx.interop import DEFAULT_CHAT_TEMPLATE
 from ...tokenizer import encode
 from . import schema
 from .errors import bad, validation_error
@@ -103,11 +105,23 @@ class ChatTemplate:
             raise bad(f"the chat template ({self.origin}) failed on these messages: {e}", "messages") from None
 
 
-def find_template(export_folder: Path, given: str | None) -> ChatTemplate | None:
-    """`given` (the text of --chat-template's file), else the export folder's tokenizer_config.json
-    chat_template (a string, or transformers' list of named templates: "default"), else None."""
+DEFAULT_ORIGIN = "gpt2x's default chat template"
+
+
+def find_template(export_folder: Path, given: str | None, default: bool = True) -> ChatTemplate | None:
+    """`given` (the text of --chat-template's file), else the export folder's own (export_template), else with
+    `default` gpt2x's default template (llama-server's behaviour: chat works out of the box), else None."""
     if given is not None:
         return ChatTemplate(given, CHAT_TEMPLATE_FLAG)
+    own = export_template(export_folder)
+    if own is None and default:
+        return ChatTemplate(DEFAULT_CHAT_TEMPLATE, DEFAULT_ORIGIN)
+    return own
+
+
+def export_template(export_folder: Path) -> ChatTemplate | None:
+    """The export folder's tokenizer_config.json chat_template (a string, or transformers' list of named templates:
+    "default"), else None."""
     path = export_folder / "tokenizer_config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -138,9 +152,10 @@ def completion_body(body: dict, template: ChatTemplate | None, n_positions: int)
         name = "echo" if "echo" in body else "prompt"
         raise bad(f"{name} is not a chat completions field", name)
     if template is None:
-        raise bad(f"this model has no chat template: start the server with {CHAT_TEMPLATE_FLAG} FILE (a Jinja2 "
-                  "chat template, as transformers' tokenizer_config.json chat_template), or put one in the export "
-                  "folder's tokenizer_config.json", "messages", "chat_template_missing")
+        raise bad(f"this model has no chat template and the server was started with --no-default-chat-template: "
+                  f"start it with {CHAT_TEMPLATE_FLAG} FILE (a Jinja2 chat template, as transformers' "
+                  "tokenizer_config.json chat_template), or export with one (gpt2x export --chat-template FILE)",
+                  "messages", "chat_template_missing")
     messages = [{**m.model_dump(exclude_none=True, exclude={"content"}), "content": m.text()} for m in p.messages]
     prompt = template.render(messages, bool(p.add_generation_prompt) and not p.continue_final_message,
                              p.chat_template_kwargs or {})
