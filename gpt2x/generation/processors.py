@@ -441,10 +441,12 @@ class ConstraintMask:
         its token dropped); elsewhere the Gpt2xError is raised."""
         try:
             matcher = self._synced(history)
-            if matcher is None:  # one history a row holds no draft: its matcher refused what its mask allowed
+            if matcher is None:  # a token it refused: a draft's (left unmasked), or its own limits met (failed)
                 own, _ = self._rows[id(history.row) if history.row is not None else None]
-                raise Gpt2xError(f"the {own.spec.kind.value} constraint refused a token its mask allowed: "
-                                 f"{own.matcher.get_error()}".splitlines()[0])
+                if own.matcher.is_error():
+                    raise Gpt2xError(f"the {own.spec.kind.value} constraint cannot take a token its mask allowed: "
+                                     f"{own.matcher.get_error()}".splitlines()[0])
+                return None
             matcher.check()
             return matcher
         except Gpt2xError as e:

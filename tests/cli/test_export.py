@@ -146,7 +146,8 @@ def test_failed_forced_export_leaves_the_old_one_intact(capsys, tiny_dir, tmp_pa
     assert_one_line_error(code, err, ParityError.exit_code, "out of tolerance")
     assert {p.name: sha256(p) for p in out.iterdir()} == before
     assert read_export(out).meta["parity"]["status"] == "passed"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no partial or old folders left
+    # no partial or old folders left (the lock file beside the folder stays, as a lock file does)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".exp.lock", "exp"]
 
 
 @pytest.fixture(scope="module")

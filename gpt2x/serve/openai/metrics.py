@@ -1,5 +1,6 @@
-"""The served API's Prometheus metrics (`GET /metrics`), named as vLLM names its own with gpt2x's
-prefix (`vllm:prompt_tokens_total` is `gpt2x:prompt_tokens_total`), summed over every replica.
+"""The served API's Prometheus metrics (`GET /metrics`), named as vLLM names its own (`vllm:prompt_tokens_total`),
+each written again under gpt2x's prefix (`gpt2x:prompt_tokens_total`, the names of earlier releases), summed over
+every replica.
 
 Each replica keeps plain counters and histogram buckets (`ReplicaMetrics`): the engine's thread times
 each token a row samples (engine.Observer: a row's first token from when it was queued, then the gap
@@ -41,7 +42,9 @@ from prometheus_client.utils import floatToGoString
 
 from ..core.engine import Engine, Row
 
-PREFIX = "gpt2x:"
+# vLLM's names, unchanged, so that its dashboards and metric tests find them; gpt2x's own prefix kept as an alias.
+PREFIX = "vllm:"
+ALIAS_PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STALE_S = 10.0  # a replica whose last snapshot is older than this no longer adds its gauges
 # Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
@@ -85,8 +88,10 @@ PREFILL = HistogramSpec("request_prefill_time_seconds", "Histogram of time spent
                         _FINE_S + _REQUEST_S)
 DECODE = HistogramSpec("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
                        _FINE_S + _REQUEST_S)
+# Each choice's preemptions, as vLLM observes each finished request's: the scheduler never preempts, so every one is 0.
+PREEMPTIONS = HistogramSpec("request_num_preemptions", "Number of preemptions per request.", (1, 2, 3, 4, 5, 10, 20))
 HISTOGRAMS = (TTFT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, ITERATION_TOKENS, PARAMS_N, PARAMS_MAX_TOKENS, QUEUE,
-              INFERENCE, PREFILL, DECODE)
+              INFERENCE, PREFILL, DECODE, PREEMPTIONS)
 
 # The engine's counters that a replica may have (engine.stats(): speculative ones with a draft, the
 # prefix cache's with one) and their vLLM names.
@@ -181,6 +186,7 @@ class ReplicaMetrics:
             for reason, seconds in choices:
                 self.success[reason] = self.success.get(reason, 0) + 1
                 self.histograms[E2E.name].observe(max(0.0, seconds))
+                self.histograms[PREEMPTIONS.name].observe(0)
             for prompt, generated in tokens:
                 self.histograms[PROMPT_TOKENS.name].observe(prompt)
                 self.histograms[GENERATION_TOKENS.name].observe(generated)
@@ -239,12 +245,13 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
 class _Collector:
     """A merged snapshot as prometheus-client's metric families (a custom collector)."""
 
-    def __init__(self, merged: dict, model: str):
+    def __init__(self, merged: dict, model: str, prefix: str = PREFIX):
         self.merged = merged
         self.model = model
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
-        m, labels, model = self.merged, ["model_name"], [self.model]
+        m, labels, model, PREFIX = self.merged, ["model_name"], [self.model], self.prefix  # noqa: N806
         gauges = (("num_requests_running", "running", "Number of requests in model execution batches."),
                   ("num_requests_waiting", "waiting", "Number of requests waiting to be processed."))
         for name, key, text in gauges:
@@ -272,9 +279,10 @@ class _Collector:
                                  labels=["model_name", *sorted(config)])
         info.add_metric([self.model, *(config[k] for k in sorted(config))], 1)
         yield info
-        replicas = GaugeMetricFamily(PREFIX + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
-        replicas.add_metric(model, m["replicas"])
-        yield replicas
+        if PREFIX == ALIAS_PREFIX:  # gpt2x's own, under its own prefix only (vLLM has no such name)
+            replicas = GaugeMetricFamily(PREFIX + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
+            replicas.add_metric(model, m["replicas"])
+            yield replicas
         counters = (("prompt_tokens", "Number of prefill tokens processed."),
                     ("generation_tokens", "Number of generation tokens processed."))
         for name, text in counters:
@@ -303,9 +311,11 @@ class _Collector:
 
 
 def render(merged: dict, model: str) -> bytes:
-    """A merged snapshot in Prometheus' text format (CONTENT_TYPE), every metric labelled model_name."""
+    """A merged snapshot in Prometheus' text format (CONTENT_TYPE), every metric labelled model_name, under vLLM's
+    names and again under gpt2x's prefix."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(merged, model))
+    for prefix in (PREFIX, ALIAS_PREFIX):
+        registry.register(_Collector(merged, model, prefix))
     return generate_latest(registry)
 
 
