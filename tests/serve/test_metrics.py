@@ -303,9 +303,10 @@ def known_requests(client) -> None:
     before = scrape(client.get("/metrics").text)
     a = client.post("/v1/completions", json={"prompt": lone, "max_tokens": 7, "temperature": 0, "ignore_eos": True}).json()
     mid = scrape(client.get("/metrics").text)
-    # one prefill of the prompt's tokens, then a step of one token for each token after the first
+    # vLLM observes each step's prompt tokens plus the tokens it sampled (vllm/v1/metrics/loggers.py): the prefill
+    # with its first token, then a step of one token for each token after the first, P + G in all
     assert moved_histograms(before, mid, ("iteration_tokens_total",)) == {
-        "iteration_tokens_total": (7, len(encode(lone)) + 6)}
+        "iteration_tokens_total": (7, len(encode(lone)) + 7)}
     prompts = ["JULIET: O Romeo", "KING HENRY: Once more"]
     b = client.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0.9,
                                               "seed": 1}).json()

@@ -107,8 +107,8 @@ class Runner:
                  draft_settings: DraftSettings | None = None, prefix_cache: PrefixCache | None = None,
                  stepped: Callable[[int, int], None] | None = None):
         self.backend = backend
-        # told after each model step: the tokens it ran (prompt tokens of a prefill chunk, one per live
-        # row of a decode step) and the positions its cache holds (rows x width): vLLM's iteration tokens
+        # told after each model step: vLLM's iteration tokens (a chunk's prompt tokens, with the first tokens its
+        # last chunk samples; one per live row of a decode step) and the positions its cache holds (rows x width)
         self.stepped = stepped or (lambda tokens, positions: None)
         self.prefix_cache = prefix_cache  # with capabilities.takes_past only (a past made from its blocks)
         self.counters = counters
@@ -322,7 +322,8 @@ class Runner:
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
         nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, positions(mask, cols),
                                                        prefill.past, prefill.index)
-        ran_step(ran, mask.size)
+        # vLLM's iteration tokens: the prompt tokens run and the tokens sampled (each row's first, its end of text too)
+        ran_step(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), mask.size)
         if report:
             self._keep_prefixes(prefill)
         mask, past = prefill.mask, prefill.past

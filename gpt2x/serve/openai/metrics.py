@@ -20,8 +20,9 @@ Prometheus expects never to go down, and no longer its gauges.
 vLLM's per-request histograms: each choice's prompt and generated tokens (from its response), each
 prompt's n and max_tokens (vLLM's request is a prompt with its n), and each row's phases as the engine
 saw them (engine.Observer.finished): queued, prefill (to its first token), decode (to its last),
-inference (both); `iteration_tokens_total`, the tokens of each model step (a prefill chunk's prompt
-tokens, one per live row of a decode step; speculative rounds are not counted). Gauges: the KV in use
+inference (both); `iteration_tokens_total`, vLLM's tokens of each model step: the prompt tokens it ran and the
+tokens it sampled (a prompt's last chunk adds its rows' first tokens; one per live row of a decode step; speculative
+rounds are not counted), P + G for a request of P prompt tokens and G generated. Gauges: the KV in use
 (`kv_cache_usage_perc`: the positions the batch's cache holds, of max_batch_size x the context),
 requests waiting by reason (all for "capacity": none is deferred), the cache's settings
 (`cache_config_info`); `num_preemptions_total` is 0: the scheduler never preempts a row.
