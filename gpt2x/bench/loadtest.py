@@ -429,28 +429,38 @@ def workload_text(settings: dict) -> str:
     return f"{settings['prompts']} prompts"
 
 
+def _percentiles(summary: dict | None, keys: tuple[str, ...] = ("p50_ms", "p90_ms", "p99_ms")) -> str:
+    """A latency's percentiles in one cell, space-separated: a narrow terminal wraps the cell, never cuts a figure."""
+    return " ".join(_ms(summary, key) for key in keys)
+
+
 def loadtest_table(result: dict) -> Table:
+    """One row per concurrency level; each latency's p50, p90 and p99 in one cell, and every column folding rather
+    than cutting, so that the figures stay whole at 80 columns (rich cuts a number that does not fit: `3…`)."""
     s = result["settings"]
     mode = f"Poisson {s['rate']:g} req/s" if s["rate"] else "closed loop"
     table = Table(title=f"loadtest {s['url']} (model {s['model']}, {s['requests']} requests per level, {mode}, "
                         f"max_tokens {s['max_tokens']}, {workload_text(s)})")
-    cols = ("conc.", "ok", "failed", "wall s", "req/s", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99",
-            "TPOT p50", "ITL p50", "ITL p90", "ITL p99", "e2e p50", "e2e p90", "e2e p99", "prompt tok", "cache hit")
-    for col in cols:
-        table.add_column(col, justify="right")
+    cols = ("conc.", "ok", "failed", "wall s", "req/s", "out tok/s", "TTFT p50 p90 p99", "TPOT p50", "ITL p50 p90 p99",
+            "e2e p50 p90 p99", "prompt tok", "cache hit")
+    rows = []
     for lv in result["levels"]:
         fail = str(lv["failed"]) if not lv["failed"] else "[red]" + ", ".join(f"{n} {k}" for k, n in lv["failures"].items()) + "[/]"
-        table.add_row(
+        rows.append((
             str(lv["concurrency"]), str(lv["completed"]), fail, f"{lv['wall_s']:.2f}",
             "-" if lv["request_throughput"] is None else f"{lv['request_throughput']:.2f}",
             "-" if lv["output_token_throughput"] is None else f"{lv['output_token_throughput']:.1f}",
-            _ms(lv["ttft"], "p50_ms"), _ms(lv["ttft"], "p90_ms"), _ms(lv["ttft"], "p99_ms"), _ms(lv["tpot"], "p50_ms"),
-            _ms(lv["itl"], "p50_ms"), _ms(lv["itl"], "p90_ms"), _ms(lv["itl"], "p99_ms"),
-            _ms(lv["e2e"], "p50_ms"), _ms(lv["e2e"], "p90_ms"), _ms(lv["e2e"], "p99_ms"),
+            _percentiles(lv["ttft"]), _ms(lv["tpot"], "p50_ms"), _percentiles(lv["itl"]), _percentiles(lv["e2e"]),
             "-" if lv.get("prompt_tokens") is None else str(lv["prompt_tokens"]), hit_rate_text(lv),
-        )
-    table.caption = ("latencies in ms; TTFT: time to first token, TPOT: time per output token after the first, ITL: between chunks; "
-                     "prompt tok: as the server states them; cache hit: its cached / prompt tokens (n/a: it states none)")
+        ))
+    for i, col in enumerate(cols):  # never narrower than its longest figure: cells wrap between figures, not inside
+        widest = max((len(word) for row in rows for word in row[i].split()), default=1)
+        table.add_column(col, justify="right", overflow="fold", min_width=widest)
+    for row in rows:
+        table.add_row(*row)
+    table.caption = ("latencies in ms (p50 p90 p99); TTFT: time to first token, TPOT: time per output token after the "
+                     "first, ITL: between chunks; prompt tok: as the server states them; cache hit: its cached / prompt "
+                     "tokens (n/a: it states none)")
     return table
 
 

@@ -101,7 +101,17 @@ def check_chat_template(text: str, origin: str) -> None:
         raise UsageError(f"{origin} is not a Jinja2 template: {e.message} (line {e.lineno})", option="chat-template") from None
 
 
-def tokenizer_config(cfg: GPT2Config, chat_template: str | None = None) -> dict:
+def chat_template_of(folder: Path):
+    """The chat_template an export folder's tokenizer_config.json records (a string, or transformers' list of named
+    templates), or None."""
+    try:
+        config = json.loads((Path(folder) / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("chat_template") if isinstance(config, dict) else None
+
+
+def tokenizer_config(cfg: GPT2Config, chat_template=None) -> dict:
     """tokenizer_config.json: GPT-2's fast tokenizer, no prefix space, no clean-up of spaces on decode; with
     `chat_template`, the Jinja2 template transformers' apply_chat_template and vLLM read."""
     return {

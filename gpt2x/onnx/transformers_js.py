@@ -126,7 +126,7 @@ def write_transformers_js(exports: Sequence[ExportInfo], out: Path, force: bool 
             interop.HF_CONFIG_FILE: hf_config_for_transformers_js(exports),
             interop.GENERATION_CONFIG_FILE: interop.generation_config(),
             interop.TOKENIZER_FILE: interop.tokenizer_json(),
-            interop.TOKENIZER_CONFIG_FILE: interop.tokenizer_config(cfg),
+            interop.TOKENIZER_CONFIG_FILE: interop.tokenizer_config(cfg, interop.chat_template_of(exports[0].folder)),
             interop.SPECIAL_TOKENS_FILE: interop.special_tokens_map(),
         }
         for name, data in contents.items():

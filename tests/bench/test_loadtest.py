@@ -182,7 +182,7 @@ def test_cli_table_json_and_plot(stub, capsys, tmp_path):
     code, out, err = cli(capsys, "loadtest", url, "--requests", "6", "--concurrency", "1,2", "--max-tokens", "8",
                          "--output", str(tmp_path / "lt.json"), "--plot", str(tmp_path / "lt.png"))
     assert code == 0, err
-    assert "loadtest" in out and "TTFT p50" in out and "http_500" in out
+    assert "loadtest" in out and "TTFT p50 p90 p99" in out and "http_500" in out
     data = json.loads((tmp_path / "lt.json").read_text())
     assert [lv["concurrency"] for lv in data["levels"]] == [1, 2] and "environment" in data
     assert data["levels"][0]["failures"] == {"http_500": 2}
@@ -197,12 +197,12 @@ def test_cli_json_switch_and_the_old_json_path(stub, capsys, tmp_path):
     assert code == 0, err
     data = json.loads(out)
     assert [lv["concurrency"] for lv in data["levels"]] == [1] and data["levels"][0]["completed"] == 3
-    assert "TTFT p50" in err and "deprecated" not in err
+    assert "TTFT p50 p90 p99" in err and "deprecated" not in err
     code, out, err = cli(capsys, "loadtest", "--json", url, "--requests", "2", "--concurrency", "1", "--max-tokens", "4")
     assert code == 0 and json.loads(out)["settings"]["requests"] == 2, err
     code, out, err = cli(capsys, "loadtest", url, "--requests", "2", "--concurrency", "1", "--max-tokens", "4",
                          "--json", str(tmp_path / "old.json"))
-    assert code == 0 and "TTFT p50" in out, err
+    assert code == 0 and "TTFT p50 p90 p99" in out, err
     assert json.loads((tmp_path / "old.json").read_text())["settings"]["requests"] == 2
     assert [line for line in err.splitlines() if "deprecated" in line] == [
         "warning: --json PATH is deprecated; use --output PATH (--json now prints the JSON on stdout)"]
@@ -313,3 +313,23 @@ def test_a_version_1_result_still_renders(stub):
     console.print(loadtest_table(result))
     text = console.export_text()
     assert "5 prompts" in text and "n/a" in text
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_table_keeps_every_figure_whole_at_80_and_100_columns(stub, width):
+    """rich cut a figure that did not fit (`3…`, every number at 100 columns); the table folds or wraps instead:
+    each figure of each level is whole on some line of the rendered text, and nothing is cut."""
+    from rich.console import Console
+
+    from gpt2x.bench.loadtest import _ms, loadtest_table
+
+    result = run_loadtest(LoadtestSettings(url=stub("cached_openai"), requests=4, concurrency=[1, 2], timeout=10), {})
+    console = Console(width=width, record=True)
+    console.print(loadtest_table(result))
+    text = console.export_text()
+    assert "…" not in text
+    words = set(text.split())
+    for lv in result["levels"]:
+        figures = [f"{lv['output_token_throughput']:.1f}", f"{lv['wall_s']:.2f}"]
+        figures += [_ms(lv[m], k) for m in ("ttft", "itl", "e2e") for k in ("p50_ms", "p90_ms", "p99_ms")]
+        assert all(f in words for f in figures), (figures, text)

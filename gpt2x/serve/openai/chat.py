@@ -14,7 +14,6 @@ script: onnx.interop.DEFAULT_CHAT_TEMPLATE), unless the server was started with
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from functools import cached_property
@@ -23,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...onnx.interop import DEFAULT_CHAT_TEMPLATE
+from ...onnx.interop import DEFAULT_CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, chat_template_of
 from ...tokenizer import encode
 from . import schema
 from .errors import bad, validation_error
@@ -122,15 +121,11 @@ def find_template(export_folder: Path, given: str | None, default: bool = True) 
 def export_template(export_folder: Path) -> ChatTemplate | None:
     """The export folder's tokenizer_config.json chat_template (a string, or transformers' list of named templates:
     "default"), else None."""
-    path = export_folder / "tokenizer_config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    found = config.get("chat_template") if isinstance(config, dict) else None
+    found = chat_template_of(export_folder)
     if isinstance(found, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
         found = named.get("default")
+    path = export_folder / TOKENIZER_CONFIG_FILE
     return ChatTemplate(found, str(path)) if isinstance(found, str) and found else None
 
 
