@@ -33,6 +33,13 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _code_cell(text: str) -> str:
+    """Option names and metavars as code in one cell of a Markdown table: HTML, since a backtick span shows the
+    backslash of an escaped pipe (`<torch\\|ort>`), with its pipes and angle brackets as entities."""
+    text = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "&#124;")
+    return f"<code>{text}</code>"
+
+
 def _table(command, ctx, kind: str) -> list[str]:
     """The command's parameters of one kind ("argument" or "option") as a Markdown table."""
     rows = []
@@ -41,7 +48,7 @@ def _table(command, ctx, kind: str) -> list[str]:
         if record is None:  # another kind, or hidden
             continue
         names, help_text = record
-        rows.append(f"| `{_cell(names)}` | {_cell(help_text)} |")
+        rows.append(f"| {_code_cell(names)} | {_cell(help_text)} |")
     if not rows:
         return []
     return [f"| {kind} | description |", "| --- | --- |", *rows, ""]

@@ -43,3 +43,33 @@ def test_relative_links_exist(page):
     targets = [t.split("#", 1)[0] for t in re.findall(r"\]\(([^)\s]+)\)", text)]
     missing = [t for t in targets if t and "://" not in t and not (ROOT / t).exists()]
     assert not missing, f"{page} links to files that do not exist: {missing}"
+
+
+def test_the_built_site_shows_no_escaping_backslash_and_nested_lists_as_lists(tmp_path):
+    """The site built by mkdocs and read in headless Chromium, as a reader sees it: the CLI reference shows option
+    metavars with their pipes and no backslash (backtick spans had shown `<torch\\|ort\\|...>`, 24 times), and the
+    generate guide's nested list renders inside its list item (indented by two spaces, it ran into the item's text)."""
+    import os
+    import subprocess
+    import sys
+
+    from playwright.sync_api import sync_playwright
+
+    from gpt2x.runtime.web import CHROMIUM_ARGS, chromium_path
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT, check=True,
+                   env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=300)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto((site / "reference" / "cli" / "index.html").as_uri())
+            text = page.inner_text("article")
+            assert "\\|" not in text and "\\<" not in text
+            assert "--prefill auto|onnxruntime|openvino" in text and "--backend <torch|ort|openvino|genai|web>" in text
+            page.goto((site / "commands" / "generate" / "index.html").as_uri())
+            nested = page.locator("article li li").all_inner_texts()
+            assert any(t.startswith("oneOf is enforced as anyOf") for t in nested), nested
+        finally:
+            browser.close()
