@@ -14,6 +14,16 @@ import typer
 from ..errors import INTERRUPTED_EXIT_CODE, Gpt2xError, UsageError
 from .options import Status, err, version_callback
 
+# Typer (0.29) labels a switch `<bool>` in --help, as if it took a value: a switch is shown without a type.
+_display_type_rich = typer.core.TyperOption.display_type_rich
+
+
+def _switch_without_type(self, ctx):
+    return None if self.is_flag and not self.count else _display_type_rich(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _switch_without_type
+
 app = typer.Typer(
     name="gpt2x",
     help="GPT-2 from scratch in PyTorch, exported to ONNX with a KV cache, run on ONNX Runtime.",

@@ -21,6 +21,11 @@ from ..tokenizer import StreamDecoder, decode
 from ..workflows.backends import open_backend
 from ..workflows.drafts import DRAFT_HELP, open_drafter
 from .options import (
+    BEAM_PANEL,
+    DRAFT_PANEL,
+    RUNTIME_PANEL,
+    SAMPLING_PANEL,
+    STRUCTURED_PANEL,
     ExportsOpt,
     JsonOpt,
     KvCacheOpt,
@@ -81,9 +86,10 @@ def generate(
     backend: Annotated[BackendKind, typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
         "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,
-    provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
+    provider: Annotated[ProviderKind, typer.Option(rich_help_panel=RUNTIME_PANEL, help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: EXPORTS/MODEL-PRECISION, see --exports).")] = None,
+    onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", rich_help_panel=RUNTIME_PANEL,
+        help="Export folder to run (default: EXPORTS/MODEL-PRECISION, see --exports).")] = None,
     threads: ThreadsOpt = None,
     max_new_tokens: Annotated[int, typer.Option(
         help="Tokens to generate (stops earlier at <|endoftext|> or the context limit).")] = SamplingSettings.max_new_tokens,
@@ -93,48 +99,53 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold in (0, 1].")] = SamplingSettings.top_p,
     seed: Annotated[Optional[int], typer.Option(help="Sampler seed: same seed, same text. Random if unset.")] = None,
     min_p: Annotated[float, typer.Option(
-        help="Drop tokens less likely than MIN_P times the most likely one, in [0, 1] (0: off; vLLM's and "
+        rich_help_panel=SAMPLING_PANEL, help="Drop tokens less likely than MIN_P times the most likely one, in [0, 1] (0: off; vLLM's and "
         "transformers' min_p).")] = SamplingSettings.min_p,
     presence_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL,
         help="Subtracted from the logit of every token already generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.presence_penalty,
     frequency_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL,
         help="Subtracted from a token's logit once per time it was generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.frequency_penalty,
     repetition_penalty: Annotated[float, typer.Option(
-        help="The logits of tokens in the prompt or the output divided by it (multiplied where negative); "
+        rich_help_panel=SAMPLING_PANEL, help="The logits of tokens in the prompt or the output divided by it (multiplied where negative); "
         "> 0, 1: off (transformers' and vLLM's).")] = SamplingSettings.repetition_penalty,
     logit_bias: Annotated[Optional[list[str]], typer.Option(
         "--logit-bias", metavar="ID=BIAS",
-        help="Add BIAS (in [-100, 100]) to token ID's logit, greedy included; repeatable, or a comma list "
+        rich_help_panel=SAMPLING_PANEL, help="Add BIAS (in [-100, 100]) to token ID's logit, greedy included; repeatable, or a comma list "
         "(-100: never, 100: always).")] = None,
     stop_token_ids: Annotated[Optional[list[str]], typer.Option(
         "--stop-token-ids", metavar="IDS",
-        help="A sample ends when it generates one of these token ids (not kept); comma list, repeatable.")] = None,
+        rich_help_panel=SAMPLING_PANEL, help="A sample ends when it generates one of these token ids (not kept); comma list, repeatable.")] = None,
     min_tokens: Annotated[int, typer.Option(
-        help="<|endoftext|> and --stop-token-ids cannot be generated before this many tokens.")] = SamplingSettings.min_tokens,
+        rich_help_panel=SAMPLING_PANEL, help="<|endoftext|> and --stop-token-ids cannot be generated before this many tokens.")] = SamplingSettings.min_tokens,
     ignore_eos: Annotated[bool, typer.Option(
-        "--ignore-eos", help="Do not stop at <|endoftext|> (it is kept as a token).")] = SamplingSettings.ignore_eos,
+        "--ignore-eos", rich_help_panel=SAMPLING_PANEL, help="Do not stop at <|endoftext|> (it is kept as a token).")] = SamplingSettings.ignore_eos,
     n: Annotated[int, typer.Option(
         "--n", "--num-return-sequences",
         help="Samples per prompt; sample i is seeded SEED + i (vLLM's rule), so sample 0 is what --n 1 gives.")] = SamplingSettings.n,
     json_schema: Annotated[Optional[Path], typer.Option(
-        "--json-schema", metavar="FILE", help="Structured output: the text is JSON satisfying this JSON schema file.")] = None,
-    regex: Annotated[Optional[str], typer.Option(help="Structured output: the text fully matches this regular expression.")] = None,
+        "--json-schema", metavar="FILE", rich_help_panel=STRUCTURED_PANEL,
+        help="Structured output: the text is JSON satisfying this JSON schema file.")] = None,
+    regex: Annotated[Optional[str], typer.Option(rich_help_panel=STRUCTURED_PANEL,
+        help="Structured output: the text fully matches this regular expression.")] = None,
     choice: Annotated[Optional[list[str]], typer.Option(
-        "--choice", help="Structured output: the text is one of these (repeatable).")] = None,
+        "--choice", rich_help_panel=STRUCTURED_PANEL, help="Structured output: the text is one of these (repeatable).")] = None,
     grammar: Annotated[Optional[Path], typer.Option(
-        "--grammar", metavar="FILE", help="Structured output: the text satisfies this Lark (start:) or GBNF (root ::=) grammar.")] = None,
-    num_beams: Annotated[int, typer.Option(help="Beam search with this many beams (1: off).")] = SamplingSettings.num_beams,
+        "--grammar", metavar="FILE", rich_help_panel=STRUCTURED_PANEL,
+        help="Structured output: the text satisfies this Lark (start:) or GBNF (root ::=) grammar.")] = None,
+    num_beams: Annotated[int, typer.Option(rich_help_panel=BEAM_PANEL, help="Beam search with this many beams (1: off).")] = SamplingSettings.num_beams,
     length_penalty: Annotated[float, typer.Option(
-        help="Beam search length penalty (as in transformers).")] = SamplingSettings.length_penalty,
+        rich_help_panel=BEAM_PANEL, help="Beam search length penalty (as in transformers).")] = SamplingSettings.length_penalty,
     early_stopping: Annotated[bool, typer.Option(
-        help="Beam search stops once num_beams hypotheses are done.")] = SamplingSettings.early_stopping,
+        rich_help_panel=BEAM_PANEL, help="Beam search stops once num_beams hypotheses are done.")] = SamplingSettings.early_stopping,
     prompts_file: Annotated[Optional[Path], typer.Option(help="One prompt per line, generated as one left-padded batch.")] = None,
     truncate: Annotated[bool, typer.Option(help="Keep the end of prompts longer than the context instead of failing.")] = False,
     draft: Annotated[Optional[str], typer.Option(
-        help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own.")] = None,
+        rich_help_panel=DRAFT_PANEL, help=f"Speculative decoding with this draft: {DRAFT_HELP}. The output is the target's own.")] = None,
     num_speculative_tokens: NumSpeculativeTokensOpt = DraftSettings.num_speculative_tokens,
     draft_adaptive: Annotated[bool, typer.Option(
-        help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
+        rich_help_panel=DRAFT_PANEL, help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled run is reproduced exactly.")] = True,
     kv_cache: KvCacheOpt = KvCache.auto,
     as_json: JsonOpt = False,

@@ -28,6 +28,13 @@ out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty()
 err = Console(stderr=True, highlight=False)
 err_tables = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 220)  # tables, with --json
 
+# --help's panels: the common options come first, in Typer's default panel; the rest by theme, each in one of these.
+RUNTIME_PANEL = "Backend, export and runtime"
+SAMPLING_PANEL = "Sampling controls"
+STRUCTURED_PANEL = "Structured output"
+BEAM_PANEL = "Beam search"
+DRAFT_PANEL = "Speculative decoding"
+
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -46,7 +53,7 @@ def _use_exports(value: Optional[Path]) -> Optional[Path]:
 
 
 ExportsOpt = Annotated[Optional[Path], typer.Option(
-    "--exports", envvar=EXPORTS_ENV, callback=_use_exports, metavar="DIR", show_default=False,
+    "--exports", envvar=EXPORTS_ENV, callback=_use_exports, metavar="DIR", show_default=False, rich_help_panel=RUNTIME_PANEL,
     help="Where exports made by model name are kept (DIR/MODEL-PRECISION); default ~/.cache/gpt2x/exported "
          "(under XDG_CACHE_HOME when set).")]
 def _sets_env(env: str, asked_for):
@@ -65,23 +72,24 @@ _use_prefill = _sets_env(PREFILL_ENV, asked)  # runtime.prefill
 
 PrefillOpt = Annotated[Optional[str], typer.Option(
     "--prefill", envvar=PREFILL_ENV, callback=_use_prefill, metavar="|".join(c.value for c in PrefillChoice),
-    show_default=False,
+    show_default=False, rich_help_panel=RUNTIME_PANEL,
     help="Where the ort backend runs a new prompt's prefill on an export with OpenVINO's prefill graph (int8, or fp32 "
          "exported with --openvino-prefill): auto (default: that graph "
          "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
 _use_kv_dtype = _sets_env(KV_DTYPE_ENV, asked_kv_dtype)  # runtime.kvdtype
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-dtype", envvar=KV_DTYPE_ENV, callback=_use_kv_dtype, metavar="|".join(c.value for c in KvDtypeChoice),
-    show_default=False,
+    show_default=False, rich_help_panel=RUNTIME_PANEL,
     help="The dtype of the ort backend's KV cache on an int8 or int4 export: auto (default: int8 where the export "
          "calibrated and gated its scales and timed decode steps on them faster), int8 (a quarter of the bytes), or "
          "float.")]
-RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.")]
+RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.",
+                                                   rich_help_panel=RUNTIME_PANEL)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 OutputOpt = Annotated[Optional[Path], typer.Option(
     "--output", help="Also write the JSON result to this file (atomically: whole or not at all).")]
 NumSpeculativeTokensOpt = Annotated[int, typer.Option(
-    "--num-speculative-tokens",
+    "--num-speculative-tokens", rich_help_panel=DRAFT_PANEL,
     help="Most tokens the draft proposes per verification (K, vLLM's num_speculative_tokens).")]
 ModelOptional = Annotated[
     Optional[str],
@@ -89,8 +97,10 @@ ModelOptional = Annotated[
 ]
 PrecisionOpt = Annotated[Optional[Precision], typer.Option(
     help="fp32 (default); int8 and int4: exports, run by the ort, openvino, genai and web backends; fp16: CUDA only.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (default: the cores available).",
+                                                  rich_help_panel=RUNTIME_PANEL)]
 KvCacheOpt = Annotated[KvCache, typer.Option(
+    rich_help_panel=RUNTIME_PANEL,
     help="The ort backend's KV cache: auto (written in place wherever it can be on the CPU: int8 and int4 graphs, an "
     "fp32 export's through its graph's GroupQueryAttention twin, made in memory), in-place (required), or growing "
     "(the export's own graph).")]

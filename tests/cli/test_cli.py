@@ -18,6 +18,29 @@ def test_every_command_has_help_with_examples(capsys, command):
     assert code == 0 and "Example" in out
 
 
+@pytest.mark.parametrize("command", ["generate", "export", "bench", "serve", "loadtest"])
+def test_help_shows_switches_as_switches(command):
+    """A switch takes no value: --help shows none (Typer labelled each `<bool>`)."""
+    r = run_cli(command, "--help", env={"COLUMNS": "100"})
+    assert r.returncode == 0 and "--json" in r.stdout and "<bool>" not in r.stdout
+
+
+def test_generate_help_puts_the_common_options_first_and_the_rest_in_panels():
+    """At 100 columns: after the prompt, the options a user reaches for first (--max-new-tokens, --temperature,
+    --seed) in the first panel; the sampling controls, structured output, beam search, speculative decoding and the
+    runtime's options each in a panel of its own, after it."""
+    r = run_cli("generate", "--help", env={"COLUMNS": "100"})
+    assert r.returncode == 0
+    text = r.stdout
+    panels = ["Options", "Sampling controls", "Structured output", "Beam search", "Speculative decoding",
+              "Backend, export and runtime"]
+    at = [text.index(f"─ {name} ─") for name in panels]
+    assert at[0] == min(at)
+    first = text[at[0]:min(a for a in at if a > at[0])]
+    assert all(opt in first for opt in ("--max-new-tokens", "--temperature", "--top-p", "--seed", "--greedy", "--model"))
+    assert "--min-p" not in first and "--prefill" not in first and "--json-schema" not in first
+
+
 def test_generate_json_and_seed(capsys):
     args = ["generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "12", "--seed", "3", "--json"]
     code, out, _ = cli(capsys, *args)
