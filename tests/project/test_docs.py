@@ -73,3 +73,27 @@ def test_the_built_site_shows_no_escaping_backslash_and_nested_lists_as_lists(tm
             assert any(t.startswith("oneOf is enforced as anyOf") for t in nested), nested
         finally:
             browser.close()
+
+
+def test_the_readmes_structured_output_example_runs_as_shown(export_dir):
+    """The README's line, run from the repository's root as a reader of a clone runs it (the schema it names is
+    shipped in examples/): its text after the prompt is JSON that the schema accepts (jsonschema, not gpt2x)."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    import jsonschema
+
+    line = next(ln for ln in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if "--json-schema" in ln)
+    args = shlex.split(line.split("#", 1)[0])
+    assert args[:2] == ["gpt2x", "generate"]
+    env = {**os.environ, "GPT2X_EXPORTS": str(export_dir.parent), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "gpt2x", *args[1:]], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    prompt = args[2]
+    assert r.stdout.startswith(prompt)
+    schema = json.loads((ROOT / args[args.index("--json-schema") + 1]).read_text())
+    jsonschema.validate(json.loads(r.stdout[len(prompt):]), schema)
