@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .. import __version__
+from ..onnx.artifact import exports_root
 from ..runtime.providers import available_providers, physical_cores
 from .results import Environment
 
@@ -79,7 +80,7 @@ def environment() -> Environment:
         providers_loadable=providers["loadable"],
         hub_cache=constants.HF_HUB_CACHE,
         hub_offline=bool(constants.HF_HUB_OFFLINE),
-        exports=str(Path("exported").resolve()),
+        exports=str(exports_root()),  # GPT2X_EXPORTS, else the user's cache: where commands find exports
         git=git_revision() or "n/a",
     )
 

@@ -41,6 +41,18 @@ def test_generate_help_puts_the_common_options_first_and_the_rest_in_panels():
     assert "--min-p" not in first and "--prefill" not in first and "--json-schema" not in first
 
 
+def test_info_names_the_exports_folder_the_commands_use(capsys, monkeypatch, tmp_path):
+    """GPT2X_EXPORTS where set, else the user's cache (XDG_CACHE_HOME's): not the working directory's ./exported."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "mine"))
+    code, out, _ = cli(capsys, "info", "--json")
+    assert code == 0 and json.loads(out)["exports"] == str(tmp_path / "mine")
+    monkeypatch.delenv(EXPORTS_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, _ = cli(capsys, "info", "--json")
+    assert code == 0 and json.loads(out)["exports"] == str(tmp_path / "cache" / "gpt2x" / "exported")
+
+
 def test_generate_json_and_seed(capsys):
     args = ["generate", "ROMEO:", "--backend", "torch", "--max-new-tokens", "12", "--seed", "3", "--json"]
     code, out, _ = cli(capsys, *args)
