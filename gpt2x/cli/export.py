@@ -103,7 +103,7 @@ def export(
         lg = parity["logits"]
         out.print(f"parity passed on {parity['provider']}: max |Δlogit| {lg['max_abs']:.3g} "
                   f"({lg['max_rel']:.2g} of scale), mean KL {lg['mean_kl']:.2g}, top-1 agreement "
-                  f"{lg['top1_agreement']:.3f}, greedy agreement {parity['greedy']['share']:.2f}")
+                  f"{lg['top1_agreement']:.3f}, {_greedy(parity)}")
     else:
         out.print(f"parity: {parity.get('status')} ({parity.get('reason', '')})", markup=False)
     batched = meta.get(BATCHED_KEY)
@@ -125,8 +125,14 @@ def _graph_line(title: str, record: dict, timed: Callable[[dict], str], presents
     parity = record["parity"]
     lg = parity["logits"]
     extra = f", presents {lg['present_max_rel']:.2g}" if presents else ""
-    return (f"{title}: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale{extra}, greedy agreement "
-            f"{parity['greedy']['share']:.2f}); {timed(record)}")
+    return f"{title}: parity passed (max |Δlogit| {lg['max_rel']:.2g} of scale{extra}, {_greedy(parity)}); {timed(record)}"
+
+
+def _greedy(parity: dict) -> str:
+    """The greedy agreement with its gate: the share of greedy tokens equal to PyTorch's before the first that
+    differs, which a lossy precision's near-ties end early (docs/export.md, parity gates)."""
+    gate = (parity.get("tolerance") or {}).get("min_greedy")
+    return f"greedy agreement {parity['greedy']['share']:.2f}" + ("" if gate is None else f" (gate {gate:g})")
 
 
 def _batched_timings(record: dict) -> str:
