@@ -147,3 +147,34 @@ def test_a_model_without_a_template_chats_on_the_default_unless_refused(tiny_exp
                     assert "--no-default-chat-template" in error["message"] and "--chat-template" in error["message"]
         finally:
             served.close()
+
+
+def test_openapi_describes_chat_from_its_models_and_the_answers_validate_against_it(service):
+    """/openapi.json's chat route names its request (ChatCompletionRequest) and response (ChatCompletionResponse, and
+    ChatCompletionChunk for a stream's events), generated from the models; a whole answer and each streamed chunk
+    validate against those schemas (jsonschema, resolving the document's own $refs)."""
+    import jsonschema
+
+    with TestClient(local_app(service)) as c:
+        doc = c.get("/openapi.json").json()
+        op = doc["paths"]["/v1/chat/completions"]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+        ok = op["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
+        assert "ChatCompletionChunk" in json.dumps(ok["text/event-stream"])
+        assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
+
+        def check(instance, name):
+            jsonschema.validate(instance, {"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+        whole = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "n": 2}).json()
+        check(whole, "ChatCompletionResponse")
+        assert whole["object"] == "chat.completion" and whole["choices"][1]["message"]["role"] == "assistant"
+        body = {"messages": MESSAGES, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/chat/completions", json=body) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+        for chunk in chunks:
+            check(chunk, "ChatCompletionChunk")
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": chunks[0]["choices"][0]["delta"]["content"]}
+        assert all("role" not in ch["delta"] for chunk in chunks[1:] for ch in chunk["choices"])
+        assert "usage" not in chunks[0] and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4

@@ -171,24 +171,21 @@ def chat_id(completion_id: str) -> str:
     return "chatcmpl-" + completion_id.removeprefix("cmpl-") if completion_id else "chatcmpl-" + uuid.uuid4().hex
 
 
-def response(req: CompletionRequest, texts: list[str], reasons: list[str | None], usage: schema.Usage) -> dict:
-    return {"id": chat_id(req.id), "object": "chat.completion", "created": req.created, "model": req.model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": reason} for i, (text, reason) in enumerate(zip(texts, reasons))],
-            "usage": usage.model_dump()}
+def response(req: CompletionRequest, texts: list[str], reasons: list[str | None],
+             usage: schema.Usage) -> schema.ChatCompletionResponse:
+    return schema.ChatCompletionResponse(
+        id=chat_id(req.id), created=req.created, model=req.model, usage=usage,
+        choices=[schema.ChatChoice(index=i, message=schema.ChatMessage(content=text), finish_reason=reason)
+                 for i, (text, reason) in enumerate(zip(texts, reasons))])
 
 
-def chunk(req: CompletionRequest, choices: list[dict], usage: schema.Usage | None = None) -> dict:
-    body = {"id": chat_id(req.id), "object": "chat.completion.chunk", "created": req.created or int(time.time()),
-            "model": req.model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage.model_dump()
-    return body
+def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice],
+          usage: schema.Usage | None = None) -> schema.ChatCompletionChunk:
+    return schema.ChatCompletionChunk(id=chat_id(req.id), created=req.created or int(time.time()), model=req.model,
+                                      choices=choices, usage=usage)
 
 
-def delta(index: int, text: str, reason: str | None, first: bool) -> dict:
+def delta(index: int, text: str, reason: str | None, first: bool) -> schema.ChatChunkChoice:
     """One choice's piece of a stream: its role with its first piece (OpenAI's), then its content."""
-    piece: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": index, "delta": piece, "logprobs": None, "finish_reason": reason}
-
-
+    return schema.ChatChunkChoice(index=index, delta=schema.ChatDelta(role="assistant" if first else None, content=text),
+                                  finish_reason=reason)

@@ -27,6 +27,7 @@ from ...generation.settings import Finish
 from ...tokenizer import StreamDecoder, get_encoding
 from .request import CompletionRequest
 from .schema import (
+    ChatCompletionChunk,
     Choice,
     CompletionResponse,
     Logprobs,
@@ -221,12 +222,15 @@ def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | No
 
 
 def to_json(body: BaseModel | dict) -> str:
-    """A response body as JSON (compact; a dict: chat.py's bodies). A completion without usage
+    """A response body as JSON (compact; a dict: an error's). A completion or chat chunk without usage
     (a stream's chunks) leaves the key out, as OpenAI's does; every other field is there, null where
     it has no value."""
     if isinstance(body, dict):
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    exclude = {"usage"} if isinstance(body, CompletionResponse) and body.usage is None else None
+    exclude = {"usage"} if isinstance(body, (CompletionResponse, ChatCompletionChunk)) and body.usage is None else None
+    if isinstance(body, ChatCompletionChunk):  # a delta's role is there with a choice's first piece only
+        exclude = {**dict.fromkeys(exclude or (), True),
+                   "choices": {i: {"delta": {"role"}} for i, c in enumerate(body.choices) if c.delta.role is None}}
     return body.model_dump_json(exclude=exclude)
 
 

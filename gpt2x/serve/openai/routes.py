@@ -34,6 +34,7 @@ from ... import __version__
 from ...tokenizer import decode, encode
 from . import metrics as prom
 from . import render, schema
+from .chat import ChatParams
 from .errors import APIError, bad, validation_error
 from .request import json_object
 from .service import CompletionService
@@ -73,13 +74,23 @@ COMPLETIONS_ROUTE = dict(
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
 )
+_CHAT_STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    {"const": "[DONE]"},
+    {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": "#/components/schemas/ChatCompletionChunk"}, {"$ref": "#/components/schemas/ErrorResponse"}]}},
+]}}}
 CHAT_ROUTE = dict(
     summary="Create a chat completion",
     description="OpenAI's chat completions: the messages rendered by the model's Jinja2 chat template "
-                "(--chat-template FILE, or the export's tokenizer_config.json), then completed with every "
-                "completions sampling field, n and structured output; streamed with `stream`. A model with no "
-                "template answers 400 naming --chat-template.",
-    responses={k: v for k, v in COMPLETIONS_ROUTE["responses"].items() if k != 200},
+                "(--chat-template FILE, else the export's tokenizer_config.json, else gpt2x's default), then "
+                "completed with every completions sampling field, n and structured output; streamed with `stream`. "
+                "A server started with --no-default-chat-template answers a model with no template 400.",
+    response_model=schema.ChatCompletionResponse,
+    responses={**COMPLETIONS_ROUTE["responses"], 200: {
+        "description": "The chat completion; with `stream`, server-sent events of chat.completion.chunk",
+        "content": {"text/event-stream": {"schema": _CHAT_STREAM_EVENT}}}},
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}},
 )
 MODELS_ROUTE = dict(summary="The served model", response_model=schema.ModelList, responses=_AUTH_ERRORS)
 HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=schema.Health)
@@ -108,7 +119,10 @@ TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_m
 DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=schema.DetokenizeResponse,
                         responses=_BODY_ERRORS, openapi_extra=_body("DetokenizeRequest"))
 # The bodies the routes read themselves, added to the OpenAPI description under these names.
-BODIES = {"CompletionRequest": schema.CompletionParams, "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams}
+BODIES = {"CompletionRequest": schema.CompletionParams, "ChatCompletionRequest": ChatParams,
+          "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams}
+# Models that only stream events name (no route returns them whole), added to the OpenAPI description too.
+EVENT_MODELS = {"ChatCompletionChunk": schema.ChatCompletionChunk}
 
 
 class Gpt2xApp(FastAPI):
@@ -120,7 +134,7 @@ class Gpt2xApp(FastAPI):
             schema = get_openapi(title=self.title, version=self.version, description=self.description,
                                  routes=self.routes)
             components = schema.setdefault("components", {})
-            for name, model in BODIES.items():
+            for name, model in {**BODIES, **EVENT_MODELS}.items():
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.setdefault("schemas", {}).update(body.pop("$defs", {}), **{name: body})
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "description": (

@@ -252,6 +252,54 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: None = None  # chat logprobs are refused (chat.py)
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole chat completion (OpenAI's `chat.completion`)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A choice's piece of a stream: its role with its first piece only (OpenAI's), then its content."""
+
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion (`chat.completion.chunk`; the usage chunk has no choices)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -83,7 +83,7 @@ class CompletionService:
         """A chat completions body as the completions request it is served as (chat.py)."""
         return self._checked(chat.completion_body(json_object(raw), self.chat_template, self.backend.n_positions))
 
-    async def complete_chat(self, pending: Pending) -> dict:
+    async def complete_chat(self, pending: Pending) -> schema.ChatCompletionResponse:
         """The whole chat response (`chat.completion`)."""
         texts: list[list[str]] = [[] for _ in range(pending.req.choices)]
         async for event in pending.events():
@@ -96,7 +96,7 @@ class CompletionService:
         req = pending.req
         started: set[int] = set()
 
-        def delta(event: ChoiceEvent) -> list:
+        def delta(event: ChoiceEvent) -> list[schema.ChatChunkChoice]:
             first = event.index not in started
             started.add(event.index)
             return [chat.delta(event.index, event.text, event.finish_reason, first)]
