@@ -16,7 +16,9 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
-from gpt2x.serve.core.scheduler import QueueFull, Row, Scheduler
+from gpt2x.serve.core.request import Row
+from gpt2x.serve.core.request_queue import QueueFull
+from gpt2x.serve.core.scheduler import Scheduler
 from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
 

@@ -463,8 +463,8 @@ def test_identical_prompts_are_prefilled_once(export_dir, bundled_export, kind):
     another prompt are a prefill of two rows, and every row then decodes as it would alone (fp32:
     generate's tokens; int8, whose graph is not batch-invariant: the duplicates of one greedy prompt
     alike)."""
+    from gpt2x.serve.core.request import Row
     from gpt2x.serve.core.runner import Runner
-    from gpt2x.serve.core.scheduler import Row
 
     folder = export_dir if kind == "fp32" else bundled_export(Precision.int8).folder
     backend = Prefills(read_export(folder), threads=1, in_place_kv=False if kind == "fp32" else None)  # both forms

@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Row, Scheduler, SchedulerOutput
+from gpt2x.serve.core.request import Row
+from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Scheduler, SchedulerOutput
 
 TOKEN = 11  # what every row samples: never end of text
 
@@ -560,3 +563,28 @@ def test_a_waiting_batch_starts_once_a_batchs_worth_waits():
     start = time.monotonic()
     scheduler.submit([first])
     assert shapes.step().prefill == (first, second) and time.monotonic() - start < 5
+
+
+def test_the_request_queue_alone_bounds_orders_takes_and_closes():
+    """RequestQueue, apart from the scheduler: at most max_waiting beyond the free places; by priority, arrival
+    order among equals; `take` stops at the first row that does not fit (none overtaken); a cancelled row leaves at
+    once; `fill` returns at its deadline; closed, it hands back what waits and refuses more."""
+    from gpt2x.serve.core.request_queue import EngineClosed, QueueFull, RequestQueue
+
+    q = RequestQueue(max_waiting=2, priority=True)
+    a, b, c, d = (row() for _ in range(4))
+    a.priority, b.priority, c.priority, d.priority = 1, 0, 1, 0
+    q.put([a], free=0)
+    q.put([b, c], free=1)  # 3 rows: 2 waiting + 1 free place
+    with pytest.raises(QueueFull):
+        q.put([d], free=0)
+    assert len(q) == 3 and q.oldest() is b  # priority 0 first; a before c (arrival) among the 1s
+    c.cancel()
+    assert len(q) == 2
+    assert q.take(lambda taken, candidate: candidate is not a, most=3) == [b]  # a does not fit: nothing behind it
+    started = time.monotonic()
+    q.fill(5, lambda: started + 0.05)
+    assert 0.04 <= time.monotonic() - started < 1.0
+    assert q.close() == [a] and q.closed and not q.wait()
+    with pytest.raises(EngineClosed):
+        q.put([d], free=8)

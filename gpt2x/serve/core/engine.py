@@ -18,8 +18,10 @@ from ...generation.speculative import Drafter, DraftSettings
 from ...runtime.base import Backend
 from .outputs import Failed, Finished, Output, PromptLogprobs, Sink, TokenOut
 from .prefix_cache import PrefixCache
+from .request import Row
+from .request_queue import EngineClosed, QueueFull
 from .runner import Ended, Executed, Runner, Scored, Searched, Step
-from .scheduler import EngineClosed, EngineSettings, QueueFull, Row, Scheduler
+from .scheduler import EngineSettings, Scheduler
 
 __all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "Observer", "QueueFull", "Row", "Sink",
            "refuse_batched_draft"]

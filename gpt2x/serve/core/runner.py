@@ -23,7 +23,8 @@ from ...generation.speculative import Drafter, DraftSettings
 from ...numerics import positions
 from ...runtime.base import Backend
 from .prefix_cache import PrefixCache
-from .scheduler import Row, SchedulerOutput, unused_columns
+from .request import Row
+from .scheduler import SchedulerOutput, unused_columns
 
 # Rows sharing this many prompt tokens with an earlier row of their batch wait for its prefill and take
 # them from the prefix cache (Runner.prefill). The wait costs the batch one more forward and a merge:

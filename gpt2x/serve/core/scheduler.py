@@ -5,9 +5,7 @@ regrouped batch is laid out as it is: docs/serving/index.md#batching."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,10 +13,10 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import UsageError
-from ...generation.decode import Sequence
-from ...generation.settings import Finish, SamplingSettings
-from .outputs import Sink
+from ...generation.settings import Finish
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from .request import Row
+from .request_queue import RequestQueue
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # A new batch's wait for requests arriving together after a batch of several rows, or where several wait already
@@ -36,14 +34,6 @@ AUTO_QUIET_S = 0.005
 # (a 512-token joiner 165 against 268 ms); from three on, as soon overlapped (the 545-token joiners of
 # docs/results/serving.md#overlapped-prefill), and the rows running do not wait for the chunks.
 OVERLAP_AFTER_CHUNKS = 2
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound: the request is refused, not queued."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down and takes no more requests."""
 
 
 @dataclass(frozen=True)
@@ -88,37 +78,6 @@ class EngineSettings:
         for name in ("batch_wait_s", "max_join_delay_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
-
-
-class Row(Sequence):
-    """One request's prompt being generated (generation.decode.Sequence, with its own Sampler seeded by
-    the request): its callback (`sink`), whether its prompt is scored first, and when it was queued.
-    `cancel()` (any thread) makes it leave the batch before the next step."""
-
-    def __init__(self, prompt_ids: list[int], settings: SamplingSettings, sink: Sink, logprobs: int | None = None,
-                 prompt_logprobs: bool = False, max_tokens: int | None = None):
-        # Tokens to generate: settings.max_new_tokens unless given (0: the prompt is only scored).
-        super().__init__(prompt_ids, settings, max_tokens, logprobs)
-        self.sink = sink
-        self.fails_alone = True  # a row's own failure (its constraint) ends it alone, not its batch
-        self.prompt_logprobs = prompt_logprobs  # the prompt scored when the row starts (k = logprobs or 0)
-        self.cached_tokens = 0  # prompt tokens whose KV its prefill took from the prefix cache
-        self.queued_at = time.monotonic()
-        self.scheduled_at: float | None = None  # when the engine took it from the queue
-        self.priority = 0  # with the priority policy: lower runs earlier (vLLM's)
-        self.prompt_k: int | None = None  # with prompt_logprobs: the most likely tokens listed per prompt position
-        self.prompt_ranks: list[int | None] | None = None  # each prompt token's rank, set as it is scored
-        # Beam search (settings.num_beams > 1): this row runs the search, and each of these rows (this
-        # one first) is told one of the best hypotheses, best first. Only this row is queued.
-        self.beam_rows: list[Row] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def remaining(self) -> int:
-        return self.limit - len(self.tokens)
 
 
 class Shape(Protocol):
@@ -179,13 +138,9 @@ class Scheduler:
         # the backend prefills on half its cores beside decode steps on the rest (Backend.sharing_cores)
         self.overlaps = self.joins and shares_cores and settings.overlap_prefill and settings.prefill_chunk > 0
         self.clock = clock
-        self._waiting: deque[Row] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
+        self.queue = RequestQueue(settings.max_waiting, settings.scheduling_policy == "priority")
         self.running = 0  # rows of the batch in flight that have not finished
         self._peak = 0  # the most rows the batch in flight (or the last) has run at once
-        self._arrived = 0.0  # time.monotonic() of the last submission
-        self._burst = 0  # submissions since the queue was last empty
         self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
         # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
         # the rows being prefilled to join, and which half of a step the next plan is.
@@ -207,46 +162,20 @@ class Scheduler:
                 raise ValueError(f"{len(row.prompt_ids)} prompt tokens + {row.max_tokens} new exceed the context ({n})")
             if row.settings.num_beams != 1 and row.beam_rows is None:
                 raise ValueError("a beam search row needs the rows its hypotheses are told to (beam_rows)")
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("the server is shutting down")
-            self._purge()
-            if len(self._waiting) + len(rows) > self.settings.max_waiting + self._free_places():
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the limit is {self.settings.max_waiting})")
-            if not self._waiting:
-                self._burst = 0
-            self._waiting.extend(rows)
-            self._burst += 1
-            self._arrived = time.monotonic()
-            if self.settings.scheduling_policy == "priority":  # a stable sort: arrival order among equals
-                self._waiting = deque(sorted(self._waiting, key=lambda r: r.priority))
-            self._cond.notify()
+        self.queue.put(rows, self._free_places())
 
     def close(self) -> list[Row]:
         """Take no more rows; the rows still waiting, which will not run."""
-        with self._cond:
-            self._closed = True
-            left = list(self._waiting)
-            self._waiting.clear()
-            self._cond.notify_all()
-        return left
+        return self.queue.close()
 
     @property
     def closed(self) -> bool:
         """Whether it takes no more rows (the engine is stopping or stopped)."""
-        return self._closed
+        return self.queue.closed
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting): rows whose clients left while they waited are not counted."""
-        with self._cond:
-            self._purge()
-            return self.running, len(self._waiting)
-
-    def _purge(self) -> None:
-        """Rows cancelled while they waited (their clients left) leave the queue, freeing their places
-        at once rather than when the engine reaches them (under the lock)."""
-        if any(r.cancelled is not None for r in self._waiting):
-            self._waiting = deque(r for r in self._waiting if r.cancelled is None)
+        return self.running, len(self.queue)
 
     def _free_places(self) -> int:
         return max(0, self.settings.max_batch_size - self.running)
@@ -381,23 +310,17 @@ class Scheduler:
         """Block until rows wait (True) or the scheduler is closed with none waiting (False). A new
         batch waits up to batch_wait (batch_wait_s, or auto) more while fewer than a batch's worth
         wait, so that requests that arrive together batch together."""
-        with self._cond:
-            while not self._waiting and not self._closed:
-                self._cond.wait()
-            if self._closed and not self._waiting:
-                self.running = 0
-                return False
-            wait = self.batch_wait()
-            auto = self.settings.batch_wait_s is None
+        if not self.queue.wait():
+            self.running = 0
+            return False
+        wait = self.batch_wait()
+        self._peak = 0
+        if wait:
             deadline = time.monotonic() + wait
-            self._peak = 0
-            while wait and len(self._waiting) < self.settings.max_batch_size and not self._closed:
-                # auto: until the requests stop arriving for AUTO_QUIET_S (a wave has come), at most the deadline
-                until = min(deadline, self._arrived + AUTO_QUIET_S) if auto else deadline
-                left = until - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
+            if self.settings.batch_wait_s is None:  # auto: until requests stop arriving for AUTO_QUIET_S, at most the deadline
+                self.queue.fill(self.settings.max_batch_size, lambda: min(deadline, self.queue.arrived + AUTO_QUIET_S))
+            else:
+                self.queue.fill(self.settings.max_batch_size, lambda: deadline)
         return True
 
     def batch_wait(self) -> float:
@@ -406,28 +329,19 @@ class Scheduler:
         than one request waits already (a wave is arriving), and none for a lone request after one of a single row."""
         if self.settings.batch_wait_s is not None:
             return self.settings.batch_wait_s
-        return AUTO_BATCH_WAIT_S if self._peak > 1 or self._burst > 1 else 0.0
+        return AUTO_BATCH_WAIT_S if self._peak > 1 or self.queue.burst > 1 else 0.0
 
     def set_running(self, n: int) -> None:
-        with self._cond:
-            self.running = n
-            self._peak = max(self._peak, n)  # the batch's most rows at once, for the next one's batch_wait
+        self.running = n
+        self._peak = max(self._peak, n)  # the batch's most rows at once, for the next one's batch_wait
 
     def take(self, rows: list[Row], width: int | None) -> list[Row]:
         """Waiting rows (in arrival order, or by priority with the priority policy) that fit beside
         `rows`, a batch whose cache can be made `width` wide (None: a new batch). Stops at the first
         that does not fit, so no request is overtaken forever (by one of its own priority)."""
-        taken: list[Row] = []
-        with self._cond:
-            while self._waiting and len(rows) + len(taken) < self.settings.max_batch_size:
-                candidate = self._waiting[0]
-                if candidate.cancelled is not None:
-                    self._waiting.popleft()
-                    continue
-                if not self._fits(rows, taken + [candidate], width):
-                    break
-                taken.append(self._waiting.popleft())
-            self.running = len(rows) + len(taken)
+        taken = self.queue.take(lambda taken, candidate: self._fits(rows, taken + [candidate], width),
+                                self.settings.max_batch_size - len(rows))
+        self.running = len(rows) + len(taken)
         return taken
 
     def _fits(self, rows: list[Row], joiners: list[Row], width: int | None, lag: int | None = None) -> bool:
@@ -477,11 +391,10 @@ class Scheduler:
     def join_due(self, live: int) -> bool:
         """Whether waiting rows should join a running batch of `live` rows now: when enough wait (a
         quarter of the batch) or the oldest has waited max_join_delay_s."""
-        with self._cond:
-            if not self._waiting or live >= self.settings.max_batch_size:
-                return False
-            waited = self.clock() - self._waiting[0].queued_at
-        return len(self._waiting) >= max(1, live // 4) or waited >= self.settings.max_join_delay_s
+        oldest = self.queue.oldest()
+        if oldest is None or live >= self.settings.max_batch_size:
+            return False
+        return len(self.queue) >= max(1, live // 4) or self.clock() - oldest.queued_at >= self.settings.max_join_delay_s
 
     def regroup_due(self, live: int, rows: int, joining: bool) -> bool:
         """Whether the batch regroups before its next step: rows join, or half of it has finished
