@@ -588,3 +588,38 @@ def test_the_request_queue_alone_bounds_orders_takes_and_closes():
     assert q.close() == [a] and q.closed and not q.wait()
     with pytest.raises(EngineClosed):
         q.put([d], free=8)
+
+
+class HeldNothing:
+    """A prefix cache's view that holds no block (every whole block lacking), 16 tokens a block."""
+
+    block_tokens = 16
+
+    def held(self, ids: list[int]) -> int:
+        return 0
+
+    def lacks(self, ids: list[int]) -> bool:
+        return True
+
+
+def test_rows_sharing_a_long_prompt_text_are_planned_after_the_row_they_share_it_with():
+    """The prefix policy is the scheduler's: of a new batch, a row whose prompt shares 64 tokens or more (whole blocks
+    the cache lacks) with an earlier row's different prompt is planned after it (prefill_later), by hand: A and B
+    share 80 tokens (5 blocks), C is short, D is A again (prefilled with it once, not after it). Whether each part
+    starts from the cache is planned too: with no estimate, yes; with one where a past costs more than running the
+    tokens fresh, not for the rows that would find 80 tokens held."""
+    shared = list(range(1000, 1080))
+    a, b = row(), row()
+    a.prompt_ids, b.prompt_ids = shared + [1, 2, 3], shared + [4, 5]
+    c, d = row(), row()
+    d.prompt_ids = list(a.prompt_ids)
+    plans = []
+    for estimate in (None, lambda rows, new, past: new + 10 * past):
+        scheduler = Scheduler(EngineSettings(max_batch_size=4), 256, clock=Clock(), prefix=HeldNothing(), estimate=estimate)
+        for r in (a, b, c, d):
+            r.scheduled_at = None
+        scheduler.submit([a, b, c, d])
+        plans.append(scheduler.schedule())
+    for plan in plans:
+        assert plan.prefill == (a, c, d) and plan.prefill_later == (b,) and plan.cached
+    assert plans[0].later_cached and not plans[1].later_cached  # 2 + 10 x 80 against 82 tokens fresh

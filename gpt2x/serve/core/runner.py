@@ -26,11 +26,6 @@ from .prefix_cache import PrefixCache
 from .request import Row
 from .scheduler import SchedulerOutput, unused_columns
 
-# Rows sharing this many prompt tokens with an earlier row of their batch wait for its prefill and take
-# them from the prefix cache (Runner.prefill). The wait costs the batch one more forward and a merge:
-# a long shared text pays for them, a block or two may not (a threshold chosen, not tuned).
-SHARED_TO_WAIT = 64
-
 
 @dataclass(eq=False)
 class Batch(loop.Batch):
@@ -142,11 +137,11 @@ class Runner:
                 yield Step(rows, (event,))
         if plan.prefill:
             self.counters["batches"] += 1
-            self.batch, events = self.prefill(list(plan.prefill))
+            self.batch, events = self.prefill(list(plan.prefill), plan.cached, plan.prefill_later, plan.later_cached)
             yield Step(self.batch.rows, events)
         if plan.join:
             self.counters["joins"] += 1
-            self.prefilling = self.begin(list(plan.join))
+            self.prefilling = self.begin(list(plan.join), plan.cached)
         if plan.overlap:
             self.overlap = self._overlap_pool().submit(self._prefill_overlapped, self.prefilling)
         elif plan.advance and self.overlap is not None:
@@ -203,54 +198,31 @@ class Runner:
         self._keep_prefixes(prefill)
         yield Step(self.joined.rows, events)
 
-    def prefill(self, rows: list[Row]) -> tuple[Batch, list[Event]]:
-        """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end). With a prefix
-        cache, rows whose prompts share at least SHARED_TO_WAIT tokens, not yet in the cache, with an
-        earlier row's different prompt wait for that row's prefill, which leaves those blocks in the
-        cache, and are then prefilled on their rest (the two merged into one batch): a batch of
-        requests sharing a long system text computes it once, not once per request."""
-        later = self._sharing(rows)
+    def prefill(self, rows: list[Row], cached: bool = True, later: Sequence[Row] = (),
+                later_cached: bool = True) -> tuple[Batch, list[Event]]:
+        """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end), from the prefix cache's blocks
+        where `cached`; then the `later` rows (the scheduler's SchedulerOutput.prefill_later: they share a long prompt
+        text with the first rows, which their prefill leaves in the prefix cache), from it where `later_cached`, the
+        two merged into one batch, the first rows first."""
+        result = self.advance(self.begin(rows, cached), None)
+        assert result is not None
         if not later:
-            result = self.advance(self.begin(rows), None)
-            assert result is not None
             return result
-        first = [r for i, r in enumerate(rows) if i not in later]
-        batch, events = self.prefill(first)
-        joined, jevents = self.prefill([rows[i] for i in sorted(later)])
+        batch, events = result
+        joined, jevents = self.prefill(list(later), later_cached)
         width = max(batch.mask.shape[1], joined.mask.shape[1])
-        merged = self.merge(batch, joined, np.arange(len(first) + len(later)), width)
-        return merged, events + [Event(e.row + len(first), e.token, e.finish, e.logprob) for e in jevents]
+        merged = self.merge(batch, joined, np.arange(len(rows) + len(later)), width)
+        return merged, events + [Event(e.row + len(rows), e.token, e.finish, e.logprob) for e in jevents]
 
-    def _sharing(self, rows: list[Row]) -> set[int]:
-        """The rows (indices) whose prompts share SHARED_TO_WAIT or more leading tokens, whole blocks the
-        prefix cache lacks, with the prompt of an earlier row (and differ from it: identical prompts
-        are prefilled once anyway)."""
-        cache = self.prefix_cache
-        if cache is None or len(rows) < 2 or not self.backend.capabilities.joins_rows:
-            return set()
-        block, later = cache.block_tokens, set()
-        leaders: dict[tuple[int, ...], list[int]] = {}  # first block -> the first prompt that began with it
-        for i, row in enumerate(rows):
-            ids = row.prompt_ids
-            if len(ids) <= SHARED_TO_WAIT:
-                continue
-            lead = leaders.setdefault(tuple(ids[:block]), ids)
-            if lead is ids or lead == ids:
-                continue
-            same = next((k for k, (a, b) in enumerate(zip(ids, lead)) if a != b), min(len(ids), len(lead)))
-            shared = ids[: min(same, len(ids) - 1) // block * block]
-            if len(shared) >= SHARED_TO_WAIT and cache.lacks(shared):
-                later.add(i)
-        return later
-
-    def begin(self, rows: list[Row]) -> Prefill:
+    def begin(self, rows: list[Row], cached: bool = True) -> Prefill:
         """The rows' prefill, planned and not yet run (`advance` runs it). Rows with the same prompt ids
         (a request's n choices) are prefilled once: the distinct prompts run, and their cache rows
         (`KVCache.reorder`), mask rows and logits are duplicated for the others at the end. (On a
         backend whose cache rows do not move, capabilities.joins_rows False, every row is prefilled:
         onnxruntime-genai reorders by replaying, which would prefill them all again.)
 
-        With a prefix cache, each distinct prompt's leading blocks held there are its past: the
+        With a prefix cache and `cached` (the scheduler's choice), each distinct prompt's leading blocks held there are
+        its past: the
         prefill runs on T columns, T the longest rest of a prompt after its cached blocks, every row
         fed its last T tokens (or all of them, left-padded) and its tokens before those taken from
         the prefix cache, so that each row's tokens stay contiguous and right-aligned (as in any
@@ -262,7 +234,7 @@ class Runner:
             which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
             if len(distinct) < len(rows):
                 prompts, index = [list(p) for p in distinct], np.asarray(which, dtype=np.int64)
-        use = self.prefix_cache is not None and self._cache_pays(prompts)
+        use = self.prefix_cache is not None and cached
         hits = [self.prefix_cache.lookup(p, use) for p in prompts] if self.prefix_cache is not None else [[] for _ in prompts]
         block = self.prefix_cache.block_tokens if self.prefix_cache is not None else 0
         T = max(len(p) - len(h) * block for p, h in zip(prompts, hits))  # columns to run
@@ -285,21 +257,6 @@ class Runner:
         for row, c in zip(rows, cached if index is None else [cached[i] for i in index]):
             row.cached_tokens = c
         return Prefill(rows, prompts, index, ids, np.concatenate([past_mask, run_mask], axis=1), past)
-
-    def _cache_pays(self, prompts: list[list[int]]) -> bool:
-        """Whether prefilling the prompts' rests on the prefix cache's blocks is estimated sooner than prefilling
-        them whole: a backend may run a fresh prompt on a faster runtime than a prompt with a past (the OpenVINO
-        prefill: 15 rows of 16 tokens on a cached 16 took 250 ms, the same rows of 32 fresh 140;
-        docs/serving/index.md#prefix-caching). Yes wherever the backend gives no estimate."""
-        if not self.backend.capabilities.estimates_prefill:
-            return True
-        held = [self.prefix_cache.held(p) for p in prompts]
-        if not any(held):
-            return True
-        rows = len(prompts)
-        with_cache = self.backend.prefill_ms(rows, max(len(p) - h for p, h in zip(prompts, held)), max(held))
-        whole = self.backend.prefill_ms(rows, max(len(p) for p in prompts), 0)
-        return with_cache is None or whole is None or with_cache <= whole
 
     def advance(self, prefill: Prefill, tokens: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
         """Run the next chunk of a prefill: about `tokens` tokens (its rows share them: at least one

@@ -34,6 +34,10 @@ AUTO_QUIET_S = 0.005
 # (a 512-token joiner 165 against 268 ms); from three on, as soon overlapped (the 545-token joiners of
 # docs/results/serving.md#overlapped-prefill), and the rows running do not wait for the chunks.
 OVERLAP_AFTER_CHUNKS = 2
+# Rows sharing this many prompt tokens with an earlier row of their new batch wait for its prefill and take them from
+# the prefix cache (SchedulerOutput.prefill_later). The wait costs the batch one more forward and a merge: a long
+# shared text pays for them, a block or two may not (a threshold chosen, not tuned).
+SHARED_TO_WAIT = 64
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,10 @@ class SchedulerOutput:
     scored: tuple[Row, ...] = ()  # rows just taken whose prompts are scored first (prompt_logprobs)
     searched: tuple[Row, ...] = ()  # rows just taken that run a beam search, whole
     ended: tuple[tuple[Row, Finish], ...] = ()  # rows just taken that end without running
-    prefill: tuple[Row, ...] = ()  # a new batch, prefilled whole
+    prefill: tuple[Row, ...] = ()  # a new batch, prefilled whole ...
+    prefill_later: tuple[Row, ...] = ()  # ... then these rows, which share a long prompt text with it, from the cache
+    cached: bool = True  # the prefill (the new batch's first rows, or the joiners') starts from the prefix cache
+    later_cached: bool = True  # prefill_later's does
     speculative: Row | None = None  # one row decoded whole with the draft
     join: tuple[Row, ...] = ()  # rows whose prefill begins beside the running batch
     advance: bool = False  # the joiners' prefill runs its next chunk (or, overlapped, is waited for to end) ...
@@ -124,14 +131,33 @@ class SchedulerOutput:
 DECODE = SchedulerOutput(decode=True)  # the plan of most steps
 
 
+class PrefixView(Protocol):
+    """What the scheduler reads of the prefix cache (prefix_cache.PrefixCache) to plan prefills."""
+
+    block_tokens: int
+
+    def held(self, ids: list[int]) -> int: ...
+
+    def lacks(self, ids: list[int]) -> bool: ...
+
+
+Estimate = Callable[[int, int, int], "float | None"]  # (rows, new tokens, past) -> ms (Backend.prefill_ms)
+
+
 class Scheduler:
     """The waiting queue and every decision on it, shared by the callers' threads (`submit`, `close`)
     and the engine's (`schedule`, `update`, `fail`). `joins_rows`: the backend's cache takes rows
     prefilled apart (else batches are static); `speculative`: a draft decodes lone rows."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
-                 speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False):
+                 speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
+                 prefix: PrefixView | None = None, estimate: Estimate | None = None):
         self.settings = settings
+        self.joins_rows = joins_rows
+        # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
+        # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
+        self.prefix = prefix
+        self.estimate = estimate
         self.n_positions = n_positions
         self.joins = settings.continuous and joins_rows and settings.max_batch_size > 1
         self.speculative = speculative
@@ -222,8 +248,14 @@ class Scheduler:
         self.in_flight = rows
         scored, searched, ended, going = self._start(rows)
         alone = self.speculative and len(going) == 1 and going[0].logprobs is None
-        return SchedulerOutput(scored, searched, ended, prefill=() if alone else going,
-                               speculative=going[0] if alone else None)
+        if alone:
+            return SchedulerOutput(scored, searched, ended, speculative=going[0])
+        shared = self._sharing(list(going))
+        first = tuple(r for i, r in enumerate(going) if i not in shared)
+        later = tuple(going[i] for i in sorted(shared))
+        return SchedulerOutput(scored, searched, ended, prefill=first, prefill_later=later,
+                               cached=self._cache_pays(list(first)),
+                               later_cached=self._cache_pays(list(later), [shared[i] for i in sorted(shared)]))
 
     def _joining(self, batch: Shape) -> SchedulerOutput | None:
         """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
@@ -248,11 +280,12 @@ class Scheduler:
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
         # (docs/serving/index.md#chunked-prefill).
         beside = bool(live) and len(self._prefilling) <= len(live)
+        cached = self._cache_pays(list(join)) if join else True
         if join and beside and self.overlaps and self.prefill_steps(list(join)) > OVERLAP_AFTER_CHUNKS:
             self._overlap = self.overlap_room([batch.rows[i] for i in live], list(join), batch.used(live))
-            return SchedulerOutput(scored, searched, ended, join=join, advance=True, overlap=True)
+            return SchedulerOutput(scored, searched, ended, join=join, advance=True, overlap=True, cached=cached)
         chunk = (self.settings.prefill_chunk or None) if beside else None
-        return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk)
+        return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk, cached=cached)
 
     def _stepping(self, batch: Shape) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
@@ -305,6 +338,50 @@ class Scheduler:
         return tuple(scored), tuple(searched), tuple(ended), tuple(going)
 
     # -- the decisions
+
+    def _sharing(self, rows: list[Row]) -> dict[int, int]:
+        """The rows (indices) of a new batch whose prompts share SHARED_TO_WAIT or more leading tokens, whole blocks the
+        prefix cache lacks, with the prompt of an earlier row (and differ from it: identical prompts are prefilled
+        once anyway), each with the tokens it shares: they wait for that row's prefill, which leaves those blocks in
+        the cache, so that a batch of requests sharing a long system text computes it once, not once per request."""
+        cache = self.prefix
+        if cache is None or len(rows) < 2 or not self.joins_rows:
+            return {}
+        block, later = cache.block_tokens, {}
+        leaders: dict[tuple[int, ...], list[int]] = {}  # first block -> the first prompt that began with it
+        for i, row in enumerate(rows):
+            ids = row.prompt_ids
+            if len(ids) <= SHARED_TO_WAIT:
+                continue
+            lead = leaders.setdefault(tuple(ids[:block]), ids)
+            if lead is ids or lead == ids:
+                continue
+            same = next((k for k, (a, b) in enumerate(zip(ids, lead)) if a != b), min(len(ids), len(lead)))
+            shared = ids[: min(same, len(ids) - 1) // block * block]
+            if len(shared) >= SHARED_TO_WAIT and cache.lacks(shared):
+                later[i] = len(shared)
+        return later
+
+    def _cache_pays(self, rows: list[Row], shared: list[int] | None = None) -> bool:
+        """Whether prefilling the rows' prompts' rests on the prefix cache's blocks is estimated sooner than prefilling
+        them whole (the prompts the runner runs: each distinct one once where the backend's cache joins rows). A
+        backend may run a fresh prompt on a faster runtime than a prompt with a past (the OpenVINO prefill: 15 rows of
+        16 tokens on a cached 16 took 250 ms, the same rows of 32 fresh 140; docs/serving/index.md#prefix-caching).
+        Yes where the backend gives no estimate. `shared`: tokens each row will find held once an earlier prefill of
+        its batch has run (prefill_later's)."""
+        if self.prefix is None or self.estimate is None or not rows:
+            return True
+        prompts = [r.prompt_ids for r in rows]
+        held = [max(self.prefix.held(p), s) for p, s in zip(prompts, shared or [0] * len(rows))]
+        if self.joins_rows:  # identical prompts run once
+            distinct = {tuple(p): h for p, h in zip(prompts, held)}
+            prompts, held = [list(p) for p in distinct], list(distinct.values())
+        if not any(held):
+            return True
+        n = len(prompts)
+        with_cache = self.estimate(n, max(len(p) - h for p, h in zip(prompts, held)), max(held))
+        whole = self.estimate(n, max(len(p) for p in prompts), 0)
+        return with_cache is None or whole is None or with_cache <= whole
 
     def wait_for_work(self) -> bool:
         """Block until rows wait (True) or the scheduler is closed with none waiting (False). A new

@@ -8,7 +8,7 @@ handed to the HTTP side as typed events (render.StreamEvent), rendered there onc
 
 A request's choices are its rows: n per prompt (`n`), prompt by prompt (choice p * n + i is prompt
 p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are prefilled
-together are prefilled once (core/runner.py's Runner.prefill). `usage` counts each prompt's tokens once, as vLLM
+together are prefilled once (core/runner.py's Runner.begin). `usage` counts each prompt's tokens once, as vLLM
 does, every choice's completion tokens, and the prompt tokens the prefix cache held
 (`prompt_tokens_details.cached_tokens`).
 """
