@@ -172,6 +172,16 @@ def read_text_file(path: Path, what: str) -> str:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """The keys of an --api-key-file, one a line (blank lines and # comments skipped); one UsageError line for a file
+    that cannot be read or holds none."""
+    lines = read_text_file(path, "--api-key-file").splitlines()
+    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
+    if not keys:
+        raise UsageError(f"--api-key-file {path} holds no key", option="api-key-file")
+    return keys
+
+
 def read_chat_template(path: Path) -> str:
     """A --chat-template file's text, checked as a Jinja2 template; one UsageError line where it is not one."""
     text = read_text_file(path, "--chat-template file")

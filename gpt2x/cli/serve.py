@@ -38,6 +38,7 @@ from .options import (
     notice,
     out,
     progress_to,
+    read_api_keys,
     read_chat_template,
     read_text_file,
     refuse_int8_kv,
@@ -113,6 +114,31 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: P
     return backend, provider, precision, max_batch_size
 
 
+def cors_settings(origins: Optional[str], methods: str, headers: str, credentials: bool):
+    """--allowed-origins and its companions as routes.Cors (None: no cross-origin requests answered); one UsageError
+    line for a value that is not a JSON list of strings."""
+    from ..serve.openai.routes import Cors
+
+    if origins is None:
+        if credentials:
+            raise UsageError("--allow-credentials needs --allowed-origins", option="allow-credentials")
+        return None
+    lists = {name: _json_list(value, name) for name, value in
+             (("allowed-origins", origins), ("allowed-methods", methods), ("allowed-headers", headers))}
+    return Cors(lists["allowed-origins"], lists["allowed-methods"], lists["allowed-headers"], credentials)
+
+
+def _json_list(value: str, option: str) -> tuple[str, ...]:
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
+        raise UsageError(f"--{option} must be a JSON list of strings, as vLLM's (e.g. '[\"https://example.org\"]'), "
+                         f"got {value[:60]!r}", option=option)
+    return tuple(items)
+
+
 def serve(
     ctx: typer.Context,
     model: ModelOptional = None,
@@ -133,8 +159,19 @@ def serve(
     use_ray: Annotated[bool, typer.Option("--ray", help=(
         "Serve through Ray Serve even with one replica on this machine (by default one replica runs in this "
         "process, without Ray; more replicas, or --address, always use Ray)."))] = False,
-    api_key: Annotated[Optional[str], typer.Option(envvar="GPT2X_API_KEY", show_default=False,
-                                                   help="Require Authorization: Bearer KEY on every request.")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(envvar="GPT2X_API_KEY", show_default=False,
+        help="Require Authorization: Bearer KEY on every request but /health and /version; repeatable, any of the "
+        "keys given is accepted (GPT2X_API_KEY: keys separated by spaces).")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(show_default=False,
+        help="More keys, one a line (blank lines and lines starting with # skipped), as llama-server's.")] = None,
+    allowed_origins: Annotated[Optional[str], typer.Option(show_default=False,
+        help='Answer cross-origin requests from browser pages of these origins: a JSON list (vLLM\'s flag), '
+        'e.g. \'["https://example.org"]\' or \'["*"]\'. Default: none (vLLM\'s is every origin). One replica in '
+        'this process only.')] = None,
+    allowed_methods: Annotated[str, typer.Option(help="With --allowed-origins: the methods allowed, a JSON list.")] = '["*"]',
+    allowed_headers: Annotated[str, typer.Option(help="With --allowed-origins: the headers allowed, a JSON list.")] = '["*"]',
+    allow_credentials: Annotated[bool, typer.Option(
+        "--allow-credentials", help="With --allowed-origins: allow credentials (cookies, Authorization).")] = False,
     served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the export's model name).")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(
         help="Requests decoded together per replica (1: no batching). Default: 16, or 1 with --draft.", show_default=False)] = None,
@@ -203,6 +240,8 @@ def serve(
         max_batch_size = 1 if draft is not None else 16
     # read here: the replicas are sent its text, not a path they may lack
     template = None if chat_template is None else read_chat_template(chat_template)
+    keys = tuple(api_key or ()) + (read_api_keys(api_key_file) if api_key_file is not None else ())
+    cors = cors_settings(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
@@ -211,6 +250,9 @@ def serve(
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)
     settings.validate()
+    if not settings.embedded and cors is not None:  # Ray Serve's ingress app is built before any config reaches it
+        raise UsageError("--allowed-origins is served by one replica in this process; with Ray Serve, answer "
+                         "cross-origin requests in front of it (a reverse proxy)", option="allowed-origins")
     if not settings.embedded:  # before the export is prepared: the one line comes at once
         require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
@@ -226,13 +268,13 @@ def serve(
     config = ReplicaConfig(
         export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
         provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
-        engine=engine, api_key=api_key or None, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
+        engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
         chat_template=template, default_chat_template=default_chat_template, in_place_kv=kv_cache.in_place_kv,
     )
     if template is None and default_chat_template and not has_chat_template(info.folder):
         notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a play's "
                "script; --chat-template FILE for another, --no-default-chat-template to refuse chat)")
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if host not in ("127.0.0.1", "localhost", "::1") and not keys:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")
 
     def ready(url: str) -> None:

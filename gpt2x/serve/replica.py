@@ -19,7 +19,7 @@ from ..workflows.backends import export_backend
 from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
 from .core.engine import EngineSettings
 from .openai.chat import export_template, find_template
-from .openai.routes import MAX_BODY_BYTES
+from .openai.routes import MAX_BODY_BYTES, Cors
 from .openai.service import CompletionService
 
 APP_NAME = "gpt2x"
@@ -38,7 +38,8 @@ class ReplicaConfig:
     provider: str = ProviderKind.cpu.value
     threads: int | None = None
     engine: EngineSettings = field(default_factory=EngineSettings)
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them, as Authorization: Bearer KEY (none: no key needed)
+    cors: Cors | None = None  # cross-origin requests answered (one replica in this process only)
     max_body_bytes: int = MAX_BODY_BYTES
     # ONNX Runtime's in-place KV cache (int8/int4 graphs). None: wherever the graph allows it; True
     # requires it, False refuses it. A batch's rows leave and join inside the in-place buffers
@@ -143,7 +144,8 @@ def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:
     ray = None if settings.embedded else settings.address or "local"
     return {"url": settings.url, "model": config.model_id, "export": config.export, "backend": config.backend,
             "provider": config.provider, "replicas": settings.replicas, "ray": ray,
-            "engine": asdict(config.engine), **draft, "api_key": config.api_key is not None}
+            "engine": asdict(config.engine), **draft, "api_key": bool(config.api_keys),
+            "cors": None if config.cors is None else asdict(config.cors)}
 
 
 def prepare_draft(draft: str, target: ExportInfo, backend: BackendKind = BackendKind.ort,

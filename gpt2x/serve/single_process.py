@@ -83,7 +83,7 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
         if stopping.is_set():
             raise _Stopping
         server = uvicorn.Server(uvicorn.Config(
-            local_app(service, config.api_key, config.max_body_bytes), log_level="warning", access_log=False,
+            local_app(service, config.api_keys, config.max_body_bytes, config.cors), log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=HTTP_CLOSE_S))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gpt2x-http", daemon=True)
         thread.start()

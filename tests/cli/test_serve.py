@@ -54,10 +54,22 @@ KEY = "sekret-key-42"
     (["--precision", "int8"], 2, "is a fp32 export, not int8"),
     (["--scheduling-policy", "lifo"], 2, "--scheduling-policy must be one of fcfs, priority"),
     (["--chat-template", "/nonexistent/template.jinja"], 2, "--chat-template file not found: /nonexistent/template.jinja"),
+    (["--allowed-origins", "https://a.example"], 2, "--allowed-origins must be a JSON list of strings"),
+    (["--allowed-origins", '["https://a.example"]', "--allowed-methods", '"POST"'], 2, "--allowed-methods must be a JSON list"),
+    (["--allow-credentials"], 2, "--allow-credentials needs --allowed-origins"),
+    (["--allowed-origins", '["*"]', "--replicas", "2"], 2, "--allowed-origins is served by one replica in this process"),
+    (["--api-key-file", "/nonexistent/keys"], 2, "--api-key-file not found: /nonexistent/keys"),
 ])
 def test_bad_options_are_one_line(export_dir, args, code, fragment):
     r = run_cli("serve", "--onnx", str(export_dir), *args, timeout=120)
     assert_one_line_error(r.returncode, r.stderr, code, fragment)
+
+
+def test_an_empty_api_key_file_is_one_line(export_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# no key here\n\n")
+    r = run_cli("serve", "--onnx", str(export_dir), "--api-key-file", str(keys), timeout=120)
+    assert_one_line_error(r.returncode, r.stderr, 2, f"--api-key-file {keys} holds no key")
 
 
 def test_an_export_without_a_chat_template_is_served_with_the_default_and_says_so(tiny_export):

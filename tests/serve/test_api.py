@@ -33,7 +33,7 @@ from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.core.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
 from gpt2x.serve.openai.render import ChoiceText, finish_reason, token_text  # noqa: E402
 from gpt2x.serve.openai.request import CompletionRequest  # noqa: E402
-from gpt2x.serve.openai.routes import local_app  # noqa: E402
+from gpt2x.serve.openai.routes import Cors, local_app  # noqa: E402
 from gpt2x.serve.openai.schema import CompletionParams  # noqa: E402
 from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
@@ -651,6 +651,39 @@ def test_the_api_key_guards_the_routes_not_the_description(service):
         assert c.get("/openapi.json").status_code == 200
         r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200
+
+
+def test_any_of_several_api_keys_is_accepted_and_every_other_refused(service):
+    """Several keys (vLLM's and llama-server's): each one opens the routes, a wrong one, a prefix of one or none is a
+    401 in OpenAI's shape."""
+    keys = ["first-key-1", "second-key-22"]
+    with TestClient(local_app(service, api_key=keys)) as c:
+        body = {"prompt": "a", "max_tokens": 1}
+        for key in keys:
+            assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        for wrong in ("first-key", "second-key-22x", ""):
+            r = c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {wrong}"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_cross_origin_requests_are_answered_only_as_allowed(service):
+    """Without --allowed-origins a browser page of another origin gets no CORS headers (the browser then refuses the
+    answer); with it, FastAPI's CORSMiddleware answers a preflight and the request for the origins given, and not for
+    others (its 400 to a preflight from another origin)."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    with TestClient(local_app(service)) as c:
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    cors = Cors(origins=("https://app.example",))
+    with TestClient(local_app(service, cors=cors)) as c:
+        r = c.options("/v1/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
 
 # ------------------------------------------------------------------ the openai client

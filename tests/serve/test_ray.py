@@ -61,7 +61,7 @@ def server(export_dir, reserve_port):
         main = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1,
                              engine=EngineSettings(max_batch_size=16, max_waiting=64))
         start(main, ServeSettings(replicas=2, port=port, cpus_per_replica=0.5, route_prefix="/main", app_name="main"))
-        small = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1, api_key=KEY,
+        small = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1, api_keys=(KEY,),
                               engine=EngineSettings(max_batch_size=1, max_waiting=1, batch_wait_s=0))
         start(small, ServeSettings(replicas=1, port=port, cpus_per_replica=0.5, route_prefix="/small", app_name="small"))
         yield f"http://127.0.0.1:{port}"

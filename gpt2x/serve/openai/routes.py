@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -194,23 +196,52 @@ class Exchange(Protocol):
     async def gather(self, own: dict) -> list[dict]: ...
 
 
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin requests from browser pages, as vLLM's flags name them (--allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials), answered by FastAPI's CORSMiddleware. Unlike vLLM, whose origins default
+    to every one, a server answers no other origin unless given some."""
+
+    origins: tuple[str, ...]
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
+def add_cors(app: FastAPI, cors: Cors | None) -> None:
+    """The app answering cross-origin requests as `cors` allows (None: none)."""
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                           allow_headers=list(cors.headers), allow_credentials=cors.credentials)
+
+
+def api_keys_of(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The keys a server accepts: none, one, or several (vLLM's and llama-server's several keys)."""
+    if not api_key:
+        return ()
+    return (api_key,) if isinstance(api_key, str) else tuple(k for k in api_key if k)
+
+
 class HttpApi:
     """Request handling shared by the routes: authorization, body, errors, and the replica's metrics."""
 
-    def __init__(self, service: CompletionService, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES,
+    def __init__(self, service: CompletionService, api_key: str | Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES,
                  exchange: Exchange | None = None):
         self.service = service
-        self.api_key = api_key or None
+        self.api_keys = tuple(k.encode() for k in api_keys_of(api_key))
         self.max_body_bytes = max_body_bytes
         self.metrics = prom.ReplicaMetrics(service.engine)
         self.exchange: Exchange = exchange or prom.LocalExchange()
 
     def authorize(self, request: Request) -> None:
-        if self.api_key is None:
+        if not self.api_keys:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        token_bytes = token.strip().encode()
+        # Every key compared, each in constant time: which key matched, or how many there are, takes no other time.
+        matched = [hmac.compare_digest(token_bytes, key) for key in self.api_keys]
+        if scheme.lower() != "bearer" or not any(matched):
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
                            code="invalid_api_key")
 
@@ -434,10 +465,12 @@ def router(api: Callable[[], HttpApi]) -> APIRouter:
     return routes
 
 
-def local_app(service: CompletionService, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def local_app(service: CompletionService, api_key: str | Sequence[str] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              cors: Cors | None = None) -> FastAPI:
     """The replica's application around `service`, in this process (no Ray): the routes Ray Serve's
     ingress serves, for `gpt2x serve` on one machine, tests and embedding (any ASGI server runs it)."""
     http = HttpApi(service, api_key, max_body_bytes)
     app = new_app()
     app.include_router(router(lambda: http))
+    add_cors(app, cors)
     return app

@@ -177,7 +177,7 @@ class Gpt2xReplica:
                 self.exchange = HubExchange(ray.get_actor(config.metrics_hub, namespace=HUB_NAMESPACE), replica)
             except ValueError:  # no such actor: the driver that made it is gone
                 log.warning("no metrics hub %r: /metrics shows this replica's alone", config.metrics_hub)
-        self.http = HttpApi(self.service, config.api_key, config.max_body_bytes, self.exchange)
+        self.http = HttpApi(self.service, config.api_keys, config.max_body_bytes, self.exchange)
         self._closing = threading.Event()
         if self.exchange is not None:
             threading.Thread(target=self._report, name="gpt2x-metrics", daemon=True).start()
