@@ -62,8 +62,9 @@ def export(
              "CPU that computes it (AVX-512 BF16, AMX), faster on long prompts there. Chosen here, never by a timing: "
              "every prefill then runs on OpenVINO, so a prompt gets the same numerics whole, chunked or after a "
              "cached prefix.")] = PrefillCompute.f32,
-    chat_template: Annotated[Optional[Path], typer.Option(
-        "--chat-template", help="A Jinja2 chat template file, recorded in the export's tokenizer_config.json (where "
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", metavar="FILE|TEXT",
+        help="A Jinja2 chat template, a file or the template's text, recorded in the export's tokenizer_config.json (where "
         "transformers, vLLM and gpt2x serve read it). Default: the bundled model's export carries gpt2x's default "
         "one, other exports none.", show_default=False)] = None,
     layout: Annotated[Layout, typer.Option(

@@ -182,10 +182,15 @@ def read_api_keys(path: Path) -> tuple[str, ...]:
     return keys
 
 
-def read_chat_template(path: Path) -> str:
-    """A --chat-template file's text, checked as a Jinja2 template; one UsageError line where it is not one."""
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: the file it names, or (as vLLM takes it) the template's own text where no such file
+    exists and it reads as Jinja2 (`{{` or `{%`); checked as a Jinja2 template; one UsageError line where it is not one."""
+    path = Path(value).expanduser()
+    if not path.is_file() and ("{{" in value or "{%" in value):
+        check_chat_template(value, "--chat-template's text")
+        return value
     text = read_text_file(path, "--chat-template file")
-    check_chat_template(text, f"--chat-template {path}")
+    check_chat_template(text, f"--chat-template {value}")
     return text
 
 

@@ -205,8 +205,8 @@ def serve(
         help="Adapt K to acceptance and fall back to plain decoding while drafting does not pay (timed); "
         "--no-draft-adaptive always drafts K, so that a seeded sampled request is reproduced exactly "
         "(as gpt2x generate --draft D --no-draft-adaptive gives it).")] = True,
-    chat_template: Annotated[Optional[Path], typer.Option(
-        "--chat-template", help="A Jinja2 chat template file for /v1/chat/completions (default: the export's "
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", metavar="FILE|TEXT", help="A Jinja2 chat template, a file or the template's text, for /v1/chat/completions (default: the export's "
         "tokenizer_config.json chat_template, else gpt2x's default one, a play's script).", show_default=False)] = None,
     default_chat_template: Annotated[bool, typer.Option(
         help="Where neither --chat-template nor the export gives a chat template, chat with gpt2x's default one, "

@@ -110,6 +110,9 @@ def test_a_chat_template_given_is_recorded_where_transformers_reads_it_and_a_bad
     assert rendered == "<user>hi<assistant>ho"
     assert cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "plain"))[0] == 0
     assert "chat_template" not in json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
+    text = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"  # the template's text itself, as vLLM takes it
+    assert cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "text"), "--chat-template", text)[0] == 0
+    assert json.loads((tmp_path / "text" / "tokenizer_config.json").read_text())["chat_template"] == text
     template.write_text("{% for m in messages %}")
     code, _, err = cli(capsys, "export", "--model", str(tiny_dir), "--out", str(tmp_path / "bad"), "--chat-template", str(template))
     assert_one_line_error(code, err, 2, f"--chat-template {template} is not a Jinja2 template")

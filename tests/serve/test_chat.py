@@ -175,6 +175,24 @@ def test_openapi_describes_chat_from_its_models_and_the_answers_validate_against
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
         for chunk in chunks:
             check(chunk, "ChatCompletionChunk")
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": chunks[0]["choices"][0]["delta"]["content"]}
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the role alone, first (OpenAI's)
         assert all("role" not in ch["delta"] for chunk in chunks[1:] for ch in chunk["choices"])
         assert "usage" not in chunks[0] and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_the_chat_details_clients_rely_on(service):
+    """vLLM's and llama-server's: text content parts joined by a newline, `model: ""` meaning the served model, and
+    each streamed choice opened by a chunk with its role and no text."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Good morrow,"}, {"type": "text", "text": "my lord."}]}]
+    body = completion_body({"messages": parts}, ChatTemplate(DIALOGPT, "test"), 256)
+    assert body["prompt"] == "Good morrow,\nmy lord.<|endoftext|>"
+    with TestClient(local_app(service)) as c:
+        r = c.post("/v1/chat/completions", json={"model": "", "messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "shakespeare"
+        with c.stream("POST", "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "n": 2, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice["delta"])
+    assert firsts == {0: {"role": "assistant", "content": ""}, 1: {"role": "assistant", "content": ""}}

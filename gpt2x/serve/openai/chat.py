@@ -59,7 +59,8 @@ class Message(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # Text parts joined by a newline, as vLLM joins them (a client splitting a message into parts keeps its lines)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class ChatParams(BaseModel):
@@ -186,6 +187,6 @@ def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice],
 
 
 def delta(index: int, text: str, reason: str | None, first: bool) -> schema.ChatChunkChoice:
-    """One choice's piece of a stream: its role with its first piece (OpenAI's), then its content."""
+    """One choice's piece of a stream: its role alone first (`first`), then its content."""
     return schema.ChatChunkChoice(index=index, delta=schema.ChatDelta(role="assistant" if first else None, content=text),
                                   finish_reason=reason)

@@ -272,7 +272,7 @@ def parse_request(raw: bytes, served_model: str, n_positions: int, vocab_size: i
 def request_from_body(body: dict, served_model: str, n_positions: int, vocab_size: int = VOCAB_SIZE) -> CompletionRequest:
     """parse_request on a body already read as a JSON object (chat's, which renders its prompt first)."""
     model = body.get("model")
-    if isinstance(model, str) and model != served_model:
+    if isinstance(model, str) and model and model != served_model:  # "": the served model (vLLM's and llama-server's)
         raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {served_model!r}",
                        param="model", code="model_not_found")
     try:

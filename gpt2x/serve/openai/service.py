@@ -91,15 +91,15 @@ class CompletionService:
         return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
 
     async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
-        """Chat's stream: `chat.completion.chunk`s (the role with each choice's first), a usage chunk if
-        asked for, then DONE."""
+        """Chat's stream: `chat.completion.chunk`s, each choice's first with its role alone (no text yet: OpenAI's and
+        vLLM's, which clients wait for), then its text, a usage chunk if asked for, then DONE."""
         req = pending.req
-        started: set[int] = set()
+        for i in range(req.choices):
+            usage = pending.usage() if req.continuous_usage else None
+            yield render.StreamEvent(chat.chunk(req, [chat.delta(i, "", None, first=True)], usage))
 
         def delta(event: ChoiceEvent) -> list[schema.ChatChunkChoice]:
-            first = event.index not in started
-            started.add(event.index)
-            return [chat.delta(event.index, event.text, event.finish_reason, first)]
+            return [chat.delta(event.index, event.text, event.finish_reason, first=False)]
 
         async for event in _events(pending, delta, lambda choices, usage: chat.chunk(req, choices, usage)):
             yield event
