@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -92,7 +93,9 @@ def test_no_template_is_one_400_naming_the_flag(export_dir):
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": MESSAGES, "logprobs": True}, "logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MESSAGES, "prompt_logprobs": 1}, "prompt_logprobs"), ({"messages": MESSAGES, "return_token_ids": True}, "return_token_ids"),
     ({"messages": MESSAGES, "bad_words": ["x"]}, "bad_words"), ({"messages": MESSAGES, "echo": True}, "echo"),
 ])
 def test_bad_chat_fields_are_400_naming_them(service, body, param):
@@ -196,3 +199,36 @@ def test_the_chat_details_clients_rely_on(service):
         for choice in chunk["choices"]:
             firsts.setdefault(choice["index"], choice["delta"])
     assert firsts == {0: {"role": "assistant", "content": ""}, 1: {"role": "assistant", "content": ""}}
+
+
+def test_chat_logprobs_in_openais_chat_shape_equal_a_forward_without_a_cache(service, reference):
+    """logprobs: true with top_logprobs 3, whole and streamed: each generated token's text, bytes and log-probability,
+    and its 3 most likely alternatives, against log_softmax of the reference backend's forward of the whole text with
+    no cache (an independent forward); the streamed chunks carry the same entries as the whole answer."""
+    from gpt2x.numerics import positions
+    from gpt2x.tokenizer import encode, get_encoding
+
+    body = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    with TestClient(local_app(service)) as c:
+        whole = c.post("/v1/chat/completions", json=body).json()
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    content = whole["choices"][0]["logprobs"]["content"]
+    streamed = [e for ch in chunks for choice in ch["choices"] if choice["logprobs"] for e in choice["logprobs"]["content"]]
+    assert streamed == content and len(content) == 5
+    ids = encode(RENDERED)
+    enc = get_encoding()
+    for entry in content:
+        full = np.array([ids])
+        mask = np.ones_like(full)
+        logits, _ = reference.run(full, mask, positions(mask, full.shape[1]), None)
+        row = logits[0, -1].astype(np.float64)
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        best = np.argsort(-logp)[:3]
+        chosen = int(best[0])  # greedy
+        assert entry["bytes"] == list(enc.decode_single_token_bytes(chosen))
+        assert abs(entry["logprob"] - logp[chosen]) < 1e-4
+        assert [t["bytes"] for t in entry["top_logprobs"]] == [list(enc.decode_single_token_bytes(int(t))) for t in best]
+        assert all(abs(t["logprob"] - logp[int(b)]) < 1e-4 for t, b in zip(entry["top_logprobs"], best))
+        ids.append(chosen)
+    assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]

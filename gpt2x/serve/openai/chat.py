@@ -23,8 +23,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...onnx.interop import DEFAULT_CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, chat_template_of
-from ...tokenizer import encode
-from . import schema
+from ...tokenizer import encode, get_encoding
+from . import render, schema
 from .errors import bad, validation_error
 from .request import CompletionRequest
 
@@ -70,8 +70,9 @@ class ChatParams(BaseModel):
 
     messages: Annotated[list[Message], Field(min_length=1)] = Field(description="The conversation, rendered by the chat template.")
     max_completion_tokens: schema.Integer_(ge=1) | None = Field(None, description="OpenAI's name for max_tokens.")
-    logprobs: bool | None = Field(None, description="Chat logprobs are not served: refused when true.")
-    top_logprobs: schema.Integer_(ge=0) | None = Field(None, description="Refused (chat logprobs are not served).")
+    logprobs: bool | None = Field(None, description="Each generated token's log-probability, in OpenAI's chat shape.")
+    top_logprobs: schema.Integer_(ge=0, le=schema.MAX_CHAT_LOGPROBS) | None = Field(None, description=(
+        "With logprobs: the most likely tokens at each position, this many (OpenAI's limit)."))
     add_generation_prompt: bool | None = Field(True, description="vLLM's: the template's assistant turn opening is added.")
     continue_final_message: bool | None = Field(False, description="vLLM's: the last message is continued, not closed.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the template.")
@@ -130,6 +131,12 @@ def export_template(export_folder: Path) -> ChatTemplate | None:
     return ChatTemplate(found, str(path)) if isinstance(found, str) and found else None
 
 
+def logprobs_asked(body: dict) -> int | None:
+    """The chat body's logprobs as the completions request counts them: the most likely tokens listed per token
+    (top_logprobs, 0 by default), or None without logprobs. Read after completion_body has checked the body."""
+    return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+
+
 def completion_body(body: dict, template: ChatTemplate | None, n_positions: int) -> dict:
     """The chat body (read as a JSON object: request.json_object) as the completions body it is served as, handed
     on as it is (request.request_from_body): its prompt rendered, max_completion_tokens as max_tokens (by default,
@@ -141,9 +148,11 @@ def completion_body(body: dict, template: ChatTemplate | None, n_positions: int)
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, [], "none"):
             raise bad(f"{name}: {why}", name)
-    if p.logprobs or p.top_logprobs:
-        raise bad("logprobs are not served on chat completions (use /v1/completions with logprobs)",
-                  "logprobs" if p.logprobs else "top_logprobs")
+    if p.top_logprobs is not None and not p.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    for name in ("prompt_logprobs", "return_token_ids"):  # vLLM's, in a shape of its own on chat: not served here
+        if body.get(name) not in (None, False):
+            raise bad(f"{name} is not served on chat completions (send it to /v1/completions)", name)
     if "echo" in body or "prompt" in body:
         name = "echo" if "echo" in body else "prompt"
         raise bad(f"{name} is not a chat completions field", name)
@@ -172,12 +181,13 @@ def chat_id(completion_id: str) -> str:
     return "chatcmpl-" + completion_id.removeprefix("cmpl-") if completion_id else "chatcmpl-" + uuid.uuid4().hex
 
 
-def response(req: CompletionRequest, texts: list[str], reasons: list[str | None],
-             usage: schema.Usage) -> schema.ChatCompletionResponse:
+def response(req: CompletionRequest, texts: list[str], reasons: list[str | None], usage: schema.Usage,
+             logprobs: list[schema.ChatLogprobs | None] | None = None) -> schema.ChatCompletionResponse:
+    logprobs = logprobs or [None] * len(texts)
     return schema.ChatCompletionResponse(
         id=chat_id(req.id), created=req.created, model=req.model, usage=usage,
-        choices=[schema.ChatChoice(index=i, message=schema.ChatMessage(content=text), finish_reason=reason)
-                 for i, (text, reason) in enumerate(zip(texts, reasons))])
+        choices=[schema.ChatChoice(index=i, message=schema.ChatMessage(content=text), finish_reason=reason, logprobs=lp)
+                 for i, (text, reason, lp) in enumerate(zip(texts, reasons, logprobs))])
 
 
 def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice],
@@ -186,7 +196,35 @@ def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice],
                                       choices=choices, usage=usage)
 
 
-def delta(index: int, text: str, reason: str | None, first: bool) -> schema.ChatChunkChoice:
-    """One choice's piece of a stream: its role alone first (`first`), then its content."""
+def delta(index: int, text: str, reason: str | None, first: bool,
+          logprobs: schema.ChatLogprobs | None = None) -> schema.ChatChunkChoice:
+    """One choice's piece of a stream: its role alone first (`first`), then its content (with its tokens' logprobs)."""
     return schema.ChatChunkChoice(index=index, delta=schema.ChatDelta(role="assistant" if first else None, content=text),
-                                  finish_reason=reason)
+                                  finish_reason=reason, logprobs=logprobs)
+
+
+class ChatTokenLogprobs:
+    """One choice's logprobs in OpenAI's chat shape, gathered as its tokens arrive (render.ChoiceLogprobs' interface:
+    `add`, `take` since the last take, `whole`): each token's text, log-probability and UTF-8 bytes, and its most
+    likely alternatives."""
+
+    def __init__(self) -> None:
+        self.content: list[schema.ChatTokenLogprob] = []
+        self.taken = 0
+
+    def add(self, entry, offset: int = 0) -> None:
+        token, logprob, top = entry
+        alternatives = [_top(t, v) for t, v in top or ()]
+        self.content.append(schema.ChatTokenLogprob(**_top(token, logprob).model_dump(), top_logprobs=alternatives))
+
+    def take(self) -> schema.ChatLogprobs:
+        n, self.taken = self.taken, len(self.content)
+        return schema.ChatLogprobs(content=self.content[n:])
+
+    def whole(self) -> schema.ChatLogprobs:
+        return schema.ChatLogprobs(content=list(self.content))
+
+
+def _top(token: int, logprob: float | None) -> schema.ChatTopLogprob:
+    data = get_encoding().decode_single_token_bytes(token)
+    return schema.ChatTopLogprob(token=render.token_text(token), logprob=render.logprob_value(logprob), bytes=list(data))

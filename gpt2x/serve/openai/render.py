@@ -135,14 +135,14 @@ def prompt_logprobs(entries: list[LogprobEntry], ranks: list[int | None], k: int
         if logprob is None:
             out.append(None)
             continue
-        best = {str(t): PromptLogprob(logprob=_logprob(v), rank=r, decoded_token=name(t))
+        best = {str(t): PromptLogprob(logprob=logprob_value(v), rank=r, decoded_token=name(t))
                 for r, (t, v) in enumerate((top or [])[:k], start=1)}
-        best.setdefault(str(token), PromptLogprob(logprob=_logprob(logprob), rank=rank, decoded_token=name(token)))
+        best.setdefault(str(token), PromptLogprob(logprob=logprob_value(logprob), rank=rank, decoded_token=name(token)))
         out.append(best)
     return out
 
 
-def _logprob(value: float | None) -> float | None:
+def logprob_value(value: float | None) -> float | None:
     """A log-probability JSON can carry: -inf (a token a backend masks out) as -9999.0, OpenAI's floor."""
     if value is None or math.isnan(value):
         return None
@@ -164,12 +164,12 @@ class ChoiceLogprobs:
     def add(self, entry: LogprobEntry, offset: int) -> None:
         token, logprob, top = entry
         self.tokens.append(self.name(token))
-        self.token_logprobs.append(_logprob(logprob))
+        self.token_logprobs.append(logprob_value(logprob))
         if top is None:
             self.top_logprobs.append(None)
         else:
-            best = {self.name(t): _logprob(v) for t, v in top}  # most likely first
-            best.setdefault(self.name(token), _logprob(logprob))  # the chosen token, as OpenAI includes it
+            best = {self.name(t): logprob_value(v) for t, v in top}  # most likely first
+            best.setdefault(self.name(token), logprob_value(logprob))  # the chosen token, as OpenAI includes it
             self.top_logprobs.append(best)
         self.text_offset.append(offset)
 

@@ -68,6 +68,7 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # the k most likely tokens to list per token (None: no logprobs)
+    chat_logprobs: bool = False  # logprobs in OpenAI's chat shape (a chat request's logprobs: true)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the k most likely
     return_token_ids: bool = False  # vLLM's prompt_token_ids and token_ids on each choice
     tokens_as_ids: bool = False  # logprobs name tokens `token_id:ID` (return_tokens_as_token_ids)

@@ -20,6 +20,7 @@ MAX_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
 MAX_CHOICES = 128  # n x prompts per request (OpenAI's n is at most 128)
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_CHAT_LOGPROBS = 20  # OpenAI's limit for chat's `top_logprobs`
 
 
 def _integral(value: Any) -> Any:
@@ -257,10 +258,26 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float | None
+    bytes: list[int]  # the token's UTF-8 bytes (part of a character, where it is one)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]  # the most likely tokens at this position, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    """A choice's logprobs in OpenAI's chat shape (logprobs: true, top_logprobs: k)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
-    logprobs: None = None  # chat logprobs are refused (chat.py)
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -285,7 +302,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

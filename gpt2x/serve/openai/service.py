@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -81,14 +81,18 @@ class CompletionService:
 
     def parse_chat(self, raw: bytes) -> CompletionRequest:
         """A chat completions body as the completions request it is served as (chat.py)."""
-        return self._checked(chat.completion_body(json_object(raw), self.chat_template, self.backend.n_positions))
+        body = json_object(raw)
+        req = self._checked(chat.completion_body(body, self.chat_template, self.backend.n_positions))
+        k = chat.logprobs_asked(body)
+        return req if k is None else replace(req, logprobs=k, chat_logprobs=True)
 
     async def complete_chat(self, pending: Pending) -> schema.ChatCompletionResponse:
         """The whole chat response (`chat.completion`)."""
         texts: list[list[str]] = [[] for _ in range(pending.req.choices)]
         async for event in pending.events():
             texts[event.index].append(event.text)
-        return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage())
+        logprobs = [None if lp is None else lp.whole() for lp in pending.logprobs]
+        return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage(), logprobs)
 
     async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
         """Chat's stream: `chat.completion.chunk`s, each choice's first with its role alone (no text yet: OpenAI's and
@@ -99,7 +103,7 @@ class CompletionService:
             yield render.StreamEvent(chat.chunk(req, [chat.delta(i, "", None, first=True)], usage))
 
         def delta(event: ChoiceEvent) -> list[schema.ChatChunkChoice]:
-            return [chat.delta(event.index, event.text, event.finish_reason, first=False)]
+            return [chat.delta(event.index, event.text, event.finish_reason, first=False, logprobs=event.logprobs)]
 
         async for event in _events(pending, delta, lambda choices, usage: chat.chunk(req, choices, usage)):
             yield event
@@ -181,7 +185,7 @@ class ChoiceEvent:
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: dict | None = None
+    logprobs: dict | schema.ChatLogprobs | None = None  # a chat request's in OpenAI's chat shape
     extra: dict = field(default_factory=dict)
 
 
@@ -195,7 +199,8 @@ class Pending:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompts = [p for p in req.prompts for _ in range(req.n)]  # each choice's prompt text
         self.texts = [render.ChoiceText(req.stop, req.sampling.min_tokens, req.include_stop_str) for _ in self.prompts]
-        self.logprobs = [None if req.logprobs is None else render.ChoiceLogprobs(req.tokens_as_ids) for _ in self.prompts]
+        self.logprobs = [None if req.logprobs is None else chat.ChatTokenLogprobs() if req.chat_logprobs
+                         else render.ChoiceLogprobs(req.tokens_as_ids) for _ in self.prompts]
         self.echo_scored = req.echo and req.logprobs is not None  # the echoed prompt's logprobs come from the engine
         self.scored = self.echo_scored or req.prompt_logprobs is not None  # so do vLLM's prompt_logprobs
         # return_token_ids: each choice's ids not yet sent, and whether its prompt's have been
@@ -297,7 +302,8 @@ class Pending:
                 elif isinstance(out, Finished):
                     open_rows -= 1
                     rest = text.finish()
-                    if out.reason in (Finish.eos, Finish.stop):  # the end-of-text or stop token, not kept
+                    # the end-of-text or stop token, not kept: listed last in a completion's logprobs, not in chat's
+                    if out.reason in (Finish.eos, Finish.stop) and not self.req.chat_logprobs:
                         self._note(index, out.logprob, self._start[index] + len(text.text))
                     self.reasons[index] = render.finish_reason(out.reason, text)
                     yield ChoiceEvent(index, rest, self.reasons[index], self._taken(index), self._extra(index))
