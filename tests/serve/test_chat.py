@@ -232,3 +232,19 @@ def test_chat_logprobs_in_openais_chat_shape_equal_a_forward_without_a_cache(ser
         assert all(abs(t["logprob"] - logp[int(b)]) < 1e-4 for t, b in zip(entry["top_logprobs"], best))
         ids.append(chosen)
     assert "".join(e["token"] for e in content) == whole["choices"][0]["message"]["content"]
+
+
+def test_tokenize_takes_messages_as_chat_renders_them(service):
+    """vLLM's /tokenize with `messages`: the conversation rendered as /v1/chat/completions renders it (by hand here,
+    RENDERED), its tokens those of that text, as many as the chat answer's prompt_tokens; prompt and messages together,
+    or neither, is a 400."""
+    from gpt2x.tokenizer import encode
+
+    with TestClient(local_app(service)) as c:
+        r = c.post("/tokenize", json={"messages": MESSAGES, "return_token_strs": True}).json()
+        assert r["tokens"] == encode(RENDERED) and r["count"] == len(r["tokens"]) == len(r["token_strs"])
+        answer = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+        assert answer["usage"]["prompt_tokens"] == r["count"]
+        for body in ({"messages": MESSAGES, "prompt": "x"}, {}, {"messages": [{"content": "x"}]}):
+            bad = c.post("/tokenize", json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] in ("prompt", "messages"), bad.text

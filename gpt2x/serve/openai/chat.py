@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ...onnx.interop import DEFAULT_CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, chat_template_of
 from ...tokenizer import encode, get_encoding
 from . import render, schema
-from .errors import bad, validation_error
+from .errors import APIError, bad, validation_error
 from .request import CompletionRequest
 
 CHAT_TEMPLATE_FLAG = "--chat-template"
@@ -131,6 +131,26 @@ def export_template(export_folder: Path) -> ChatTemplate | None:
     return ChatTemplate(found, str(path)) if isinstance(found, str) and found else None
 
 
+def render_messages(messages: list[Message], template: ChatTemplate, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> str:
+    """The conversation as the prompt the template makes of it (vLLM's `continue_final_message`: the last message
+    left open, the text ending where its content does)."""
+    rendered = [{**m.model_dump(exclude_none=True, exclude={"content"}), "content": m.text()} for m in messages]
+    prompt = template.render(rendered, add_generation_prompt and not continue_final_message, extra or {})
+    if continue_final_message:
+        last = rendered[-1]["content"]
+        cut = prompt.rfind(last)
+        prompt = prompt[: cut + len(last)] if last and cut >= 0 else prompt
+    return prompt
+
+
+def no_template() -> APIError:
+    return bad("this model has no chat template and the server was started with --no-default-chat-template: "
+               f"start it with {CHAT_TEMPLATE_FLAG} FILE (a Jinja2 chat template, as transformers' "
+               "tokenizer_config.json chat_template), or export with one (gpt2x export --chat-template FILE)",
+               "messages", "chat_template_missing")
+
+
 def logprobs_asked(body: dict) -> int | None:
     """The chat body's logprobs as the completions request counts them: the most likely tokens listed per token
     (top_logprobs, 0 by default), or None without logprobs. Read after completion_body has checked the body."""
@@ -157,17 +177,9 @@ def completion_body(body: dict, template: ChatTemplate | None, n_positions: int)
         name = "echo" if "echo" in body else "prompt"
         raise bad(f"{name} is not a chat completions field", name)
     if template is None:
-        raise bad(f"this model has no chat template and the server was started with --no-default-chat-template: "
-                  f"start it with {CHAT_TEMPLATE_FLAG} FILE (a Jinja2 chat template, as transformers' "
-                  "tokenizer_config.json chat_template), or export with one (gpt2x export --chat-template FILE)",
-                  "messages", "chat_template_missing")
-    messages = [{**m.model_dump(exclude_none=True, exclude={"content"}), "content": m.text()} for m in p.messages]
-    prompt = template.render(messages, bool(p.add_generation_prompt) and not p.continue_final_message,
+        raise no_template()
+    prompt = render_messages(p.messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message),
                              p.chat_template_kwargs or {})
-    if p.continue_final_message:  # the last message left open: the text stops where its content does
-        last = messages[-1]["content"]
-        cut = prompt.rfind(last)
-        prompt = prompt[: cut + len(last)] if last and cut >= 0 else prompt
     completions = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
     completions["prompt"] = prompt
     if p.max_completion_tokens is not None:

@@ -34,8 +34,8 @@ from starlette.exceptions import HTTPException
 
 from ... import __version__
 from ...tokenizer import decode, encode
+from . import chat, render, schema
 from . import metrics as prom
-from . import render, schema
 from .chat import ChatParams
 from .errors import APIError, bad, validation_error
 from .request import json_object
@@ -402,10 +402,30 @@ class HttpApi:
             p = await self._params(request, schema.TokenizeParams)
         except APIError as e:
             return error_response(e)
-        tokens = encode(p.prompt)
+        try:
+            tokens = encode(self._tokenize_text(p))
+        except APIError as e:
+            return error_response(e)
         strs = [render.token_str(t) for t in tokens] if p.return_token_strs else None
         return JSONBody(schema.TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
                                          token_strs=strs))
+
+    def _tokenize_text(self, p: schema.TokenizeParams) -> str:
+        """The prompt, or the messages as the chat template renders them for /v1/chat/completions (vLLM's)."""
+        if (p.prompt is None) == (p.messages is None):
+            raise bad("send prompt (a text) or messages (a conversation), one of the two", "prompt")
+        if p.prompt is not None:
+            return p.prompt
+        try:
+            messages = [chat.Message.model_validate(m) for m in p.messages]
+        except ValidationError as e:
+            raise validation_error([{**err, "loc": ("messages", *err["loc"])} for err in e.errors(include_url=False)]) from None
+        if not messages:
+            raise bad("messages is empty", "messages")
+        template = self.service.chat_template
+        if template is None:
+            raise chat.no_template()
+        return chat.render_messages(messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message))
 
     async def detokenize(self, request: Request) -> Response:
         try:

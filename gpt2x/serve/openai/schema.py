@@ -353,7 +353,13 @@ class TokenizeParams(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True, title="TokenizeRequest")
 
-    prompt: str = Field(description="The text to tokenize, as a completion's prompt is (<|endoftext|> is its token).")
+    prompt: str | None = Field(None, description="The text to tokenize, as a completion's prompt is (<|endoftext|> is "
+                               "its token). This, or `messages`.")
+    messages: list[dict[str, Any]] | None = Field(None, description=(
+        "vLLM's TokenizeChatRequest: a conversation, rendered by the chat template as /v1/chat/completions renders "
+        "it, then tokenized."))
+    add_generation_prompt: bool | None = Field(True, description="With messages: the assistant turn opening added.")
+    continue_final_message: bool | None = Field(False, description="With messages: the last message left open.")
     model: str | None = Field(None, description="The served model's id; another is a 404.")
     add_special_tokens: bool | None = Field(True, description="Accepted for vLLM's sake: GPT-2's tokenizer adds none.")
     return_token_strs: bool | None = Field(False, description="Also each token's text (`token_strs`).")
