@@ -101,6 +101,12 @@ def generate(
     min_p: Annotated[float, typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="Drop tokens less likely than MIN_P times the most likely one, in [0, 1] (0: off; vLLM's and "
         "transformers' min_p).")] = SamplingSettings.min_p,
+    typical_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="Locally typical sampling: the tokens whose surprise is nearest the entropy, up to this mass, in (0, 1] "
+        "(1: off; transformers' and llama.cpp's typical_p; sampling only).")] = SamplingSettings.typical_p,
+    no_repeat_ngram_size: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="No n-gram of this size occurs twice in the prompt and the output, greedy included (0: off; "
+        "transformers').")] = SamplingSettings.no_repeat_ngram_size,
     presence_penalty: Annotated[float, typer.Option(
         rich_help_panel=SAMPLING_PANEL,
         help="Subtracted from the logit of every token already generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.presence_penalty,
@@ -163,7 +169,8 @@ def generate(
     settings = SamplingSettings(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
-        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        min_p=min_p, typical_p=typical_p, no_repeat_ngram_size=no_repeat_ngram_size,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=parse_logit_bias(logit_bias or []),
         stop_token_ids=parse_token_ids(stop_token_ids or [], "--stop-token-ids"), min_tokens=min_tokens,
         ignore_eos=ignore_eos, n=n, constraint=constraint_from(json_schema, regex, choice, grammar),

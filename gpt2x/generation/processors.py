@@ -395,6 +395,76 @@ class PresenceFrequencyPenalty:
         return scores
 
 
+class NoRepeatNGram:
+    """A token that would complete an n-gram already in the row's prompt and output gets -inf (transformers'
+    NoRepeatNGramLogitsProcessor, whose input is a decoder's prompt and output too)."""
+
+    argmax_invariant = False
+    reads_history = True
+    masks_only = True
+
+    def __init__(self, n: int | np.ndarray):
+        self.n = n  # 0: left as is
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[NoRepeatNGram | None]) -> NoRepeatNGram:
+        return cls(_stacked(procs, "n", 0).astype(np.int64))
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+        sizes = _per_row(self.n, len(rows), np.int64)
+        vocab = scores.shape[-1]
+        for i, (h, n) in enumerate(zip(rows, sizes)):
+            if n <= 0:
+                continue
+            ids = [*h.prompt, *h.output]
+            if len(ids) + 1 < n:
+                continue
+            tail = ids[len(ids) - n + 1 :]
+            # every earlier n-gram whose first n - 1 tokens are the row's last n - 1: its last token is banned
+            banned = [ids[j + n - 1] for j in range(len(ids) - n + 1) if ids[j : j + n - 1] == tail]
+            banned = [t for t in banned if t < vocab]
+            if banned:
+                scores[i, banned] = -np.inf
+        return scores
+
+
+class TypicalP:
+    """Locally typical sampling (transformers' TypicalLogitsWarper, min_tokens_to_keep 1): the tokens whose surprise
+    (-log p) is nearest the distribution's entropy, in that order, until their mass reaches p; the others -inf. Not
+    argmax-invariant (the most likely token may be far from typical), so, as in transformers, a sampling warper only."""
+
+    argmax_invariant = False
+    reads_history = False
+    masks_only = False
+
+    def __init__(self, p: float | np.ndarray):
+        self.p = p
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[TypicalP | None]) -> TypicalP:
+        return cls(_stacked(procs, "p", 1.0))
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
+        def warp(s: np.ndarray, p: float | np.ndarray) -> np.ndarray:
+            probs = softmax(s)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                logp = np.log(probs)
+                entropy = -np.nansum(np.where(probs > 0, logp * probs, 0.0), axis=-1, keepdims=True)
+            shifted = np.abs(-logp - entropy)  # (n, V); -inf scores: +inf, last
+            order = np.argsort(shifted, axis=-1, kind="stable")
+            sorted_shift = np.take_along_axis(shifted, order, axis=-1)
+            cum = np.cumsum(np.take_along_axis(probs, order, axis=-1), axis=-1)
+            ps = np.broadcast_to(np.asarray(p, dtype=np.float64).reshape(-1, 1), (len(s), 1))
+            last = np.minimum((cum < ps).sum(axis=-1), s.shape[-1] - 1)  # (n,)
+            cutoff = sorted_shift[np.arange(len(s)), last][:, None]
+            remove_sorted = sorted_shift > cutoff
+            remove_sorted[:, 0] = False  # the most typical token always stays
+            remove = np.empty_like(remove_sorted)
+            np.put_along_axis(remove, order, remove_sorted, axis=-1)
+            return np.where(remove, -np.inf, s)
+        return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
+
+
 class ConstraintMask:
     """Structured output: one llguidance matcher per History.row, synced to each call's histories. A history
     holding a token the matcher refuses (a draft) leaves the row as it is: that token has probability 0, so
@@ -477,7 +547,7 @@ def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
 
 # vLLM's order; every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
 ORDER: tuple[type, ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
-                           PresenceFrequencyPenalty, Temperature, MinP, TopK, TopP)
+                           PresenceFrequencyPenalty, NoRepeatNGram, Temperature, MinP, TopK, TopP, TypicalP)
 
 
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
@@ -495,6 +565,8 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
         chain.append(RepetitionPenalty(settings.repetition_penalty))
     if settings.presence_penalty or settings.frequency_penalty:
         chain.append(PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty))
+    if settings.no_repeat_ngram_size:
+        chain.append(NoRepeatNGram(settings.no_repeat_ngram_size))
     if settings.greedy:
         return sorted(chain, key=lambda p: ORDER.index(type(p)))
     if settings.temperature != 1.0:
@@ -505,6 +577,8 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
         chain.append(TopK(settings.top_k))
     if settings.top_p < 1.0:
         chain.append(TopP(settings.top_p))
+    if settings.typical_p < 1.0:
+        chain.append(TypicalP(settings.typical_p))
     return sorted(chain, key=lambda p: ORDER.index(type(p)))
 
 

@@ -41,6 +41,10 @@ class SamplingSettings:
     constraint: ConstraintSpec | None = None  # structured output: a JSON schema, regex, choice or grammar (constraints.py)
     n: int = 1  # samples per prompt (generate(): sample i seeded seed + i, vLLM's rule; the API: n choices)
     allowed_token_ids: tuple[int, ...] = ()  # only these tokens can be sampled; () = every token (vLLM's field)
+    # Repetition controls (transformers' definitions): no n-gram of this size occurs twice in prompt and output, 0 = off;
+    # typical sampling keeps the tokens whose surprise is nearest the entropy, up to this mass, 1 = off (sampling only)
+    no_repeat_ngram_size: int = 0
+    typical_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -78,6 +82,11 @@ class SamplingSettings:
                              option="min_tokens")
         if self.n < 1:
             raise UsageError(f"n must be at least 1, got {self.n}", option="n")
+        if self.no_repeat_ngram_size < 0:
+            raise UsageError(f"no_repeat_ngram_size must be >= 0 (0: off), got {self.no_repeat_ngram_size}",
+                             option="no_repeat_ngram_size")
+        if not 0 < self.typical_p <= 1:
+            raise UsageError(f"typical_p must be in (0, 1] (1: off), got {self.typical_p}", option="typical_p")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
@@ -86,6 +95,7 @@ class SamplingSettings:
                                          "stop_token_ids", "constraint", "allowed_token_ids") if getattr(self, name)]
             changed += ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
             changed += ["n"] if self.n > 1 else []
+            changed += ["no_repeat_ngram_size"] if self.no_repeat_ngram_size else []
             if changed:
                 raise UsageError(f"num_beams is {self.num_beams}: beam search takes none of {', '.join(changed)} "
                                  "(it follows transformers' beam search without logits processors)", option="num_beams")

@@ -11,11 +11,13 @@ import torch
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from gpt2x.errors import UsageError
@@ -26,11 +28,13 @@ from gpt2x.generation.processors import (
     LogitBias,
     MinP,
     MinTokens,
+    NoRepeatNGram,
     PresenceFrequencyPenalty,
     RepetitionPenalty,
     Temperature,
     TopK,
     TopP,
+    TypicalP,
     processors_for,
 )
 from gpt2x.generation.sampling import Sampler, masking_dtype, sample_many
@@ -165,6 +169,18 @@ def test_hand_computed_logit_bias_and_presence_frequency_penalties():
     assert f64.tolist() == x.tolist()  # float64 logits are copied too
 
 
+def test_no_repeat_ngram_by_hand_and_typical_p_only_when_sampling():
+    """Hand-computed: after 5 6 7 5 6 the bigram rule bans 7 (5 6 -> 7 was seen), the trigram rule bans 7 too
+    (`5 6` ends the text and `5 6 7` was seen), and 4-grams ban nothing (`7 5 6` occurred once). typical_p is a
+    sampling warper (transformers applies it only when sampling): greedy leaves it out; no_repeat_ngram_size stays."""
+    h = [History([5, 6], [7, 5, 6], 0)]
+    for n, banned in ((2, [7]), (3, [7]), (4, [])):
+        out = NoRepeatNGram(n)(np.zeros((1, 10)), h)
+        assert np.flatnonzero(np.isinf(out[0])).tolist() == banned, n
+    assert [type(p) for p in processors_for(SamplingSettings(typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram, TypicalP]
+    assert [type(p) for p in processors_for(SamplingSettings(greedy=True, typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram]
+
+
 def test_the_order_and_what_is_left_out():
     s = SamplingSettings(temperature=0.5, top_k=3, top_p=0.9)
     assert [type(p) for p in processors_for(s)] == [Temperature, TopK, TopP]
@@ -260,6 +276,8 @@ def test_a_drafted_position_sees_the_drafted_tokens_before_it():
     (dict(logit_bias={50257: 1.0}), "logit_bias"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=65, max_new_tokens=64), "min_tokens"), (dict(n=0), "n"),
     (dict(num_beams=2, repetition_penalty=1.2), "num_beams"), (dict(num_beams=2, n=2), "num_beams"),
+    (dict(typical_p=0.0), "typical_p"), (dict(typical_p=1.5), "typical_p"), (dict(typical_p=float("nan")), "typical_p"),
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"), (dict(num_beams=2, no_repeat_ngram_size=2), "num_beams"),
 ])
 def test_bad_processor_settings_are_refused_naming_the_option(kw, option):
     with pytest.raises(UsageError) as e:
@@ -335,6 +353,11 @@ PER_ROW = {
     "presence_frequency": ([PresenceFrequencyPenalty(0.5, 0.2), None, PresenceFrequencyPenalty(-1.0, 0.0),
                             PresenceFrequencyPenalty(0.0, 1.5), PresenceFrequencyPenalty(2.0, -2.0)], None),
     "allowed": ([AllowedTokens(range(0, 5000, 7)), None, AllowedTokens([7, 9]), AllowedTokens([3, WIDE + 1]), None], None),
+    "typical_p": ([TypicalP(0.9), TypicalP(0.5), None, TypicalP(0.99), TypicalP(0.2)],
+                  lambda p, h: TypicalLogitsWarper(p.p)),
+    # n = 1 bans every token seen; 2 and 3 a token completing a pair or a triple seen before (7 7 7, 9 9 9 ...)
+    "no_repeat_ngram": ([NoRepeatNGram(1), NoRepeatNGram(2), None, NoRepeatNGram(1), NoRepeatNGram(3)],
+                        lambda p, h: NoRepeatNGramLogitsProcessor(p.n)),
 }
 
 

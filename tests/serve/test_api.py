@@ -653,6 +653,28 @@ def test_the_api_key_guards_the_routes_not_the_description(service):
         assert r.status_code == 200
 
 
+def test_repetition_controls_are_served(client):
+    """no_repeat_ngram_size 2 on a greedy completion: no bigram occurs twice in the prompt and the tokens generated
+    (counted here, from return_token_ids); typical_p is a sampling field: refused with beam search and out of (0, 1];
+    a seeded typical_p sample is the same twice."""
+    body = {"prompt": "ROMEO: O Romeo, Romeo, wherefore art thou Romeo?", "max_tokens": 40, "temperature": 0,
+            "no_repeat_ngram_size": 2, "return_token_ids": True, "ignore_eos": True}
+    choice = post(client, **body)["choices"][0]
+    prompt = encode(body["prompt"])
+    ids = prompt + choice["token_ids"]
+    assert len(choice["token_ids"]) == 40
+    for j in range(len(prompt), len(ids)):  # the bigram each generated token completes was not seen before it
+        seen = {tuple(ids[i : i + 2]) for i in range(j - 1)}
+        assert (ids[j - 1], ids[j]) not in seen, j
+    sampled = {"prompt": "ROMEO:", "max_tokens": 8, "typical_p": 0.5, "seed": 4}
+    assert post(client, **sampled)["choices"][0]["text"] == post(client, **sampled)["choices"][0]["text"]
+    for bad_body, param in (({"typical_p": 0}, "typical_p"), ({"typical_p": 1.5}, "typical_p"),
+                            ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+                            ({"typical_p": 0.5, "use_beam_search": True, "n": 2}, "typical_p")):
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, **bad_body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_any_of_several_api_keys_is_accepted_and_every_other_refused(service):
     """Several keys (vLLM's and llama-server's): each one opens the routes, a wrong one, a prefix of one or none is a
     401 in OpenAI's shape."""

@@ -160,6 +160,7 @@ def to_sampling_params(p: CompletionParams, n: int, max_tokens: int, vocab_size:
             presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
             repetition_penalty=SamplingSettings.repetition_penalty if p.repetition_penalty is None else p.repetition_penalty,
             logit_bias=bias, min_p=p.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_ids,
+            typical_p=1.0 if p.typical_p is None else p.typical_p, no_repeat_ngram_size=p.no_repeat_ngram_size or 0,
             ignore_eos=bool(p.ignore_eos), allowed_token_ids=allowed, constraint=constraint, **beams,
         )
     except UsageError as e:  # what the schema's ranges let through and the settings refuse
@@ -172,7 +173,7 @@ def _refuse_with_beams(p: CompletionParams) -> None:
     """What beam search (generation.beam: transformers' beam search on the raw distribution, one search
     per prompt) does not combine with: a 400 naming the field."""
     sampling = {"temperature": (p.temperature, (None, 1.0, 0.0)), "top_p": (p.top_p, (None, 1.0)),
-                "top_k": (p.top_k, (None, 0, -1)), "min_p": (p.min_p, (None, 0.0))}
+                "top_k": (p.top_k, (None, 0, -1)), "min_p": (p.min_p, (None, 0.0)), "typical_p": (p.typical_p, (None, 1.0))}
     for name, (value, neutral) in sampling.items():
         if value not in neutral:
             raise bad(f"{name} is {value}: beam search scores the raw distribution (use_beam_search takes no "

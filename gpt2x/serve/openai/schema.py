@@ -136,6 +136,12 @@ class CompletionParams(BaseModel):
         "positive, multiplied by it where negative; 1 = off (the default)."))
     min_p: float | None = Field(None, ge=0, le=1, description=(
         "vLLM's: drop tokens less likely than min_p times the most likely one; 0 = off (the default)."))
+    typical_p: float | None = Field(None, gt=0, le=1, description=(
+        "llama-server's and transformers': locally typical sampling, the tokens whose surprise is nearest the "
+        "entropy up to this mass; 1 = off (the default). Not applied to greedy decoding."))
+    no_repeat_ngram_size: Integer_(ge=0) | None = Field(None, description=(
+        "transformers': no n-gram of this size occurs twice in the prompt and the output (applied to greedy "
+        "decoding too); 0 = off (the default)."))
     min_tokens: Integer_(ge=0) | None = Field(None, description=(
         "vLLM's: the end-of-text token and stop_token_ids cannot be sampled, and stop strings do not "
         "end the text, before this many tokens (at most max_tokens)."))
