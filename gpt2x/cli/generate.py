@@ -107,6 +107,8 @@ def generate(
     no_repeat_ngram_size: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL,
         help="No n-gram of this size occurs twice in the prompt and the output, greedy included (0: off; "
         "transformers').")] = SamplingSettings.no_repeat_ngram_size,
+    bad_words: Annotated[Optional[list[str]], typer.Option("--bad-words", rich_help_panel=SAMPLING_PANEL,
+        help="A word never generated (vLLM's bad_words); repeatable.")] = None,
     presence_penalty: Annotated[float, typer.Option(
         rich_help_panel=SAMPLING_PANEL,
         help="Subtracted from the logit of every token already generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.presence_penalty,
@@ -169,7 +171,7 @@ def generate(
     settings = SamplingSettings(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
-        min_p=min_p, typical_p=typical_p, no_repeat_ngram_size=no_repeat_ngram_size,
+        min_p=min_p, typical_p=typical_p, no_repeat_ngram_size=no_repeat_ngram_size, bad_words=tuple(bad_words or ()),
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=parse_logit_bias(logit_bias or []),
         stop_token_ids=parse_token_ids(stop_token_ids or [], "--stop-token-ids"), min_tokens=min_tokens,

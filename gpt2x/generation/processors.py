@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import Gpt2xError
 from ..numerics import block_reduce
-from ..tokenizer import EOT_ID
+from ..tokenizer import EOT_ID, encode
 from .constraints import Constraint, ConstraintSpec, mask_rows
 from .settings import SamplingSettings
 
@@ -428,6 +428,52 @@ class NoRepeatNGram:
         return scores
 
 
+def bad_word_ids(words: Iterable[str]) -> list[list[int]]:
+    """vLLM's token sequences of bad words (SamplingParams.update_from_tokenizer): each word, left-stripped, as it
+    begins a text, and with a space before it, as it comes mid-text, the second kept where it is another word of the
+    same length in tokens (its first token differs)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        out.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+class BadWords:
+    """vLLM's bad_words: a bad word's last token gets -inf where the row's generated tokens end with its other tokens
+    (a one-token word: always). Generated tokens only, as vLLM's past tokens."""
+
+    argmax_invariant = False
+    reads_history = True
+    masks_only = True
+
+    def __init__(self, ids: Sequence[Sequence[int]], each: Sequence[BadWords | None] | None = None):
+        self.ids = [list(w) for w in ids]
+        self._each = each  # for_rows: row i masked by each[i]'s words (None: left as is)
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[BadWords | None]) -> BadWords:
+        return cls((), list(procs))
+
+    def _mask(self, row: np.ndarray, output: Sequence[int]) -> None:
+        for word in self.ids:
+            prefix = len(word) - 1
+            if prefix > len(output) or word[-1] >= row.shape[-1]:
+                continue
+            if not prefix or list(output[len(output) - prefix :]) == word[:-1]:
+                row[word[-1]] = -np.inf
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+        for i, h in enumerate(rows):
+            own = self if self._each is None else self._each[i]
+            if own is not None:
+                own._mask(scores[i], h.output)
+        return scores
+
+
 class TypicalP:
     """Locally typical sampling (transformers' TypicalLogitsWarper, min_tokens_to_keep 1): the tokens whose surprise
     (-log p) is nearest the distribution's entropy, in that order, until their mass reaches p; the others -inf. Not
@@ -547,7 +593,7 @@ def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
 
 # vLLM's order; every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
 ORDER: tuple[type, ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
-                           PresenceFrequencyPenalty, NoRepeatNGram, Temperature, MinP, TopK, TopP, TypicalP)
+                           PresenceFrequencyPenalty, NoRepeatNGram, BadWords, Temperature, MinP, TopK, TopP, TypicalP)
 
 
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
@@ -567,6 +613,8 @@ def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
         chain.append(PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty))
     if settings.no_repeat_ngram_size:
         chain.append(NoRepeatNGram(settings.no_repeat_ngram_size))
+    if settings.bad_words:
+        chain.append(BadWords(bad_word_ids(settings.bad_words)))
     if settings.greedy:
         return sorted(chain, key=lambda p: ORDER.index(type(p)))
     if settings.temperature != 1.0:

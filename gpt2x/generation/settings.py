@@ -45,6 +45,7 @@ class SamplingSettings:
     # typical sampling keeps the tokens whose surprise is nearest the entropy, up to this mass, 1 = off (sampling only)
     no_repeat_ngram_size: int = 0
     typical_p: float = 1.0
+    bad_words: tuple[str, ...] = ()  # vLLM's: these words are never generated (processors.BadWords)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -87,6 +88,10 @@ class SamplingSettings:
                              option="no_repeat_ngram_size")
         if not 0 < self.typical_p <= 1:
             raise UsageError(f"typical_p must be in (0, 1] (1: off), got {self.typical_p}", option="typical_p")
+        if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise UsageError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}",
+                             option="bad_words")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
@@ -96,6 +101,7 @@ class SamplingSettings:
             changed += ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
             changed += ["n"] if self.n > 1 else []
             changed += ["no_repeat_ngram_size"] if self.no_repeat_ngram_size else []
+            changed += ["bad_words"] if self.bad_words else []
             if changed:
                 raise UsageError(f"num_beams is {self.num_beams}: beam search takes none of {', '.join(changed)} "
                                  "(it follows transformers' beam search without logits processors)", option="num_beams")

@@ -23,6 +23,7 @@ from transformers.generation.logits_process import (
 from gpt2x.errors import UsageError
 from gpt2x.generation.processors import (
     AllowedTokens,
+    BadWords,
     ConstraintMask,
     History,
     LogitBias,
@@ -35,6 +36,7 @@ from gpt2x.generation.processors import (
     TopK,
     TopP,
     TypicalP,
+    bad_word_ids,
     processors_for,
 )
 from gpt2x.generation.sampling import Sampler, masking_dtype, sample_many
@@ -179,6 +181,27 @@ def test_no_repeat_ngram_by_hand_and_typical_p_only_when_sampling():
         assert np.flatnonzero(np.isinf(out[0])).tolist() == banned, n
     assert [type(p) for p in processors_for(SamplingSettings(typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram, TypicalP]
     assert [type(p) for p in processors_for(SamplingSettings(greedy=True, typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram]
+
+
+def test_bad_words_as_vllm_defines_them_by_hand():
+    """vLLM's rule, worked by hand on GPT-2's tokenizer: "art" is 433 at a text's start and 1242 after a space, both
+    one token, so both are banned; "Romeo" is 49 462 78 at the start and 43989 after a space, of another length, so
+    vLLM keeps the first form only (its rule). A one-token word is banned at every step, a longer one's last token
+    only where the output ends with its others; the prompt is not looked at (generated tokens only)."""
+    from gpt2x.tokenizer import encode
+
+    assert bad_word_ids(["art"]) == [[433], [1242]] and bad_word_ids(["  Romeo"]) == [[49, 462, 78]]
+    two = encode(" wherefore art")  # 810 754 1242: its last banned only after the others
+    proc = BadWords([two])
+    V = 50257
+    fresh = proc(np.zeros((1, V)), [History(two[:-1], [], 0)])  # the prefix in the prompt only: not banned
+    assert not np.isinf(fresh).any()
+    after = proc(np.zeros((1, V)), [History([], [5, *two[:-1]], 0)])
+    assert np.flatnonzero(np.isinf(after[0])).tolist() == [two[-1]]
+    one = BadWords([[42]])(np.zeros((2, V)), [History([], [], 0), History([], [1, 2], 1)])
+    assert np.isinf(one[:, 42]).all() and np.isinf(one).sum() == 2
+    batched = BadWords.for_rows([BadWords([[42]]), None])(np.zeros((2, V)), [History([], [], 0), History([], [], 1)])
+    assert np.isinf(batched[0, 42]) and not np.isinf(batched[1]).any()
 
 
 def test_the_order_and_what_is_left_out():

@@ -666,6 +666,10 @@ def test_repetition_controls_are_served(client):
     for j in range(len(prompt), len(ids)):  # the bigram each generated token completes was not seen before it
         seen = {tuple(ids[i : i + 2]) for i in range(j - 1)}
         assert (ids[j - 1], ids[j]) not in seen, j
+    plain = post(client, prompt="ROMEO:", max_tokens=20, temperature=0)["choices"][0]["text"]
+    word = next(w for w in plain.split() if w.isalpha())
+    banned = post(client, prompt="ROMEO:", max_tokens=20, temperature=0, bad_words=[word])["choices"][0]["text"]
+    assert word in plain.split() and word not in banned.split()  # vLLM's bad_words: the greedy text's own word gone
     sampled = {"prompt": "ROMEO:", "max_tokens": 8, "typical_p": 0.5, "seed": 4}
     assert post(client, **sampled)["choices"][0]["text"] == post(client, **sampled)["choices"][0]["text"]
     for bad_body, param in (({"typical_p": 0}, "typical_p"), ({"typical_p": 1.5}, "typical_p"),

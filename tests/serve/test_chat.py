@@ -96,7 +96,7 @@ def test_no_template_is_one_400_naming_the_flag(export_dir):
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MESSAGES, "prompt_logprobs": 1}, "prompt_logprobs"), ({"messages": MESSAGES, "return_token_ids": True}, "return_token_ids"),
-    ({"messages": MESSAGES, "bad_words": ["x"]}, "bad_words"), ({"messages": MESSAGES, "echo": True}, "echo"),
+    ({"messages": MESSAGES, "bad_words": "x"}, "bad_words"), ({"messages": MESSAGES, "echo": True}, "echo"),
 ])
 def test_bad_chat_fields_are_400_naming_them(service, body, param):
     with TestClient(local_app(service)) as c:

@@ -264,7 +264,8 @@ def test_beam_search_gives_the_n_best_beams(client, reference):
     ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
     ({"use_beam_search": True, "n": 2, "presence_penalty": 1}, "use_beam_search"),
     ({"length_penalty": 0.5}, "length_penalty"), ({"truncation_side": "right"}, "truncation_side"),
-    ({"bad_words": ["x"]}, "bad_words"), ({"guided_json": {}}, "guided_json"), ({"cache_salt": "s"}, "cache_salt"),
+    ({"bad_words": "x"}, "bad_words"), ({"bad_words": [""]}, "bad_words"), ({"guided_json": {}}, "guided_json"),
+    ({"cache_salt": "s"}, "cache_salt"), ({"use_beam_search": True, "n": 2, "bad_words": ["x"]}, "use_beam_search"),
     ({"logits_processors": ["a.b"]}, "logits_processors"), ({"allowed_token_ids": [50257]}, "allowed_token_ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"return_token_ids": 1}, "return_token_ids"),
 ])

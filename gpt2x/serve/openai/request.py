@@ -37,7 +37,6 @@ _warned: set[str] = set()  # unknown request fields already logged
 # vLLM's request fields gpt2x does not implement: a 400 naming the field when given (not null), with why.
 REFUSED_FIELDS = {
     "logits_processors": "custom logits processors are not served",
-    "bad_words": "bad_words is not implemented (logit_bias -100 bans single tokens)",
     "prompt_embeds": "prompts as embeddings are not served",
     "cache_salt": "cache_salt is not implemented: the prefix cache is shared by every request",
     "kv_transfer_params": "disaggregated prefill is not served",
@@ -161,6 +160,7 @@ def to_sampling_params(p: CompletionParams, n: int, max_tokens: int, vocab_size:
             repetition_penalty=SamplingSettings.repetition_penalty if p.repetition_penalty is None else p.repetition_penalty,
             logit_bias=bias, min_p=p.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_ids,
             typical_p=1.0 if p.typical_p is None else p.typical_p, no_repeat_ngram_size=p.no_repeat_ngram_size or 0,
+            bad_words=tuple(p.bad_words or ()),
             ignore_eos=bool(p.ignore_eos), allowed_token_ids=allowed, constraint=constraint, **beams,
         )
     except UsageError as e:  # what the schema's ranges let through and the settings refuse

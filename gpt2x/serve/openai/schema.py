@@ -139,6 +139,9 @@ class CompletionParams(BaseModel):
     typical_p: float | None = Field(None, gt=0, le=1, description=(
         "llama-server's and transformers': locally typical sampling, the tokens whose surprise is nearest the "
         "entropy up to this mass; 1 = off (the default). Not applied to greedy decoding."))
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=64)] | None = Field(
+        None, description="vLLM's: words never generated (each as it begins a text and after a space; a word's last "
+        "token banned where the output ends with its others).")
     no_repeat_ngram_size: Integer_(ge=0) | None = Field(None, description=(
         "transformers': no n-gram of this size occurs twice in the prompt and the output (applied to greedy "
         "decoding too); 0 = off (the default)."))
