@@ -10,9 +10,9 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .. import __version__
 from ..onnx.artifact import exports_root
 from ..runtime.providers import available_providers, physical_cores
+from ..version import __version__
 from .results import Environment
 
 

@@ -14,7 +14,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .. import __version__
 from ..choices import BackendKind, KvCache, Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
@@ -23,6 +22,7 @@ from ..onnx.interop import check_chat_template
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
 from ..runtime.kvdtype import asked as asked_kv_dtype
 from ..runtime.prefill import PREFILL_ENV, PrefillChoice, asked
+from ..version import __version__
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True, highlight=False)

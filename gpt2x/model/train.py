@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import __version__
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..tokenizer import encode
+from ..version import __version__
 from .config import GPT2Config
 from .gpt2 import GPT2
 from .hf_format import gpt2x_to_hf

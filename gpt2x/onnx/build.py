@@ -18,13 +18,13 @@ import onnxruntime
 import onnxscript
 import torch
 
-from .. import __version__
 from ..choices import Precision, Progress, no_progress
 from ..errors import ParityError, UsageError, missing_modules
 from ..fileio import folder_written_whole, sha256
 from ..model.checkpoints import ModelSource, weights_fingerprint
 from ..model.gpt2 import GPT2
 from ..tokenizer import BPE_SHA256
+from ..version import __version__
 from . import kvcache
 from . import names as io
 from . import openvino_prefill as ov_prefill  # imports neither openvino nor nncf

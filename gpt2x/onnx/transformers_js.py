@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .. import __version__
 from ..choices import Precision, Progress, no_progress
 from ..errors import ArtifactError, UsageError
 from ..fileio import folder_written_whole, sha256, write_atomic
+from ..version import __version__
 from . import interop
 from .artifact import MODEL_FILE, ExportInfo, exports_root, external_data_locations, safe_model_name
 

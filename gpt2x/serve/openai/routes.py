@@ -32,8 +32,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from ... import __version__
 from ...tokenizer import decode, encode
+from ...version import __version__
 from . import chat, render, schema
 from . import metrics as prom
 from .chat import ChatParams

@@ -70,9 +70,10 @@ class CompletionService:
                           max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     def parse(self, raw: bytes) -> CompletionRequest:
-        return self._checked(json_object(raw))
+        return self.request(json_object(raw))
 
-    def _checked(self, body: dict) -> CompletionRequest:
+    def request(self, body: dict) -> CompletionRequest:
+        """A completions body, already read as a JSON object, as the request it is served as (a 4xx APIError)."""
         req = request_from_body(body, self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE))
         if req.priority and self.engine.settings.scheduling_policy != "priority":  # vLLM refuses it so too
             raise bad(f"priority is {req.priority}: this server schedules first come, first served; start it "
@@ -82,7 +83,7 @@ class CompletionService:
     def parse_chat(self, raw: bytes) -> CompletionRequest:
         """A chat completions body as the completions request it is served as (chat.py)."""
         body = json_object(raw)
-        req = self._checked(chat.completion_body(body, self.chat_template, self.backend.n_positions))
+        req = self.request(chat.completion_body(body, self.chat_template, self.backend.n_positions))
         k = chat.logprobs_asked(body)
         return req if k is None else replace(req, logprobs=k, chat_logprobs=True)
 

@@ -1,0 +1,194 @@
+"""The offline Python API, vLLM's shape (`LLM(model).generate(prompts, SamplingParams(...))`): the serving engine
+run in this process, without HTTP. Each prompt is a completions request of the OpenAI layer (openai/service.py), so
+its fields mean what they mean there (stop strings, n, seeds, logprobs, structured output, the repetition controls),
+and every prompt of a call is in flight at once: the engine batches them continuously, as it batches a server's
+requests. Chat (`LLM.chat`) renders each conversation with the export's chat template, as /v1/chat/completions does.
+Docs: docs/python.md."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..choices import BackendKind, Precision, ProviderKind
+from ..errors import UsageError
+from ..workflows.exports import resolve_export
+from .core.scheduler import EngineSettings
+from .openai import chat
+from .openai.errors import APIError
+from .openai.service import CompletionService
+from .replica import ReplicaConfig, close_service, open_service
+
+PROGRESS_FROM = 16  # prompts from which a call shows a progress bar on stderr
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's SamplingParams, the fields gpt2x serves, with their completions-request meanings (None: the default)."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": schema} or {"regex": ...}, {"choice": [...]}
+
+    def body(self) -> dict:
+        """The fields set, as a completions body holds them."""
+        out = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        if self.logit_bias is not None:
+            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One choice of a prompt (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[str, float]] | None = None  # per token, its logprob and the most likely ones (the API's)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A prompt and its choices (vLLM's RequestOutput)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class LLM:
+    """An export served in this process: `model` a model name (exported first where missing, as `gpt2x generate`
+    does) or an export folder. Close it (`close`, or `with LLM(...) as llm`) to stop its engine."""
+
+    def __init__(self, model: str = "shakespeare", precision: str | Precision | None = None, backend: str = "ort",
+                 provider: str = "cpu", threads: int | None = None, max_batch_size: int = 16,
+                 chat_template: str | None = None):
+        folder = Path(model)
+        info = resolve_export(onnx_dir=folder) if (folder / "gpt2x.json").is_file() else \
+            resolve_export(model, precision=None if precision is None else Precision(precision))
+        if precision is not None and info.precision is not Precision(precision):
+            raise UsageError(f"{info.folder} is a {info.precision.value} export, not {Precision(precision).value}")
+        self.model_id = info.meta["model"]["name"]
+        config = ReplicaConfig(export=str(info.folder.resolve()), model_id=self.model_id, backend=BackendKind(backend).value,
+                               provider=ProviderKind(provider).value, threads=threads,
+                               engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=1 << 16),
+                               chat_template=chat_template)
+        self._service: CompletionService | None = open_service(config)
+
+    @property
+    def service(self) -> CompletionService:
+        if self._service is None:
+            raise UsageError("this LLM is closed")
+        return self._service
+
+    def close(self) -> None:
+        if self._service is not None:
+            close_service(self._service)
+            self._service = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]], params: SamplingParams | None = None,
+                 progress: bool | None = None) -> list[RequestOutput]:
+        """Each prompt (a text, or token ids) completed with `params`, in the order given."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        bodies = [{**(params or SamplingParams()).body(), "prompt": p} for p in prompts]
+        return self._run(bodies, chat_bodies=False, progress=progress)
+
+    def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
+             progress: bool | None = None) -> list[RequestOutput]:
+        """Each conversation (a list of {"role", "content"} messages; or one conversation) rendered by the export's
+        chat template and completed, as /v1/chat/completions does."""
+        conversations = list(conversations)
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        base = (params or SamplingParams()).body()
+        if "max_tokens" in base:  # chat's name; its default is what the context leaves
+            base["max_completion_tokens"] = base.pop("max_tokens")
+        bodies = [{**base, "messages": list(c)} for c in conversations]
+        return self._run(bodies, chat_bodies=True, progress=progress)
+
+    def _run(self, bodies: list[dict], chat_bodies: bool, progress: bool | None) -> list[RequestOutput]:
+        service = self.service
+        reqs = []
+        for body in bodies:  # every request checked before any runs: a bad one is one error, nothing half done
+            try:
+                if chat_bodies:  # the completions shape of logprobs (chat's own is the API's)
+                    k = body.pop("logprobs", None)
+                    completion = chat.completion_body(body, service.chat_template, service.backend.n_positions)
+                    completion = completion if k is None else {**completion, "logprobs": k}
+                else:
+                    completion = body
+                reqs.append(service.request({**completion, "return_token_ids": True}))
+            except APIError as e:
+                raise UsageError(f"{e.param or 'request'}: {e.message}", option=e.param) from None
+        show = len(reqs) >= PROGRESS_FROM if progress is None else progress
+        return asyncio.run(self._complete(reqs, show))
+
+    async def _complete(self, reqs: list, show: bool) -> list[RequestOutput]:
+        service = self.service
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="gpt2x", unit="prompt", file=sys.stderr)
+
+        async def one(req) -> RequestOutput:
+            try:
+                response = await service.complete(service.submit(req))
+            except APIError as e:
+                raise UsageError(e.message) from None
+            if bar is not None:
+                bar.update(1)
+            return _output(req, response)
+
+        try:
+            # Submitted in waves the engine's queue holds; every wave in flight at once, batched by the engine
+            limit = service.engine.settings.max_waiting + service.engine.settings.max_batch_size
+            out: list[RequestOutput] = []
+            for start in range(0, len(reqs), limit):
+                out += await asyncio.gather(*(one(r) for r in reqs[start : start + limit]))
+            return out
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _output(req, response) -> RequestOutput:
+    choices = []
+    prompt_ids: list[int] = list(req.prompt_ids[0])
+    for c in response.choices:
+        lp = None
+        if c.logprobs is not None:
+            lp = [dict(top or {}, **{tok: logprob}) if logprob is not None else dict(top or {})
+                  for tok, logprob, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)]
+        choices.append(CompletionOutput(c.index, c.text, list(c.token_ids or []), c.finish_reason, lp))
+    return RequestOutput(req.prompts[0], prompt_ids, choices)
