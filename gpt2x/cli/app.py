@@ -56,7 +56,7 @@ def root(
     Status.enabled = not quiet
 
 
-COMMANDS = ("generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest", "eval")
+COMMANDS = ("generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest", "eval", "run-batch")
 
 
 def command_module(name: str):
@@ -81,6 +81,8 @@ def command_module(name: str):
         from . import loadtest as module
     elif name == "eval":
         from . import eval as module
+    elif name == "run-batch":
+        from . import run_batch as module
     else:
         raise KeyError(name)
     return module
@@ -93,7 +95,7 @@ def register(args: list[str]) -> None:
     done = {c.name for c in app.registered_commands}
     for name in (n for n in names if n not in done):
         module = command_module(name)
-        app.command(name, epilog=module.EPILOG)(getattr(module, name))
+        app.command(name, epilog=module.EPILOG)(getattr(module, name.replace("-", "_")))
 
 
 # The previous release's spellings, rewritten before Typer parses (upgrade_args): commands declare only the new ones.

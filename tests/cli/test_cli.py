@@ -12,7 +12,8 @@ from gpt2x.onnx.artifact import EXPORTS_ENV
 from ..helpers import assert_one_line_error, cli, run_cli
 
 
-@pytest.mark.parametrize("command", ["generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest"])
+@pytest.mark.parametrize("command", ["generate", "export", "verify", "inspect", "train", "bench", "info", "serve", "loadtest",
+                                     "run-batch"])
 def test_every_command_has_help_with_examples(capsys, command):
     code, out, _ = cli(capsys, command, "--help")
     assert code == 0 and "Example" in out

@@ -82,7 +82,11 @@ class CompletionService:
 
     def parse_chat(self, raw: bytes) -> CompletionRequest:
         """A chat completions body as the completions request it is served as (chat.py)."""
-        body = json_object(raw)
+        return self.chat_request(json_object(raw))
+
+    def chat_request(self, body: dict) -> CompletionRequest:
+        """A chat completions body, already read as a JSON object, as the completions request it is served as
+        (chat.py), its logprobs in chat's shape."""
         req = self.request(chat.completion_body(body, self.chat_template, self.backend.n_positions))
         k = chat.logprobs_asked(body)
         return req if k is None else replace(req, logprobs=k, chat_logprobs=True)
