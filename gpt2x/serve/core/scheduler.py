@@ -145,9 +145,10 @@ Estimate = Callable[[int, int, int], "float | None"]  # (rows, new tokens, past)
 
 
 class Scheduler:
-    """The waiting queue and every decision on it, shared by the callers' threads (`submit`, `close`)
-    and the engine's (`schedule`, `update`, `fail`). `joins_rows`: the backend's cache takes rows
-    prefilled apart (else batches are static); `speculative`: a draft decodes lone rows."""
+    """Every decision on the waiting rows (held by `queue`, a RequestQueue the callers' threads put rows in:
+    `submit`, `close`) and on the batch (the engine's thread: `schedule`, `update`, `fail`). `joins_rows`: the
+    backend's cache takes rows prefilled apart (else batches are static); `speculative`: a draft decodes lone rows;
+    `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
