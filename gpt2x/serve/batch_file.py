@@ -105,7 +105,7 @@ def run_batch(llm: LLM, lines: Iterable[str], out: IO[str], skip: set[str] = fro
     wave = service.engine.settings.max_waiting + service.engine.settings.max_batch_size
     for start in range(0, len(todo), wave):
         part = todo[start : start + wave]
-        for line, (status, text) in zip(part, asyncio.run(_answer_all(service, part))):
+        for line, (status, text) in zip(part, llm.run(_answer_all(service, part))):
             out.write(text + "\n")
             counts["invalid" if line.error is not None else "ok" if status == 200 else "refused"] += 1
         out.flush()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
@@ -24,6 +24,7 @@ from .openai.service import CompletionService
 from .replica import ReplicaConfig, close_service, open_service
 
 PROGRESS_FROM = 16  # prompts from which a call shows a progress bar on stderr
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class LLM:
                                engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=1 << 16),
                                chat_template=chat_template)
         self._service: CompletionService | None = open_service(config)
+        # One event loop for the LLM's life: the engine tells a row's last outputs after its answer is complete, and
+        # a loop closed by then (asyncio.run's, per call) would refuse them.
+        self._loop = asyncio.new_event_loop()
 
     @property
     def service(self) -> CompletionService:
@@ -109,6 +113,11 @@ class LLM:
         if self._service is not None:
             close_service(self._service)
             self._service = None
+            self._loop.close()
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work` run to its end on the LLM's event loop (the engine's answers arrive there)."""
+        return self._loop.run_until_complete(work)
 
     def __enter__(self) -> LLM:
         return self
@@ -151,7 +160,7 @@ class LLM:
             except APIError as e:
                 raise UsageError(f"{e.param or 'request'}: {e.message}", option=e.param) from None
         show = len(reqs) >= PROGRESS_FROM if progress is None else progress
-        return asyncio.run(self._complete(reqs, show))
+        return self.run(self._complete(reqs, show))
 
     async def _complete(self, reqs: list, show: bool) -> list[RequestOutput]:
         service = self.service
