@@ -102,7 +102,7 @@ def run_batch(llm: LLM, lines: Iterable[str], out: IO[str], skip: set[str] = fro
             seen.add(line.custom_id)
         todo.append(line)
     counts = {"ok": 0, "refused": 0, "invalid": 0}
-    wave = service.engine.settings.max_waiting + service.engine.settings.max_batch_size
+    wave = service.engine.settings.rows_held
     for start in range(0, len(todo), wave):
         part = todo[start : start + wave]
         for line, (status, text) in zip(part, llm.run(_answer_all(service, part))):

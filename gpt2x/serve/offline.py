@@ -181,7 +181,7 @@ class LLM:
 
         try:
             # Submitted in waves the engine's queue holds; every wave in flight at once, batched by the engine
-            limit = service.engine.settings.max_waiting + service.engine.settings.max_batch_size
+            limit = service.engine.settings.rows_held
             out: list[RequestOutput] = []
             for start in range(0, len(reqs), limit):
                 out += await asyncio.gather(*(one(r) for r in reqs[start : start + limit]))

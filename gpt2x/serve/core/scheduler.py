@@ -70,6 +70,12 @@ class EngineSettings:
     # first, arrival order among equals; rows running are never preempted).
     scheduling_policy: str = "fcfs"
 
+    @property
+    def rows_held(self) -> int:
+        """The most rows an engine holds at once, running and waiting: a request with more is refused, and the
+        offline API and batch files submit in waves of this many."""
+        return self.max_batch_size + self.max_waiting
+
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise UsageError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "

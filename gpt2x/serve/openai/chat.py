@@ -9,7 +9,8 @@ completions request with the same sampling fields, `n`, stop strings and structu
 The template: `--chat-template FILE`, else the `chat_template` of the export folder's
 tokenizer_config.json (where transformers and vLLM read a model's), else gpt2x's default (a play's
 script: onnx.interop.DEFAULT_CHAT_TEMPLATE), unless the server was started with
-`--no-default-chat-template`: then one 400 that names the flags. Chat logprobs (OpenAI's chat shape) and tools are refused, not ignored.
+`--no-default-chat-template`: then one 400 that names the flags. Chat logprobs are answered in OpenAI's chat shape
+(ChatTokenLogprobs); tools, echo, and vLLM's prompt_logprobs and return_token_ids are refused, not ignored.
 """
 
 from __future__ import annotations

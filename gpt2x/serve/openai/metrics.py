@@ -252,52 +252,52 @@ class _Collector:
         self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
-        m, labels, model, PREFIX = self.merged, ["model_name"], [self.model], self.prefix  # noqa: N806
+        m, labels, model, prefix = self.merged, ["model_name"], [self.model], self.prefix
         gauges = (("num_requests_running", "running", "Number of requests in model execution batches."),
                   ("num_requests_waiting", "waiting", "Number of requests waiting to be processed."))
         for name, key, text in gauges:
-            g = GaugeMetricFamily(PREFIX + name, text, labels=labels)
+            g = GaugeMetricFamily(prefix + name, text, labels=labels)
             g.add_metric(model, m["gauges"].get(key, 0))
             yield g
         # KV in use across the replicas: their mean (vLLM's is one engine's fraction, 1 = full)
-        kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        kv = GaugeMetricFamily(prefix + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels)
         kv.add_metric(model, m["gauges"].get("kv_cache_usage_perc", 0.0) / max(1, m["replicas"]))
         yield kv
         # Every waiting request waits for room in the batch ("capacity"); none is deferred (vLLM's
         # other reason: waiting on something else, such as a grammar's compilation).
-        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+        by_reason = GaugeMetricFamily(prefix + "num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
                                       labels=["model_name", "reason"])
         by_reason.add_metric([self.model, "capacity"], m["gauges"].get("waiting", 0))
         by_reason.add_metric([self.model, "deferred"], 0)
         yield by_reason
         # The scheduler never preempts a running row (a join waits until every row keeps room): always 0.
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
+        preemptions = CounterMetricFamily(prefix + "num_preemptions", "Cumulative number of preemption from the engine.",
                                           labels=labels)
         preemptions.add_metric(model, 0)
         yield preemptions
         config = m.get("config") or {}
-        info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+        info = GaugeMetricFamily(prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["model_name", *sorted(config)])
         info.add_metric([self.model, *(config[k] for k in sorted(config))], 1)
         yield info
-        if PREFIX == ALIAS_PREFIX:  # gpt2x's own, under its own prefix only (vLLM has no such name)
-            replicas = GaugeMetricFamily(PREFIX + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
+        if prefix == ALIAS_PREFIX:  # gpt2x's own, under its own prefix only (vLLM has no such name)
+            replicas = GaugeMetricFamily(prefix + "num_replicas", "Replicas whose metrics are summed here.", labels=labels)
             replicas.add_metric(model, m["replicas"])
             yield replicas
         counters = (("prompt_tokens", "Number of prefill tokens processed."),
                     ("generation_tokens", "Number of generation tokens processed."))
         for name, text in counters:
-            c = CounterMetricFamily(PREFIX + name, text, labels=labels)
+            c = CounterMetricFamily(prefix + name, text, labels=labels)
             c.add_metric(model, m["counters"].get(name, 0))
             yield c
-        success = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
+        success = CounterMetricFamily(prefix + "request_success", "Count of successfully processed requests.",
                                       labels=["model_name", "finished_reason"])
         for reason, value in sorted(m["success"].items()):
             success.add_metric([self.model, reason], value)
         yield success
         for name, text in OPTIONAL_COUNTERS.items():  # only where a replica has them
             if name in m["counters"]:
-                c = CounterMetricFamily(PREFIX + name, text, labels=labels)
+                c = CounterMetricFamily(prefix + name, text, labels=labels)
                 c.add_metric(model, m["counters"][name])
                 yield c
         for hspec in HISTOGRAMS:
@@ -306,7 +306,7 @@ class _Collector:
             for bound, count in zip((*hspec.buckets, float("inf")), h["counts"]):
                 cumulative += count
                 buckets.append((floatToGoString(bound), cumulative))
-            family = HistogramMetricFamily(PREFIX + hspec.name, hspec.help, labels=labels)
+            family = HistogramMetricFamily(prefix + hspec.name, hspec.help, labels=labels)
             family.add_metric(model, buckets, h["sum"])
             yield family
 

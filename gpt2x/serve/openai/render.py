@@ -228,7 +228,7 @@ def to_json(body: BaseModel | dict) -> str:
     if isinstance(body, dict):
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     exclude = {"usage"} if isinstance(body, (CompletionResponse, ChatCompletionChunk)) and body.usage is None else None
-    if isinstance(body, ChatCompletionChunk):  # a delta's role is there with a choice's first piece only
+    if isinstance(body, ChatCompletionChunk):  # a delta's role is there in a choice's first chunk only
         exclude = {**dict.fromkeys(exclude or (), True),
                    "choices": {i: {"delta": {"role"}} for i, c in enumerate(body.choices) if c.delta.role is None}}
     return body.model_dump_json(exclude=exclude)

@@ -302,7 +302,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    """A choice's piece of a stream: its role with its first piece only (OpenAI's), then its content."""
+    """A choice's piece of a stream: its role alone in its first chunk (OpenAI's), then its content."""
 
     role: Literal["assistant"] | None = None
     content: str

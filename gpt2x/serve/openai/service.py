@@ -118,7 +118,7 @@ class CompletionService:
         started: more rows than the engine can ever hold waiting and running is a 400, a full queue a
         429, a server shutting down a 503."""
         pending = Pending(req, asyncio.get_running_loop(), self.engine)
-        most = self.engine.settings.max_waiting + self.engine.settings.max_batch_size
+        most = self.engine.settings.rows_held
         if len(pending.rows) > most:
             param = "n" if req.n > 1 else "prompt"
             raise APIError(400, f"{len(pending.rows)} choices ({len(req.prompts)} prompts x n = {req.n}) exceed the "

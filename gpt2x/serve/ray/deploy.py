@@ -225,7 +225,7 @@ def application(config: ReplicaConfig, settings: ServeSettings, metrics_hub: str
         ray_actor_options={"num_cpus": settings.cpus_per_replica},
         # Requests a replica takes: its batch and waiting queue, plus REFUSAL_HEADROOM that it answers
         # 429 (JSON, at once). Beyond that Ray Serve's proxies queue a bounded number, then answer 503.
-        max_ongoing_requests=engine.max_batch_size + engine.max_waiting + REFUSAL_HEADROOM,
+        max_ongoing_requests=engine.rows_held + REFUSAL_HEADROOM,
         max_queued_requests=REFUSAL_HEADROOM * settings.replicas,
     ).bind(config)
 
