@@ -35,7 +35,7 @@ from ..runtime.base import Backend, greedy_step
 from ..tokenizer import EOT_ID
 from .logprobs import LogprobEntry, token_logprobs
 from .processors import History
-from .sampling import Sampler, sample_many
+from .sampling import BatchProcessors, Sampler, sample_many
 from .settings import Finish, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats, Speculation, control_for
 
@@ -144,11 +144,13 @@ def _accept(seqs: list[Sequence], tokens: list[int], rows: Iterable[int], logits
     return np.asarray(tokens, dtype=np.int64), events
 
 
-def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None) -> tuple[np.ndarray, list[Event]]:
+def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None,
+                state: BatchProcessors | None = None) -> tuple[np.ndarray, list[Event]]:
     """Sample the next token of every unfinished row among `rows` (None: all) of a batch whose step
     gave `logits` (B, V): each row draws from its sampler (rows sharing one draw together, see the
     module) given its history, is given its logprobs if it asks, and accepts the token. Returns the
-    tokens to feed (B,) int64 (EOT_ID for rows finished or not sampled) and the events, in row order."""
+    tokens to feed (B,) int64 (EOT_ID for rows finished or not sampled) and the events, in row order.
+    `state`: the batch's processors, kept across its steps (Batch.processors)."""
     index = range(len(seqs)) if rows is None else rows
     groups: dict[int, list[int]] = {}
     for i in index:
@@ -167,7 +169,7 @@ def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None
     if alone:
         alone.sort()
         mine = logits if len(alone) == len(logits) else logits[alone]  # every row (sorted): no 3 MB copy a step
-        drawn[alone] = sample_many([seqs[i].sampler for i in alone], mine, [seqs[i].history for i in alone])
+        drawn[alone] = sample_many([seqs[i].sampler for i in alone], mine, [seqs[i].history for i in alone], state)
     return _accept(seqs, drawn.tolist(), index, logits)
 
 
@@ -194,6 +196,7 @@ class Batch:
     nxt: np.ndarray
     past: Any
     argmax_only: bool = field(init=False)  # every row takes the argmax (_argmax_only): fixed with the rows
+    processors: BatchProcessors = field(init=False, repr=False)  # its rows' logits processors, across its steps
     column: np.ndarray = field(init=False, repr=False)  # (B, 1) ones: a step's new mask column
     # (B, 1) each row's mask count: the next step's position ids (numerics.positions' last column),
     # kept by adding one a step rather than summing the mask again
@@ -201,6 +204,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.argmax_only = _argmax_only(self.rows)
+        self.processors = BatchProcessors()
         self.column = np.ones((len(self.rows), 1), dtype=np.int64)
         self.count = self.mask.sum(axis=1, keepdims=True, dtype=np.int64)
 
@@ -212,17 +216,18 @@ def _argmax_only(rows: list[Sequence]) -> bool:
 
 
 def step_rows(backend: Backend, rows: list[Sequence], ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: Any,
-              index: np.ndarray | None = None, argmax_only: bool | None = None) -> tuple[np.ndarray, Any, list[Event]]:
+              index: np.ndarray | None = None, argmax_only: bool | None = None,
+              state: BatchProcessors | None = None) -> tuple[np.ndarray, Any, list[Event]]:
     """One model step (backend.step's inputs: ids (U, T), mask, position ids, past) and each unfinished
     row's next token: the tokens the next step feeds (B,), the cache, the events. `index`: which of
     the U rows run each of the B `rows` is (a prompt run once for several rows); None: U == B.
-    `argmax_only`: _argmax_only(rows), if known."""
+    `argmax_only`: _argmax_only(rows), if known; `state`: the batch's processors (Batch.processors)."""
     if _argmax_only(rows) if argmax_only is None else argmax_only:
         tokens, past = greedy_step(backend)(ids, mask, pos, past)  # (U,)
         nxt, events = _accept(rows, (tokens if index is None else tokens[index]).tolist(), range(len(rows)), None)
     else:
         logits, past = backend.step(ids, mask, pos, past)  # (U, V)
-        nxt, events = sample_rows(rows, logits if index is None else logits[index])
+        nxt, events = sample_rows(rows, logits if index is None else logits[index], state=state)
     return nxt, past, events
 
 
@@ -245,7 +250,7 @@ def step(backend: Backend, batch: Batch, ran: Callable[[int], None] | None = Non
     if ran is not None:
         ran(sum(s.finish is None for s in batch.rows))
     batch.nxt, batch.past, events = step_rows(backend, batch.rows, batch.nxt[:, None], batch.mask, pos, batch.past,
-                                              argmax_only=batch.argmax_only)
+                                              argmax_only=batch.argmax_only, state=batch.processors)
     return ended + events if ended else events
 
 

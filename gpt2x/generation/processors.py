@@ -7,17 +7,24 @@ group and per-row state: docs/architecture.md, "A new logits transform".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from numbers import Integral
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..errors import Gpt2xError
+from ..errors import Gpt2xError, UsageError
 from ..numerics import block_reduce
-from ..tokenizer import EOT_ID, encode
+from ..tokenizer import EOT_ID, VOCAB_SIZE, encode
 from .constraints import Constraint, ConstraintSpec, mask_rows
-from .settings import SamplingSettings
+
+if TYPE_CHECKING:  # settings.py checks its fields here: it imports this module
+    from .settings import SamplingSettings
+
+PENALTY_RANGE = 2.0  # presence and frequency penalties: [-2, 2] (OpenAI's and vLLM's)
+BIAS_RANGE = 100.0  # logit_bias values: [-100, 100] (OpenAI's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,27 +41,65 @@ class History:
         return History(self.prompt, [*self.output, *tokens], self.row) if tokens else self
 
 
-class LogitsProcessor(Protocol):
-    """scores (B, V) float64 (float32 or wider where sampling.masking_dtype allows) and each row's History -> scores
-    (removed tokens: -inf).
+class LogitsProcessor:
+    """One logits transform, written once for a batch, carrying its own activation and validation: adding one is
+    this one class (and its place in ORDER) beside its field in SamplingSettings. vLLM v1's interface, in NumPy.
 
-    `argmax_invariant`: it never moves a row's argmax (greedy skips it). `masks_only`: it only sets scores to -inf, so
-    greedy rows may run it on float32 logits, whose argmax is then the float64 one. `reads_history`: without it, `rows`
-    may be None. A stateful processor keeps its state per `History.row` and syncs it to each call's
-    histories (roll back what `output` no longer holds, consume what is new): speculative decoding calls it
-    at drafted positions, in position order, then with what the target accepted; no other hook is needed.
-    `for_rows(procs)`: one processor treating row i as procs[i] would alone (None: left as it is)."""
+    `fields`: the SamplingSettings fields it reads. `checked(settings)`: those fields checked, each failure one
+    UsageError naming its field, and the values SamplingSettings keeps (normalised). `from_settings(settings)`: the
+    processor of one row, or None where its fields leave every score as it is (it is then not run at all).
+    `for_rows(procs)`: one processor treating row i as procs[i] would alone (None: left as it is); a batch keeps it
+    across steps while its rows stay (BatchProcessors). `__call__(scores (B, V), rows)`: scores float64 (float32 or
+    wider where sampling.masking_dtype allows) and each row's History -> scores (removed tokens: -inf), in place
+    where it can.
 
-    argmax_invariant: bool
-    masks_only: bool
-    reads_history: bool
+    `sampling_only`: greedy decoding and beam search skip it (temperature and the truncations). `argmax_invariant`: it
+    never moves a row's argmax. `masks_only`: it only sets scores to -inf, so greedy rows may run it on float32
+    logits, whose argmax is then the float64 one. `reads_history`: without it, `rows` may be None. A stateful
+    processor keeps its state per `History.row` and syncs it to each call's histories (roll back what `output` no
+    longer holds, consume what is new): speculative decoding calls it at drafted positions, in position order, then
+    with what the target accepted; no other hook is needed."""
 
-    def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
-        ...
+    fields: ClassVar[tuple[str, ...]] = ()
+    sampling_only: ClassVar[bool] = False
+    argmax_invariant: ClassVar[bool] = False
+    masks_only: ClassVar[bool] = False
+    reads_history: ClassVar[bool] = False
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> LogitsProcessor | None:
+        raise NotImplementedError
 
     @classmethod
     def for_rows(cls, procs: Sequence[LogitsProcessor | None]) -> LogitsProcessor:
-        ...
+        raise NotImplementedError
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _in_range(settings: SamplingSettings, name: str, ok: bool, rule: str) -> dict[str, Any]:
+    """Nothing to keep, once the field `name` is checked: a UsageError naming it where not `ok`."""
+    if not ok:
+        raise UsageError(f"{name} must be {rule}, got {getattr(settings, name)}", option=name)
+    return {}
+
+
+def token_ids(ids: object, option: str) -> tuple[int, ...]:
+    """Token ids as a tuple, in order, each once (vLLM drops repeats the same way)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise UsageError(f"{option} must be a list of token ids, got {ids!r}", option=option)
+    return tuple(dict.fromkeys(_token_id(t, option) for t in ids))  # type: ignore[union-attr]
+
+
+def _token_id(value: object, option: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < VOCAB_SIZE:
+        raise UsageError(f"{option} must hold token ids in [0, {VOCAB_SIZE}), got {value!r}", option=option)
+    return int(value)
 
 
 def _per_row(value: float | np.ndarray, n: int, dtype: type = np.float64) -> np.ndarray:
@@ -89,12 +134,15 @@ def _stacked(procs: Sequence, attr: str, identity: float) -> np.ndarray:
     return np.array([identity if p is None else getattr(p, attr) for p in procs])
 
 
-class Temperature:
+class Temperature(LogitsProcessor):
     """Scores divided by the temperature (> 0; 0 is greedy decoding, which skips it; 1: left as is)."""
 
-    argmax_invariant = True
-    reads_history = False
-    masks_only = False
+    fields = ("temperature",)  # >= 0, 0 greedy: SamplingSettings' own rule, every entry point's
+    sampling_only = argmax_invariant = True
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> Temperature | None:
+        return None if settings.temperature == 1.0 else cls(settings.temperature)
 
     def __init__(self, temperature: float | np.ndarray):
         self.temperature = temperature  # one for every row, or one per row (as every processor's parameters)
@@ -110,12 +158,19 @@ class Temperature:
         return _on_rows(scores, self.temperature, lambda t: t != 1.0, warp)
 
 
-class TopK:
+class TopK(LogitsProcessor):
     """Only the k highest scores stay (ties with the k-th stay too; k 0 or >= V: every score stays)."""
 
-    argmax_invariant = True
-    reads_history = False
-    masks_only = False
+    fields = ("top_k",)
+    sampling_only = argmax_invariant = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return _in_range(settings, "top_k", settings.top_k >= 0, ">= 0")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> TopK | None:
+        return cls(settings.top_k) if settings.top_k else None
 
     def __init__(self, k: int | np.ndarray):
         # A k past int64's range keeps every score, as any k >= V does (a request may send one: JSON ints are unbounded).
@@ -159,13 +214,20 @@ def _kth_largest_by_blocks(s: np.ndarray, k: np.ndarray) -> np.ndarray | None:
     return kth
 
 
-class TopP:
+class TopP(LogitsProcessor):
     """Nucleus: a token stays when the mass of the tokens more likely than it is below p (the most likely
     always stays; p >= 1: every token)."""
 
-    argmax_invariant = True
-    reads_history = False
-    masks_only = False
+    fields = ("top_p",)
+    sampling_only = argmax_invariant = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return _in_range(settings, "top_p", 0 < settings.top_p <= 1, "in (0, 1]")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> TopP | None:
+        return cls(settings.top_p) if settings.top_p < 1.0 else None
 
     def __init__(self, p: float | np.ndarray):
         self.p = p
@@ -208,12 +270,19 @@ def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
     keep[order] = np.cumsum(sorted_p) - sorted_p < p
 
 
-class MinP:
+class MinP(LogitsProcessor):
     """Removed where p < min_p * max p (transformers' MinPLogitsWarper, vLLM's min_p)."""
 
-    argmax_invariant = True
-    reads_history = False
-    masks_only = False
+    fields = ("min_p",)
+    sampling_only = argmax_invariant = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return _in_range(settings, "min_p", 0 <= settings.min_p <= 1, "in [0, 1] (0: off)")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> MinP | None:
+        return cls(settings.min_p) if settings.min_p else None
 
     def __init__(self, min_p: float | np.ndarray):
         self.min_p = min_p
@@ -229,13 +298,26 @@ class MinP:
         return _on_rows(scores, self.min_p, lambda m: m > 0, warp)
 
 
-class MinTokens:
+class MinTokens(LogitsProcessor):
     """Until a row has generated `min_tokens` tokens its end tokens get -inf (vLLM's min_tokens). Ids outside the
     vocabulary are left out (as in every processor here)."""
 
-    argmax_invariant = False
-    reads_history = True
-    masks_only = True
+    fields = ("min_tokens",)
+    reads_history = masks_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        m = settings.min_tokens
+        _in_range(settings, "min_tokens", m >= 0, ">= 0")
+        _in_range(settings, "min_tokens", m <= settings.max_new_tokens, f"at most max_new_tokens ({settings.max_new_tokens})")
+        if m and settings.constraint is not None:
+            raise UsageError("min_tokens cannot be combined with structured output: the constraint decides "
+                             "where a row may end", option="min_tokens")
+        return {}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> MinTokens | None:
+        return cls(settings.min_tokens, end_token_ids(settings)) if settings.min_tokens else None
 
     def __init__(self, min_tokens: int | np.ndarray, end_ids: Iterable[int]):
         self.min_tokens = min_tokens  # 0: left as is
@@ -265,12 +347,19 @@ class MinTokens:
         return scores
 
 
-class AllowedTokens:
+class AllowedTokens(LogitsProcessor):
     """Every token but the given ones gets -inf (vLLM's allowed_token_ids)."""
 
-    argmax_invariant = False
-    reads_history = False
+    fields = ("allowed_token_ids",)  # () = every token (vLLM's field)
     masks_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return {"allowed_token_ids": token_ids(settings.allowed_token_ids, "allowed_token_ids")}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> AllowedTokens | None:
+        return cls(settings.allowed_token_ids) if settings.allowed_token_ids else None
 
     def __init__(self, ids: Iterable[int], each: Sequence[AllowedTokens | None] | None = None):
         self.ids = np.unique(np.asarray(list(ids), dtype=np.int64))
@@ -299,12 +388,29 @@ class AllowedTokens:
         return scores
 
 
-class LogitBias:
+class LogitBias(LogitsProcessor):
     """A bias added to given tokens' logits (OpenAI's logit_bias)."""
 
-    argmax_invariant = False
-    reads_history = False
-    masks_only = False
+    fields = ("logit_bias",)
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        """logit_bias as (token id, bias) pairs sorted by id (a dict, or pairs: the last bias of an id wins)."""
+        bias = settings.logit_bias
+        items = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            merged = {_token_id(t, "logit_bias"): float(b) for t, b in items}  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            raise UsageError(f"logit_bias must map token ids to biases, got {bias!r}", option="logit_bias") from None
+        for token, b in merged.items():
+            if not -BIAS_RANGE <= b <= BIAS_RANGE:
+                raise UsageError(f"logit_bias must hold biases in [-100, 100], got {b} for token {token}",
+                                 option="logit_bias")
+        return {"logit_bias": tuple(sorted(merged.items()))}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> LogitBias | None:
+        return cls(settings.logit_bias) if settings.logit_bias else None
 
     def __init__(self, bias: Mapping[int, float] | Iterable[tuple[int, float]]):
         pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
@@ -340,13 +446,21 @@ def _flat_ids(rows: Sequence[History], vocab: int, prompt: bool) -> np.ndarray:
     return np.repeat(np.arange(len(rows), dtype=np.int64) * vocab, lengths) + np.concatenate(parts)
 
 
-class RepetitionPenalty:
+class RepetitionPenalty(LogitsProcessor):
     """The CTRL rule, as transformers and vLLM apply it: a prompt or output token's logit divided by the penalty
     where positive, multiplied by it otherwise."""
 
-    argmax_invariant = False
+    fields = ("repetition_penalty",)
     reads_history = True
-    masks_only = False
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        r = settings.repetition_penalty
+        return _in_range(settings, "repetition_penalty", r > 0 and math.isfinite(r), "> 0 (1: off)")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> RepetitionPenalty | None:
+        return None if settings.repetition_penalty == 1.0 else cls(settings.repetition_penalty)
 
     def __init__(self, penalty: float | np.ndarray):
         self.penalty = penalty
@@ -368,12 +482,23 @@ class RepetitionPenalty:
         return scores
 
 
-class PresenceFrequencyPenalty:
+class PresenceFrequencyPenalty(LogitsProcessor):
     """OpenAI's penalties, on generated tokens only: logit[j] -= count[j] * frequency + (count[j] > 0) * presence."""
 
-    argmax_invariant = False
+    fields = ("presence_penalty", "frequency_penalty")
     reads_history = True
-    masks_only = False
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        for name in cls.fields:
+            _in_range(settings, name, -PENALTY_RANGE <= getattr(settings, name) <= PENALTY_RANGE, "in [-2, 2]")
+        return {}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> PresenceFrequencyPenalty | None:
+        if not (settings.presence_penalty or settings.frequency_penalty):
+            return None
+        return cls(settings.presence_penalty, settings.frequency_penalty)
 
     def __init__(self, presence: float | np.ndarray, frequency: float | np.ndarray):
         self.presence = presence
@@ -395,13 +520,20 @@ class PresenceFrequencyPenalty:
         return scores
 
 
-class NoRepeatNGram:
+class NoRepeatNGram(LogitsProcessor):
     """A token that would complete an n-gram already in the row's prompt and output gets -inf (transformers'
     NoRepeatNGramLogitsProcessor, whose input is a decoder's prompt and output too)."""
 
-    argmax_invariant = False
-    reads_history = True
-    masks_only = True
+    fields = ("no_repeat_ngram_size",)
+    reads_history = masks_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return _in_range(settings, "no_repeat_ngram_size", settings.no_repeat_ngram_size >= 0, ">= 0 (0: off)")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> NoRepeatNGram | None:
+        return cls(settings.no_repeat_ngram_size) if settings.no_repeat_ngram_size else None
 
     def __init__(self, n: int | np.ndarray):
         self.n = n  # 0: left as is
@@ -442,13 +574,23 @@ def bad_word_ids(words: Iterable[str]) -> list[list[int]]:
     return out
 
 
-class BadWords:
+class BadWords(LogitsProcessor):
     """vLLM's bad_words: a bad word's last token gets -inf where the row's generated tokens end with its other tokens
     (a one-token word: always). Generated tokens only, as vLLM's past tokens."""
 
-    argmax_invariant = False
-    reads_history = True
-    masks_only = True
+    fields = ("bad_words",)
+    reads_history = masks_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        words = settings.bad_words
+        if isinstance(words, str) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise UsageError(f"bad_words must be a list of words (non-blank strings), got {words!r}", option="bad_words")
+        return {"bad_words": tuple(words)}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> BadWords | None:
+        return cls(bad_word_ids(settings.bad_words)) if settings.bad_words else None
 
     def __init__(self, ids: Sequence[Sequence[int]], each: Sequence[BadWords | None] | None = None):
         self.ids = [list(w) for w in ids]
@@ -474,14 +616,21 @@ class BadWords:
         return scores
 
 
-class TypicalP:
+class TypicalP(LogitsProcessor):
     """Locally typical sampling (transformers' TypicalLogitsWarper, min_tokens_to_keep 1): the tokens whose surprise
     (-log p) is nearest the distribution's entropy, in that order, until their mass reaches p; the others -inf. Not
     argmax-invariant (the most likely token may be far from typical), so, as in transformers, a sampling warper only."""
 
-    argmax_invariant = False
-    reads_history = False
-    masks_only = False
+    fields = ("typical_p",)
+    sampling_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        return _in_range(settings, "typical_p", 0 < settings.typical_p <= 1, "in (0, 1] (1: off)")
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> TypicalP | None:
+        return cls(settings.typical_p) if settings.typical_p < 1.0 else None
 
     def __init__(self, p: float | np.ndarray):
         self.p = p
@@ -511,14 +660,26 @@ class TypicalP:
         return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
 
 
-class ConstraintMask:
+class ConstraintMask(LogitsProcessor):
     """Structured output: one llguidance matcher per History.row, synced to each call's histories. A history
     holding a token the matcher refuses (a draft) leaves the row as it is: that token has probability 0, so
     verification stops there. First in the list, as vLLM applies the grammar's mask."""
 
-    argmax_invariant = False
-    reads_history = True
-    masks_only = True
+    fields = ("constraint",)
+    reads_history = masks_only = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        if settings.constraint is not None:
+            settings.constraint.validate()  # an invalid schema, regex or grammar: one UsageError, before any work
+            if settings.ignore_eos:
+                raise UsageError("ignore_eos cannot be combined with structured output: a constrained row ends "
+                                 "where its constraint is satisfied", option="ignore_eos")
+        return {}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> ConstraintMask | None:
+        return None if settings.constraint is None else cls(settings.constraint)
 
     def __init__(self, spec: ConstraintSpec | None, each: Sequence[ConstraintMask | None] | None = None):
         self.spec = spec
@@ -592,42 +753,29 @@ def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
 
 
 # vLLM's order; every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
-ORDER: tuple[type, ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
+ORDER: tuple[type[LogitsProcessor], ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
                            PresenceFrequencyPenalty, NoRepeatNGram, BadWords, Temperature, MinP, TopK, TopP, TypicalP)
 
 
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
-    """The ordered list for `settings`, only those that change anything; greedy skips the argmax-invariant."""
-    chain: list[LogitsProcessor] = []
-    if settings.constraint is not None:
-        chain.append(ConstraintMask(settings.constraint))
-    if settings.allowed_token_ids:
-        chain.append(AllowedTokens(settings.allowed_token_ids))
-    if settings.min_tokens:
-        chain.append(MinTokens(settings.min_tokens, end_token_ids(settings)))
-    if settings.logit_bias:
-        chain.append(LogitBias(settings.logit_bias))
-    if settings.repetition_penalty != 1.0:
-        chain.append(RepetitionPenalty(settings.repetition_penalty))
-    if settings.presence_penalty or settings.frequency_penalty:
-        chain.append(PresenceFrequencyPenalty(settings.presence_penalty, settings.frequency_penalty))
-    if settings.no_repeat_ngram_size:
-        chain.append(NoRepeatNGram(settings.no_repeat_ngram_size))
-    if settings.bad_words:
-        chain.append(BadWords(bad_word_ids(settings.bad_words)))
-    if settings.greedy:
-        return sorted(chain, key=lambda p: ORDER.index(type(p)))
-    if settings.temperature != 1.0:
-        chain.append(Temperature(settings.temperature))
-    if settings.min_p:
-        chain.append(MinP(settings.min_p))
-    if settings.top_k:
-        chain.append(TopK(settings.top_k))
-    if settings.top_p < 1.0:
-        chain.append(TopP(settings.top_p))
-    if settings.typical_p < 1.0:
-        chain.append(TypicalP(settings.typical_p))
-    return sorted(chain, key=lambda p: ORDER.index(type(p)))
+    """The ordered list for `settings`, only those that change anything; greedy skips the sampling-only ones."""
+    kinds = (k for k in ORDER if not (settings.greedy and k.sampling_only))
+    return [p for k in kinds if (p := k.from_settings(settings)) is not None]
+
+
+def checked_fields(settings: SamplingSettings) -> dict[str, Any]:
+    """Every processor's fields checked (a UsageError naming the field), and the values SamplingSettings keeps."""
+    kept: dict[str, Any] = {}
+    for kind in ORDER:
+        kept.update(kind.checked(settings))
+    return kept
+
+
+def beam_refused_fields(settings: SamplingSettings) -> list[str]:
+    """The fields set that a processor which is not sampling-only reads: what beam search, which searches the raw
+    distribution, refuses."""
+    return [f for k in ORDER if not k.sampling_only and k.from_settings(settings) is not None for f in k.fields
+            if getattr(settings, f) != getattr(type(settings), f, None)]
 
 
 def softmax(scores: np.ndarray, inplace: bool = False) -> np.ndarray:

@@ -106,15 +106,33 @@ def _by_kind(sampler: Sampler) -> dict[type, LogitsProcessor] | None:
     return kinds
 
 
+class BatchProcessors:
+    """A batch's logits processors, kept across its steps (vLLM v1's persistent batch state): each kind any of the rows
+    sampled together has, once for them all (`for_rows`), made again only when those rows change (`update_state`:
+    a row ended, or the batch is another). A decode loop's Batch holds one."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[int, ...] | None = None
+        self._chain: list[LogitsProcessor] = []
+
+    def update_state(self, samplers: Sequence[Sampler], chains: Sequence[dict]) -> list[LogitsProcessor]:
+        """The processors of the rows `samplers` (each with its processors by kind, `chains`): this step's."""
+        rows = tuple(map(id, samplers))  # the batch holds its rows, so a row's sampler keeps its id while it runs
+        if rows != self._rows:
+            self._rows = rows
+            self._chain = [kind.for_rows([c.get(kind) for c in chains]) for kind in ORDER if any(kind in c for c in chains)]
+        return self._chain
+
+
 def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: np.ndarray,
-                  rows: Sequence[History]) -> np.ndarray:
-    """Each processor type any row has, applied once with per-row parameters; one argmax over the greedy rows,
-    one softmax and inverse CDF over the others."""
+                  rows: Sequence[History], state: BatchProcessors | None = None) -> np.ndarray:
+    """Each processor type any row has, applied once with per-row parameters (kept in `state` across a batch's
+    steps); one argmax over the greedy rows, one softmax and inverse CDF over the others."""
     scores = logits.astype(masking_dtype(logits, samplers))
     if len(samplers) == 1:  # the batch of one: its own list
         batch = samplers[0].processors
     else:
-        batch = [kind.for_rows([c.get(kind) for c in chains]) for kind in ORDER if any(kind in c for c in chains)]
+        batch = (state or BatchProcessors()).update_state(samplers, chains)
     for process in batch:
         scores = process(scores, rows)
     greedy = [i for i, s in enumerate(samplers) if s.s.greedy]
@@ -129,9 +147,11 @@ def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: n
     return out
 
 
-def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[History],
+                state: BatchProcessors | None = None) -> np.ndarray:
     """Row i drawn by its own distinct `samplers[i]`: the same token and stream as `samplers[i](logits[i:i+1],
-    [rows[i]])`, but the rows share the NumPy work (the serving engine's batch: a Sampler per request)."""
+    [rows[i]])`, but the rows share the NumPy work (the serving engine's batch: a Sampler per request) and, given
+    the batch's `state`, its processors across steps."""
     out = np.empty(len(samplers), dtype=np.int64)
     plain, batch, chains = [], [], []
     for i, s in enumerate(samplers):
@@ -147,5 +167,5 @@ def sample_many(samplers: Sequence[Sampler], logits: np.ndarray, rows: Sequence[
         out[plain] = (logits if len(plain) == len(logits) else logits[plain]).argmax(axis=-1)
     if batch:
         group = logits if len(batch) == len(logits) else logits[batch]  # all rows: no copy
-        out[batch] = _sample_batch([samplers[i] for i in batch], chains, group, [rows[i] for i in batch])
+        out[batch] = _sample_batch([samplers[i] for i in batch], chains, group, [rows[i] for i in batch], state)
     return out

@@ -4,18 +4,12 @@ settings give the same tokens however they are asked for; temperature 0 is greed
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from numbers import Integral
 
 from ..errors import UsageError
-from ..tokenizer import VOCAB_SIZE
 from .constraints import ConstraintSpec
-
-PENALTY_RANGE = 2.0  # presence and frequency penalties: [-2, 2] (OpenAI's and vLLM's)
-BIAS_RANGE = 100.0  # logit_bias values: [-100, 100] (OpenAI's)
+from .processors import beam_refused_fields, checked_fields, token_ids
 
 
 @dataclass(frozen=True)
@@ -50,87 +44,23 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}", option="max_new_tokens")
-        if self.constraint is not None:
-            self.constraint.validate()  # an invalid schema, regex or grammar: one UsageError, before any work
-            if self.ignore_eos:
-                raise UsageError("ignore_eos cannot be combined with structured output: a constrained row ends "
-                                 "where its constraint is satisfied", option="ignore_eos")
-            if self.min_tokens:
-                raise UsageError("min_tokens cannot be combined with structured output: the constraint decides "
-                                 "where a row may end", option="min_tokens")
         if not self.temperature >= 0:  # NaN too
             raise UsageError(f"temperature must be >= 0 (0: greedy), got {self.temperature}", option="temperature")
         if self.temperature == 0:  # the one rule for every entry point: temperature 0 is greedy decoding
             object.__setattr__(self, "greedy", True)
-        if self.top_k < 0:
-            raise UsageError(f"top_k must be >= 0, got {self.top_k}", option="top_k")
-        if not 0 < self.top_p <= 1:
-            raise UsageError(f"top_p must be in (0, 1], got {self.top_p}", option="top_p")
         if self.num_beams < 1:
             raise UsageError(f"num_beams must be at least 1, got {self.num_beams}", option="num_beams")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
-                raise UsageError(f"{name} must be in [-2, 2], got {getattr(self, name)}", option=name)
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise UsageError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}",
-                             option="repetition_penalty")
-        if not 0 <= self.min_p <= 1:
-            raise UsageError(f"min_p must be in [0, 1] (0: off), got {self.min_p}", option="min_p")
-        if self.min_tokens < 0:
-            raise UsageError(f"min_tokens must be >= 0, got {self.min_tokens}", option="min_tokens")
-        if self.min_tokens > self.max_new_tokens:
-            raise UsageError(f"min_tokens must be at most max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}",
-                             option="min_tokens")
         if self.n < 1:
             raise UsageError(f"n must be at least 1, got {self.n}", option="n")
-        if self.no_repeat_ngram_size < 0:
-            raise UsageError(f"no_repeat_ngram_size must be >= 0 (0: off), got {self.no_repeat_ngram_size}",
-                             option="no_repeat_ngram_size")
-        if not 0 < self.typical_p <= 1:
-            raise UsageError(f"typical_p must be in (0, 1] (1: off), got {self.typical_p}", option="typical_p")
-        if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-            raise UsageError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}",
-                             option="bad_words")
-        object.__setattr__(self, "bad_words", tuple(self.bad_words))
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
-        object.__setattr__(self, "allowed_token_ids", _token_ids(self.allowed_token_ids, "allowed_token_ids"))
+        # The logits processors' fields: each processor checks its own (processors.LogitsProcessor.checked)
+        for name, value in checked_fields(self).items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "stop_token_ids", token_ids(self.stop_token_ids, "stop_token_ids"))
         if self.num_beams > 1:
-            changed = [name for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
-                                         "stop_token_ids", "constraint", "allowed_token_ids") if getattr(self, name)]
-            changed += ["repetition_penalty"] if self.repetition_penalty != 1.0 else []
-            changed += ["n"] if self.n > 1 else []
-            changed += ["no_repeat_ngram_size"] if self.no_repeat_ngram_size else []
-            changed += ["bad_words"] if self.bad_words else []
+            changed = beam_refused_fields(self) + ["stop_token_ids"] * bool(self.stop_token_ids) + ["n"] * (self.n > 1)
             if changed:
                 raise UsageError(f"num_beams is {self.num_beams}: beam search takes none of {', '.join(changed)} "
                                  "(it follows transformers' beam search without logits processors)", option="num_beams")
-
-
-def _token_id(value: object, option: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < VOCAB_SIZE:
-        raise UsageError(f"{option} must hold token ids in [0, {VOCAB_SIZE}), got {value!r}", option=option)
-    return int(value)
-
-
-def _token_ids(ids: object, option: str = "stop_token_ids") -> tuple[int, ...]:
-    """Token ids as a tuple, in order, each once (vLLM drops repeats the same way)."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise UsageError(f"{option} must be a list of token ids, got {ids!r}", option=option)
-    return tuple(dict.fromkeys(_token_id(t, option) for t in ids))  # type: ignore[union-attr]
-
-
-def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
-    """logit_bias as (token id, bias) pairs sorted by id (a dict, or pairs: the last bias of an id wins)."""
-    items = bias.items() if isinstance(bias, Mapping) else bias
-    try:
-        merged = {_token_id(t, "logit_bias"): float(b) for t, b in items}  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        raise UsageError(f"logit_bias must map token ids to biases, got {bias!r}", option="logit_bias") from None
-    for token, b in merged.items():
-        if not -BIAS_RANGE <= b <= BIAS_RANGE:
-            raise UsageError(f"logit_bias must hold biases in [-100, 100], got {b} for token {token}", option="logit_bias")
-    return tuple(sorted(merged.items()))
 
 
 class Finish(str, Enum):

@@ -471,3 +471,42 @@ def test_rows_of_their_own_sample_as_each_alone_whatever_their_processors():
         assert sample_many(together, x, rows).tolist() == want, step
     assert len(set(want)) > 4
     assert [s.rng.random() for s in together] == [s.rng.random() for s in alone]  # each stream moved as alone
+
+
+def test_a_batch_keeps_its_processors_across_steps_until_its_rows_change(monkeypatch, reference):
+    """vLLM v1's persistent batch state: a batch of rows with samplers of their own makes each processor kind's
+    batched form once (for_rows), again only when its rows change (one ended), not at every step; and each row's
+    tokens are still those it gives decoded alone."""
+    from gpt2x.generation.decode import Sequence, decode, decode_steps
+    from gpt2x.tokenizer import encode
+
+    made: list[int] = []
+    for_rows = TopK.for_rows.__func__
+    monkeypatch.setattr(TopK, "for_rows", classmethod(lambda cls, procs: made.append(len(procs)) or for_rows(cls, procs)))
+
+    def rows():
+        return [Sequence(encode("ROMEO:"), SamplingSettings(top_k=5, seed=i, ignore_eos=True), max_tokens=n)
+                for i, n in enumerate((3, 8, 8))]
+
+    together = rows()
+    steps = list(decode_steps(reference, together))
+    assert len(steps) == 8
+    # the prefill's rows, then the batch's: once with its three rows, once more when the first has ended
+    assert made == [3, 3, 2]
+    for row, alone in zip(together, rows()):
+        list(decode(reference, [alone]))
+        assert alone.tokens == row.tokens and len(row.tokens) == row.max_tokens
+
+
+def test_each_processor_checks_its_own_fields_and_beam_search_refuses_those_it_does_not_take():
+    """A processor carries its validation: a bad value of any processor's field is one UsageError naming it; what a
+    processor reads beyond the sampling-only truncations is refused with beam search, every field named."""
+    from gpt2x.generation.processors import ORDER, beam_refused_fields
+
+    for kind in ORDER:
+        assert kind.fields and all(f in SamplingSettings.__dataclass_fields__ for f in kind.fields), kind
+    with pytest.raises(UsageError) as e:
+        SamplingSettings(num_beams=2, presence_penalty=0.5, bad_words=("thee",), no_repeat_ngram_size=2, top_p=0.5)
+    assert e.value.option == "num_beams"
+    assert "presence_penalty, no_repeat_ngram_size, bad_words" in str(e.value) and "top_p" not in str(e.value)
+    assert beam_refused_fields(SamplingSettings(typical_p=0.5, temperature=0.7)) == []

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ...errors import MissingDependencyError, UsageError
 from ...generation.constraints import ConstraintKind, ConstraintSpec
+from ...generation.processors import ORDER
 from ...generation.settings import SamplingSettings
 from ...tokenizer import EOT_ID, VOCAB_SIZE, decode, encode
 from .errors import APIError, bad, validation_error
@@ -32,6 +33,8 @@ from .schema import (
 )
 
 log = logging.getLogger(__name__)
+# The logits processors' fields that the completions body names alike (the others it reads in a shape of its own).
+PROCESSOR_FIELDS = tuple(f for kind in ORDER for f in kind.fields if f in CompletionParams.model_fields)
 _warned: set[str] = set()  # unknown request fields already logged
 
 # vLLM's request fields gpt2x does not implement: a 400 naming the field when given (not null), with why.
@@ -149,20 +152,18 @@ def to_sampling_params(p: CompletionParams, n: int, max_tokens: int, vocab_size:
         if n > 1:
             beams = dict(num_beams=n, length_penalty=1.0 if p.length_penalty is None else p.length_penalty)
         one_beam = n == 1
+    # A processor's field the body names alike means what it means there: handed on as it is (None: its default).
+    same = {f: v for f in PROCESSOR_FIELDS if (v := getattr(p, f)) is not None}
     try:
-        return SamplingSettings(
-            max_new_tokens=max(max_tokens, min_tokens, 1),
-            temperature=0.0 if one_beam else SamplingSettings.temperature if p.temperature is None else p.temperature,
-            top_p=SamplingSettings.top_p if p.top_p is None else p.top_p,
-            top_k=SamplingSettings.top_k if p.top_k is None else max(0, p.top_k),  # vLLM's -1: off, as 0
-            seed=p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
-            presence_penalty=p.presence_penalty or 0.0, frequency_penalty=p.frequency_penalty or 0.0,
-            repetition_penalty=SamplingSettings.repetition_penalty if p.repetition_penalty is None else p.repetition_penalty,
-            logit_bias=bias, min_p=p.min_p or 0.0, min_tokens=min_tokens, stop_token_ids=stop_ids,
-            typical_p=1.0 if p.typical_p is None else p.typical_p, no_repeat_ngram_size=p.no_repeat_ngram_size or 0,
-            bad_words=tuple(p.bad_words or ()),
-            ignore_eos=bool(p.ignore_eos), allowed_token_ids=allowed, constraint=constraint, **beams,
-        )
+        return SamplingSettings(**{
+            **same,
+            "max_new_tokens": max(max_tokens, min_tokens, 1),
+            "temperature": 0.0 if one_beam else same.get("temperature", SamplingSettings.temperature),
+            "top_k": max(0, same.get("top_k", SamplingSettings.top_k)),  # vLLM's -1: off, as 0
+            "seed": p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little"),
+            "logit_bias": bias, "min_tokens": min_tokens, "stop_token_ids": stop_ids, "ignore_eos": bool(p.ignore_eos),
+            "allowed_token_ids": allowed, "constraint": constraint, **beams,
+        })
     except UsageError as e:  # what the schema's ranges let through and the settings refuse
         param = "use_beam_search" if e.option == "num_beams" else e.option
         raise bad(str(e).replace("num_beams", "use_beam_search with n"),

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from ...generation.settings import BIAS_RANGE, PENALTY_RANGE, SamplingSettings
+from ...generation.processors import BIAS_RANGE, PENALTY_RANGE
+from ...generation.settings import SamplingSettings
 from ...tokenizer import VOCAB_SIZE
 
 MAX_STOP = 4  # stop strings per request, as OpenAI's limit
