@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,8 @@ from . import metrics as prom
 from .chat import ChatParams
 from .errors import APIError, bad, validation_error
 from .request import json_object
+from .responses import protocol as responses_protocol
+from .responses.serving import ResponsesAPI
 from .service import CompletionService
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
@@ -94,6 +96,22 @@ CHAT_ROUTE = dict(
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}},
 )
+RESPONSES_ROUTE = dict(
+    summary="Create a model response",
+    description="OpenAI's Responses API over chat: `instructions` (a system message first), the conversation of "
+                f"`previous_response_id` (kept in this replica's memory, the last {responses_protocol.MAX_STORED} with "
+                "`store`) and `input`, "
+                "rendered by the chat template and completed as chat is, with `max_output_tokens`, `temperature`, "
+                "`top_p` and `text.format`; streamed as OpenAI's typed events with `stream`. Tools, reasoning, "
+                "background mode, `include` and truncation are refused with a 400 naming the field.",
+    response_model=responses_protocol.Response,
+    responses={**COMPLETIONS_ROUTE["responses"],
+               200: {"description": "The response; with `stream`, server-sent events (`event: TYPE`, `data: JSON`)",
+                     "content": {"text/event-stream": {"schema": responses_protocol.STREAM_EVENT}}},
+               404: {**_ERROR, "description": "A model other than the one served, or a previous_response_id not stored"}},
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}},
+)
 MODELS_ROUTE = dict(summary="The served model", response_model=schema.ModelList, responses=_AUTH_ERRORS)
 HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=schema.Health)
 # Prometheus' text format, not JSON: left out of the OpenAPI description, as vLLM leaves its /metrics.
@@ -122,9 +140,10 @@ DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", respon
                         responses=_BODY_ERRORS, openapi_extra=_body("DetokenizeRequest"))
 # The bodies the routes read themselves, added to the OpenAPI description under these names.
 BODIES = {"CompletionRequest": schema.CompletionParams, "ChatCompletionRequest": ChatParams,
-          "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams}
+          "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams,
+          "ResponsesRequest": responses_protocol.ResponsesRequest}
 # Models that only stream events name (no route returns them whole), added to the OpenAPI description too.
-EVENT_MODELS = {"ChatCompletionChunk": schema.ChatCompletionChunk}
+EVENT_MODELS = {"ChatCompletionChunk": schema.ChatCompletionChunk, **responses_protocol.EVENT_MODELS}
 
 
 class Gpt2xApp(FastAPI):
@@ -232,6 +251,7 @@ class HttpApi:
         self.max_body_bytes = max_body_bytes
         self.metrics = prom.ReplicaMetrics(service.engine)
         self.exchange: Exchange = exchange or prom.LocalExchange()
+        self.responses_api = ResponsesAPI(service)  # its store of responses is this replica's
 
     def authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -278,13 +298,35 @@ class HttpApi:
         except APIError as e:
             return error_response(e)
         if req.stream:
-            events = service.stream_chat(pending) if chat else service.stream(pending)
-            return StreamingResponse(self._counted_stream(events, pending, started),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        # Raced against the client's disconnect: a client that gives up frees its rows at the engine's
-        # next step (and its places in the queue at once), as vLLM aborts a request whose client left.
-        work = asyncio.ensure_future(service.complete_chat(pending) if chat else service.complete(pending))
+            return self._event_stream(service.stream_chat(pending) if chat else service.stream(pending), pending, started)
+        return await self._whole(request, pending, started,
+                                 service.complete_chat(pending) if chat else service.complete(pending))
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API (responses/): the input, after the instructions and the conversation it continues,
+        served as chat is, answered as a `response` object or its stream of typed events."""
+        started = time.monotonic()
+        api = self.responses_api
+        try:
+            self.authorize(request)
+            raw = await self.body(request)
+            call = await asyncio.to_thread(api.parse, raw)  # as completions': a schema may compile for seconds
+            pending = self.service.submit(call.req)
+        except APIError as e:
+            return error_response(e)
+        if call.req.stream:
+            return self._event_stream(api.stream(call, pending), pending, started)
+        return await self._whole(request, pending, started, api.complete(call, pending))
+
+    def _event_stream(self, events: AsyncIterator[render.StreamEvent], pending: Any, started: float) -> StreamingResponse:
+        return StreamingResponse(self._counted_stream(events, pending, started), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _whole(self, request: Request, pending: Any, started: float, answer: Awaitable[BaseModel]) -> Response:
+        """`answer`, the whole body, counted once done. Raced against the client's disconnect: a client that gives
+        up frees its rows at the engine's next step (and its places in the queue at once), as vLLM aborts a request
+        whose client left."""
+        work = asyncio.ensure_future(answer)
         gone = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -457,6 +499,10 @@ def router(api: Callable[[], HttpApi]) -> APIRouter:
     @routes.post("/v1/chat/completions", **CHAT_ROUTE)
     async def chat_completions(request: Request):
         return await api().chat_completions(request)
+
+    @routes.post("/v1/responses", **RESPONSES_ROUTE)
+    async def responses(request: Request):
+        return await api().responses(request)
 
     @routes.get("/v1/models", **MODELS_ROUTE)
     def models(request: Request):
