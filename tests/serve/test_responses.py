@@ -11,6 +11,7 @@ import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
@@ -27,8 +28,6 @@ from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode, encode
 
 from ..helpers import uvicorn_server
-
-openai = pytest.importorskip("openai")
 
 MODEL = "shakespeare"
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}"
@@ -229,7 +228,8 @@ def test_a_failure_once_the_stream_began_is_its_last_event(service):
     ({"background": True}, "background", 400), ({"include": ["message.output_text.logprobs"]}, "include", 400),
     ({"truncation": "auto"}, "truncation", 400), ({"conversation": "conv_1"}, "conversation", 400),
     ({"top_logprobs": 2}, "top_logprobs", 400), ({"prompt": {"id": "pmpt_1"}}, "prompt", 400),
-    ({"seed": 1}, "seed", 400), ({"max_output_tokens": 0}, "max_output_tokens", 400),
+    ({"seed": "1"}, "seed", 400), ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size", 400),
+    ({"unknown_field": 1}, "unknown_field", 400), ({"max_output_tokens": 0}, "max_output_tokens", 400),
     ({"max_output_tokens": 100_000}, "max_output_tokens", 400), ({"temperature": 3}, "temperature", 400),
     ({"input": [{"role": "robot", "content": "x"}]}, "input", 400), ({"input": []}, "input", 400),
     ({"input": "x", "previous_response_id": ""}, "previous_response_id", 400),
@@ -324,3 +324,18 @@ def test_metrics_count_responses(http):
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 2 * whole["usage"]["input_tokens"]
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 2 * 3
     assert after["length"] - before["length"] == 2
+
+
+def test_vllms_sampling_fields_and_the_repetition_controls_are_honoured(client, reference):
+    """vLLM's sampling fields beyond OpenAI's (the repetition controls among them, seed and stop) reach the answer: the
+    text is gpt2x's generation of the hand-rendered prompt with the same settings, and not plain greedy's."""
+    controls = dict(no_repeat_ngram_size=2, repetition_penalty=1.3, bad_words=["the"])
+    plain = greedy(reference, PROMPT, 24)
+    want = generate(reference, [PROMPT], SamplingSettings(greedy=True, max_new_tokens=24, **controls))[0]
+    assert want.tokens != plain.tokens  # the controls change this answer: a field ignored would show
+    got = client.responses.create(model=MODEL, input=GREETING, max_output_tokens=24, temperature=0, extra_body=controls)
+    assert got.output_text == decode(want.tokens)
+    seeded = dict(top_k=5, seed=11, stop=["\n\n\n\n"])
+    want = generate(reference, [PROMPT], SamplingSettings(max_new_tokens=12, top_k=5, seed=11))[0]
+    got = client.responses.create(model=MODEL, input=GREETING, max_output_tokens=12, extra_body=seeded)
+    assert got.output_text == decode(want.tokens)

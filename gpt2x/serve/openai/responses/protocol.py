@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ..schema import MAX_CHAT_LOGPROBS, Integer_
+from ..request import PROCESSOR_FIELDS
+from ..schema import MAX_CHAT_LOGPROBS, CompletionParams, Integer_
 
 MAX_METADATA = 16  # OpenAI's limit: key-value pairs per request
 MAX_STORED = 1000  # responses whose conversations a replica keeps for previous_response_id (the oldest dropped first)
@@ -85,8 +86,9 @@ class ResponseInputMessage(BaseModel):
     content: str | list[Annotated[ResponseInputText | ResponseInputOutputText, Field(discriminator="type")]]
 
 
-class ResponsesRequest(BaseModel):
-    """The body of POST /v1/responses. Types are strict (no "5" for 5); an unknown field is a 400, as OpenAI's."""
+class _ResponsesFields(BaseModel):
+    """The body of POST /v1/responses. Types are strict (no "5" for 5); an unknown field is a 400, as OpenAI's. Beyond
+    OpenAI's fields, vLLM's sampling fields (SAMPLING_FIELDS), as the completions body takes them."""
 
     model_config = ConfigDict(extra="forbid", strict=True, title="ResponsesRequest")
 
@@ -138,6 +140,15 @@ class ResponsesRequest(BaseModel):
         "Not served: continue a conversation with previous_response_id."), json_schema_extra=NULL_ONLY)
     prompt: dict[str, Any] | None = Field(None, description="Not served (stored prompt templates).",
                                           json_schema_extra=NULL_ONLY)
+
+
+# vLLM's sampling fields beyond OpenAI's (its ResponsesRequest takes top_k, repetition_penalty, seed, ...): every
+# logits processor's field the completions body names, the seed and stop strings, each as the completions body
+# declares it, handed on to the chat request as it is (serving._chat_body).
+SAMPLING_FIELDS = tuple(f for f in (*PROCESSOR_FIELDS, "seed", "stop") if f not in _ResponsesFields.model_fields)
+ResponsesRequest = create_model(
+    "ResponsesRequest", __base__=_ResponsesFields, __doc__=_ResponsesFields.__doc__,
+    **{f: (CompletionParams.model_fields[f].annotation, CompletionParams.model_fields[f]) for f in SAMPLING_FIELDS})
 
 
 # ------------------------------------------------------------------ the response

@@ -277,6 +277,7 @@ def _chat_body(params: p.ResponsesRequest, messages: list[dict]) -> dict:
         body["temperature"] = params.temperature
     if params.top_p is not None:
         body["top_p"] = params.top_p
+    body.update({f: v for f in p.SAMPLING_FIELDS if (v := getattr(params, f)) is not None})
     fmt = params.text.format if params.text is not None else None
     if isinstance(fmt, p.ResponseFormatJsonObject):
         body["response_format"] = {"type": "json_object"}
