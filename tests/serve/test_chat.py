@@ -96,7 +96,8 @@ def test_no_template_is_one_400_naming_the_flag(export_dir):
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MESSAGES, "prompt_logprobs": 1}, "prompt_logprobs"), ({"messages": MESSAGES, "return_token_ids": True}, "return_token_ids"),
-    ({"messages": MESSAGES, "bad_words": "x"}, "bad_words"), ({"messages": MESSAGES, "echo": True}, "echo"),
+    ({"messages": MESSAGES, "bad_words": "x"}, "bad_words"), ({"messages": MESSAGES, "echo": "yes"}, "echo"),
+    ({"messages": MESSAGES, "prompt": "x"}, "prompt"),
 ])
 def test_bad_chat_fields_are_400_naming_them(service, body, param):
     with TestClient(local_app(service)) as c:
@@ -248,3 +249,25 @@ def test_tokenize_takes_messages_as_chat_renders_them(service):
         for body in ({"messages": MESSAGES, "prompt": "x"}, {}, {"messages": [{"content": "x"}]}):
             bad = c.post("/tokenize", json=body)
             assert bad.status_code == 400 and bad.json()["error"]["param"] in ("prompt", "messages"), bad.text
+
+
+def test_echo_begins_each_answer_with_the_assistants_last_message(openai_client, reference):
+    """vLLM's chat echo: where the last message is the assistant's (here continued, continue_final_message), each
+    choice's content is its text and then the completion of the hand-rendered prompt, whole and streamed; where the
+    last message is the user's, nothing is echoed."""
+    messages = [{"role": "user", "content": "Good morrow, my lord."}, {"role": "assistant", "content": "What news"}]
+    want = generate(reference, ["Good morrow, my lord.<|endoftext|>What news"],  # by hand: the last message left open
+                    SamplingSettings(max_new_tokens=8, greedy=True))[0]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    whole = openai_client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=8, temperature=0,
+                                                  extra_body=extra)
+    assert whole.choices[0].message.content == "What news" + decode(want.tokens)
+    assert whole.usage.completion_tokens == len(want.tokens)  # the echoed text is no completion token
+    chunks = list(openai_client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=8,
+                                                         temperature=0, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[1].choices[0].delta.content == "What news"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    plain = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=8, temperature=0)
+    echoed = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=8, temperature=0,
+                                                   extra_body={"echo": True})
+    assert echoed.choices[0].message.content == plain.choices[0].message.content

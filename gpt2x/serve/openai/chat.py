@@ -10,7 +10,8 @@ The template: `--chat-template FILE`, else the `chat_template` of the export fol
 tokenizer_config.json (where transformers and vLLM read a model's), else gpt2x's default (a play's
 script: onnx.interop.DEFAULT_CHAT_TEMPLATE), unless the server was started with
 `--no-default-chat-template`: then one 400 that names the flags. Chat logprobs are answered in OpenAI's chat shape
-(ChatTokenLogprobs); tools, echo, and vLLM's prompt_logprobs and return_token_ids are refused, not ignored.
+(ChatTokenLogprobs); vLLM's `echo` begins each choice's content with the last message's, where that is the
+assistant's (chat_echo); tools, and vLLM's prompt_logprobs and return_token_ids are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class ChatParams(BaseModel):
     add_generation_prompt: bool | None = Field(True, description="vLLM's: the template's assistant turn opening is added.")
     continue_final_message: bool | None = Field(False, description="vLLM's: the last message is continued, not closed.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the template.")
+    echo: bool | None = Field(False, description=(
+        "vLLM's: each choice's content begins with the last message's text, where that message is the assistant's "
+        "(a reply continued with continue_final_message reads whole)."))
 
 
 class ChatTemplate:
@@ -152,6 +156,15 @@ def no_template() -> APIError:
                "messages", "chat_template_missing")
 
 
+def chat_echo(body: dict) -> str:
+    """vLLM's chat echo: the text each choice's content begins with, the last message's where it is the assistant's
+    (the role the answer is in), else none. Read after completion_body has checked the body."""
+    if not body.get("echo"):
+        return ""
+    last = Message.model_validate(body["messages"][-1])
+    return last.text() if last.role == "assistant" else ""
+
+
 def logprobs_asked(body: dict) -> int | None:
     """The chat body's logprobs as the completions request counts them: the most likely tokens listed per token
     (top_logprobs, 0 by default), or None without logprobs. Read after completion_body has checked the body."""
@@ -174,9 +187,8 @@ def completion_body(body: dict, template: ChatTemplate | None, n_positions: int)
     for name in ("prompt_logprobs", "return_token_ids"):  # vLLM's, in a shape of its own on chat: not served here
         if body.get(name) not in (None, False):
             raise bad(f"{name} is not served on chat completions (send it to /v1/completions)", name)
-    if "echo" in body or "prompt" in body:
-        name = "echo" if "echo" in body else "prompt"
-        raise bad(f"{name} is not a chat completions field", name)
+    if "prompt" in body:
+        raise bad("prompt is not a chat completions field (send messages)", "prompt")
     if template is None:
         raise no_template()
     prompt = render_messages(p.messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message),

@@ -71,6 +71,7 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = None  # the k most likely tokens to list per token (None: no logprobs)
     chat_logprobs: bool = False  # logprobs in OpenAI's chat shape (a chat request's logprobs: true)
+    chat_echo: str = ""  # vLLM's chat echo: the last message's text, which each choice's content begins with
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the k most likely
     return_token_ids: bool = False  # vLLM's prompt_token_ids and token_ids on each choice
     tokens_as_ids: bool = False  # logprobs name tokens `token_id:ID` (return_tokens_as_token_ids)

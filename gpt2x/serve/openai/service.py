@@ -89,6 +89,7 @@ class CompletionService:
         (chat.py), its logprobs in chat's shape."""
         req = self.request(chat.completion_body(body, self.chat_template, self.backend.n_positions))
         k = chat.logprobs_asked(body)
+        req = replace(req, chat_echo=chat.chat_echo(body))
         return req if k is None else replace(req, logprobs=k, chat_logprobs=True)
 
     async def complete_chat(self, pending: Pending) -> schema.ChatCompletionResponse:
@@ -97,7 +98,8 @@ class CompletionService:
         async for event in pending.events():
             texts[event.index].append(event.text)
         logprobs = [None if lp is None else lp.whole() for lp in pending.logprobs]
-        return chat.response(pending.req, ["".join(t) for t in texts], pending.reasons, pending.usage(), logprobs)
+        echo = pending.req.chat_echo
+        return chat.response(pending.req, [echo + "".join(t) for t in texts], pending.reasons, pending.usage(), logprobs)
 
     async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
         """Chat's stream: `chat.completion.chunk`s, each choice's first with its role alone (no text yet: OpenAI's and
@@ -106,6 +108,10 @@ class CompletionService:
         for i in range(req.choices):
             usage = pending.usage() if req.continuous_usage else None
             yield render.StreamEvent(chat.chunk(req, [chat.delta(i, "", None, first=True)], usage))
+        if req.chat_echo:  # vLLM's echo: the last message's text, each choice's first content
+            for i in range(req.choices):
+                usage = pending.usage() if req.continuous_usage else None
+                yield render.StreamEvent(chat.chunk(req, [chat.delta(i, req.chat_echo, None, first=False)], usage))
 
         def delta(event: ChoiceEvent) -> list[schema.ChatChunkChoice]:
             return [chat.delta(event.index, event.text, event.finish_reason, first=False, logprobs=event.logprobs)]
