@@ -19,6 +19,7 @@ from ..generation.speculative import DraftSettings
 from ..runtime.providers import physical_cores
 from ..runtime.registry import capabilities_of, named
 from ..serve.core.prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from ..serve.core.prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
 from ..serve.core.scheduler import EngineSettings
 from ..workflows.backends import require_provider
 from ..workflows.drafts import DRAFT_HELP
@@ -184,6 +185,13 @@ def serve(
     prefix_cache_mb: Annotated[float, typer.Option(
         help="Host memory per replica for the KV of prompt prefixes, reused by later prompts that begin the same way "
         "(automatic prefix caching; 0: off).")] = DEFAULT_PREFIX_CACHE_MB,
+    prefix_cache_dir: Annotated[Optional[Path], typer.Option(
+        help="Keep the prefix cache's blocks in this folder too (a folder per export, each block checked before use), "
+        "so that a restarted server serving the same export reads them back instead of prefilling again.",
+        show_default=False)] = None,
+    prefix_cache_disk_mb: Annotated[float, typer.Option(
+        help="With --prefix-cache-dir: at most this much disk per export, the least recently used blocks removed "
+        "first.")] = DEFAULT_PREFIX_CACHE_DISK_MB,
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
@@ -246,6 +254,8 @@ def serve(
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
                             overlap_prefill=overlap_prefill, prefix_cache_mb=prefix_cache_mb,
+                            prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir.resolve()),
+                            prefix_cache_disk_mb=prefix_cache_disk_mb,
                             scheduling_policy=scheduling_policy)
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)

@@ -10,14 +10,18 @@ import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..choices import BackendKind, Progress, ProviderKind, no_progress
 from ..errors import UsageError
 from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import ExportInfo, read_export
+from ..runtime.base import Backend
 from ..tokenizer import get_encoding
 from ..workflows.backends import export_backend
 from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
 from .core.engine import EngineSettings
+from .core.prefix_disk import BlockIdentity
 from .openai.chat import export_template, find_template
 from .openai.routes import MAX_BODY_BYTES, Cors
 from .openai.service import CompletionService
@@ -125,7 +129,14 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
                                ProviderKind(config.provider), None, config.draft_settings)
     return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
                              config.draft, find_template(Path(config.export), config.chat_template,
-                                                           config.default_chat_template))
+                                                           config.default_chat_template), block_identity(info, backend))
+
+
+def block_identity(info: ExportInfo, backend: Backend) -> BlockIdentity:
+    """What the export's prefix-cache blocks depend on besides their tokens (their folder on disk): its files, the
+    backend, and the dtype its cache stores (the native backend's own; the others' float32, KVCache.stored)."""
+    kv_dtype = np.dtype(backend.kv_dtype).name if backend.capabilities.native else "float32"
+    return BlockIdentity(dict(info.meta["files"]), backend.name, kv_dtype)
 
 
 def close_service(service: CompletionService) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from ...errors import UsageError
@@ -17,7 +18,8 @@ from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
 from ...runtime.base import Backend
 from .outputs import Failed, Finished, Output, PromptLogprobs, Sink, TokenOut
-from .prefix_cache import PrefixCache
+from .prefix_cache import BLOCK_TOKENS, PrefixCache
+from .prefix_disk import BlockIdentity, DiskBlocks
 from .request import Row
 from .request_queue import EngineClosed, QueueFull
 from .runner import Ended, Executed, Runner, Scored, Searched, Step
@@ -54,7 +56,7 @@ class Engine:
     `close`)."""
 
     def __init__(self, backend: Backend, settings: EngineSettings | None = None, drafter: Drafter | None = None,
-                 draft_settings: DraftSettings | None = None):
+                 draft_settings: DraftSettings | None = None, blocks: BlockIdentity | None = None):
         settings = settings or EngineSettings()
         if drafter is not None:
             refuse_batched_draft(settings.max_batch_size)
@@ -68,7 +70,7 @@ class Engine:
         shares = backend.capabilities.shares_cores and backend.sharing_threads is not None
         # Prefix caching needs a backend that steps from a cache made elsewhere (its blocks): not
         # onnxruntime-genai, whose generator owns its cache.
-        self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20)) \
+        self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20), disk=self._disk(settings, blocks)) \
             if settings.prefix_cache_mb and backend.capabilities.takes_past else None
         estimate = backend.prefill_ms if backend.capabilities.estimates_prefill else None
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
@@ -79,6 +81,16 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self.observer: Observer | None = None  # told each token as it is told (openai/metrics.py)
         self.kv_positions = 0  # positions the batch in flight's cache holds (rows x width), after its last step
+
+    def _disk(self, settings: EngineSettings, blocks: BlockIdentity | None) -> DiskBlocks | None:
+        """The prefix cache's disk tier, where settings.prefix_cache_dir asks for it: `blocks` says what the export's
+        blocks depend on (the replica's, from its export)."""
+        if settings.prefix_cache_dir is None:
+            return None
+        if blocks is None:
+            raise UsageError("prefix_cache_dir needs the export's identity, which its blocks are kept under "
+                             "(the replica gives it)", option="prefix_cache_dir")
+        return DiskBlocks(Path(settings.prefix_cache_dir), blocks, int(settings.prefix_cache_disk_mb * 2**20), BLOCK_TOKENS)
 
     # -- the callers' side (any thread)
 
@@ -119,6 +131,10 @@ class Engine:
                  "kv_cache_usage_perc": min(1.0, self.kv_positions / capacity) if running else 0.0}
         if self.prefix_cache is not None:
             stats.update(prefix_cache_queries=self.prefix_cache.queries, prefix_cache_hits=self.prefix_cache.hits)
+            disk = self.prefix_cache.disk
+            if disk is not None:  # blocks read back from disk, files skipped as not checking out, writes dropped
+                stats.update(prefix_cache_disk_reads=disk.loaded, prefix_cache_disk_errors=disk.errors,
+                             prefix_cache_disk_dropped=disk.dropped, prefix_cache_disk_mb=disk.bytes / 2**20)
         return stats
 
     def close(self, timeout: float = 10.0) -> bool:
@@ -130,6 +146,8 @@ class Engine:
             self._tell(row, Failed("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.prefix_cache is not None and self.prefix_cache.disk is not None:  # the blocks handed over, written
+            self.prefix_cache.disk.flush(timeout)
         if self._thread.is_alive():
             log.warning("the engine's thread did not stop within %.0f s (a step is still running); left running", timeout)
             return False

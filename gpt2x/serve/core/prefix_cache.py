@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .prefix_disk import DiskBlocks
+
 BLOCK_TOKENS = 16  # vLLM's default block size
 DEFAULT_PREFIX_CACHE_MB = 512  # about 7,000 tokens of GPT-2 124M in float32 (72 KiB a token)
 
@@ -46,7 +48,7 @@ class PrefixCache:
     Counts, in tokens, the prompt tokens looked up (`queries`) and those found (`hits`), as vLLM's
     prefix_cache_queries and prefix_cache_hits do. Not thread-safe: the engine's thread only."""
 
-    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, budget_bytes: int, block_tokens: int = BLOCK_TOKENS, disk: DiskBlocks | None = None):
         if budget_bytes < 0 or block_tokens < 1:
             raise ValueError(f"a prefix cache needs a budget >= 0 and blocks of >= 1 token, got {budget_bytes}, {block_tokens}")
         self.budget_bytes = budget_bytes
@@ -56,17 +58,31 @@ class PrefixCache:
         self.bytes = 0
         self.queries = 0
         self.hits = 0
+        # The disk tier (prefix_disk.py): every block kept is written there too, and a prompt's blocks not held here
+        # are read from there, so that they outlive the process.
+        self.disk = disk
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def _lookup_blocks(self, ids: list[int]) -> list[_Block]:
-        """The held blocks that begin `ids`, at most up to its last token but one."""
-        return self._match(ids, (len(ids) - 1) // self.block_tokens)
+        """The held blocks that begin `ids`, at most up to its last token but one: here, then on disk (read in)."""
+        most = (len(ids) - 1) // self.block_tokens
+        blocks = self._match(ids, most)
+        if self.disk is not None and len(blocks) < most:
+            self._read_in(ids, blocks, most)
+        return blocks
 
     def held(self, ids: list[int]) -> int:
-        """The tokens `lookup` would give `ids`, neither counted nor touched."""
-        return len(self._lookup_blocks(ids)) * self.block_tokens
+        """The tokens `lookup` would give `ids`, neither counted nor touched (nor read from disk)."""
+        most = (len(ids) - 1) // self.block_tokens
+        n = len(self._match(ids, most))
+        if self.disk is not None and n < most:
+            chain = self.disk.chain()
+            digests = [chain.next(self._tokens(ids, j)) for j in range(most)]
+            while n < most and self.disk.has(digests[n]):
+                n += 1
+        return n * self.block_tokens
 
     def lookup(self, ids: list[int], use: bool = True) -> list[_Block]:
         """The held blocks that begin `ids`, at most up to its last token but one (whose logits its
@@ -78,6 +94,10 @@ class PrefixCache:
         blocks = self._lookup_blocks(ids)
         self.hits += len(blocks) * self.block_tokens
         self._touch(blocks)
+        if self.disk is not None:  # the disk's order of use follows this one's: a prefix in use here stays there
+            digests = self.disk.chain()
+            for j in range(len(blocks)):
+                self.disk.touch(digests.next(self._tokens(ids, j)))
         return blocks
 
     def store(self, ids: list[int], kv: list[np.ndarray], row: int, end: int) -> None:
@@ -87,20 +107,18 @@ class PrefixCache:
         n = len(ids) // self.block_tokens
         chain = self._match(ids, n)
         start = end - len(ids)
-        for j in range(len(chain), n):
-            a, b = start + j * self.block_tokens, start + (j + 1) * self.block_tokens
-            block_kv = np.stack([t[row, :, a:b] for t in kv])
-            if not self._make_room(block_kv.nbytes, chain):
+        digests = self.disk.chain() if self.disk is not None else None
+        for j in range(n):
+            digest = digests.next(self._tokens(ids, j)) if digests is not None else None
+            if j < len(chain):
+                block_kv = chain[j].kv
+            else:
+                a, b = start + j * self.block_tokens, start + (j + 1) * self.block_tokens
+                block_kv = np.stack([t[row, :, a:b] for t in kv])
+            if digest is not None:  # written (or, held there, touched); block_kv is not written to afterwards
+                self.disk.put(digest, self._tokens(ids, j), block_kv)
+            if j >= len(chain) and not self._add(chain, self._tokens(ids, j), block_kv):
                 break
-            parent = chain[-1] if chain else None
-            block = _Block((-1 if parent is None else parent.id, tuple(ids[j * self.block_tokens : (j + 1) * self.block_tokens])),
-                           self._next_id, parent, block_kv)
-            self._next_id += 1
-            self._blocks[block.key] = block
-            if parent is not None:
-                parent.children.add(block)
-            self.bytes += block_kv.nbytes
-            chain.append(block)
         self._touch(chain)
 
     def lacks(self, ids: list[int]) -> bool:
@@ -121,6 +139,34 @@ class PrefixCache:
             at += n
 
     # -- inside
+
+    def _tokens(self, ids: list[int], j: int) -> list[int]:
+        return ids[j * self.block_tokens : (j + 1) * self.block_tokens]
+
+    def _add(self, chain: list[_Block], tokens: list[int], kv: np.ndarray) -> bool:
+        """A block after `chain`'s last, held here (appended to `chain`); False where it does not fit."""
+        if not self._make_room(kv.nbytes, chain):
+            return False
+        parent = chain[-1] if chain else None
+        block = _Block((-1 if parent is None else parent.id, tuple(tokens)), self._next_id, parent, kv)
+        self._next_id += 1
+        self._blocks[block.key] = block
+        if parent is not None:
+            parent.children.add(block)
+        self.bytes += kv.nbytes
+        chain.append(block)
+        return True
+
+    def _read_in(self, ids: list[int], chain: list[_Block], most: int) -> None:
+        """The blocks after `chain` (held here) that the disk holds, read and held here too, appended to `chain`."""
+        digests = self.disk.chain()
+        for j in range(most):
+            digest = digests.next(self._tokens(ids, j))
+            if j < len(chain):
+                continue
+            kv = self.disk.load(digest, self._tokens(ids, j))
+            if kv is None or not self._add(chain, self._tokens(ids, j), kv):
+                return
 
     def _match(self, ids: list[int], most: int) -> list[_Block]:
         blocks: list[_Block] = []

@@ -15,6 +15,7 @@ import numpy as np
 from ...errors import UsageError
 from ...generation.settings import Finish
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from .prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
 from .request import Row
 from .request_queue import RequestQueue
 
@@ -66,6 +67,10 @@ class EngineSettings:
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
     # (prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    # A folder the prefix cache's blocks are also kept in, read back by a later process serving the same export
+    # (prefix_disk.py; None: memory only), at most this many MiB of them per export.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_mb: float = DEFAULT_PREFIX_CACHE_DISK_MB
     # Which waiting row runs next: "fcfs" (arrival order) or "priority" (vLLM's: the lowest `priority`
     # first, arrival order among equals; rows running are never preempted).
     scheduling_policy: str = "fcfs"
@@ -82,7 +87,10 @@ class EngineSettings:
                              f"{self.scheduling_policy!r}", option="scheduling_policy")
         if self.max_batch_size < 1:
             raise UsageError(f"max_batch_size must be >= 1, got {self.max_batch_size}", option="max_batch_size")
-        for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb"):
+        if self.prefix_cache_dir is not None and not self.prefix_cache_mb:
+            raise UsageError("prefix_cache_dir keeps the prefix cache's blocks on disk too: it needs the prefix cache itself "
+                             "(a memory budget above 0)", option="prefix_cache_dir")
+        for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb", "prefix_cache_disk_mb"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
         for name in ("batch_wait_s", "max_join_delay_s"):

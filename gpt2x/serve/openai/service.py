@@ -30,6 +30,7 @@ from ...runtime.base import Backend
 from ...tokenizer import VOCAB_SIZE
 from ..core.engine import Engine, EngineClosed, EngineSettings, LogprobEntry, QueueFull, Row
 from ..core.outputs import Finished, Output, PromptLogprobs, TokenOut
+from ..core.prefix_disk import BlockIdentity
 from . import chat, render, schema
 from .errors import APIError, bad
 from .request import CompletionRequest, json_object, request_from_body
@@ -38,7 +39,8 @@ from .request import CompletionRequest, json_object, request_from_body
 class CompletionService:
     def __init__(self, backend: Backend, engine: EngineSettings, model_id: str, replica: str = "",
                  drafter: Drafter | None = None, draft_settings: DraftSettings | None = None,
-                 draft_name: str | None = None, chat_template: chat.ChatTemplate | None = None):
+                 draft_name: str | None = None, chat_template: chat.ChatTemplate | None = None,
+                 blocks: BlockIdentity | None = None):
         self.backend = backend
         self.chat_template = chat_template  # /v1/chat/completions' (chat.py); None: a 400 naming the flag
         self.model_id = model_id
@@ -46,7 +48,8 @@ class CompletionService:
         self.created = int(time.time())
         self.drafter = drafter
         self.draft_name = draft_name or (drafter.name if drafter is not None else None)  # as the user named it
-        self.engine = Engine(backend, engine, drafter, draft_settings).start()
+        # `blocks`: what the export's prefix-cache blocks are kept under on disk (EngineSettings.prefix_cache_dir)
+        self.engine = Engine(backend, engine, drafter, draft_settings, blocks).start()
 
     def close(self) -> bool:
         """Stop the engine (Engine.close: False when its thread could not be stopped). The backend and
