@@ -298,6 +298,7 @@ def serve(
                       f"{provider.value}{with_draft}); Ctrl-C to stop", markup=False)
         err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
+        err.print(f"or chat in a browser: {url}/playground", markup=False, soft_wrap=True)
 
     if settings.embedded:
         run = serve_in_process

@@ -12,6 +12,9 @@ schemas are added to the OpenAPI description by `Gpt2xApp.openapi`. Anything Fas
 adds to as each request is answered in full, summed with the other replicas' through `exchange`
 (metrics.LocalExchange in one process, ray/deploy.py's hub under Ray Serve, to which each answered
 request's counts are handed before its last byte is sent).
+
+`/playground` is a chat page in the browser (playground.py), open without the API key, which is typed into the page;
+`/` redirects to it.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' `Request` annotations when
@@ -28,13 +31,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from ...tokenizer import decode, encode
 from ...version import __version__
-from . import chat, render, schema
+from . import chat, playground, render, schema
 from . import metrics as prom
 from .chat import ChatParams
 from .errors import APIError, bad, validation_error
@@ -119,7 +122,12 @@ METRICS_ROUTE = dict(summary="Prometheus metrics, summed over every replica", in
 
 
 VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=schema.Version)
-OPEN_ROUTES = ("/health", "/version")  # answered without the API key, as vLLM's and llama-server's
+# A web page, not part of the API: left out of the OpenAPI description, as /metrics is.
+PLAYGROUND_ROUTE = dict(summary="The chat playground, a web page (no API key needed)", include_in_schema=False)
+ROOT_ROUTE = dict(summary="Redirects to /playground", include_in_schema=False)
+# Answered without the API key: /health and /version as vLLM's and llama-server's; the playground because its key is
+# typed into the page (it holds nothing secret, and every request it makes carries the key).
+OPEN_ROUTES = ("/health", "/version", "/playground", "/")
 
 
 _BODY_ERRORS = {
@@ -519,6 +527,16 @@ def router(api: Callable[[], HttpApi]) -> APIRouter:
     @routes.get("/metrics", **METRICS_ROUTE)
     async def metrics(request: Request):
         return await api().prometheus(request)
+
+    @routes.get("/playground", **PLAYGROUND_ROUTE)
+    async def playground_page():
+        body, headers = playground.page()
+        return Response(body, media_type="text/html; charset=utf-8", headers=headers)
+
+    @routes.get("/", **ROOT_ROUTE)
+    async def root(request: Request):
+        # Under the mount's prefix (Ray Serve's route prefix is the ASGI root_path), as the page's own requests are.
+        return RedirectResponse(request.scope.get("root_path", "").rstrip("/") + "/playground")
 
     @routes.post("/tokenize", **TOKENIZE_ROUTE)
     async def tokenize(request: Request):
