@@ -11,7 +11,7 @@ import numpy as np
 
 from ..choices import Precision
 from ..model.config import GPT2Config
-from ..onnx.optimize import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK
+from ..onnx.artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK
 
 
 def cpu_read_bandwidth(threads: int, megabytes: int = 1024, repeats: int = 7) -> float:

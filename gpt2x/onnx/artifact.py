@@ -11,8 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from ..choices import Precision
 from ..errors import ArtifactError
@@ -22,12 +21,19 @@ from ..tokenizer import BPE_SHA256
 from . import wire
 from .names import IN_PLACE_KV
 
+if TYPE_CHECKING:  # onnx is imported where a graph is written, not by reading an export (wire.py says why)
+    import onnx
+
 FORMAT = "gpt2x-onnx"
 FORMAT_VERSION = 1
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 METADATA_FILE = "gpt2x.json"
 DEFAULT_OPSET = 18
+# How the quantized exports store their weights (onnx/optimize.py writes them so; the roofline reads them).
+INT8_BLOCK = 128  # weights per quantization scale along the input dimension
+INT4_BLOCK = 32
+INT4_HEAD_BITS = 8  # the tied unembedding's bits: 8 (int8's settings) or 4 (like the blocks)
 IR_VERSION = 10  # onnx 1.23 writes IR 12 by default; ONNX Runtime 1.20+ reads up to 10
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 EXTERNAL_MIN_BYTES = 1024  # with external data, tensors from this size on go to the data file
@@ -213,22 +219,22 @@ def check_external_data(model_path: Path) -> None:
 
 # ---------------------------------------------------------------- the graph's external data, from the wire format
 # onnx.load parses every weight (~1 s for GPT-2 124M, every start) to read a few strings; on the wire a weight is a
-# length and a jump. Every place a model can hold a tensor is walked; field numbers come from onnx's descriptors.
+# length and a jump. Every place a model can hold a tensor is walked; field numbers are onnx.proto's (wire.FIELDS).
 
 
-_number = wire.number
+_number = wire.field
 
-_MODEL_GRAPH, _MODEL_FUNCTIONS = _number(onnx.ModelProto, "graph"), _number(onnx.ModelProto, "functions")
-_GRAPH_NODES, _GRAPH_INITS = _number(onnx.GraphProto, "node"), _number(onnx.GraphProto, "initializer")
-_GRAPH_SPARSE = _number(onnx.GraphProto, "sparse_initializer")
-_FUNCTION_NODES = _number(onnx.FunctionProto, "node")
-_NODE_ATTRS = _number(onnx.NodeProto, "attribute")
-_ATTR_TENSORS = {_number(onnx.AttributeProto, f) for f in ("t", "tensors")}
-_ATTR_GRAPHS = {_number(onnx.AttributeProto, f) for f in ("g", "graphs")}
-_ATTR_SPARSE = {_number(onnx.AttributeProto, f) for f in ("sparse_tensor", "sparse_tensors")}
-_SPARSE_TENSORS = {_number(onnx.SparseTensorProto, f) for f in ("values", "indices")}
-_TENSOR_EXTERNAL = _number(onnx.TensorProto, "external_data")
-_ENTRY_KEY, _ENTRY_VALUE = _number(onnx.StringStringEntryProto, "key"), _number(onnx.StringStringEntryProto, "value")
+_MODEL_GRAPH, _MODEL_FUNCTIONS = _number("ModelProto", "graph"), _number("ModelProto", "functions")
+_GRAPH_NODES, _GRAPH_INITS = _number("GraphProto", "node"), _number("GraphProto", "initializer")
+_GRAPH_SPARSE = _number("GraphProto", "sparse_initializer")
+_FUNCTION_NODES = _number("FunctionProto", "node")
+_NODE_ATTRS = _number("NodeProto", "attribute")
+_ATTR_TENSORS = {_number("AttributeProto", f) for f in ("t", "tensors")}
+_ATTR_GRAPHS = {_number("AttributeProto", f) for f in ("g", "graphs")}
+_ATTR_SPARSE = {_number("AttributeProto", f) for f in ("sparse_tensor", "sparse_tensors")}
+_SPARSE_TENSORS = {_number("SparseTensorProto", f) for f in ("values", "indices")}
+_TENSOR_EXTERNAL = _number("TensorProto", "external_data")
+_ENTRY_KEY, _ENTRY_VALUE = _number("StringStringEntryProto", "key"), _number("StringStringEntryProto", "value")
 
 
 def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -302,6 +308,8 @@ def needs_external_data(proto: onnx.ModelProto) -> bool:
 
 def save_onnx(proto: onnx.ModelProto, path: Path) -> None:
     """Save, with the weights in `<name>.data` beside the graph when they pass protobuf's 2 GB."""
+    import onnx  # the export's (wire.py: reading an export imports none)
+
     if needs_external_data(proto):
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=EXTERNAL_MIN_BYTES)

@@ -8,16 +8,17 @@ rewrites the graph in memory (with_int8_kv). Why: docs/export.md, the int8 KV ca
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 from safetensors.numpy import load_file, save_file
 
 from . import names as io
 from .artifact import KV_SCALES_FILE
-from .names import MSFT
-from .optimize import GQA
+from .names import GQA, MSFT
+
+if TYPE_CHECKING:  # with_int8_kv's alone: the rest (the runtime's quantize, dequantize) needs no onnx
+    import onnx
 
 INT8_RANGE = (-128, 127)  # what GroupQueryAttention clips to
 _K_SCALE, _V_SCALE = 12, 13  # GroupQueryAttention's k_scale and v_scale inputs
@@ -66,6 +67,8 @@ def with_int8_kv(proto: onnx.ModelProto, scales: np.ndarray) -> None:
     """In place: every GroupQueryAttention reads and writes an int8 cache with `scales` (2L, H, D) per channel, and the
     graph's past and present inputs and outputs are int8. ValueError where the graph has no GroupQueryAttention per
     layer."""
+    from onnx import TensorProto, helper  # rewriting a graph: onnx's
+
     graph = proto.graph
     nodes = [n for n in graph.node if n.op_type == GQA and n.domain == MSFT]
     n_layer = len(scales) // 2

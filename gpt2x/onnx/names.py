@@ -4,6 +4,7 @@ onnxruntime-genai's and transformers.js's names for decoder-only models."""
 from __future__ import annotations
 
 MSFT = "com.microsoft"  # the domain of ONNX Runtime's contrib operators (MultiHeadAttention, ...)
+GQA = "GroupQueryAttention"  # ONNX Runtime's attention with a shared cache buffer (the int8 and int4 exports')
 
 INPUT_IDS = "input_ids"  # [batch, sequence] int64
 ATTENTION_MASK = "attention_mask"  # [batch, past_sequence + sequence] int64, 1 = real token, 0 = padding

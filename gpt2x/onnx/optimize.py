@@ -21,9 +21,9 @@ from ..choices import Precision
 from ..model.config import GPT2Config
 from ..numerics import CDF_BLOCK
 from . import names as io
-from .artifact import IR_VERSION, attention_layout, save_onnx
+from .artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK, IR_VERSION, attention_layout, save_onnx
 from .mapped import load_mapped
-from .names import MSFT
+from .names import GQA, MSFT
 
 FUSED_OPS = ("MultiHeadAttention", "GroupQueryAttention", "Attention", "SkipLayerNormalization", "FastGelu", "BiasGelu",
              "Gelu", "EmbedLayerNormalization", "MatMulNBits", "MatMulInteger", "DynamicQuantizeMatMul")
@@ -136,7 +136,6 @@ def fold_transposed_initializers(proto: onnx.ModelProto) -> None:
     proto.graph.node.extend(keep)
 
 
-INT8_BLOCK = 128  # weights per quantization scale along the input dimension
 NBITS_LOGGERS = ("onnxruntime.quantization.matmul_nbits_quantizer", "neural_compressor")
 
 
@@ -222,8 +221,6 @@ def quantize_int8_dynamic(fused: Path, out: Path) -> dict[str, int]:
 # the packed int8-activation kernel, which HQQ's float zero points lose), the unembedding at 8 bits (4x lower KL).
 INT4_ALGORITHMS = ("rtn-sym", "rtn-asym", "hqq", "k-quant")
 INT4_ALGORITHM = "rtn-sym"
-INT4_BLOCK = 32
-INT4_HEAD_BITS = 8  # the tied unembedding's bits: 8 (int8's settings) or 4 (like the blocks)
 
 
 def unembedding_matmul(proto: onnx.ModelProto) -> onnx.NodeProto:
@@ -286,7 +283,6 @@ def count_ops(proto: onnx.ModelProto) -> dict[str, int]:
 
 # ---------------------------------------------------------------- GroupQueryAttention (int8 and int4, CPU)
 
-GQA = "GroupQueryAttention"
 _GQA_SEQLENS = "gqa_seqlens_k"  # int32 [batch]: total_sequence_length - 1 for every row
 _GQA_TOTAL = "gqa_total_sequence_length"  # int32 scalar: the attention mask's width
 

@@ -1,11 +1,32 @@
 """Protobuf's wire format, read directly: an ONNX file's fields walked without parsing its weights (onnx.load copies
-every one). Field numbers come from onnx's own descriptors (`number`)."""
+every one). The field numbers are onnx.proto's (`FIELDS`), written here so that reading an export imports no onnx
+(its import, ml_dtypes', took 0.8-2 s of every command's start); a field's number never changes in protobuf, and
+tests/onnx/test_wire.py checks each against onnx's own descriptors (`number`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 LENGTH_DELIMITED = 2
+
+
+# (message, field) -> its number in onnx.proto: what the readers of an export walk.
+FIELDS = {
+    ("ModelProto", "graph"): 7, ("ModelProto", "functions"): 25,
+    ("GraphProto", "node"): 1, ("GraphProto", "initializer"): 5, ("GraphProto", "sparse_initializer"): 15,
+    ("FunctionProto", "node"): 7, ("NodeProto", "attribute"): 5,
+    ("AttributeProto", "t"): 5, ("AttributeProto", "tensors"): 10, ("AttributeProto", "g"): 6,
+    ("AttributeProto", "graphs"): 11, ("AttributeProto", "sparse_tensor"): 22, ("AttributeProto", "sparse_tensors"): 23,
+    ("SparseTensorProto", "values"): 1, ("SparseTensorProto", "indices"): 2,
+    ("TensorProto", "dims"): 1, ("TensorProto", "data_type"): 2, ("TensorProto", "name"): 8,
+    ("TensorProto", "raw_data"): 9, ("TensorProto", "external_data"): 13, ("TensorProto", "data_location"): 14,
+    ("StringStringEntryProto", "key"): 1, ("StringStringEntryProto", "value"): 2,
+}
+
+
+def field(message: str, name: str) -> int:
+    """The number of field `name` of onnx.proto's `message` ("ModelProto", ...)."""
+    return FIELDS[message, name]
 
 
 def number(message, field: str) -> int:

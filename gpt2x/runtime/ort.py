@@ -21,7 +21,6 @@ from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
-from ..onnx.optimize import in_place_form
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
@@ -328,8 +327,11 @@ class OrtBackend(Closable):
         layout = info.attention
         # Unless asked not to, an fp32 export's MultiHeadAttention graph runs on the CPU as its GroupQueryAttention
         # twin, made in memory: a step copies no past, and its weights are read where the file is (docs/export.md).
-        twin = in_place_form(info.model_path) if provider is ProviderKind.cpu and in_place_kv is not False \
-            and not io.in_place_kv(layout) else None
+        twin = None
+        if provider is ProviderKind.cpu and in_place_kv is not False and not io.in_place_kv(layout):
+            from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
+
+            twin = in_place_form(info.model_path)
         if twin is not None:
             layout = twin.attention
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu

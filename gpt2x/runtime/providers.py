@@ -5,17 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError, UsageError
 from ..onnx.artifact import IR_VERSION, ExportInfo
-from ..onnx.mapped import load_mapped
+from ..onnx.mapped import load_mapped, mapped_model
+
+if TYPE_CHECKING:  # a session on an export imports no onnx (onnx/wire.py says why); the small graphs here do
+    import onnx
 
 ORT_PROVIDERS = {ProviderKind.cpu: "CPUExecutionProvider", ProviderKind.cuda: "CUDAExecutionProvider"}
 CUDA_HELP = (
@@ -119,9 +120,11 @@ def create_export_session(path: Path, provider: ProviderKind, threads: int | Non
     weights kept as they are; the CPU, weights in the file only)."""
     path = Path(path)
     if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
+        if transform is None:
+            data, weights = mapped_model(path)
+            return create_session(data, provider, threads, weights=weights)
         proto, weights = load_mapped(path)
-        if transform is not None:
-            transform(proto)
+        transform(proto)
         return create_session(proto.SerializeToString(), provider, threads, weights=weights)
     if transform is not None:
         raise ProviderError(f"{path}: a graph rewritten in memory runs on the CPU, its weights in the graph's file")
@@ -129,6 +132,8 @@ def create_export_session(path: Path, provider: ProviderKind, threads: int | Non
 
 
 def gather_model(dtype) -> bytes:
+    from onnx import TensorProto, helper  # building a graph: onnx's
+
     t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
     graph = helper.make_graph(
         [helper.make_node("Gather", ["x", "rows"], ["y"], axis=0)], "reorder",
@@ -142,6 +147,8 @@ def gather_model(dtype) -> bytes:
 
 def slice_positions_model(dtype) -> bytes:
     """A graph keeping a cache tensor's first `length` positions: a growing cache's rollback on CUDA."""
+    from onnx import TensorProto, helper  # building a graph: onnx's
+
     t = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
     graph = helper.make_graph(
         [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])], "truncate",
@@ -156,6 +163,8 @@ def slice_positions_model(dtype) -> bytes:
 
 def last_argmax_model() -> bytes:
     """Logits (B, T, V) to each row's argmax at its last position (B, 1), the first of equal maxima as NumPy's."""
+    from onnx import TensorProto, helper  # building a graph: onnx's
+
     graph = helper.make_graph(
         [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["last"]),
          helper.make_node("ArgMax", ["last"], ["y3"], axis=2, keepdims=0, select_last_index=0),

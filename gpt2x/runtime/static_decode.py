@@ -11,7 +11,6 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from ..onnx.optimize import static_forms
 from .base import Closable, Released
 from .ort import bind_past_and_present
 from .providers import create_session, refuse_fp16_on_cpu
@@ -51,6 +50,8 @@ class StaticDecoder(Closable):
         self.rows, self.capacity = rows, capacity or cfg.n_positions
         if not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"capacity must be 2..{cfg.n_positions}, not {self.capacity}")
+        from ..onnx.optimize import static_forms  # onnx's rewrite: imported by the decoders that need it
+
         forms = static_forms(info.model_path, sampling)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
