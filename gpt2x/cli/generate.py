@@ -76,6 +76,16 @@ def constraint_from(json_schema: Path | None, regex: str | None, choice: list[st
     return None
 
 
+def dry_breakers(given: list[str] | None) -> tuple[str, ...]:
+    """--dry-sequence-breaker as llama.cpp reads it: the default without one, else the ones given; `none` clears."""
+    if not given:
+        return SamplingSettings.dry_sequence_breakers
+    breakers: list[str] = []
+    for b in given:
+        breakers = [] if b == "none" else [*breakers, b]
+    return tuple(breakers)
+
+
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="Text to continue (empty: start a new document).")] = None,
     model: ModelOptional = None,
@@ -109,6 +119,18 @@ def generate(
         "transformers').")] = SamplingSettings.no_repeat_ngram_size,
     bad_words: Annotated[Optional[list[str]], typer.Option("--bad-words", rich_help_panel=SAMPLING_PANEL,
         help="A word never generated (vLLM's bad_words); repeatable.")] = None,
+    dry_multiplier: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="DRY (llama.cpp's): a token that would extend a repetition of N >= --dry-allowed-length tokens of the prompt "
+        "and the output loses MULTIPLIER * BASE ^ (N - allowed length) from its logit, greedy included (0: off).")] = SamplingSettings.dry_multiplier,
+    dry_base: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="DRY's penalty base (>= 1).")] = SamplingSettings.dry_base,
+    dry_allowed_length: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="DRY leaves repetitions of up to this many tokens alone (>= 1).")] = SamplingSettings.dry_allowed_length,
+    dry_penalty_last_n: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL,
+        help="DRY scans this many of the last tokens (-1: all, 0: off).")] = SamplingSettings.dry_penalty_last_n,
+    dry_sequence_breaker: Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", rich_help_panel=SAMPLING_PANEL,
+        help="A string a DRY repetition never reaches back across; repeatable, replacing the default (newline, :, \", *); "
+        "none: no breakers (llama.cpp's option; a newline in bash: $'\\n').")] = None,
     presence_penalty: Annotated[float, typer.Option(
         rich_help_panel=SAMPLING_PANEL,
         help="Subtracted from the logit of every token already generated, in [-2, 2] (OpenAI's).")] = SamplingSettings.presence_penalty,
@@ -172,6 +194,8 @@ def generate(
         max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, num_beams=num_beams, length_penalty=length_penalty, early_stopping=early_stopping,
         min_p=min_p, typical_p=typical_p, no_repeat_ngram_size=no_repeat_ngram_size, bad_words=tuple(bad_words or ()),
+        dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n, dry_sequence_breakers=dry_breakers(dry_sequence_breaker),
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, logit_bias=parse_logit_bias(logit_bias or []),
         stop_token_ids=parse_token_ids(stop_token_ids or [], "--stop-token-ids"), min_tokens=min_tokens,

@@ -7,9 +7,13 @@ group and per-row state: docs/architecture.md, "A new logits transform".
 
 from __future__ import annotations
 
+import bisect
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
 from numbers import Integral
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,7 +21,7 @@ import numpy as np
 
 from ..errors import Gpt2xError, UsageError
 from ..numerics import block_reduce
-from ..tokenizer import EOT_ID, VOCAB_SIZE, encode
+from ..tokenizer import EOT_ID, VOCAB_SIZE, encode, get_encoding
 from .constraints import Constraint, ConstraintSpec, mask_rows
 
 if TYPE_CHECKING:  # settings.py checks its fields here: it imports this module
@@ -616,6 +620,274 @@ class BadWords(LogitsProcessor):
         return scores
 
 
+DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama-server's default dry_sequence_breakers
+DRY_BREAKER_BYTES = 40  # llama.cpp's MAX_CHAR_LEN: a longer breaker is cut to its first 40 bytes
+DRY_TAIL_TOKENS = 20  # llama.cpp's MAX_SEQ_LEN: a breaker's tokens after its first, at most
+_FLOAT32_MAX_LOG = 88.7228391  # ln of float32's largest value: llama.cpp keeps base ** exponent below it
+_DRY_SNAPSHOTS = 40  # a row's match arrays kept per length: a speculative round (K <= 32) rolls back within them
+_NO_PENALTY = (np.zeros(0, dtype=np.int64), np.zeros(0))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _suffix_matches(ids: np.ndarray) -> np.ndarray:
+    """(len(ids) - 1,): at j, the length of the longest common suffix of ids[:j + 1] and ids (the Z-array of the
+    reversed ids, llama.cpp's dry_repeat_count), found by extending every match one token back at a time."""
+    last = len(ids) - 1
+    out = np.zeros(max(last, 0), dtype=np.int32)
+    ends = np.flatnonzero(ids[:last] == ids[last]) if last > 0 else out[:0]
+    n = 0
+    while len(ends):
+        n += 1
+        out[ends] = n
+        ends = ends[ends >= n]
+        ends = ends[ids[ends - n] == ids[last - n]]
+    return out
+
+
+@dataclass(frozen=True)
+class _VocabText:
+    """Every token's text as bytes (<|endoftext|> as its text, as llama.cpp detokenizes special tokens here), all in
+    one string to search (`blob`: token t at starts[t]:starts[t + 1]), and reversed, sorted, to find by their ends."""
+
+    words: tuple[bytes, ...]
+    blob: bytes
+    starts: np.ndarray
+    reversed_words: list[bytes]  # sorted
+    reversed_ids: list[int]
+
+    def holding(self, part: bytes) -> list[int]:
+        """The tokens whose text holds `part`: one search of the blob (a scan token by token costs ten times more)."""
+        at = np.array([m.start() for m in re.finditer(b"(?=" + re.escape(part) + b")", self.blob)], dtype=np.int64)
+        token = np.searchsorted(self.starts, at, side="right") - 1
+        return np.unique(token[at + len(part) <= self.starts[token + 1]]).tolist()
+
+    def ending_with(self, end: bytes) -> list[int]:
+        """The tokens whose text ends with `end`: a run of the reversed texts, sorted."""
+        key, out = end[::-1], []
+        for i in range(bisect.bisect_left(self.reversed_words, key), len(self.reversed_words)):
+            if not self.reversed_words[i].startswith(key):
+                break
+            out.append(self.reversed_ids[i])
+        return out
+
+
+@lru_cache(maxsize=1)
+def _vocab_text() -> _VocabText:
+    enc = get_encoding()
+    words = tuple(enc.decode_single_token_bytes(t) for t in range(VOCAB_SIZE))
+    by_end = sorted((w[::-1], t) for t, w in enumerate(words))
+    starts = np.concatenate(([0], np.cumsum([len(w) for w in words])))
+    return _VocabText(words, b"".join(words), starts, [w for w, _ in by_end], [t for _, t in by_end])
+
+
+def _bpe_bytes(data: bytes) -> list[int]:
+    """`data` as GPT-2's BPE encodes it, special tokens read as text (llama.cpp's tokenize(parse_special=false)); bytes
+    that are not UTF-8 (a breaker cut inside a character) as their one-byte tokens."""
+    enc, out = get_encoding(), []
+    while data:
+        try:
+            return out + enc.encode_ordinary(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            out += enc.encode_ordinary(data[: e.start].decode("utf-8"))
+            out += [enc.encode_single_token(data[i : i + 1]) for i in range(e.start, e.end)]
+            data = data[e.end :]
+    return out
+
+
+@lru_cache(maxsize=256)
+def dry_breaker_sequences(breaker: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """llama.cpp's token sequences of one DRY sequence breaker over GPT-2's vocabulary (get_overlapping_token_sequences):
+    (token, ()) for every token whose text holds the breaker, a breaker by itself; (token, tail) for every other token
+    whose text ends with a proper prefix of it, `tail` the rest of the breaker as BPE encodes it (at most 20 tokens).
+    Bytes compared, as llama.cpp compares them; a breaker is cut to its first 40 bytes."""
+    b = breaker.encode("utf-8", "surrogatepass")[:DRY_BREAKER_BYTES]  # (a JSON string may hold a lone surrogate)
+    vocab = _vocab_text()
+    out: list[tuple[int, tuple[int, ...]]] = [(t, ()) for t in vocab.holding(b)]
+    whole = {t for t, _ in out}
+    for k in range(1, len(b)):  # tokens ending with the breaker's first k bytes
+        tail = tuple(_bpe_bytes(b[k:])[:DRY_TAIL_TOKENS])
+        out += [(t, tail) for t in vocab.ending_with(b[:k]) if t not in whole]
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass(frozen=True)
+class _DryBreakers:
+    """A set of DRY sequence breakers as token sequences: `alone` (V,) the tokens that break a match by themselves (and
+    are never penalised), `head` (V,) the tokens that begin one, `tails` each head's tails, longest first."""
+
+    alone: np.ndarray
+    head: np.ndarray
+    tails: dict[int, tuple[tuple[int, ...], ...]]
+
+    def limit(self, window: np.ndarray) -> int:
+        """llama.cpp's rep_limit: the tokens after the window's last complete breaker (a breaker whose tail runs past
+        the window's end does not count); the window's length without one."""
+        n = len(window)
+        inside = window < VOCAB_SIZE
+        heads = np.flatnonzero(inside & self.head[np.where(inside, window, 0)])
+        for pos in heads[::-1].tolist():
+            after = n - 1 - pos
+            for tail in self.tails[int(window[pos])]:  # the longest complete one, as llama.cpp takes
+                if len(tail) <= after and tuple(window[pos + 1 : pos + 1 + len(tail)].tolist()) == tail:
+                    return after - len(tail)
+        return n
+
+
+@lru_cache(maxsize=64)
+def _dry_breakers(breakers: tuple[str, ...]) -> _DryBreakers:
+    alone, head = np.zeros(VOCAB_SIZE, dtype=bool), np.zeros(VOCAB_SIZE, dtype=bool)
+    tails: dict[int, set[tuple[int, ...]]] = {}
+    for breaker in breakers:
+        for token, tail in dry_breaker_sequences(breaker):
+            head[token] = True
+            alone[token] |= not tail
+            tails.setdefault(token, set()).add(tail)
+    return _DryBreakers(alone, head, {t: tuple(sorted(s, key=len, reverse=True)) for t, s in tails.items()})
+
+
+class Dry(LogitsProcessor):
+    """llama.cpp's DRY ("Don't Repeat Yourself", by p-e-w; llama_sampler_init_dry, llama-server's dry_* fields): a
+    token that would extend a repetition loses multiplier * base ** (n - allowed_length) from its logit, n the length
+    of the longest suffix of the context that occurred earlier followed by that token, where n >= allowed_length.
+    The context is the row's prompt and output, its last penalty_last_n tokens (-1: all, llama.cpp's context size,
+    which a row never passes), as llama-server feeds the prompt to its sampler. What follows llama.cpp:
+
+    - Nothing is penalised while the window holds allowed_length tokens or fewer.
+    - Sequence breakers are strings, made token sequences over the vocabulary as llama.cpp makes them
+      (dry_breaker_sequences): a token whose text holds a breaker breaks by itself; a token whose text ends with a
+      proper prefix of one breaks followed by the rest of it as BPE encodes it (a breaker cut to 40 bytes, the rest to
+      20 tokens; a rest that begins or ends inside a character has its lone bytes as one-byte tokens, where llama.cpp
+      leaves them to its tokenizer). A match never reaches back past the context's last complete breaker (its
+      rep_limit): with fewer than allowed_length tokens after it, nothing is penalised; the tokens that break by
+      themselves are never penalised.
+    - Of a token's earlier occurrences the longest match wins (one penalty per token); a match may overlap the
+      suffix it repeats (after `a a a`, `a` extends a match of 2: the first two repeat the last two).
+    - The exponent is capped where base ** exponent would pass float32's largest value (llama.cpp's max_exponent).
+
+    Where it differs: a base below 1 is refused (llama-server replaces it with 1.75, llama.cpp's sampler turns off).
+    Scores are float64 here (llama.cpp's float32). Each row's matches (the Z-array of its reversed context, llama.cpp
+    recomputes it each step) are kept per History.row and grown by one token each step: O(context) per row per step."""
+
+    fields = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+    reads_history = True
+
+    @classmethod
+    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+        m, b = settings.dry_multiplier, settings.dry_base
+        _in_range(settings, "dry_multiplier", m >= 0 and math.isfinite(m), ">= 0 (0: off)")
+        _in_range(settings, "dry_base", b >= 1 and math.isfinite(b), ">= 1")
+        allowed, last_n = settings.dry_allowed_length, settings.dry_penalty_last_n
+        _in_range(settings, "dry_allowed_length", _is_int(allowed) and allowed >= 1, "an integer >= 1")
+        _in_range(settings, "dry_penalty_last_n", _is_int(last_n) and last_n >= -1, "an integer >= -1 (-1: all, 0: off)")
+        breakers = settings.dry_sequence_breakers
+        listed = not isinstance(breakers, (str, bytes)) and hasattr(breakers, "__iter__")
+        breakers = tuple(breakers) if listed else breakers
+        if not listed or not all(isinstance(s, str) and s for s in breakers):
+            raise UsageError(f"dry_sequence_breakers must be a list of non-empty strings, got {breakers!r}",
+                             option="dry_sequence_breakers")
+        return {"dry_allowed_length": int(allowed), "dry_penalty_last_n": int(last_n),
+                "dry_sequence_breakers": breakers}
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings) -> Dry | None:
+        if not settings.dry_multiplier or not settings.dry_penalty_last_n:
+            return None
+        return cls(settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length, settings.dry_penalty_last_n,
+                   settings.dry_sequence_breakers)
+
+    def __init__(self, multiplier: float, base: float, allowed_length: int, penalty_last_n: int,
+                 breakers: Sequence[str] = DRY_BREAKERS, each: Sequence[Dry | None] | None = None):
+        self.multiplier, self.base = float(multiplier), float(base)
+        self.allowed_length, self.penalty_last_n = int(allowed_length), int(penalty_last_n)
+        self.breakers = tuple(breakers)
+        # for_rows: row i penalised by each[i], with its parameters and the matches it keeps (None: left as is)
+        self._each = each
+        # History.row -> (the ids its matches are for, {length: matches of the first `length` ids}), oldest first
+        self._matches: dict[object, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
+
+    @classmethod
+    def for_rows(cls, procs: Sequence[Dry | None]) -> Dry:
+        return cls(0.0, 1.0, 1, 0, (), list(procs))
+
+    def __call__(self, scores: np.ndarray, rows: Sequence[History]) -> np.ndarray:
+        at_row, at_token, amount = [], [], []
+        for i, h in enumerate(rows):
+            own = self if self._each is None else self._each[i]
+            if own is None:
+                continue
+            tokens, penalty = own._penalties(h, len(rows))
+            inside = tokens < scores.shape[-1]
+            at_row.append(np.full(int(inside.sum()), i))
+            at_token.append(tokens[inside])
+            amount.append(penalty[inside])
+        if at_row:  # (row, token) pairs are distinct: one penalty per token of a row
+            scores[np.concatenate(at_row), np.concatenate(at_token)] -= np.concatenate(amount)
+        return scores
+
+    def _penalties(self, h: History, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens this row's next token is penalised at, and by how much."""
+        ids = np.fromiter(chain(h.prompt, h.output), dtype=np.int64, count=len(h.prompt) + len(h.output))
+        matches = self._kept_matches(h.row, ids, rows)  # every step, so that the next grows them by one token
+        start = 0 if self.penalty_last_n < 0 else max(0, len(ids) - self.penalty_last_n)
+        n = len(ids) - start
+        if n <= self.allowed_length:
+            return _NO_PENALTY
+        breakers = _dry_breakers(self.breakers)
+        limit = breakers.limit(ids[start:]) if self.breakers else n
+        if limit < self.allowed_length:
+            return _NO_PENALTY
+        # The match ending at j: within the window (j - start + 1 tokens) and after the last breaker (limit)
+        lengths = np.minimum(np.minimum(matches[start:], np.arange(1, n)), limit)
+        ends = np.flatnonzero(lengths >= self.allowed_length)
+        tokens, lengths = ids[start + ends + 1], lengths[ends]
+        order = np.lexsort((lengths, tokens))  # by token, then length: a token's longest last
+        tokens, lengths = tokens[order], lengths[order]
+        longest = np.ones(len(tokens), dtype=bool)
+        longest[:-1] = tokens[1:] != tokens[:-1]
+        tokens, lengths = tokens[longest], lengths[longest]
+        inside = tokens < VOCAB_SIZE
+        keep = ~inside
+        keep[inside] = ~breakers.alone[tokens[inside]]
+        tokens, exponent = tokens[keep], (lengths[keep] - self.allowed_length).astype(np.float64)
+        if self.base > 1.000001:
+            cap = int(_FLOAT32_MAX_LOG / math.log(self.base))
+            if cap > 0:
+                exponent = np.minimum(exponent, cap)
+        with np.errstate(over="ignore"):  # (a base past float32's range is not capped: an infinite penalty, a ban)
+            return tokens, self.multiplier * self.base ** exponent
+
+    def _kept_matches(self, key: object, ids: np.ndarray, rows: int) -> np.ndarray:
+        """(len(ids) - 1,): at j, the length of the longest common suffix of ids[:j + 1] and ids. Kept per History.row
+        and grown by each new token t: the match ending at j grows by one where ids[j] == t, else ends (0); a history
+        that left the kept one (a rejected draft) restarts from the kept lengths it shares."""
+        key = id(key) if key is not None else None
+        seen, kept = self._matches.pop(key, (ids[:0], {}))
+        n = min(len(seen), len(ids))
+        differ = np.flatnonzero(seen[:n] != ids[:n])
+        common = int(differ[0]) if len(differ) else n
+        length = max((k for k in kept if k <= common), default=0)
+        if len(ids) - length > _DRY_SNAPSHOTS:  # far behind (a new row): computed at once, the last lengths grown
+            length, kept = len(ids) - _DRY_SNAPSHOTS, {}
+            matches = _suffix_matches(ids[:length])
+        else:
+            matches = kept.get(length, np.zeros(0, dtype=np.int32))
+            kept = {k: m for k, m in kept.items() if k <= length}
+        for t in range(length, len(ids)):
+            grown = np.ones(t, dtype=np.int32)
+            grown[1:] += matches
+            matches = np.where(ids[:t] == ids[t], grown, 0).astype(np.int32)
+            if t + 1 > len(ids) - _DRY_SNAPSHOTS:
+                kept[t + 1] = matches
+        kept = {k: m for k, m in kept.items() if k > len(ids) - _DRY_SNAPSHOTS}
+        self._matches[key] = (ids, kept)
+        while len(self._matches) > max(64, 2 * rows):  # rows that ended: the oldest dropped
+            del self._matches[next(iter(self._matches))]
+        return matches
+
+
 class TypicalP(LogitsProcessor):
     """Locally typical sampling (transformers' TypicalLogitsWarper, min_tokens_to_keep 1): the tokens whose surprise
     (-log p) is nearest the distribution's entropy, in that order, until their mass reaches p; the others -inf. Not
@@ -752,9 +1024,10 @@ def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
     return (EOT_ID, *settings.stop_token_ids)
 
 
-# vLLM's order; every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
+# vLLM's order, with DRY after the penalties and bans and before temperature and the truncations (where llama-server's
+# default chain has it); every row's list follows it, so rows with lists of their own merge by it (sampling.sample_many).
 ORDER: tuple[type[LogitsProcessor], ...] = (ConstraintMask, AllowedTokens, MinTokens, LogitBias, RepetitionPenalty,
-                           PresenceFrequencyPenalty, NoRepeatNGram, BadWords, Temperature, MinP, TopK, TopP, TypicalP)
+                           PresenceFrequencyPenalty, NoRepeatNGram, BadWords, Dry, Temperature, MinP, TopK, TopP, TypicalP)
 
 
 def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:

@@ -9,7 +9,7 @@ from enum import Enum
 
 from ..errors import UsageError
 from .constraints import ConstraintSpec
-from .processors import beam_refused_fields, checked_fields, token_ids
+from .processors import DRY_BREAKERS, beam_refused_fields, checked_fields, token_ids
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ class SamplingSettings:
     no_repeat_ngram_size: int = 0
     typical_p: float = 1.0
     bad_words: tuple[str, ...] = ()  # vLLM's: these words are never generated (processors.BadWords)
+    # llama.cpp's DRY (processors.Dry), off at multiplier 0: a token extending a repeat of n >= allowed_length tokens loses
+    # multiplier * base ** (n - allowed_length); the last penalty_last_n tokens scanned (-1: all, 0: off)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS  # a match never reaches back past one (llama-server's default)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

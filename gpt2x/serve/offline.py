@@ -49,6 +49,11 @@ class SamplingParams:
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None
     bad_words: list[str] | None = None
+    dry_multiplier: float | None = None  # llama-server's DRY fields (docs/serving-fields.md)
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": schema} or {"regex": ...}, {"choice": [...]}

@@ -146,6 +146,20 @@ class CompletionParams(BaseModel):
     no_repeat_ngram_size: Integer_(ge=0) | None = Field(None, description=(
         "transformers': no n-gram of this size occurs twice in the prompt and the output (applied to greedy "
         "decoding too); 0 = off (the default)."))
+    dry_multiplier: float | None = Field(None, ge=0, description=(
+        "llama-server's DRY (Don't Repeat Yourself) repetition penalty multiplier: a token that would extend a "
+        "repetition of n >= dry_allowed_length tokens of the prompt and the output loses dry_multiplier * dry_base ^ "
+        "(n - dry_allowed_length) from its logit (greedy decoding too); 0 = off (the default)."))
+    dry_base: float | None = Field(None, ge=1, description="llama-server's DRY penalty base, >= 1; 1.75 by default.")
+    dry_allowed_length: Integer_(ge=1) | None = Field(None, description=(
+        "llama-server's: repetitions up to this many tokens are not penalised by DRY; 2 by default."))
+    dry_penalty_last_n: Integer_(ge=-1) | None = Field(None, description=(
+        "llama-server's: how many of the last tokens (prompt and output) DRY scans for repetitions; -1 = all "
+        "(the default), 0 = off."))
+    dry_sequence_breakers: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]],
+                                     Field(min_length=1, max_length=64)] | None = Field(None, description=(
+        "llama-server's: strings a DRY repetition never reaches back across (each cut to 40 bytes, as llama.cpp "
+        "does); [\"\\n\", \":\", \"\\\"\", \"*\"] by default."))
     min_tokens: Integer_(ge=0) | None = Field(None, description=(
         "vLLM's: the end-of-text token and stop_token_ids cannot be sampled, and stop strings do not "
         "end the text, before this many tokens (at most max_tokens)."))
