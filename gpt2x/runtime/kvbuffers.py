@@ -124,7 +124,7 @@ def zeroed_arrays(shape: tuple[int, ...], count: int, dtype, keep: KVCacheView |
 class IdleBuffers:
     """The memory of a backend's KV buffers, kept once nothing references it, for its next buffers of about that size:
     a fresh buffer's first writes fault its pages in one by one, a reused one's do not (a 512-token first token of
-    GPT-2 124M 1-4% sooner here, benchmarks/idle_buffers.py). Only for buffers that may be left unset (what they held before
+    GPT-2 124M 1-4% sooner here: git show 3e30193:benchmarks/idle_buffers.py). Only for buffers that may be left unset (what they held before
     is not cleared). A block is idle when this pool holds its only reference: every array, view and OrtValue made
     from it holds one (through NumPy's `base`), so memory still seen anywhere is never handed out again. At most
     `keep_bytes` of idle blocks are kept, the most recently adopted."""
