@@ -21,7 +21,7 @@ from gpt2x.serve.openai.chat import ChatTemplate, completion_body, find_template
 from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.serve.replica import has_chat_template
-from gpt2x.tokenizer import decode
+from gpt2x.tokenizer import decode, encode
 
 from ..helpers import uvicorn_server
 
@@ -95,7 +95,7 @@ def test_no_template_is_one_400_naming_the_flag(export_dir):
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"), ({"messages": MESSAGES, "temperature": 3}, "temperature"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": MESSAGES, "prompt_logprobs": 1}, "prompt_logprobs"), ({"messages": MESSAGES, "return_token_ids": True}, "return_token_ids"),
+    ({"messages": MESSAGES, "prompt_logprobs": 21}, "prompt_logprobs"), ({"messages": MESSAGES, "return_token_ids": 3}, "return_token_ids"),
     ({"messages": MESSAGES, "bad_words": "x"}, "bad_words"), ({"messages": MESSAGES, "echo": "yes"}, "echo"),
     ({"messages": MESSAGES, "prompt": "x"}, "prompt"),
 ])
@@ -271,3 +271,30 @@ def test_echo_begins_each_answer_with_the_assistants_last_message(openai_client,
     echoed = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, max_tokens=8, temperature=0,
                                                    extra_body={"echo": True})
     assert echoed.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_vllms_token_ids_and_prompt_logprobs_on_chat(service, reference):
+    """return_token_ids and prompt_logprobs answered in vLLM's chat shape: the rendered prompt's ids and logprobs on
+    the response (checked against the hand-rendered prompt and a no-cache forward of it), each choice's generated ids
+    on the choice (gpt2x's generation of that prompt), whole and streamed (the prompt's keys once)."""
+    from .test_vllm import forward_logprobs
+
+    ids = encode(RENDERED)
+    want = generate(reference, [RENDERED], SamplingSettings(max_new_tokens=6, greedy=True))[0]
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "return_token_ids": True, "prompt_logprobs": 1}
+    with TestClient(local_app(service)) as c:
+        whole = c.post("/v1/chat/completions", json=body).json()
+        assert whole["prompt_token_ids"] == ids and whole["choices"][0]["token_ids"] == want.tokens
+        assert decode(whole["choices"][0]["token_ids"]) == whole["choices"][0]["message"]["content"]
+        entries, lp = whole["prompt_logprobs"], forward_logprobs(reference, ids)
+        assert len(entries) == len(ids) and entries[0] is None
+        for i in range(1, len(ids)):
+            assert entries[i][str(ids[i])]["logprob"] == pytest.approx(lp[i - 1][ids[i]], abs=1e-5)
+        lines = [line for line in c.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+                 if line.startswith("data: {")]
+    chunks = [json.loads(line[len("data: "):]) for line in lines]
+    assert [ch["prompt_token_ids"] for ch in chunks if ch.get("prompt_token_ids")] == [ids]
+    assert len([ch for ch in chunks if ch.get("prompt_logprobs")]) == 1
+    assert [t for ch in chunks for choice in ch["choices"] for t in choice.get("token_ids") or []] == want.tokens
+    plain = TestClient(local_app(service)).post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
+    assert plain["prompt_token_ids"] is None and plain["prompt_logprobs"] is None and plain["choices"][0]["token_ids"] is None

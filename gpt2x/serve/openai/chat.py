@@ -11,7 +11,8 @@ tokenizer_config.json (where transformers and vLLM read a model's), else gpt2x's
 script: onnx.interop.DEFAULT_CHAT_TEMPLATE), unless the server was started with
 `--no-default-chat-template`: then one 400 that names the flags. Chat logprobs are answered in OpenAI's chat shape
 (ChatTokenLogprobs); vLLM's `echo` begins each choice's content with the last message's, where that is the
-assistant's (chat_echo); tools, and vLLM's prompt_logprobs and return_token_ids are refused, not ignored.
+assistant's (chat_echo); vLLM's prompt_logprobs and return_token_ids are answered in vLLM's chat shape (the rendered
+prompt's on the response, each choice's token ids on the choice); tools are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -184,9 +185,6 @@ def completion_body(body: dict, template: ChatTemplate | None, n_positions: int)
             raise bad(f"{name}: {why}", name)
     if p.top_logprobs is not None and not p.logprobs:
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    for name in ("prompt_logprobs", "return_token_ids"):  # vLLM's, in a shape of its own on chat: not served here
-        if body.get(name) not in (None, False):
-            raise bad(f"{name} is not served on chat completions (send it to /v1/completions)", name)
     if "prompt" in body:
         raise bad("prompt is not a chat completions field (send messages)", "prompt")
     if template is None:
@@ -207,25 +205,34 @@ def chat_id(completion_id: str) -> str:
 
 
 def response(req: CompletionRequest, texts: list[str], reasons: list[str | None], usage: schema.Usage,
-             logprobs: list[schema.ChatLogprobs | None] | None = None) -> schema.ChatCompletionResponse:
+             logprobs: list[schema.ChatLogprobs | None] | None = None, extras: list[dict] | None = None,
+             prompt: dict | None = None) -> schema.ChatCompletionResponse:
+    """The whole chat completion; `extras`: each choice's vLLM keys (token_ids), `prompt`: the prompt's
+    (prompt_token_ids, prompt_logprobs), where asked for."""
     logprobs = logprobs or [None] * len(texts)
+    extras = extras or [{}] * len(texts)
     return schema.ChatCompletionResponse(
-        id=chat_id(req.id), created=req.created, model=req.model, usage=usage,
-        choices=[schema.ChatChoice(index=i, message=schema.ChatMessage(content=text), finish_reason=reason, logprobs=lp)
-                 for i, (text, reason, lp) in enumerate(zip(texts, reasons, logprobs))])
+        id=chat_id(req.id), created=req.created, model=req.model, usage=usage, **(prompt or {}),
+        choices=[schema.ChatChoice(index=i, message=schema.ChatMessage(content=text), finish_reason=reason, logprobs=lp,
+                                   **extra)
+                 for i, (text, reason, lp, extra) in enumerate(zip(texts, reasons, logprobs, extras))])
 
 
-def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice],
-          usage: schema.Usage | None = None) -> schema.ChatCompletionChunk:
+def chunk(req: CompletionRequest, choices: list[schema.ChatChunkChoice], usage: schema.Usage | None = None,
+          prompt: dict | None = None) -> schema.ChatCompletionChunk:
     return schema.ChatCompletionChunk(id=chat_id(req.id), created=req.created or int(time.time()), model=req.model,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage, **(prompt or {}))
 
 
-def delta(index: int, text: str, reason: str | None, first: bool,
-          logprobs: schema.ChatLogprobs | None = None) -> schema.ChatChunkChoice:
-    """One choice's piece of a stream: its role alone first (`first`), then its content (with its tokens' logprobs)."""
+def delta(index: int, text: str, reason: str | None, first: bool, logprobs: schema.ChatLogprobs | None = None,
+          token_ids: list[int] | None = None) -> schema.ChatChunkChoice:
+    """One choice's piece of a stream: its role alone first (`first`), then its content (with its tokens' logprobs and,
+    with return_token_ids, their ids)."""
     return schema.ChatChunkChoice(index=index, delta=schema.ChatDelta(role="assistant" if first else None, content=text),
-                                  finish_reason=reason, logprobs=logprobs)
+                                  finish_reason=reason, logprobs=logprobs, token_ids=token_ids)
+
+
+PROMPT_KEYS = ("prompt_token_ids", "prompt_logprobs")  # vLLM's keys for the rendered prompt: the response's on chat
 
 
 class ChatTokenLogprobs:

@@ -303,10 +303,12 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the choice's generated ids
 
 
 class ChatCompletionResponse(BaseModel):
-    """A whole chat completion (OpenAI's `chat.completion`)."""
+    """A whole chat completion (OpenAI's `chat.completion`), with vLLM's keys for the rendered prompt, null unless
+    asked for: `prompt_logprobs` (prompt_logprobs) and `prompt_token_ids` (return_token_ids)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -314,6 +316,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -328,10 +332,13 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the ids this chunk's content came from
 
 
 class ChatCompletionChunk(BaseModel):
-    """One chunk of a streamed chat completion (`chat.completion.chunk`; the usage chunk has no choices)."""
+    """One chunk of a streamed chat completion (`chat.completion.chunk`; the usage chunk has no choices). vLLM's keys
+    for the prompt come once, on the first chunk that has them: `prompt_token_ids` (return_token_ids) and
+    `prompt_logprobs` (prompt_logprobs, once the prompt is scored)."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -339,6 +346,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

@@ -96,17 +96,28 @@ class CompletionService:
         return req if k is None else replace(req, logprobs=k, chat_logprobs=True)
 
     async def complete_chat(self, pending: Pending) -> schema.ChatCompletionResponse:
-        """The whole chat response (`chat.completion`)."""
-        texts: list[list[str]] = [[] for _ in range(pending.req.choices)]
+        """The whole chat response (`chat.completion`), with vLLM's token ids and prompt logprobs where asked for: the
+        choices' ids on each choice, the rendered prompt's on the response."""
+        req = pending.req
+        texts: list[list[str]] = [[] for _ in range(req.choices)]
+        extras: list[dict] = [{} for _ in range(req.choices)]
+        prompt: dict = {}
         async for event in pending.events():
             texts[event.index].append(event.text)
+            for key, value in event.extra.items():  # the prompt's keys once (one prompt on chat); token_ids add up
+                if key in chat.PROMPT_KEYS:
+                    prompt.setdefault(key, value)
+                else:
+                    extras[event.index][key] = extras[event.index].get(key, []) + value
         logprobs = [None if lp is None else lp.whole() for lp in pending.logprobs]
-        echo = pending.req.chat_echo
-        return chat.response(pending.req, [echo + "".join(t) for t in texts], pending.reasons, pending.usage(), logprobs)
+        echo = req.chat_echo
+        return chat.response(req, [echo + "".join(t) for t in texts], pending.reasons, pending.usage(), logprobs, extras,
+                             prompt)
 
     async def stream_chat(self, pending: Pending) -> AsyncIterator[render.StreamEvent]:
         """Chat's stream: `chat.completion.chunk`s, each choice's first with its role alone (no text yet: OpenAI's and
-        vLLM's, which clients wait for), then its text, a usage chunk if asked for, then DONE."""
+        vLLM's, which clients wait for), then its text (with vLLM's token ids, and the prompt's keys once, where asked
+        for), a usage chunk if asked for, then DONE."""
         req = pending.req
         for i in range(req.choices):
             usage = pending.usage() if req.continuous_usage else None
@@ -115,11 +126,19 @@ class CompletionService:
             for i in range(req.choices):
                 usage = pending.usage() if req.continuous_usage else None
                 yield render.StreamEvent(chat.chunk(req, [chat.delta(i, req.chat_echo, None, first=False)], usage))
+        prompt_sent: set[str] = set()
 
         def delta(event: ChoiceEvent) -> list[schema.ChatChunkChoice]:
-            return [chat.delta(event.index, event.text, event.finish_reason, first=False, logprobs=event.logprobs)]
+            return [chat.delta(event.index, event.text, event.finish_reason, first=False, logprobs=event.logprobs,
+                               token_ids=event.extra.get("token_ids"))]
 
-        async for event in _events(pending, delta, lambda choices, usage: chat.chunk(req, choices, usage)):
+        def chunk(event: ChoiceEvent | None, choices: list, usage: schema.Usage | None) -> schema.ChatCompletionChunk:
+            extra = {} if event is None else event.extra
+            prompt = {k: extra[k] for k in chat.PROMPT_KEYS if k in extra and k not in prompt_sent}
+            prompt_sent.update(prompt)
+            return chat.chunk(req, choices, usage, prompt)
+
+        async for event in _events(pending, delta, chunk):
             yield event
 
     def submit(self, req: CompletionRequest) -> Pending:
@@ -167,26 +186,27 @@ class CompletionService:
         def choice(event: ChoiceEvent) -> list:
             return [render.choice(event.index, event.text, event.finish_reason, event.logprobs, **event.extra)]
 
-        async for event in _events(pending, choice, lambda choices, usage: render.completion(req, choices, usage)):
+        async for event in _events(pending, choice, lambda _, choices, usage: render.completion(req, choices, usage)):
             yield event
 
 
 async def _events(pending: Pending, choices_of: Callable[[ChoiceEvent], list],
-                  chunk: Callable[[list, schema.Usage | None], Any]) -> AsyncIterator[render.StreamEvent]:
-    """A stream's events, completions' or chat's: `chunk(choices_of(*event), usage so far if asked)` per engine
-    event, then a usage chunk if asked for, then DONE; an error once the stream has started is its last event."""
+                  chunk: Callable[[ChoiceEvent | None, list, schema.Usage | None], Any]) -> AsyncIterator[render.StreamEvent]:
+    """A stream's events, completions' or chat's: `chunk(event, choices_of(event), usage so far if asked)` per engine
+    event, then a usage chunk (`chunk(None, [], usage)`) if asked for, then DONE; an error once the stream has started
+    is its last event."""
     req = pending.req
     try:
         async for event in pending.events():
             usage = pending.usage() if req.continuous_usage else None  # the usage so far, on every chunk
             reason = event.finish_reason
-            yield render.StreamEvent(chunk(choices_of(event), usage), (reason,) if reason else ())
+            yield render.StreamEvent(chunk(event, choices_of(event), usage), (reason,) if reason else ())
     except APIError as e:  # the status line is sent already: the error is the last event
         yield render.StreamEvent(e.body(), kind=render.StreamKind.error)
         yield render.STREAM_DONE
         return
     if req.include_usage:
-        yield render.StreamEvent(chunk([], pending.usage()))
+        yield render.StreamEvent(chunk(None, [], pending.usage()))
     yield render.STREAM_DONE
 
 
