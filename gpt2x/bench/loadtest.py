@@ -1,5 +1,6 @@
 """Load test of any OpenAI-compatible completions endpoint: streamed requests in a closed loop or Poisson arrivals,
-reported per concurrency level as vLLM's serving benchmark reports them, optionally on a shared-prefix workload
+reported per concurrency level (or per rate of a rate sweep) as vLLM's serving benchmark reports them, optionally on a
+shared-prefix workload, and with latency goals: each level's goodput and the highest rate whose requests met them
 (docs/commands/loadtest.md). It talks only to the URL given, and bounds every request.
 """
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import EndpointError, UsageError
@@ -28,7 +32,16 @@ from .report import require_matplotlib, save_png
 # 2: each level's prompt_tokens, cached_prompt_tokens, prefix_cache_hit_rate and prompt_tokens_stated;
 # the settings' shared_prefix_tokens, prefixes, suffix_tokens and prefix_token_counts. Readers of a
 # version-1 file (loadtest_table, plot_loadtest) take the missing keys as "not stated".
-SCHEMA_VERSION = 2
+# 3: each level's rate, good, good_fraction, goodput_rps and meets_slo; the result's max_rate_within_slo,
+# max_concurrency_within_slo and rates_not_run; the settings' rates, goodput, slo_fraction and stop_after_misses.
+# Older files have no sweep and no goals: their readers show no rate column, no goodput table and no SLO line.
+SCHEMA_VERSION = 3
+
+# The latency goals --goodput takes, each in ms and judged per completed request (goal_metrics; a failed one is never
+# good). ttft, tpot and e2el are vLLM's `bench serve --goodput` metrics, computed as it computes them; itl is gpt2x's.
+GOAL_METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_SLO_FRACTION = 0.9  # vLLM's SLA sweeps and GuideLLM's reports judge at p90 by default
+MAX_RATES = 1000  # levels of one sweep: a typo in START:STOP:STEP must not queue a day of load
 
 DEFAULT_PROMPTS = (
     "ROMEO:\nBut, soft! what light through yonder window breaks?",
@@ -43,9 +56,10 @@ DEFAULT_PROMPTS = (
 class LoadtestSettings:
     url: str
     model: str | None = None  # None: the first id from GET {base}/v1/models, else "default"
-    requests: int = 200  # per concurrency level
-    concurrency: list[int] = field(default_factory=lambda: [1])
+    requests: int = 200  # per level
+    concurrency: list[int] = field(default_factory=lambda: [1])  # with `rates`, one value: the most in flight
     rate: float | None = None  # requests/s, Poisson arrivals; None: closed loop
+    rates: list[float] | None = None  # a rate sweep: one level per rate (increasing), Poisson arrivals
     max_tokens: int = 64
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
     temperature: float = SamplingSettings.temperature  # OpenAI's default, as gpt2x's
@@ -56,6 +70,9 @@ class LoadtestSettings:
     shared_prefix_tokens: int = 0  # > 0: the shared-prefix workload (replaces `prompts`)
     prefixes: int = 1  # how many different shared prefixes
     suffix_tokens: int = 32  # about this many tokens after each prompt's prefix, its own
+    goodput: dict[str, float] = field(default_factory=dict)  # GOAL_METRICS name -> goal in ms; empty: no goals
+    slo_fraction: float = DEFAULT_SLO_FRACTION  # a level holds the goals when at least this share of its requests met them
+    stop_after_misses: int = 2  # a sweep with goals stops after this many consecutive rates missed them; 0: never
 
     def validate(self) -> None:
         parts = urlsplit(self.url)
@@ -85,9 +102,99 @@ class LoadtestSettings:
         if self.shared_prefix_tokens > MAX_WORKLOAD_SIZE:
             raise UsageError(f"shared_prefix_tokens must be at most {MAX_WORKLOAD_SIZE}, got {self.shared_prefix_tokens}",
                              option="shared_prefix_tokens")
+        if self.rates is not None:
+            if self.rate is not None:
+                raise UsageError("rate cannot be used with a rate sweep (--rates, --sweep-rate: it sets each level's rate)", option="rate")
+            if not self.rates or len(self.rates) > MAX_RATES:
+                raise UsageError(f"rates must hold 1 to {MAX_RATES} rates, got {len(self.rates)}", option="rates")
+            if not all(math.isfinite(r) and r > 0 for r in self.rates) or any(a >= b for a, b in zip(self.rates, self.rates[1:])):
+                raise UsageError(f"rates must be positive and increasing, got {self.rates}", option="rates")
+            if len(self.concurrency) != 1:
+                raise UsageError(f"concurrency takes one value with a rate sweep (the most requests in flight), got {self.concurrency}",
+                                 option="concurrency")
+        for metric, goal in self.goodput.items():
+            check_goal(metric, goal, f"{metric}:{goal}")
+        if not 0 < self.slo_fraction <= 1:
+            raise UsageError(f"slo_fraction must be in (0, 1], got {self.slo_fraction}", option="slo_fraction")
+        if self.stop_after_misses < 0:
+            raise UsageError(f"stop_after_misses must be >= 0 (0: never stop early), got {self.stop_after_misses}",
+                             option="stop_after_misses")
+
+    def plan(self) -> list[tuple[int, float | None]]:
+        """Each level's (concurrency, rate): one per rate of a sweep, all capped by the one concurrency; else one per
+        concurrency, at `rate` (None: a closed loop)."""
+        if self.rates:
+            return [(self.concurrency[0], r) for r in self.rates]
+        return [(c, self.rate) for c in self.concurrency]
 
 
 MAX_WORKLOAD_SIZE = 100_000  # tokens of a prefix or suffix, prefixes: beyond any model's context
+
+
+_GOAL = re.compile(r"([A-Za-z0-9_]+)[:=](.*?)(ms)?")  # ttft:500, ttft=500, ttft:500ms
+
+
+def check_goal(metric: str, goal: float, item: str) -> None:
+    """A UsageError naming `item` (as given) unless `metric` is one of GOAL_METRICS and `goal` a positive number of ms."""
+    if metric not in GOAL_METRICS:
+        raise UsageError(f"goodput: unknown metric {metric!r} in {item!r} (one of {', '.join(GOAL_METRICS)})", option="goodput")
+    if not (math.isfinite(goal) and goal > 0):
+        raise UsageError(f"goodput: the {metric} goal must be a positive number of ms, got {item!r}", option="goodput")
+
+
+def parse_goals(values: list[str]) -> dict[str, float]:
+    """Latency goals in ms from repeatable values, each one or more `METRIC:MS` (or `METRIC=MS`) separated by commas
+    or spaces (vLLM's `--goodput ttft:500 tpot:50`, quoted). Bad syntax, unknown metrics and bad values: UsageError."""
+    goals: dict[str, float] = {}
+    for value in values:
+        for item in (v for v in re.split(r"[,\s]+", value.strip()) if v):
+            match = _GOAL.fullmatch(item)
+            try:
+                if not match:
+                    raise ValueError
+                goal = float(match[2])
+            except ValueError:
+                raise UsageError(f"goodput: {item!r} is not METRIC:MS (such as ttft:500)", option="goodput") from None
+            metric = match[1].lower()
+            check_goal(metric, goal, item)
+            if metric in goals:
+                raise UsageError(f"goodput: {metric} is given twice", option="goodput")
+            goals[metric] = goal
+    return goals
+
+
+def _positive(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{option}: {text.strip()!r} is not a positive number of requests/s", option=option)
+    return value
+
+
+def parse_rates(rates: str | None, sweep_rate: str | None) -> list[float] | None:
+    """The rates (req/s) of a sweep, increasing: `rates` as `1,2,4,8` (any order) or `sweep_rate` as START:STOP:STEP
+    (START, START + STEP, ... up to STOP inclusive); None when neither is given."""
+    if rates is not None and sweep_rate is not None:
+        raise UsageError("rates cannot be used together with --sweep-rate", option="rates")
+    if rates is not None:
+        found = sorted({_positive(r, "rates") for r in rates.split(",") if r.strip()})
+        if not found:
+            raise UsageError(f"rates: {rates!r} is not a comma-separated list of requests/s", option="rates")
+        return found
+    if sweep_rate is None:
+        return None
+    parts = sweep_rate.split(":")
+    if len(parts) != 3:
+        raise UsageError(f"sweep_rate: {sweep_rate!r} is not START:STOP:STEP (such as 1:8:1)", option="sweep_rate")
+    start, stop, step = (_positive(p, "sweep_rate") for p in parts)
+    if stop < start:
+        raise UsageError(f"sweep_rate: STOP {stop:g} is below START {start:g}", option="sweep_rate")
+    count = math.floor((stop - start) / step + 1e-9) + 1  # the epsilon: 0.1:0.3:0.1 reaches 0.3 despite rounding
+    if count > MAX_RATES:
+        raise UsageError(f"sweep_rate: {sweep_rate!r} makes {count} rates, more than {MAX_RATES}", option="sweep_rate")
+    return [round(start + i * step, 9) for i in range(count)]
 
 
 def _corpus() -> tuple[list[int], list[int]]:
@@ -278,12 +385,52 @@ async def one_request(client: httpx.AsyncClient, settings: LoadtestSettings, mod
     return rec
 
 
+def _tpot(rec: RequestRecord) -> float | None:
+    """Seconds per output token after the first, as vLLM computes TPOT; None for an answer of one token or none."""
+    return (rec.e2e - rec.ttft) / (rec.output_tokens - 1) if rec.ttft is not None and rec.output_tokens > 1 else None
+
+
+def goal_metrics(rec: RequestRecord) -> dict[str, float]:
+    """A completed request's GOAL_METRICS in ms. As vLLM judges goodput, a one-token answer's TPOT is 0; so is the
+    ITL of a one-chunk answer. An answer that streamed no text has no first token: its TTFT is its e2e latency."""
+    ttft = rec.ttft if rec.ttft is not None else rec.e2e
+    return {"ttft": ttft * 1e3, "tpot": (_tpot(rec) or 0.0) * 1e3, "itl": max(rec.itl, default=0.0) * 1e3,
+            "e2el": rec.e2e * 1e3}
+
+
+def is_good(rec: RequestRecord, goals: dict[str, float]) -> bool:
+    """Whether the request completed with every goal's metric at or below it (ms), as vLLM's --goodput counts it."""
+    if not rec.ok:
+        return False
+    metrics = goal_metrics(rec)
+    return all(metrics[metric] <= goal for metric, goal in goals.items())
+
+
+def holds(level: dict, fraction: float) -> bool:
+    """Whether at least `fraction` of the level's requests met every goal (False where no goals were set)."""
+    return level.get("good_fraction") is not None and level["good_fraction"] >= fraction
+
+
+def within_slo(levels: list[dict], fraction: float) -> tuple[float | None, int | None]:
+    """The highest offered rate among the levels that held the goals (Poisson levels), and the highest concurrency
+    among the closed-loop levels that did; None where none did. The highest, not the first: a lower rate that missed
+    by noise does not hide a higher one that held."""
+    held = [lv for lv in levels if holds(lv, fraction)]
+    rates = [lv["rate"] for lv in held if lv.get("rate") is not None]
+    closed = [lv["concurrency"] for lv in held if lv.get("rate") is None]
+    return max(rates, default=None), max(closed, default=None)
+
+
 def _summary(values: list[float]) -> dict | None:
     """Percentiles and mean in ms, and the largest (`max_ms`: one stall in thousands of gaps is past any p99)."""
     return {**summarize_latencies(values), "max_ms": max(values) * 1e3} if values else None
 
 
-def summarize_level(concurrency: int, records: list[RequestRecord], wall: float, requests: int) -> dict:
+def summarize_level(concurrency: int, records: list[RequestRecord], wall: float, requests: int, rate: float | None = None,
+                    goals: dict[str, float] | None = None, slo_fraction: float = DEFAULT_SLO_FRACTION) -> dict:
+    """A level's figures; with `goals`, its good requests (is_good), their share of the `requests` sent (failed and
+    unfinished ones count as not good), goodput (good requests per second of the level's wall time, vLLM's
+    "Request goodput") and whether that share reaches `slo_fraction`."""
     ok = [r for r in records if r.ok]
     failures = Counter(r.error for r in records if not r.ok)
     if requests > len(records):
@@ -293,14 +440,16 @@ def summarize_level(concurrency: int, records: list[RequestRecord], wall: float,
         if not r.ok and r.error not in examples:
             examples[r.error] = r.detail
     tokens = sum(r.output_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
+    tpot = [t for t in map(_tpot, ok) if t is not None]
+    good = sum(is_good(r, goals) for r in ok) if goals else None
     stated = [r for r in ok if r.prompt_tokens is not None]
     cache_stated = [r for r in stated if r.cached_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in stated) if stated else None
     cached = sum(r.cached_tokens or 0 for r in cache_stated) if cache_stated else None
     cache_prompt = sum(r.prompt_tokens or 0 for r in cache_stated)
-    return {
+    level = {
         "concurrency": concurrency,
+        "rate": rate,  # offered requests/s (Poisson arrivals); None: a closed loop
         "requests": requests,
         "completed": len(ok),
         "failed": requests - len(ok),
@@ -320,13 +469,26 @@ def summarize_level(concurrency: int, records: list[RequestRecord], wall: float,
         "cached_prompt_tokens": cached,  # None: the server stated no cached tokens
         # cached / prompt tokens over the requests that stated both
         "prefix_cache_hit_rate": cached / cache_prompt if cache_stated and cache_prompt > 0 else None,
+        # None without goals
+        "good": good,
+        "good_fraction": good / requests if good is not None else None,
+        "goodput_rps": good / wall if good is not None and wall > 0 else None,
     }
+    level["meets_slo"] = holds(level, slo_fraction) if goals else None
+    return level
+
+
+def level_name(concurrency: int, rate: float | None, sweep: bool) -> str:
+    """How progress names a level: by its rate in a sweep, else by its concurrency."""
+    return f"rate {rate:g} req/s" if sweep else f"concurrency {concurrency}"
 
 
 async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model: str, concurrency: int,
-                    progress: Callable[[str], None], prompts: list[str] | None = None) -> dict:
-    """One level; request i sends prompts[i % len(prompts)] (default: the settings' prompts)."""
+                    progress: Callable[[str], None], prompts: list[str] | None = None, rate: float | None = None) -> dict:
+    """One level, Poisson arrivals at `rate` req/s (None: a closed loop); request i sends prompts[i % len(prompts)]
+    (default: the settings' prompts)."""
     prompts = prompts or settings.prompts
+    name = level_name(concurrency, rate, bool(settings.rates))
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(settings.seed)
     records: list[RequestRecord] = []
@@ -341,13 +503,13 @@ async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model
                 rec = RequestRecord(ok=False, error="timeout", detail=f"no complete answer within {settings.timeout:g} s")
         records.append(rec)
         finished[0] = time.perf_counter()
-        progress(f"concurrency {concurrency}: {len(records)}/{settings.requests} requests")
+        progress(f"{name}: {len(records)}/{settings.requests} requests")
 
     async def launch() -> None:
         tasks = []
         for i in range(settings.requests):
-            if settings.rate and i:
-                await asyncio.sleep(rng.expovariate(settings.rate))
+            if rate and i:
+                await asyncio.sleep(rng.expovariate(rate))
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
 
@@ -357,36 +519,54 @@ async def run_level(client: httpx.AsyncClient, settings: LoadtestSettings, model
     except asyncio.TimeoutError:
         finished[0] = time.perf_counter()
     wall = (finished[0] or time.perf_counter()) - start
-    return summarize_level(concurrency, records, wall, settings.requests)
+    return summarize_level(concurrency, records, wall, settings.requests, rate, settings.goodput, settings.slo_fraction)
 
 
 def level_prompts(settings: LoadtestSettings) -> tuple[list[list[str]], list[int] | None]:
     """Each level's prompts and the shared prefixes' token counts (None: not that workload). No suffix repeats in a
     run: a prompt sent whole a level before would be a cache hit beyond its prefix."""
+    levels = len(settings.plan())
     if not settings.shared_prefix_tokens:
-        return [settings.prompts] * len(settings.concurrency), None
+        return [settings.prompts] * levels, None
     n = settings.requests
     prompts, _, counts = shared_prefix_prompts(settings.shared_prefix_tokens, settings.prefixes, settings.suffix_tokens,
-                                               n * len(settings.concurrency), settings.seed, block=n)
-    return [prompts[i * n : (i + 1) * n] for i in range(len(settings.concurrency))], counts
+                                               n * levels, settings.seed, block=n)
+    return [prompts[i * n : (i + 1) * n] for i in range(levels)], counts
 
 
-async def _run(settings: LoadtestSettings, prompts: list[list[str]], progress: Callable[[str], None]) -> tuple[str, list[dict]]:
-    limits = httpx.Limits(max_connections=max(settings.concurrency), max_keepalive_connections=max(settings.concurrency))
+def sweep_stops(settings: LoadtestSettings, levels: list[dict]) -> bool:
+    """Whether a sweep with goals stops here: its last `stop_after_misses` rates all missed them (higher rates load
+    the server more; running them would only prolong an overload)."""
+    n = settings.stop_after_misses
+    return bool(settings.rates and settings.goodput and n and len(levels) >= n
+                and all(lv["meets_slo"] is False for lv in levels[-n:]))
+
+
+async def _run(settings: LoadtestSettings, prompts: list[list[str]],
+               progress: Callable[[str], None]) -> tuple[str, list[dict], list[float]]:
+    """The model, the levels run, and the rates of a sweep left unrun (sweep_stops)."""
+    plan = settings.plan()
+    cap = max(c for c, _ in plan)
+    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout), limits=limits) as client:
         model = await discover_model(client, settings)
-        levels = []
-        for c, level in zip(settings.concurrency, prompts):
-            progress(f"concurrency {c}: starting")
-            levels.append(await run_level(client, settings, model, c, progress, level))
-        return model, levels
+        levels: list[dict] = []
+        for i, ((c, rate), level) in enumerate(zip(plan, prompts)):
+            progress(f"{level_name(c, rate, bool(settings.rates))}: starting")
+            levels.append(await run_level(client, settings, model, c, progress, level, rate))
+            if i + 1 < len(plan) and sweep_stops(settings, levels):
+                not_run = [r for _, r in plan[i + 1 :]]
+                progress(f"{settings.stop_after_misses} consecutive rates missed the goals: not running {_rates_text(not_run)}")
+                return model, levels, not_run
+        return model, levels, []
 
 
 def run_loadtest(settings: LoadtestSettings, environment: dict, progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Every concurrency level in turn, JSON-ready. EndpointError only if the server cannot be reached at the start."""
+    """Every level in turn, JSON-ready. EndpointError only if the server cannot be reached at the start."""
     settings.validate()
     prompts, prefix_counts = level_prompts(settings)
-    model, levels = asyncio.run(_run(settings, prompts, progress))
+    model, levels, not_run = asyncio.run(_run(settings, prompts, progress))
+    max_rate, max_concurrency = within_slo(levels, settings.slo_fraction)
     return {
         "schema_version": SCHEMA_VERSION,
         "settings": {**asdict(settings), "url": base_url(settings.url), "api_key": "***" if settings.api_key else None,
@@ -394,6 +574,11 @@ def run_loadtest(settings: LoadtestSettings, environment: dict, progress: Callab
                      "prefix_token_counts": prefix_counts},
         "environment": environment,
         "levels": levels,
+        # with goals (None without): the highest rate, and closed-loop concurrency, at which at least slo_fraction
+        # of the requests met every goal (None: none did)
+        "max_rate_within_slo": max_rate,
+        "max_concurrency_within_slo": max_concurrency,
+        "rates_not_run": not_run,  # a sweep's rates after it stopped early (sweep_stops)
     }
 
 
@@ -434,49 +619,189 @@ def _percentiles(summary: dict | None, keys: tuple[str, ...] = ("p50_ms", "p90_m
     return " ".join(_ms(summary, key) for key in keys)
 
 
-def loadtest_table(result: dict) -> Table:
-    """One row per concurrency level; each latency's p50, p90 and p99 in one cell, and every column folding rather
-    than cutting, so that the figures stay whole at 80 columns (rich cuts a number that does not fit: `3…`)."""
+def _rates_text(rates: list[float]) -> str:
+    return ", ".join(f"{r:g}" for r in rates) + " req/s"
+
+
+def goals_text(goals: dict[str, float]) -> str:
+    """"ttft <= 500 ms, tpot <= 50 ms"."""
+    return ", ".join(f"{metric} <= {goal:g} ms" for metric, goal in goals.items())
+
+
+def slo_fraction_of(settings: dict) -> float:
+    return settings.get("slo_fraction", DEFAULT_SLO_FRACTION)
+
+
+def is_sweep(result: dict) -> bool:
+    return bool(result["settings"].get("rates"))
+
+
+def mode_text(settings: dict) -> str:
+    """"closed loop", "Poisson 4 req/s" or "Poisson rate sweep, at most 64 in flight"."""
+    if settings.get("rates"):
+        return f"Poisson rate sweep, at most {settings['concurrency'][0]} in flight"
+    return f"Poisson {settings['rate']:g} req/s" if settings["rate"] else "closed loop"
+
+
+def table_title(result: dict) -> str:
     s = result["settings"]
-    mode = f"Poisson {s['rate']:g} req/s" if s["rate"] else "closed loop"
-    table = Table(title=f"loadtest {s['url']} (model {s['model']}, {s['requests']} requests per level, {mode}, "
-                        f"max_tokens {s['max_tokens']}, {workload_text(s)})")
-    cols = ("conc.", "ok", "failed", "wall s", "req/s", "out tok/s", "TTFT p50 p90 p99", "TPOT p50", "ITL p50 p90 p99",
-            "e2e p50 p90 p99", "prompt tok", "cache hit")
+    return (f"loadtest {s['url']} (model {s['model']}, {s['requests']} requests per level, {mode_text(s)}, "
+            f"max_tokens {s['max_tokens']}, {workload_text(s)})")
+
+
+TABLE_CAPTION = ("latencies in ms (p50 p90 p99); TTFT: time to first token, TPOT: time per output token after the "
+                 "first, ITL: between chunks; prompt tok: as the server states them; cache hit: its cached / prompt "
+                 "tokens (n/a: it states none)")
+
+Cells = tuple[list[str], list[list[tuple[str, bool]]]]  # column names; rows of (text, whether it is bad news)
+
+
+def _level_cell(result: dict, lv: dict) -> tuple[str, bool]:
+    """A row's first cell: its rate in a sweep, else its concurrency."""
+    return (f"{lv['rate']:g}" if is_sweep(result) else str(lv["concurrency"])), False
+
+
+def table_cells(result: dict) -> Cells:
+    """The latency table's columns and rows (failures are bad news), for the terminal and the HTML report."""
+    cols = ["rate" if is_sweep(result) else "conc.", "ok", "failed", "wall s", "req/s", "out tok/s", "TTFT p50 p90 p99",
+            "TPOT p50", "ITL p50 p90 p99", "e2e p50 p90 p99", "prompt tok", "cache hit"]
     rows = []
     for lv in result["levels"]:
-        fail = str(lv["failed"]) if not lv["failed"] else "[red]" + ", ".join(f"{n} {k}" for k, n in lv["failures"].items()) + "[/]"
-        rows.append((
-            str(lv["concurrency"]), str(lv["completed"]), fail, f"{lv['wall_s']:.2f}",
-            "-" if lv["request_throughput"] is None else f"{lv['request_throughput']:.2f}",
-            "-" if lv["output_token_throughput"] is None else f"{lv['output_token_throughput']:.1f}",
-            _percentiles(lv["ttft"]), _ms(lv["tpot"], "p50_ms"), _percentiles(lv["itl"]), _percentiles(lv["e2e"]),
-            "-" if lv.get("prompt_tokens") is None else str(lv["prompt_tokens"]), hit_rate_text(lv),
-        ))
-    for i, col in enumerate(cols):  # never narrower than its longest figure: cells wrap between figures, not inside
-        widest = max((len(word) for row in rows for word in row[i].split()), default=1)
+        fail = (str(lv["failed"]), False) if not lv["failed"] else (", ".join(f"{n} {k}" for k, n in lv["failures"].items()), True)
+        rows.append([
+            _level_cell(result, lv), (str(lv["completed"]), False), fail, (f"{lv['wall_s']:.2f}", False),
+            ("-" if lv["request_throughput"] is None else f"{lv['request_throughput']:.2f}", False),
+            ("-" if lv["output_token_throughput"] is None else f"{lv['output_token_throughput']:.1f}", False),
+            (_percentiles(lv["ttft"]), False), (_ms(lv["tpot"], "p50_ms"), False), (_percentiles(lv["itl"]), False),
+            (_percentiles(lv["e2e"]), False),
+            ("-" if lv.get("prompt_tokens") is None else str(lv["prompt_tokens"]), False), (hit_rate_text(lv), False),
+        ])
+    return cols, rows
+
+
+def goodput_title(result: dict) -> str:
+    s = result["settings"]
+    return (f"goodput: a request is good when it completed with {goals_text(s['goodput'])}; a level holds when at least "
+            f"{100 * slo_fraction_of(s):g}% of its requests are good")
+
+
+def goodput_cells(result: dict) -> Cells:
+    """The goodput table's columns and rows (a level that missed is bad news): its own table, so that the latency
+    table keeps its width (it fills 80 columns already)."""
+    cols = ["rate" if is_sweep(result) else "conc.", "sent", "good", "good %", "goodput req/s", "req/s", "holds"]
+    rows = []
+    for lv in result["levels"]:
+        fraction, goodput, throughput = lv.get("good_fraction"), lv.get("goodput_rps"), lv["request_throughput"]
+        rows.append([
+            _level_cell(result, lv), (str(lv["requests"]), False), ("-" if lv.get("good") is None else str(lv["good"]), False),
+            ("-" if fraction is None else f"{100 * fraction:.1f}%", False), ("-" if goodput is None else f"{goodput:.2f}", False),
+            ("-" if throughput is None else f"{throughput:.2f}", False),
+            ("yes", False) if lv.get("meets_slo") else ("no", True),
+        ])
+    return cols, rows
+
+
+def _table(title: str, caption: str | None, cells: Cells) -> Table:
+    """Every column folding rather than cutting and never narrower than its longest figure, so that cells wrap between
+    figures, not inside one (rich cuts a number that does not fit: `3…`)."""
+    cols, rows = cells
+    table = Table(title=title, caption=caption)
+    for i, col in enumerate(cols):
+        widest = max((len(word) for row in rows for word in row[i][0].split()), default=1)
         table.add_column(col, justify="right", overflow="fold", min_width=widest)
     for row in rows:
-        table.add_row(*row)
-    table.caption = ("latencies in ms (p50 p90 p99); TTFT: time to first token, TPOT: time per output token after the "
-                     "first, ITL: between chunks; prompt tok: as the server states them; cache hit: its cached / prompt "
-                     "tokens (n/a: it states none)")
+        table.add_row(*(f"[red]{escape(text)}[/]" if bad else escape(text) for text, bad in row))
     return table
 
 
+def loadtest_table(result: dict) -> Table:
+    """One row per level; each latency's p50, p90 and p99 in one cell, so that the figures stay whole at 80 columns."""
+    return _table(table_title(result), TABLE_CAPTION, table_cells(result))
+
+
+def loadtest_tables(result: dict) -> list[Table]:
+    """The latency table and, with goals, the goodput table."""
+    goals = result["settings"].get("goodput")
+    return [loadtest_table(result), *([_table(goodput_title(result), None, goodput_cells(result))] if goals else [])]
+
+
+def slo_summary(result: dict) -> str | None:
+    """With goals, the operator's answer in one line: the highest rate (else closed-loop concurrency) at which at
+    least slo_fraction of the requests met every goal, or that none did; and where a sweep stopped early. None
+    without goals (and for results older than version 3)."""
+    s = result["settings"]
+    goals = s.get("goodput")
+    if not goals:
+        return None
+    levels = result["levels"]
+    share, goal = f"{100 * slo_fraction_of(s):g}%", goals_text(goals)
+    if any(lv.get("rate") is not None for lv in levels):
+        best = result.get("max_rate_within_slo")
+        held = next((lv for lv in levels if lv.get("rate") == best and holds(lv, slo_fraction_of(s))), None)
+        tried = sorted({lv["rate"] for lv in levels if lv.get("rate") is not None})
+        text = (f"highest rate within SLO: {best:g} req/s (at least {share} of requests met {goal}; "
+                f"goodput {held['goodput_rps']:.2f} req/s)" if held
+                else f"no rate within SLO: fewer than {share} of requests met {goal} at every rate tried ({_rates_text(tried)})")
+    else:
+        best = result.get("max_concurrency_within_slo")
+        tried = [lv["concurrency"] for lv in levels]
+        text = (f"highest concurrency within SLO: {best} (at least {share} of requests met {goal})" if best is not None
+                else f"no concurrency within SLO: fewer than {share} of requests met {goal} at every concurrency tried "
+                     f"({', '.join(map(str, tried))})")
+    if result.get("rates_not_run"):
+        text += (f"; the sweep stopped after {s.get('stop_after_misses')} consecutive rates missed "
+                 f"({_rates_text(result['rates_not_run'])} not run)")
+    return text
+
+
+def x_axis(result: dict) -> tuple[str, list[float]]:
+    """What the levels vary, for the plots: the offered rate in a sweep, else the concurrency."""
+    if is_sweep(result):
+        return "offered rate (requests/s)", [lv["rate"] for lv in result["levels"]]
+    return "concurrency (requests in flight)", [lv["concurrency"] for lv in result["levels"]]
+
+
 def plot_loadtest(result: dict, path: Path) -> None:
-    """Latency (p50/p99 of e2e and TTFT) against output-token throughput, one point per concurrency level."""
+    """Latency (p50/p99 of e2e and TTFT) against output-token throughput, one point per level; for a sweep or with
+    goals, beside it request throughput and goodput (req/s) and the share of good requests against what the levels
+    vary (the offered rate, else the concurrency)."""
     plt = require_matplotlib()
+    goals = bool(result["settings"].get("goodput"))
+    wide = goals or is_sweep(result)
+    fig, axes = plt.subplots(1, 2 if wide else 1, figsize=(13 if wide else 8, 5), squeeze=False)
+    ax = axes[0][0]
     levels = [lv for lv in result["levels"] if lv["e2e"] and lv["ttft"]]
-    fig, ax = plt.subplots(figsize=(8, 5))
     x = [lv["output_token_throughput"] for lv in levels]
     for metric, key, style in (("e2e", "p50_ms", "o-"), ("e2e", "p99_ms", "o--"), ("ttft", "p50_ms", "s-"), ("ttft", "p99_ms", "s--")):
         ax.plot(x, [lv[metric][key] for lv in levels], style, label=f"{metric} {key[:3]}")
     for lv, xi in zip(levels, x):
-        ax.annotate(f"c={lv['concurrency']}", (xi, lv["e2e"]["p50_ms"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        label = f"{lv['rate']:g}/s" if is_sweep(result) else f"c={lv['concurrency']}"
+        ax.annotate(label, (xi, lv["e2e"]["p50_ms"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     s = result["settings"]
     ax.set(xlabel="output tokens/s", ylabel="latency (ms, log scale)", yscale="log",
            title=f"gpt2x loadtest: {s['model']} at {s['url']} (max_tokens {s['max_tokens']})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if wide:
+        _plot_goodput(axes[0][1], result)
+    for a in axes[0]:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     save_png(fig, path)
+
+
+def _plot_goodput(ax, result: dict) -> None:
+    """Request throughput and goodput, and (right axis) the share of good requests with the SLO's line."""
+    xlabel, xs = x_axis(result)
+    levels = result["levels"]
+    ax.plot(xs, [lv["request_throughput"] or 0 for lv in levels], "o-", label="completed req/s")
+    if is_sweep(result):
+        ax.plot(xs, xs, ":", color="grey", label="offered req/s")
+    ax.set(xlabel=xlabel, ylabel="requests/s", title="throughput and goodput", ylim=(0, None))
+    goals = result["settings"].get("goodput")
+    if not goals:
+        return
+    ax.plot(xs, [lv["goodput_rps"] or 0 for lv in levels], "s-", label="goodput req/s")
+    share = ax.twinx()
+    share.plot(xs, [100 * lv["good_fraction"] for lv in levels], "^--", color="tab:green", label="good %")
+    share.axhline(100 * slo_fraction_of(result["settings"]), color="tab:red", linestyle=":", label="SLO")
+    share.set(ylabel=f"good requests % ({goals_text(goals)})", ylim=(0, 105))
+    share.legend(fontsize=8, loc="lower left")

@@ -113,7 +113,7 @@ def stub(server):
 def test_latencies_bracket_the_stub_delays(stub):
     url = stub("ok")
     result = run_loadtest(LoadtestSettings(url=url + "/v1", requests=12, concurrency=[1, 4], max_tokens=16, timeout=10), {})
-    assert result["schema_version"] == 2 and result["settings"]["model"] == "stub-model"
+    assert result["schema_version"] == 3 and result["settings"]["model"] == "stub-model"
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
     assert Stub.count == 24 and all(r["model"] == "stub-model" and r["stream"] and r["max_tokens"] == 16 for r in Stub.seen)
     for lv in result["levels"]:
