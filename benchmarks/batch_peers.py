@@ -1,9 +1,10 @@
-"""16 prompts at once, in process: gpt2x's serving engine beside OpenVINO GenAI's continuous batching.
+"""16 prompts at once, in process: gpt2x's serving engine (and its offline Python API) beside OpenVINO GenAI's
+continuous batching.
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
         [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--genai-kv-caches auto]
-        [--contenders gpt2x,openvino-genai]
+        [--contenders gpt2x,gpt2x-offline,openvino-genai]
 
 The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
 prompts of --prompt-len random tokens (seeded), each generating --new-tokens greedy tokens that EOS
@@ -17,6 +18,10 @@ wall time from handing them over to the last token.
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
   record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
   the ort backend on an int8 export that kept int8 KV scales with its cache as the record says and in float32;
+- gpt2x's offline API (`gpt2x.LLM(export).generate(prompts as token ids, SamplingParams(max_tokens = min_tokens =
+  --new-tokens, temperature 0))`, vLLM's shape): the same engine behind a call that returns once every prompt is
+  done, each prompt a completions request of the OpenAI layer, so the figure is what that layer adds; it has no
+  per-row first-token time (TTFT and TPOT not shown);
 - OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
   same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
   precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
@@ -35,6 +40,7 @@ Writes OUT.json (every run, the settings, the environment with the machine) and 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -61,7 +67,7 @@ from gpt2x.workflows.exports import ensure_export
 from gpt2x.workflows.models import load_model
 
 CHECK_TOKENS = 16
-CONTENDERS = ("gpt2x", "openvino-genai")
+CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
 
 
 class Gpt2xEngine:
@@ -119,6 +125,31 @@ class Gpt2xEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class Gpt2xOffline:
+    """gpt2x's offline Python API (gpt2x.LLM) on an export: a run hands every prompt to one generate() call."""
+
+    def __init__(self, info, threads: int, batch: int):
+        from gpt2x import LLM
+
+        self.name = f"gpt2x offline API ort {info.precision.value}"
+        self.precision = info.precision.value
+        self.llm = LLM(str(info.folder), threads=threads, max_batch_size=batch)
+        self.details = {"api": "gpt2x.LLM.generate"}
+
+    def run(self, prompts: np.ndarray, n: int) -> dict:
+        from gpt2x import SamplingParams
+
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0)
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([p.tolist() for p in prompts], params, progress=False)
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "ttft_s": [math.nan], "tpot_s": [math.nan],
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 class OvContinuousBatching:
@@ -198,6 +229,14 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
                                                           None if choice == "auto" else False, dtype))
                         except Exception as e:
                             skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+    if "gpt2x-offline" in args.contenders:
+        for precision in precisions:
+            info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
+                                 loaded=(ctx.model, ctx.source), progress=log, notice=log)
+            try:
+                contenders.append(Gpt2xOffline(info, threads, args.prompts))
+            except Exception as e:
+                skipped[f"gpt2x offline API {precision.value}"] = error_line(e)
     if "openvino-genai" in args.contenders:
         try:
             variants = compute_variants(threads)
