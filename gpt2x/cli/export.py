@@ -16,6 +16,7 @@ from ..fileio import folder_lock
 from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name
+from ..workflows.models import adapted_name
 from ..workflows.transformers_js import export_transformers_js
 from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to, read_chat_template
 
@@ -34,7 +35,8 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x export --model shakespeare\n\n"
     "  gpt2x export --model gpt2 --precision int8\n\n"
     "  gpt2x export --model ./my-gpt2 --precision fp16 --out my-fp16 --force\n\n"
-    "  gpt2x export --model shakespeare --layout transformers.js")
+    "  gpt2x export --model shakespeare --layout transformers.js\n\n"
+    "  gpt2x export --model gpt2 --adapter ./my-lora --precision int8")
 
 
 def export(
@@ -71,10 +73,19 @@ def export(
         help="gpt2x: one export folder (model.onnx, gpt2x.json, interop files). transformers.js: a folder "
              "@huggingface/transformers loads (onnx/model.onnx, model_quantized.onnx, model_q4.onnx for dtype fp32, "
              "q8, q4), copied from the exports in EXPORTS/MODEL-PRECISION, exported first where missing.")] = Layout.gpt2x,
+    adapter: Annotated[Optional[Path], typer.Option(
+        metavar="FOLDER", show_default=False,
+        help="A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) merged into the model's "
+             "weights by PEFT before the export, gated by parity against PEFT's merged model and the adapter applied "
+             "at run time (needs the adapters extra). The export records base and adapter; default folder "
+             "EXPORTS/MODEL+ADAPTER-PRECISION.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export to ONNX with a KV cache, fuse, convert, and check parity against PyTorch."""
     if layout is Layout.transformers_js:
+        if adapter is not None:
+            raise UsageError("--adapter applies to --layout gpt2x: a transformers.js folder copies the exports made by "
+                             "model name, which have no adapter")
         if opset != DEFAULT_OPSET or not check_parity or openvino_prefill is not None or int8_kv is not None or \
                 prefill_compute is not PrefillCompute.f32 or chat_template is not None:
             raise UsageError("--opset, --no-check-parity, --[no-]openvino-prefill, --prefill-compute, --chat-template and "
@@ -83,7 +94,7 @@ def export(
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
     precision = precision or Precision.fp32
-    folder = out_dir or default_export_dir(model, precision)
+    folder = out_dir or default_export_dir(model if adapter is None else adapted_name(model, adapter), precision)
     template = None if chat_template is None else read_chat_template(chat_template)
     # Refused while another process writes the folder (two exports to one --out: the later would replace the
     # earlier unasked), and checked for an existing export once this one holds it.
@@ -92,13 +103,16 @@ def export(
             raise OutputError(f"{folder} exists; pass --force to replace it")
         with Status(f"loading {model}") as status:
             info = export_by_name(model, folder, precision, revision, opset, force, check_parity, progress_to(status),
-                                  openvino_prefill, int8_kv, prefill_compute.value, template)
+                                  openvino_prefill, int8_kv, prefill_compute.value, template, adapter)
     meta = info.meta
     if as_json:
         print(json.dumps({"folder": str(folder), **meta}))
         return
     parity = meta["parity"]
-    out.print(f"exported {model} ({precision.value}) to {folder}")
+    out.print(f"exported {meta['model']['name']} ({precision.value}) to {folder}", markup=False)
+    merged = meta["model"].get("adapter")
+    if merged is not None:
+        out.print(_adapter_line(merged), markup=False)
     out.print("fused operators: " + ", ".join(f"{k} {v}" for k, v in meta["fused_operators"].items()))
     if parity.get("status") == "passed":
         lg = parity["logits"]
@@ -116,6 +130,15 @@ def export(
     kv = meta.get(KV_KEY)
     if kv is not None:
         out.print(_graph_line("int8 KV cache", kv, _kv_timings, presents=True), markup=False)
+
+
+def _adapter_line(record: dict) -> str:
+    """The merged adapter and its gate, in one line."""
+    gate = record["parity"]
+    return (f"LoRA adapter {record['path']} (r {record['r']}, lora_alpha {record['lora_alpha']}, {len(record['modules'])} "
+            f"layers) merged into {record['base']}: parity passed against PEFT's merged model (max |Δlogit| "
+            f"{gate['peft_merged']['max_rel']:.2g} of scale) and the adapter at run time "
+            f"({gate['peft']['max_rel']:.2g}); it moves the base's logits by {gate['change']:.2g} of scale")
 
 
 def _graph_line(title: str, record: dict, timed: Callable[[dict], str], presents: bool = False) -> str:

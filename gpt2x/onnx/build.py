@@ -138,6 +138,7 @@ def export(
     kv_gate: KvGate | None = None,
     int8_kv: bool | None = None,
     chat_template: str | None = None,
+    adapter: dict | None = None,
 ) -> ExportInfo:
     """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
     or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
@@ -146,7 +147,8 @@ def export(
     decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
     False (None: batched_decode_wanted's default). An int8 or int4 export also gets its int8 KV cache's scales, kept
     only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default).
-    `chat_template`: recorded in tokenizer_config.json, where transformers, vLLM and gpt2x serve read it."""
+    `chat_template`: recorded in tokenizer_config.json, where transformers, vLLM and gpt2x serve read it. `adapter`: the
+    record of a LoRA adapter merged into `model` (workflows.models.load_adapted), kept under "model" beside its base's."""
     want_kv = precision in INT8_KV_PRECISIONS and int8_kv_wanted(int8_kv) and kv_gate is not None
     want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
@@ -183,7 +185,7 @@ def export(
             "format_version": FORMAT_VERSION,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "model": {"name": source.name, "kind": source.kind, "revision": source.revision,
-                      "weights_sha256": weights_fingerprint(source)},
+                      "weights_sha256": weights_fingerprint(source), **({"adapter": adapter} if adapter else {})},
             "config": model.config.to_dict(),
             "precision": precision.value,
             "opset": opset,

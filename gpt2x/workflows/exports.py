@@ -17,7 +17,7 @@ from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_finger
 from ..onnx.artifact import BF16, DEFAULT_OPSET, EXPORTS_ENV, F32, ExportInfo, default_export_dir, is_export, read_export
 from ..onnx.interop import DEFAULT_CHAT_TEMPLATE
 from ..runtime.registry import require_export_extra
-from .models import DEFAULT_MODEL, load_model
+from .models import DEFAULT_MODEL, load_adapted, load_model
 
 if TYPE_CHECKING:
     from ..model.checkpoints import ModelSource
@@ -28,7 +28,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
                  opset: int = DEFAULT_OPSET, force: bool = False, check_parity: bool = True,
                  progress: Progress = no_progress, openvino_prefill: bool | None = None,
                  batched_decode: bool | None = None, int8_kv: bool | None = None,
-                 prefill_compute: str = F32, chat_template: str | None = None) -> ExportInfo:
+                 prefill_compute: str = F32, chat_template: str | None = None, adapter: dict | None = None) -> ExportInfo:
     """Export a loaded model to `out`, gated by parity against it (unless check_parity is False). An fp32 or int8
     export also gets OpenVINO's prefill graph, gated on its own, unless `openvino_prefill` is False (None:
     GPT2X_OPENVINO_PREFILL's 0 or 1, default int8 only); an int8 export the batched decode graph, gated on its own,
@@ -36,7 +36,8 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     int8 KV cache's scales, gated on their own, unless `int8_kv` is False (None: GPT2X_INT8_KV's 0 or 1, default yes;
     docs/export.md). `prefill_compute` bf16: the int8 export's prefill graph computes in bf16 (refused in one line
     before anything is exported on another precision or a CPU without bf16). `chat_template`: the Jinja2 chat
-    template its tokenizer_config.json records (None: the default one for the bundled model, none for others)."""
+    template its tokenizer_config.json records (None: the default one for the bundled model, none for others).
+    `adapter`: the record of the LoRA adapter merged into `model` (load_adapted), kept in the metadata."""
     require_export_extra("exporting")
     check_prefill_compute(precision, prefill_compute)
     if chat_template is None and source.kind == "bundled":
@@ -58,7 +59,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
 
     return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
                   prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
-                  batched_decode, kv_gate if check_parity else None, int8_kv, chat_template)
+                  batched_decode, kv_gate if check_parity else None, int8_kv, chat_template, adapter)
 
 
 def check_prefill_compute(precision: Precision, compute: str) -> None:
@@ -81,18 +82,32 @@ def export_by_name(name: str, out: Path | None = None, precision: Precision = Pr
                    revision: str | None = None, opset: int = DEFAULT_OPSET, force: bool = False,
                    check_parity: bool = True, progress: Progress = no_progress,
                    openvino_prefill: bool | None = None, int8_kv: bool | None = None,
-                   prefill_compute: str = F32, chat_template: str | None = None) -> ExportInfo:
-    """Load the model `name` and export it (default folder: default_export_dir, under exports_root())."""
+                   prefill_compute: str = F32, chat_template: str | None = None,
+                   adapter: Path | None = None) -> ExportInfo:
+    """Load the model `name` and export it (default folder: default_export_dir, under exports_root()). `adapter`: a
+    PEFT LoRA adapter folder merged into it first, gated on its own before the export starts (load_adapted; the
+    default folder is then named by adapted_name)."""
     check_prefill_compute(precision, prefill_compute)
-    progress(f"loading {name}")
-    model, source = load_model(name, revision)
-    return export_model(model, source, out or default_export_dir(name, precision), precision, opset, force,
+    record = None
+    if adapter is None:
+        progress(f"loading {name}")
+        model, source = load_model(name, revision)
+    else:
+        model, source, record = load_adapted(name, adapter, revision, progress)
+    return export_model(model, source, out or default_export_dir(source.name, precision), precision, opset, force,
                         check_parity, progress, openvino_prefill, int8_kv=int8_kv, prefill_compute=prefill_compute,
-                        chat_template=chat_template)
+                        chat_template=chat_template, adapter=record)
 
 
 def check_export_matches(info: ExportInfo, model: str, revision: str | None = None) -> None:
-    """Same config, and for the bundled model (cheap to hash) the same weights: no export left from another version."""
+    """Same config, and for the bundled model (cheap to hash) the same weights: no export left from another version.
+    An export with a LoRA adapter merged in is not its base's: `model` must then be the name it records."""
+    adapter = info.meta["model"].get("adapter")
+    if adapter is not None:
+        if model != info.meta["model"]["name"]:
+            raise ArtifactError(f"{info.folder} holds {adapter['base']} with the LoRA adapter {adapter['path']} merged in, "
+                                f"not {model!r}: name it {info.meta['model']['name']!r}, or no model")
+        return  # the merged weights are nowhere else to compare against
     cfg = resolve_config(model, revision)
     if cfg != info.config:
         raise ArtifactError(
