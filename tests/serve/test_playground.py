@@ -2,21 +2,27 @@
 other origin, a Content-Security-Policy that allows none), and driven in a real headless Chromium (Debian's, through
 Playwright, as the web backend's tests drive it) against a real uvicorn server: what the page shows, streamed, is
 gpt2x's own generation of the prompt the chat template renders (the conversation, its system prompt and the page's
-sampling controls included), in chat and in completion mode; Stop ends a stream; errors are the server's messages."""
+sampling controls included), in chat and in completion mode; Stop ends a stream; errors are the server's messages;
+structured output is gpt2x's constrained generation (a schema that is not JSON is the page's own error, nothing sent);
+token probabilities are the server's logprobs, one span per token."""
 
 from __future__ import annotations
 
 import ast
 import fnmatch
+import json
+import math
 import re
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpt2x.generation.constraints import ConstraintSpec
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
@@ -35,6 +41,9 @@ KEY = "playground-key"
 TOKENS = 12
 TEMPLATE = ChatTemplate(DEFAULT_CHAT_TEMPLATE, "test")  # gpt2x's default: the system prompt is a turn of its own
 WAIT_MS = 20_000
+MOOD = {"type": "object", "properties": {"king": {"type": "boolean"}, "mood": {"enum": ["merry", "sad", "wroth"]}},
+        "required": ["king", "mood"], "additionalProperties": False}
+NAMED = r"(ROMEO|JULIET|TYBALT) is [a-z]+\."  # a regex the answer ends at: then end of text, listed last
 
 
 @pytest.fixture(scope="module")
@@ -214,4 +223,120 @@ def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference
     assert "temperature" in page.text_content("#error")
     assert page.input_value("#message") == "JULIET:" and page.locator("#conversation .msg").count() == 2
     assert errors == []
+    page.close()
+
+
+def test_structured_output_in_the_browser_is_gpt2xs_constrained_generation(browser, base, reference):
+    page, errors = open_page(browser, base)
+    sent: list = []
+    page.on("request", lambda r: sent.append(r) if "/v1/" in r.url and r.method == "POST" else None)
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "32")
+    page.click("#structured_box summary")
+    page.select_option("#structured", "json_schema")
+    assert page.is_visible("#schema") and page.is_hidden("#regex") and page.is_hidden("#choices")
+
+    # A schema that is not JSON: the page says so beside it and sends nothing; the message stays to send again.
+    question = "Is the king merry?"
+    page.fill("#schema", json.dumps(MOOD)[:-1])
+    page.fill("#message", question)
+    page.click("#send")
+    page.wait_for_selector("#structured_error:not([hidden])", timeout=WAIT_MS)
+    assert page.text_content("#structured_error").startswith("the JSON schema is not JSON: ")
+    assert page.input_value("#message") == question and page.locator("#conversation .msg").count() == 0
+    assert page.is_hidden("#error") and page.get_attribute("body", "data-answers") == "0"
+    page.fill("#schema", "[1]")  # JSON, but no schema
+    page.click("#send")
+    page.wait_for_selector("#structured_error:text('a JSON schema is an object (or true or false)')", timeout=WAIT_MS)
+    assert sent == []
+
+    # The schema fixed: the answer is gpt2x's greedy generation under that schema, and JSON valid against it.
+    page.fill("#schema", json.dumps(MOOD, indent=2))
+    page.click("#send")
+    shown = answer(page, 1)
+    assert page.is_hidden("#structured_error")
+    want = generate(reference, [TEMPLATE.render([{"role": "user", "content": question}], True, {})],
+                    SamplingSettings(greedy=True, max_new_tokens=32, constraint=ConstraintSpec.json_schema(MOOD)))[0]
+    assert shown == decode(want.tokens) and len(want.tokens) < 32
+    jsonschema.validate(json.loads(shown), MOOD)
+    assert page.get_attribute("body", "data-finish") == "stop"
+    assert sent[-1].post_data_json["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": MOOD}}
+
+    # A list of choices, as vLLM's structured_outputs: the answer is one of them.
+    page.select_option("#structured", "choice")
+    page.fill("#choices", "ROMEO\nJULIET\n")
+    page.fill("#message", "Who loves?")
+    page.click("#send")
+    assert answer(page, 2) in ("ROMEO", "JULIET")
+    assert sent[-1].post_data_json["structured_outputs"] == {"choice": ["ROMEO", "JULIET"]}
+    assert "response_format" not in sent[-1].post_data_json and len(sent) == 2 and errors == []
+    page.close()
+
+
+def shown_percent(title: str) -> float:
+    """The probability a token's title shows first (its own), in percent."""
+    return float(re.fullmatch(r'".*" (\S+)%', title.split("\n")[0], re.S).group(1))
+
+
+def check_tokens(page, tokens: list[str], logprobs: list[float], shown: str) -> None:
+    """The last answer's spans: one per token, their texts the answer, each titled with exp(its logprob) in percent
+    (to 0.1 percentage point) and shaded when unlikely."""
+    spans = page.locator("#conversation .msg").last.locator(".tok")
+    assert spans.count() == len(tokens) == int(page.get_attribute("body", "data-tokens"))
+    assert "".join(spans.all_text_contents()) == shown
+    for i, lp in enumerate(logprobs):
+        span = spans.nth(i)
+        assert shown_percent(span.get_attribute("title")) == pytest.approx(100 * math.exp(lp), abs=0.1), i
+        assert ("low" in span.get_attribute("class").split()) == (math.exp(lp) < 0.1), i
+
+
+def test_token_probabilities_in_the_browser_are_the_servers(browser, base):
+    page, errors = open_page(browser, base)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    page.check("#logprobs")
+    page.fill("#temperature", "0")
+
+    # Completion mode, a regex: each token of the answer a span with the server's probability for it, and last the
+    # end of text (no text of its own, its probability shown all the same).
+    page.select_option("#mode", "completion")
+    page.fill("#max_tokens", "16")
+    page.click("#structured_box summary")
+    page.select_option("#structured", "regex")
+    page.fill("#regex", NAMED)
+    page.fill("#message", "ROMEO:")
+    page.click("#send")
+    shown = answer(page, 1)
+    whole = httpx.post(f"{base}/v1/completions", headers=auth, timeout=30, json={
+        "prompt": "ROMEO:", "max_tokens": 16, "temperature": 0, "logprobs": 5, "structured_outputs": {"regex": NAMED}}).json()
+    got = whole["choices"][0]
+    assert shown == got["text"] and re.fullmatch(NAMED, shown) and got["finish_reason"] == "stop"
+    check_tokens(page, got["logprobs"]["tokens"], got["logprobs"]["token_logprobs"], shown)
+    assert page.locator("#conversation .msg").last.locator(".tok.end").count() == 1
+    assert page.locator("#conversation .msg").last.locator(".tok").last.text_content() == ""
+
+    # Chat: the same, in chat's shape; a click shows a token's alternatives, most likely first.
+    page.select_option("#mode", "chat")
+    page.select_option("#structured", "none")
+    page.fill("#max_tokens", str(TOKENS))
+    page.fill("#message", "Good morrow.")
+    page.click("#send")
+    shown = answer(page, 2)
+    whole = httpx.post(f"{base}/v1/chat/completions", headers=auth, timeout=30, json={
+        "messages": [{"role": "user", "content": "Good morrow."}], "max_tokens": TOKENS, "temperature": 0,
+        "logprobs": True, "top_logprobs": 5}).json()
+    got = whole["choices"][0]
+    content = got["logprobs"]["content"]
+    assert shown == got["message"]["content"] and len(content) == TOKENS
+    check_tokens(page, [t["token"] for t in content], [t["logprob"] for t in content], shown)
+    assert int(page.get_attribute("body", "data-chunks")) > 1  # still streamed
+    page.locator("#conversation .msg").last.locator(".tok").nth(1).click()
+    assert page.is_visible("#token_info")
+    rows = page.locator("#token_top tr")
+    assert rows.count() == len(content[1]["top_logprobs"]) == 5
+    for row, top in zip(rows.all(), content[1]["top_logprobs"]):
+        name, p = row.locator("td").all_text_contents()
+        assert json.loads(name) == top["token"]
+        assert float(p.rstrip("%")) == pytest.approx(100 * math.exp(top["logprob"]), abs=0.1)
+    page.click("#token_close")
+    assert page.is_hidden("#token_info") and errors == []
     page.close()
