@@ -221,8 +221,8 @@ def test_models_and_health(server, client):
     h = health(client, f"{server}/main")
     assert h["status"] == "ok" and h["model"] == "shakespeare" and h["waiting"] >= 0
     schema = client.get(f"{server}/main/openapi.json").json()  # through Ray Serve's ingress, as openai/routes.py declares it
-    assert set(schema["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
-                                    "/tokenize", "/detokenize"}
+    assert set(schema["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+                                    "/version", "/tokenize", "/detokenize"}
     assert "CompletionRequest" in schema["components"]["schemas"]
     assert client.get(f"{server}/small/openapi.json").status_code == 200  # the description needs no key
 
