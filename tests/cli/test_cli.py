@@ -73,11 +73,12 @@ def test_generate_runs_the_fp32_twin_by_default_with_the_tokens_of_the_growing_c
     """By default (and with --kv-cache in-place) the fp32 export runs as its GroupQueryAttention twin (made once per
     run), with the greedy tokens of the export as it is (--kv-cache growing: no twin); a backend with a cache of its own
     refuses the option in one line."""
-    from gpt2x.runtime import ort
+    from gpt2x.onnx import optimize  # where the ort backend takes it from, as it opens a session
 
-    made, real = [], ort.in_place_form
-    monkeypatch.setattr(ort, "in_place_form", lambda path: made.append(path) or real(path))
     args = ["generate", "ROMEO:", "--max-new-tokens", "12", "--greedy", "--json"]
+    assert cli(capsys, *args, "--max-new-tokens", "1")[0] == 0  # the export made first, where missing (its gate runs a twin)
+    made, real = [], optimize.in_place_form
+    monkeypatch.setattr(optimize, "in_place_form", lambda path: made.append(path) or real(path))
     code, out, _ = cli(capsys, *args, "--kv-cache", "growing")
     assert code == 0 and made == []
     code, twin, _ = cli(capsys, *args)

@@ -20,6 +20,7 @@ from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
+from gpt2x.onnx import optimize
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime import ort as runtime
 from gpt2x.runtime.ort import InPlaceCache, OrtBackend
@@ -240,7 +241,7 @@ def test_an_fp32_export_asked_in_place_runs_a_twin_that_passes_the_fp32_gate(tin
     settings = SamplingSettings(max_new_tokens=12, greedy=True)
     assert [r.tokens for r in generate(twin, PROMPTS[:3], settings)] == \
         [r.tokens for r in generate(OrtBackend(gqa_info), PROMPTS[:3], settings)]
-    monkeypatch.setattr(runtime, "in_place_form", lambda path: None)
+    monkeypatch.setattr(optimize, "in_place_form", lambda path: None)  # where the ort backend takes it from
     with pytest.raises(ProviderError, match="cannot update its KV cache in place"):
         OrtBackend(mha_info, in_place_kv=True)
 
