@@ -146,13 +146,14 @@ def torch_threads_restored():
 
 @pytest.fixture(scope="session", autouse=True)
 def session_exports(shared_dir) -> Path:
-    """GPT2X_EXPORTS (and GPT2X_TRACES) for the whole run: the exports made by model name (by the tests, and by
+    """GPT2X_EXPORTS (and GPT2X_TRACES, GPT2X_GRAPHS) for the whole run: the exports made by model name (by the tests, and by
     the CLI they run) land in one folder that the workers share, never in the user's cache. The library's
     lock (fileio.folder_lock, in workflows.ensure_export) lets one worker make each export while the
     others wait for it and then use it. A test that must see exports made from nothing sets its own
     (`own_exports`)."""
     from gpt2x.onnx.artifact import EXPORTS_ENV
     from gpt2x.onnx.build import INT8_KV_ENV
+    from gpt2x.onnx.graph_cache import GRAPHS_ENV
     from gpt2x.onnx.trace import TRACES_ENV
 
     root = shared_dir / "exported"
@@ -161,6 +162,7 @@ def session_exports(shared_dir) -> Path:
     # the runtime then holds int8 would follow those timings from run to run. tests/onnx/test_kvcache.py asks for them.
     os.environ[INT8_KV_ENV] = "0"
     os.environ[TRACES_ENV] = str(shared_dir / "traces")  # the run's traced graphs, never the user's
+    os.environ[GRAPHS_ENV] = str(shared_dir / "graphs")  # and its graphs rewritten at load (onnx.graph_cache)
     return root
 
 

@@ -50,16 +50,21 @@ def mapped_model(path: Path) -> tuple[bytes, dict[str, np.ndarray]]:
 
 def load_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """mapped_model's model as onnx's proto (a graph to rewrite before the session: onnx imported here)."""
+    data, weights = mapped_model(path)
+    return parse_model(data, path), weights
+
+
+def parse_model(data: bytes, path: Path) -> onnx.ModelProto:
+    """mapped_model's bytes (of the file at `path`, for the message) as onnx's proto."""
     import onnx
     from google.protobuf.message import DecodeError
 
-    data, weights = mapped_model(path)
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(data)
     except DecodeError as e:
         raise ArtifactError(f"{path} is not a readable ONNX model: {e or type(e).__name__}") from None
-    return proto, weights
+    return proto
 
 
 def _mapped(path: Path) -> tuple[bytes, dict[str, np.ndarray]]:

@@ -9,7 +9,6 @@ import logging
 import os
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from ..model.config import GPT2Config
 from ..numerics import CDF_BLOCK
 from . import names as io
 from .artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK, IR_VERSION, attention_layout, save_onnx
+from .graph_cache import InMemoryGraph
 from .mapped import load_mapped
 from .names import GQA, MSFT
 
@@ -338,16 +338,6 @@ def mha_to_gqa(proto: onnx.ModelProto) -> int:
     return replaced
 
 
-
-
-@dataclass(frozen=True)
-class InMemoryGraph:
-    """A graph for ONNX Runtime made from an export's file in memory: `graph` (serialized) marks each large weight as
-    held outside it, and `weights` holds them (name -> array, views of the bytes read from the file)."""
-
-    graph: bytes
-    weights: dict[str, np.ndarray]
-    attention: dict  # artifact.attention_layout of the graph
 
 
 def in_place_form(path: Path) -> InMemoryGraph | None:

@@ -15,6 +15,7 @@ from ..errors import ArtifactError
 from ..onnx import kvcache
 from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
+from ..onnx.graph_cache import graphs_root
 from .providers import physical_cores
 
 
@@ -54,6 +55,9 @@ class _Compiled:
             # Pinned threads wait for their core beside ONNX Runtime's (runtime/openvino.py measured it).
             "ENABLE_CPU_PINNING": False,
         }
+        root = graphs_root()
+        if root is not None:  # OpenVINO's own cache of compiled graphs: a later process imports, not compiles, it
+            config["CACHE_DIR"] = str(root / "openvino")
         self.compiled = ov.Core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.inputs = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]

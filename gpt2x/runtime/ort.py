@@ -6,11 +6,13 @@ it has one, runs the steps of many rows x new tokens on the same caches (`OrtBac
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,9 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
+from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, save_graph
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
+from ..onnx.mapped import mapped_model
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
@@ -62,6 +66,31 @@ def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
     them with NaN to check). Small pages: only the pages written are touched (kvbuffers.small_page_arrays)."""
     return small_page_arrays(shape, count, dtype)
 
+
+
+def recorded_file(info: ExportInfo, path: Path) -> dict:
+    """What the export recorded of one of its files: its SHA-256 and size (what a graph rewritten from it depends on)."""
+    name = path.name
+    return {"name": name, "sha256": info.meta["files"].get(name), "size": (info.meta.get("sizes") or {}).get(name)}
+
+
+def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
+    """An fp32 export's GroupQueryAttention twin (onnx.optimize.in_place_form), from the rewrite an earlier process
+    kept on disk where there is one (onnx.graph_cache: no onnx imported), else made here and kept. None where the
+    export has none (weights in a data file, no MultiHeadAttention)."""
+    path = info.model_path
+    if path.with_name(path.name + ".data").exists():
+        return None
+    key = graph_key("gqa-twin", recorded_file(info, path))
+    twin = load_graph(key, mapped_model(path)[1])
+    if twin is not None:
+        return twin
+    from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
+
+    twin = in_place_form(path)
+    if twin is not None:
+        save_graph(key, twin)
+    return twin
 
 class _KVBuffers(KVBuffers):
     """KV buffers with OrtValues over the rows in use and their IO binding, both remade when the rows change."""
@@ -329,9 +358,7 @@ class OrtBackend(Closable):
         # twin, made in memory: a step copies no past, and its weights are read where the file is (docs/export.md).
         twin = None
         if provider is ProviderKind.cpu and in_place_kv is not False and not io.in_place_kv(layout):
-            from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
-
-            twin = in_place_form(info.model_path)
+            twin = in_place_twin(info)
         if twin is not None:
             layout = twin.attention
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu
@@ -343,6 +370,8 @@ class OrtBackend(Closable):
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(kv_cache_dtype), self.in_place_kv and twin is None)
         scales = self.kv_scales
         self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
+        # the int8 cache's graphs, kept rewritten on disk for the next process (onnx.graph_cache), by file and scales
+        self._scales_digest = None if scales is None else hashlib.sha256(np.ascontiguousarray(scales).tobytes()).hexdigest()
         self._twin = twin
         self.session = self._open_session(threads)
         self.attention = layout
@@ -440,11 +469,12 @@ class OrtBackend(Closable):
 
     def _open_session(self, threads: int | None, batched: bool = False):
         """A session on model.onnx (an fp32 export's in its in-place twin) or on the batched decode graph."""
-        if batched:
-            return create_export_session(self.info.batched_path, self.provider, threads, self._transform)
-        if self._twin is not None:
+        path = self.info.batched_path if batched else self.info.model_path
+        if self._twin is not None and not batched:
             return create_session(self._twin.graph, self.provider, threads, weights=self._twin.weights)
-        return create_export_session(self.info.model_path, self.provider, threads, self._transform)
+        key = None if self._transform is None else \
+            graph_key("int8-kv", {"file": recorded_file(self.info, path), "scales": self._scales_digest})
+        return create_export_session(path, self.provider, threads, self._transform, key)
 
     @property
     def sharing_threads(self) -> int | None:

@@ -13,7 +13,8 @@ import onnxruntime as ort
 from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError, UsageError
 from ..onnx.artifact import IR_VERSION, ExportInfo
-from ..onnx.mapped import load_mapped, mapped_model
+from ..onnx.graph_cache import InMemoryGraph, load_graph, save_graph
+from ..onnx.mapped import mapped_model, parse_model
 
 if TYPE_CHECKING:  # a session on an export imports no onnx (onnx/wire.py says why); the small graphs here do
     import onnx
@@ -77,7 +78,7 @@ def session_options(threads: int | None = None):
 def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None,
                    weights: dict[str, np.ndarray] | None = None, dims: dict[str, int] | None = None):
     """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback. `weights`: the
-    arrays of a graph whose initializers say they are held outside it (onnx.optimize.InMemoryGraph). `dims`: symbolic
+    arrays of a graph whose initializers say they are held outside it (onnx.graph_cache.InMemoryGraph). `dims`: symbolic
     dimensions fixed (a fixed-shape graph's shape computations fold away)."""
     name = ORT_PROVIDERS[provider]
     if name not in ort.get_available_providers():
@@ -113,19 +114,25 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
 
 
 def create_export_session(path: Path, provider: ProviderKind, threads: int | None = None,
-                          transform: Callable[[onnx.ModelProto], None] | None = None):
+                          transform: Callable[[onnx.ModelProto], None] | None = None, key: str | None = None):
     """create_session on an export's graph file; on the CPU, unless its weights are in a data file, with its weights
     handed to ONNX Runtime where the mapped file holds them (onnx.mapped), which ONNX Runtime would read and copy
     (the cold start it saves: docs/export.md). `transform`: a rewrite of the graph in place before the session (its
-    weights kept as they are; the CPU, weights in the file only)."""
+    weights kept as they are; the CPU, weights in the file only), kept on disk under `key` for the next process
+    (onnx.graph_cache: it then imports no onnx)."""
     path = Path(path)
     if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
+        data, weights = mapped_model(path)
         if transform is None:
-            data, weights = mapped_model(path)
             return create_session(data, provider, threads, weights=weights)
-        proto, weights = load_mapped(path)
-        transform(proto)
-        return create_session(proto.SerializeToString(), provider, threads, weights=weights)
+        graph = load_graph(key, weights)
+        if graph is None:
+            proto = parse_model(data, path)
+            transform(proto)
+            names = {t.name for t in proto.graph.initializer}
+            graph = InMemoryGraph(proto.SerializeToString(), {n: w for n, w in weights.items() if n in names}, {})
+            save_graph(key, graph)
+        return create_session(graph.graph, provider, threads, weights=graph.weights)
     if transform is not None:
         raise ProviderError(f"{path}: a graph rewritten in memory runs on the CPU, its weights in the graph's file")
     return create_session(path, provider, threads)

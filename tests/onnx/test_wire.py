@@ -32,3 +32,39 @@ def test_the_cli_and_reading_an_export_import_no_onnx(export_dir):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_later_process_takes_the_rewritten_twin_without_onnx_and_a_damaged_one_is_made_again(export_dir, tmp_path):
+    """An fp32 export runs as its GroupQueryAttention twin, rewritten by onnx at load: the rewrite is kept
+    (onnx.graph_cache), a later process reads it back importing no onnx and gives the same greedy tokens; a kept graph
+    whose bytes changed is not used but rewritten (onnx imported again), with the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from pathlib import Path\n"
+            "from gpt2x.onnx.artifact import read_export\n"
+            "from gpt2x.runtime.ort import OrtBackend\n"
+            "from gpt2x.generation.generate import generate\n"
+            "from gpt2x.generation.settings import SamplingSettings\n"
+            f"b = OrtBackend(read_export(Path({str(export_dir)!r})))\n"
+            "assert b.in_place_kv is True\n"
+            "r = generate(b, ['ROMEO:'], SamplingSettings(max_new_tokens=8, greedy=True))[0]\n"
+            "print(r.tokens, 'onnx' in sys.modules)\n")
+    env = {**os.environ, "GPT2X_GRAPHS": str(tmp_path / "graphs")}
+
+    def run() -> tuple[str, bool]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        tokens, imported = r.stdout.strip().rsplit(" ", 1)
+        return tokens, imported == "True"
+
+    made, imported = run()
+    assert imported and len(list((tmp_path / "graphs").glob("*.onnx"))) == 1  # rewritten here, and kept
+    assert run() == (made, False)  # read back: no onnx
+    kept = next((tmp_path / "graphs").glob("*.onnx"))
+    data = kept.read_bytes()
+    kept.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    assert run() == (made, True)  # its checksum failed: rewritten, the same tokens
+    assert run() == (made, False)  # and kept whole again
