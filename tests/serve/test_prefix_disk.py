@@ -182,3 +182,19 @@ def test_a_restarted_server_serves_a_seen_prefix_from_the_disk_with_the_tokens_o
     assert cached == 96 and stats["prefix_cache_disk_reads"] == 6 and stats["prefix_cache_disk_errors"] == 0
     want = generate(reference, [""], SamplingSettings(max_new_tokens=8, greedy=True), prompt_ids=[prompts[1]])[0]
     assert tokens == want.tokens
+
+
+def test_a_backend_that_keeps_its_own_cache_refuses_the_disk_tier(bundled_export, tmp_path):
+    """onnxruntime-genai's generator owns its cache (capabilities.takes_past False): asked for blocks on disk, the engine
+    refuses in one line naming the option rather than serving without them."""
+    from gpt2x.choices import Precision
+    from gpt2x.runtime.genai import GenaiBackend
+    from gpt2x.serve.core.engine import Engine
+
+    backend = GenaiBackend(bundled_export(Precision.fp32), threads=1)
+    try:
+        with pytest.raises(UsageError, match="keeps its own cache") as e:
+            Engine(backend, EngineSettings(prefix_cache_dir=str(tmp_path)), blocks=IDENTITY)
+        assert e.value.option == "prefix_cache_dir" and not any(tmp_path.iterdir())
+    finally:
+        backend.close()

@@ -70,7 +70,8 @@ class Engine:
         shares = backend.capabilities.shares_cores and backend.sharing_threads is not None
         # Prefix caching needs a backend that steps from a cache made elsewhere (its blocks): not
         # onnxruntime-genai, whose generator owns its cache.
-        self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20), disk=self._disk(settings, blocks)) \
+        disk = self._disk(settings, blocks)
+        self.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20), disk=disk) \
             if settings.prefix_cache_mb and backend.capabilities.takes_past else None
         estimate = backend.prefill_ms if backend.capabilities.estimates_prefill else None
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
@@ -87,6 +88,9 @@ class Engine:
         blocks depend on (the replica's, from its export)."""
         if settings.prefix_cache_dir is None:
             return None
+        if not self.backend.capabilities.takes_past:  # asked for, and nothing would be kept: refused, not ignored
+            raise UsageError(f"prefix_cache_dir: the {self.backend.name} backend keeps its own cache, which no prefix "
+                             "cache can fill", option="prefix_cache_dir")
         if blocks is None:
             raise UsageError("prefix_cache_dir needs the export's identity, which its blocks are kept under "
                              "(the replica gives it)", option="prefix_cache_dir")
