@@ -47,7 +47,10 @@ from ..core.engine import Engine, Row
 PREFIX = "vllm:"
 ALIAS_PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-STALE_S = 10.0  # a replica whose last snapshot is older than this no longer adds its gauges
+STALE_S = 10.0  # a replica whose last snapshot is older than this is gone (the drain stops waiting for it)
+# ... and one whose last is older than this no longer adds its gauges: a replica reports every 0.25 s
+# (ray/deploy.REPORT_S), so eight reports missed; a dead replica's rows left /metrics after 10 s before.
+GAUGE_STALE_S = 2.0
 # Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
 # left before it ended (routes.py notices a disconnect, streamed or not).
 FINISH_REASONS = ("stop", "length", "abort")
@@ -218,7 +221,7 @@ class ReplicaMetrics:
 
 def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
     """The replicas' snapshots summed: counters, finish reasons and histograms of every snapshot; gauges
-    of those no older than STALE_S (their `age` where the hub gave one, on its clock; else from their
+    of those no older than GAUGE_STALE_S (their `age` where the hub gave one, on its clock; else from their
     `at` to `now`, time.time); `replicas`, how many those are."""
     now = time.time() if now is None else now
     total: dict = {"counters": {}, "success": dict.fromkeys(FINISH_REASONS, 0), "config": {},
@@ -236,7 +239,7 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
                 into["counts"] = [a + b for a, b in zip(into["counts"], h["counts"])]
                 into["sum"] += h["sum"]
         total["config"] = total["config"] or snap.get("config", {})  # the replicas' own (the same settings)
-        if snap.get("age", now - snap["at"]) < STALE_S:
+        if snap.get("age", now - snap["at"]) < GAUGE_STALE_S:
             total["replicas"] += 1
             for name, value in snap["gauges"].items():
                 total["gauges"][name] = total["gauges"].get(name, 0) + value
