@@ -152,7 +152,7 @@ def test_merge_sums_replicas_and_drops_the_gauges_of_silent_ones():
     b.answered(3, 4, [("length", 2.0), ("length", 0.04)])
     sa, sb = a.snapshot(), b.snapshot()
     sa["gauges"], sb["gauges"] = {"running": 2, "waiting": 1}, {"running": 3, "waiting": 0}
-    merged = prom.merge([sa, {**sb, "age": 2.5}])  # b has missed ten reports (0.25 s apart): gone
+    merged = prom.merge([sa, {**sb, "age": 3.5}])  # b has missed fourteen reports (0.25 s apart): gone
     assert prom.merge([sa, {**sb, "age": 1.0}])["gauges"] == {"running": 5, "waiting": 1}  # four missed: still there
     assert merged["counters"] == {"prompt_tokens": 8, "generation_tokens": 11}
     a.aborted(2)
