@@ -4,7 +4,9 @@ when). No torch."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
@@ -33,6 +35,20 @@ def compute_precision(info: ExportInfo) -> str:
     return BF16 if recorded == BF16 and cpu_has_bf16() else F32
 
 
+def openvino_cache_dir() -> Path | None:
+    """Where OpenVINO keeps its compiled prefill graphs (beside onnx.graph_cache's graphs), where that folder can be
+    written (a read-only home: none, and every process compiles)."""
+    root = graphs_root()
+    if root is None:
+        return None
+    folder = root / "openvino"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
 class _Compiled:
     """The graph compiled at one compute precision, its ports and one infer request. At bf16 its presents come out
     in bf16 (`narrow`, presents_in_bf16), which __call__ widens into the float32 cache; with `kv_scales` the cache is
@@ -55,9 +71,9 @@ class _Compiled:
             # Pinned threads wait for their core beside ONNX Runtime's (runtime/openvino.py measured it).
             "ENABLE_CPU_PINNING": False,
         }
-        root = graphs_root()
-        if root is not None:  # OpenVINO's own cache of compiled graphs: a later process imports, not compiles, it
-            config["CACHE_DIR"] = str(root / "openvino")
+        cache = openvino_cache_dir()
+        if cache is not None:  # OpenVINO's own cache of compiled graphs: a later process imports, not compiles, it
+            config["CACHE_DIR"] = str(cache)
         self.compiled = ov.Core().compile_model(model, "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.inputs = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]

@@ -68,3 +68,24 @@ def test_a_later_process_takes_the_rewritten_twin_without_onnx_and_a_damaged_one
     kept.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     assert run() == (made, True)  # its checksum failed: rewritten, the same tokens
     assert run() == (made, False)  # and kept whole again
+
+
+def test_an_unwritable_graphs_folder_keeps_nothing_and_fails_nothing(tmp_path, monkeypatch):
+    """A read-only home (a container's): nothing is kept, nothing raises, and OpenVINO compiles without its cache."""
+    import numpy as np
+
+    from gpt2x.onnx.graph_cache import GRAPHS_ENV, InMemoryGraph, load_graph, save_graph
+    from gpt2x.runtime.openvino_prefill import openvino_cache_dir
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv(GRAPHS_ENV, str(blocked / "graphs"))
+    graph = InMemoryGraph(b"graph", {"w": np.zeros(2, np.float32)}, {})
+    save_graph("k", graph)
+    assert load_graph("k", graph.weights) is None and openvino_cache_dir() is None
+    monkeypatch.setenv(GRAPHS_ENV, str(tmp_path / "graphs"))
+    save_graph("k", graph)
+    kept = load_graph("k", graph.weights)
+    assert kept is not None and kept.graph == b"graph" and openvino_cache_dir() == tmp_path / "graphs" / "openvino"
+    monkeypatch.setenv(GRAPHS_ENV, "off")
+    assert load_graph("k", graph.weights) is None and openvino_cache_dir() is None
