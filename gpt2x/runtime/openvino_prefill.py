@@ -5,7 +5,7 @@ when). No torch."""
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -219,23 +219,39 @@ class OpenVinoPrefill:
         self.takes_past = graph_takes_past(self._model)
         self._widening: ThreadPoolExecutor | None = None  # bf16 presents widened on the prefill's threads
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
+        self._compiling: Future | None = None  # prepare()'s compile of the fresh graph, on a thread of its own
         # bf16 graphs compiled from _folded (warm_up's choice), where the export's gate passed that graph too
         self.fold_bf16 = False
         self._folds_gated = (info.prefill or {}).get("bf16_folded", {}).get("status") == "passed"
 
+    def prepare(self) -> None:
+        """Compile the graph for fresh prompts at inference_precision on a thread of its own, now, where f32 computes
+        it (bf16's form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then."""
+        if self.inference_precision != F32 or self._compiling is not None or (F32, False) in self._graphs:
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-compile")
+        self._compiling = pool.submit(self._compile, F32, False)
+        pool.shutdown(wait=False)  # the thread ends with its one compile
+
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
+        if self._compiling is not None and (precision, past) == (F32, False):
+            compiling, self._compiling = self._compiling, None
+            compiling.result()  # prepare()'s compile: its error is raised here, as a compile's here would be
         if (precision, past) not in self._graphs:
-            model = self._model if past else fresh_graph(self._model, self._n_layer)
-            if precision == BF16 and self.fold_bf16:
-                model = _folded(model)
-            try:
-                self._graphs[precision, past] = _Compiled(model, precision, self._threads, self._n_layer, self.takes_past,
-                                                          self.kv_scales)
-            except Exception as e:  # as read_model's
-                raise ArtifactError(f"OpenVINO {ov.__version__} cannot compile {self._path}: {e}".splitlines()[0]) from None
+            self._compile(precision, past)
         return self._graphs[precision, past]
+
+    def _compile(self, precision: str, past: bool) -> None:
+        model = self._model if past else fresh_graph(self._model, self._n_layer)
+        if precision == BF16 and self.fold_bf16:
+            model = _folded(model)
+        try:
+            self._graphs[precision, past] = _Compiled(model, precision, self._threads, self._n_layer, self.takes_past,
+                                                      self.kv_scales)
+        except Exception as e:  # as read_model's
+            raise ArtifactError(f"OpenVINO {ov.__version__} cannot compile {self._path}: {e}".splitlines()[0]) from None
 
     @property
     def compiled(self):

@@ -68,6 +68,11 @@ def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
 
 
 
+# From a recorded OpenVINO prefill length this short (nearly every prompt), the graph is compiled on a thread of its own
+# while the ONNX Runtime session is made: a fresh process's first prompt then waits less for it (the same graph, compiled
+# once, whatever the wait: no timing chooses where a prompt runs).
+PREPARE_PREFILL_FROM = 32
+
 def recorded_file(info: ExportInfo, path: Path) -> dict:
     """What the export recorded of one of its files: its SHA-256 and size (what a graph rewritten from it depends on)."""
     name = path.name
@@ -373,6 +378,18 @@ class OrtBackend(Closable):
         # the int8 cache's graphs, kept rewritten on disk for the next process (onnx.graph_cache), by file and scales
         self._scales_digest = None if scales is None else hashlib.sha256(np.ascontiguousarray(scales).tobytes()).hexdigest()
         self._twin = twin
+        choice = asked(prefill)
+        self._openvino_from = openvino_from(info, choice, provider is ProviderKind.cpu)
+        # A step of several new tokens a row on a past (a prompt's next chunk, its rest after a cached prefix) on
+        # OpenVINO too, where it reads and writes the in-place cache's buffers (a growing cache stays on ONNX Runtime).
+        self._openvino_past_from = openvino_past_from(info, choice, self._openvino_from) if self.in_place_kv else None
+        self._openvino_prefill = None
+        if self._openvino_from is not None:
+            from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
+
+            self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
+            if self._openvino_from <= PREPARE_PREFILL_FROM:  # nearly every prompt runs there: compiled beside the session
+                self._openvino_prefill.prepare()
         self.session = self._open_session(threads)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
@@ -391,16 +408,6 @@ class OrtBackend(Closable):
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
             if io.LOGITS_TO_KEEP in overridable else None
         self.batched_multi_token_past = layout["batched_multi_token_past"]
-        choice = asked(prefill)
-        self._openvino_from = openvino_from(info, choice, provider is ProviderKind.cpu)
-        # A step of several new tokens a row on a past (a prompt's next chunk, its rest after a cached prefix) on
-        # OpenVINO too, where it reads and writes the in-place cache's buffers (a growing cache stays on ONNX Runtime).
-        self._openvino_past_from = openvino_past_from(info, choice, self._openvino_from) if self.in_place_kv else None
-        self._openvino_prefill = None
-        if self._openvino_from is not None:
-            from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
-
-            self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
         # sharing_cores(): the sessions and prefill graph its steps run on (half the threads), opened by prepare_sharing
         self._half: _Half | None = None
         self._half_lock = threading.Lock()
