@@ -16,6 +16,7 @@ from ..bench.system import cpu_model
 from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
+from ..onnx.artifact import METADATA_FILE
 from ..runtime.providers import physical_cores
 from ..runtime.registry import capabilities_of, named
 from ..serve.core.prefix_cache import DEFAULT_PREFIX_CACHE_MB
@@ -28,7 +29,6 @@ from .options import (
     ExportsOpt,
     KvCacheOpt,
     KvDtypeOpt,
-    ModelOptional,
     NumSpeculativeTokensOpt,
     PrecisionOpt,
     PrefillOpt,
@@ -51,6 +51,7 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x serve --onnx ~/.cache/gpt2x/exported/gpt2-int8 --replicas 2 --port 8000\n\n"
     "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
     "  gpt2x serve --model gpt2 --draft int8 --num-speculative-tokens 6\n\n"
+    "  gpt2x serve --model shakespeare --model gpt2 --models-max 1\n\n"
     "  gpt2x serve --onnx /mnt/exports/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
@@ -115,6 +116,23 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: P
     return backend, provider, precision, max_batch_size
 
 
+def export_sources(models: list[str], onnx_dirs: list[Path], models_dir: Path | None) -> list[tuple[str | None, Path | None]]:
+    """What to serve, as (model, export folder) pairs for resolve_export, in order: each --model, each --onnx, then
+    every export in --models-dir (by folder name). One --model with one --onnx is that one export, checked against
+    the model (as with a single model always); none at all: the default model."""
+    if len(models) <= 1 and len(onnx_dirs) <= 1 and models_dir is None:
+        return [(models[0] if models else None, onnx_dirs[0] if onnx_dirs else None)]
+    found: list[Path] = []
+    if models_dir is not None:
+        if not models_dir.is_dir():
+            raise UsageError(f"--models-dir {models_dir} is not a folder", option="models-dir")
+        found = sorted(d for d in models_dir.iterdir() if (d / METADATA_FILE).is_file())
+        if not found:
+            raise UsageError(f"--models-dir {models_dir} holds no export (no subfolder with a {METADATA_FILE})",
+                             option="models-dir")
+    return [(m, None) for m in models] + [(None, d) for d in [*onnx_dirs, *found]]
+
+
 def cors_settings(origins: Optional[str], methods: str, headers: str, credentials: bool):
     """--allowed-origins and its companions as routes.Cors (None: no cross-origin requests answered); one UsageError
     line for a value that is not a JSON list of strings."""
@@ -142,14 +160,25 @@ def _json_list(value: str, option: str) -> tuple[str, ...]:
 
 def serve(
     ctx: typer.Context,
-    model: ModelOptional = None,
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", "-m", help="As for `export` (default: shakespeare); checked against --onnx metadata when given. "
+        "Repeatable: several models in one server, routed by the request's `model` (docs/serving/index.md).")] = None,
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
     kv_cache_dtype: KvDtypeOpt = None,
     precision: PrecisionOpt = None,
-    onnx_dir: Annotated[Optional[Path], typer.Option(
-        "--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing).")] = None,
+    onnx_dir: Annotated[Optional[list[Path]], typer.Option(
+        "--onnx", help="Export folder (default: EXPORTS/MODEL-PRECISION, see --exports; made first if missing). "
+        "Repeatable, and with --model: each a model of its own (one --model with one --onnx: that export).")] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(
+        help="Serve every export in this folder (each subfolder with a gpt2x.json), after any --model and --onnx.",
+        show_default=False)] = None,
+    models_max: Annotated[Optional[int], typer.Option(min=1, show_default=False,
+        help="Several models: keep at most this many loaded; each loads on its first request, and the least recently "
+        "used idle one is closed to make room (default: every model loaded at start).")] = None,
+    idle_unload_s: Annotated[Optional[float], typer.Option(show_default=False,
+        help="Several models: close a model idle this many seconds (loaded again on its next request).")] = None,
     backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
@@ -173,7 +202,9 @@ def serve(
     allowed_headers: Annotated[str, typer.Option(help="With --allowed-origins: the headers allowed, a JSON list.")] = '["*"]',
     allow_credentials: Annotated[bool, typer.Option(
         "--allow-credentials", help="With --allowed-origins: allow credentials (cookies, Authorization).")] = False,
-    served_model_name: Annotated[Optional[str], typer.Option(help="The model id clients send (default: the export's model name).")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        help="The model id clients send (default: the export's model name); with several models, once per model, in "
+        "their order (every --model, then every --onnx, then --models-dir's).")] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(
         help="Requests decoded together per replica (1: no batching). Default: 16, or 1 with --draft.", show_default=False)] = None,
     max_waiting: Annotated[int, typer.Option(help="Requests waiting per replica; more are answered 429.")] = 64,
@@ -260,6 +291,20 @@ def serve(
     settings = ServeSettings(replicas=replicas, host=host, port=port, address=address, cpus_per_replica=cpus_per_replica,
                              ray=use_ray)
     settings.validate()
+    sources = export_sources(list(model or ()), list(onnx_dir or ()), models_dir)
+    names = list(served_model_name or ())
+    if names and len(names) != len(sources):
+        raise UsageError(f"--served-model-name is given {len(names)} time(s) for {len(sources)} model(s): give it once "
+                         "per model, in their order, or not at all", option="served-model-name")
+    several = len(sources) > 1 or models_max is not None or idle_unload_s is not None
+    if several and not settings.embedded:  # before Ray is asked for: the one line is about the models
+        raise UsageError(f"several models ({len(sources)} given), --models-max and --idle-unload-s are served by the one-process "
+                         "server only, not through Ray Serve yet: drop --replicas, --address and --ray, or start one "
+                         "gpt2x serve per model", option="model")
+    if idle_unload_s is not None and idle_unload_s <= 0:
+        raise UsageError(f"--idle-unload-s must be > 0, got {idle_unload_s:g}", option="idle-unload-s")
+    if len(sources) > 1 and draft is not None:
+        raise UsageError("--draft serves one model: give a single --model or --onnx", option="draft")
     if not settings.embedded and cors is not None:  # Ray Serve's ingress app is built before any config reaches it
         raise UsageError("--allowed-origins is served by one replica in this process; with Ray Serve, answer "
                          "cross-origin requests in front of it (a reverse proxy)", option="allowed-origins")
@@ -268,39 +313,54 @@ def serve(
     if draft is not None:
         refuse_batched_draft(max_batch_size)
     refuse_kv_cache(kv_cache, backend)
-    refuse_int8_kv(precision, onnx_dir)
+    refuse_int8_kv(precision, None if any(folder is None for _, folder in sources) else sources[0][1])
     if address is None:
         require_provider([backend], provider)
+    configs = []
     with Status("preparing the export") as status:
-        info = resolve_export(model, revision, precision, onnx_dir, progress=progress_to(status), notice=notice)
-        draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
-                                                                 progress=progress_to(status), notice=notice)
-    config = ReplicaConfig(
-        export=str(info.folder.resolve()), model_id=served_model_name or info.meta["model"]["name"], backend=backend.value,
-        provider=provider.value, threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
-        engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source, draft_settings=draft_settings,
-        chat_template=template, default_chat_template=default_chat_template, in_place_kv=kv_cache.in_place_kv,
-    )
-    if template is None and default_chat_template and not has_chat_template(info.folder):
-        notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a play's "
-               "script; --chat-template FILE for another, --no-default-chat-template to refuse chat)")
+        for i, (name, folder) in enumerate(sources):
+            info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice)
+            draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
+                                                                     progress=progress_to(status), notice=notice)
+            configs.append(ReplicaConfig(
+                export=str(info.folder.resolve()), model_id=names[i] if names else info.meta["model"]["name"],
+                backend=backend.value, provider=provider.value,
+                threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
+                engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source,
+                draft_settings=draft_settings, chat_template=template, default_chat_template=default_chat_template,
+                in_place_kv=kv_cache.in_place_kv,
+            ))
+            if template is None and default_chat_template and not has_chat_template(info.folder):
+                notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a "
+                       "play's script; --chat-template FILE for another, --no-default-chat-template to refuse chat)")
+    ids = [c.model_id for c in configs]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise UsageError(f"two models would be served as {twice[0]!r} ({', '.join(c.export for c in configs if c.model_id == twice[0])}): "
+                         "give each its own --served-model-name", option="served-model-name")
+    config = configs[0]
     if host not in ("127.0.0.1", "localhost", "::1") and not keys:
         notice(f"warning: serving on {host} without an API key (--api-key or GPT2X_API_KEY)")
 
     def ready(url: str) -> None:
         status.__exit__(None, None, None)
         if as_json:
-            print(json.dumps(describe(config, settings)), flush=True)
+            more = {"models": [describe(c, settings) for c in configs]} if several else {}
+            print(json.dumps({**describe(config, settings), **more}), flush=True)
         else:
             with_draft = "" if draft is None else f", draft {draft}"
             where = "in this process" if settings.embedded else "on Ray Serve"
-            out.print(f"serving {config.model_id} at {url}/v1 ({replicas} replica(s) {where}, {backend.value} on "
+            out.print(f"serving {', '.join(ids)} at {url}/v1 ({replicas} replica(s) {where}, {backend.value} on "
                       f"{provider.value}{with_draft}); Ctrl-C to stop", markup=False)
         err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
         err.print(f"or chat in a browser: {url}/playground", markup=False, soft_wrap=True)
 
-    if settings.embedded:
+    if several:
+        def run(config, settings, ready, progress):
+            serve_in_process(config, settings, ready, progress, others=configs[1:], max_loaded=models_max,
+                             idle_unload_s=idle_unload_s)
+    elif settings.embedded:
         run = serve_in_process
     else:  # deferred further: importing Ray takes seconds the embedded path does not spend
         from ..serve.ray.deploy import serve_until_stopped as run

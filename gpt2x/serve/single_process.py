@@ -18,11 +18,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ..choices import Progress, no_progress
 from ..errors import ServeError, UsageError
+from ..onnx.artifact import read_export
 from .core.engine import refuse_batched_draft
+from .openai.many import Models, ModelSlot, models_app
 from .openai.routes import local_app
 from .replica import SHUTTING_DOWN, STOP_GRACE_S, STOP_SIGNALS, ReplicaConfig, ServeSettings, close_service, open_service
 
@@ -53,17 +56,78 @@ class _Stopping(Exception):
     """SIGTERM or SIGINT while the server was starting."""
 
 
+def model_slot(config: ReplicaConfig) -> ModelSlot:
+    """One of several models (openai/many.py): opened and closed as a single model's replica is."""
+    info = read_export(Path(config.export))
+    return ModelSlot(config.model_id, lambda: open_service(config, replica="embedded"), close_service,
+                     info.config.n_positions, info.precision.value, config.backend, config.provider)
+
+
+class _One:
+    """A single model's server (the default): its service opened before the server starts, local_app around it."""
+
+    def __init__(self, config: ReplicaConfig):
+        self.config = config
+        self.service = None
+
+    def load(self, progress: Progress) -> None:
+        progress(f"loading {self.config.model_id}")
+        self.service = open_service(self.config, replica="embedded")
+
+    def app(self):
+        config = self.config
+        return local_app(self.service, config.api_keys, config.max_body_bytes, config.cors)
+
+    def loaded(self) -> list:
+        return [] if self.service is None else [self.service]
+
+    def close_all(self) -> None:
+        if self.service is not None:
+            close_service(self.service)
+
+
+class _Many:
+    """Several models (openai/many.py's Models), every one loaded before the server starts unless `max_loaded`
+    or `idle_unload_s` loads them on demand."""
+
+    def __init__(self, configs: Sequence[ReplicaConfig], max_loaded: int | None, idle_unload_s: float | None):
+        first = configs[0]
+        self.models = Models([model_slot(c) for c in configs], first.api_keys, first.max_body_bytes, max_loaded,
+                             idle_unload_s)
+        self.cors = first.cors
+        self.on_demand = max_loaded is not None
+
+    def load(self, progress: Progress) -> None:
+        if not self.on_demand:
+            self.models.load_all(progress)
+
+    def app(self):
+        return models_app(self.models, self.cors)
+
+    def loaded(self) -> list:
+        return self.models.loaded()
+
+    def close_all(self) -> None:
+        self.models.close_all()
+
+
 def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Callable[[str], None],
-                     progress: Progress = no_progress, grace: float = STOP_GRACE_S) -> None:
+                     progress: Progress = no_progress, grace: float = STOP_GRACE_S, others: Sequence[ReplicaConfig] = (),
+                     max_loaded: int | None = None, idle_unload_s: float | None = None) -> None:
     """The replica and its HTTP server in this process until SIGTERM or SIGINT (to this process or its
     group), then stopped cleanly (see the module's docstring): requests in flight get `grace` seconds.
     `ready` is told the URL once the server listens. A signal while the export loads stops the
-    server once it has loaded; `ready` is then not called. Call it from the main thread."""
+    server once it has loaded; `ready` is then not called. Call it from the main thread.
+    `others`: more models served by the same server (openai/many.py), routed by the body's `model`;
+    `max_loaded` and `idle_unload_s` load and close them on demand (many.Models)."""
     import uvicorn  # deferred: the serve extra's, and slow to import
 
     settings.validate()
-    if config.draft is not None:
-        refuse_batched_draft(config.engine.max_batch_size)
+    for each in (config, *others):
+        if each.draft is not None:
+            refuse_batched_draft(each.engine.max_batch_size)
+    several = bool(others) or max_loaded is not None or idle_unload_s is not None
+    served = _Many([config, *others], max_loaded, idle_unload_s) if several else _One(config)
     stopping = threading.Event()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
@@ -73,17 +137,15 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     sock = None
-    service = None
     server = None
     thread = None
     try:
         sock = listening_socket(settings.host, settings.port)
-        progress(f"loading {config.model_id}")
-        service = open_service(config, replica="embedded")
+        served.load(progress)
         if stopping.is_set():
             raise _Stopping
         server = uvicorn.Server(uvicorn.Config(
-            local_app(service, config.api_keys, config.max_body_bytes, config.cors), log_level="warning", access_log=False,
+            served.app(), log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=HTTP_CLOSE_S))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gpt2x-http", daemon=True)
         thread.start()
@@ -97,28 +159,41 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
         while not stopping.wait(0.5):
             if not thread.is_alive():
                 raise ServeError("the HTTP server stopped")
-            if not service.engine.alive and not service.engine.closing:
+            # an engine closed on purpose (a model unloaded by many.Models) is `closing`
+            if any(not s.engine.alive and not s.engine.closing for s in served.loaded()):
                 raise ServeError("the engine's thread stopped")
     except _Stopping:
         pass
     finally:
         try:
-            if service is not None:  # new requests 503, waiting ones ended, in-flight ones given the grace
+            services = served.loaded()
+            if services:  # new requests 503, waiting ones ended, in-flight ones given the grace
                 progress("stopping")
                 started = time.monotonic()
-                service.engine.stop(grace, SHUTTING_DOWN)
-                log.debug("the engine stopped in %.2f s", time.monotonic() - started)
+                stop_engines(services, grace)
+                log.debug("the engines stopped in %.2f s", time.monotonic() - started)
             if server is not None:
                 server.should_exit = True
             if thread is not None:
                 thread.join(HTTP_CLOSE_S + 3.0)
                 if thread.is_alive():
                     log.warning("the HTTP server did not stop within %.0f s", HTTP_CLOSE_S + 3.0)
-            if service is not None:
-                close_service(service)
+            served.close_all()
         finally:
             if sock is not None:
                 sock.close()
             for sig, handler in previous.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+
+
+def stop_engines(services: list, grace: float) -> None:
+    """Every engine stopped at once (each gives its requests the grace): several models take one grace, not one each."""
+    if len(services) == 1:
+        services[0].engine.stop(grace, SHUTTING_DOWN)
+        return
+    threads = [threading.Thread(target=s.engine.stop, args=(grace, SHUTTING_DOWN), daemon=True) for s in services]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -314,12 +314,36 @@ class _Collector:
             yield family
 
 
+class _Models:
+    """Several models' merged snapshots as one set of families: each family once (its HELP and TYPE once), with
+    every model's samples under its own model_name, so that several models make one valid exposition."""
+
+    def __init__(self, models: Sequence[tuple[dict, str]], prefix: str):
+        self.models = models
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for merged, model in self.models:
+            for family in _Collector(merged, model, self.prefix).collect():
+                if family.name in families:
+                    families[family.name].samples += family.samples
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
 def render(merged: dict, model: str) -> bytes:
     """A merged snapshot in Prometheus' text format (CONTENT_TYPE), every metric labelled model_name, under vLLM's
     names and again under gpt2x's prefix."""
+    return render_models([(merged, model)])
+
+
+def render_models(models: Sequence[tuple[dict, str]]) -> bytes:
+    """`render` for several models' merged snapshots (each with its model_name), as one exposition."""
     registry = CollectorRegistry(auto_describe=False)
     for prefix in (PREFIX, ALIAS_PREFIX):
-        registry.register(_Collector(merged, model, prefix))
+        registry.register(_Models(models, prefix))
     return generate_latest(registry)
 
 

@@ -249,17 +249,12 @@ def api_keys_of(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
     return (api_key,) if isinstance(api_key, str) else tuple(k for k in api_key if k)
 
 
-class HttpApi:
-    """Request handling shared by the routes: authorization, body, errors, and the replica's metrics."""
+class RequestGate:
+    """What a request passes before any model answers it: the API key and the body's type and size."""
 
-    def __init__(self, service: CompletionService, api_key: str | Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES,
-                 exchange: Exchange | None = None):
-        self.service = service
+    def __init__(self, api_key: str | Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES):
         self.api_keys = tuple(k.encode() for k in api_keys_of(api_key))
         self.max_body_bytes = max_body_bytes
-        self.metrics = prom.ReplicaMetrics(service.engine)
-        self.exchange: Exchange = exchange or prom.LocalExchange()
-        self.responses_api = ResponsesAPI(service)  # its store of responses is this replica's
 
     def authorize(self, request: Request) -> None:
         if not self.api_keys:
@@ -289,17 +284,35 @@ class HttpApi:
                 raise APIError(413, f"the body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         return bytes(data)
 
-    async def chat_completions(self, request: Request):
+
+class HttpApi(RequestGate):
+    """Request handling shared by the routes: authorization, body, errors, and the replica's metrics."""
+
+    def __init__(self, service: CompletionService, api_key: str | Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES,
+                 exchange: Exchange | None = None):
+        super().__init__(api_key, max_body_bytes)
+        self.service = service
+        self.metrics = prom.ReplicaMetrics(service.engine)
+        self.exchange: Exchange = exchange or prom.LocalExchange()
+        self.responses_api = ResponsesAPI(service)  # its store of responses is this replica's
+
+    async def read(self, request: Request, raw: bytes | None) -> bytes:
+        """The body after the key and size checks, or `raw` where a caller (Models) has already done them."""
+        if raw is not None:
+            return raw
+        self.authorize(request)
+        return await self.body(request)
+
+    async def chat_completions(self, request: Request, raw: bytes | None = None):
         """OpenAI's chat completions: the messages rendered by the chat template (chat.py), then
         served as a completions request is, answered in the chat shapes."""
-        return await self.completions(request, chat=True)
+        return await self.completions(request, chat=True, raw=raw)
 
-    async def completions(self, request: Request, chat: bool = False):
+    async def completions(self, request: Request, chat: bool = False, raw: bytes | None = None):
         started = time.monotonic()
         service = self.service
         try:
-            self.authorize(request)
-            raw = await self.body(request)
+            raw = await self.read(request, raw)
             # On a worker thread: a large schema or enum compiles for seconds, which would stall every stream
             req = await asyncio.to_thread(service.parse_chat if chat else service.parse, raw)
             pending = service.submit(req)
@@ -310,14 +323,13 @@ class HttpApi:
         return await self._whole(request, pending, started,
                                  service.complete_chat(pending) if chat else service.complete(pending))
 
-    async def responses(self, request: Request):
+    async def responses(self, request: Request, raw: bytes | None = None):
         """OpenAI's Responses API (responses/): the input, after the instructions and the conversation it continues,
         served as chat is, answered as a `response` object or its stream of typed events."""
         started = time.monotonic()
         api = self.responses_api
         try:
-            self.authorize(request)
-            raw = await self.body(request)
+            raw = await self.read(request, raw)
             call = await asyncio.to_thread(api.parse, raw)  # as completions': a schema may compile for seconds
             pending = self.service.submit(call.req)
         except APIError as e:
@@ -430,10 +442,9 @@ class HttpApi:
         text = prom.render(prom.merge(snapshots), self.service.model_id)
         return Response(text, media_type=prom.CONTENT_TYPE)
 
-    async def _params(self, request: Request, model: type[BaseModel]) -> Any:
+    async def _params(self, request: Request, model: type[BaseModel], raw: bytes | None = None) -> Any:
         """The body read and validated as `model` (after the key and the size), a 404 for another model."""
-        self.authorize(request)
-        raw = await self.body(request)
+        raw = await self.read(request, raw)
         data = json_object(raw)
         served = self.service.model_id
         if isinstance(data.get("model"), str) and data["model"] != served:
@@ -447,9 +458,9 @@ class HttpApi:
                 raise bad("prompt must be a string (the text to tokenize)", "prompt") from None
             raise validation_error(errors) from None
 
-    async def tokenize(self, request: Request) -> Response:
+    async def tokenize(self, request: Request, raw: bytes | None = None) -> Response:
         try:
-            p = await self._params(request, schema.TokenizeParams)
+            p = await self._params(request, schema.TokenizeParams, raw)
         except APIError as e:
             return error_response(e)
         try:
@@ -477,9 +488,9 @@ class HttpApi:
             raise chat.no_template()
         return chat.render_messages(messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message))
 
-    async def detokenize(self, request: Request) -> Response:
+    async def detokenize(self, request: Request, raw: bytes | None = None) -> Response:
         try:
-            p = await self._params(request, schema.DetokenizeParams)
+            p = await self._params(request, schema.DetokenizeParams, raw)
         except APIError as e:
             return error_response(e)
         return JSONBody(schema.DetokenizeResponse(prompt=decode(p.tokens)))
@@ -495,9 +506,10 @@ async def client_gone(request: Request) -> None:
         await asyncio.sleep(0.05)  # a server that hands out empty body messages: no busy loop
 
 
-def router(api: Callable[[], HttpApi]) -> APIRouter:
+def router(api: Callable[[], Any]) -> APIRouter:
     """Every route, declared once: `api()` is the HttpApi that answers a request (local_app's own; on
-    Ray Serve, the replica's). Sync routes run in FastAPI's thread pool, as they always did."""
+    Ray Serve, the replica's), or many.Models, which has the same methods and hands each request to its model's.
+    Sync routes run in FastAPI's thread pool, as they always did."""
     routes = APIRouter()
 
     @routes.post("/v1/completions", **COMPLETIONS_ROUTE)

@@ -351,6 +351,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")  # several models: each card names its export's precision too
+
     id: str
     object: Literal["model"] = "model"
     created: int
