@@ -27,6 +27,7 @@ from gpt2x.cli.app import main
 from gpt2x.fileio import sha256
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, attention_layout, read_export
+from gpt2x.onnx.graph_cache import GRAPHS_ENV
 from gpt2x.onnx.optimize import count_ops, mha_to_gqa
 from gpt2x.onnx.trace import TRACES_ENV
 from gpt2x.runtime.pytorch import TorchBackend
@@ -77,7 +78,7 @@ def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeo
     full_env = {k: v for k, v in os.environ.items() if k != "GPT2X_DEBUG"}
     full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
     return subprocess.run(
-        [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, env=full_env,
+        [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, encoding="utf-8", env=full_env,
         input=stdin, timeout=timeout,
     )
 
@@ -524,11 +525,12 @@ def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subpr
     """gpt2x ARGS in `cwd`, its exports by model name in cwd/exported (GPT2X_EXPORTS)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
            **({TRACES_ENV: os.environ[TRACES_ENV]} if os.environ.get(TRACES_ENV) else {}),
+           **({GRAPHS_ENV: os.environ[GRAPHS_ENV]} if os.environ.get(GRAPHS_ENV) else {}),  # never the user's cache
            **({"BLOCKED": block} if block else {}),
            # a checkout other than the installed one (a git worktree) runs its own gpt2x
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
     cmd = [sys.executable, "-c", BLOCKED_RUNNER, *args] if blocked else [sys.executable, "-m", "gpt2x", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", cwd=cwd, env=env, timeout=600)
 
 
 def torch_last_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

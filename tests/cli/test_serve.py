@@ -124,7 +124,7 @@ def test_serve_answers_and_stops_cleanly(export_dir, reserve_port, mode):
     ray_args = ["--ray"] if mode == "ray" else []
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
                              "--json", "--threads", "1", *ray_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, encoding="utf-8", env=env)
     try:
         ready = json.loads(read_line(proc, 180))
         assert ready["url"] == f"http://127.0.0.1:{port}" and ready["model"] == "shakespeare" and ready["api_key"] is True
@@ -216,7 +216,7 @@ def test_one_machine_serves_without_ray_and_what_needs_ray_names_its_extra(expor
     for args, why in ((["--ray"], "--ray"), (["--replicas", "2", "--cpus-per-replica", "0.5"], "--replicas 2"),
                       (["--address", "ray://head:10001"], "--address ray://head:10001")):
         r = subprocess.run([sys.executable, "-c", WITHOUT_RAY, "serve", "--onnx", str(tmp_path / "absent"), *args],
-                           capture_output=True, text=True, env=env, timeout=120)
+                           capture_output=True, text=True, encoding="utf-8", env=env, timeout=120)
         assert r.stderr.strip().splitlines() == [f"error: gpt2x serve {why} serves through Ray Serve, which needs ray: "
                                                  "pip install 'gpt2x[ray]'"], r.stderr
         assert r.returncode == MissingDependencyError.exit_code
@@ -224,7 +224,7 @@ def test_one_machine_serves_without_ray_and_what_needs_ray_names_its_extra(expor
     env["RAY_TRIED"] = str(tried)
     port = reserve_port()
     proc = subprocess.Popen([sys.executable, "-c", WITHOUT_RAY, "serve", "--onnx", str(export_dir), "--port", str(port),
-                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
     try:
         ready = json.loads(read_line(proc, 180))
         assert ready["ray"] is None and ready["replicas"] == 1
@@ -254,7 +254,7 @@ def test_kv_cache_serves_an_fp32_export_from_its_twin_by_default_and_other_backe
     for args, form in (([], "in-place"), (["--kv-cache", "growing"], "growing")):
         port = reserve_port()
         proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
-                                 "--json", "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 "--json", "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
         try:
             url = json.loads(read_line(proc, 180))["url"]
@@ -285,14 +285,14 @@ def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, 
         address = f"127.0.0.1:{gcs_port}"
         proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--address", address,
                                  "--port", str(http_port), "--json", "--threads", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
         ready = json.loads(read_line(proc, 240))
         assert ready["ray"] == address
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, proc.stderr.read()
-        status = subprocess.run([ray_exe, "status", f"--address={address}"], capture_output=True, text=True, env=env, timeout=60)
+        status = subprocess.run([ray_exe, "status", f"--address={address}"], capture_output=True, text=True, encoding="utf-8", env=env, timeout=60)
         assert status.returncode == 0 and head.poll() is None  # the cluster outlives the command
         assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).status_code == 404  # the app is gone
     finally:
@@ -396,7 +396,7 @@ def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port,
     replicas = ["--replicas", "2"] if mode == "ray" else []
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
                              "--json", "--threads", "1", *replicas, "--max-batch-size", "2", "--max-waiting", "6"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env, start_new_session=True)
     try:
         ready = json.loads(read_line(proc, 180))
         url = ready["url"]
@@ -426,7 +426,7 @@ def test_a_signal_stops_the_server_cleanly_within_10_s(export_dir, reserve_port,
         assert out == "", out  # stdout holds the ready line alone (read above)
         time.sleep(0.5)
         assert live(started) == [], [psutil.Process(pid).cmdline()[:2] for pid in live(started)]
-        session = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        session = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True, encoding="utf-8").stdout.split()
         assert session == [], session
         with socket.socket() as s:
             # SO_REUSEADDR: connections the server closed may linger in TIME_WAIT; a listener left behind

@@ -439,7 +439,7 @@ def test_without_llguidance_the_module_imports_and_use_names_the_extra():
         "try:\n    spec.validate()\nexcept MissingDependencyError as e:\n    print('MISSING', e)\n"
         "assert not any(m.startswith('llguidance') for m in sys.modules if sys.modules[m] is not None)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "MISSING structured output needs llguidance" in out.stdout and "pip install 'gpt2x[structured]'" in out.stdout
     assert MissingDependencyError.exit_code == 10
@@ -456,6 +456,6 @@ def test_constraints_run_where_torch_cannot_import():
         "assert np.isfinite(logits).sum(axis=1).tolist()[1] > 1\n"
         "print('OK', sorted(m for m in sys.modules if m.split('.')[0] == 'torch' and sys.modules[m] is not None))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "OK []"

@@ -127,7 +127,7 @@ def test_quantizer_import_leaves_the_root_logger_alone():
     (else a second export in one process printed every library's INFO records)."""
     code = ("import logging; from gpt2x.onnx import optimize; optimize.nbits_quantizer_module(); "
             "root = logging.getLogger(); print(len(root.handlers), root.level)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", str(logging.WARNING)]
 

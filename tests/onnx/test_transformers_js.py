@@ -218,7 +218,7 @@ def test_transformers_js_in_node_generates_gpt2x_tokens(exports, tmp_path):
     out = tmp_path / "interop"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "check_interop.py"), "--transformers-js",
                           "--onnx", str(infos[Precision.fp32].folder), "--onnx", str(infos[Precision.int4].folder),
-                          "--new-tokens", "24", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                          "--new-tokens", "24", "--out", str(out)], capture_output=True, text=True, encoding="utf-8", timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.with_suffix(".json").read_text())
     assert results["passed"] and results["transformers.js"]["tokenizer"]["ids_equal"]

@@ -29,7 +29,7 @@ def test_the_cli_and_reading_an_export_import_no_onnx(export_dir):
             "data, weights = mapped_model(info.model_path)\n"
             "assert data and weights\n"
             "print(sorted(m for m in sys.modules if m == 'onnx' or m.startswith('onnx.')))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -55,7 +55,7 @@ def test_a_later_process_takes_the_rewritten_twin_without_onnx_and_a_damaged_one
     env = {**os.environ, "GPT2X_GRAPHS": str(tmp_path / "graphs")}
 
     def run() -> tuple[str, bool]:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120, env=env)
         assert r.returncode == 0, r.stderr
         tokens, imported = r.stdout.strip().rsplit(" ", 1)
         return tokens, imported == "True"

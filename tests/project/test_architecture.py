@@ -21,7 +21,7 @@ def test_import_contracts_hold():
     counted), and no torch/onnxscript/transformers reachable from the ONNX Runtime path."""
     exe = shutil.which("lint-imports", path=str(REPO / ".venv" / "bin")) or shutil.which("lint-imports")
     assert exe, "import-linter is part of the test extra"
-    r = subprocess.run([exe, "--no-cache"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    r = subprocess.run([exe, "--no-cache"], capture_output=True, text=True, encoding="utf-8", cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "5 kept, 0 broken" in r.stdout
 
@@ -32,7 +32,7 @@ def test_cli_imports_no_torch():
            "import gpt2x.workflows.training, gpt2x.workflows.transformers_js; " \
            "[gpt2x.cli.app.command_module(c) for c in gpt2x.cli.app.COMMANDS]; " \
            "print(sorted(m for m in ('torch', 'onnxscript', 'transformers') if m in sys.modules))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 

@@ -90,7 +90,7 @@ def test_the_readmes_structured_output_example_runs_as_shown(export_dir):
     args = shlex.split(line.split("#", 1)[0])
     assert args[:2] == ["gpt2x", "generate"]
     env = {**os.environ, "GPT2X_EXPORTS": str(export_dir.parent), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "gpt2x", *args[1:]], cwd=ROOT, capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "gpt2x", *args[1:]], cwd=ROOT, capture_output=True, text=True, encoding="utf-8", env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     prompt = args[2]

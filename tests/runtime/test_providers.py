@@ -35,7 +35,7 @@ def test_sessions_spin_a_millisecond_after_a_run_unless_told_otherwise(monkeypat
 def test_a_bad_spin_is_one_line_from_the_command_before_any_session(export_dir, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", SPIN_ENV: "soon"}
     r = subprocess.run([sys.executable, "-m", "gpt2x", "generate", "ROMEO:", "--onnx", str(export_dir),
-                        "--max-new-tokens", "2"], capture_output=True, text=True, env=env, timeout=120)
+                        "--max-new-tokens", "2"], capture_output=True, text=True, encoding="utf-8", env=env, timeout=120)
     assert r.returncode == UsageError.exit_code, r.stderr
     assert r.stderr.strip().splitlines() == [f"error: {SPIN_ENV} must be a whole number of microseconds or 'default', "
                                              "got 'soon'"]

@@ -270,7 +270,7 @@ def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32, reserve_
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(exports[Precision.fp32]), "--port",
                              str(port), "--json", "--threads", "1", "--draft", "ngram", "--num-speculative-tokens", "4",
-                             "--no-draft-adaptive"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             "--no-draft-adaptive"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
     try:
         ready = json.loads(read_line(proc, 180))
         assert ready["draft"] == "ngram" and ready["engine"]["max_batch_size"] == 1

@@ -203,6 +203,7 @@ def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference
     whole = decode(generate(reference, ["ROMEO:"], SamplingSettings(greedy=True, max_new_tokens=240))[0].tokens)
     page.fill("#message", "ROMEO:")
     page.click("#send")
+    page.wait_for_selector("#stop:enabled", timeout=WAIT_MS)  # this request's: the last answer's text is not yet its
     page.wait_for_selector("#conversation .msg:last-child .text:not(:empty)", timeout=WAIT_MS)
     aborted = aborts(base)
     page.click("#stop")
