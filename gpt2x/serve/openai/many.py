@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ...version import __version__
 from . import metrics as prom
 from . import schema
 from .errors import APIError
@@ -225,11 +224,7 @@ class Models(RequestGate):
     # -- every model --------------------------------------------------------------------------------------
 
     def models(self, request: Request) -> Response:
-        try:
-            self.authorize(request)
-        except APIError as e:
-            return error_response(e)
-        return JSONBody(schema.ModelList(data=[
+        return self._authorized(request, lambda: schema.ModelList(data=[
             schema.ModelCard(id=slot.model_id, created=self.created, owned_by="gpt2x", max_model_len=slot.max_model_len,
                              precision=slot.precision) for slot in self.slots.values()]))
 
@@ -246,9 +241,6 @@ class Models(RequestGate):
         single model's server's fields)."""
         every = [self._health(slot) for slot in self.slots.values()]
         return JSONBody(schema.Health(**every[0], models=every))
-
-    def version(self, request: Request) -> Response:
-        return JSONBody(schema.Version(version=__version__))
 
     async def prometheus(self, request: Request) -> Response:
         """Every model's series, each under its model_name (a model never loaded has none yet)."""

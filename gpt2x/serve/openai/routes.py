@@ -268,6 +268,18 @@ class RequestGate:
             raise APIError(401, "missing or wrong API key: send Authorization: Bearer KEY", "authentication_error",
                            code="invalid_api_key")
 
+    def _authorized(self, request: Request, answer: Callable[[], BaseModel]) -> Response:
+        """`answer()` as JSON once the request's key checks out, else the 401."""
+        try:
+            self.authorize(request)
+        except APIError as e:
+            return error_response(e)
+        return JSONBody(answer())
+
+    def version(self, request: Request) -> Response:
+        """gpt2x's version, open without the API key (vLLM's /version)."""
+        return JSONBody(schema.Version(version=__version__))
+
     async def body(self, request: Request) -> bytes:
         """The body, refused (413) once it exceeds the limit, without reading the rest."""
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -413,24 +425,12 @@ class HttpApi(RequestGate):
         if self.exchange.shared:  # before the answer's end: a scrape after it counts it
             await self.exchange.publish(self.metrics.snapshot())
 
-    def _authorized(self, request: Request, answer: Callable[[], BaseModel]) -> Response:
-        """`answer()` as JSON once the request's key checks out, else the 401."""
-        try:
-            self.authorize(request)
-        except APIError as e:
-            return error_response(e)
-        return JSONBody(answer())
-
     def models(self, request: Request) -> Response:
         return self._authorized(request, self.service.models)
 
     def health(self, request: Request) -> Response:
         """Open without the API key, as vLLM's and llama-server's /health: a load balancer's probe has none."""
         return JSONBody(self.service.health())
-
-    def version(self, request: Request) -> Response:
-        """gpt2x's version, open without the API key (vLLM's /version)."""
-        return JSONBody(schema.Version(version=__version__))
 
     async def prometheus(self, request: Request) -> Response:
         """Every replica's metrics summed, in Prometheus' text format."""
