@@ -16,6 +16,18 @@ from filelock import FileLock, Timeout
 from .errors import OutputError
 
 
+def cache_folder(env: str, name: str) -> Path | None:
+    """The folder the environment variable `env` names, else gpt2x/`name` in the user's cache ($XDG_CACHE_HOME or
+    ~/.cache); None when `env` is "off"."""
+    named = os.environ.get(env)
+    if named == "off":
+        return None
+    if named:
+        return Path(named).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return (Path(cache).expanduser() / "gpt2x" / name).resolve()
+
+
 def sha256(path: Path) -> str:
     """sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fileio import cache_folder
+
 GRAPHS_ENV = "GPT2X_GRAPHS"
 # The modules whose source a rewritten graph depends on (optimize.py's twin, kvcache.py's int8 cache, their names).
 REWRITERS = ("optimize.py", "kvcache.py", "names.py", "mapped.py")
@@ -38,13 +40,7 @@ class InMemoryGraph:
 
 def graphs_root() -> Path | None:
     """GPT2X_GRAPHS, else gpt2x/graphs in the user's cache; None when it is "off"."""
-    named = os.environ.get(GRAPHS_ENV)
-    if named == "off":
-        return None
-    if named:
-        return Path(named).expanduser().resolve()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return (Path(cache).expanduser() / "gpt2x" / "graphs").resolve()
+    return cache_folder(GRAPHS_ENV, "graphs")
 
 
 def graph_key(kind: str, inputs: dict) -> str | None:

@@ -24,7 +24,7 @@ from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from ..errors import OutputError
-from ..fileio import write_atomic
+from ..fileio import cache_folder, write_atomic
 from ..model.gpt2 import GPT2
 from . import names as io
 from .artifact import IR_VERSION
@@ -97,13 +97,7 @@ _WEIGHTS_KEY = "gpt2x.trace.weights"  # the template's metadata: where each weig
 
 def traces_root() -> Path | None:
     """GPT2X_TRACES, else gpt2x/traces in the user's cache; None when it is "off"."""
-    named = os.environ.get(TRACES_ENV)
-    if named == "off":
-        return None
-    if named:
-        return Path(named).expanduser().resolve()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return (Path(cache).expanduser() / "gpt2x" / "traces").resolve()
+    return cache_folder(TRACES_ENV, "traces")
 
 
 def _disk_key(model: GPT2, opset: int) -> str | None:
