@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain
 from numbers import Integral
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,8 +24,9 @@ from ..numerics import block_reduce
 from ..tokenizer import EOT_ID, VOCAB_SIZE, encode, get_encoding
 from .constraints import Constraint, ConstraintSpec, mask_rows
 
-if TYPE_CHECKING:  # settings.py checks its fields here: it imports this module
-    from .settings import SamplingSettings
+# What a processor is given: a generation.settings.SamplingSettings. settings.py imports this module (each processor
+# checks its own fields), so the type is named here rather than imported: no import cycle, not even a typing one.
+Settings = Any
 
 PENALTY_RANGE = 2.0  # presence and frequency penalties: [-2, 2] (OpenAI's and vLLM's)
 BIAS_RANGE = 100.0  # logit_bias values: [-100, 100] (OpenAI's)
@@ -71,11 +72,11 @@ class LogitsProcessor:
     reads_history: ClassVar[bool] = False
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return {}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> LogitsProcessor | None:
+    def from_settings(cls, settings: Settings) -> LogitsProcessor | None:
         raise NotImplementedError
 
     @classmethod
@@ -86,7 +87,7 @@ class LogitsProcessor:
         raise NotImplementedError
 
 
-def _in_range(settings: SamplingSettings, name: str, ok: bool, rule: str) -> dict[str, Any]:
+def _in_range(settings: Settings, name: str, ok: bool, rule: str) -> dict[str, Any]:
     """Nothing to keep, once the field `name` is checked: a UsageError naming it where not `ok`."""
     if not ok:
         raise UsageError(f"{name} must be {rule}, got {getattr(settings, name)}", option=name)
@@ -145,7 +146,7 @@ class Temperature(LogitsProcessor):
     sampling_only = argmax_invariant = True
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> Temperature | None:
+    def from_settings(cls, settings: Settings) -> Temperature | None:
         return None if settings.temperature == 1.0 else cls(settings.temperature)
 
     def __init__(self, temperature: float | np.ndarray):
@@ -169,11 +170,11 @@ class TopK(LogitsProcessor):
     sampling_only = argmax_invariant = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return _in_range(settings, "top_k", settings.top_k >= 0, ">= 0")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> TopK | None:
+    def from_settings(cls, settings: Settings) -> TopK | None:
         return cls(settings.top_k) if settings.top_k else None
 
     def __init__(self, k: int | np.ndarray):
@@ -226,11 +227,11 @@ class TopP(LogitsProcessor):
     sampling_only = argmax_invariant = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return _in_range(settings, "top_p", 0 < settings.top_p <= 1, "in (0, 1]")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> TopP | None:
+    def from_settings(cls, settings: Settings) -> TopP | None:
         return cls(settings.top_p) if settings.top_p < 1.0 else None
 
     def __init__(self, p: float | np.ndarray):
@@ -281,11 +282,11 @@ class MinP(LogitsProcessor):
     sampling_only = argmax_invariant = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return _in_range(settings, "min_p", 0 <= settings.min_p <= 1, "in [0, 1] (0: off)")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> MinP | None:
+    def from_settings(cls, settings: Settings) -> MinP | None:
         return cls(settings.min_p) if settings.min_p else None
 
     def __init__(self, min_p: float | np.ndarray):
@@ -310,7 +311,7 @@ class MinTokens(LogitsProcessor):
     reads_history = masks_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         m = settings.min_tokens
         _in_range(settings, "min_tokens", m >= 0, ">= 0")
         _in_range(settings, "min_tokens", m <= settings.max_new_tokens, f"at most max_new_tokens ({settings.max_new_tokens})")
@@ -320,7 +321,7 @@ class MinTokens(LogitsProcessor):
         return {}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> MinTokens | None:
+    def from_settings(cls, settings: Settings) -> MinTokens | None:
         return cls(settings.min_tokens, end_token_ids(settings)) if settings.min_tokens else None
 
     def __init__(self, min_tokens: int | np.ndarray, end_ids: Iterable[int]):
@@ -358,11 +359,11 @@ class AllowedTokens(LogitsProcessor):
     masks_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return {"allowed_token_ids": token_ids(settings.allowed_token_ids, "allowed_token_ids")}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> AllowedTokens | None:
+    def from_settings(cls, settings: Settings) -> AllowedTokens | None:
         return cls(settings.allowed_token_ids) if settings.allowed_token_ids else None
 
     def __init__(self, ids: Iterable[int], each: Sequence[AllowedTokens | None] | None = None):
@@ -398,7 +399,7 @@ class LogitBias(LogitsProcessor):
     fields = ("logit_bias",)
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         """logit_bias as (token id, bias) pairs sorted by id (a dict, or pairs: the last bias of an id wins)."""
         bias = settings.logit_bias
         items = bias.items() if isinstance(bias, Mapping) else bias
@@ -413,7 +414,7 @@ class LogitBias(LogitsProcessor):
         return {"logit_bias": tuple(sorted(merged.items()))}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> LogitBias | None:
+    def from_settings(cls, settings: Settings) -> LogitBias | None:
         return cls(settings.logit_bias) if settings.logit_bias else None
 
     def __init__(self, bias: Mapping[int, float] | Iterable[tuple[int, float]]):
@@ -458,12 +459,12 @@ class RepetitionPenalty(LogitsProcessor):
     reads_history = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         r = settings.repetition_penalty
         return _in_range(settings, "repetition_penalty", r > 0 and math.isfinite(r), "> 0 (1: off)")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> RepetitionPenalty | None:
+    def from_settings(cls, settings: Settings) -> RepetitionPenalty | None:
         return None if settings.repetition_penalty == 1.0 else cls(settings.repetition_penalty)
 
     def __init__(self, penalty: float | np.ndarray):
@@ -493,13 +494,13 @@ class PresenceFrequencyPenalty(LogitsProcessor):
     reads_history = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         for name in cls.fields:
             _in_range(settings, name, -PENALTY_RANGE <= getattr(settings, name) <= PENALTY_RANGE, "in [-2, 2]")
         return {}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> PresenceFrequencyPenalty | None:
+    def from_settings(cls, settings: Settings) -> PresenceFrequencyPenalty | None:
         if not (settings.presence_penalty or settings.frequency_penalty):
             return None
         return cls(settings.presence_penalty, settings.frequency_penalty)
@@ -532,11 +533,11 @@ class NoRepeatNGram(LogitsProcessor):
     reads_history = masks_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return _in_range(settings, "no_repeat_ngram_size", settings.no_repeat_ngram_size >= 0, ">= 0 (0: off)")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> NoRepeatNGram | None:
+    def from_settings(cls, settings: Settings) -> NoRepeatNGram | None:
         return cls(settings.no_repeat_ngram_size) if settings.no_repeat_ngram_size else None
 
     def __init__(self, n: int | np.ndarray):
@@ -586,14 +587,14 @@ class BadWords(LogitsProcessor):
     reads_history = masks_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         words = settings.bad_words
         if isinstance(words, str) or not all(isinstance(w, str) and w.strip() for w in words):
             raise UsageError(f"bad_words must be a list of words (non-blank strings), got {words!r}", option="bad_words")
         return {"bad_words": tuple(words)}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> BadWords | None:
+    def from_settings(cls, settings: Settings) -> BadWords | None:
         return cls(bad_word_ids(settings.bad_words)) if settings.bad_words else None
 
     def __init__(self, ids: Sequence[Sequence[int]], each: Sequence[BadWords | None] | None = None):
@@ -775,7 +776,7 @@ class Dry(LogitsProcessor):
     reads_history = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         m, b = settings.dry_multiplier, settings.dry_base
         _in_range(settings, "dry_multiplier", m >= 0 and math.isfinite(m), ">= 0 (0: off)")
         _in_range(settings, "dry_base", b >= 1 and math.isfinite(b), ">= 1")
@@ -792,7 +793,7 @@ class Dry(LogitsProcessor):
                 "dry_sequence_breakers": breakers}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> Dry | None:
+    def from_settings(cls, settings: Settings) -> Dry | None:
         if not settings.dry_multiplier or not settings.dry_penalty_last_n:
             return None
         return cls(settings.dry_multiplier, settings.dry_base, settings.dry_allowed_length, settings.dry_penalty_last_n,
@@ -897,11 +898,11 @@ class TypicalP(LogitsProcessor):
     sampling_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         return _in_range(settings, "typical_p", 0 < settings.typical_p <= 1, "in (0, 1] (1: off)")
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> TypicalP | None:
+    def from_settings(cls, settings: Settings) -> TypicalP | None:
         return cls(settings.typical_p) if settings.typical_p < 1.0 else None
 
     def __init__(self, p: float | np.ndarray):
@@ -941,7 +942,7 @@ class ConstraintMask(LogitsProcessor):
     reads_history = masks_only = True
 
     @classmethod
-    def checked(cls, settings: SamplingSettings) -> dict[str, Any]:
+    def checked(cls, settings: Settings) -> dict[str, Any]:
         if settings.constraint is not None:
             settings.constraint.validate()  # an invalid schema, regex or grammar: one UsageError, before any work
             if settings.ignore_eos:
@@ -950,7 +951,7 @@ class ConstraintMask(LogitsProcessor):
         return {}
 
     @classmethod
-    def from_settings(cls, settings: SamplingSettings) -> ConstraintMask | None:
+    def from_settings(cls, settings: Settings) -> ConstraintMask | None:
         return None if settings.constraint is None else cls(settings.constraint)
 
     def __init__(self, spec: ConstraintSpec | None, each: Sequence[ConstraintMask | None] | None = None):
@@ -1019,7 +1020,7 @@ class ConstraintMask(LogitsProcessor):
         return scores
 
 
-def end_token_ids(settings: SamplingSettings) -> tuple[int, ...]:
+def end_token_ids(settings: Settings) -> tuple[int, ...]:
     """End-of-text and the stop token ids (vLLM's all_stop_token_ids: end-of-text even with ignore_eos)."""
     return (EOT_ID, *settings.stop_token_ids)
 
@@ -1030,13 +1031,13 @@ ORDER: tuple[type[LogitsProcessor], ...] = (ConstraintMask, AllowedTokens, MinTo
                            PresenceFrequencyPenalty, NoRepeatNGram, BadWords, Dry, Temperature, MinP, TopK, TopP, TypicalP)
 
 
-def processors_for(settings: SamplingSettings) -> list[LogitsProcessor]:
+def processors_for(settings: Settings) -> list[LogitsProcessor]:
     """The ordered list for `settings`, only those that change anything; greedy skips the sampling-only ones."""
     kinds = (k for k in ORDER if not (settings.greedy and k.sampling_only))
     return [p for k in kinds if (p := k.from_settings(settings)) is not None]
 
 
-def checked_fields(settings: SamplingSettings) -> dict[str, Any]:
+def checked_fields(settings: Settings) -> dict[str, Any]:
     """Every processor's fields checked (a UsageError naming the field), and the values SamplingSettings keeps."""
     kept: dict[str, Any] = {}
     for kind in ORDER:
@@ -1044,7 +1045,7 @@ def checked_fields(settings: SamplingSettings) -> dict[str, Any]:
     return kept
 
 
-def beam_refused_fields(settings: SamplingSettings) -> list[str]:
+def beam_refused_fields(settings: Settings) -> list[str]:
     """The fields set that a processor which is not sampling-only reads: what beam search, which searches the raw
     distribution, refuses."""
     return [f for k in ORDER if not k.sampling_only and k.from_settings(settings) is not None for f in k.fields
