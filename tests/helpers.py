@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,6 +82,23 @@ def run_cli(*args: str, env: dict | None = None, stdin: str | None = None, timeo
         [sys.executable, "-m", "gpt2x", *args], capture_output=True, text=True, encoding="utf-8", env=full_env,
         input=stdin, timeout=timeout,
     )
+
+
+@contextmanager
+def http_server(handler) -> Iterator[str]:
+    """A stdlib HTTP server with `handler` (a BaseHTTPRequestHandler class) on an ephemeral port, on a thread of its
+    own: its base URL, and the server shut down after."""
+    from http.server import ThreadingHTTPServer
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @contextmanager

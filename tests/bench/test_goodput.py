@@ -6,8 +6,7 @@ requests of a few tokens)."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 import pytest
@@ -27,7 +26,7 @@ from gpt2x.bench.loadtest import (
 )
 from gpt2x.errors import UsageError
 
-from ..helpers import assert_one_line_error, cli, uvicorn_server
+from ..helpers import assert_one_line_error, cli, http_server, uvicorn_server
 
 
 def done(ttft: float | None, e2e: float, tokens: int, itl: list[float]) -> RequestRecord:
@@ -154,12 +153,8 @@ class Counting(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def counting_url():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Counting)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(Counting) as url:
+        yield url
 
 
 @pytest.fixture

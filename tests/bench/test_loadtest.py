@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx  # noqa: F401 (the test extra's: a broken install fails here, rather than skipping)
 import pytest
@@ -18,6 +18,7 @@ from gpt2x.tokenizer import encode  # noqa: E402
 from ..helpers import (  # noqa: E402
     assert_one_line_error,
     cli,
+    http_server,
     refusing_port,  # noqa: E402
 )
 
@@ -91,13 +92,8 @@ class Stub(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(Stub) as url:
+        yield url
 
 
 @pytest.fixture
