@@ -64,11 +64,13 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_model(name: str, revision: str | None = None, dtype: torch.dtype = torch.float32) -> tuple[GPT2, ModelSource]:
+def load_model(name: str, revision: str | None = None, dtype: torch.dtype = torch.float32,
+               resolved: tuple[ModelSource, GPT2Config, list[Path]] | None = None) -> tuple[GPT2, ModelSource]:
+    """`resolved`: checkpoints.resolve's answer for `name`, where the caller has it already."""
     if name.startswith(RANDOM_PREFIX):
         model = GPT2(random_preset(name)).init_weights(seed=0).to(dtype).eval()
         return model, ModelSource(name, "random", Path("."), None)
-    source, cfg, files = resolve(name, revision)
+    source, cfg, files = resolved or resolve(name, revision)
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():

@@ -9,7 +9,7 @@ from ..choices import Precision, Progress, no_progress
 from ..errors import MissingDependencyError, ParityError
 from ..evaluate.metrics import logit_stats
 from ..evaluate.parity import TOLERANCES
-from ..model.checkpoints import BUNDLED, ModelSource, resolve_config
+from ..model.checkpoints import BUNDLED, RANDOM_PREFIX, ModelSource, resolve, resolve_config
 from ..runtime.registry import require_export_extra, require_modules
 
 if TYPE_CHECKING:
@@ -24,11 +24,13 @@ MERGE_TOLERANCE = TOLERANCES[Precision.fp32]
 
 
 def load_model(name: str = DEFAULT_MODEL, revision: str | None = None) -> tuple[GPT2, ModelSource]:
-    """The PyTorch model and where it came from (bundled, hub, local or random:)."""
+    """The PyTorch model and where it came from (bundled, hub, local or random:). Its weights are found (downloaded)
+    before PyTorch is imported: a name that resolves nowhere is one line in a second, not after torch's import."""
+    resolved = None if name.startswith(RANDOM_PREFIX) else resolve(name, revision)
     require_export_extra(f"loading {name} into PyTorch")
     from ..model.weights import load_model as load_weights
 
-    return load_weights(name, revision)
+    return load_weights(name, revision, resolved=resolved)
 
 
 def adapted_name(name: str, adapter: Path) -> str:

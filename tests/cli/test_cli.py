@@ -201,10 +201,18 @@ def test_inspect_json_total(capsys):
 
 
 def test_subprocess_offline_hub_error_and_debug_traceback(tmp_path):
-    env = {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    r = run_cli("generate", "Hello", "--model", "gpt2", "--backend", "torch", env=env)
-    assert_one_line_error(r.returncode, r.stderr, HubError.exit_code, "bundled model 'shakespeare'")
-    r = run_cli("generate", "Hello", "--model", "gpt2", "--backend", "torch", env={**env, "GPT2X_DEBUG": "1"})
+    """A hub model neither cached nor reachable: one line, before PyTorch is imported (the whole command then took 1
+    s, not 5), and no export folder left; with GPT2X_DEBUG, the traceback."""
+    env = {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "GPT2X_EXPORTS": str(tmp_path / "exported")}
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "torch.py").write_text("raise ImportError('torch imported')\n", encoding="utf-8")
+    r = run_cli("generate", "Hello", "--model", "gpt2", env={**env, "PYTHONPATH": str(blocked)})
+    notice, error = r.stderr.strip().splitlines()  # the export it was about to make, then why it cannot
+    assert notice.startswith("no export at ") and notice.endswith("exporting gpt2 (fp32) first")
+    assert_one_line_error(r.returncode, error, HubError.exit_code, "bundled model 'shakespeare'")
+    assert not (tmp_path / "exported" / "gpt2-fp32").exists()
+    r = run_cli("generate", "Hello", "--model", "gpt2", env={**env, "GPT2X_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr
 
 
