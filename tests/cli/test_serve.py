@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import psutil  # Ray's dependency, and the test extra's
@@ -34,6 +35,7 @@ from gpt2x.tokenizer import decode, encode
 
 from ..helpers import (  # noqa: E402
     assert_one_line_error,  # noqa: E402
+    cli,
     read_line,
     run_cli,
 )
@@ -59,9 +61,16 @@ KEY = "sekret-key-42"
     (["--allowed-origins", '["*"]', "--replicas", "2"], 2, "--allowed-origins is served by one replica in this process"),
     (["--api-key-file", "/nonexistent/keys"], 2, "--api-key-file not found: /nonexistent/keys"),
 ])
-def test_bad_options_are_one_line(export_dir, args, code, fragment):
-    r = run_cli("serve", "--onnx", str(export_dir), *args, timeout=120)
-    assert_one_line_error(r.returncode, r.stderr, code, fragment)
+def test_bad_options_are_one_line(export_dir, args, code, fragment, capsys, monkeypatch):
+    """In this process (a subprocess each took 1-4 s of the suite): a server that started anyway fails the test
+    rather than serving."""
+    def started(*args, **kwargs):
+        raise AssertionError("the command started serving")
+
+    monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", started)
+    monkeypatch.setitem(sys.modules, "gpt2x.serve.ray.deploy", SimpleNamespace(serve_until_stopped=started))
+    exit_code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), *args)
+    assert_one_line_error(exit_code, err, code, fragment)
 
 
 def test_an_empty_api_key_file_is_one_line(export_dir, tmp_path):
