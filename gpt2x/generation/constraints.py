@@ -270,31 +270,37 @@ class _Rewrite:
     def disjoint(self, a: Any, b: Any, parent: dict) -> bool:
         """No value matches both branches: disjoint types, values, or values of a property both require."""
         a, b = self.resolve(a), self.resolve(b)
-        outer = self.types({k: v for k, v in parent.items() if k == "type"})
-        ta, tb = self.types(a), self.types(b)
-        if outer is not None:
-            ta = outer if ta is None else ta & outer
-            tb = outer if tb is None else tb & outer
-        if ta is not None and tb is not None and not (ta & tb):
-            return True
-        va, vb = self.values(a), self.values(b)
-        if va is not None and vb is not None and not (va & vb):
+        ta, tb = self._types_within(a, parent), self._types_within(b, parent)
+        if _apart(ta, tb) or _apart(self.values(a), self.values(b)):
             return True
         if ta is None or tb is None or ta | tb != {"object"} or not (isinstance(a, dict) and isinstance(b, dict)):
             return False  # a discriminator only sorts objects
         required = set(parent.get("required") or [])
         both = (required | set(a.get("required") or [])) & (required | set(b.get("required") or []))
-        for name in both:
-            va = self.values((a.get("properties") or {}).get(name, {}))
-            vb = self.values((b.get("properties") or {}).get(name, {}))
-            if va is not None and vb is not None and not (va & vb):
-                return True
-        return False
+        return any(_apart(self.values((a.get("properties") or {}).get(name, {})),
+                          self.values((b.get("properties") or {}).get(name, {}))) for name in both)
+
+    def _types_within(self, schema: Any, parent: dict) -> set[str] | None:
+        """The JSON types a branch admits within its parent's `type` (None: any)."""
+        outer = self.types({k: v for k, v in parent.items() if k == "type"})
+        types = self.types(schema)
+        if outer is None:
+            return types
+        return outer if types is None else types & outer
 
     def schema(self, schema: Any, where: str) -> Any:
         if not isinstance(schema, dict):
             return schema
-        out = dict(schema)
+        out = self._subschemas(dict(schema), where)
+        if isinstance(out.get("format"), str) and out["format"] not in LLGUIDANCE_FORMATS:
+            del out["format"]
+        rules = self._one_of(out, schema, where) + _dependency_rules(out)
+        if rules:  # beside any anyOf/allOf the schema has: each rule holds too
+            out["allOf"] = [*out.get("allOf", []), *rules]
+        return out
+
+    def _subschemas(self, out: dict, where: str) -> dict:
+        """`out` with each of its subschemas rewritten in place."""
         for key in _SCHEMA_KEYS:
             if key in out:
                 value = out[key]
@@ -306,31 +312,43 @@ class _Rewrite:
         for key in _SCHEMA_LISTS:
             if isinstance(out.get(key), list):
                 out[key] = [self.schema(s, f"{where}/{key}/{i}") for i, s in enumerate(out[key])]
-        if isinstance(out.get("format"), str) and out["format"] not in LLGUIDANCE_FORMATS:
-            del out["format"]
         if isinstance(out.get("dependencies"), dict):  # draft 7: a list of names or a subschema per name
             out["dependencies"] = {name: self.schema(s, f"{where}/dependencies/{name}") for name, s in out["dependencies"].items()}
-        rules = []
-        if isinstance(out.get("oneOf"), list):
-            n = len(out["oneOf"])
-            pair = next(((i, j) for i in range(n) for j in range(i + 1, n)
-                         if not self.disjoint(schema["oneOf"][i], schema["oneOf"][j], schema)), None)
-            if pair is None:  # no value matches two branches: exactly one is at least one
-                rules.append({"anyOf": out.pop("oneOf")})
-            else:
-                self.unproven.append(
-                    f"oneOf at {where or '/'}: branches {pair[0]} and {pair[1]} may both match a value (no disjoint type, "
-                    "const/enum, or property both require with disjoint const/enum values tells them apart), so exactly "
-                    "one cannot be enforced (anyOf can)")
-        for key in ("dependencies", "dependentRequired", "dependentSchemas"):
-            if not isinstance(out.get(key), dict):
-                continue
-            for name, then in out.pop(key).items():
-                present = {"required": [name, *then]} if isinstance(then, list) else {"allOf": [{"required": [name]}, then]}
-                rules.append({"anyOf": [{"properties": {name: False}}, present]})
-        if rules:  # beside any anyOf/allOf the schema has: each rule holds too
-            out["allOf"] = [*out.get("allOf", []), *rules]
         return out
+
+    def _one_of(self, out: dict, schema: dict, where: str) -> list[dict]:
+        """A oneOf whose branches no value matches two of (`disjoint`) as the rule it then is, anyOf, taken out of
+        `out`; one that may have two matching branches left as it is, the reason kept (`unproven`)."""
+        if not isinstance(out.get("oneOf"), list):
+            return []
+        n = len(out["oneOf"])
+        pair = next(((i, j) for i in range(n) for j in range(i + 1, n)
+                     if not self.disjoint(schema["oneOf"][i], schema["oneOf"][j], schema)), None)
+        if pair is None:  # no value matches two branches: exactly one is at least one
+            return [{"anyOf": out.pop("oneOf")}]
+        self.unproven.append(
+            f"oneOf at {where or '/'}: branches {pair[0]} and {pair[1]} may both match a value (no disjoint type, "
+            "const/enum, or property both require with disjoint const/enum values tells them apart), so exactly "
+            "one cannot be enforced (anyOf can)")
+        return []
+
+
+def _apart(a: set[str] | None, b: set[str] | None) -> bool:
+    """Two known sets (of types or values) with nothing in common."""
+    return a is not None and b is not None and not (a & b)
+
+
+def _dependency_rules(out: dict) -> list[dict]:
+    """The schema's dependencies (draft 7's, dependentRequired, dependentSchemas), taken out of `out`, as the rules
+    they are: a property absent, or present with what it requires."""
+    rules = []
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        if not isinstance(out.get(key), dict):
+            continue
+        for name, then in out.pop(key).items():
+            present = {"required": [name, *then]} if isinstance(then, list) else {"allOf": [{"required": [name]}, then]}
+            rules.append({"anyOf": [{"properties": {name: False}}, present]})
+    return rules
 
 
 def enforceable_schema(schema: Any, option: str = ConstraintKind.json_schema.value) -> tuple[Any, list[str]]:

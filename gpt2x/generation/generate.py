@@ -66,22 +66,34 @@ def generate(
         raise UsageError("no prompts given")
     if prompt_ids is None:
         prompt_ids = prepare_prompts(prompts, backend.n_positions, settings.max_new_tokens, truncate)
-    n = settings.n
-    children = [replace(settings, seed=settings.seed + i, n=1) for i in range(n)]  # sample i: seed + i
+    children = [replace(settings, seed=settings.seed + i, n=1) for i in range(settings.n)]  # sample i: seed + i
     if draft is not None:
         if settings.num_beams > 1:
             raise UsageError("beam search and a draft do not combine: speculative decoding samples or decodes greedily")
-        return [generate_speculative(backend, draft, p, ids, children[i], draft_settings or DraftSettings(), row * n + i,
-                                     on_token)
-                for row, (p, ids) in enumerate(zip(prompts, prompt_ids)) for i in range(n)]
+        return _drafted(backend, prompts, prompt_ids, children, draft, draft_settings or DraftSettings(), on_token)
     if settings.num_beams > 1:
         return [beam_search(backend, p, ids, settings) for p, ids in zip(prompts, prompt_ids)]
+    return _batched(backend, prompts, prompt_ids, children, on_token)
+
+
+def _batched(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], children: list[SamplingSettings],
+             on_token: OnToken | None) -> list[Generation]:
+    """Every prompt's samples (`children`, sample i's settings) as one batch, prompt by prompt."""
+    n = len(children)
     samplers = [Sampler(child) for child in children]  # one seeded stream per sample, drawn row by row at each step
     seqs = [Sequence(ids, children[i], sampler=samplers[i]) for _, ids in zip(prompts, prompt_ids) for i in range(n)]
     for event in decode(backend, seqs):
         if on_token and event.token is not None:
             on_token(event.row, event.token)
     return [_result(p, s) for p, s in zip([p for p in prompts for _ in range(n)], seqs)]
+
+
+def _drafted(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], children: list[SamplingSettings],
+             draft: Drafter, draft_settings: DraftSettings, on_token: OnToken | None) -> list[Generation]:
+    """Every prompt's samples decoded one at a time with the draft, prompt by prompt."""
+    n = len(children)
+    return [generate_speculative(backend, draft, p, ids, children[i], draft_settings, row * n + i, on_token)
+            for row, (p, ids) in enumerate(zip(prompts, prompt_ids)) for i in range(n)]
 
 
 def _result(prompt: str, seq: Sequence) -> Generation:

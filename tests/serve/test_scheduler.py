@@ -1,17 +1,21 @@
 """The serving scheduler's plans on hand-built arrivals, with no backend: a stand-in for the runner
 (`Shapes`) does to the batches' shapes what runner.Runner.execute does (widths and the columns each
-row uses), every row sampling a token that is not end of text; a fake clock times the joins."""
+row uses), every row sampling a token that is not end of text, and hands the scheduler what it gave
+(`Scheduler.update_from_output`); a fake clock times the joins."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from gpt2x.generation.decode import Event
 from gpt2x.generation.settings import Finish, SamplingSettings
+from gpt2x.serve.core.outputs import Failed, Finished, PromptLogprobs, TokenOut
 from gpt2x.serve.core.request import Row
-from gpt2x.serve.core.scheduler import DECODE, EngineSettings, Scheduler, SchedulerOutput
+from gpt2x.serve.core.scheduler import EngineSettings, NewRow, RowOutput, RunnerOutput, Scheduler, SchedulerOutput, Start
 
 TOKEN = 11  # what every row samples: never end of text
 
@@ -25,19 +29,18 @@ class Clock:
 
 
 class Shape:
-    """scheduler.Shape by hand: rows, the cache's width, and the columns each row uses."""
+    """A batch's shape by hand: rows, the cache's width, and the columns each row uses."""
 
     def __init__(self, rows: list[Row], width: int, cols: list[int]):
         self.rows, self.width, self.cols = rows, width, cols
 
-    def used(self, rows: list[int]) -> int:
-        return max((self.cols[i] for i in rows), default=0)
-
 
 class Shapes:
-    """The runner's part, on shapes: a prefill is as wide as its longest prompt and samples each row's
-    first token, a chunk runs min(left, chunk // distinct prompts) columns, a regroup right-aligns the
-    rows to its width, a decode step adds a column and samples a token for every live row."""
+    """The runner's part, on shapes: a prefill is as wide as its longest prompt and samples each row's first token,
+    a chunk runs the columns scheduled (fewer where fewer are left), a regroup right-aligns the rows to its width
+    (never dropping a column a kept row uses), a decode step ends the rows cancelled meanwhile and, unless none is
+    left, adds a column and samples a token for every live row. What it gave goes to update_from_output, whose
+    outputs are kept (`told`)."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
@@ -48,65 +51,109 @@ class Shapes:
         # An overlapped prefill: the decode steps it lasts (None: until the batch waits for it), and those left
         self.overlap_steps: int | None = None
         self.overlap_left: int | None = None
+        self.told: list[RowOutput] = []
 
     def run(self, plan: SchedulerOutput) -> SchedulerOutput:
+        self.told += self.scheduler.update_from_output(plan, self.execute(plan))
+        return plan
+
+    def execute(self, plan: SchedulerOutput) -> Iterator[RunnerOutput]:
         joined, self.joined = self.joined, None
-        for row, reason in plan.ended:
-            row.finish = reason
-        for row in plan.searched:
-            row.finish = Finish.length
-        if plan.release:
+        new = {n.start: [m.row for m in plan.scheduled_new_reqs if m.start is n.start] for n in plan.scheduled_new_reqs}
+        for n in plan.scheduled_new_reqs:
+            if n.scored:
+                yield RunnerOutput(prompt_logprobs={n.row: [(n.row.prompt_ids[0], None, None)]})
+        for row in new.get(Start.search, []):
+            yield RunnerOutput(hypotheses={row: []})  # none finished: every one of its rows ends
+        if plan.finished_req_ids and plan.regroup is None and set(self.batch.rows) <= set(plan.finished_req_ids):
             self.batch = self.prefilling = None
-        if plan.speculative is not None:
-            while not plan.speculative.finished:
-                plan.speculative.accept(TOKEN)
-        if plan.prefill:
-            self.batch = prefilled(list(plan.prefill))
-        if plan.join:
-            self.prefilling = (list(plan.join), 0)
-        if plan.overlap:
-            self.overlap_left = self.overlap_steps if self.overlap_steps is not None else -1
-        elif plan.advance and self.overlap_left is not None:  # waited for
-            self.overlap_left = None
-            self.prefilling, self.joined = None, prefilled(self.prefilling[0])
-        elif plan.advance:
-            rows, done = self.prefilling
-            width = max(len(r.prompt_ids) for r in rows)
-            distinct = len({tuple(r.prompt_ids) for r in rows})
-            cols = width - done if plan.chunk is None else min(width - done, max(1, plan.chunk // distinct))
-            self.columns.append(cols)
-            self.prefilling = (rows, done + cols)
-            if done + cols == width:
-                self.prefilling, self.joined = None, prefilled(rows)
+        for row in new.get(Start.draft, []):
+            while not row.finished:
+                yield RunnerOutput([row], [Event(0, *row.accept(TOKEN))])
+        prefill = new.get(Start.prefill, [])
+        if prefill and self.batch is None:
+            self.batch = prefilled(prefill + new.get(Start.after, []))
+            yield RunnerOutput(self.batch.rows, first_tokens(self.batch.rows))
+        else:
+            yield from self.join(plan, prefill)
         if plan.regroup is not None:
             b, o = self.batch, plan.regroup
-            rows = b.rows + (joined.rows if o.joins else [])
-            cols = b.cols + (joined.cols if o.joins else [])
+            joins = joined is not None and max(o.order) >= len(b.rows)
+            rows = b.rows + (joined.rows if joins else [])
+            cols = b.cols + (joined.cols if joins else [])
             assert o.width >= max(cols[i] for i in o.order)  # no column a row uses is dropped
             self.batch = Shape([rows[i] for i in o.order], o.width, [cols[i] for i in o.order])
-        if plan.decode:
-            if self.overlap_left == 0:  # it has ended: the joiners are held for the next plan
-                self.overlap_left = None
-                self.prefilling, self.joined = None, prefilled(self.prefilling[0])
-            elif self.overlap_left is not None:
-                self.overlap_left -= 1
-            b = self.batch
-            b.width += 1
-            b.cols = [c + 1 for c in b.cols]
-            for row in b.rows:
-                if not row.finished:
-                    row.accept(TOKEN)
-        self.scheduler.update(self.batch, self.joined)
-        return plan
+        if self.batch is not None and not set(self.batch.rows).isdisjoint(plan.scheduled_cached_reqs):
+            yield from self.decode()
+
+    def join(self, plan: SchedulerOutput, joiners: list[Row]) -> Iterator[RunnerOutput]:
+        if joiners:
+            self.prefilling = (joiners, 0)
+            if plan.overlap:
+                self.overlap_left = self.overlap_steps if self.overlap_steps is not None else -1
+                return
+        elif self.prefilling is None or self.prefilling[0][0] not in plan.scheduled_cached_reqs:
+            return
+        if self.overlap_left is not None:  # waited for
+            self.overlap_left = None
+            yield self.prefill_ended()
+            return
+        rows, done = self.prefilling
+        width = max(len(r.prompt_ids) for r in rows)
+        cols = min(width - done, max(plan.num_scheduled_tokens[r] for r in rows))
+        assert all(plan.num_scheduled_tokens[r] == cols for r in rows)  # one prefill: every row runs as many
+        self.columns.append(cols)
+        self.prefilling = (rows, done + cols)
+        if done + cols == width:
+            yield self.prefill_ended()
+
+    def prefill_ended(self) -> RunnerOutput:
+        self.joined, self.prefilling = prefilled(self.prefilling[0]), None
+        return RunnerOutput(self.joined.rows, first_tokens(self.joined.rows), joined=True)
+
+    def decode(self) -> Iterator[RunnerOutput]:
+        if self.overlap_left == 0:  # it has ended: the joiners are held for the next plan
+            self.overlap_left = None
+            yield self.prefill_ended()
+        elif self.overlap_left is not None:
+            self.overlap_left -= 1
+        b = self.batch
+        events = [Event(i, None, r.cancelled) for i, r in enumerate(b.rows) if not r.finished and r.cancelled]
+        for e in events:
+            b.rows[e.row].finish = e.finish
+        if all(r.finished for r in b.rows):
+            yield RunnerOutput(b.rows, events)  # no model step: the cache is as wide as it was
+            return
+        b.width += 1
+        b.cols = [c + 1 for c in b.cols]
+        events += [Event(i, *r.accept(TOKEN)) for i, r in enumerate(b.rows) if not r.finished]
+        yield RunnerOutput(b.rows, events, stepped=True)
 
     def step(self) -> SchedulerOutput:
         return self.run(self.scheduler.schedule())
 
 
 def prefilled(rows: list[Row]) -> Shape:
-    for row in rows:
-        row.accept(TOKEN)
     return Shape(rows, max(len(r.prompt_ids) for r in rows), [len(r.prompt_ids) for r in rows])
+
+
+def first_tokens(rows: list[Row]) -> list[Event]:
+    return [Event(i, *r.accept(TOKEN)) for i, r in enumerate(rows)]
+
+
+def decode(rows: list[Row]) -> SchedulerOutput:
+    """The plan of a decode step of these rows, the batch as it is."""
+    return SchedulerOutput(scheduled_cached_reqs=tuple(rows), num_scheduled_tokens=dict.fromkeys(rows, 1))
+
+
+def prefill(rows: list[Row], tokens: int = 4) -> SchedulerOutput:
+    """The plan of a new batch of these rows (prompts of `tokens`), prefilled whole."""
+    return SchedulerOutput(tuple(NewRow(r, Start.prefill) for r in rows), num_scheduled_tokens=dict.fromkeys(rows, tokens))
+
+
+def taken(plan: SchedulerOutput, start: Start = Start.prefill) -> list[Row]:
+    """The rows a plan takes from the queue that start as `start`."""
+    return [n.row for n in plan.scheduled_new_reqs if n.start is start]
 
 
 def row(prompt: int = 4, tokens: int = 10, clock: Clock | None = None, **kw) -> Row:
@@ -128,7 +175,7 @@ def running(n: int, clock: Clock, tokens: int = 10, **settings) -> tuple[Schedul
     scheduler, shapes = engine(clock=clock, **settings)
     rows = [row(tokens=tokens, clock=clock) for _ in range(n)]
     scheduler.submit(rows)
-    assert shapes.step().prefill == tuple(rows)
+    assert shapes.step() == prefill(rows)
     return scheduler, shapes, rows
 
 
@@ -137,7 +184,7 @@ def test_a_new_batch_is_the_rows_waiting_prefilled_whole():
     rows = [row(), row(), row(), row()]
     scheduler.submit(rows)
     plan = shapes.step()
-    assert plan == SchedulerOutput(prefill=tuple(rows[:3]))  # the batch is full: the fourth waits
+    assert plan == prefill(rows[:3]) and plan.total_num_scheduled_tokens == 12  # the batch is full: the fourth waits
     assert scheduler.running == 3 and scheduler.in_flight == rows[:3]
     assert all(r.scheduled_at == 1000.0 for r in rows[:3]) and rows[3].scheduled_at is None
     assert scheduler.counts() == (3, 1)
@@ -153,10 +200,16 @@ def test_rows_taken_are_scored_searched_or_ended_before_their_prefill():
     scheduler.submit([plain, gone, scored, only_scored, beam])
     gone.cancel()  # its client left while it waited: it is not taken
     plan = shapes.step()
-    assert plan.scored == (scored, only_scored) and plan.searched == (beam,)
-    assert plan.ended == ((only_scored, Finish.length),)
-    assert plan.prefill == (plain, scored) and plan.speculative is None
+    assert plan.scheduled_new_reqs == (NewRow(plain, Start.prefill), NewRow(scored, Start.prefill, scored=True),
+                                       NewRow(only_scored, Start.end, scored=True, reason=Finish.length),
+                                       NewRow(beam, Start.search))
+    assert plan.num_scheduled_tokens == {plain: 4, scored: 4}
     assert scheduler.in_flight == [plain, scored, only_scored, beam]
+    # what the scored-only row is told: its prompt's logprobs, then its end; the beam search's rows, theirs
+    assert [t.output for t in shapes.told if t.row is only_scored] == [PromptLogprobs([(1, None, None)]),
+                                                                       Finished(Finish.length)]
+    assert [(t.row, t.output, t.ends) for t in shapes.told if t.row in beam.beam_rows] == [
+        (r, Finished(Finish.length), True) for r in beam.beam_rows]
 
 
 def test_a_draft_decodes_a_lone_row_without_logprobs_speculatively():
@@ -164,8 +217,10 @@ def test_a_draft_decodes_a_lone_row_without_logprobs_speculatively():
     scheduler.speculative = True
     plain, with_logprobs = row(), row(logprobs=2)
     scheduler.submit([plain, with_logprobs])
-    assert shapes.step() == SchedulerOutput(speculative=plain)
-    assert shapes.step() == SchedulerOutput(prefill=(with_logprobs,))  # decoded plainly: the target's logprobs
+    assert shapes.step() == SchedulerOutput((NewRow(plain, Start.draft),), num_scheduled_tokens={plain: 4})
+    assert plain.tokens == [TOKEN] * 10 and [t.output for t in shapes.told][-2:] == [
+        TokenOut(TOKEN, None, Finish.length), Finished(Finish.length)]  # told token by token, then its end
+    assert shapes.step() == prefill([with_logprobs])  # decoded plainly: the target's logprobs
 
 
 def test_a_join_is_due_when_a_quarter_of_the_batch_waits():
@@ -173,11 +228,12 @@ def test_a_join_is_due_when_a_quarter_of_the_batch_waits():
     scheduler, shapes, rows = running(8, clock)
     late = row(clock=clock)
     scheduler.submit([late])
-    assert shapes.step() is DECODE  # one waits, 8 // 4 = 2 needed, and it has not waited long
+    assert shapes.step() == decode(rows)  # one waits, 8 // 4 = 2 needed, and it has not waited long
     second = row(clock=clock)
     scheduler.submit([second])
     plan = shapes.step()
-    assert plan.join == (late, second) and plan.advance and plan.chunk == 256
+    assert plan == SchedulerOutput((NewRow(late, Start.prefill), NewRow(second, Start.prefill)),
+                                   num_scheduled_tokens={late: 4, second: 4})  # one prompt, its 4 columns
     assert scheduler.in_flight == rows + [late, second] and scheduler.running == 10
 
 
@@ -187,9 +243,9 @@ def test_a_join_is_due_when_the_oldest_has_waited_max_join_delay():
     late = row(clock=clock)
     scheduler.submit([late])
     clock.now += 0.04
-    assert shapes.step() is DECODE
+    assert shapes.step() == decode(rows)
     clock.now += 0.02
-    assert shapes.step().join == (late,)
+    assert taken(shapes.step()) == [late]
 
 
 def test_no_join_without_continuous_batching_or_when_the_batch_is_full():
@@ -197,11 +253,11 @@ def test_no_join_without_continuous_batching_or_when_the_batch_is_full():
     scheduler, shapes, rows = running(2, clock, continuous=False)
     scheduler.submit([row(clock=clock)])
     clock.now += 1
-    assert shapes.step() is DECODE and scheduler.counts() == (2, 1)
+    assert shapes.step() == decode(rows) and scheduler.counts() == (2, 1)
     scheduler, shapes, rows = running(2, clock, max_batch_size=2)
     scheduler.submit([row(clock=clock)])
     clock.now += 1
-    assert shapes.step() is DECODE
+    assert shapes.step() == decode(rows)
     assert not Scheduler(EngineSettings(), 256, joins_rows=False).joins  # a cache that takes no rows: static
 
 
@@ -213,13 +269,14 @@ def test_joiners_are_prefilled_a_chunk_before_each_step_then_join():
     joiner = row(prompt=40, clock=clock)
     scheduler.submit([joiner])
     plans = [shapes.step() for _ in range(7)]
-    assert [p.advance for p in plans] == [True, False, True, False, True, False, False]
-    assert [p.decode for p in plans] == [False, True, False, True, False, True, True]
-    assert plans[0].join == (joiner,) and all(not p.join for p in plans[1:])
-    assert shapes.columns == [16, 16, 8] and plans[4].chunk == 16
+    assert [p.num_scheduled_tokens.get(joiner) for p in plans] == [16, None, 16, None, 8, 1, 1]
+    assert [rows[0] in p.scheduled_cached_reqs for p in plans] == [False, True, False, True, False, True, True]
+    assert taken(plans[0]) == [joiner] and all(not p.scheduled_new_reqs for p in plans[1:])
+    assert plans[2].scheduled_cached_reqs == plans[4].scheduled_cached_reqs == (joiner,)  # its prefill continues
+    assert shapes.columns == [16, 16, 8]
     assert [p.regroup is not None for p in plans] == [False] * 5 + [True, False]
     regroup = plans[5].regroup
-    assert regroup.joins and regroup.order.tolist() == [0, 1] and regroup.width == 40
+    assert regroup.order.tolist() == [0, 1] and regroup.width == 40
     assert shapes.batch.rows == [rows[0], joiner] and scheduler.in_flight == [rows[0], joiner]
 
 
@@ -228,16 +285,19 @@ def test_joiners_share_a_chunk_and_run_whole_when_no_row_runs():
     scheduler, shapes, rows = running(2, clock, prefill_chunk=16, max_join_delay_s=0)
     joiners = [row(prompt=40, clock=clock), row(prompt=30, clock=clock)]
     scheduler.submit(joiners)
-    assert shapes.step().chunk == 16 and shapes.columns == [8]  # two prompts: 8 columns each chunk
+    assert shapes.step().num_scheduled_tokens == dict.fromkeys(joiners, 8) and shapes.columns == [8]  # two prompts
     rows[0].cancel()
     shapes.step()  # its step ends it (cancelled)
     assert rows[0].finished
-    assert shapes.step().chunk is None and shapes.columns == [8, 32]  # 2 joiners, 1 row running: the rest at once
+    plan = shapes.step()  # 2 joiners, 1 row running: the rest at once
+    assert plan.num_scheduled_tokens == dict.fromkeys(joiners, 32) and shapes.columns == [8, 32]
     plan = shapes.step()
-    assert plan.regroup.joins and sorted(plan.regroup.order.tolist()) == [1, 2, 3] and plan.decode  # row 0 left out
+    assert sorted(plan.regroup.order.tolist()) == [1, 2, 3] and plan.finished_req_ids == (rows[0],)  # row 0 left out
+    assert plan.scheduled_cached_reqs == tuple(shapes.batch.rows) and set(plan.scheduled_cached_reqs) == {rows[1], *joiners}
     scheduler, shapes, rows = running(1, clock, prefill_chunk=0, max_join_delay_s=0)
-    scheduler.submit([row(prompt=40, clock=clock)])
-    assert shapes.step().chunk is None  # chunking off: whole
+    joiner = row(prompt=40, clock=clock)
+    scheduler.submit([joiner])
+    assert shapes.step().num_scheduled_tokens == {joiner: 40} and shapes.columns == [40]  # chunking off: whole
 
 
 def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
@@ -248,11 +308,13 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
     wave = [row(prompt=32, clock=clock) for _ in range(3)]
     scheduler.submit(wave)
     plan = shapes.step()
-    assert plan.join == tuple(wave) and plan.chunk is None and shapes.columns == [32]
-    assert shapes.step().regroup.joins  # brought in at the batch's next step
+    assert taken(plan) == wave and plan.num_scheduled_tokens == dict.fromkeys(wave, 32) and shapes.columns == [32]
+    assert shapes.step().scheduled_cached_reqs == (rows[0], *wave)  # brought in at the batch's next step
     scheduler, shapes, rows = running(3, clock, prefill_chunk=16, max_join_delay_s=0)
-    scheduler.submit([row(prompt=32, clock=clock) for _ in range(3)])
-    assert shapes.step().chunk == 16 and shapes.columns == [16]  # one prompt, run once for the three
+    wave = [row(prompt=32, clock=clock) for _ in range(3)]
+    scheduler.submit(wave)
+    plan = shapes.step()
+    assert plan.num_scheduled_tokens == dict.fromkeys(wave, 16) and shapes.columns == [16]  # one prompt, run once
 
 
 def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_its_cores():
@@ -267,18 +329,19 @@ def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_it
     joiner = row(prompt=200, clock=clock)
     scheduler.submit([joiner])
     plan = shapes.step()
-    assert plan.join == (joiner,) and plan.advance and plan.overlap and not plan.decode
+    assert plan == SchedulerOutput((NewRow(joiner, Start.prefill),), num_scheduled_tokens={joiner: 200}, overlap=True)
     plans = [shapes.step() for _ in range(5)]
-    assert plans[:4] == [DECODE] * 4  # the prefill lasts 3 steps, and ends before the 4th
-    assert plans[4].regroup.joins and plans[4].decode and shapes.batch.rows == [rows[0], joiner]
-    assert scheduler.in_flight == [rows[0], joiner]
+    assert plans[:4] == [decode(rows)] * 4  # the prefill lasts 3 steps, and ends before the 4th
+    assert plans[4].regroup is not None and plans[4].scheduled_cached_reqs == (rows[0], joiner)
+    assert shapes.batch.rows == [rows[0], joiner] and scheduler.in_flight == [rows[0], joiner]
 
     for shares, prompts in ((True, [100, 100]), (False, [200])):
         scheduler, shapes, rows = running(2, clock, tokens=40, shares_cores=shares, max_join_delay_s=0, prefill_chunk=64,
                                           overlap_prefill=True)
-        scheduler.submit([row(prompt=p, clock=clock) for p in prompts])
+        joiners = [row(prompt=p, clock=clock) for p in prompts]
+        scheduler.submit(joiners)
         plan = shapes.step()
-        assert plan.advance and not plan.overlap and plan.chunk == 64
+        assert not plan.overlap and plan.num_scheduled_tokens == dict.fromkeys(joiners, 64)
     scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
     scheduler.submit([row(prompt=200, clock=clock)])
     assert not shapes.step().overlap
@@ -292,10 +355,10 @@ def test_an_overlapped_prefill_is_waited_for_when_no_row_is_left_to_decode():
     scheduler.submit([joiner])
     assert shapes.step().overlap
     rows[0].cancel()
-    assert shapes.step() is DECODE and rows[0].finished  # its step ends it
-    assert shapes.step() == SchedulerOutput(advance=True)  # nobody decodes: the engine waits for the prefill
+    assert shapes.step() == decode(rows) and rows[0].finished  # its step ends it
+    assert shapes.step() == SchedulerOutput(scheduled_cached_reqs=(joiner,))  # nobody decodes: the prefill waited for
     plan = shapes.step()
-    assert plan.regroup.joins and plan.regroup.order.tolist() == [1] and plan.decode
+    assert plan.regroup.order.tolist() == [1] and plan.scheduled_cached_reqs == (joiner,)
     assert shapes.batch.rows == [joiner]
 
 
@@ -315,9 +378,9 @@ def test_the_batch_waits_for_an_overlapped_prefill_once_it_may_run_no_further_ah
     scheduler.submit([joiner])
     assert shapes.step().overlap
     plans = [shapes.step() for _ in range(47)]
-    assert plans[:45] == [DECODE] * 45
-    assert plans[45] == SchedulerOutput(advance=True)
-    assert plans[46].regroup.joins and plans[46].regroup.width == 4 + 45
+    assert plans[:45] == [decode([first])] * 45
+    assert plans[45] == SchedulerOutput(scheduled_cached_reqs=(joiner,))
+    assert plans[46].scheduled_cached_reqs == (first, joiner) and plans[46].regroup.width == 4 + 45
     assert plans[46].regroup.width + joiner.remaining <= 128
 
 
@@ -325,13 +388,37 @@ def test_the_batch_regroups_when_half_of_it_has_finished():
     clock = Clock()
     scheduler, shapes, rows = running(4, clock)
     rows[1].cancel()
-    assert shapes.step() is DECODE and rows[1].finished  # ended by this step
+    assert shapes.step() == decode(rows) and rows[1].finished  # ended by this step
     rows[3].cancel()
-    assert shapes.step() is DECODE and rows[3].finished  # one of four finished: it rode along, masked
+    plan = shapes.step()
+    assert plan == decode([rows[0], rows[2], rows[3]]) and rows[3].finished  # one of four finished: it rode along
     plan = shapes.step()  # two of four: compacted away
-    assert plan.regroup is not None and not plan.regroup.joins and plan.decode
+    assert plan.finished_req_ids == (rows[1], rows[3]) and plan.scheduled_cached_reqs == (rows[0], rows[2])
     assert plan.regroup.order.tolist() == [0, 2] and shapes.batch.rows == [rows[0], rows[2]]
     assert scheduler.running == 2
+
+
+def test_the_scheduler_keeps_the_batchs_width_from_what_the_runner_gave():
+    """The scheduler's own view of the batch: rows of 20 prompt tokens (width 20, then 21 after a step) with a
+    12-token joiner in chunks of 4; both rows cancelled, their next decode step ends them without running the model
+    (`RunnerOutput.stepped` False), so the cache stays 21 wide, and the joiner, brought in alone, keeps that width
+    (12 of 21 used: not worth dropping the rest). Counting that step as a column would have planned 22."""
+    scheduler, shapes = engine(max_join_delay_s=0, prefill_chunk=4)
+    rows = [row(prompt=20, tokens=50), row(prompt=20, tokens=50)]
+    scheduler.submit(rows)
+    shapes.step()
+    joiner = row(prompt=12, tokens=5)
+    scheduler.submit([joiner])
+    assert shapes.step().num_scheduled_tokens == {joiner: 4}
+    assert shapes.step() == decode(rows) and shapes.batch.width == 21
+    for r in rows:
+        r.cancel()
+    assert shapes.step().num_scheduled_tokens == {joiner: 4}
+    assert shapes.step() == decode(rows) and all(r.finished for r in rows) and shapes.batch.width == 21
+    assert shapes.step().num_scheduled_tokens == {joiner: 4}  # nobody runs: the rest at once
+    plan = shapes.step()
+    assert plan.regroup.order.tolist() == [2] and plan.regroup.width == 21 and plan.finished_req_ids == tuple(rows)
+    assert shapes.batch.rows == [joiner] and shapes.batch.width == 22  # and its step
 
 
 def test_a_batch_ends_released_and_the_next_one_starts():
@@ -339,11 +426,11 @@ def test_a_batch_ends_released_and_the_next_one_starts():
     first = row(tokens=3)
     scheduler.submit([first])
     plans = [shapes.step() for _ in range(4)]
-    assert plans[0].prefill == (first,) and plans[1:3] == [DECODE, DECODE] and first.finished
-    assert plans[3] == SchedulerOutput(release=True) and shapes.batch is None and scheduler.in_flight == []
+    assert plans[0] == prefill([first]) and plans[1:3] == [decode([first])] * 2 and first.finished
+    assert plans[3] == SchedulerOutput(finished_req_ids=(first,)) and shapes.batch is None and scheduler.in_flight == []
     second = row()
     scheduler.submit([second])
-    assert shapes.step().prefill == (second,) and scheduler.running == 1
+    assert shapes.step() == prefill([second]) and scheduler.running == 1
     scheduler.close()
     second.cancel()
     while (plan := scheduler.schedule()) is not None:
@@ -363,7 +450,7 @@ def test_waiting_rows_run_by_priority_with_the_priority_policy():
         ran = []
         while len(ran) < len(made):
             plan = shapes.step()
-            ran += [made.index(r) for r in plan.prefill]
+            ran += [made.index(r) for r in taken(plan)]
         return ran
 
     assert order("priority") == [2, 0, 4, 1, 3]  # lowest first, arrival order among equals (vLLM's)
@@ -383,9 +470,9 @@ def test_a_row_that_would_not_fit_the_context_waits_for_a_new_batch():
     wide, small = row(prompt=30, tokens=30, clock=clock), row(prompt=2, tokens=2, clock=clock)
     scheduler.submit([wide, small])
     plans = [shapes.step() for _ in range(19)]
-    assert all(p is DECODE for p in plans) and first.finished and scheduler.counts()[1] == 2
-    assert shapes.step().release
-    assert shapes.step().prefill == (wide, small)
+    assert plans == [decode([first])] * 19 and first.finished and scheduler.counts()[1] == 2
+    assert shapes.step() == SchedulerOutput(finished_req_ids=(first,))
+    assert taken(shapes.step()) == [wide, small]
 
 
 def test_a_regroup_drops_the_leading_columns_no_row_uses_when_they_are_half():
@@ -397,7 +484,7 @@ def test_a_regroup_drops_the_leading_columns_no_row_uses_when_they_are_half():
         long, short = row(prompt=long_prompt, tokens=2), row(prompt=short_prompt, tokens=30)
         scheduler.submit([long, short])
         shapes.step()
-        assert shapes.step() is DECODE and long.finished  # its second token: its budget
+        assert shapes.step() == decode([long, short]) and long.finished  # its second token: its budget
         plan = shapes.step()  # half finished
         return plan.regroup.order.tolist(), plan.regroup.width
 
@@ -414,12 +501,13 @@ def test_a_joiner_takes_a_finished_rows_place_and_the_columns_it_was_admitted_wi
         rows = [row(prompt=12, tokens=2), row(prompt=8, tokens=30), row(prompt=8, tokens=30)]
         scheduler.submit(rows)
         shapes.step()
-        assert shapes.step() is DECODE and rows[0].finished
+        assert shapes.step() == decode(rows) and rows[0].finished
         joiner = row(prompt=9, tokens=budget)
         scheduler.submit([joiner])
-        assert shapes.step().join == (joiner,)
+        assert taken(shapes.step()) == [joiner]
         plan = shapes.step()
-        assert plan.regroup.joins and plan.decode and shapes.batch.rows == [joiner, rows[1], rows[2]]
+        assert plan.scheduled_cached_reqs == (joiner, rows[1], rows[2]) and plan.finished_req_ids == (rows[0],)
+        assert shapes.batch.rows == [joiner, rows[1], rows[2]]
         return plan.regroup.order.tolist(), plan.regroup.width
 
     assert joined(52) == ([3, 1, 2], 13)  # 13 + 51 positions: fits
@@ -433,7 +521,7 @@ def test_a_failure_gives_up_the_batch():
     assert scheduler.in_flight == []
     nxt = row()
     scheduler.submit([nxt])
-    assert shapes.step().prefill == (nxt,)  # a new batch: the failed one is gone
+    assert shapes.step() == prefill([nxt])  # a new batch: the failed one is gone
 
 
 def test_schedule_blocks_until_a_row_arrives():
@@ -446,12 +534,12 @@ def test_schedule_blocks_until_a_row_arrives():
     r = row()
     scheduler.submit([r])
     waiter.join(5)
-    assert plans == [SchedulerOutput(prefill=(r,))]
+    assert plans == [prefill([r])]
 
 
 def run_out(scheduler: Scheduler, shapes: Shapes, rows: list[Row]) -> None:
     """Steps until `rows` (a batch just prefilled) have finished and the batch is released."""
-    while not (shapes.step().release):
+    while not shapes.step().finished_req_ids:
         pass
     assert all(r.finished for r in rows) and shapes.batch is None
 
@@ -483,11 +571,11 @@ def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_t
     assert scheduler.batch_wait() == 0.0  # no batch yet
     pair = [row(tokens=2), row(tokens=2)]
     scheduler.submit(pair)
-    assert shapes.step().prefill == tuple(pair)
+    assert shapes.step() == prefill(pair)
     run_out(scheduler, shapes, pair)
     assert scheduler.batch_wait() == 0.5
     plan, took = next_batch_after(scheduler, shapes, 0.01)
-    assert len(plan.prefill) == 2 and 0.01 <= took < 0.5  # it started once a batch's worth (2) waited
+    assert len(taken(plan)) == 2 and 0.01 <= took < 0.5  # it started once a batch's worth (2) waited
     scheduler, shapes = engine()
     alone = row(tokens=2)
     scheduler.submit([alone])
@@ -495,14 +583,14 @@ def test_after_a_batch_of_several_rows_a_new_batch_waits_for_requests_arriving_t
     run_out(scheduler, shapes, [alone])
     assert scheduler.batch_wait() == 0.0
     plan, took = next_batch_after(scheduler, shapes, 0.3)
-    assert len(plan.prefill) == 1 and took < 0.25
-    for wait, taken in ((0.0, 1), (0.3, 2)):
+    assert len(taken(plan)) == 1 and took < 0.25
+    for wait, took in ((0.0, 1), (0.3, 2)):
         scheduler, shapes = engine(batch_wait_s=wait, max_batch_size=2)
         scheduler.submit([row(tokens=2)])
         shapes.step()  # a batch of one: a set wait applies all the same
         run_out(scheduler, shapes, list(shapes.batch.rows))
         plan, _ = next_batch_after(scheduler, shapes, 0.05 if wait else 0.3)
-        assert len(plan.prefill) == taken, wait
+        assert len(taken(plan)) == took, wait
 
 
 def test_after_a_batch_of_one_a_new_batch_waits_where_several_requests_wait_already(monkeypatch):
@@ -526,7 +614,7 @@ def test_after_a_batch_of_one_a_new_batch_waits_where_several_requests_wait_alre
     timer.start()
     plan = shapes.step()
     timer.join()
-    assert plan.prefill == tuple(wave)
+    assert taken(plan) == wave
 
 
 def test_an_auto_wait_ends_once_requests_stop_arriving(monkeypatch):
@@ -551,7 +639,7 @@ def test_an_auto_wait_ends_once_requests_stop_arriving(monkeypatch):
     took = time.monotonic() - start
     for t in timers:
         t.join()
-    assert plan.prefill == (first, second) and 0.05 <= took < 0.5
+    assert taken(plan) == [first, second] and 0.05 <= took < 0.5
     assert scheduler.counts()[1] == 1  # the third waits
 
 
@@ -562,7 +650,7 @@ def test_a_waiting_batch_starts_once_a_batchs_worth_waits():
     threading.Timer(0.01, lambda: scheduler.submit([second])).start()
     start = time.monotonic()
     scheduler.submit([first])
-    assert shapes.step().prefill == (first, second) and time.monotonic() - start < 5
+    assert taken(shapes.step()) == [first, second] and time.monotonic() - start < 5
 
 
 def test_the_request_queue_alone_bounds_orders_takes_and_closes():
@@ -604,7 +692,7 @@ class HeldNothing:
 
 def test_rows_sharing_a_long_prompt_text_are_planned_after_the_row_they_share_it_with():
     """The prefix policy is the scheduler's: of a new batch, a row whose prompt shares 64 tokens or more (whole blocks
-    the cache lacks) with an earlier row's different prompt is planned after it (prefill_later), by hand: A and B
+    the cache lacks) with an earlier row's different prompt is planned after it (Start.after), by hand: A and B
     share 80 tokens (5 blocks), C is short, D is A again (prefilled with it once, not after it). Whether each part
     starts from the cache is planned too: with no estimate, yes; with one where a past costs more than running the
     tokens fresh, not for the rows that would find 80 tokens held."""
@@ -621,5 +709,26 @@ def test_rows_sharing_a_long_prompt_text_are_planned_after_the_row_they_share_it
         scheduler.submit([a, b, c, d])
         plans.append(scheduler.schedule())
     for plan in plans:
-        assert plan.prefill == (a, c, d) and plan.prefill_later == (b,) and plan.cached
-    assert plans[0].later_cached and not plans[1].later_cached  # 2 + 10 x 80 against 82 tokens fresh
+        assert [(n.row, n.start) for n in plan.scheduled_new_reqs] == [(a, Start.prefill), (b, Start.after),
+                                                                       (c, Start.prefill), (d, Start.prefill)]
+        assert all(n.cached for n in plan.scheduled_new_reqs if n.start is Start.prefill)
+    cached = [plan.scheduled_new_reqs[1].cached for plan in plans]
+    assert cached == [True, False]  # 2 + 10 x 80 against 82 tokens fresh
+
+
+def test_what_the_runner_gave_is_told_with_the_marks_the_engine_counts_by():
+    """update_from_output on a hand-built RunnerOutput of a decode step: a token, a last token (its end follows,
+    counted with the token), an end-of-text not kept (told with its logprob, a token sampled all the same), and a
+    row whose constraint failed (its own 400, counted as an end, no token)."""
+    scheduler, _ = engine()
+    going, last, eot, failed = (row() for _ in range(4))
+    failed.error = "the constraint cannot continue"
+    lp = (50256, -0.5, [])
+    events = [Event(0, 7, None), Event(1, 8, Finish.length), Event(2, None, Finish.eos, lp), Event(3, None, Finish.failed)]
+    plan = decode([going, last, eot, failed])
+    told = list(scheduler.update_from_output(plan, [RunnerOutput([going, last, eot, failed], events, stepped=True)]))
+    assert [(t.row, t.output, t.sampled, t.ends) for t in told] == [
+        (going, TokenOut(7), True, False),
+        (last, TokenOut(8, None, Finish.length), True, True), (last, Finished(Finish.length), False, False),
+        (eot, Finished(Finish.eos, lp), True, True),
+        (failed, Failed("the constraint cannot continue", client=True), False, True)]

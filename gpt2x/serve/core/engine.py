@@ -1,7 +1,7 @@
 """One server replica's engine: one thread owns the backend and serves every request in flight as one
 batch. It only loops: the scheduler (scheduler.py) plans each step, the runner (runner.py) executes
-the plan, and the engine tells each row's callback what happened to it. How it batches, joins,
-chunks and caches: docs/serving/index.md."""
+the plan, the scheduler applies what it gave, and the engine tells each row's callback the outputs
+that come of it. How it batches, joins, chunks and caches: docs/serving/index.md."""
 
 from __future__ import annotations
 
@@ -12,25 +12,23 @@ from pathlib import Path
 from typing import Protocol
 
 from ...errors import UsageError
-from ...generation.decode import Event
 from ...generation.logprobs import LogprobEntry
 from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
 from ...runtime.base import Backend
-from .outputs import Failed, Finished, Output, PromptLogprobs, Sink, TokenOut
+from .outputs import Failed, Output, Sink, TokenOut
 from .prefix_cache import BLOCK_TOKENS, PrefixCache
 from .prefix_disk import BlockIdentity, DiskBlocks
 from .request import Row
 from .request_queue import EngineClosed, QueueFull
-from .runner import Ended, Executed, Runner, Scored, Searched, Step
-from .scheduler import EngineSettings, Scheduler
+from .runner import Runner
+from .scheduler import EngineSettings, RowOutput, Scheduler
 
 __all__ = ["Engine", "EngineClosed", "EngineSettings", "LogprobEntry", "Observer", "QueueFull", "Row", "Sink",
            "refuse_batched_draft"]
 
 log = logging.getLogger(__name__)
 
-_SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 SPECULATIVE_BATCH = "speculative serving runs at max batch size 1 (one request decoded at a time with its draft)"
 
 
@@ -190,8 +188,8 @@ class Engine:
     def _loop(self) -> None:
         while (plan := self.scheduler.schedule()) is not None:
             try:
-                for done in self.runner.execute(plan):
-                    self._tell_done(done)
+                for told in self.scheduler.update_from_output(plan, self.runner.execute(plan)):
+                    self._tell_out(told)
             except Exception as e:  # the batch fails; the engine and the other batches go on
                 log.exception("a batch failed")
                 self.counters["errors"] += 1
@@ -200,8 +198,6 @@ class Engine:
                     if not row.finished:
                         row.finish = Finish.cancelled
                         self._tell(row, Failed(f"generation failed: {e}"))
-                continue
-            self.scheduler.update(self.runner.batch, self.runner.joined)
 
     def _iteration(self, tokens: int, positions: int) -> None:
         """The runner ran a model step of `tokens` tokens over a cache of `positions` (rows x width)."""
@@ -209,58 +205,18 @@ class Engine:
         if self.observer is not None:
             self.observer.iteration(tokens)
 
-    def _tell_done(self, done: Executed) -> None:
-        """What a part of a plan did, told to its rows."""
-        if isinstance(done, Step):
-            rows = done.rows
-            for event in done.events:
-                self._tell_event(rows[event.row], event)
-        elif isinstance(done, Scored):
-            self._tell(done.row, PromptLogprobs(done.entries))
-        elif isinstance(done, Ended):
-            self._end(done.row, done.reason)
-        elif isinstance(done, Searched):
-            self._tell_hypotheses(done.row, done.hypotheses)
-
-    def _tell_hypotheses(self, row: Row, hypotheses: list[tuple[list[int], Finish]]) -> None:
-        """A beam search's best hypotheses, each told to one of its beam_rows: its tokens and its end."""
-        for target, (tokens, finish) in zip(row.beam_rows, hypotheses):
-            self._count_end(target)  # before its tokens: its answer may end with the last one
-            for i, token in enumerate(tokens):
-                target.tokens.append(token)
-                last = finish if i == len(tokens) - 1 and finish is not Finish.eos else None
-                if last is not None:
-                    target.finish = last  # its last token, told as such
-                self.counters["tokens"] += 1
-                self._tell(target, TokenOut(token, None, last))
-            target.finish = finish
-            self._tell(target, Finished(finish))
-        for target in row.beam_rows[len(hypotheses):]:  # fewer hypotheses than asked (none finished)
-            self._end(target, Finish.length)
-
-    def _count_end(self, row: Row) -> None:
-        self.counters["rows"] += 1
-        if self.observer is not None:
-            self.observer.finished(row, time.monotonic())
-
-    def _end(self, row: Row, reason: Finish) -> None:
-        row.finish = reason
-        self._count_end(row)
-        self._tell(row, Finished(reason))
-
-    def _tell_event(self, row: Row, event: Event) -> None:
-        """A row's event told as its callback hears it: the token (with its logprobs), then its end."""
-        if self.observer is not None and (event.token is not None or event.finish in _SAMPLED_ENDS):
+    def _tell_out(self, told: RowOutput) -> None:
+        """An output for a row, told: the observer hears a token sampled, and a row's end is counted, first."""
+        row = told.row
+        if told.sampled and self.observer is not None:
             self.observer.token(row, time.monotonic())
-        if event.finish is not None:  # counted before the last token is told: its answer may end with it
-            self._count_end(row)
-        if event.token is not None:
+        if told.ends:
+            self.counters["rows"] += 1
+            if self.observer is not None:
+                self.observer.finished(row, time.monotonic())
+        if isinstance(told.output, TokenOut):
             self.counters["tokens"] += 1
-            self._tell(row, TokenOut(event.token, event.logprob, event.finish))
-        if event.finish is Finish.failed:  # this row alone: the others of its batch go on
-            self._tell(row, Failed(row.error or "generation failed", client=True))
-        elif event.finish is not None:  # the logprobs of the end-of-text or stop token, which is not kept
-            self._tell(row, Finished(event.finish, event.logprob if event.token is None else None))
+        self._tell(row, told.output)
 
     def _tell(self, row: Row, out: Output) -> None:
         try:

@@ -1,8 +1,8 @@
 """The serving engine's runner: it executes the scheduler's plans (scheduler.SchedulerOutput) on the
 backend and decides nothing. It holds the batch in flight (its cache) and the joiners' prefill; the
 decode loop (generation.decode) steps the rows, so a served row's tokens are those `gpt2x generate`
-gives for the same prompt, settings and seed. What each part of a plan did comes back as
-it is done (`Executed`), for the engine to tell."""
+gives for the same prompt, settings and seed. What each part of a plan gave comes back as soon as
+it is done (scheduler.RunnerOutput), for the scheduler to apply."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ...numerics import positions
 from ...runtime.base import Backend
 from .prefix_cache import PrefixCache
 from .request import Row
-from .scheduler import SchedulerOutput, unused_columns
+from .scheduler import NewRow, Regroup, RunnerOutput, SchedulerOutput, Start
 
 
 @dataclass(eq=False)
@@ -36,14 +36,6 @@ class Batch(loop.Batch):
 
     def live(self) -> list[int]:
         return [i for i, r in enumerate(self.rows) if not r.finished]
-
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]
-
-    def used(self, rows: list[int]) -> int:
-        """scheduler.Shape: the columns the rows at these indices use (0 for none)."""
-        return self.mask.shape[1] - unused_columns(self.mask[rows])
 
 
 @dataclass
@@ -62,37 +54,6 @@ class Prefill:
     done: int = 0
     # An overlapped prefill's model steps (tokens, positions), told by the engine's thread once it has ended.
     ran: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """The events of a model step (or of a speculative row, one at a time): `event.row` indexes `rows`."""
-
-    rows: list[Row]
-    events: Sequence[Event]
-
-
-@dataclass(frozen=True, slots=True)
-class Scored:
-    row: Row
-    entries: list[LogprobEntry]  # its prompt's logprobs (Runner.score)
-
-
-@dataclass(frozen=True, slots=True)
-class Searched:
-    row: Row
-    hypotheses: list[tuple[list[int], Finish]]  # the best, best first (generation.beam.beam_hypotheses)
-
-
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """A row the plan ends without running it."""
-
-    row: Row
-    reason: Finish
-
-
-Executed = Step | Scored | Searched | Ended
 
 
 class Runner:
@@ -117,51 +78,88 @@ class Runner:
         self.overlap: Future | None = None
         self._overlapping: ThreadPoolExecutor | None = None
 
-    def execute(self, plan: SchedulerOutput) -> Iterator[Executed]:
-        """Run `plan`'s parts in their order, each part's outcome yielded as it is done (a speculative
-        row's tokens one by one, so that they are told as they come). The engine reads the batches
-        held afterwards (`batch`, `joined`)."""
-        joined, self.joined = self.joined, None
-        for row in plan.scored:
-            yield Scored(row, self.score(row))
-        for row in plan.searched:
-            yield Searched(row, self.search(row))
-        for row, reason in plan.ended:
-            yield Ended(row, reason)
-        if plan.release:
-            self.reset()
-        if plan.speculative is not None:
-            self.counters["batches"] += 1
-            rows = [plan.speculative]
-            for event in self.speculative(plan.speculative):
-                yield Step(rows, (event,))
-        if plan.prefill:
-            self.counters["batches"] += 1
-            self.batch, events = self.prefill(list(plan.prefill), plan.cached, plan.prefill_later, plan.later_cached)
-            yield Step(self.batch.rows, events)
-        if plan.join:
-            self.counters["joins"] += 1
-            self.prefilling = self.begin(list(plan.join), plan.cached)
-        if plan.overlap:
-            self.overlap = self._overlap_pool().submit(self._prefill_overlapped, self.prefilling)
-        elif plan.advance and self.overlap is not None:
-            yield from self._overlapped(wait_for_it=True)
-        elif plan.advance:
-            done = self.advance(self.prefilling, plan.chunk)
-            if done is not None:
-                self.prefilling = None
-                self.joined, events = done
-                yield Step(self.joined.rows, events)
+    def execute(self, plan: SchedulerOutput) -> Iterator[RunnerOutput]:
+        """Run `plan`, each part's outcome yielded as soon as it is done (a draft row's tokens one by one, so that
+        they are told as they come): the new rows' prompts scored and their beam searches, the batch let go at its
+        end, a draft row, a new batch's prefill (where none is held) or the joiners' (beside the one held), the
+        joiners' next chunk, the regroup, the decode step of the batch's rows scheduled."""
+        joined, self.joined = self.joined, None  # the joiners prefilled: merged by this plan's regroup, or dropped
+        starts: dict[Start, list[NewRow]] = {}
+        for n in plan.scheduled_new_reqs:
+            starts.setdefault(n.start, []).append(n)
+        yield from self._scored_and_searched(plan.scheduled_new_reqs)
+        if plan.finished_req_ids and plan.regroup is None and self.batch is not None \
+                and set(self.batch.rows) <= set(plan.finished_req_ids):
+            self.reset()  # every row has left: the batch's end
+        for n in starts.get(Start.draft, []):
+            yield from self._drafted(n.row)
+        prefill = starts.get(Start.prefill, [])
+        if prefill and self.batch is None:
+            yield self._new_batch(prefill, starts.get(Start.after, []))
+        else:
+            yield from self._join(plan, prefill)
         if plan.regroup is not None:
-            if not plan.regroup.joins:
-                self.counters["compactions"] += 1
-            self.batch = self.merge(self.batch, joined if plan.regroup.joins else None, plan.regroup.order,
-                                    plan.regroup.width)
-        if plan.decode:
-            yield from self._overlapped(wait_for_it=False)  # ended: this step runs on every core
-            with self.backend.sharing_cores() if self.overlap is not None else nullcontext():
-                events = self.step(self.batch)
-            yield Step(self.batch.rows, events)
+            self._regroup(plan.regroup, joined)
+        if self.batch is not None and not set(self.batch.rows).isdisjoint(plan.scheduled_cached_reqs):
+            yield from self._decode()
+
+    def _scored_and_searched(self, new: tuple[NewRow, ...]) -> Iterator[RunnerOutput]:
+        """The new rows' prompts scored where they ask, then their beam searches, each whole."""
+        for n in new:
+            if n.scored:
+                yield RunnerOutput(prompt_logprobs={n.row: self.score(n.row)})
+        for n in new:
+            if n.start is Start.search:
+                yield RunnerOutput(hypotheses={n.row: self.search(n.row)})
+
+    def _drafted(self, row: Row) -> Iterator[RunnerOutput]:
+        """A row decoded with the draft, a batch of its own, each token yielded as it is accepted."""
+        self.counters["batches"] += 1
+        for event in self.speculative(row):
+            yield RunnerOutput((row,), (event,))
+
+    def _new_batch(self, first: list[NewRow], later: list[NewRow]) -> RunnerOutput:
+        """A new batch prefilled whole: its first rows, then the rows that wait for their prefill (Start.after)."""
+        self.counters["batches"] += 1
+        self.batch, events = self.prefill([n.row for n in first], all(n.cached for n in first),
+                                          [n.row for n in later], all(n.cached for n in later))
+        return RunnerOutput(self.batch.rows, events)
+
+    def _join(self, plan: SchedulerOutput, joiners: list[NewRow]) -> Iterator[RunnerOutput]:
+        """The joiners' prefill: begun for `joiners` (rows just taken, beside the batch held), overlapped where the plan
+        says so; its next chunk of the columns scheduled where its rows are; running overlapped, its end waited for."""
+        if joiners:
+            self.counters["joins"] += 1
+            self.prefilling = self.begin([n.row for n in joiners], all(n.cached for n in joiners))
+            if plan.overlap:
+                self.overlap = self._overlap_pool().submit(self._prefill_overlapped, self.prefilling)
+                return
+        elif self.prefilling is None or self.prefilling.rows[0] not in plan.scheduled_cached_reqs:
+            return
+        if self.overlap is not None:
+            yield from self._overlapped(wait_for_it=True)
+            return
+        done = self.advance(self.prefilling, max(plan.num_scheduled_tokens[r] for r in self.prefilling.rows))
+        if done is not None:
+            self.prefilling = None
+            self.joined, events = done
+            yield RunnerOutput(self.joined.rows, events, joined=True)
+
+    def _regroup(self, regroup: Regroup, joined: Batch | None) -> None:
+        """The batch laid out as `regroup` says, the joiners in where its order takes them, else a compaction."""
+        joins = joined is not None and int(regroup.order.max()) >= len(self.batch.rows)
+        if not joins:
+            self.counters["compactions"] += 1
+        self.batch = self.merge(self.batch, joined if joins else None, regroup.order, regroup.width)
+
+    def _decode(self) -> Iterator[RunnerOutput]:
+        """A decode step of the batch, once an overlapped prefill that has ended is told (this step then runs on
+        every core); whether it ran the model (rows cancelled meanwhile end without one)."""
+        yield from self._overlapped(wait_for_it=False)
+        width = self.batch.mask.shape[1]
+        with self.backend.sharing_cores() if self.overlap is not None else nullcontext():
+            events = self.step(self.batch)
+        yield RunnerOutput(self.batch.rows, events, stepped=self.batch.mask.shape[1] > width)
 
     def reset(self) -> None:
         """Let go of every batch held (the batch ended, or failed), once an overlapped prefill has stopped."""
@@ -183,7 +181,7 @@ class Runner:
         assert result is not None
         return result
 
-    def _overlapped(self, wait_for_it: bool) -> Iterator[Executed]:
+    def _overlapped(self, wait_for_it: bool) -> Iterator[RunnerOutput]:
         """The overlapped prefill's end, where it has ended (or once it has, `wait_for_it`): the joiners held for the
         next plan to merge, their first tokens told, its steps counted and its prompts' blocks kept here, on the
         engine's thread. Its error is raised here, failing the batch as a chunk's would."""
@@ -196,13 +194,13 @@ class Runner:
         for tokens, held in prefill.ran:
             self._ran(tokens, held)
         self._keep_prefixes(prefill)
-        yield Step(self.joined.rows, events)
+        yield RunnerOutput(self.joined.rows, events, joined=True)
 
     def prefill(self, rows: list[Row], cached: bool = True, later: Sequence[Row] = (),
                 later_cached: bool = True) -> tuple[Batch, list[Event]]:
         """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end), from the prefix cache's blocks
-        where `cached`; then the `later` rows (the scheduler's SchedulerOutput.prefill_later: they share a long prompt
-        text with the first rows, which their prefill leaves in the prefix cache), from it where `later_cached`, the
+        where `cached`; then the `later` rows (the scheduler's Start.after: they share a long prompt text with the
+        first rows, which their prefill leaves in the prefix cache), from it where `later_cached`, the
         two merged into one batch, the first rows first."""
         result = self.advance(self.begin(rows, cached), None)
         assert result is not None
@@ -221,52 +219,60 @@ class Runner:
         backend whose cache rows do not move, capabilities.joins_rows False, every row is prefilled:
         onnxruntime-genai reorders by replaying, which would prefill them all again.)
 
-        With a prefix cache and `cached` (the scheduler's choice), each distinct prompt's leading blocks held there are
-        its past: the
-        prefill runs on T columns, T the longest rest of a prompt after its cached blocks, every row
-        fed its last T tokens (or all of them, left-padded) and its tokens before those taken from
-        the prefix cache, so that each row's tokens stay contiguous and right-aligned (as in any
-        left-padded batch). `row.cached_tokens` says how many tokens each row took from it."""
-        prompts = [r.prompt_ids for r in rows]
-        index = None
-        if self.backend.capabilities.joins_rows:
-            distinct: dict[tuple[int, ...], int] = {}
-            which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
-            if len(distinct) < len(rows):
-                prompts, index = [list(p) for p in distinct], np.asarray(which, dtype=np.int64)
-        use = self.prefix_cache is not None and cached
-        hits = [self.prefix_cache.lookup(p, use) for p in prompts] if self.prefix_cache is not None else [[] for _ in prompts]
-        block = self.prefix_cache.block_tokens if self.prefix_cache is not None else 0
+        With a prefix cache and `cached` (the scheduler's choice), each distinct prompt's leading blocks held there
+        are its past: the prefill runs on T columns, T the longest rest of a prompt after its cached blocks, every
+        row fed its last T tokens (or all of them, left-padded) and its tokens before those taken from the prefix
+        cache, so that each row's tokens stay contiguous and right-aligned (as in any left-padded batch).
+        `row.cached_tokens` says how many tokens each row took from it."""
+        prompts, index = self._distinct([r.prompt_ids for r in rows])
+        cache = self.prefix_cache
+        hits = [cache.lookup(p, cached) for p in prompts] if cache is not None else [[] for _ in prompts]
+        block = cache.block_tokens if cache is not None else 0
         T = max(len(p) - len(h) * block for p, h in zip(prompts, hits))  # columns to run
         cached = [max(0, len(p) - T) for p in prompts]  # tokens before a row's last T: from the prefix cache
         ids, run_mask = loop.left_pad([p[c:] for p, c in zip(prompts, cached)])  # (U, T)
         K = max(cached)
-        past = None
-        if K:
-            first = next(h for h in hits if h)[0].kv
-            layers, heads, _, dim = first.shape
-            # Not zero-filled: gather writes each row's last `cached` columns, and only the columns left of
-            # them (a shorter row's padding) are zeroed; a whole zeroed copy cost a served batch its step.
-            kv = np.empty((layers, len(prompts), heads, K, dim), dtype=first.dtype)  # (2L, U, H, K, D), as stored
-            for u, (h, c) in enumerate(zip(hits, cached)):
-                kv[:, u, :, : K - c] = 0
-                if c:
-                    self.prefix_cache.gather(h, c, kv, u)
-            past = self.backend.past_from_numpy(list(kv))
+        past = self._past(hits, cached) if K else None
         past_mask = (np.arange(K)[None, :] >= K - np.asarray(cached)[:, None]).astype(np.int64)  # (U, K)
         for row, c in zip(rows, cached if index is None else [cached[i] for i in index]):
             row.cached_tokens = c
         return Prefill(rows, prompts, index, ids, np.concatenate([past_mask, run_mask], axis=1), past)
 
-    def advance(self, prefill: Prefill, tokens: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
-        """Run the next chunk of a prefill: about `tokens` tokens (its rows share them: at least one
-        column), or all that is left (None). When its last column has run, each row's first token is
+    def _distinct(self, prompts: list[list[int]]) -> tuple[list[list[int]], np.ndarray | None]:
+        """The prompts a prefill runs, each distinct one once where the backend's cache rows move, and which of them
+        each row is (None: every row runs its own)."""
+        if not self.backend.capabilities.joins_rows:
+            return prompts, None
+        distinct: dict[tuple[int, ...], int] = {}
+        which = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        if len(distinct) == len(prompts):
+            return prompts, None
+        return [list(p) for p in distinct], np.asarray(which, dtype=np.int64)
+
+    def _past(self, hits: list[list[Any]], cached: list[int]) -> Any:
+        """The backend's past made of the prefix cache's blocks (`hits`), each prompt's first `cached` tokens
+        right-aligned to the longest."""
+        K = max(cached)
+        first = next(h for h in hits if h)[0].kv
+        layers, heads, _, dim = first.shape
+        # Not zero-filled: gather writes each row's last `cached` columns, and only the columns left of
+        # them (a shorter row's padding) are zeroed; a whole zeroed copy cost a served batch its step.
+        kv = np.empty((layers, len(hits), heads, K, dim), dtype=first.dtype)  # (2L, U, H, K, D), as stored
+        for u, (h, c) in enumerate(zip(hits, cached)):
+            kv[:, u, :, : K - c] = 0
+            if c:
+                self.prefix_cache.gather(h, c, kv, u)
+        return self.backend.past_from_numpy(list(kv))
+
+    def advance(self, prefill: Prefill, columns: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
+        """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's
+        num_scheduled_tokens), or fewer where fewer are left, or all that is left (None). When its last column has run, each row's first token is
         sampled and its prompt's whole blocks kept in the prefix cache: the batch and the events;
         before that, None. `report` False (another thread's prefill): its steps are left in `prefill.ran`
         and its blocks not kept, for the engine's thread to do (`_overlapped`)."""
         ran_step = self._ran if report else lambda tokens, held: prefill.ran.append((tokens, held))
-        U, T = prefill.ids.shape
-        cols = T - prefill.done if tokens is None else min(T - prefill.done, max(1, tokens // U))
+        T = prefill.ids.shape[1]
+        cols = T - prefill.done if columns is None else min(T - prefill.done, columns)
         K = prefill.mask.shape[1] - T
         upto = K + prefill.done + cols
         mask = prefill.mask[:, :upto]
@@ -319,6 +325,12 @@ class Runner:
         rows = batch.rows + ([] if joined is None else joined.rows)
         jmask = np.zeros((0, 1), dtype=np.int64) if joined is None else joined.mask
         jnxt = np.zeros(0, dtype=np.int64) if joined is None else joined.nxt
+        n = len(batch.rows)
+        # The width is the scheduler's, from its own view of the rows' columns: a column a kept row uses, dropped,
+        # would change its tokens silently, so it fails the batch instead.
+        for m, kept in ((batch.mask, order[order < n]), (jmask, order[order >= n] - n)):
+            if m.shape[1] > width and m[kept, : m.shape[1] - width].any():
+                raise RuntimeError(f"a regroup {width} columns wide would drop columns its rows use")
         mask = np.concatenate([_fit(batch.mask, width), _fit(jmask, width)])[order]
         past = batch.past.merge(order, None if joined is None else joined.past, width)
         return Batch([rows[i] for i in order], mask, np.concatenate([batch.nxt, jnxt])[order], past)

@@ -1,19 +1,25 @@
 """The serving engine's scheduler: every decision on which rows run, when and how, made as one plan
-per step (`Scheduler.schedule`) that the runner (runner.py) executes. It never touches a backend: it
-sees rows, the batch's width and the columns its rows use, the context's length and a clock. Why a
-regrouped batch is laid out as it is: docs/serving/index.md#batching."""
+per step (`Scheduler.schedule`, a `SchedulerOutput`: the rows it runs and how many tokens each) that the
+runner (runner.py) executes, and every row's state, which it updates from what the runner gave
+(`Scheduler.update_from_output`), yielding what each row is told. It never touches a backend: it keeps
+its own view of the batch (its rows in cache order, its width, the columns its rows use), and sees the
+context's length and a clock. Why a regrouped batch is laid out as it is: docs/serving/index.md#batching."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 import numpy as np
 
 from ...errors import UsageError
+from ...generation.decode import Event
+from ...generation.logprobs import LogprobEntry
 from ...generation.settings import Finish
+from .outputs import Failed, Finished, Output, PromptLogprobs, TokenOut
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from .prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
 from .request import Row
@@ -36,9 +42,10 @@ AUTO_QUIET_S = 0.005
 # docs/results/serving.md#overlapped-prefill), and the rows running do not wait for the chunks.
 OVERLAP_AFTER_CHUNKS = 2
 # Rows sharing this many prompt tokens with an earlier row of their new batch wait for its prefill and take them from
-# the prefix cache (SchedulerOutput.prefill_later). The wait costs the batch one more forward and a merge: a long
+# the prefix cache (Start.after). The wait costs the batch one more forward and a merge: a long
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
 SHARED_TO_WAIT = 64
+_SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 
 
 @dataclass(frozen=True)
@@ -98,51 +105,86 @@ class EngineSettings:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
 
 
-class Shape(Protocol):
-    """What the scheduler sees of a batch the runner holds (runner.Batch)."""
-
-    rows: list[Row]  # in cache order
-
-    @property
-    def width(self) -> int:
-        """Its cache's width (mask columns)."""
-
-    def used(self, rows: list[int]) -> int:
-        """Columns the rows at these indices use: from the first any of them uses to the end (0: none)."""
-
-
 @dataclass(frozen=True)
 class Regroup:
-    """The batch laid out anew: row i is row order[i] of the batch (0..B-1) or of the joined batch
-    (B onward), every row right-aligned to `width` columns."""
+    """The batch laid out anew before its decode step: row i is row order[i] of the batch (0..B-1) or of the joiners
+    just prefilled (B onward), every row right-aligned to `width` columns."""
 
     order: np.ndarray
     width: int
-    joins: bool  # the joined rows come in; False: a compaction (finished rows leave)
+
+
+class Start(Enum):
+    """How a row taken from the queue starts (NewRow.start)."""
+
+    prefill = "prefill"  # prefilled: a new batch's rows whole; joiners beside the running batch, in chunks
+    after = "after"  # a new batch's row prefilled after its other rows, from the prefix cache's blocks theirs leave
+    search = "search"  # a beam search, run whole
+    draft = "draft"  # decoded whole with the draft, its tokens told as they come
+    end = "end"  # nothing to run: it ends (NewRow.reason), once its prompt is scored where it asks
+
+
+@dataclass(frozen=True)
+class NewRow:
+    """A row scheduled for the first time (vLLM's NewRequestData): the row (its prompt and settings), how it starts,
+    whether its prompt is scored first (prompt_logprobs), whether its prefill starts from the prefix cache's blocks
+    (`Scheduler._cache_pays`), and, ending at once, why."""
+
+    row: Row
+    start: Start
+    scored: bool = False
+    cached: bool = True
+    reason: Finish | None = None
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan, executed in this order by runner.Runner.execute."""
+    """One step's plan, in vLLM v1's shape: the rows it runs and how many tokens each, and the layout facts that are
+    policy. The runner (runner.Runner.execute) runs it and decides nothing; the scheduler applies what it gave
+    (`Scheduler.update_from_output`). A batch's step is two plans, each only when it has work: the joiners' (rows
+    taken, the next chunk of the joiners' prefill), then the batch's (its regroup, its decode step)."""
 
-    scored: tuple[Row, ...] = ()  # rows just taken whose prompts are scored first (prompt_logprobs)
-    searched: tuple[Row, ...] = ()  # rows just taken that run a beam search, whole
-    ended: tuple[tuple[Row, Finish], ...] = ()  # rows just taken that end without running
-    prefill: tuple[Row, ...] = ()  # a new batch, prefilled whole ...
-    prefill_later: tuple[Row, ...] = ()  # ... then these rows, which share a long prompt text with it, from the cache
-    cached: bool = True  # the prefill (the new batch's first rows, or the joiners') starts from the prefix cache
-    later_cached: bool = True  # prefill_later's does
-    speculative: Row | None = None  # one row decoded whole with the draft
-    join: tuple[Row, ...] = ()  # rows whose prefill begins beside the running batch
-    advance: bool = False  # the joiners' prefill runs its next chunk (or, overlapped, is waited for to end) ...
-    chunk: int | None = None  # ... of about this many tokens (None: all that is left)
-    overlap: bool = False  # ... whole, on half the cores, beside the decode steps that follow (runner.joined once done)
-    regroup: Regroup | None = None  # the batch laid out anew, the joiners prefilled by now in or not
-    decode: bool = False  # one decode step of every row of the batch
-    release: bool = False  # the batch has ended: the runner lets its cache go
+    scheduled_new_reqs: tuple[NewRow, ...] = ()  # rows taken from the queue, with their prompts
+    # Rows continuing: the joiners, their prefill's next chunk (overlapped: its end waited for); or the batch's live
+    # rows, its decode step (its finished rows ride along, masked, until it regroups).
+    scheduled_cached_reqs: tuple[Row, ...] = ()
+    # The tokens each row runs: a prefill's columns of its left-padded prompts, at most (fewer where the prefix cache
+    # holds their beginnings); 1 for a decode step's row; a draft row's prompt (its rounds follow in the same step). A
+    # beam search, run whole on its own, and a prompt's scoring are not counted.
+    num_scheduled_tokens: dict[Row, int] = field(default_factory=dict)
+    finished_req_ids: tuple[Row, ...] = ()  # rows leaving the runner's batch: a regroup's, or every row at its end
+    regroup: Regroup | None = None  # the batch laid out anew before its decode step: joiners in, finished rows out
+    overlap: bool = False  # the joiners taken are prefilled whole on half the cores, beside the decode steps that follow
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
 
 
-DECODE = SchedulerOutput(decode=True)  # the plan of most steps
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What the runner gave for a part of a plan, as soon as it was done (vLLM's ModelRunnerOutput): a model step's
+    tokens (a prefill's first ones, a decode step's, a draft row's one at a time), a row's prompt scored, or a beam
+    search's best hypotheses."""
+
+    rows: Sequence[Row] = ()  # the rows `events` index, in their cache's order
+    events: Sequence[Event] = ()  # each row's sampled token, end and logprobs (generation.decode)
+    prompt_logprobs: dict[Row, list[LogprobEntry]] = field(default_factory=dict)
+    hypotheses: dict[Row, list[tuple[list[int], Finish]]] = field(default_factory=dict)  # best first (generation.beam)
+    joined: bool = False  # `rows` are the joiners, prefilled: the runner holds them for the batch's next regroup
+    stepped: bool = False  # the batch's decode step ran the model: its cache is a column wider
+
+
+@dataclass(frozen=True, slots=True)
+class RowOutput:
+    """An output for a row, as update_from_output hands it to the engine to tell: whether it is a token the row sampled
+    just now (its end-of-text or stop token too: the observer times them), and whether the row ends with it (counted
+    before it is told: a client may read the counters as soon as its answer ends)."""
+
+    row: Row
+    output: Output
+    sampled: bool = False
+    ends: bool = False
 
 
 class PrefixView(Protocol):
@@ -160,9 +202,10 @@ Estimate = Callable[[int, int, int], "float | None"]  # (rows, new tokens, past)
 
 class Scheduler:
     """Every decision on the waiting rows (held by `queue`, a RequestQueue the callers' threads put rows in:
-    `submit`, `close`) and on the batch (the engine's thread: `schedule`, `update`, `fail`). `joins_rows`: the
-    backend's cache takes rows prefilled apart (else batches are static); `speculative`: a draft decodes lone rows;
-    `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
+    `submit`, `close`) and on the batch (the engine's thread: `schedule`, `update_from_output`, `fail`), whose rows'
+    state it keeps. `joins_rows`: the backend's cache takes rows prefilled apart (else batches are static);
+    `speculative`: a draft decodes lone rows; `prefix` and `estimate`: the prefix cache and the backend's prefill
+    times, for the prefix cache's policy."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
@@ -183,11 +226,15 @@ class Scheduler:
         self.running = 0  # rows of the batch in flight that have not finished
         self._peak = 0  # the most rows the batch in flight (or the last) has run at once
         self.in_flight: list[Row] = []  # rows a failure (or Engine.abort) ends: the batch's and the joiners'
-        # The engine's thread's: the batches the runner holds, as it last reported them (`update`),
-        # the rows being prefilled to join, and which half of a step the next plan is.
-        self._batch: Shape | None = None
-        self._joined: Shape | None = None
-        self._prefilling: list[Row] | None = None
+        # The engine's thread's: the batch the runner holds, as the plans laid it out (its rows in cache order, None:
+        # no batch, and its cache's width), the joiners being prefilled and the columns of their prefill planned, the
+        # joiners prefilled (told by the runner, brought in by the batch's next plan), and which half of a step the
+        # next plan is.
+        self._rows: list[Row] | None = None
+        self._width = 0
+        self._joiners: list[Row] | None = None
+        self._chunked = 0
+        self._joined: list[Row] | None = None
         # While the joiners' prefill runs overlapped: the decode steps the batch may still take before they must join
         # (each row keeping room in the context: overlap_room); None otherwise.
         self._overlap: int | None = None
@@ -221,37 +268,54 @@ class Scheduler:
     def _free_places(self) -> int:
         return max(0, self.settings.max_batch_size - self.running)
 
-    # -- the engine's side: the plans
+    # -- the engine's side: the plans, and what they gave
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step's plan. Blocks while nothing is in flight and no row waits; None once closed
         with none waiting. A batch's step is planned in two halves, each only when it has work: the
         joiners' (rows taken, their prefill's next chunk), then the batch's (regroup, decode step)."""
         while True:
-            batch = self._batch
-            if batch is None:
+            rows = self._rows
+            if rows is None:
                 self.set_running(0)
                 if not self.wait_for_work():
                     return None
                 plan = self._new_batch()
             elif not self._decoding:
                 self._decoding = True
-                plan = self._joining(batch)
+                plan = self._joining(rows)
             else:
                 self._decoding = False
-                plan = self._stepping(batch)
+                plan = self._stepping(rows)
             if plan is not None:
                 return plan
 
-    def update(self, batch: Shape | None, joined: Shape | None) -> None:
-        """The batches the runner holds after a plan: the batch in flight, and the joiners when their
-        prefill has just ended (merged, or dropped, by the next plan)."""
-        self._batch, self._joined = batch, joined
+    def update_from_output(self, plan: SchedulerOutput, outputs: Iterable[RunnerOutput]) -> Iterator[RowOutput]:
+        """What the runner gives for `plan`, applied as it gives it (it runs as this is iterated): the batch's state
+        (the joiners prefilled, its cache widened) and each row's (its tokens and end), and the outputs to tell, in
+        order: rows ending without running first, a row's prompt logprobs before its end."""
+        ending = {new.row: new.reason for new in plan.scheduled_new_reqs if new.start is Start.end}
+        for new in plan.scheduled_new_reqs:
+            if new.start is Start.end and not new.scored:
+                yield _ended(new.row, new.reason)
+        for out in outputs:
+            for row, entries in out.prompt_logprobs.items():
+                yield RowOutput(row, PromptLogprobs(entries))
+                if row in ending:
+                    yield _ended(row, ending[row])
+            for row, hypotheses in out.hypotheses.items():
+                yield from _searched(row, hypotheses)
+            for event in out.events:
+                yield from _sampled(out.rows[event.row], event)
+            if out.joined:
+                self._joined = list(out.rows)
+            if out.stepped:
+                self._width += 1
 
     def fail(self) -> list[Row]:
         """A plan failed: the batch in flight is given up. Its rows and the joiners', to be told."""
         rows, self.in_flight = self.in_flight, []
-        self._batch = self._joined = self._prefilling = self._overlap = None
+        self._rows = self._joiners = self._joined = self._overlap = None
         self._decoding = False
         return rows
 
@@ -261,96 +325,118 @@ class Scheduler:
         if not rows:
             return None
         self.in_flight = rows
-        scored, searched, ended, going = self._start(rows)
-        alone = self.speculative and len(going) == 1 and going[0].logprobs is None
-        if alone:
-            return SchedulerOutput(scored, searched, ended, speculative=going[0])
-        shared = self._sharing(list(going))
-        first = tuple(r for i, r in enumerate(going) if i not in shared)
-        later = tuple(going[i] for i in sorted(shared))
-        return SchedulerOutput(scored, searched, ended, prefill=first, prefill_later=later,
-                               cached=self._cache_pays(list(first)),
-                               later_cached=self._cache_pays(list(later), [shared[i] for i in sorted(shared)]))
+        new, going = self._start(rows)
+        if self.speculative and len(going) == 1 and going[0].logprobs is None:
+            row = going[0]
+            new[row] = NewRow(row, Start.draft, bool(row.prompt_logprobs))
+            return SchedulerOutput(tuple(new[r] for r in rows), num_scheduled_tokens={row: len(row.prompt_ids)})
+        shared = self._sharing(going)
+        first = [r for i, r in enumerate(going) if i not in shared]
+        later = [going[i] for i in sorted(shared)]
+        cached = self._cache_pays(first)
+        later_cached = self._cache_pays(later, [shared[i] for i in sorted(shared)])
+        for group, start, use in ((first, Start.prefill, cached), (later, Start.after, later_cached)):
+            new.update((r, NewRow(r, start, bool(r.prompt_logprobs), use)) for r in group)
+        if going:
+            self._rows, self._width = first + later, max(len(r.prompt_ids) for r in going)
+        return SchedulerOutput(tuple(new[r] for r in rows), num_scheduled_tokens={r: len(r.prompt_ids) for r in going})
 
-    def _joining(self, batch: Shape) -> SchedulerOutput | None:
+    def _joining(self, rows: list[Row]) -> SchedulerOutput | None:
         """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
         next chunk of their prefill (whole when no row runs: there is nobody to stall)."""
-        live = _live(batch.rows)
+        live = _live(rows)
         if self._overlap is not None:  # the joiners' prefill runs beside the steps
             if self._joined is not None or (live and self._overlap > 0):
                 return None
-            return SchedulerOutput(advance=True)  # no row decodes, or none may run further ahead: wait for it
-        scored = searched = ended = join = ()
-        if self._prefilling is None and live and self.joins and self.join_due(len(live)):
-            taken = self.take([batch.rows[i] for i in live], batch.used(live))
-            if taken:
-                scored, searched, ended, join = self._start(taken)
-                self.in_flight = batch.rows + taken
-                self._prefilling = list(join) or None
-        if self._prefilling is None:
-            return SchedulerOutput(scored, searched, ended) if scored or searched or ended else None
-        if not join:
-            self.in_flight = batch.rows + self._prefilling
+            # no row decodes, or none may run further ahead: its end waited for (it ran its tokens)
+            return SchedulerOutput(scheduled_cached_reqs=tuple(self._joiners))
+        new: tuple[NewRow, ...] = ()
+        if self._joiners is None and live and self.joins and self.join_due(len(live)):
+            new = self._join(rows, live)
+        if self._joiners is None:
+            return SchedulerOutput(new) if new else None
+        return self._chunk(new, rows, live)
+
+    def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
+        """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners."""
+        taken = self.take([rows[i] for i in live], _used([rows[i] for i in live]))
+        if not taken:
+            return ()
+        new, going = self._start(taken)
+        self.in_flight = rows + taken
+        self._joiners, self._chunked = going or None, 0
+        cached = self._cache_pays(going) if going else True
+        new.update((r, NewRow(r, Start.prefill, bool(r.prompt_logprobs), cached)) for r in going)
+        return tuple(new[r] for r in taken)
+
+    def _chunk(self, new: tuple[NewRow, ...], rows: list[Row], live: list[int]) -> SchedulerOutput:
+        """The joiners' prefill's next chunk (`new`: the rows just taken, the joiners among them), or, where chunks
+        would be many and the backend shares its cores, the whole of it, overlapped."""
+        joiners = self._joiners
+        if not new:
+            self.in_flight = rows + joiners
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
         # (docs/serving/index.md#chunked-prefill).
-        beside = bool(live) and len(self._prefilling) <= len(live)
-        cached = self._cache_pays(list(join)) if join else True
-        if join and beside and self.overlaps and self.prefill_steps(list(join)) > OVERLAP_AFTER_CHUNKS:
-            self._overlap = self.overlap_room([batch.rows[i] for i in live], list(join), batch.used(live))
-            return SchedulerOutput(scored, searched, ended, join=join, advance=True, overlap=True, cached=cached)
-        chunk = (self.settings.prefill_chunk or None) if beside else None
-        return SchedulerOutput(scored, searched, ended, join=join, advance=True, chunk=chunk, cached=cached)
+        beside = bool(live) and len(joiners) <= len(live)
+        if new and beside and self.overlaps and self.prefill_steps(joiners) > OVERLAP_AFTER_CHUNKS:
+            self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
+            return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
+        # the columns this chunk runs: prefill_chunk tokens shared by the distinct prompts (at least one column each)
+        left = max(len(r.prompt_ids) for r in joiners) - self._chunked
+        chunk = self.settings.prefill_chunk if beside else 0
+        cols = min(left, max(1, chunk // len({tuple(r.prompt_ids) for r in joiners}))) if chunk else left
+        self._chunked += cols
+        return SchedulerOutput(new, () if new else tuple(joiners), dict.fromkeys(joiners, cols))
 
-    def _stepping(self, batch: Shape) -> SchedulerOutput | None:
+    def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
         batch finished compacted away (`regroup_due`), then a decode step while a row runs."""
-        live = _live(batch.rows)
+        live = _live(rows)
         joined, self._joined = self._joined, None
         if joined is not None:
-            self._prefilling = self._overlap = None
+            self._joiners = self._overlap = None
         elif self._overlap is not None:
             self._overlap -= 1  # the step planned below
         if not live and joined is None:  # (a prefill under way ran whole, so ended by now)
-            self._batch = None
+            self._rows = None
             self.in_flight = []
-            return SchedulerOutput(release=True)
+            return SchedulerOutput(finished_req_ids=tuple(rows))
         regroup = None
-        if self.regroup_due(len(live), len(batch.rows), joined is not None):
-            regroup = self.plan_regroup(batch, live, joined)
-        if regroup is None:
-            rows = batch.rows
-            if not live:
-                return None  # every joiner ended at its first token
-        else:
-            rows = batch.rows + ([] if joined is None else joined.rows)
-            rows = [rows[i] for i in regroup.order]
-        self.in_flight = rows + (self._prefilling or [])
+        if self.regroup_due(len(live), len(rows), joined is not None):
+            regroup = self.plan_regroup(rows, live, joined)
+        left: tuple[Row, ...] = tuple(joined or ())  # joiners that ended at their first token are dropped
+        if regroup is not None:
+            every = rows + (joined or [])
+            rows = [every[i] for i in regroup.order]
+            kept = set(rows)
+            left = tuple(r for r in every if r not in kept)
+            self._rows, self._width = rows, regroup.width
+        elif not live:
+            return None  # every joiner ended at its first token
+        self.in_flight = rows + (self._joiners or [])
         self.set_running(sum(not r.finished for r in self.in_flight))
-        return DECODE if regroup is None else SchedulerOutput(regroup=regroup, decode=True)
+        decoding = tuple(r for r in rows if not r.finished)
+        return SchedulerOutput(scheduled_cached_reqs=decoding, num_scheduled_tokens=dict.fromkeys(decoding, 1),
+                               finished_req_ids=left, regroup=regroup)
 
-    def _start(self, rows: list[Row]) -> tuple[tuple[Row, ...], tuple[Row, ...], tuple[tuple[Row, Finish], ...],
-                                               tuple[Row, ...]]:
-        """What rows just taken do before their prefill: (scored, searched, ended, going). Rows that
-        ask are scored; beam searches run whole; rows cancelled while waiting end, and so do rows with
-        no token to generate (once scored); the others go on to be prefilled."""
-        scored, searched, ended, going = [], [], [], []
+    def _start(self, rows: list[Row]) -> tuple[dict[Row, NewRow], list[Row]]:
+        """How rows just taken start, where it is not their prefill, and those that go on to be prefilled. Rows
+        cancelled since they were taken end; beam searches run whole; rows with no token to generate end once
+        scored (those that ask are scored before their prefill)."""
+        new, going = {}, []
         now = self.clock()
         for row in rows:
             row.scheduled_at = now
             if row.cancelled is not None:
-                ended.append((row, Finish.cancelled))
-                continue
-            if row.beam_rows is not None:
-                searched.append(row)
-                continue
-            if row.prompt_logprobs:
-                scored.append(row)
-            if row.remaining <= 0:
-                ended.append((row, Finish.length))
+                new[row] = NewRow(row, Start.end, reason=Finish.cancelled)
+            elif row.beam_rows is not None:
+                new[row] = NewRow(row, Start.search)
+            elif row.remaining <= 0:
+                new[row] = NewRow(row, Start.end, bool(row.prompt_logprobs), reason=Finish.length)
             else:
                 going.append(row)
-        return tuple(scored), tuple(searched), tuple(ended), tuple(going)
+        return new, going
 
     # -- the decisions
 
@@ -383,7 +469,7 @@ class Scheduler:
         backend may run a fresh prompt on a faster runtime than a prompt with a past (the OpenVINO prefill: 15 rows of
         16 tokens on a cached 16 took 250 ms, the same rows of 32 fresh 140; docs/serving/index.md#prefix-caching).
         Yes where the backend gives no estimate. `shared`: tokens each row will find held once an earlier prefill of
-        its batch has run (prefill_later's)."""
+        its batch has run (Start.after's)."""
         if self.prefix is None or self.estimate is None or not rows:
             return True
         prompts = [r.prompt_ids for r in rows]
@@ -494,24 +580,64 @@ class Scheduler:
         whole cache, so rows do not leave one by one)."""
         return joining or 2 * live <= rows
 
-    def plan_regroup(self, batch: Shape, live: list[int], joined: Shape | None) -> Regroup | None:
-        """The batch with its finished rows gone and the joined rows still running in (`layout`,
-        `merged_width`); None to keep it as it is: when every joiner ended at its first token and
+    def plan_regroup(self, rows: list[Row], live: list[int], joined: list[Row] | None) -> Regroup | None:
+        """The batch (`rows`, `live` of them running) with its finished rows gone and the joined rows still running
+        in (`layout`, `merged_width`); None to keep it as it is: when every joiner ended at its first token and
         less than half of the batch has finished, or when no row is left to decode."""
-        jlive = [] if joined is None else _live(joined.rows)
-        if joined is not None and not jlive and 2 * len(live) > len(batch.rows):
+        jlive = [] if joined is None else _live(joined)
+        if joined is not None and not jlive and 2 * len(live) > len(rows):
             return None
         if not live and not jlive:
             return None
-        n = len(batch.rows)
+        n = len(rows)
         order = layout(live, n, [n + j for j in jlive])
-        need = max([batch.rows[i].remaining for i in live] + [joined.rows[j].remaining for j in jlive])
-        width = merged_width(batch.width, batch.used(live), joined.used(jlive) if jlive else 0, need, self.n_positions)
-        return Regroup(order, width, bool(jlive))
+        kept, joining = [rows[i] for i in live], [joined[j] for j in jlive]
+        need = max(r.remaining for r in kept + joining)
+        return Regroup(order, merged_width(self._width, _used(kept), _used(joining), need, self.n_positions))
 
 
 def _live(rows: list[Row]) -> list[int]:
     return [i for i, r in enumerate(rows) if not r.finished]
+
+
+def _used(rows: list[Row]) -> int:
+    """The columns running rows use in their cache, from the first any of them uses to the end (0: none): a row's
+    prompt and every token it has sampled but the last, not yet fed (vLLM's num_computed_tokens); a cache's rows
+    are right-aligned, and a decode step adds a column to every row."""
+    return max((len(r.prompt_ids) + len(r.tokens) - 1 for r in rows), default=0)
+
+
+def _ended(row: Row, reason: Finish) -> RowOutput:
+    row.finish = reason
+    return RowOutput(row, Finished(reason), ends=True)
+
+
+def _sampled(row: Row, event: Event) -> Iterator[RowOutput]:
+    """A row's event of a model step as its callback hears it: the token (with its logprobs), then its end."""
+    sampled = event.token is not None or event.finish in _SAMPLED_ENDS
+    if event.token is not None:
+        yield RowOutput(row, TokenOut(event.token, event.logprob, event.finish), sampled, event.finish is not None)
+    alone = event.token is None  # an end with no token before it carries the marks
+    if event.finish is Finish.failed:  # this row alone: the others of its batch go on
+        yield RowOutput(row, Failed(row.error or "generation failed", client=True), ends=True)
+    elif event.finish is not None:  # the logprobs of the end-of-text or stop token, which is not kept
+        yield RowOutput(row, Finished(event.finish, event.logprob if alone else None), sampled and alone, alone)
+
+
+def _searched(row: Row, hypotheses: list[tuple[list[int], Finish]]) -> Iterator[RowOutput]:
+    """A beam search's best hypotheses, each told to one of its beam_rows: its tokens and its end (counted before its
+    tokens: its answer may end with the last)."""
+    for target, (tokens, finish) in zip(row.beam_rows, hypotheses):
+        for i, token in enumerate(tokens):
+            target.tokens.append(token)
+            last = finish if i == len(tokens) - 1 and finish is not Finish.eos else None
+            if last is not None:
+                target.finish = last  # its last token, told as such
+            yield RowOutput(target, TokenOut(token, None, last), ends=i == 0)
+        target.finish = finish
+        yield RowOutput(target, Finished(finish), ends=not tokens)
+    for target in row.beam_rows[len(hypotheses):]:  # fewer hypotheses than asked (none finished)
+        yield _ended(target, Finish.length)
 
 
 def merged_width(width: int, used: int, jused: int, need: int, n_positions: int) -> int:
@@ -526,12 +652,6 @@ def merged_width(width: int, used: int, jused: int, need: int, n_positions: int)
     if 2 * least <= keep or keep > width or keep + need > n_positions:
         return least
     return keep
-
-
-def unused_columns(mask: np.ndarray) -> int:
-    """Leading columns of a mask (B, T) that are 0 in every row."""
-    used = mask.any(axis=0)
-    return int(np.argmax(used)) if used.any() else mask.shape[1]
 
 
 def layout(live: list[int], n: int, joining: list[int]) -> np.ndarray:
