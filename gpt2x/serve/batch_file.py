@@ -16,6 +16,8 @@ from typing import IO, Any
 
 from ..errors import OutputError
 from .offline import LLM
+from .openai.chat_completion import serving as chat
+from .openai.completion import serving as completion
 from .openai.errors import APIError
 from .openai.render import to_json
 from .openai.service import CompletionService
@@ -123,9 +125,9 @@ async def _answer(service: CompletionService, line: Line) -> tuple[int | None, s
         return None, record(line.custom_id, error=line.error)
     try:
         if line.url == CHAT_URL:
-            body = await service.complete_chat(service.submit(service.chat_request(line.body)))
+            body = await chat.complete(service.submit(service.chat_request(line.body)))
         else:
-            body = await service.complete(service.submit(service.request(line.body)))
+            body = await completion.complete(service.submit(service.request(line.body)))
     except APIError as e:
         return e.status, record(line.custom_id, e.status, json.loads(to_json(e.body())))
     return 200, record(line.custom_id, 200, json.loads(to_json(body)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,8 +18,11 @@ from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
 from ..workflows.exports import resolve_export
 from .core.scheduler import EngineSettings
-from .openai import chat
+from .openai.completion.protocol import CompletionRequest
 from .openai.errors import APIError
+from .openai.pending import ServedRequest
+from .openai.render import ChoiceLogprobs
+from .openai.sampling import PROCESSOR_FIELDS
 from .openai.service import CompletionService
 from .replica import ReplicaConfig, close_service, open_service
 
@@ -27,43 +30,33 @@ PROGRESS_FROM = 16  # prompts from which a call shows a progress bar on stderr
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """vLLM's SamplingParams, the fields gpt2x serves, with their completions-request meanings (None: the default)."""
+# vLLM's SamplingParams: the request fields gpt2x serves under vLLM's names, with their completions-request meanings
+# (None: the default). Every logits processor's field the request names (sampling.PROCESSOR_FIELDS, derived from the
+# processors: a new one is here with no line of this module's), and these, whose Python shape is vLLM's own.
+_OWN_FIELDS: dict[str, tuple[Any, Any]] = {
+    "n": (int, 1), "max_tokens": (int | None, 16), "seed": (int | None, None), "stop": (list[str] | None, None),
+    "stop_token_ids": (list[int] | None, None), "ignore_eos": (bool, False), "logprobs": (int | None, None),
+    "logit_bias": (dict[int, float] | None, None),
+    "structured_outputs": (dict[str, Any] | None, None),  # {"json": schema}, {"regex": ...}, {"choice": [...]}, ...
+}
 
-    n: int = 1
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int | None = None
-    logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    bad_words: list[str] | None = None
-    dry_multiplier: float | None = None  # llama-server's DRY fields (docs/serving-fields.md)
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": schema} or {"regex": ...}, {"choice": [...]}
 
-    def body(self) -> dict:
-        """The fields set, as a completions body holds them."""
-        out = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
-        if self.logit_bias is not None:
-            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
-        return out
+def _body(self: Any) -> dict:
+    """The fields set, as a completions body holds them."""
+    out = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+    if self.logit_bias is not None:
+        out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+    return out
+
+
+SamplingParams = make_dataclass(
+    "SamplingParams",
+    [(name, kind, field(default=default)) for name, (kind, default) in _OWN_FIELDS.items()]
+    + [(name, CompletionRequest.model_fields[name].annotation, field(default=None))
+       for name in PROCESSOR_FIELDS if name not in _OWN_FIELDS],
+    frozen=True, namespace={"body": _body, "__module__": __name__,
+                            "__doc__": "vLLM's SamplingParams, the fields gpt2x serves, with their completions-request "
+                                       "meanings (None: the default)."})
 
 
 @dataclass(frozen=True)
@@ -151,21 +144,24 @@ class LLM:
         return self._run(bodies, chat_bodies=True, progress=progress)
 
     def _run(self, bodies: list[dict], chat_bodies: bool, progress: bool | None) -> list[RequestOutput]:
-        service = self.service
         reqs = []
         for body in bodies:  # every request checked before any runs: a bad one is one error, nothing half done
             try:
-                if chat_bodies:  # the completions shape of logprobs (chat's own is the API's)
-                    k = body.pop("logprobs", None)
-                    completion = chat.completion_body(body, service.chat_template, service.backend.n_positions)
-                    completion = completion if k is None else {**completion, "logprobs": k}
-                else:
-                    completion = body
-                reqs.append(service.request({**completion, "return_token_ids": True}))
+                reqs.append(self._prepare({**body, "return_token_ids": True}, chat_bodies))
             except APIError as e:
                 raise UsageError(f"{e.param or 'request'}: {e.message}", option=e.param) from None
         show = len(reqs) >= PROGRESS_FROM if progress is None else progress
         return self.run(self._complete(reqs, show))
+
+    def _prepare(self, body: dict, chat_body: bool) -> ServedRequest:
+        """A body as the request it is served as: a completions request's, or a conversation's rendered by the chat
+        template, its logprobs in the completions shape (the API's chat shape is chat's own)."""
+        service = self.service
+        if not chat_body:
+            return service.request(body)
+        k = body.pop("logprobs", None)
+        req = service.chat_request(body)
+        return req if k is None else replace(req, logprobs=k, logprobs_shape=ChoiceLogprobs)
 
     async def _complete(self, reqs: list, show: bool) -> list[RequestOutput]:
         service = self.service

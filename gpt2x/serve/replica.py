@@ -22,7 +22,7 @@ from ..workflows.backends import export_backend
 from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
 from .core.engine import EngineSettings
 from .core.prefix_disk import BlockIdentity
-from .openai.chat import export_template, find_template
+from .openai.chat_completion.template import export_template, find_template
 from .openai.routes import MAX_BODY_BYTES, Cors
 from .openai.service import CompletionService
 
@@ -65,7 +65,7 @@ class ReplicaConfig:
     # None: each replica's /metrics is its own, and a stop is Ray Serve's alone.
     metrics_hub: str | None = None
     # /v1/chat/completions' Jinja2 template: the text of --chat-template's file (None: the export
-    # folder's tokenizer_config.json chat_template, if it has one; openai/chat.py)
+    # folder's tokenizer_config.json chat_template, if it has one; openai/chat_completion/template.py)
     chat_template: str | None = None
     # Without either: gpt2x's default template (True), or chat refused with a 400 (--no-default-chat-template)
     default_chat_template: bool = True

@@ -137,8 +137,7 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     sock = None
-    server = None
-    thread = None
+    http: tuple | None = None
     try:
         sock = listening_socket(settings.host, settings.port)
         served.load(progress)
@@ -147,44 +146,61 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
         server = uvicorn.Server(uvicorn.Config(
             served.app(), log_level="warning", access_log=False,
             lifespan="off", timeout_graceful_shutdown=HTTP_CLOSE_S))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gpt2x-http", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + STARTUP_S
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise ServeError(f"the HTTP server did not start on {settings.host}:{settings.port}")
-            if stopping.wait(0.02):
-                raise _Stopping
+        http = (server, threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="gpt2x-http", daemon=True))
+        http[1].start()
+        _wait_started(*http, settings, stopping)
         ready(settings.url)
-        while not stopping.wait(0.5):
-            if not thread.is_alive():
-                raise ServeError("the HTTP server stopped")
-            # an engine closed on purpose (a model unloaded by many.Models) is `closing`
-            if any(not s.engine.alive and not s.engine.closing for s in served.loaded()):
-                raise ServeError("the engine's thread stopped")
+        _watch(served, http[1], stopping)
     except _Stopping:
         pass
     finally:
         try:
-            services = served.loaded()
-            if services:  # new requests 503, waiting ones ended, in-flight ones given the grace
-                progress("stopping")
-                started = time.monotonic()
-                stop_engines(services, grace)
-                log.debug("the engines stopped in %.2f s", time.monotonic() - started)
-            if server is not None:
-                server.should_exit = True
-            if thread is not None:
-                thread.join(HTTP_CLOSE_S + 3.0)
-                if thread.is_alive():
-                    log.warning("the HTTP server did not stop within %.0f s", HTTP_CLOSE_S + 3.0)
-            served.close_all()
+            _stop(served, http, progress, grace)
         finally:
             if sock is not None:
                 sock.close()
             for sig, handler in previous.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+
+
+def _wait_started(server, thread: threading.Thread, settings: ServeSettings, stopping: threading.Event) -> None:
+    """Until the uvicorn server on `thread` has started: a ServeError where it does not within STARTUP_S, _Stopping
+    where a signal came first."""
+    deadline = time.monotonic() + STARTUP_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise ServeError(f"the HTTP server did not start on {settings.host}:{settings.port}")
+        if stopping.wait(0.02):
+            raise _Stopping
+
+
+def _watch(served, thread: threading.Thread, stopping: threading.Event) -> None:
+    """Until a signal: a ServeError where the HTTP server's thread or an engine's stops on its own."""
+    while not stopping.wait(0.5):
+        if not thread.is_alive():
+            raise ServeError("the HTTP server stopped")
+        # an engine closed on purpose (a model unloaded by many.Models) is `closing`
+        if any(not s.engine.alive and not s.engine.closing for s in served.loaded()):
+            raise ServeError("the engine's thread stopped")
+
+
+def _stop(served, http: tuple | None, progress: Progress, grace: float) -> None:
+    """The engines stopped (new requests 503, waiting ones ended, in-flight ones given the grace), then the HTTP
+    server, then every model closed."""
+    services = served.loaded()
+    if services:
+        progress("stopping")
+        started = time.monotonic()
+        stop_engines(services, grace)
+        log.debug("the engines stopped in %.2f s", time.monotonic() - started)
+    if http is not None:
+        server, thread = http
+        server.should_exit = True
+        thread.join(HTTP_CLOSE_S + 3.0)
+        if thread.is_alive():
+            log.warning("the HTTP server did not stop within %.0f s", HTTP_CLOSE_S + 3.0)
+    served.close_all()
 
 
 def stop_engines(services: list, grace: float) -> None:

@@ -194,13 +194,13 @@ def test_a_request_is_read_and_its_schema_compiled_off_the_event_loop(client, mo
     tokenizer is built). Stood in for by a parse that takes a second: meanwhile /health answers at once, as every
     other request and stream would; read on the event loop, each waited the whole second."""
     target = client.service
-    real = target.parse
+    real = target.prepare
 
-    def slow(raw):
+    def slow(request):
         time.sleep(1.0)  # sleeps release the GIL, as llguidance's compile does
-        return real(raw)
+        return real(request)
 
-    monkeypatch.setattr(target, "parse", slow)
+    monkeypatch.setattr(target, "prepare", slow)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client.post, "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 1})
         time.sleep(0.1)  # the slow request is being read

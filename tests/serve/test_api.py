@@ -31,10 +31,10 @@ from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.core.outputs import Failed, Finished, Output, PromptLogprobs, TokenOut  # noqa: E402
+from gpt2x.serve.openai.completion.protocol import CompletionRequest as CompletionParams  # noqa: E402
+from gpt2x.serve.openai.pending import ServedRequest  # noqa: E402
 from gpt2x.serve.openai.render import ChoiceText, finish_reason, token_text  # noqa: E402
-from gpt2x.serve.openai.request import CompletionRequest  # noqa: E402
 from gpt2x.serve.openai.routes import Cors, local_app  # noqa: E402
-from gpt2x.serve.openai.schema import CompletionParams  # noqa: E402
 from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import EOT_ID, decode, encode  # noqa: E402
 
@@ -768,8 +768,8 @@ def test_the_openai_client(base_url, reference):
 class CappedService(CompletionService):
     """The service with every completion cut to 4 tokens, so that the fuzz's requests are quick."""
 
-    def parse(self, raw: bytes) -> CompletionRequest:
-        req = super().parse(raw)
+    def prepare(self, p: CompletionParams) -> ServedRequest:
+        req = super().prepare(p)
         req.max_tokens = [min(m, 4) for m in req.max_tokens]
         return req
 

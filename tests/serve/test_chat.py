@@ -17,7 +17,9 @@ from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
-from gpt2x.serve.openai.chat import ChatTemplate, completion_body, find_template
+from gpt2x.serve.openai.chat_completion.protocol import ChatCompletionRequest
+from gpt2x.serve.openai.chat_completion.serving import render_prompt
+from gpt2x.serve.openai.chat_completion.template import ChatTemplate, find_template
 from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.serve.replica import has_chat_template
@@ -127,7 +129,8 @@ def test_the_bundled_export_carries_the_default_template_as_transformers_renders
 
     tok = AutoTokenizer.from_pretrained(str(export_dir))
     assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == DEFAULT_RENDERED
-    body = completion_body({"messages": MESSAGES, "max_tokens": 4}, find_template(export_dir, None, default=False), 256)
+    body = {"prompt": render_prompt(ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_tokens": 4}),
+                                    find_template(export_dir, None, default=False))}
     assert body["prompt"] == DEFAULT_RENDERED
 
 
@@ -188,7 +191,7 @@ def test_the_chat_details_clients_rely_on(service):
     """vLLM's and llama-server's: text content parts joined by a newline, `model: ""` meaning the served model, and
     each streamed choice opened by a chunk with its role and no text."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "Good morrow,"}, {"type": "text", "text": "my lord."}]}]
-    body = completion_body({"messages": parts}, ChatTemplate(DIALOGPT, "test"), 256)
+    body = {"prompt": render_prompt(ChatCompletionRequest.model_validate({"messages": parts}), ChatTemplate(DIALOGPT, "test"))}
     assert body["prompt"] == "Good morrow,\nmy lord.<|endoftext|>"
     with TestClient(local_app(service)) as c:
         r = c.post("/v1/chat/completions", json={"model": "", "messages": MESSAGES, "max_tokens": 2})

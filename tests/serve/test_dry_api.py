@@ -12,7 +12,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
-from gpt2x.serve.openai.chat import ChatTemplate
+from gpt2x.serve.openai.chat_completion.template import ChatTemplate
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 

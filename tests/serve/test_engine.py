@@ -22,7 +22,9 @@ from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
 from gpt2x.serve.core.runner import Runner
-from gpt2x.serve.openai import errors, render, request, schema
+from gpt2x.serve.openai import errors, render
+from gpt2x.serve.openai import protocol as schema
+from gpt2x.serve.openai.completion import serving as request
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
 from ..helpers import LINES, Collect, with_int8_kv
@@ -226,7 +228,7 @@ def test_a_failing_step_fails_its_batch_only(backend):
 # ------------------------------------------------------------------ the protocol
 
 
-def parse(body: dict, n_positions: int = 256) -> request.CompletionRequest:
+def parse(body: dict, n_positions: int = 256) -> request.ServedRequest:
     return request.parse_request(json.dumps(body).encode(), "shakespeare", n_positions)
 
 

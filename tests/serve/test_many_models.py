@@ -16,7 +16,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
-from gpt2x.serve.openai.chat import find_template
+from gpt2x.serve.openai.chat_completion.template import find_template
 from gpt2x.serve.openai.many import Models, ModelSlot, models_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode

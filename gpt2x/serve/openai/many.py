@@ -1,6 +1,6 @@
 """Several models behind one server in one process (`gpt2x serve --model A --model B`): `Models` answers the
 routes (routes.router's `api()`) as an HttpApi does, and hands each request to the HttpApi of the model its body
-names, after reading the body once (the key and the size checked there, the raw bytes handed on).
+names, the body read once (the gate: the key, the size, and a 404 for a model not served) and parsed once (FastAPI).
 
 A body without `model`, or with "", is the first model's, as a single model's server takes it. `/v1/models`,
 `/health` and `/metrics` cover every model: /health keeps the first model's fields at the top level, and /metrics
@@ -21,14 +21,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from . import metrics as prom
-from . import schema
 from .errors import APIError
-from .request import json_object
+from .protocol import Health, ModelCard, ModelList
 from .routes import MAX_BODY_BYTES, Cors, HttpApi, JSONBody, RequestGate, add_cors, error_response, new_app, router
 from .service import CompletionService
 
@@ -177,9 +178,8 @@ class Models(RequestGate):
 
     # -- routing ------------------------------------------------------------------------------------------
 
-    def slot_of(self, raw: bytes) -> ModelSlot:
+    def slot_of(self, model: Any) -> ModelSlot:
         """The model a body names (absent or "": the first), a 404 listing the served ids for another."""
-        model = json_object(raw).get("model")
         if not isinstance(model, str) or not model:
             return self.first
         slot = self.slots.get(model)
@@ -189,43 +189,42 @@ class Models(RequestGate):
                            param="model", code="model_not_found")
         return slot
 
-    async def _route(self, request: Request, handler: str) -> Response:
-        try:
-            self.authorize(request)
-            raw = await self.body(request)
-            slot = self.slot_of(raw)
-        except APIError as e:
-            return error_response(e)
+    def check_model(self, model: Any) -> None:
+        self.slot_of(model)
+
+    async def _route(self, handler: str, body: BaseModel, request: Request) -> Response:
+        """The request handed to the HttpApi of the model its body names (the gate passed: routes.gated_route)."""
+        slot = self.slot_of(getattr(body, "model", None))
         slot.busy += 1  # before the load: a model with a request on its way is not idle
         try:
             api = await self._loaded(slot)
-            return await getattr(api, handler)(request, raw=raw)
+            return await getattr(api, handler)(body, request)
         except APIError as e:
             return error_response(e)
         finally:
             slot.busy -= 1
             slot.last_used = time.monotonic()
 
-    async def completions(self, request: Request) -> Response:
-        return await self._route(request, "completions")
+    async def completions(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("completions", body, request)
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._route(request, "chat_completions")
+    async def chat_completions(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("chat_completions", body, request)
 
-    async def responses(self, request: Request) -> Response:
-        return await self._route(request, "responses")
+    async def responses(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("responses", body, request)
 
-    async def tokenize(self, request: Request) -> Response:
-        return await self._route(request, "tokenize")
+    async def tokenize(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("tokenize", body, request)
 
-    async def detokenize(self, request: Request) -> Response:
-        return await self._route(request, "detokenize")
+    async def detokenize(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("detokenize", body, request)
 
     # -- every model --------------------------------------------------------------------------------------
 
     def models(self, request: Request) -> Response:
-        return self._authorized(request, lambda: schema.ModelList(data=[
-            schema.ModelCard(id=slot.model_id, created=self.created, owned_by="gpt2x", max_model_len=slot.max_model_len,
+        return self._authorized(request, lambda: ModelList(data=[
+            ModelCard(id=slot.model_id, created=self.created, owned_by="gpt2x", max_model_len=slot.max_model_len,
                              precision=slot.precision) for slot in self.slots.values()]))
 
     def _health(self, slot: ModelSlot) -> dict:
@@ -240,7 +239,7 @@ class Models(RequestGate):
         """Open without the API key: every model's state under `models`, the first's at the top level too (a
         single model's server's fields)."""
         every = [self._health(slot) for slot in self.slots.values()]
-        return JSONBody(schema.Health(**every[0], models=every))
+        return JSONBody(Health(**every[0], models=every))
 
     async def prometheus(self, request: Request) -> Response:
         """Every model's series, each under its model_name (a model never loaded has none yet)."""

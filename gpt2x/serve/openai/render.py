@@ -1,6 +1,6 @@
 """What a response carries, rendered once: a choice's text as its tokens arrive (`ChoiceText`: UTF-8
-kept whole, stop strings), its logprobs in OpenAI's legacy shape (`ChoiceLogprobs`), the response
-bodies (`choice`, `usage`, `completion`), and their JSON and server-sent events (`to_json`, `sse`).
+kept whole, stop strings), its logprobs in OpenAI's legacy shape (`ChoiceLogprobs`), the usage, and
+the response bodies' JSON and server-sent events (`to_json`, `sse`).
 
 Logprobs are the raw model distribution (log_softmax of the logits, before temperature, top-k and
 top-p: vLLM's default), so a request scores the same whatever its sampling settings. A token whose
@@ -18,25 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from functools import cache
-from typing import Any
+from typing import ClassVar
 
 from pydantic import BaseModel
 
 from ...generation.logprobs import LogprobEntry
 from ...generation.settings import Finish
 from ...tokenizer import StreamDecoder, get_encoding
-from .request import CompletionRequest
-from .schema import (
-    ChatCompletionChunk,
-    Choice,
-    CompletionResponse,
-    Logprobs,
-    ModelCard,
-    ModelList,
-    PromptLogprob,
-    PromptTokensDetails,
-    Usage,
-)
+from .protocol import ModelCard, ModelList, PromptLogprob, PromptTokensDetails, Usage
 
 
 class ChoiceText:
@@ -151,7 +140,10 @@ def logprob_value(value: float | None) -> float | None:
 
 class ChoiceLogprobs:
     """One choice's logprobs in OpenAI's legacy shape, gathered as its tokens arrive; `take()` hands
-    over what was gathered since the last take (a stream chunk carries the logprobs of its tokens)."""
+    over what was gathered since the last take (a stream chunk carries the logprobs of its tokens).
+    `lists_end`: the end-of-text or stop token that ends a choice is listed last (vLLM's)."""
+
+    lists_end: ClassVar[bool] = True
 
     def __init__(self, as_ids: bool = False):
         self.name = _token_id_name if as_ids else token_text  # return_tokens_as_token_ids: `token_id:ID`
@@ -198,40 +190,21 @@ def finish_reason(reason: Finish, text: ChoiceText) -> str:
     return "stop" if text.stopped or reason in (Finish.eos, Finish.stop) else "length"
 
 
-# The response bodies are the models above (the schema /openapi.json publishes), built once here and
-# serialised once (to_json): what a client receives is what the schema says.
-
-
-def choice(index: int, text: str, reason: str | None, logprobs: dict | None = None, **extra: Any) -> Choice:
-    """A choice; `extra`: vLLM's prompt_logprobs, prompt_token_ids and token_ids where asked for."""
-    return Choice(index=index, text=text, logprobs=None if logprobs is None else Logprobs(**logprobs), finish_reason=reason,
-                  **extra)
-
-
-def usage(req: CompletionRequest, texts: list[ChoiceText], cached_tokens: int = 0) -> Usage:
+def usage(prompt_ids: list[list[int]], texts: list[ChoiceText], cached_tokens: int = 0) -> Usage:
     """Each prompt's tokens once (as vLLM counts them), every choice's completion tokens, and the
     prompt tokens the prefix cache held."""
-    prompt = sum(len(p) for p in req.prompt_ids)
+    prompt = sum(len(p) for p in prompt_ids)
     completion = sum(t.tokens for t in texts)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def completion(req: CompletionRequest, choices: list[Choice], usage_: Usage | None) -> CompletionResponse:
-    return CompletionResponse(id=req.id, created=req.created, model=req.model, choices=choices, usage=usage_)
-
-
 def to_json(body: BaseModel | dict) -> str:
-    """A response body as JSON (compact; a dict: an error's). A completion or chat chunk without usage
-    (a stream's chunks) leaves the key out, as OpenAI's does; every other field is there, null where
-    it has no value."""
+    """A response body as JSON, compact, as its model serialises it (a chunk without usage leaves the key out, as
+    OpenAI's does: the models say so); a dict: as it is."""
     if isinstance(body, dict):
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    exclude = {"usage"} if isinstance(body, (CompletionResponse, ChatCompletionChunk)) and body.usage is None else None
-    if isinstance(body, ChatCompletionChunk):  # a delta's role is there in a choice's first chunk only
-        exclude = {**dict.fromkeys(exclude or (), True),
-                   "choices": {i: {"delta": {"role"}} for i, c in enumerate(body.choices) if c.delta.role is None}}
-    return body.model_dump_json(exclude=exclude)
+    return body.model_dump_json()
 
 
 DONE = "[DONE]"  # what a stream's last server-sent event carries

@@ -3,10 +3,12 @@
 and the routes, declared once (`router`) and mounted by both ways of running a replica: `local_app`
 in this process, and ray/deploy.py's Ray Serve ingress.
 
-The routes read and validate their bodies themselves (request.parse_request, the tokenizer routes
-`_params`), after the API key and the body's size are checked: FastAPI does not parse them, and their
-schemas are added to the OpenAPI description by `Gpt2xApp.openapi`. Anything FastAPI itself refuses
-(a RequestValidationError) is the same 400 as a bad field.
+FastAPI parses each body into its endpoint's request model (completion/protocol.py, chat_completion/protocol.py,
+responses/protocol.py, protocol.py's tokenizer bodies) and describes the routes from the models. Before it does, a
+route with a body passes the gate (`RequestGate.admit`, by the routes' class, `GatedRoute`): the API key, the body's
+type and size (read without going past the limit), the body as a JSON object (NaN, Infinity and a body nested too deeply
+to read are one 400), and the model it names (a 404 for one not served). What FastAPI refuses (a RequestValidationError)
+is the same 400 as any bad field, naming it.
 
 `/metrics` is Prometheus' text format (metrics.py): the replica's own counters, which the HTTP side
 adds to as each request is answered in full, summed with the other replicas' through `exchange`
@@ -32,16 +34,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from ...tokenizer import decode, encode
 from ...version import __version__
-from . import chat, playground, render, schema
 from . import metrics as prom
-from .chat import ChatParams
-from .errors import APIError, bad, validation_error
-from .request import json_object
+from . import playground, render
+from .chat_completion import serving as chat
+from .chat_completion.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Message
+from .chat_completion.template import no_template, render_messages
+from .completion import serving as completion
+from .completion.protocol import CompletionRequest, CompletionResponse
+from .errors import APIError, bad, json_object, validation_error
+from .pending import Pending, ServedRequest
+from .protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    Health,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    Version,
+)
 from .responses import protocol as responses_protocol
 from .responses.serving import ResponsesAPI
 from .service import CompletionService
@@ -52,8 +69,10 @@ TITLE = "gpt2x"
 DESCRIPTION = ("OpenAI-compatible completions from a gpt2x export. Every error is "
                '`{"error": {"message", "type", "param", "code"}}` with a 4xx or 5xx status.')
 
-_ERROR = {"model": schema.ErrorResponse}
+_ERROR = {"model": ErrorResponse}
 _AUTH_ERRORS = {401: {**_ERROR, "description": "A missing or wrong API key (when the server has one)"}}
+# Every other 4xx (a wrong method, a client that left) is the same error object; declared, FastAPI adds no 422 of its own.
+_OTHER_ERRORS = {"4XX": {**_ERROR, "description": "Any other refusal"}}
 # One server-sent event of a stream (OpenAPI 3.1: the schema of each event): `data` is a chunk (a
 # CompletionResponse with one choice's text and the logprobs of its tokens; the usage chunk has no
 # choices), an error that ended the stream, or the last event, `[DONE]`.
@@ -66,7 +85,7 @@ COMPLETIONS_ROUTE = dict(
     summary="Create a completion",
     description="OpenAI's legacy completions, with logprobs, echo scoring (echo with max_tokens 0) and "
                 "token-id prompts; streamed as server-sent events with `stream`.",
-    response_model=schema.CompletionResponse,
+    response_model=CompletionResponse,
     responses={
         200: {"description": "The completion; with `stream`, server-sent events", "content": {"text/event-stream": {
             "schema": _STREAM_EVENT}}},
@@ -75,11 +94,10 @@ COMPLETIONS_ROUTE = dict(
         404: {**_ERROR, "description": "A model other than the one served"},
         413: {**_ERROR, "description": "A body over the limit"},
         429: {**_ERROR, "description": "The replica's queue is full: retry after Retry-After"},
+        **_OTHER_ERRORS,
         500: {**_ERROR, "description": "Generation failed"},
         503: {**_ERROR, "description": "The server is shutting down"},
     },
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/CompletionRequest"}}}}},
 )
 _CHAT_STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
     {"const": "[DONE]"},
@@ -92,12 +110,10 @@ CHAT_ROUTE = dict(
                 "(--chat-template FILE, else the export's tokenizer_config.json, else gpt2x's default), then "
                 "completed with every completions sampling field, n and structured output; streamed with `stream`. "
                 "A server started with --no-default-chat-template answers a model with no template 400.",
-    response_model=schema.ChatCompletionResponse,
+    response_model=ChatCompletionResponse,
     responses={**COMPLETIONS_ROUTE["responses"], 200: {
         "description": "The chat completion; with `stream`, server-sent events of chat.completion.chunk",
         "content": {"text/event-stream": {"schema": _CHAT_STREAM_EVENT}}}},
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}},
 )
 RESPONSES_ROUTE = dict(
     summary="Create a model response",
@@ -112,16 +128,14 @@ RESPONSES_ROUTE = dict(
                200: {"description": "The response; with `stream`, server-sent events (`event: TYPE`, `data: JSON`)",
                      "content": {"text/event-stream": {"schema": responses_protocol.STREAM_EVENT}}},
                404: {**_ERROR, "description": "A model other than the one served, or a previous_response_id not stored"}},
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ResponsesRequest"}}}}},
 )
-MODELS_ROUTE = dict(summary="The served model", response_model=schema.ModelList, responses=_AUTH_ERRORS)
-HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=schema.Health)
+MODELS_ROUTE = dict(summary="The served model", response_model=ModelList, responses=_AUTH_ERRORS)
+HEALTH_ROUTE = dict(summary="The replica's state and counters (no API key needed)", response_model=Health)
 # Prometheus' text format, not JSON: left out of the OpenAPI description, as vLLM leaves its /metrics.
 METRICS_ROUTE = dict(summary="Prometheus metrics, summed over every replica", include_in_schema=False)
 
 
-VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=schema.Version)
+VERSION_ROUTE = dict(summary="gpt2x's version (no API key needed)", response_model=Version)
 # A web page, not part of the API: left out of the OpenAPI description, as /metrics is.
 PLAYGROUND_ROUTE = dict(summary="The chat playground, a web page (no API key needed)", include_in_schema=False)
 ROOT_ROUTE = dict(summary="Redirects to /playground", include_in_schema=False)
@@ -135,35 +149,28 @@ _BODY_ERRORS = {
     **_AUTH_ERRORS,
     404: {**_ERROR, "description": "A model other than the one served"},
     413: {**_ERROR, "description": "A body over the limit"},
+    **_OTHER_ERRORS,
 }
-
-
-def _body(schema: str) -> dict:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
-
-
-TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_model=schema.TokenizeResponse,
-                      responses=_BODY_ERRORS, openapi_extra=_body("TokenizeRequest"))
-DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=schema.DetokenizeResponse,
-                        responses=_BODY_ERRORS, openapi_extra=_body("DetokenizeRequest"))
-# The bodies the routes read themselves, added to the OpenAPI description under these names.
-BODIES = {"CompletionRequest": schema.CompletionParams, "ChatCompletionRequest": ChatParams,
-          "TokenizeRequest": schema.TokenizeParams, "DetokenizeRequest": schema.DetokenizeParams,
-          "ResponsesRequest": responses_protocol.ResponsesRequest}
-# Models that only stream events name (no route returns them whole), added to the OpenAPI description too.
-EVENT_MODELS = {"ChatCompletionChunk": schema.ChatCompletionChunk, **responses_protocol.EVENT_MODELS}
+TOKENIZE_ROUTE = dict(summary="Tokenize a prompt (vLLM's /tokenize)", response_model=TokenizeResponse,
+                      responses=_BODY_ERRORS)
+DETOKENIZE_ROUTE = dict(summary="Token ids to text (vLLM's /detokenize)", response_model=DetokenizeResponse,
+                        responses=_BODY_ERRORS)
+# Models that only a stream's events name (no route returns them whole): added to the OpenAPI description, where the
+# streams' event schemas refer to them.
+EVENT_MODELS = {"ChatCompletionChunk": ChatCompletionChunk, **responses_protocol.EVENT_MODELS}
 
 
 class Gpt2xApp(FastAPI):
-    """FastAPI, with the completions body's schema (CompletionParams) and the optional bearer key in
-    its OpenAPI description."""
+    """FastAPI, with two things its description of the routes cannot say: the models only a stream's events name
+    (EVENT_MODELS), and the bearer key, asked for by every route but the open ones, and optional (a server may have
+    none)."""
 
     def openapi(self) -> dict:
         if self.openapi_schema is None:
             schema = get_openapi(title=self.title, version=self.version, description=self.description,
                                  routes=self.routes)
             components = schema.setdefault("components", {})
-            for name, model in {**BODIES, **EVENT_MODELS}.items():
+            for name, model in EVENT_MODELS.items():
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.setdefault("schemas", {}).update(body.pop("$defs", {}), **{name: body})
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer", "description": (
@@ -185,7 +192,7 @@ def new_app() -> FastAPI:
 
 
 class JSONBody(Response):
-    """A response body (schema.py's models, chat.py's dicts), serialised once (render.to_json)."""
+    """A response body (a model), serialised once (render.to_json)."""
 
     media_type = "application/json"
 
@@ -250,7 +257,8 @@ def api_keys_of(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 class RequestGate:
-    """What a request passes before any model answers it: the API key and the body's type and size."""
+    """What a request passes before any model answers it: the API key, and for a body its type, size and model
+    (`admit`)."""
 
     def __init__(self, api_key: str | Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES):
         self.api_keys = tuple(k.encode() for k in api_keys_of(api_key))
@@ -278,7 +286,7 @@ class RequestGate:
 
     def version(self, request: Request) -> Response:
         """gpt2x's version, open without the API key (vLLM's /version)."""
-        return JSONBody(schema.Version(version=__version__))
+        return JSONBody(Version(version=__version__))
 
     async def body(self, request: Request) -> bytes:
         """The body, refused (413) once it exceeds the limit, without reading the rest."""
@@ -296,6 +304,56 @@ class RequestGate:
                 raise APIError(413, f"the body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         return bytes(data)
 
+    async def admit(self, request: Request) -> tuple[bytes, dict]:
+        """A request with a body, before FastAPI validates it: the key, the body (its type and size) read as a JSON
+        object, and the model it names (a 404 for one not served), as (the body, the object)."""
+        self.authorize(request)
+        raw = await self.body(request)
+        data = json_object(raw)
+        self.check_model(data.get("model"))
+        return raw, data
+
+    def check_model(self, model: Any) -> None:
+        """A 404 for a model not served."""
+        raise NotImplementedError
+
+
+class _ReadRequest(Request):
+    """A request whose body the gate has read and checked: FastAPI reads it from here (FastAPI's way to change how
+    a route's body is read: a Request subclass, given by the route class)."""
+
+    def __init__(self, request: Request, raw: bytes, data: dict):
+        super().__init__(request.scope, request.receive)
+        self._raw = raw
+        self._data = data
+
+    async def body(self) -> bytes:
+        return self._raw
+
+    async def json(self) -> Any:
+        return self._data
+
+
+def gated_route(api: Callable[[], RequestGate]) -> type[APIRoute]:
+    """The class of the routes with a body: each request passes `api()`'s gate (RequestGate.admit) before FastAPI
+    reads and validates its body; a refusal, the gate's or a model's own, is answered in OpenAI's shape."""
+
+    class GatedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handler = super().get_route_handler()
+
+            async def gated(request: Request) -> Response:
+                try:
+                    raw, data = await api().admit(request)
+                    # a model's own check may refuse a body in its words (an APIError, which pydantic passes on)
+                    return await handler(_ReadRequest(request, raw, data))
+                except APIError as e:
+                    return error_response(e)
+
+            return gated
+
+    return GatedRoute
+
 
 class HttpApi(RequestGate):
     """Request handling shared by the routes: authorization, body, errors, and the replica's metrics."""
@@ -308,41 +366,39 @@ class HttpApi(RequestGate):
         self.exchange: Exchange = exchange or prom.LocalExchange()
         self.responses_api = ResponsesAPI(service)  # its store of responses is this replica's
 
-    async def read(self, request: Request, raw: bytes | None) -> bytes:
-        """The body after the key and size checks, or `raw` where a caller (Models) has already done them."""
-        if raw is not None:
-            return raw
-        self.authorize(request)
-        return await self.body(request)
+    def check_model(self, model: Any) -> None:
+        completion.check_model(model, self.service.model_id)
 
-    async def chat_completions(self, request: Request, raw: bytes | None = None):
-        """OpenAI's chat completions: the messages rendered by the chat template (chat.py), then
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """OpenAI's completions (completion/serving.py)."""
+        return await self._serve(request, self.service.prepare, body, completion.stream, completion.complete)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions (chat_completion/serving.py): the messages rendered by the chat template, then
         served as a completions request is, answered in the chat shapes."""
-        return await self.completions(request, chat=True, raw=raw)
+        return await self._serve(request, self.service.prepare_chat, body, chat.stream, chat.complete)
 
-    async def completions(self, request: Request, chat: bool = False, raw: bytes | None = None):
+    async def _serve(self, request: Request, prepare: Callable[[Any], ServedRequest], body: BaseModel,
+                     stream: Callable[[Pending], AsyncIterator[render.StreamEvent]],
+                     complete: Callable[[Pending], Awaitable[BaseModel]]) -> Response:
         started = time.monotonic()
-        service = self.service
         try:
-            raw = await self.read(request, raw)
             # On a worker thread: a large schema or enum compiles for seconds, which would stall every stream
-            req = await asyncio.to_thread(service.parse_chat if chat else service.parse, raw)
-            pending = service.submit(req)
+            req = await asyncio.to_thread(prepare, body)
+            pending = self.service.submit(req)
         except APIError as e:
             return error_response(e)
         if req.stream:
-            return self._event_stream(service.stream_chat(pending) if chat else service.stream(pending), pending, started)
-        return await self._whole(request, pending, started,
-                                 service.complete_chat(pending) if chat else service.complete(pending))
+            return self._event_stream(stream(pending), pending, started)
+        return await self._whole(request, pending, started, complete(pending))
 
-    async def responses(self, request: Request, raw: bytes | None = None):
+    async def responses(self, body: responses_protocol.ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API (responses/): the input, after the instructions and the conversation it continues,
         served as chat is, answered as a `response` object or its stream of typed events."""
         started = time.monotonic()
         api = self.responses_api
         try:
-            raw = await self.read(request, raw)
-            call = await asyncio.to_thread(api.parse, raw)  # as completions': a schema may compile for seconds
+            call = await asyncio.to_thread(api.prepare, body)  # as completions': a schema may compile for seconds
             pending = self.service.submit(call.req)
         except APIError as e:
             return error_response(e)
@@ -442,58 +498,34 @@ class HttpApi(RequestGate):
         text = prom.render(prom.merge(snapshots), self.service.model_id)
         return Response(text, media_type=prom.CONTENT_TYPE)
 
-    async def _params(self, request: Request, model: type[BaseModel], raw: bytes | None = None) -> Any:
-        """The body read and validated as `model` (after the key and the size), a 404 for another model."""
-        raw = await self.read(request, raw)
-        data = json_object(raw)
-        served = self.service.model_id
-        if isinstance(data.get("model"), str) and data["model"] != served:
-            raise APIError(404, f"the model {data['model'][:100]!r} does not exist; this server serves {served!r}",
-                           param="model", code="model_not_found")
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
         try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            errors = e.errors(include_url=False)
-            if errors[0]["loc"][:1] == ("prompt",) and str(errors[0]["type"]).endswith("_type"):
-                raise bad("prompt must be a string (the text to tokenize)", "prompt") from None
-            raise validation_error(errors) from None
-
-    async def tokenize(self, request: Request, raw: bytes | None = None) -> Response:
-        try:
-            p = await self._params(request, schema.TokenizeParams, raw)
+            tokens = encode(self._tokenize_text(body))
         except APIError as e:
             return error_response(e)
-        try:
-            tokens = encode(self._tokenize_text(p))
-        except APIError as e:
-            return error_response(e)
-        strs = [render.token_str(t) for t in tokens] if p.return_token_strs else None
-        return JSONBody(schema.TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
+        strs = [render.token_str(t) for t in tokens] if body.return_token_strs else None
+        return JSONBody(TokenizeResponse(count=len(tokens), max_model_len=self.service.backend.n_positions, tokens=tokens,
                                          token_strs=strs))
 
-    def _tokenize_text(self, p: schema.TokenizeParams) -> str:
+    def _tokenize_text(self, p: TokenizeRequest) -> str:
         """The prompt, or the messages as the chat template renders them for /v1/chat/completions (vLLM's)."""
         if (p.prompt is None) == (p.messages is None):
             raise bad("send prompt (a text) or messages (a conversation), one of the two", "prompt")
         if p.prompt is not None:
             return p.prompt
         try:
-            messages = [chat.Message.model_validate(m) for m in p.messages]
+            messages = [Message.model_validate(m) for m in p.messages]
         except ValidationError as e:
             raise validation_error([{**err, "loc": ("messages", *err["loc"])} for err in e.errors(include_url=False)]) from None
         if not messages:
             raise bad("messages is empty", "messages")
         template = self.service.chat_template
         if template is None:
-            raise chat.no_template()
-        return chat.render_messages(messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message))
+            raise no_template()
+        return render_messages(messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message))
 
-    async def detokenize(self, request: Request, raw: bytes | None = None) -> Response:
-        try:
-            p = await self._params(request, schema.DetokenizeParams, raw)
-        except APIError as e:
-            return error_response(e)
-        return JSONBody(schema.DetokenizeResponse(prompt=decode(p.tokens)))
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        return JSONBody(DetokenizeResponse(prompt=decode(body.tokens)))
 
 
 async def client_gone(request: Request) -> None:
@@ -509,20 +541,22 @@ async def client_gone(request: Request) -> None:
 def router(api: Callable[[], Any]) -> APIRouter:
     """Every route, declared once: `api()` is the HttpApi that answers a request (local_app's own; on
     Ray Serve, the replica's), or many.Models, which has the same methods and hands each request to its model's.
-    Sync routes run in FastAPI's thread pool, as they always did."""
+    The routes with a body are gated (gated_route); FastAPI validates the body as the route's model. Sync routes run
+    in FastAPI's thread pool, as they always did."""
     routes = APIRouter()
+    bodies = APIRouter(route_class=gated_route(api))
 
-    @routes.post("/v1/completions", **COMPLETIONS_ROUTE)
-    async def completions(request: Request):
-        return await api().completions(request)
+    @bodies.post("/v1/completions", **COMPLETIONS_ROUTE)
+    async def completions(body: CompletionRequest, request: Request):
+        return await api().completions(body, request)
 
-    @routes.post("/v1/chat/completions", **CHAT_ROUTE)
-    async def chat_completions(request: Request):
-        return await api().chat_completions(request)
+    @bodies.post("/v1/chat/completions", **CHAT_ROUTE)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api().chat_completions(body, request)
 
-    @routes.post("/v1/responses", **RESPONSES_ROUTE)
-    async def responses(request: Request):
-        return await api().responses(request)
+    @bodies.post("/v1/responses", **RESPONSES_ROUTE)
+    async def responses(body: responses_protocol.ResponsesRequest, request: Request):
+        return await api().responses(body, request)
 
     @routes.get("/v1/models", **MODELS_ROUTE)
     def models(request: Request):
@@ -550,14 +584,15 @@ def router(api: Callable[[], Any]) -> APIRouter:
         # Under the mount's prefix (Ray Serve's route prefix is the ASGI root_path), as the page's own requests are.
         return RedirectResponse(request.scope.get("root_path", "").rstrip("/") + "/playground")
 
-    @routes.post("/tokenize", **TOKENIZE_ROUTE)
-    async def tokenize(request: Request):
-        return await api().tokenize(request)
+    @bodies.post("/tokenize", **TOKENIZE_ROUTE)
+    async def tokenize(body: TokenizeRequest, request: Request):
+        return await api().tokenize(body, request)
 
-    @routes.post("/detokenize", **DETOKENIZE_ROUTE)
-    async def detokenize(request: Request):
-        return await api().detokenize(request)
+    @bodies.post("/detokenize", **DETOKENIZE_ROUTE)
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return await api().detokenize(body, request)
 
+    routes.include_router(bodies)
     return routes
 
 

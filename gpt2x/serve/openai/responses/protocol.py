@@ -4,20 +4,23 @@ reference describes them; what gpt2x does with each request field: docs/serving/
 
 A field that would change the answer and is not served is declared here so that its refusal names it (serving.py
 refuses it), and its schema is narrowed to what is served, so that a body valid by the published schema is answered.
+Input items other than messages are refused by their type before the schema's checks (`_served_items`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from ..request import PROCESSOR_FIELDS
-from ..schema import MAX_CHAT_LOGPROBS, CompletionParams, Integer_
+from ..errors import bad
+from ..protocol import MAX_CHAT_LOGPROBS, Integer_, SamplingRequest
+from ..sampling import PROCESSOR_FIELDS
 
 MAX_METADATA = 16  # OpenAI's limit: key-value pairs per request
 MAX_STORED = 1000  # responses whose conversations a replica keeps for previous_response_id (the oldest dropped first)
 NULL_ONLY = {"type": "null"}  # the schema of a field declared only to be refused by name
+_PART_TYPES = ("input_text", "output_text")  # the content parts served (output_text in assistant messages only)
 
 
 # ------------------------------------------------------------------ text.format (the request's, echoed in the response)
@@ -141,14 +144,40 @@ class _ResponsesFields(BaseModel):
     prompt: dict[str, Any] | None = Field(None, description="Not served (stored prompt templates).",
                                           json_schema_extra=NULL_ONLY)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _served_items(cls, body: Any) -> Any:
+        """Input items other than messages, and content other than text, refused by their type before the schema's
+        checks, whose words would be about a message's missing role. A 400 naming `input` (an APIError, which pydantic
+        passes on as it is)."""
+        items = body.get("input") if isinstance(body, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if isinstance(item, dict):  # else the schema's check says what it must be
+                _served_item(i, item)
+        return body
+
+
+def _served_item(i: int, item: dict) -> None:
+    kind = item.get("type")
+    if kind not in (None, "message"):
+        raise bad(f"input[{i}]: items of type {str(kind)[:60]!r} are not served (only messages: roles and text)", "input")
+    content = item.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _PART_TYPES:
+            raise bad(f"input[{i}].content[{j}]: content of type {str(kind)[:60]!r} is not served (only input_text, "
+                      "and output_text in assistant messages)", "input")
+        if kind == "output_text" and item.get("role") != "assistant":
+            raise bad(f"input[{i}].content[{j}]: output_text is an assistant message's content", "input")
+
 
 # vLLM's sampling fields beyond OpenAI's (its ResponsesRequest takes top_k, repetition_penalty, seed, ...): every
 # logits processor's field the completions body names, the seed and stop strings, each as the completions body
-# declares it, handed on to the chat request as it is (serving._chat_body).
+# declares it, handed on to the chat request as it is (serving._chat_request).
 SAMPLING_FIELDS = tuple(f for f in (*PROCESSOR_FIELDS, "seed", "stop") if f not in _ResponsesFields.model_fields)
 ResponsesRequest = create_model(
     "ResponsesRequest", __base__=_ResponsesFields, __doc__=_ResponsesFields.__doc__,
-    **{f: (CompletionParams.model_fields[f].annotation, CompletionParams.model_fields[f]) for f in SAMPLING_FIELDS})
+    **{f: (SamplingRequest.model_fields[f].annotation, SamplingRequest.model_fields[f]) for f in SAMPLING_FIELDS})
 
 
 # ------------------------------------------------------------------ the response

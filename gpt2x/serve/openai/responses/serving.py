@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) served over the chat path, as vLLM's entrypoints/openai/responses
 serve it: the request's instructions (a system message first), the conversation of the response it continues
-(previous_response_id) and its input become a chat completions body, rendered by the chat template and completed as
-chat is (CompletionService.chat_request, n always 1); the answer is one assistant message, whole (a `response`
+(previous_response_id) and its input become a chat completions request, rendered by the chat template and completed as
+chat is (chat_completion.serving.prepare, n always 1); the answer is one assistant message, whole (a `response`
 object) or streamed as OpenAI's typed events.
 
 The conversations of the last MAX_STORED responses kept (`store`, true by default) live in this replica's memory
@@ -21,23 +21,24 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from ....generation.settings import SamplingSettings
-from .. import render, schema
-from ..errors import APIError, bad, validation_error
-from ..request import CompletionRequest, json_object
-from ..service import CompletionService, Pending
+from .. import render
+from ..chat_completion.protocol import ChatCompletionRequest, Message, TextPart
+from ..errors import APIError, bad, json_object, validation_error
+from ..pending import Pending, ServedRequest
+from ..protocol import JsonSchemaFormat, ResponseFormat, Usage
+from ..service import CompletionService
 from . import protocol as p
 from .protocol import MAX_STORED
 
 # The chat body's fields that a chat error may name, as the Responses request names them.
 _PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
            "max_completion_tokens": "max_output_tokens", "response_format": "text"}
-_PART_TYPES = ("input_text", "output_text")  # the content parts served (output_text in assistant messages only)
 
 
 class ResponseStore:
     """The conversations of the last `size` stored responses by id (each its input messages, the earlier ones it
     continued included, and its output), the oldest dropped first. Read on the request's worker thread (the
-    parse), written on the event loop: one lock."""
+    prepare), written on the event loop: one lock."""
 
     def __init__(self, size: int = MAX_STORED):
         self.size = size
@@ -63,7 +64,7 @@ class ResponseStore:
 class ResponseCall:
     """A Responses request as it is served: the chat request it became, and what its answer echoes and keeps."""
 
-    req: CompletionRequest
+    req: ServedRequest
     params: p.ResponsesRequest
     conversation: tuple[dict, ...]  # the input messages, the earlier conversation's first (not the instructions)
     id: str  # resp_...
@@ -93,14 +94,16 @@ class ResponsesAPI:
         self.store = store if store is not None else ResponseStore()
 
     def parse(self, raw: bytes) -> ResponseCall:
-        """The body as the chat request it is served as: every field checked (a 400 naming the one at fault, a 404
-        for another model or a previous_response_id not stored), the conversation rendered by the chat template."""
-        body = json_object(raw)
-        _refuse_items(body.get("input"))
+        """A raw body as the chat request it is served as (the routes have FastAPI validate theirs: `prepare`)."""
         try:
-            params = p.ResponsesRequest.model_validate(body)
+            params = p.ResponsesRequest.model_validate(json_object(raw))
         except ValidationError as e:
             raise validation_error(e.errors(include_url=False)) from None
+        return self.prepare(params)
+
+    def prepare(self, params: p.ResponsesRequest) -> ResponseCall:
+        """The request as the chat request it is served as: every field checked (a 400 naming the one at fault, a 404
+        for another model or a previous_response_id not stored), the conversation rendered by the chat template."""
         _refuse(params)
         n_positions = self.service.backend.n_positions
         if params.max_output_tokens is not None and params.max_output_tokens > n_positions:
@@ -119,7 +122,7 @@ class ResponsesAPI:
         if not system and not conversation:
             raise bad("input is empty: send a text, or messages", "input")
         try:
-            req = self.service.chat_request(_chat_body(params, [*system, *conversation]))
+            req = self.service.prepare_chat(_chat_request(params, [*system, *conversation]))
         except APIError as e:
             raise _renamed(e) from None
         hex_id = req.id.removeprefix("cmpl-")
@@ -178,7 +181,7 @@ class ResponsesAPI:
         yield event(p.ResponseLifecycleEvent, kind=render.StreamKind.done, type=f"response.{status}", response=done)
 
     def response(self, call: ResponseCall, status: str, text: str | None = None,
-                 usage: schema.Usage | None = None) -> p.Response:
+                 usage: Usage | None = None) -> p.Response:
         """The `response` object: in progress (no output, no usage yet), or done with its text and usage."""
         params = call.params
         output = [] if text is None else [p.ResponseOutputMessage(id=call.message_id, status=status,
@@ -204,33 +207,11 @@ def _status(pending: Pending) -> str:
     return "incomplete" if pending.reasons[0] == "length" else "completed"
 
 
-def _usage(usage: schema.Usage) -> p.ResponseUsage:
+def _usage(usage: Usage) -> p.ResponseUsage:
     return p.ResponseUsage(
         input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
         input_tokens_details=p.ResponseInputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
         output_tokens_details=p.ResponseOutputTokensDetails())
-
-
-def _refuse_items(items: object) -> None:
-    """Input items other than messages, and content other than text, refused by their type before the schema's
-    checks (whose words would be about a message's missing role)."""
-    if not isinstance(items, list):
-        return
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            continue  # the schema's check says what it must be
-        kind = item.get("type")
-        if kind not in (None, "message"):
-            raise bad(f"input[{i}]: items of type {str(kind)[:60]!r} are not served (only messages: roles and text)",
-                      "input")
-        content = item.get("content")
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _PART_TYPES:
-                raise bad(f"input[{i}].content[{j}]: content of type {str(kind)[:60]!r} is not served (only input_text, "
-                          "and output_text in assistant messages)", "input")
-            if kind == "output_text" and item.get("role") != "assistant":
-                raise bad(f"input[{i}].content[{j}]: output_text is an assistant message's content", "input")
 
 
 def _refuse(params: p.ResponsesRequest) -> None:
@@ -266,24 +247,26 @@ def _messages(given: str | list[p.ResponseInputMessage]) -> list[dict]:
              else [{"type": "text", "text": part.text} for part in m.content]} for m in given]
 
 
-def _chat_body(params: p.ResponsesRequest, messages: list[dict]) -> dict:
-    """The chat completions body the request is served as (CompletionService.chat_request checks it)."""
-    body: dict = {"messages": messages, "stream": bool(params.stream)}
-    if params.model is not None:
-        body["model"] = params.model
-    if params.max_output_tokens is not None:
-        body["max_completion_tokens"] = params.max_output_tokens
-    if params.temperature is not None:
-        body["temperature"] = params.temperature
-    if params.top_p is not None:
-        body["top_p"] = params.top_p
-    body.update({f: v for f in p.SAMPLING_FIELDS if (v := getattr(params, f)) is not None})
+def _chat_request(params: p.ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    """The chat completions request the Responses request is served as (chat_completion.serving.prepare checks it)."""
+    fields: dict = {f: v for f in p.SAMPLING_FIELDS if (v := getattr(params, f)) is not None}
+    for name, value in (("model", params.model), ("max_completion_tokens", params.max_output_tokens),
+                        ("temperature", params.temperature), ("top_p", params.top_p)):
+        if value is not None:
+            fields[name] = value
     fmt = params.text.format if params.text is not None else None
     if isinstance(fmt, p.ResponseFormatJsonObject):
-        body["response_format"] = {"type": "json_object"}
+        fields["response_format"] = ResponseFormat(type="json_object")
     elif isinstance(fmt, p.ResponseFormatJsonSchema):
-        body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(exclude={"type"}, by_alias=True)}
-    return body
+        schema = JsonSchemaFormat(name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
+        fields["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
+    chat_messages = [Message(role=m["role"], content=m["content"] if isinstance(m["content"], str)
+                             else [TextPart(type="text", text=part["text"]) for part in m["content"]])
+                     for m in messages]
+    try:
+        return ChatCompletionRequest(messages=chat_messages, stream=bool(params.stream), **fields)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
 
 
 def _renamed(e: APIError) -> APIError:

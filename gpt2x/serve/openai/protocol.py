@@ -1,16 +1,19 @@
-"""The OpenAI completions API's bodies as gpt2x serves them: the requests (pydantic models, strict
-types, which are also the schema /openapi.json publishes) and the responses, built once and serialised
-once (render.to_json). Unknown request fields are allowed here and ignored or refused by
-request.parse_request; what each field does: docs/serving-fields.md."""
+"""What every endpoint of the OpenAI layer shares (vLLM's entrypoints/openai/engine/protocol.py): the sampling fields
+of a completions or chat completions request (`SamplingRequest`, which each endpoint's request model extends: the
+pydantic model *is* the request, read as it is downstream; a logits processor's field it does not declare is derived
+from SamplingSettings, `settings_fields`), and the bodies every route answers with (errors, usage, models, health, the
+tokenizer's). Types are strict (no "5" for 5); FastAPI validates the bodies against these models
+and publishes their schemas in /openapi.json. What each field does: docs/serving-fields.md."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 
-from ...generation.processors import BIAS_RANGE, PENALTY_RANGE
+from ...generation.processors import BIAS_RANGE, ORDER, PENALTY_RANGE, LogitsProcessor
 from ...generation.settings import SamplingSettings
 from ...tokenizer import VOCAB_SIZE
 
@@ -89,20 +92,16 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = Field(None, description="The text is any JSON object.")
 
 
-class CompletionParams(BaseModel):
-    """The body of POST /v1/completions: OpenAI's completions request, with vLLM's `top_k` and
-    `truncate_prompt_tokens`. Types are strict (no "5" for 5); unknown fields are ignored."""
+class _SamplingFields(BaseModel):
+    """The fields a completions and a chat completions request share: OpenAI's sampling fields with vLLM's and
+    llama-server's extensions. Unknown fields are allowed here, then ignored (logged once) or refused by name
+    (sampling.refuse_unknown)."""
 
-    model_config = ConfigDict(extra="allow", strict=True, title="CompletionRequest")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
-        description="One prompt (a string, or its token ids) or several (a list of strings, or a list of "
-                    "token id lists), each completed as if sent alone: one choice per prompt. An empty "
-                    "string starts a document (<|endoftext|>).")
     model: str | None = Field(None, description="The served model's id (GET /v1/models); another is a 404.")
-    max_tokens: Integer_(ge=0) | None = Field(DEFAULT_MAX_TOKENS, description="Tokens to generate per prompt, capped by "
-                                   "the context; 0 only with `echo` (the prompt scored, nothing generated).")
+    max_tokens: Integer_(ge=0) | None = Field(None, description=(
+        "Tokens to generate, capped by the context; by default as many as the context leaves (chat's, as vLLM's)."))
     temperature: float | None = Field(SamplingSettings.temperature, ge=0, le=2, description="0 = greedy.")
     top_p: float | None = Field(SamplingSettings.top_p, gt=0, le=1)
     top_k: Integer_(ge=-1) | None = Field(None, description="vLLM's: keep the k most likely tokens; -1 or 0 = off (the default).")
@@ -116,11 +115,6 @@ class CompletionParams(BaseModel):
         "is seeded seed + i (vLLM's rule). A prompt is prefilled once for its n choices."))
     best_of: Integer_(ge=1) | None = Field(None, description="Only 1 (deprecated by OpenAI, removed in vLLM).",
                                            json_schema_extra=_only(maximum=1))
-    logprobs: Integer_(ge=0, le=MAX_LOGPROBS) | None = Field(None, description=(
-        "Per token: its log-probability under the raw model distribution (log_softmax of the logits, "
-        "before temperature, top-k and top-p) and the `logprobs` most likely tokens."))
-    echo: bool | None = Field(False, description="The prompt before the completion (and its tokens' logprobs "
-                              "with `logprobs`).")
     stream: bool | None = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     truncate_prompt_tokens: Integer_(ge=1) | None = Field(None, description="vLLM's: keep the prompt's last k tokens.")
@@ -210,6 +204,35 @@ class CompletionParams(BaseModel):
         "vLLM's: accepted; no effect with GPT-2's one special token."))
 
 
+# A logits processor's field the request reads in a shape of its own, not derived (settings_fields).
+OWN_SHAPE = ("constraint",)  # response_format and structured_outputs
+
+
+def settings_fields(declared: Iterable[str], settings: type = SamplingSettings,
+                    processors: Sequence[type[LogitsProcessor]] = ORDER) -> dict[str, Any]:
+    """The request fields of the logits processors' SamplingSettings fields that `declared` does not name: each
+    optional (null: the settings' default), of the settings' type (a tuple as a JSON list), checked by its processor
+    (a 400 naming it), so that a new processor's field is served with no line here."""
+    hints = get_type_hints(settings)
+    fields: dict[str, Any] = {}
+    for name in (f for kind in processors for f in kind.fields):
+        if name not in declared and name not in OWN_SHAPE:
+            fields[name] = (_json_type(hints[name]) | None, Field(None, description=(
+                f"SamplingSettings.{name}, as its logits processor reads it; null: its default.")))
+    return fields
+
+
+def _json_type(hint: Any) -> Any:
+    """A settings field's type as JSON carries it: a tuple as a list, an int strict (no 2.5, no true)."""
+    if get_origin(hint) is tuple:
+        return list[get_args(hint)[0]]
+    return Integer_() if hint is int else hint
+
+
+SamplingRequest = create_model("SamplingRequest", __base__=_SamplingFields, __doc__=_SamplingFields.__doc__,
+                               **settings_fields(_SamplingFields.model_fields))
+
+
 # ------------------------------------------------------------------ the response bodies
 
 
@@ -234,26 +257,6 @@ class PromptLogprob(BaseModel):
     decoded_token: str | None = None
 
 
-class Logprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class Choice(BaseModel):
-    """One choice (or a stream chunk's piece of one). vLLM's keys are always there, null unless asked
-    for: `prompt_logprobs` (prompt_logprobs), `prompt_token_ids` and `token_ids` (return_token_ids)."""
-
-    index: int
-    text: str
-    logprobs: Logprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache (OpenAI's and vLLM's field)
 
@@ -263,91 +266,6 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, or one chunk of a stream (`text/event-stream`: `data: {chunk}` events, then
-    `data: [DONE]`; the chunks have this shape, the usage chunk an empty `choices`)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage | None = None
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float | None
-    bytes: list[int]  # the token's UTF-8 bytes (part of a character, where it is one)
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob]  # the most likely tokens at this position, most likely first
-
-
-class ChatLogprobs(BaseModel):
-    """A choice's logprobs in OpenAI's chat shape (logprobs: true, top_logprobs: k)."""
-
-    content: list[ChatTokenLogprob] | None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the choice's generated ids
-
-
-class ChatCompletionResponse(BaseModel):
-    """A whole chat completion (OpenAI's `chat.completion`), with vLLM's keys for the rendered prompt, null unless
-    asked for: `prompt_logprobs` (prompt_logprobs) and `prompt_token_ids` (return_token_ids)."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class ChatDelta(BaseModel):
-    """A choice's piece of a stream: its role alone in its first chunk (OpenAI's), then its content."""
-
-    role: Literal["assistant"] | None = None
-    content: str
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the ids this chunk's content came from
-
-
-class ChatCompletionChunk(BaseModel):
-    """One chunk of a streamed chat completion (`chat.completion.chunk`; the usage chunk has no choices). vLLM's keys
-    for the prompt come once, on the first chunk that has them: `prompt_token_ids` (return_token_ids) and
-    `prompt_logprobs` (prompt_logprobs, once the prompt is scored)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):
@@ -383,13 +301,20 @@ class Health(BaseModel):
     max_rss_mb: float | None = None
 
 
-class TokenizeParams(BaseModel):
+def _text_to_tokenize(value: Any) -> Any:
+    """/tokenize's prompt is a text only (not a completions prompt's lists): said so, rather than every type a union tried."""
+    if value is not None and not isinstance(value, str):
+        raise PydanticCustomError("tokenize_prompt", "must be a string (the text to tokenize)")
+    return value
+
+
+class TokenizeRequest(BaseModel):
     """The body of POST /tokenize: vLLM's TokenizeCompletionRequest."""
 
-    model_config = ConfigDict(extra="allow", strict=True, title="TokenizeRequest")
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    prompt: str | None = Field(None, description="The text to tokenize, as a completion's prompt is (<|endoftext|> is "
-                               "its token). This, or `messages`.")
+    prompt: Annotated[str | None, BeforeValidator(_text_to_tokenize)] = Field(None, description=(
+        "The text to tokenize, as a completion's prompt is (<|endoftext|> is its token). This, or `messages`."))
     messages: list[dict[str, Any]] | None = Field(None, description=(
         "vLLM's TokenizeChatRequest: a conversation, rendered by the chat template as /v1/chat/completions renders "
         "it, then tokenized."))
@@ -411,10 +336,10 @@ class Version(BaseModel):
     version: str
 
 
-class DetokenizeParams(BaseModel):
+class DetokenizeRequest(BaseModel):
     """The body of POST /detokenize: vLLM's DetokenizeRequest."""
 
-    model_config = ConfigDict(extra="allow", strict=True, title="DetokenizeRequest")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     tokens: list[TokenId] = Field(description="Token ids, each in [0, vocabulary).")
     model: str | None = Field(None, description="The served model's id; another is a 404.")
