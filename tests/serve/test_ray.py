@@ -73,15 +73,16 @@ def server(export_dir, reserve_port):
 def test_a_local_instance_gets_its_environment_and_the_users_settings_win(monkeypatch):
     """LOCAL_INSTANCE_ENV is in the environment while the instance starts and gone after; a value the
     user set is left as it is."""
-    [(name, value)] = LOCAL_INSTANCE_ENV.items()
+    (name, value), (other, its_value) = LOCAL_INSTANCE_ENV.items()
     monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(other, raising=False)
     with local_instance_environment():
-        assert os.environ[name] == value
-    assert name not in os.environ
+        assert os.environ[name] == value and os.environ[other] == its_value
+    assert name not in os.environ and other not in os.environ
     monkeypatch.setenv(name, "0")
     with local_instance_environment():
-        assert os.environ[name] == "0"
-    assert os.environ[name] == "0"
+        assert os.environ[name] == "0" and os.environ[other] == its_value
+    assert os.environ[name] == "0" and other not in os.environ
 
 
 @pytest.fixture
@@ -419,6 +420,38 @@ def test_a_killed_replica_is_restarted_and_the_server_keeps_answering(server, cl
     assert status.status == "HEALTHY" and status.replica_states.get("RUNNING") == 2
     assert answered > 0
     assert all(after < 10 and code >= 500 for after, code in failed) and len(failed) <= 2, failed
+
+
+def test_a_stream_whose_replica_is_killed_ends_with_an_error_event(server, client):
+    """/small's one replica killed while it streams: the stream ends with gpt2x's error event and [DONE] (proxy.StreamEnd,
+    in Ray Serve's proxy), where the connection used to close mid-body; Ray Serve starts another replica, which
+    answers. Two choices of 250 tokens, one after the other (/small decodes one row at a time), stream for longer than
+    the kill takes to land; a stream that ended first is tried again, after the replica's restart."""
+    body = {"prompt": "ROMEO:", "max_tokens": 250, "n": 2, "ignore_eos": True, "temperature": 0, "stream": True}
+    for _ in range(3):
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::small#")]
+        with client.stream("POST", f"{server}/small/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            events = [first] + [line for line in lines if line]  # a body cut short raises here
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+        bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        deadline = time.time() + 60
+        while time.time() < deadline:  # Ray Serve's new replica answers
+            answer = client.post(f"{server}/small/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 2}, headers=AUTH)
+            if answer.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert answer.status_code == 200, answer.text
+        if "error" in bodies[-1]:
+            break
+        assert sum(c["finish_reason"] is not None for b in bodies for c in b["choices"]) == 2  # ended before the kill
+    error = bodies[-1]["error"]
+    assert error["type"] == "server_error" and error["code"] == "replica_lost", error
+    assert all("choices" in b for b in bodies[:-1]) and len(bodies) > 1
 
 
 def test_soak_400_requests_at_concurrency_16(server, client):

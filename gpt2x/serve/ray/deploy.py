@@ -63,6 +63,7 @@ from ..replica import (  # what both paths share; re-exported here for the calle
     open_service,
 )
 from .patches import ray_processes_in_their_own_session, rays_sigterm_handlers_left_out
+from .proxy import PROXY_CALLBACK
 
 __all__ = ["APP_NAME", "SHUTTING_DOWN", "STOP_GRACE_S", "ReplicaConfig", "ServeSettings", "describe", "serve_until_stopped",
            "start", "stop"]
@@ -76,8 +77,9 @@ PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its coun
 HUB_NAMESPACE = "gpt2x"
 # What the processes of a local instance started here take from this process's environment (those of a
 # cluster keep their own): Ray Serve's proxy reaches the replicas over gRPC rather than through Ray's
-# actor calls, which costs less per streamed chunk (benchmarks/results/serve-ray-transport-cpu-2core).
-LOCAL_INSTANCE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+# actor calls, which costs less per streamed chunk (benchmarks/results/serve-ray-transport-cpu-2core), and
+# takes gpt2x's middleware (proxy.py: a stream whose replica is lost ends with an error event).
+LOCAL_INSTANCE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
 
 
 @ray.remote(num_cpus=0)
