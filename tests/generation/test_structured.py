@@ -34,7 +34,7 @@ from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode, encode
 from gpt2x.workflows.backends import export_backend
 
-from ..helpers import run_cli
+from ..helpers import cli
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -294,7 +294,9 @@ def test_a_bad_constraint_is_a_400_before_any_work(client, body, param, words):
     assert error["param"] == param and words in error["message"] and "\n" not in error["message"]
 
 
-def test_the_cli_takes_each_constraint_and_refuses_a_bad_one(tmp_path, export_dir):
+def test_the_cli_takes_each_constraint_and_refuses_a_bad_one(tmp_path, export_dir, capsys):
+    """In this process (eight subprocesses took 10 s of the suite; test_docs runs the README's example as a user
+    does)."""
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(SCHEMA))
     grammar = tmp_path / "g.lark"
@@ -303,18 +305,19 @@ def test_the_cli_takes_each_constraint_and_refuses_a_bad_one(tmp_path, export_di
                            (["--regex", REGEX], lambda t: satisfied("regex", t)),
                            (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
                            (["--grammar", str(grammar)], lambda t: t in ("to be", "not to be"))):
-        r = run_cli("generate", "ROMEO:", "--onnx", str(export_dir), "--max-new-tokens", "48", "--seed", "1", "--json", *options)
-        assert r.returncode == 0, r.stderr
-        out = json.loads(r.stdout)  # one JSON line: one prompt, one sample
+        code, stdout, stderr = cli(capsys, "generate", "ROMEO:", "--onnx", str(export_dir), "--max-new-tokens", "48",
+                                   "--seed", "1", "--json", *options)
+        assert code == 0, stderr
+        out = json.loads(stdout)  # one JSON line: one prompt, one sample
         assert out["finish_reason"] == "eos" and check(out["text"]), out
     overlapping = tmp_path / "overlapping.json"
     overlapping.write_text(json.dumps(REFUSED["overlapping-strings"]))
     for options, words in ((["--regex", "(ab"], "invalid regex"), (["--regex", "a", "--choice", "a"], "one structured-output option"),
                            (["--grammar", str(tmp_path / "missing.lark")], "grammar file not found"),
                            (["--json-schema", str(overlapping)], "oneOf at /properties/code: branches 0 and 1 may both match")):
-        r = run_cli("generate", "ROMEO:", "--onnx", str(export_dir), *options)
-        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert r.stdout == ""
+        code, stdout, stderr = cli(capsys, "generate", "ROMEO:", "--onnx", str(export_dir), *options)
+        assert code == 2 and words in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert stdout == ""
 
 
 def test_constraints_need_no_torch_and_accept_numpy_logits_of_any_row_count():
