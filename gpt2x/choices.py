@@ -46,3 +46,6 @@ class Precision(str, Enum):
     fp16 = "fp16"
     int8 = "int8"
     int4 = "int4"
+    # fp32 weights computed in bf16, as OpenVINO GenAI and vLLM's CPU build compute fp32 checkpoints (docs/export.md):
+    # CPUs with AVX-512 BF16 or AMX only
+    bf16 = "bf16"

@@ -54,14 +54,15 @@ def gpu_copy_bandwidth(megabytes: int = 1024, repeats: int = 10) -> float:
 
 
 # How each precision stores a K x N matrix (onnx/optimize.py): MatMulNBits (bits, block) pack whole blocks along K,
-# one fp32 scale each; int4 keeps the tied unembedding at int8's settings.
-FLOAT_BYTES = {Precision.fp32: 4, Precision.fp16: 2}
+# one fp32 scale each; int4 keeps the tied unembedding at int8's settings. bf16's export stores fp32, which OpenVINO
+# converts to bf16 when it compiles the graph: a step reads 2 bytes a weight.
+FLOAT_BYTES = {Precision.fp32: 4, Precision.fp16: 2, Precision.bf16: 2}
 BLOCK_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (4, INT4_BLOCK)}
 HEAD_FORMAT = {Precision.int8: (8, INT8_BLOCK), Precision.int4: (INT4_HEAD_BITS, INT8_BLOCK if INT4_HEAD_BITS == 8 else INT4_BLOCK)}
 
 
 def matrix_bytes(k: int, n: int, precision: Precision, head: bool = False) -> float:
-    """Bytes of a K x N weight matrix as the export of `precision` stores it."""
+    """Bytes of a K x N weight matrix as a step at `precision` reads it."""
     if precision in FLOAT_BYTES:
         return k * n * FLOAT_BYTES[precision]
     bits, block = (HEAD_FORMAT if head else BLOCK_FORMAT)[precision]

@@ -8,13 +8,16 @@ from typing import Annotated, Optional
 import typer
 
 from ..bench.report import bench_tables, plot, require_matplotlib
-from ..bench.run import BenchSettings, run_bench
+from ..bench.run import REFERENCE, BenchSettings, run_bench
 from ..bench.system import system_info
 from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import ParityError
 from ..generation.speculative import DraftSettings
+from ..runtime.providers import default_precisions
+from ..runtime.registry import default_backend
 from ..workflows.backends import require_provider
 from ..workflows.drafts import DRAFT_HELP
+from ..workflows.exports import require_bf16_cpu
 from .options import (
     ExportsOpt,
     JsonOpt,
@@ -41,16 +44,28 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x bench --backends ort --precisions fp32 --draft int4,ngram --num-speculative-tokens 5")
 
 
+def default_backends(precisions: list[Precision] | None, provider: ProviderKind) -> list[BackendKind]:
+    """The reference, then each precision's default runner (registry.default_backend), once each."""
+    kinds = [REFERENCE]
+    for precision in precisions or default_precisions(provider):
+        kind = default_backend(precision, provider)
+        if kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
 def bench(
     model: ModelOpt = "shakespeare",
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
     kv_cache_dtype: KvDtypeOpt = None,
     provider: Annotated[ProviderKind, typer.Option(help="cpu, or cuda (fails clearly without a GPU).")] = ProviderKind.cpu,
-    backends: Annotated[str, typer.Option(help="Comma-separated: torch, ort, openvino, genai, web (onnxruntime-web in headless Chromium).")] = "torch,ort",
+    backends: Annotated[Optional[str], typer.Option(
+        help="Comma-separated: torch, ort, openvino, genai, web (onnxruntime-web in headless Chromium). Default: torch "
+        "and, for each precision, the backend that runs it by default (ort; bf16: openvino).", show_default=False)] = None,
     precisions: Annotated[Optional[str], typer.Option(
-        help="Comma-separated: fp32, int8, int4, fp16 (CUDA). Default: the provider's own, fp32,int8 on cpu and "
-        "fp32,fp16 on cuda.", show_default=False)] = None,
+        help="Comma-separated: fp32, int8, int4, bf16 (openvino, on a CPU with AVX-512 BF16 or AMX), fp16 (CUDA). "
+        "Default: the provider's own, fp32,int8 on cpu and fp32,fp16 on cuda.", show_default=False)] = None,
     batch: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1",
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens per row.")] = 32,
     new_tokens: Annotated[int, typer.Option(help="Generated tokens per row (EOS does not stop a run).")] = 128,
@@ -76,9 +91,13 @@ def bench(
         "fp32 on cpu. Default: on with --provider cuda.", show_default=False)] = None,
 ) -> None:
     """Parity and tokens/sec of each backend x precision x batch, against the memory-bandwidth roofline."""
+    asked = None if precisions is None else parse_list(precisions, Precision, "--precisions")
+    if asked is not None and Precision.bf16 in asked:  # before any work
+        require_bf16_cpu("--precisions bf16", "precisions")
     settings = BenchSettings(
-        model=model, provider=provider, backends=parse_list(backends, BackendKind, "--backends"),
-        precisions=None if precisions is None else parse_list(precisions, Precision, "--precisions"),
+        model=model, provider=provider,
+        backends=default_backends(asked, provider) if backends is None else parse_list(backends, BackendKind, "--backends"),
+        precisions=asked,
         batches=parse_list(batch, int, "--batch"),
         prompt_len=prompt_len, new_tokens=new_tokens, repeat=repeat, threads=threads, text=text,
         drafts=parse_list(draft or "", str, "--draft"), num_speculative_tokens=num_speculative_tokens,

@@ -11,6 +11,7 @@ from ..choices import BackendKind, ProviderKind
 from ..errors import UsageError
 from ..runtime.registry import refuse_export_folder
 from .options import (
+    BACKEND_DEFAULT,
     ExportsOpt,
     JsonOpt,
     ModelOptional,
@@ -19,6 +20,7 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
+    backend_for,
     notice,
     parse_list,
     print_tables,
@@ -38,8 +40,9 @@ def eval(
     model: ModelOptional = None,
     revision: RevisionOpt = None,
     exports: ExportsOpt = None,
-    backend: Annotated[BackendKind, typer.Option(
-        help="ort, openvino, genai, web: the export (made first if missing); torch: the PyTorch reference.")] = BackendKind.ort,
+    backend: Annotated[Optional[BackendKind], typer.Option(
+        help=f"ort, openvino, genai, web: the export (made first if missing); torch: the PyTorch reference ({BACKEND_DEFAULT}).",
+        show_default=False)] = None,
     provider: Annotated[ProviderKind, typer.Option(help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", help="Export folder to run (default: EXPORTS/MODEL-PRECISION, see --exports).")] = None,
@@ -56,6 +59,7 @@ def eval(
     output: OutputOpt = None,
 ) -> None:
     """Evaluate a model with lm-evaluation-harness: accuracy, perplexity and generation tasks, any backend."""
+    backend = backend_for(backend, precision, provider, onnx_dir)
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
     if limit is not None and limit <= 0:

@@ -10,12 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..choices import Precision
+from ..choices import BackendKind, Precision
 from ..errors import OutputError, UsageError
 from ..fileio import folder_lock
 from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
-from ..workflows.exports import export_by_name
+from ..workflows.exports import export_by_name, require_bf16_cpu
 from ..workflows.models import adapted_name
 from ..workflows.transformers_js import export_transformers_js
 from .options import ExportsOpt, JsonOpt, ModelOpt, RevisionOpt, Status, notice, out, progress_to, read_chat_template
@@ -45,7 +45,8 @@ def export(
     exports: ExportsOpt = None,
     precision: Annotated[Optional[Precision], typer.Option(
         help="fp32 (reference, the default), int8 or int4 (CPU: 8- or 4-bit weights, int8 activations; "
-             "int4 keeps the unembedding at 8 bits) or fp16 (CUDA). With --layout transformers.js: that one "
+             "int4 keeps the unembedding at 8 bits), bf16 (fp32 weights computed in bf16 by the openvino backend, on a "
+             "CPU with AVX-512 BF16 or AMX) or fp16 (CUDA). With --layout transformers.js: that one "
              "precision only (default: fp32, int8 and int4).")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: EXPORTS/MODEL-PRECISION, see --exports; "
                                                     "with --layout transformers.js, EXPORTS/MODEL-transformers.js).")] = None,
@@ -54,8 +55,9 @@ def export(
                                              "transformers.js folder; the exports it copies are reused).")] = False,
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
     openvino_prefill: Annotated[Optional[bool], typer.Option(
-        help="fp32 and int8: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured faster "
-             "(needs the openvino extra; default: int8 only, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
+        help="fp32, int8 and bf16: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured "
+             "faster and `openvino` runs for a bf16 export's prompts (needs the openvino extra; default: int8 and bf16, or "
+             "GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     int8_kv: Annotated[Optional[bool], typer.Option(
         help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
              "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1).")] = None,
@@ -94,6 +96,8 @@ def export(
         _export_transformers_js(model, revision, precision, out_dir, force, as_json)
         return
     precision = precision or Precision.fp32
+    if precision is Precision.bf16:  # before anything else: a CPU without bf16 cannot gate, nor run, the export
+        require_bf16_cpu("--precision bf16")
     folder = out_dir or default_export_dir(model if adapter is None else adapted_name(model, adapter), precision)
     template = None if chat_template is None else read_chat_template(chat_template)
     # Refused while another process writes the folder (two exports to one --out: the later would replace the
@@ -116,7 +120,8 @@ def export(
     out.print("fused operators: " + ", ".join(f"{k} {v}" for k, v in meta["fused_operators"].items()))
     if parity.get("status") == "passed":
         lg = parity["logits"]
-        out.print(f"parity passed on {parity['provider']}: max |Δlogit| {lg['max_abs']:.3g} "
+        where = parity["provider"] + _gated_on(parity)
+        out.print(f"parity passed on {where}: max |Δlogit| {lg['max_abs']:.3g} "
                   f"({lg['max_rel']:.2g} of scale), mean KL {lg['mean_kl']:.2g}, top-1 agreement "
                   f"{lg['top1_agreement']:.3f}, {_greedy(parity)}")
     else:
@@ -130,6 +135,14 @@ def export(
     kv = meta.get(KV_KEY)
     if kv is not None:
         out.print(_graph_line("int8 KV cache", kv, _kv_timings, presents=True), markup=False)
+
+
+def _gated_on(parity: dict) -> str:
+    """The backend the gate ran on, where it is not the native one (bf16's: OpenVINO at bf16 compute)."""
+    from ..runtime.registry import capabilities_of
+
+    kind = parity.get("backend")
+    return "" if kind is None or capabilities_of(BackendKind(kind)).native else f" ({kind} backend, {parity['precision']} compute)"
 
 
 def _adapter_line(record: dict) -> str:
@@ -178,6 +191,10 @@ def _kv_timings(record: dict) -> str:
 
 def _prefill_timings(record: dict) -> str:
     timing = record["timing"]
+    if "model_onnx_ms" in timing:  # a bf16 export's: both on the openvino backend (evaluate.prefill.gate_bf16_prefill)
+        times = ", ".join(f"{n} tokens {g:.1f} against {m:.1f} ms" for n, g, m in
+                          zip(timing["lengths"], timing["prefill_graph_ms"], timing["model_onnx_ms"]))
+        return f"against model.onnx on OpenVINO at bf16, batch 1: {times}; used for every step of more than one token"
     said = f"OpenVINO against ONNX Runtime at batch 1: {_timed_lengths(timing)}"
     if timing.get("past"):
         said += f"; on a {timing['past']['past']}-token past: {_timed_lengths(timing['past'])}"

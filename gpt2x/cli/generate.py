@@ -21,6 +21,7 @@ from ..tokenizer import StreamDecoder, decode
 from ..workflows.backends import open_backend
 from ..workflows.drafts import DRAFT_HELP, open_drafter
 from .options import (
+    BACKEND_DEFAULT,
     BEAM_PANEL,
     DRAFT_PANEL,
     RUNTIME_PANEL,
@@ -37,6 +38,7 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
+    backend_for,
     err,
     notice,
     parse_logit_bias,
@@ -93,9 +95,10 @@ def generate(
     exports: ExportsOpt = None,
     prefill: PrefillOpt = None,
     kv_cache_dtype: KvDtypeOpt = None,
-    backend: Annotated[BackendKind, typer.Option(
+    backend: Annotated[Optional[BackendKind], typer.Option(
         help="ort: ONNX Runtime (exports on first use); openvino, genai: OpenVINO or onnxruntime-genai on the same export; "
-        "web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference.")] = BackendKind.ort,
+        f"web: onnxruntime-web (WebAssembly) on the same export in headless Chromium; torch: the PyTorch reference ({BACKEND_DEFAULT}).",
+        show_default=False)] = None,
     provider: Annotated[ProviderKind, typer.Option(rich_help_panel=RUNTIME_PANEL, help="Device for the backend.")] = ProviderKind.cpu,
     precision: PrecisionOpt = None,
     onnx_dir: Annotated[Optional[Path], typer.Option("--onnx", rich_help_panel=RUNTIME_PANEL,
@@ -183,6 +186,7 @@ def generate(
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
     if prompt is not None and prompts_file is not None:
         raise UsageError("give a PROMPT or --prompts-file, not both")
+    backend = backend_for(backend, precision, provider, onnx_dir)
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
     refuse_kv_cache(kv_cache, backend)

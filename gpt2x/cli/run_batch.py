@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..choices import BackendKind, Precision
+from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
-from .options import ExportsOpt, ModelOptional, Status, ThreadsOpt, read_text_file
+from .options import BACKEND_DEFAULT, ExportsOpt, ModelOptional, Status, ThreadsOpt, backend_for, read_text_file
 from .options import out as console
 from .serve import require_serve_extra
 
@@ -26,7 +26,8 @@ def run_batch(
                                               "order (OpenAI's batch output).")],
     model: ModelOptional = None,
     precision: Annotated[Optional[Precision], typer.Option(help="The export's precision (default fp32).")] = None,
-    backend: Annotated[BackendKind, typer.Option(help="ort, openvino or genai.")] = BackendKind.ort,
+    backend: Annotated[Optional[BackendKind], typer.Option(help=f"ort, openvino or genai ({BACKEND_DEFAULT}).",
+                                                           show_default=False)] = None,
     exports: ExportsOpt = None,
     threads: ThreadsOpt = None,
     max_batch_size: Annotated[int, typer.Option(min=1, help="Requests decoded together.")] = 16,
@@ -35,6 +36,7 @@ def run_batch(
 ) -> None:
     """Answer an OpenAI batch file offline, as `gpt2x serve` would answer its requests (vLLM's run-batch)."""
     require_serve_extra()
+    backend = backend_for(backend, precision, ProviderKind.cpu)
     # deferred: the serve extra's
     from ..serve.batch_file import open_output
     from ..serve.batch_file import run_batch as run

@@ -14,7 +14,7 @@ from ..generation.settings import SamplingSettings
 from ..numerics import positions
 from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
-from ..runtime.ort import OrtBackend
+from ..runtime.registry import backend_class, default_backend
 from .metrics import logit_stats
 
 
@@ -34,6 +34,7 @@ TOLERANCES: dict[Precision, Tolerance] = {
     Precision.fp16: Tolerance(2e-2, 1e-3, None, 0.5, "10-bit mantissa: ~1e-3 relative error per op, accumulated over layers"),
     Precision.int8: Tolerance(0.1, 1e-2, None, 0.25, "int8 weights with one scale per 128-weight block (MatMulNBits), int8 activations"),
     Precision.int4: Tolerance(0.6, 3e-2, None, 0.0, "4-bit weights in blocks of 32 (MatMulNBits), the unembedding at 8 bits, int8 activations"),
+    Precision.bf16: Tolerance(3e-2, 1e-3, None, 0.5, "fp32 weights and activations rounded to bf16's 8-bit mantissa for the matmuls, f32 accumulation"),
 }
 GREEDY_TOKENS = 32
 GREEDY_PROMPTS = ["ROMEO:", "The meaning of life is", "First Citizen:\nBefore we proceed"]
@@ -142,14 +143,19 @@ def check(reference: Backend, backend: Backend, precision: Precision, greedy_tok
 
 
 def gate_export(reference: Backend, info: ExportInfo) -> dict:
-    """The export's gate: fp32/int8 on the CPU, fp16 on CUDA (skipped, and said so, without CUDA).
-    Raises ParityError when the export is out of tolerance."""
+    """The export's gate: fp32/int8/int4 on the CPU, fp16 on CUDA (skipped, and said so, without CUDA), bf16 on the
+    CPU at bf16 compute; each on the backend that runs it by default (registry.default_backend: ONNX Runtime, OpenVINO
+    for bf16). Raises ParityError when the export is out of tolerance."""
     provider = ProviderKind.cuda if info.precision is Precision.fp16 else ProviderKind.cpu
+    kind = default_backend(info.precision, provider)
     try:
-        backend = OrtBackend(info, provider)
+        backend = backend_class(kind)(info, provider)
     except ProviderError as e:
+        if info.precision is not Precision.fp16:
+            raise
         return {"status": "skipped", "reason": f"fp16 parity needs CUDA: {e}"}
-    result = check(reference, backend, info.precision)
+    with backend:
+        result = check(reference, backend, info.precision) | {"backend": backend.name}
     if result["status"] == "failed":
         raise ParityError(f"{info.precision.value} export is out of tolerance: {result['message']}")
     return result

@@ -1,7 +1,8 @@
 """The OpenVINO prefill graph's own gate and timings (docs/export.md, the OpenVINO prefill): its last-position logits
 and presents against the reference on fresh prompts and on a past (a left-padded batch among each), the whole
 pipeline's greedy agreement (OpenVINO's prefill, then ONNX Runtime's decode), and both prefills timed with their caches
-made, fresh and on a past, so the backend can choose the faster from measured figures. No torch here."""
+made, fresh and on a past, so the backend can choose the faster from measured figures. A bf16 export's graph is gated
+on the openvino backend, at bf16 (gate_bf16_prefill). No torch here."""
 
 from __future__ import annotations
 
@@ -63,12 +64,14 @@ def compare_prefills(reference: Backend, backend: Backend, seed: int = 0, past: 
     return stats
 
 
-def check_prefill(reference: Backend, backend: OrtBackend, precision: Precision = Precision.int8,
-                  greedy_tokens: int = GREEDY_TOKENS) -> dict:
+def check_prefill(reference: Backend, backend: Backend, precision: Precision = Precision.int8,
+                  greedy_tokens: int = GREEDY_TOKENS, past: bool | None = None) -> dict:
     """The prefill's parity against `reference` and whether it passes `precision`'s gate (the presents held to the
-    logits' relative bound)."""
+    logits' relative bound); on a past too where `past` (None: where the OrtBackend runs one on OpenVINO)."""
     tol = TOLERANCES[precision]
-    stats = compare_prefills(reference, backend, past=backend.prefill_past_from is not None)
+    if past is None:
+        past = backend.prefill_past_from is not None
+    stats = compare_prefills(reference, backend, past=past)
     greedy = greedy_agreement(reference, backend, greedy_tokens)
     failures = out_of_tolerance(stats, greedy, tol)
     if stats["present_max_rel"] > tol.max_rel:
@@ -180,6 +183,35 @@ def _gate_at(reference: Backend, info: ExportInfo, threads: int | None, warmed: 
         return check_prefill(reference, backend, info.precision)
 
 
+def _median_ms_on(open_backend, prompts: list[np.ndarray], repeat: int) -> list[float]:
+    with open_backend() as backend:
+        return [round(_median_ms(backend, ids, repeat), 3) for ids in prompts]
+
+
+def gate_bf16_prefill(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+    """A bf16 export's prefill graph gated on the backend that runs bf16 (the openvino backend: ONNX Runtime computes
+    none on the CPU), every step of more than one token on it, fresh and on a past, at bf16's tolerances (raises
+    ParityError when out of them; it runs at bf16 only, so there is no f32 gate); then timed against that backend's
+    model.onnx at bf16 (`timing`: both at batch 1, fresh prompts, for the record: the backend uses it whatever it says,
+    as OrtBackend's bf16 prefill, so that a prompt's numerics do not depend on its length)."""
+    from ..runtime.openvino import OpenVinoBackend
+
+    with OpenVinoBackend(info, threads=threads, prefill_graph=True) as backend:
+        parity = check_prefill(reference, backend, Precision.bf16, past=backend.prefill_graph.takes_past)
+        used = backend.prefill_steps
+    if parity["status"] == "failed":
+        raise ParityError(f"the OpenVINO prefill at bf16 compute is out of tolerance: {parity['message']}")
+    if not used:  # the gate would have checked model.onnx again
+        raise ParityError("the OpenVINO prefill's gate ran no step on it")
+    lengths, prompts = _prompts(info, TIMED_LENGTHS)
+    timing = {"batch": 1, "lengths": lengths, "repeat": TIMED_REPEAT, "compute": BF16,
+              "prefill_graph_ms": _median_ms_on(lambda: OpenVinoBackend(info, threads=threads, prefill_graph=True),
+                                                prompts, TIMED_REPEAT),
+              "model_onnx_ms": _median_ms_on(lambda: OpenVinoBackend(info, threads=threads, prefill_graph=False),
+                                             prompts, TIMED_REPEAT)}
+    return {"inference_precision": BF16, "parity": parity, "timing": timing}
+
+
 def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = None, compute: str = F32) -> dict:
     """The export's OpenVINO prefill gated against `reference` at f32 compute (raises ParityError when out of
     tolerance); with `compute` bf16 (asked for at export, never chosen by a timing: every prefill path must compute
@@ -187,6 +219,8 @@ def gate_prefill(reference: Backend, info: ExportInfo, threads: int | None = Non
     int8 weights folded as a server does (raises where either fails); then timed beside ONNX Runtime's at the compute
     precision recorded: {"inference_precision", "parity" (that precision's gate), "parity_f32" (with bf16: the
     fallback's on a CPU without it), "bf16_folded", "timing"} for gpt2x.json."""
+    if info.precision is Precision.bf16:
+        return gate_bf16_prefill(reference, info, threads)
     f32 = at_compute(info, F32)
     parity = _gate_at(reference, f32, threads)
     if parity["status"] == "failed":

@@ -31,6 +31,7 @@ from . import openvino_prefill as ov_prefill  # imports neither openvino nor nnc
 from .artifact import (
     BATCHED_FILE,
     BATCHED_KEY,
+    BF16,
     DEFAULT_OPSET,
     F32,
     FORMAT,
@@ -56,12 +57,13 @@ from .trace import trace_to_onnx
 # Returns the parity record stored in gpt2x.json, or raises ParityError to stop the export.
 Gate = Callable[[ExportInfo], dict]
 NOT_CHECKED = "not checked (exported without the parity gate)"
-# Whether an fp32 or int8 export gets OpenVINO's prefill graph when not said (1 or 0): it costs an export seconds
+# Whether an fp32, int8 or bf16 export gets OpenVINO's prefill graph when not said (1 or 0): it costs an export seconds
 # (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
-# Unset, int8 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights) for a
-# prefill measured no faster than ONNX Runtime's at export on this project's CPU (docs/results/engines.md).
-OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8,)
+# Unset, int8 and bf16 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights)
+# for a prefill measured no faster than ONNX Runtime's at export on this project's CPU (docs/results/engines.md); a bf16
+# export's prefills 1.5-2.2x faster on it than on model.onnx, both at bf16 (benchmarks/results/bf16-prefill-cpu-2core.md).
+OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8, Precision.bf16)
 
 
 # Whether an int8 export gets the batched decode graph (BATCHED_FILE) when not said (1 or 0; unset: 1): it costs an
@@ -140,8 +142,8 @@ def export(
     chat_template: str | None = None,
     adapter: dict | None = None,
 ) -> ExportInfo:
-    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32
-    or int8 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
+    """Export, run `gate` on the finished folder (None: recorded as not checked), then move it into place. An fp32,
+    int8 or bf16 export also gets OpenVINO's prefill graph where openvino (and nncf, for int8) import, kept only if
     `prefill_gate` passes it (None: not checked, and not made: the runtime uses no graph nothing checked);
     `openvino_prefill` False: none (None: openvino_prefill_wanted's default). An int8 export also gets the batched
     decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
@@ -243,7 +245,9 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
     files = ov_prefill.convert_prefill(model, info.folder, precision)
     record = {"kept": True, "files": files, "inputs": io.input_names(model.config.n_layer),
               "outputs": io.output_names(model.config.n_layer),
-              "weights": ov_prefill.WEIGHTS[precision], "inference_precision": F32}
+              "weights": ov_prefill.WEIGHTS[precision],
+              # bf16's is gated at bf16 (its backend runs nothing else); the others' at f32, bf16 asked for later
+              "inference_precision": BF16 if precision is Precision.bf16 else F32}
     return _gated(info, PREFILL_KEY, record, gate, lambda: shutil.rmtree((info.folder / PREFILL_XML).parent),
                   "OpenVINO prefill graph", "checking the OpenVINO prefill against PyTorch and timing both prefills", progress)
 

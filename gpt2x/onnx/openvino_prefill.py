@@ -1,7 +1,7 @@
-"""The OpenVINO prefill graph of an fp32 or int8 export (docs/export.md): gpt2x's PyTorch model converted by
+"""The OpenVINO prefill graph of an fp32, int8 or bf16 export (docs/export.md): gpt2x's PyTorch model converted by
 OpenVINO's own converter (its attention becomes ScaledDotProductAttention, run by oneDNN's kernels) for a prompt's
-tokens on a past of any length, none included (a fresh prompt, or the next chunk of one), its weights kept at f32 (fp32)
-or compressed to int8 by nncf (int8). Inputs input_ids, attention_mask (B, P + T), position_ids, and every layer's
+tokens on a past of any length, none included (a fresh prompt, or the next chunk of one), its weights kept at f32 (fp32; bf16,
+whose runtime computes it in bf16) or compressed to int8 by nncf (int8). Inputs input_ids, attention_mask (B, P + T), position_ids, and every layer's
 past key and value (B, H, P, D), with batch, sequence and past dynamic; outputs the last position's logits and every
 layer's key and value of the T new positions only (B, H, T, D), which the runtime writes after the past in place."""
 
@@ -25,13 +25,14 @@ from .artifact import PREFILL_BIN, PREFILL_XML
 
 # The precisions that get a prefill graph, and what it needs beyond the export extra (the openvino extra's). int4
 # gets none: nncf's int4 (its own groups, some layers left at int8) is not the main graph's and has no gate of its own.
-MODULES = {Precision.fp32: ("openvino",), Precision.int8: ("openvino", "nncf")}
+MODULES = {Precision.fp32: ("openvino",), Precision.int8: ("openvino", "nncf"), Precision.bf16: ("openvino",)}
 # OpenVINO's CPU plugin multiplies int8 weights by activations it quantizes to int8 itself, one scale per group of
 # this many (its default 32): 128 is faster at 32 and 512 tokens with its error well inside int8's gate, outlier
 # channels included (docs/export.md). The graph carries it (rt_info), so the gate runs what the runtime will.
 ACTIVATION_GROUP = 128
 # The record's `weights`, by precision.
 WEIGHTS = {Precision.fp32: "f32, as the model's",
+           Precision.bf16: "f32, as the model's (computed in bf16: INFERENCE_PRECISION_HINT bf16)",
            Precision.int8: "int8 asymmetric, one scale per output channel (nncf INT8_ASYM); activations quantized "
                            f"at run time in groups of {ACTIVATION_GROUP} (DYNAMIC_QUANTIZATION_GROUP_SIZE, in the graph)"}
 

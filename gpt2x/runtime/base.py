@@ -12,11 +12,13 @@ from typing import Protocol
 import numpy as np
 
 from ..choices import Precision, ProviderKind
-from ..errors import ProviderError
+from ..errors import ProviderError, UsageError
 from .kvbuffers import write_right_aligned
 
-# The precisions an export runs in on the CPU: fp16's kernels are the GPU's.
+# The precisions an export runs in on the CPU: fp16's kernels are the GPU's; bf16 is computed by the backends that
+# declare it (ONNX Runtime's CPU provider has no bf16 MatMul on x86: docs/backends.md).
 CPU_PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)
+CUDA_PRECISIONS = (Precision.fp32, Precision.fp16, Precision.int8, Precision.int4)
 
 
 def spoken(names: Iterable[str], last: str = "or") -> str:
@@ -75,6 +77,14 @@ class Capabilities:
     def describe_runs(self) -> str:
         """What it runs where, for a message: "fp32 on cpu; fp32 or fp16 on cuda"."""
         return "; ".join(f"{spoken(x.value for x in ps)} on {p.value}" for p, ps in self.precisions_by_provider.items())
+
+    def refuse_export(self, name: str, folder: object, precision: Precision, provider: ProviderKind) -> UsageError | None:
+        """Why the `name` backend cannot run the `precision` export in `folder` on `provider` (its class's own check, for
+        an export opened past registry.unsupported's: an --onnx folder of another precision), or None when it can."""
+        if self.runs(precision, provider):
+            return None
+        return UsageError(f"{folder} is a {precision.value} export, which the {name} backend does not run on "
+                          f"{provider.value} (it runs {self.describe_runs()})")
 
     def refuse_provider(self, name: str, provider: ProviderKind) -> ProviderError | None:
         """Why the `name` backend cannot run on `provider`, or None when it can."""

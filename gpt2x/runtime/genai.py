@@ -11,13 +11,13 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime_genai as og
 
-from ..choices import Precision, ProviderKind
+from ..choices import ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.interop import GENAI_CONFIG_FILE
 from ..tokenizer import EOT_ID
-from .base import CPU_PRECISIONS, Capabilities, Closable, Released
+from .base import CPU_PRECISIONS, CUDA_PRECISIONS, Capabilities, Closable, Released
 from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
@@ -89,11 +89,14 @@ class GenaiBackend(Closable):
     name = "genai"
     # The generator owns its cache: no past from elsewhere, no joins, no rollback.
     capabilities = Capabilities(runtime="onnxruntime-genai", max_batch=GENAI_MAX_BATCH,
-                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)})
+                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS})
     cache_forms = (GenaiState,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
         refuse_fp16_on_cpu(info, provider)
+        refused = self.capabilities.refuse_export(self.name, info.folder, info.precision, provider)
+        if refused is not None:
+            raise refused
         if provider is not ProviderKind.cpu and ORT_PROVIDERS[provider] not in ort.get_available_providers():
             raise ProviderError(f"ONNX Runtime {ort.__version__} here has no {ORT_PROVIDERS[provider]}; {CUDA_HELP}")
         self.info = info

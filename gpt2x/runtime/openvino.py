@@ -1,6 +1,7 @@
 """OpenVINO's CPU runtime on the export's model.onnx (no torch). The KV cache is a fixed-capacity buffer the
 graph reads whole, empty slots masked, so decode steps keep one input shape until it grows (the layout and
-why: docs/backends.md, the OpenVINO backend).
+why: docs/backends.md, the OpenVINO backend). A bf16 export's prompts run on its OpenVINO prefill graph, whose
+presents are widened into that buffer (runtime/openvino_prefill.py).
 """
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 
-from ..choices import ProviderKind
+from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import BF16, F32, ExportInfo
 from .base import CPU_PRECISIONS, Capabilities, Closable, Released
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
+from .openvino_prefill import OpenVinoPrefill, cpu_has_bf16
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -41,15 +43,24 @@ class OpenVinoBackend(Closable):
     """One export compiled by OpenVINO for the CPU; it reads the cache's host arrays without a copy."""
 
     name = "openvino"
-    capabilities = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+    # bf16: a bf16 export's f32 graph computed at INFERENCE_PRECISION_HINT bf16, prefill and decode alike.
+    capabilities = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
                                 takes_past=True, joins_rows=True, rolls_back=True)
     cache_forms = (OpenVinoKVCache,)
 
-    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
+                 prefill_graph: bool | None = None):
+        """`prefill_graph`: whether a step of more than one token runs on the export's OpenVINO prefill graph (None: a
+        bf16 export's, where it kept one; True: refused where the export has none; False: model.onnx for all)."""
         refused = self.capabilities.refuse_provider(self.name, provider)
         if refused is not None:
             raise refused
         refuse_fp16_on_cpu(info, provider, f"the {self.name} backend runs {self.capabilities.describe_runs()}")
+        # A bf16 export was gated at bf16 compute: run as gated, or refused (its fp32 twin is the export for this CPU).
+        if info.precision is Precision.bf16 and not cpu_has_bf16():
+            raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
+                                "AMX); this one does not: export fp32 for it")
+        self.inference_precision = BF16 if info.precision is Precision.bf16 else F32
         self.info = info
         self.model_name = info.meta["model"]["name"]
         self.cfg = info.config
@@ -59,13 +70,23 @@ class OpenVinoBackend(Closable):
         self.threads = threads or physical_cores()
         # OpenVINO's GroupQueryAttention (int8, int4) runs one batch row per inference.
         self.rows_only = io.in_place_kv(info.attention)
+        if prefill_graph is None:
+            # bf16's only: model.onnx at bf16 prefills 1.5-2.2x slower (benchmarks/results/bf16-prefill-cpu-2core.md);
+            # the others' graphs were gated and timed for ONNX Runtime's cache, not this one.
+            prefill_graph = info.precision is Precision.bf16 and info.prefill is not None
+        if prefill_graph and info.prefill is None:
+            raise ArtifactError(f"{info.folder} has no OpenVINO prefill graph (a bf16, fp32 or int8 export made with the "
+                                "openvino extra installed has one)")
+        self.prefill_graph = OpenVinoPrefill(info, self.threads) if prefill_graph else None
+        if self.prefill_graph is not None:  # compiled while model.onnx is, not at the first prompt
+            self.prefill_graph.prepare(bf16=True)
         core = ov.Core()
         if DEVICE not in core.available_devices:
             raise ProviderError(f"OpenVINO {ov.__version__} finds no CPU device")
         config = {
             "INFERENCE_NUM_THREADS": self.threads,
-            # OpenVINO computes in bf16 by default on CPUs that have it, which fails the fp32 gate.
-            "INFERENCE_PRECISION_HINT": "f32",
+            # The export's: OpenVINO computes in bf16 by default on CPUs that have it, which fails the fp32 gate.
+            "INFERENCE_PRECISION_HINT": self.inference_precision,
             "PERFORMANCE_HINT": "LATENCY",
             # Pinned threads wait for their core on a busy host: up to 2x the step time measured on 2 cores.
             "ENABLE_CPU_PINNING": False,
@@ -82,6 +103,7 @@ class OpenVinoBackend(Closable):
         self._logits_port = self.compiled.output(io.LOGITS)
         self._id_ports = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
         self._bound: tuple | None = None  # which arrays are set as the request's past tensors
+        self.prefill_steps = 0  # steps run on it
 
     # -- the KV cache
 
@@ -94,6 +116,7 @@ class OpenVinoBackend(Closable):
 
     def close(self) -> None:
         self.request = self.compiled = Released(self.name)
+        self.prefill_graph = None  # steps then reach the released request
 
     # -- running
 
@@ -102,7 +125,23 @@ class OpenVinoBackend(Closable):
         return self._forward(input_ids, attention_mask, position_ids, past, last_only=False)
 
     def step(self, input_ids, attention_mask, position_ids, past):
+        graph = self.prefill_graph
+        if graph is not None and np.shape(input_ids)[1] > 1 and (past is None or graph.takes_past):
+            return self._prefill_step(input_ids, attention_mask, position_ids, past)
         return self._forward(input_ids, attention_mask, position_ids, past, last_only=True)
+
+    def _prefill_step(self, input_ids, attention_mask, position_ids, cache: OpenVinoKVCache | None):
+        """A prompt (or its next chunk) on the prefill graph: it reads the buffers' filled positions as its past and
+        its presents are widened into the positions after them (OpenVinoPrefill), so decode steps go on in place."""
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        attention_mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        B, T = input_ids.shape
+        buffers = self._prepare(B, T, attention_mask, cache)
+        length = 0 if cache is None else cache.length
+        logits = self.prefill_graph(input_ids, attention_mask, position_ids, buffers.arrays, past=length)
+        buffers.length = length + T
+        self.prefill_steps += 1
+        return logits, OpenVinoKVCache(buffers, length + T, self)
 
     def _prepare(self, batch: int, seq: int, attention_mask: np.ndarray, cache: OpenVinoKVCache | None) -> KVBuffers:
         """Check the step against the cache; the buffers it writes into (grown when it would overflow)."""

@@ -1,6 +1,6 @@
 """OpenVINO running an fp32 or int8 export's prefill graph (openvino/prefill.xml) for the ONNX Runtime backend, reading
 the past from that backend's KV cache and writing the new positions straight into it (runtime/prefill.py chooses
-when). No torch."""
+when), and a bf16 export's for the OpenVINO backend (runtime/openvino.py), into its KV buffers. No torch."""
 
 from __future__ import annotations
 
@@ -224,19 +224,21 @@ class OpenVinoPrefill:
         self.fold_bf16 = False
         self._folds_gated = (info.prefill or {}).get("bf16_folded", {}).get("status") == "passed"
 
-    def prepare(self) -> None:
+    def prepare(self, bf16: bool = False) -> None:
         """Compile the graph for fresh prompts at inference_precision on a thread of its own, now, where f32 computes
-        it (bf16's form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then."""
-        if self.inference_precision != F32 or self._compiling is not None or (F32, False) in self._graphs:
+        it, or with `bf16` bf16 (the openvino backend's bf16 exports: f32 weights, which nothing folds; an int8 graph's
+        bf16 form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then."""
+        precision = self.inference_precision
+        if (precision != F32 and not bf16) or self._compiling is not None or (precision, False) in self._graphs:
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-compile")
-        self._compiling = pool.submit(self._compile, F32, False)
+        self._compiling = pool.submit(self._compile, precision, False)
         pool.shutdown(wait=False)  # the thread ends with its one compile
 
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
-        if self._compiling is not None and (precision, past) == (F32, False):
+        if self._compiling is not None and (precision, past) == (self.inference_precision, False):
             compiling, self._compiling = self._compiling, None
             compiling.result()  # prepare()'s compile: its error is raised here, as a compile's here would be
         if (precision, past) not in self._graphs:

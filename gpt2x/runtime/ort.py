@@ -25,7 +25,7 @@ from ..onnx.artifact import ExportInfo
 from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, save_graph
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.mapped import mapped_model
-from .base import CPU_PRECISIONS, Capabilities, Closable, Released, merge_on_host
+from .base import CPU_PRECISIONS, CUDA_PRECISIONS, Capabilities, Closable, Released, merge_on_host
 from .kvbuffers import (
     BufferCache,
     IdleBuffers,
@@ -338,7 +338,7 @@ class OrtBackend(Closable):
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
     capabilities = Capabilities(runtime="ONNX Runtime", native=True,
-                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
+                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
                                 estimates_prefill=True, warms_up=True, shares_cores=True)
     cache_forms = (GrowingCache, InPlaceCache)
@@ -352,6 +352,9 @@ class OrtBackend(Closable):
             if in_place_kv is None:
                 in_place_kv = shared_kv
         refuse_fp16_on_cpu(info, provider)
+        refused = self.capabilities.refuse_export(self.name, info.folder, info.precision, provider)
+        if refused is not None:
+            raise refused
         self.info = info
         self.model_name = info.meta["model"]["name"]
         self.cfg = info.config

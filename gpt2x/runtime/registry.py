@@ -57,11 +57,14 @@ class Entry:
     needs: tuple[str, ...] = ()  # the modules it imports that an install may lack
     install: str = ""  # the command that installs them
     ready: Callable[[], None] | None = None  # what else it checks before one opens (the web's browser)
+    # Whether it runs export folders (not capabilities.reference), known before its module imports: default_backend
+    # chooses among these without importing torch (tests/runtime/test_backends.py holds it to the record).
+    exports: bool = True
 
 
 # genai's --no-deps: its wheel requires `onnxruntime`, which would overwrite onnxruntime-gpu's files.
 REGISTRY: dict[BackendKind, Entry] = {
-    BackendKind.torch: Entry(_torch, EXPORT_EXTRA, EXPORT_INSTALL),
+    BackendKind.torch: Entry(_torch, EXPORT_EXTRA, EXPORT_INSTALL, exports=False),
     BackendKind.ort: Entry(_ort),
     BackendKind.openvino: Entry(_openvino, ("openvino",), "pip install 'gpt2x[openvino]'"),
     BackendKind.genai: Entry(_genai, ("onnxruntime_genai",), "pip install --no-deps 'onnxruntime-genai>=0.18'"),
@@ -114,6 +117,21 @@ def kinds_that(predicate: Callable[[Capabilities], bool]) -> list[BackendKind]:
     return kinds
 
 
+def default_backend(precision: Precision, provider: ProviderKind = ProviderKind.cpu) -> BackendKind:
+    """The backend a command runs `precision` exports on when none is named: the native one where its record runs
+    `precision` on `provider`, else the first installed export runner whose record does (bf16 on the CPU: ONNX Runtime
+    computes none there), else the native one, whose refusal then names the backends that would."""
+    runners = [kind for kind, entry in REGISTRY.items() if entry.exports]
+    native = next(kind for kind in runners if capabilities_of(kind).native)
+    for kind in [native, *(k for k in runners if k is not native)]:
+        try:
+            if capabilities_of(kind).runs(precision, provider):
+                return kind
+        except MissingDependencyError:
+            continue
+    return native
+
+
 def named(kinds: list[BackendKind], last: str = "or") -> str:
     return spoken((k.value for k in kinds), last)
 
@@ -134,7 +152,8 @@ def unsupported(kind: BackendKind, provider: ProviderKind, precision: Precision)
             f"{precision.value} runs on {spoken(p.value.upper() for p in elsewhere)} only with the {kind.value} backend; "
             f"on the {provider.value} provider it runs {here}")
     others = kinds_that(lambda c: c.runs(precision))
-    by = f"run by the {named(others, 'and')} backends" if others else "run by no backend installed here"
+    by = f"run by the {named(others, 'and')} backend{'s' if len(others) > 1 else ''}" if others else \
+        "run by no backend installed here"
     return UsageError(f"the {kind.value} backend does not run {precision.value} (it runs {caps.describe_runs()}): "
                       f"{precision.value} is {by}")
 

@@ -342,7 +342,8 @@ class WebBackend(Closable):
     cache_forms = (WebCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):
-        refused = self.capabilities.refuse_provider(self.name, provider)
+        refused = self.capabilities.refuse_provider(self.name, provider) or \
+            self.capabilities.refuse_export(self.name, info.folder, info.precision, provider)
         if refused is not None:
             raise refused
         require_web()

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
-from ..workflows.exports import resolve_export
+from ..runtime.registry import default_backend
+from ..workflows.exports import require_bf16_cpu, resolve_export
 from .core.scheduler import EngineSettings
 from .openai.completion.protocol import CompletionRequest
 from .openai.errors import APIError
@@ -83,16 +84,21 @@ class LLM:
     """An export served in this process: `model` a model name (exported first where missing, as `gpt2x generate`
     does) or an export folder. Close it (`close`, or `with LLM(...) as llm`) to stop its engine."""
 
-    def __init__(self, model: str = "shakespeare", precision: str | Precision | None = None, backend: str = "ort",
+    def __init__(self, model: str = "shakespeare", precision: str | Precision | None = None, backend: str | None = None,
                  provider: str = "cpu", threads: int | None = None, max_batch_size: int = 16,
                  chat_template: str | None = None):
+        """`backend` None: the one that runs the export's precision by default (as the commands choose it: ort, or
+        openvino for bf16)."""
+        if precision is not None and Precision(precision) is Precision.bf16:
+            require_bf16_cpu("precision='bf16'")
         folder = Path(model)
         info = resolve_export(onnx_dir=folder) if (folder / "gpt2x.json").is_file() else \
             resolve_export(model, precision=None if precision is None else Precision(precision))
         if precision is not None and info.precision is not Precision(precision):
             raise UsageError(f"{info.folder} is a {info.precision.value} export, not {Precision(precision).value}")
         self.model_id = info.meta["model"]["name"]
-        config = ReplicaConfig(export=str(info.folder.resolve()), model_id=self.model_id, backend=BackendKind(backend).value,
+        kind = BackendKind(backend) if backend is not None else default_backend(info.precision, ProviderKind(provider))
+        config = ReplicaConfig(export=str(info.folder.resolve()), model_id=self.model_id, backend=kind.value,
                                provider=ProviderKind(provider).value, threads=threads,
                                engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=1 << 16),
                                chat_template=chat_template)

@@ -13,7 +13,7 @@ from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import available_providers
 from ..runtime.registry import backend_class, capabilities_of, refuse_unsupported, require_export_extra, require_runtime
-from .exports import resolve_export
+from .exports import require_bf16_cpu, resolve_export
 from .models import DEFAULT_MODEL, load_model
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
     export in `onnx_dir` or the default folder (exported first when missing). Refusals come before any work.
     `in_place_kv`: the native backend's KV cache form (export_backend)."""
     refuse_unsupported(backend, provider, precision or Precision.fp32)
+    if precision is Precision.bf16:
+        require_bf16_cpu("--precision bf16")
     if capabilities_of(backend).reference:
         name = model or DEFAULT_MODEL
         if loaded is None:
@@ -78,6 +80,7 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
 
     require_runtime(backend)
     info = resolve_export(model, revision, precision, onnx_dir, loaded, progress, notice)
+    refuse_unsupported(backend, provider, info.precision)  # an --onnx folder's, where no precision was asked
     progress(f"loading {info.folder} on {backend.value} ({provider.value})")
     return export_backend(backend, info, provider, threads, in_place_kv=in_place_kv)
 

@@ -24,7 +24,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import load_model
 from gpt2x.numerics import positions
 from gpt2x.onnx.interop import GENAI_CONFIG_FILE
-from gpt2x.runtime.base import CPU_PRECISIONS, Capabilities
+from gpt2x.runtime.base import CPU_PRECISIONS, CUDA_PRECISIONS, Capabilities
 from gpt2x.runtime.genai import GenaiBackend
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
@@ -70,7 +70,7 @@ def test_backend_attributes(tiny, backends):
     genai, _ = backends[Precision.fp32]
     # The generator owns its cache: no cache from elsewhere, no joining rows, no rollback, nor their methods.
     assert (genai.name, genai.provider.value, genai.capabilities) == ("genai", "cpu", Capabilities(
-        runtime="onnxruntime-genai", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: tuple(Precision)},
+        runtime="onnxruntime-genai", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
         max_batch=32))
     assert not any(hasattr(genai, m) for m in ("past_from_numpy", "merge", "truncate", "step_greedy"))
     assert (genai.n_positions, genai.vocab_size) == (64, 50257)
