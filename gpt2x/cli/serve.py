@@ -18,14 +18,16 @@ from ..errors import MissingDependencyError, UsageError
 from ..generation.speculative import DraftSettings
 from ..onnx.artifact import METADATA_FILE
 from ..runtime.providers import physical_cores
-from ..runtime.registry import capabilities_of, named
+from ..runtime.registry import capabilities_of, named, refuse_unsupported
 from ..serve.core.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from ..serve.core.prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
 from ..serve.core.scheduler import EngineSettings
+from ..workflows.adapters import check_adapters, parse_adapters
 from ..workflows.backends import require_provider
 from ..workflows.drafts import DRAFT_HELP
 from ..workflows.exports import resolve_export
 from .options import (
+    BACKEND_DEFAULT,
     ExportsOpt,
     KvCacheOpt,
     KvDtypeOpt,
@@ -35,6 +37,7 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
+    backend_for,
     err,
     notice,
     out,
@@ -52,6 +55,7 @@ EPILOG = ("Examples:\n\n"
     "  gpt2x serve --model gpt2 --precision fp16 --provider cuda\n\n"
     "  gpt2x serve --model gpt2 --draft int8 --num-speculative-tokens 6\n\n"
     "  gpt2x serve --model shakespeare --model gpt2 --models-max 1\n\n"
+    "  gpt2x serve --model gpt2 --adapter poet=./poet-lora --adapter legal=./legal-lora\n\n"
     "  gpt2x serve --onnx /mnt/exports/gpt2-int8 --address ray://HEAD:10001 --host 0.0.0.0 --api-key \"$KEY\"\n\n"
     "Then: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' "
     "-d '{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}'")
@@ -83,7 +87,7 @@ def require_ray_extra(why: str) -> None:
                                      "pip install 'gpt2x[ray]'")
 
 
-def from_bench(ctx: typer.Context, path: Path, backend: BackendKind, provider: ProviderKind, precision: Precision | None,
+def from_bench(ctx: typer.Context, path: Path, backend: BackendKind | None, provider: ProviderKind, precision: Precision | None,
                max_batch_size: int | None) -> tuple[BackendKind, ProviderKind, Precision, int | None]:
     """--from-bench: the served configuration a saved `gpt2x bench` measured fastest at decoding; a flag
     given on the command line wins over it."""
@@ -174,12 +178,18 @@ def serve(
     models_dir: Annotated[Optional[Path], typer.Option(
         help="Serve every export in this folder (each subfolder with a gpt2x.json), after any --model and --onnx.",
         show_default=False)] = None,
+    adapter: Annotated[Optional[list[str]], typer.Option(
+        "--adapter", metavar="NAME=FOLDER", show_default=False,
+        help="A PEFT LoRA adapter folder served as the model NAME beside the one --model: merged into its weights "
+        "and exported once (as `gpt2x export --adapter`, reused on restart). Repeatable; needs the adapters extra "
+        "(docs/serving/index.md#lora-adapters).")] = None,
     models_max: Annotated[Optional[int], typer.Option(min=1, show_default=False,
         help="Several models: keep at most this many loaded; each loads on its first request, and the least recently "
         "used idle one is closed to make room (default: every model loaded at start).")] = None,
     idle_unload_s: Annotated[Optional[float], typer.Option(show_default=False,
         help="Several models: close a model idle this many seconds (loaded again on its next request).")] = None,
-    backend: Annotated[BackendKind, typer.Option(help="Runtime of each replica: ort, openvino or genai.")] = BackendKind.ort,
+    backend: Annotated[Optional[BackendKind], typer.Option(
+        help=f"Runtime of each replica: ort, openvino or genai ({BACKEND_DEFAULT}).", show_default=False)] = None,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
     replicas: Annotated[int, typer.Option(help="Replicas, each with the model loaded once.")] = 1,
@@ -267,14 +277,15 @@ def serve(
     from ..serve.replica import ReplicaConfig, ServeSettings, describe, has_chat_template, prepare_draft
     from ..serve.single_process import serve_in_process
 
+    if bench_file is not None:
+        backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
+    backend = backend_for(backend, precision, provider, next(iter(onnx_dir or ()), None))
     if backend not in SERVED:
         caps = capabilities_of(backend)
         why = "is the reference" if caps.reference else f"runs the export in a browser page ({caps.runtime}), to measure it there"
         raise UsageError(f"--backend {backend.value} {why}; it is not served: serve an export with {named(list(SERVED))}")
     if batch_wait_ms is not None and batch_wait_ms < 0:  # checked here: the engine's own check would name its seconds field
         raise UsageError(f"--batch-wait-ms must be >= 0, got {batch_wait_ms:g}")
-    if bench_file is not None:
-        backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
     if max_batch_size is None:
         max_batch_size = 1 if draft is not None else 16
     # read here: the replicas are sent its text, not a path they may lack
@@ -296,14 +307,15 @@ def serve(
     if names and len(names) != len(sources):
         raise UsageError(f"--served-model-name is given {len(names)} time(s) for {len(sources)} model(s): give it once "
                          "per model, in their order, or not at all", option="served-model-name")
-    several = len(sources) > 1 or models_max is not None or idle_unload_s is not None
+    adapters = parse_adapters(list(adapter or ()), list(model or ()), list(onnx_dir or ()), models_dir, names)
+    several = len(sources) > 1 or bool(adapters) or models_max is not None or idle_unload_s is not None
     if several and not settings.embedded:  # before Ray is asked for: the one line is about the models
-        raise UsageError(f"several models ({len(sources)} given), --models-max and --idle-unload-s are served by the one-process "
+        raise UsageError(f"several models ({len(sources) + len(adapters)} given), --adapter, --models-max and --idle-unload-s are served by the one-process "
                          "server only, not through Ray Serve yet: drop --replicas, --address and --ray, or start one "
                          "gpt2x serve per model", option="model")
     if idle_unload_s is not None and idle_unload_s <= 0:
         raise UsageError(f"--idle-unload-s must be > 0, got {idle_unload_s:g}", option="idle-unload-s")
-    if len(sources) > 1 and draft is not None:
+    if (len(sources) > 1 or adapters) and draft is not None:
         raise UsageError("--draft serves one model: give a single --model or --onnx", option="draft")
     if not settings.embedded and cors is not None:  # Ray Serve's ingress app is built before any config reaches it
         raise UsageError("--allowed-origins is served by one replica in this process; with Ray Serve, answer "
@@ -316,14 +328,22 @@ def serve(
     refuse_int8_kv(precision, None if any(folder is None for _, folder in sources) else sources[0][1])
     if address is None:
         require_provider([backend], provider)
+    if precision is not None:  # before an export is made that the backend would refuse
+        refuse_unsupported(backend, provider, precision)
+    check_adapters(adapters, sources[0][0], revision)  # each read against the base, before any export
     configs = []
     with Status("preparing the export") as status:
-        for i, (name, folder) in enumerate(sources):
-            info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice)
+        # every source, then each adapter: the base (sources[0]) with it merged in, exported once, as a model of its own
+        for i, (name, folder, lora) in enumerate([*((m, f, None) for m, f in sources), *((sources[0][0], None, a) for a in adapters)]):
+            info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
+                                  adapter=None if lora is None else lora.folder)
+            refuse_unsupported(backend, provider, info.precision)  # a folder's, before any replica starts
             draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
                                                                      progress=progress_to(status), notice=notice)
             configs.append(ReplicaConfig(
-                export=str(info.folder.resolve()), model_id=names[i] if names else info.meta["model"]["name"],
+                export=str(info.folder.resolve()),
+                model_id=lora.name if lora else names[i] if names else info.meta["model"]["name"],
+                parent=None if lora is None else configs[0].model_id,
                 backend=backend.value, provider=provider.value,
                 threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
                 engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source,

@@ -69,6 +69,8 @@ class ReplicaConfig:
     chat_template: str | None = None
     # Without either: gpt2x's default template (True), or chat refused with a 400 (--no-default-chat-template)
     default_chat_template: bool = True
+    # A LoRA adapter's export served beside its base (--adapter NAME=FOLDER): the base's model id (/v1/models' parent)
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,8 @@ def describe(config: ReplicaConfig, settings: ServeSettings) -> dict:
     return {"url": settings.url, "model": config.model_id, "export": config.export, "backend": config.backend,
             "provider": config.provider, "replicas": settings.replicas, "ray": ray,
             "engine": asdict(config.engine), **draft, "api_key": bool(config.api_keys),
-            "cors": None if config.cors is None else asdict(config.cors)}
+            "cors": None if config.cors is None else asdict(config.cors),
+            **({} if config.parent is None else {"parent": config.parent})}
 
 
 def prepare_draft(draft: str, target: ExportInfo, backend: BackendKind = BackendKind.ort,

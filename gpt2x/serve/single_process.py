@@ -57,10 +57,13 @@ class _Stopping(Exception):
 
 
 def model_slot(config: ReplicaConfig) -> ModelSlot:
-    """One of several models (openai/many.py): opened and closed as a single model's replica is."""
+    """One of several models (openai/many.py): opened and closed as a single model's replica is. A LoRA adapter's
+    export (config.parent) is listed with its adapter's folder as root, as vLLM lists a LoRA module."""
     info = read_export(Path(config.export))
+    adapter = info.meta["model"].get("adapter") if config.parent is not None else None
     return ModelSlot(config.model_id, lambda: open_service(config, replica="embedded"), close_service,
-                     info.config.n_positions, info.precision.value, config.backend, config.provider)
+                     info.config.n_positions, info.precision.value, config.backend, config.provider,
+                     root=adapter["path"] if adapter else config.export, parent=config.parent)
 
 
 class _One:

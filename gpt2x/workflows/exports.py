@@ -16,8 +16,8 @@ from ..fileio import folder_lock
 from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
 from ..onnx.artifact import BF16, DEFAULT_OPSET, EXPORTS_ENV, F32, ExportInfo, default_export_dir, is_export, read_export
 from ..onnx.interop import DEFAULT_CHAT_TEMPLATE
-from ..runtime.registry import require_export_extra
-from .models import DEFAULT_MODEL, load_adapted, load_model
+from ..runtime.registry import require_export_extra, require_modules
+from .models import DEFAULT_MODEL, adapted_name, check_adapter_export, load_adapted, load_model
 
 if TYPE_CHECKING:
     from ..model.checkpoints import ModelSource
@@ -40,6 +40,8 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     `adapter`: the record of the LoRA adapter merged into `model` (load_adapted), kept in the metadata."""
     require_export_extra("exporting")
     check_prefill_compute(precision, prefill_compute)
+    if precision is Precision.bf16:
+        require_bf16_cpu("--precision bf16", "precision")
     if chat_template is None and source.kind == "bundled":
         chat_template = DEFAULT_CHAT_TEMPLATE
     from ..onnx.build import export
@@ -68,14 +70,24 @@ def check_prefill_compute(precision: Precision, compute: str) -> None:
         return
     if compute != BF16:
         raise UsageError(f"prefill compute {compute!r} is not one of {F32}, {BF16}", option="prefill-compute")
+    if precision is Precision.bf16:
+        raise UsageError("--prefill-compute bf16 is for int8 exports: a bf16 export computes in bf16 whole already",
+                         option="prefill-compute")
     if precision is not Precision.int8:
         raise UsageError(f"--prefill-compute bf16 is for int8 exports: {precision.value}'s parity gate refuses bf16's "
                          "rounding", option="prefill-compute")
+    require_bf16_cpu("--prefill-compute bf16", "prefill-compute")
+
+
+def require_bf16_cpu(what: str, option: str = "precision") -> None:
+    """One line, before any work, where `what` (an option asking for bf16 compute) cannot have it here: openvino, which
+    computes it and says whether this CPU can, is not installed (MissingDependencyError), or the CPU has neither
+    AVX-512 BF16 nor AMX (UsageError)."""
+    require_modules(what, ("openvino",), "pip install 'gpt2x[openvino]'")
     from ..runtime.openvino_prefill import cpu_has_bf16
 
     if not cpu_has_bf16():
-        raise UsageError("--prefill-compute bf16 needs a CPU that computes bf16 (AVX-512 BF16 or AMX); this one does not",
-                         option="prefill-compute")
+        raise UsageError(f"{what} needs a CPU that computes bf16 (AVX-512 BF16 or AMX); this one does not", option=option)
 
 
 def export_by_name(name: str, out: Path | None = None, precision: Precision = Precision.fp32,
@@ -88,6 +100,8 @@ def export_by_name(name: str, out: Path | None = None, precision: Precision = Pr
     PEFT LoRA adapter folder merged into it first, gated on its own before the export starts (load_adapted; the
     default folder is then named by adapted_name)."""
     check_prefill_compute(precision, prefill_compute)
+    if precision is Precision.bf16:  # before the model loads
+        require_bf16_cpu("--precision bf16", "precision")
     record = None
     if adapter is None:
         progress(f"loading {name}")
@@ -127,24 +141,29 @@ def _elsewhere(folder: Path) -> str:
 
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
                   folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
-                  progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+                  progress: Progress = no_progress, notice: Progress = no_progress, adapter: Path | None = None) -> ExportInfo:
     """The export of `model` at `precision` in `folder`, made first when missing; processes making the same export
-    take turns (folder_lock) and the later ones use the first's. `notice` hears an export is about to happen."""
-    folder = Path(folder) if folder is not None else default_export_dir(model, precision)
+    take turns (folder_lock) and the later ones use the first's. `notice` hears an export is about to happen.
+    `adapter`: a PEFT LoRA adapter folder merged into `model` first (export_by_name), the export named and found by
+    adapted_name, and refused where it was made from other adapter files."""
+    name = model if adapter is None else adapted_name(model, adapter)
+    folder = Path(folder) if folder is not None else default_export_dir(name, precision)
     if not is_export(folder):
         with folder_lock(folder):
             if folder.exists() and not is_export(folder):  # not ours to replace: say so before any work
                 raise OutputError(f"{folder} exists but holds no export (no gpt2x.json): remove it, or replace it "
                                   f"with gpt2x export --out {folder} --force")  # another process making the same export: wait for it, then use it
             if not is_export(folder):
-                notice(f"no export at {folder}: exporting {model} ({precision.value}) first{_elsewhere(folder)}")
+                notice(f"no export at {folder}: exporting {name} ({precision.value}) first{_elsewhere(folder)}")
                 if loaded is None:
-                    export_by_name(model, folder, precision, revision, progress=progress)
+                    export_by_name(model, folder, precision, revision, progress=progress, adapter=adapter)
                 else:
                     export_model(*loaded, folder, precision, progress=progress)
     info = read_export(folder)
+    if adapter is not None:
+        check_adapter_export(info.meta["model"].get("adapter") or {}, adapter, info.folder)
     if loaded is None:
-        check_export_matches(info, model, revision)
+        check_export_matches(info, name, revision)
     elif loaded[0].config != info.config:
         raise ArtifactError(f"{info.folder} was exported from {info.meta['model']['name']!r}, whose config differs from {model!r}")
     return info
@@ -152,12 +171,12 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
 
 def resolve_export(model: str | None = None, revision: str | None = None, precision: Precision | None = None,
                    onnx_dir: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
-                   progress: Progress = no_progress, notice: Progress = no_progress) -> ExportInfo:
+                   progress: Progress = no_progress, notice: Progress = no_progress, adapter: Path | None = None) -> ExportInfo:
     """`onnx_dir` (checked against a named `model` and an asked `precision`), else the default folder, made first
-    when missing."""
+    when missing (`adapter`: of `model` with that LoRA adapter merged in, ensure_export)."""
     if onnx_dir is None:
         info = ensure_export(model or DEFAULT_MODEL, precision or Precision.fp32, revision, loaded=loaded,
-                             progress=progress, notice=notice)
+                             progress=progress, notice=notice, adapter=adapter)
     else:
         info = read_export(onnx_dir)
         if model is not None:

@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..choices import Precision, Progress, no_progress
-from ..errors import MissingDependencyError, ParityError
+from ..errors import ArtifactError, MissingDependencyError, ParityError
 from ..evaluate.metrics import logit_stats
 from ..evaluate.parity import TOLERANCES
+from ..fileio import sha256
 from ..model.checkpoints import BUNDLED, RANDOM_PREFIX, ModelSource, resolve, resolve_config
 from ..runtime.registry import require_export_extra, require_modules
 
 if TYPE_CHECKING:
-    from ..model.adapters import Merged
+    from ..model.adapters import LoraAdapter, Merged
     from ..model.gpt2 import GPT2
 
 DEFAULT_MODEL = BUNDLED
@@ -45,17 +46,37 @@ def load_adapted(name: str, adapter: Path, revision: str | None = None,
     gate_merge; where the merged model came from (named by adapted_name; its base's kind, path and revision) and the
     adapter's record for the export's metadata. The adapter is checked against the base's config before the base
     loads."""
-    require_export_extra("merging a LoRA adapter")
-    require_modules("merging a LoRA adapter", ADAPTERS_EXTRA, ADAPTERS_INSTALL)
-    from ..model.adapters import merge_adapter, read_adapter
+    lora = check_adapter(name, adapter, revision)  # first: it checks the extras the import below needs
+    from ..model.adapters import merge_adapter
 
-    lora = read_adapter(adapter, resolve_config(name, revision))
     progress(f"loading {name}")
     model, source = load_model(name, revision)
     progress(f"merging the LoRA adapter {lora.folder} with PEFT")
     merged = merge_adapter(model, lora)
     record = lora.record(source.name) | {"parity": gate_merge(merged)}
     return merged.model, ModelSource(adapted_name(name, lora.folder), source.kind, source.path, source.revision), record
+
+
+def check_adapter(name: str, adapter: Path, revision: str | None = None) -> LoraAdapter:
+    """The PEFT LoRA adapter in folder `adapter`, checked against model `name`'s config from the files' headers
+    (model.adapters.read_adapter: one line for a folder that is not one, or does not fit); nothing is loaded."""
+    require_export_extra("merging a LoRA adapter")
+    require_modules("merging a LoRA adapter", ADAPTERS_EXTRA, ADAPTERS_INSTALL)
+    from ..model.adapters import read_adapter
+
+    return read_adapter(adapter, resolve_config(name, revision))
+
+
+def check_adapter_export(record: dict, adapter: Path, folder: Path) -> None:
+    """An ArtifactError where the export in `folder`, whose metadata records the merged adapter `record`, was made from
+    other files than the adapter now in folder `adapter` (retrained, or another adapter whose folder has its name)."""
+    from ..model.adapters import CONFIG_FILE, WEIGHTS_FILE
+
+    adapter = Path(adapter).expanduser().resolve()
+    now = (sha256(adapter / WEIGHTS_FILE), sha256(adapter / CONFIG_FILE))
+    if (record.get("sha256"), record.get("config_sha256")) != now:
+        raise ArtifactError(f"{folder} was exported with another adapter than {adapter} ({record.get('path')} as it was "
+                            "then): export it again, replacing the folder (gpt2x export --adapter ... --force)")
 
 
 def gate_merge(merged: Merged) -> dict:

@@ -51,6 +51,10 @@ class ModelSlot:
     precision: str | None = None
     backend: str = ""
     provider: str = ""
+    # /v1/models' fields as vLLM's: where the model comes from (its export, or a LoRA adapter's folder), and for an
+    # adapter the id of the base it was merged into (None for a base)
+    root: str | None = None
+    parent: str | None = None
     api: HttpApi | None = None
     loading: asyncio.Future | None = None
     failed: str | None = None  # why its last load failed
@@ -225,7 +229,7 @@ class Models(RequestGate):
     def models(self, request: Request) -> Response:
         return self._authorized(request, lambda: ModelList(data=[
             ModelCard(id=slot.model_id, created=self.created, owned_by="gpt2x", max_model_len=slot.max_model_len,
-                             precision=slot.precision) for slot in self.slots.values()]))
+                      precision=slot.precision, root=slot.root, parent=slot.parent) for slot in self.slots.values()]))
 
     def _health(self, slot: ModelSlot) -> dict:
         api = slot.api
