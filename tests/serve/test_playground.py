@@ -202,11 +202,18 @@ def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference
     page.fill("#repetition_penalty", "")
     whole = decode(generate(reference, ["ROMEO:"], SamplingSettings(greedy=True, max_new_tokens=240))[0].tokens)
     page.fill("#message", "ROMEO:")
-    page.click("#send")
-    page.wait_for_selector("#stop:enabled", timeout=WAIT_MS)  # this request's: the last answer's text is not yet its
-    page.wait_for_selector("#conversation .msg:last-child .text:not(:empty)", timeout=WAIT_MS)
     aborted = aborts(base)
-    page.click("#stop")
+    # Stop clicked in the page as soon as this answer's first text shows: from here, a click could come after the whole
+    # answer (240 tokens of the bundled model stream in well under a second).
+    page.evaluate("""() => {
+        const stop = document.querySelector("#stop");
+        const seen = new MutationObserver(() => {
+            const text = document.querySelector("#conversation .msg:last-child .text");
+            if (!stop.disabled && text && text.textContent) { seen.disconnect(); stop.click(); }
+        });
+        seen.observe(document.querySelector("#conversation"), {subtree: true, childList: true, characterData: true});
+    }""")
+    page.click("#send")
     stopped = answer(page, 2)
     assert page.get_attribute("body", "data-finish") == "stopped"
     assert stopped and whole.startswith(stopped) and len(stopped) < len(whole)
