@@ -20,7 +20,6 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
-    backend_for,
     notice,
     parse_list,
     print_tables,
@@ -59,7 +58,9 @@ def eval(
     output: OutputOpt = None,
 ) -> None:
     """Evaluate a model with lm-evaluation-harness: accuracy, perplexity and generation tasks, any backend."""
-    backend = backend_for(backend, precision, provider, onnx_dir)
+    from ..workflows.backends import choose_backend  # the export side, imported when the command runs
+
+    backend = choose_backend(backend, precision, provider, onnx_dir)
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
     if limit is not None and limit <= 0:

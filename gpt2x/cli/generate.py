@@ -18,7 +18,7 @@ from ..generation.settings import SamplingSettings
 from ..generation.speculative import DraftSettings
 from ..runtime.registry import refuse_export_folder
 from ..tokenizer import StreamDecoder, decode
-from ..workflows.backends import open_backend
+from ..workflows.backends import choose_backend, open_backend
 from ..workflows.drafts import DRAFT_HELP, open_drafter
 from .options import (
     BACKEND_DEFAULT,
@@ -38,7 +38,6 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
-    backend_for,
     err,
     notice,
     parse_logit_bias,
@@ -186,7 +185,7 @@ def generate(
     """Generate text from a prompt (streamed to stdout) or from a file of prompts (one batch)."""
     if prompt is not None and prompts_file is not None:
         raise UsageError("give a PROMPT or --prompts-file, not both")
-    backend = backend_for(backend, precision, provider, onnx_dir)
+    backend = choose_backend(backend, precision, provider, onnx_dir)
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
     refuse_kv_cache(kv_cache, backend)

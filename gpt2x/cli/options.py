@@ -14,10 +14,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..choices import BackendKind, KvCache, Precision, ProviderKind
+from ..choices import BackendKind, KvCache, Precision
 from ..errors import UsageError
 from ..fileio import write_atomic
-from ..onnx.artifact import EXPORTS_ENV, is_export, read_export
+from ..onnx.artifact import EXPORTS_ENV
 from ..onnx.interop import check_chat_template
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
 from ..runtime.kvdtype import asked as asked_kv_dtype
@@ -108,23 +108,6 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
-
-
-def backend_for(backend: BackendKind | None, precision: Precision | None, provider: ProviderKind,
-                onnx_dir: Path | None = None) -> BackendKind:
-    """--backend, else the one that runs the precision asked (with --onnx and none asked, the folder's) by default
-    (registry.default_backend: its record, not its name). --precision bf16 on a CPU that does not compute it: one line
-    here, before any work."""
-    from ..runtime.registry import default_backend  # the records, read only when no backend is named
-    from ..workflows.exports import require_bf16_cpu
-
-    if precision is Precision.bf16:
-        require_bf16_cpu("--precision bf16")
-    if backend is not None:
-        return backend
-    if precision is None and onnx_dir is not None and is_export(onnx_dir):
-        precision = read_export(onnx_dir).precision
-    return default_backend(precision or Precision.fp32, provider)
 
 
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind) -> None:

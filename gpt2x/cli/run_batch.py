@@ -10,7 +10,7 @@ import typer
 
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
-from .options import BACKEND_DEFAULT, ExportsOpt, ModelOptional, Status, ThreadsOpt, backend_for, read_text_file
+from .options import BACKEND_DEFAULT, ExportsOpt, ModelOptional, Status, ThreadsOpt, read_text_file
 from .options import out as console
 from .serve import require_serve_extra
 
@@ -36,7 +36,9 @@ def run_batch(
 ) -> None:
     """Answer an OpenAI batch file offline, as `gpt2x serve` would answer its requests (vLLM's run-batch)."""
     require_serve_extra()
-    backend = backend_for(backend, precision, ProviderKind.cpu)
+    from ..workflows.backends import choose_backend  # the export side, imported when the command runs
+
+    backend = choose_backend(backend, precision, ProviderKind.cpu)
     # deferred: the serve extra's
     from ..serve.batch_file import open_output
     from ..serve.batch_file import run_batch as run

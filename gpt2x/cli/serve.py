@@ -23,7 +23,7 @@ from ..serve.core.prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from ..serve.core.prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
 from ..serve.core.scheduler import EngineSettings
 from ..workflows.adapters import check_adapters, parse_adapters
-from ..workflows.backends import require_provider
+from ..workflows.backends import choose_backend, require_provider
 from ..workflows.drafts import DRAFT_HELP
 from ..workflows.exports import resolve_export
 from .options import (
@@ -37,7 +37,6 @@ from .options import (
     RevisionOpt,
     Status,
     ThreadsOpt,
-    backend_for,
     err,
     notice,
     out,
@@ -279,7 +278,7 @@ def serve(
 
     if bench_file is not None:
         backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
-    backend = backend_for(backend, precision, provider, next(iter(onnx_dir or ()), None))
+    backend = choose_backend(backend, precision, provider, next(iter(onnx_dir or ()), None))
     if backend not in SERVED:
         caps = capabilities_of(backend)
         why = "is the reference" if caps.reference else f"runs the export in a browser page ({caps.runtime}), to measure it there"

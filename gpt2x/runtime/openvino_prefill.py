@@ -4,6 +4,7 @@ when), and a bf16 export's for the OpenVINO backend (runtime/openvino.py), into 
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +22,10 @@ from ..onnx.graph_cache import graphs_root
 from .providers import physical_cores
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
-    """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 BF16 or AMX)."""
+    """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 BF16 or AMX). Asked once per process (a Core each
+    time): a bf16 command checks it before any work, then again where it exports and where the backend opens."""
     return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 

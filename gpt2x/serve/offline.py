@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from ..choices import BackendKind, Precision, ProviderKind
 from ..errors import UsageError
-from ..runtime.registry import default_backend
-from ..workflows.exports import require_bf16_cpu, resolve_export
+from ..workflows.backends import choose_backend
+from ..workflows.exports import resolve_export
 from .core.scheduler import EngineSettings
 from .openai.completion.protocol import CompletionRequest
 from .openai.errors import APIError
@@ -89,15 +89,15 @@ class LLM:
                  chat_template: str | None = None):
         """`backend` None: the one that runs the export's precision by default (as the commands choose it: ort, or
         openvino for bf16)."""
-        if precision is not None and Precision(precision) is Precision.bf16:
-            require_bf16_cpu("precision='bf16'")
         folder = Path(model)
+        asked = None if precision is None else Precision(precision)
+        kind = choose_backend(None if backend is None else BackendKind(backend), asked, ProviderKind(provider), folder,
+                              asked_as="precision='bf16'")
         info = resolve_export(onnx_dir=folder) if (folder / "gpt2x.json").is_file() else \
-            resolve_export(model, precision=None if precision is None else Precision(precision))
-        if precision is not None and info.precision is not Precision(precision):
-            raise UsageError(f"{info.folder} is a {info.precision.value} export, not {Precision(precision).value}")
+            resolve_export(model, precision=asked)
+        if asked is not None and info.precision is not asked:
+            raise UsageError(f"{info.folder} is a {info.precision.value} export, not {asked.value}")
         self.model_id = info.meta["model"]["name"]
-        kind = BackendKind(backend) if backend is not None else default_backend(info.precision, ProviderKind(provider))
         config = ReplicaConfig(export=str(info.folder.resolve()), model_id=self.model_id, backend=kind.value,
                                provider=ProviderKind(provider).value, threads=threads,
                                engine=EngineSettings(max_batch_size=max_batch_size, max_waiting=1 << 16),

@@ -9,10 +9,17 @@ from typing import TYPE_CHECKING
 
 from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progress
 from ..errors import ProviderError, UsageError
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import ExportInfo, is_export, read_export
 from ..runtime.base import Backend
 from ..runtime.providers import available_providers
-from ..runtime.registry import backend_class, capabilities_of, refuse_unsupported, require_export_extra, require_runtime
+from ..runtime.registry import (
+    backend_class,
+    capabilities_of,
+    default_backend,
+    refuse_unsupported,
+    require_export_extra,
+    require_runtime,
+)
 from .exports import require_bf16_cpu, resolve_export
 from .models import DEFAULT_MODEL, load_model
 
@@ -58,6 +65,20 @@ def require_provider(backends: list[BackendKind], provider: ProviderKind) -> Non
 
         if not torch.cuda.is_available():
             raise ProviderError("the torch backend on cuda: this PyTorch build sees no CUDA device")
+
+
+def choose_backend(backend: BackendKind | None, precision: Precision | None, provider: ProviderKind,
+                   onnx_dir: Path | None = None, asked_as: str = "--precision bf16") -> BackendKind:
+    """`backend`, else the one that runs the precision asked (with an export folder and none asked, the folder's) by
+    default (registry.default_backend: its record, not its name). bf16 on a CPU that does not compute it: one line
+    (naming it `asked_as`) here, before any work. The commands' and the offline API's choice."""
+    if precision is Precision.bf16:
+        require_bf16_cpu(asked_as)
+    if backend is not None:
+        return backend
+    if precision is None and onnx_dir is not None and is_export(onnx_dir):
+        precision = read_export(onnx_dir).precision
+    return default_backend(precision or Precision.fp32, provider)
 
 
 def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind = ProviderKind.cpu,
