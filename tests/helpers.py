@@ -124,6 +124,23 @@ def uvicorn_server(app):
         sock.close()
 
 
+@contextmanager
+def served_models(slots) -> Iterator:
+    """Several models behind one server (serve.openai.many: `slots`, ModelSlots), every one loaded, on uvicorn in this
+    process: an httpx client of it, and the models closed after."""
+    import httpx
+
+    from gpt2x.serve.openai.many import Models, models_app
+
+    models = Models(slots)
+    models.load_all()
+    try:
+        with uvicorn_server(models_app(models)) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            yield c
+    finally:
+        models.close_all()
+
+
 def cuda_loads() -> bool:
     from gpt2x.runtime.providers import available_providers
 

@@ -21,7 +21,7 @@ from gpt2x.serve.openai.many import Models, ModelSlot, models_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 
-from ..helpers import assert_one_line_error, cli, scrape, uvicorn_server
+from ..helpers import assert_one_line_error, cli, scrape, served_models, uvicorn_server
 
 A, B = "shakespeare", "tiny"
 PROMPT = "ROMEO:"
@@ -80,13 +80,8 @@ def complete(client: httpx.Client, model: str | None) -> httpx.Response:
 @pytest.fixture(scope="module")
 def client(folders):
     opened = Opened(folders)
-    models = Models([opened.slot(A), opened.slot(B)])
-    models.load_all()
-    try:
-        with uvicorn_server(models_app(models)) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            yield c
-    finally:
-        models.close_all()
+    with served_models([opened.slot(A), opened.slot(B)]) as c:
+        yield c
 
 
 def test_each_model_answers_as_its_own_backend(client, references):

@@ -11,7 +11,6 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import torch
 from peft import IA3Config, PeftModel, get_peft_model
@@ -22,10 +21,9 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import EXPORTS_ENV, read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve import single_process
-from gpt2x.serve.openai.many import Models, models_app
 from gpt2x.tokenizer import decode, encode
 
-from ..helpers import assert_one_line_error, cli, make_hf_model, uvicorn_server
+from ..helpers import assert_one_line_error, cli, make_hf_model, served_models
 from ..model.test_adapters import CONFIG, hf_base, make_lora
 
 PROMPT = "ROMEO:"
@@ -113,14 +111,8 @@ def pefts_greedy(base_dir, lora_dir) -> str:
 
 @pytest.fixture(scope="module")
 def client(served):
-    configs = served[0]
-    models = Models([single_process.model_slot(c) for c in configs])
-    models.load_all()
-    try:
-        with uvicorn_server(models_app(models)) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            yield c
-    finally:
-        models.close_all()
+    with served_models([single_process.model_slot(c) for c in served[0]]) as c:
+        yield c
 
 
 def complete(client, model: str) -> str:
