@@ -264,7 +264,7 @@ def test_metrics_are_summed_over_both_replicas(server, client):
     # The gauges: a replica's own at the scrape, the other's as of its last report (every REPORT_S).
     async def long_ones():
         async with httpx.AsyncClient(timeout=120) as c:
-            return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 250, "temperature": 0})
+            return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 80, "temperature": 0})
                                           for p in PROMPTS[:6]])
 
     load = threading.Thread(target=lambda: asyncio.run(long_ones()))
@@ -454,8 +454,9 @@ def test_a_stream_whose_replica_is_killed_ends_with_an_error_event(server, clien
     assert all("choices" in b for b in bodies[:-1]) and len(bodies) > 1
 
 
-def test_soak_400_requests_at_concurrency_16(server, client):
-    """Bounded: 400 short streamed requests, none failing, and memory flat between the halves."""
+def test_soak_200_requests_at_concurrency_16(server, client):
+    """Bounded: 200 short streamed requests, none failing, and memory flat between the halves (a leak per request
+    shows as well in 100 as in 200: test_robustness soaks 300 generations in one process)."""
     def rss() -> dict[str, float]:
         seen = {}
         for _ in range(40):
@@ -463,13 +464,13 @@ def test_soak_400_requests_at_concurrency_16(server, client):
             seen[h["replica"]] = h["rss_mb"]
         return seen
 
-    settings = LoadtestSettings(url=f"{server}/main", requests=200, concurrency=[16], max_tokens=4, timeout=60)
+    settings = LoadtestSettings(url=f"{server}/main", requests=100, concurrency=[16], max_tokens=4, timeout=60)
     first = run_loadtest(settings, {})["levels"][0]
     middle = rss()
     second = run_loadtest(settings, {})["levels"][0]
     end = rss()
     for level in (first, second):
-        assert level["completed"] == 200 and level["failed"] == 0, level["failures"]
+        assert level["completed"] == 100 and level["failed"] == 0, level["failures"]
     for replica in set(middle) & set(end):
         assert end[replica] - middle[replica] < 64, (middle, end)
 
