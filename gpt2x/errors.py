@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 
 class Gpt2xError(Exception):
     """Base class: a failure with a one-line explanation for the user."""
@@ -76,6 +79,16 @@ def missing_modules(*modules: str) -> list[str]:
         except ImportError:
             missing.append(name)
     return missing
+
+
+def installed(module: str) -> bool:
+    """Whether `module` is installed, without importing it (openvino's import alone is 0.2-0.3 s)."""
+    if module in sys.modules:  # imported already, or blocked (None)
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that does not import, or a finder that refuses it
+        return False
 
 
 class EndpointError(Gpt2xError):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,12 +65,12 @@ def test_corrupt_bpe_file_is_refused(monkeypatch, tmp_path):
     bad = tmp_path / "vocab.bpe"
     bad.write_bytes(bpe_file("vocab.bpe").read_bytes() + b"x")
     monkeypatch.setattr(tokenizer, "bpe_file", lambda name: bad if name == "vocab.bpe" else bpe_file(name))
-    tokenizer.get_encoding.cache_clear()
+    tokenizer._encoding.cache_clear()
     try:
         with pytest.raises(tokenizer.Gpt2xError, match="corrupt"):
             tokenizer.get_encoding()
     finally:
-        tokenizer.get_encoding.cache_clear()
+        tokenizer._encoding.cache_clear()
 
 
 @settings(max_examples=200, deadline=None)
@@ -82,3 +85,25 @@ def test_stream_decoder_equals_decode(text):
     d = StreamDecoder()
     ids = encode(text)
     assert "".join(d.push(t) for t in ids) + d.flush() == decode(ids)
+
+
+def test_the_encoding_built_on_a_thread_is_built_once_and_is_the_one_every_caller_gets(monkeypatch):
+    """load_in_background (a command's, while its backend opens) and a caller that asks meanwhile: one build, waited for."""
+    builds = []
+    real = tokenizer.mergeable_ranks
+
+    def slow_ranks():
+        builds.append(threading.current_thread().name)
+        time.sleep(0.2)  # the caller below asks while the thread builds
+        return real()
+
+    monkeypatch.setattr(tokenizer, "mergeable_ranks", slow_ranks)
+    tokenizer._encoding.cache_clear()
+    try:
+        tokenizer.load_in_background()
+        time.sleep(0.05)
+        enc = tokenizer.get_encoding()
+        assert builds == ["gpt2x-tokenizer"] and tokenizer.get_encoding() is enc
+        assert enc.encode("Hello world") == [15496, 995]  # transformers' GPT-2 tokenizer's ids
+    finally:
+        tokenizer._encoding.cache_clear()

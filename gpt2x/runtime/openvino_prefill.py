@@ -227,15 +227,19 @@ class OpenVinoPrefill:
         self.fold_bf16 = False
         self._folds_gated = (info.prefill or {}).get("bf16_folded", {}).get("status") == "passed"
 
-    def prepare(self, bf16: bool = False) -> None:
+    def prepare(self, bf16: bool = False, wait: bool = False) -> None:
         """Compile the graph for fresh prompts at inference_precision on a thread of its own, now, where f32 computes
         it, or with `bf16` bf16 (the openvino backend's bf16 exports: f32 weights, which nothing folds; an int8 graph's
-        bf16 form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then."""
+        bf16 form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then. `wait`: on
+        the caller's thread (one of its own already)."""
         precision = self.inference_precision
         if (precision != F32 and not bf16) or self._compiling is not None or (precision, False) in self._graphs:
             return
+        if wait:
+            self.compile_fresh(precision)
+            return
         pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-compile")
-        self._compiling = pool.submit(self._compile, precision, False)
+        self._compiling = pool.submit(self.compile_fresh, precision)
         pool.shutdown(wait=False)  # the thread ends with its one compile
 
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
@@ -247,6 +251,14 @@ class OpenVinoPrefill:
         if (precision, past) not in self._graphs:
             self._compile(precision, past)
         return self._graphs[precision, past]
+
+    def compile_fresh(self, precision: str | None = None) -> None:
+        """The graph for fresh prompts compiled at `precision` (inference_precision's by default) and run once, so that
+        the first prompt pays neither (OpenVINO lays out its weights at a graph's first inference: 100-130 ms of a fresh
+        process's first token, GPT-2 124M int8). prepare() runs it on a thread."""
+        precision = precision or self.inference_precision
+        self._compile(precision, False)
+        self._warm(self._graphs[precision, False], 0)
 
     def _compile(self, precision: str, past: bool) -> None:
         model = self._model if past else fresh_graph(self._model, self._n_layer)

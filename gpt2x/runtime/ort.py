@@ -10,6 +10,7 @@ import hashlib
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,6 +327,18 @@ class _Half:
     openvino_prefill: Any = None
 
 
+def _open_openvino_prefill(info: ExportInfo, threads: int | None, kv_scales: np.ndarray | None, compile_now: bool):
+    """OrtBackend's OpenVINO prefill, on its thread: openvino imported only where it runs a prefill."""
+    try:
+        from .openvino_prefill import OpenVinoPrefill
+    except ImportError as e:
+        raise ProviderError(f"{info.folder}: cannot run the prefill on OpenVINO: openvino does not import ({e})") from None
+    graph = OpenVinoPrefill(info, threads, kv_scales)
+    if compile_now:
+        graph.prepare(wait=True)
+    return graph
+
+
 class OrtBackend(Closable):
     """One export on one provider; only logits come back to the host. `in_place_kv`: None uses the in-place
     cache wherever it can on the CPU (an fp32 export through its twin), False never, True requires it (`shared_kv`: its deprecated name).
@@ -386,13 +399,16 @@ class OrtBackend(Closable):
         # A step of several new tokens a row on a past (a prompt's next chunk, its rest after a cached prefix) on
         # OpenVINO too, where it reads and writes the in-place cache's buffers (a growing cache stays on ONNX Runtime).
         self._openvino_past_from = openvino_past_from(info, choice, self._openvino_from) if self.in_place_kv else None
-        self._openvino_prefill = None
+        # OpenVINO's prefill imported, loaded and (where nearly every prompt runs there) compiled and run once on a thread
+        # of its own while the session is made (ONNX Runtime releases the GIL): a fresh process's first token waits for
+        # what is left of it, not for all of it (openvino's import alone is 0.2-0.3 s).
+        self._prefill_graph_opening: Future | None = None
+        self._prefill_graph_opened = None
         if self._openvino_from is not None:
-            from .openvino_prefill import OpenVinoPrefill  # openvino only where it runs a prefill
-
-            self._openvino_prefill = OpenVinoPrefill(info, threads, self.kv_scales)
-            if self._openvino_from <= PREPARE_PREFILL_FROM:  # nearly every prompt runs there: compiled beside the session
-                self._openvino_prefill.prepare()
+            pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-prefill")
+            self._prefill_graph_opening = pool.submit(_open_openvino_prefill, info, threads, self.kv_scales,
+                                                      self._openvino_from <= PREPARE_PREFILL_FROM)
+            pool.shutdown(wait=False)  # the thread ends with its one job
         self.session = self._open_session(threads)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
@@ -417,10 +433,22 @@ class OrtBackend(Closable):
         self._sharing = threading.local()  # .on: this thread's steps run on the half
 
     @property
+    def _openvino_prefill(self):
+        """The OpenVINO prefill (None: none), once its thread has opened it: an error there is raised here."""
+        if self._prefill_graph_opening is not None:
+            opening, self._prefill_graph_opening = self._prefill_graph_opening, None
+            self._prefill_graph_opened = opening.result()
+        return self._prefill_graph_opened
+
+    @_openvino_prefill.setter
+    def _openvino_prefill(self, graph) -> None:
+        self._prefill_graph_opening, self._prefill_graph_opened = None, graph
+
+    @property
     def prefill(self) -> str:
         """The runtime that runs a fresh prompt's prefill: "onnxruntime", or "openvino" (from `prefill_from`
         tokens on; `run`, every position's logits, stays on ONNX Runtime)."""
-        return (PrefillChoice.onnxruntime if self._openvino_prefill is None else PrefillChoice.openvino).value
+        return (PrefillChoice.onnxruntime if self._openvino_from is None else PrefillChoice.openvino).value
 
     @property
     def prefill_precision(self) -> str | None:
@@ -443,7 +471,7 @@ class OrtBackend(Closable):
         (runtime.prefill.estimate_ms: fresh prompts, and chunks on the one past it timed; an export without the
         latter, ONNX Runtime's fresh line); None without an OpenVINO prefill, where every prefill runs on ONNX Runtime
         and fewer tokens take less time."""
-        if self._openvino_prefill is None:
+        if self._openvino_from is None:
             return None
         runtime = PrefillChoice(self.prefill_runtime(new_tokens, rows, past_tokens))
         timing = self.info.prefill.get("timing") or {}
@@ -456,7 +484,7 @@ class OrtBackend(Closable):
         its matmuls scale with (16 rows of 32 tokens ran sooner on OpenVINO, as one of 512 does:
         docs/results/engines.md). A decode step (one new token a row) always runs on ONNX Runtime."""
         start = self._openvino_past_from if past_tokens else self._openvino_from
-        openvino = self._openvino_prefill is not None and start is not None and prompt_len > 1 and rows * prompt_len >= start
+        openvino = self._openvino_from is not None and start is not None and prompt_len > 1 and rows * prompt_len >= start
         return (PrefillChoice.openvino if openvino else PrefillChoice.onnxruntime).value
 
     @property

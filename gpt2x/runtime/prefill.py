@@ -8,7 +8,7 @@ import os
 from enum import Enum
 from typing import TypeVar
 
-from ..errors import ProviderError, UsageError, missing_modules
+from ..errors import ProviderError, UsageError, installed
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 
@@ -47,11 +47,11 @@ def openvino_from(info: ExportInfo, choice: PrefillChoice, on_cpu: bool) -> int 
     if choice is PrefillChoice.onnxruntime:
         return None
     record = info.prefill
-    usable = record is not None and on_cpu and not missing_modules("openvino")
+    usable = record is not None and on_cpu and installed("openvino")  # imported where it runs (OrtBackend)
     if choice is PrefillChoice.openvino:
         if not usable:
             why = "it has no OpenVINO prefill graph (an fp32 or int8 export made with the openvino extra installed has one)" \
-                if record is None else "OpenVINO runs on the CPU only" if not on_cpu else "openvino does not import"
+                if record is None else "OpenVINO runs on the CPU only" if not on_cpu else "openvino is not installed"
             raise ProviderError(f"{info.folder}: cannot run the prefill on OpenVINO: {why}")
         return 2
     if not usable:

@@ -20,6 +20,7 @@ from ..runtime.registry import (
     require_export_extra,
     require_runtime,
 )
+from ..tokenizer import load_in_background
 from .exports import require_bf16_cpu, resolve_export
 from .models import DEFAULT_MODEL, load_model
 
@@ -92,6 +93,7 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
     refuse_unsupported(backend, provider, precision or Precision.fp32)
     if precision is Precision.bf16:
         require_bf16_cpu("--precision bf16")
+    load_in_background()  # the tokenizer, ready when the backend is
     if capabilities_of(backend).reference:
         name = model or DEFAULT_MODEL
         if loaded is None:
