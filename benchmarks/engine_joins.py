@@ -1,10 +1,12 @@
 """Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
-inter-token gaps and the joiners' first tokens with the overlapped prefill on and off (EngineSettings.overlap_prefill),
-in alternating rounds on one backend, warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
+inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens, and the overlapped
+prefill: EngineSettings.prefill_chunk and overlap_prefill), in rounds that rotate their order, on one backend warmed up as
+`gpt2x serve` opens it. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
 
-    python benchmarks/engine_joins.py --export EXPORT --out benchmarks/results/engine-joins-cpu-2core
+    python benchmarks/engine_joins.py --export EXPORT --variants chunk=256,chunk=64,overlap \
+        --out benchmarks/results/engine-joins-cpu-2core
 """
 
 from __future__ import annotations
@@ -25,9 +27,19 @@ from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import TokenOut
 
 
-def one_round(backend: OrtBackend, overlap: bool, args) -> dict:
+def variant_settings(name: str) -> EngineSettings:
+    """"chunk=N": prompts joining prefilled N tokens between two decode steps; "overlap": the overlapped prefill."""
+    if name == "overlap":
+        return EngineSettings(overlap_prefill=True, prefix_cache_mb=0)
+    key, _, value = name.partition("=")
+    if key != "chunk" or not value.isdigit():
+        raise SystemExit(f"--variants: {name!r} is neither chunk=N nor overlap")
+    return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
+
+
+def one_round(backend: OrtBackend, settings: EngineSettings, args) -> dict:
     """Every request's submission time and its tokens' arrival times, summarized."""
-    engine = Engine(backend, EngineSettings(overlap_prefill=overlap, prefix_cache_mb=0)).start()
+    engine = Engine(backend, settings).start()
     rng = np.random.default_rng(args.seed)
     prefixes = [rng.integers(0, backend.vocab_size, args.prefix_tokens).tolist() for _ in range(4)]
     times: list[list[float]] = []
@@ -73,33 +85,32 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="chunk=256,overlap", help="comma-separated: chunk=N, overlap")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     backend = OrtBackend(read_export(args.export))
     backend.warm_up()
+    variants = args.variants.split(",")
+    settings = {v: variant_settings(v) for v in variants}
     runs = []
     for r in range(args.rounds):
-        for overlap in ((True, False) if r % 2 == 0 else (False, True)):
-            result = one_round(backend, overlap, args)
-            runs.append({"round": r + 1, "overlap_prefill": overlap, **result})
-            print(f"round {r + 1}, overlap {'on' if overlap else 'off'}: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in result.items() if k != "gaps"), flush=True)
+        for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+            result = one_round(backend, settings[v], args)
+            runs.append({"round": r + 1, "variant": v, **result})
+            print(f"round {r + 1}, {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in result.items() if k != "gaps"), flush=True)
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]
-    table = {mode: {k: statistics.median(r[k] for r in runs if r["overlap_prefill"] is mode) for k in keys}
-             for mode in (True, False)}
+    table = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in keys} for v in variants}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({
         "command": "python benchmarks/engine_joins.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "system": system_info(), "export": str(args.export), "runs": runs,
-        "medians": {"on" if m else "off": v for m, v in table.items()}}, indent=1, default=str))
-    lines = [f"# Long prompts joining, in the engine: overlapped prefill on and off ({system_info().get('cpu')}, "
-             f"{args.rounds} rounds, medians)", "",
-             "| overlap_prefill | TTFT p50 ms (every request) | ITL p50 ms | ITL p99 ms | p99 / p50 | ITL p99.9 ms | ITL max ms | "
+        "system": system_info(), "export": str(args.export), "runs": runs, "medians": table}, indent=1, default=str))
+    lines = [f"# Long prompts joining, in the engine ({system_info().get('cpu')}, {args.rounds} rounds, medians)", "",
+             "| variant | TTFT p50 ms (every request) | ITL p50 ms | ITL p99 ms | p99 / p50 | ITL p99.9 ms | ITL max ms | "
              "gaps over 3x p50 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for mode, v in table.items():
-        lines.append(f"| {'on' if mode else 'off'} | {v['ttft_p50_ms']:.1f} | {v['itl_p50_ms']:.1f} | {v['itl_p99_ms']:.1f} | "
-                     f"{v['itl_p99_ms'] / v['itl_p50_ms']:.2f} | {v['itl_p999_ms']:.1f} | {v['itl_max_ms']:.1f} | "
-                     f"{v['itl_over_3x_p50_pct']:.2f}% |")
+    for v, x in table.items():
+        lines.append(f"| {v} | {x['ttft_p50_ms']:.1f} | {x['itl_p50_ms']:.1f} | {x['itl_p99_ms']:.1f} | "
+                     f"{x['itl_p99_ms'] / x['itl_p50_ms']:.2f} | {x['itl_p999_ms']:.1f} | {x['itl_max_ms']:.1f} | "
+                     f"{x['itl_over_3x_p50_pct']:.2f}% |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
