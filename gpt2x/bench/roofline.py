@@ -14,9 +14,10 @@ from ..model.config import GPT2Config
 from ..onnx.artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK
 
 
-def cpu_read_bandwidth(threads: int, megabytes: int = 1024, repeats: int = 7) -> float:
+def cpu_read_bandwidth(threads: int, megabytes: int = 256, repeats: int = 7) -> float:
     """Bytes/s of a multi-threaded sequential read, best of `repeats`: each thread takes the max of its
-    own chunk (numpy's SIMD max streams memory at full speed and releases the GIL)."""
+    own chunk (numpy's SIMD max streams memory at full speed and releases the GIL). 256 MiB is past the last-level
+    cache a core reads (a 96 MiB 3D V-cache die's too); 1 GiB cost a fresh VM 6-7 s to touch for the first time."""
     chunk = megabytes * (1 << 20) // threads // 4
     arrays = [np.ones(chunk, dtype=np.float32) for _ in range(threads)]
     best = 0.0
