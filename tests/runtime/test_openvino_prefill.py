@@ -491,3 +491,23 @@ def test_a_bad_prefill_flag_is_one_line_and_exit_2(command, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --prefill: 'fast' is not one of auto, onnxruntime, openvino "
                                              "(the choice or GPT2X_PREFILL)"]
+
+
+def test_openvino_opened_beside_the_session_is_checked_without_importing_it_and_fails_in_one_line(tiny, monkeypatch):
+    """Whether openvino is there is asked of the import system, not by importing it (0.2-0.3 s of a fresh process's
+    start, now on the prefill's own thread): blocked, every prompt is prefilled on ONNX Runtime; importable but
+    broken, the first prefill raises one ProviderError naming it, where the thread's ImportError would be a traceback."""
+    import sys
+
+    _, info = tiny
+    monkeypatch.setitem(sys.modules, "openvino", None)  # as an environment without it
+    with OrtBackend(info, threads=1) as without:
+        assert without.prefill == "onnxruntime" and without.prefill_from is None
+    monkeypatch.delitem(sys.modules, "openvino")
+    monkeypatch.setitem(sys.modules, "gpt2x.runtime.openvino_prefill", None)  # its import fails on the thread
+    with OrtBackend(info, threads=1, prefill="openvino") as broken:
+        assert broken.prefill == "openvino"  # the record's route, the graph not opened yet
+        ids = np.arange(1, 9)[None]
+        mask = np.ones_like(ids)
+        with pytest.raises(ProviderError, match="cannot run the prefill on OpenVINO: openvino does not import"):
+            broken.step(ids, mask, positions(mask, 8), None)
