@@ -100,7 +100,14 @@ def _encoding() -> tiktoken.Encoding:
 def load_in_background() -> None:
     """The encoding built on a daemon thread while the caller opens its backend (ONNX Runtime's session creation
     releases the GIL), so that the first encode finds it: 90-120 ms of a fresh process's first token."""
-    threading.Thread(target=get_encoding, name="gpt2x-tokenizer", daemon=True).start()
+    threading.Thread(target=_build_quietly, name="gpt2x-tokenizer", daemon=True).start()
+
+
+def _build_quietly() -> None:
+    try:
+        get_encoding()
+    except Gpt2xError:
+        pass  # a corrupt file: the caller's own first encode raises it, as one line (a thread's error is a traceback)
 
 
 def encode(text: str) -> list[int]:

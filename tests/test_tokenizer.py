@@ -107,3 +107,20 @@ def test_the_encoding_built_on_a_thread_is_built_once_and_is_the_one_every_calle
         assert enc.encode("Hello world") == [15496, 995]  # transformers' GPT-2 tokenizer's ids
     finally:
         tokenizer._encoding.cache_clear()
+
+
+def test_a_corrupt_file_found_on_the_thread_is_the_callers_one_line_not_the_threads_traceback(monkeypatch, tmp_path):
+    bad = tmp_path / "vocab.bpe"
+    bad.write_bytes(bpe_file("vocab.bpe").read_bytes() + b"x")
+    monkeypatch.setattr(tokenizer, "bpe_file", lambda name: bad if name == "vocab.bpe" else bpe_file(name))
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_type))
+    tokenizer._encoding.cache_clear()
+    try:
+        tokenizer.load_in_background()
+        with pytest.raises(tokenizer.Gpt2xError, match="corrupt"):
+            tokenizer.get_encoding()
+        time.sleep(0.1)  # the thread has ended
+        assert seen == []
+    finally:
+        tokenizer._encoding.cache_clear()

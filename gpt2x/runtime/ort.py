@@ -434,10 +434,10 @@ class OrtBackend(Closable):
 
     @property
     def _openvino_prefill(self):
-        """The OpenVINO prefill (None: none), once its thread has opened it: an error there is raised here."""
+        """The OpenVINO prefill (None: none), once its thread has opened it: an error there is raised here, at each use."""
         if self._prefill_graph_opening is not None:
-            opening, self._prefill_graph_opening = self._prefill_graph_opening, None
-            self._prefill_graph_opened = opening.result()
+            self._prefill_graph_opened = self._prefill_graph_opening.result()
+            self._prefill_graph_opening = None
         return self._prefill_graph_opened
 
     @_openvino_prefill.setter
