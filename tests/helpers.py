@@ -561,6 +561,8 @@ def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subpr
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
            **({TRACES_ENV: os.environ[TRACES_ENV]} if os.environ.get(TRACES_ENV) else {}),
            **({GRAPHS_ENV: os.environ[GRAPHS_ENV]} if os.environ.get(GRAPHS_ENV) else {}),  # never the user's cache
+           # the export's extra graphs the run turns off (conftest): each costs an int8 export seconds of gating and timing
+           **{name: os.environ[name] for name in ("GPT2X_BATCHED_DECODE", "GPT2X_INT8_KV") if name in os.environ},
            **({"BLOCKED": block} if block else {}),
            # a checkout other than the installed one (a git worktree) runs its own gpt2x
            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {})}
