@@ -60,6 +60,13 @@ def test_the_bf16_export_records_its_prefill_graph_gated_at_bf16_on_the_openvino
     assert all(ms > 0 for ms in timing["prefill_graph_ms"] + timing["model_onnx_ms"])
 
 
+def assert_within_bf16(want: np.ndarray, got: np.ndarray) -> None:
+    """bf16's gate on logits: max_rel and mean KL against the reference's."""
+    tol = TOLERANCES[Precision.bf16]
+    stats = logit_stats(want, got)
+    assert stats["max_rel"] <= tol.max_rel and stats["mean_kl"] <= tol.max_kl, stats
+
+
 def test_the_backend_prefills_on_the_graph_within_bf16_tolerance_of_pytorch(exports):
     """Independent reference: PyTorch's fp32 logits of whole left-padded prompts; the counter shows which graph ran."""
     model, info = exports
@@ -68,20 +75,17 @@ def test_the_backend_prefills_on_the_graph_within_bf16_tolerance_of_pytorch(expo
     mask = np.ones_like(ids)
     mask[1, :6] = 0
     want = torch_last_logits(model, ids, mask)
-    tol = TOLERANCES[Precision.bf16]
     with _backend(info) as backend:
         assert backend.prefill_graph is not None and backend.prefill_graph.inference_precision == BF16
         got, cache = backend.step(ids, mask, positions(mask, 21), None)
         assert backend.prefill_steps == 1
-        stats = logit_stats(want, got)
-        assert stats["max_rel"] <= tol.max_rel and stats["mean_kl"] <= tol.max_kl
+        assert_within_bf16(want, got)
         # a decode step runs on model.onnx, reading the widened presents in the backend's buffers
         nxt = got.argmax(-1)[:, None]
         mask2 = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
         step, _ = backend.step(nxt, mask2, positions(mask2, 1), cache)
         assert backend.prefill_steps == 1
-        stats = logit_stats(torch_last_logits(model, np.concatenate([ids, nxt], axis=1), mask2), step)
-        assert stats["max_rel"] <= tol.max_rel and stats["mean_kl"] <= tol.max_kl
+        assert_within_bf16(torch_last_logits(model, np.concatenate([ids, nxt], axis=1), mask2), step)
 
 
 def test_a_prompts_next_chunk_runs_on_the_graph_on_its_past(exports):
@@ -90,13 +94,11 @@ def test_a_prompts_next_chunk_runs_on_the_graph_on_its_past(exports):
     ids = rng.integers(0, info.config.vocab_size, (2, 30), dtype=np.int64)
     mask = np.ones_like(ids)
     mask[0, :3] = 0
-    tol = TOLERANCES[Precision.bf16]
     with _backend(info) as backend:
         _, cache = backend.step(ids[:, :12], mask[:, :12], positions(mask[:, :12], 12), None)
         got, cache = backend.step(ids[:, 12:], mask, positions(mask, 18), cache)
         assert backend.prefill_steps == 2 and cache.length == 30
-    stats = logit_stats(torch_last_logits(model, ids, mask), got)
-    assert stats["max_rel"] <= tol.max_rel and stats["mean_kl"] <= tol.max_kl
+    assert_within_bf16(torch_last_logits(model, ids, mask), got)
 
 
 def test_greedy_tokens_through_the_graph_match_the_backend_without_it(exports):
