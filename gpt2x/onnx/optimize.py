@@ -202,7 +202,9 @@ def _root_logger_quiet():
 def quantize_int8_dynamic(fused: Path, out: Path) -> dict[str, int]:
     """int8 weights by ONNX Runtime's quantize_dynamic: one scale per output channel, activations quantized per step
     (MLAS's u8s8 QGEMM: faster than MatMulNBits from ~16 rows a step, slower at one; docs/results/engines.md), the
-    tied unembedding too; GroupQueryAttention after, as quantize_int8's. The batched decode graph (build.py)."""
+    tied unembedding too; GroupQueryAttention after, as quantize_int8's. The batched decode graph (build.py). Weights in
+    7 bits (reduce_range): on a CPU without VNNI (AVX2 only) that kernel sums u8 x s8 pairs in int16, which full-range
+    weights overflow (0.42 of the logits' scale off on an AVX2 EPYC, measured), and the file may run on any CPU."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory() as tmp, _root_logger_quiet():
@@ -212,7 +214,7 @@ def quantize_int8_dynamic(fused: Path, out: Path) -> dict[str, int]:
         # MatMulConstBOnly: activation x activation products (none here past attention's own op) stay fp32;
         # DefaultTensorType: the fused contrib ops' outputs have no inferred type, which the quantizer needs.
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
-                         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
+                         reduce_range=True, extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
         q = onnx.load(str(dst))
     return _finish_nbits(q, out)
 
