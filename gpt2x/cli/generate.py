@@ -19,7 +19,7 @@ from ..generation.speculative import DraftSettings
 from ..runtime.registry import refuse_export_folder
 from ..tokenizer import StreamDecoder, decode
 from ..workflows.backends import choose_backend, open_backend
-from ..workflows.drafts import DRAFT_HELP, open_drafter
+from ..workflows.drafts import DRAFT_HELP, check_draft, open_drafter
 from .options import (
     BACKEND_DEFAULT,
     BEAM_PANEL,
@@ -207,6 +207,8 @@ def generate(
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     if draft is not None and num_beams > 1:
         raise UsageError("--draft and --num-beams do not combine: speculative decoding samples or decodes greedily")
+    if draft is not None:  # what can be refused before the target loads (its vocabulary is checked once it has)
+        check_draft(draft, backend, provider, revision=revision)
     with Status("starting") as status:
         runner = open_backend(backend, provider, model, revision, precision, onnx_dir, threads,
                               progress=progress_to(status), notice=notice, in_place_kv=kv_cache.in_place_kv)

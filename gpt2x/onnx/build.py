@@ -256,7 +256,8 @@ def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> 
     """The batched decode graph (written beside model.onnx), gated and timed; its record for gpt2x.json. A graph
     that fails its gate is removed: every step then runs on model.onnx."""
     record = {"kept": True, "file": BATCHED_FILE, "weights": "int8 symmetric in 7 bits, one scale per output channel "
-              "(ONNX Runtime quantize_dynamic, QInt8, reduce_range); activations quantized per step (uint8, one scale a tensor)"}
+              "(ONNX Runtime quantize_dynamic, QInt8, reduce_range); activations quantized per step (uint8, one scale a tensor)",
+              "weight_bits": 7}  # a record without it holds 8-bit weights, which the runtime skips on a CPU without VNNI
     return _gated(info, BATCHED_KEY, record, gate, info.batched_path.unlink, "batched decode graph",
                   "checking the batched decode graph against PyTorch and timing both decode graphs", progress)
 

@@ -94,6 +94,26 @@ class Capabilities:
                              f"{provider.value} provider (it runs on {spoken(p.value for p in self.providers)})")
 
 
+# Each backend class's record (its `capabilities`), here so that runtime.registry reads them without importing the classes.
+TORCH_CAPABILITIES = Capabilities(runtime="PyTorch", reference=True,
+                                  precisions_by_provider={ProviderKind.cpu: (Precision.fp32,),
+                                                          ProviderKind.cuda: (Precision.fp32, Precision.fp16)},
+                                  takes_past=True, joins_rows=True, rolls_back=True)
+ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
+                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
+                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
+                                estimates_prefill=True, warms_up=True, shares_cores=True)
+OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
+                                     takes_past=True, joins_rows=True, rolls_back=True)
+# onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):
+# a larger batch runs as one single-row generator per row, as a padded one does.
+GENAI_MAX_BATCH = 32
+GENAI_CAPABILITIES = Capabilities(runtime="onnxruntime-genai", max_batch=GENAI_MAX_BATCH,
+                                  precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS})
+WEB_CAPABILITIES = Capabilities(runtime="onnxruntime-web's WebAssembly build", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
+                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
+
+
 class Closable:
     """`close()` (idempotent; overridden by a backend with something to release) and the context manager."""
 

@@ -17,13 +17,10 @@ from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.interop import GENAI_CONFIG_FILE
 from ..tokenizer import EOT_ID
-from .base import CPU_PRECISIONS, CUDA_PRECISIONS, Capabilities, Closable, Released
+from .base import GENAI_CAPABILITIES, GENAI_MAX_BATCH, Closable, Released
 from .providers import CUDA_HELP, ORT_PROVIDERS, physical_cores, refuse_fp16_on_cpu
 
 GENAI_PROVIDERS = {ProviderKind.cuda: "cuda"}  # genai's names; the CPU is its default (no provider)
-# onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):
-# a larger batch runs as one single-row generator per row, as a padded one does.
-GENAI_MAX_BATCH = 32
 
 
 class _Lane:
@@ -88,8 +85,7 @@ class GenaiBackend(Closable):
 
     name = "genai"
     # The generator owns its cache: no past from elsewhere, no joins, no rollback.
-    capabilities = Capabilities(runtime="onnxruntime-genai", max_batch=GENAI_MAX_BATCH,
-                                precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS})
+    capabilities = GENAI_CAPABILITIES
     cache_forms = (GenaiState,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):

@@ -13,7 +13,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
-from .base import CPU_PRECISIONS, Capabilities, Closable, Released
+from .base import OPENVINO_CAPABILITIES, Closable, Released
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
 from .openvino_prefill import OpenVinoPrefill, cpu_has_bf16
 from .providers import physical_cores, refuse_fp16_on_cpu
@@ -44,8 +44,7 @@ class OpenVinoBackend(Closable):
 
     name = "openvino"
     # bf16: a bf16 export's f32 graph computed at INFERENCE_PRECISION_HINT bf16, prefill and decode alike.
-    capabilities = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
-                                takes_past=True, joins_rows=True, rolls_back=True)
+    capabilities = OPENVINO_CAPABILITIES
     cache_forms = (OpenVinoKVCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,

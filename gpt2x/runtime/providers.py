@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,25 @@ def default_precisions(provider: ProviderKind) -> list[Precision]:
 
 def physical_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# x86 features with which MLAS's uint8 x int8 kernels sum products in 32 bits; without them (AVX2 alone) pairs of
+# products are summed in 16 bits, which full-range int8 weights overflow (docs/export.md, the batched decode graph).
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def cpu_sums_int8_in_32_bits() -> bool:
+    """Whether MLAS's uint8 x int8 kernels sum products in 32 bits here: an x86 CPU with VNNI or AMX (/proc/cpuinfo),
+    or another architecture (ARM's int8 dot products do not saturate). False on an x86 CPU whose flags cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in INT8_DOT_FLAGS)
 
 
 # How long ONNX Runtime's intra-op threads spin after a run, waiting for the next (its session option). Its own default

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..choices import Precision, ProviderKind
+from ..choices import ProviderKind
 from ..model.gpt2 import GPT2, KVCache
-from .base import Capabilities, Closable
+from .base import TORCH_CAPABILITIES, Closable
 
 
 class TorchCache:
@@ -61,10 +61,7 @@ class TorchBackend(Closable):
 
     name = "torch"
     # fp16 is a half-precision copy of the model, on CUDA only; int8 and int4 exist only as exports.
-    capabilities = Capabilities(runtime="PyTorch", reference=True,
-                                precisions_by_provider={ProviderKind.cpu: (Precision.fp32,),
-                                                        ProviderKind.cuda: (Precision.fp32, Precision.fp16)},
-                                takes_past=True, joins_rows=True, rolls_back=True)
+    capabilities = TORCH_CAPABILITIES
     cache_forms = (TorchCache,)
 
     def __init__(self, model: GPT2, device: str = "cpu", model_name: str = "model"):

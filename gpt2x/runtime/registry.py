@@ -1,6 +1,7 @@
 """Which class runs each BackendKind and its `Capabilities` before one is opened, each class imported only when
 asked for (optional runtimes stay optional; the ONNX Runtime path imports no torch); every "this backend cannot"
-message is built here from the records."""
+message is built here from the records (base.py's, each class's `capabilities`), read without importing the classes: a
+message naming the backends that can do something imports none of them (torch alone is over a second)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..choices import BackendKind, Precision, ProviderKind
-from ..errors import Gpt2xError, MissingDependencyError, ProviderError, UsageError, missing_modules
-from .base import Capabilities, spoken
+from ..errors import Gpt2xError, MissingDependencyError, ProviderError, UsageError, installed, missing_modules
+from .base import (
+    GENAI_CAPABILITIES,
+    OPENVINO_CAPABILITIES,
+    ORT_CAPABILITIES,
+    TORCH_CAPABILITIES,
+    WEB_CAPABILITIES,
+    Capabilities,
+    spoken,
+)
 
 EXPORT_EXTRA = ("torch", "onnxscript")  # loading weights, exporting, training and the torch backend
 EXPORT_INSTALL = "pip install 'gpt2x[export]' (the CPU build of torch first, see the README)"
@@ -54,21 +63,19 @@ def _web_ready() -> None:
 @dataclass(frozen=True)
 class Entry:
     load: Callable[[], type]  # imports the module and gives the class
+    capabilities: Capabilities  # the class's record
     needs: tuple[str, ...] = ()  # the modules it imports that an install may lack
     install: str = ""  # the command that installs them
     ready: Callable[[], None] | None = None  # what else it checks before one opens (the web's browser)
-    # Whether it runs export folders (not capabilities.reference), known before its module imports: default_backend
-    # chooses among these without importing torch (tests/runtime/test_backends.py holds it to the record).
-    exports: bool = True
 
 
 # genai's --no-deps: its wheel requires `onnxruntime`, which would overwrite onnxruntime-gpu's files.
 REGISTRY: dict[BackendKind, Entry] = {
-    BackendKind.torch: Entry(_torch, EXPORT_EXTRA, EXPORT_INSTALL, exports=False),
-    BackendKind.ort: Entry(_ort),
-    BackendKind.openvino: Entry(_openvino, ("openvino",), "pip install 'gpt2x[openvino]'"),
-    BackendKind.genai: Entry(_genai, ("onnxruntime_genai",), "pip install --no-deps 'onnxruntime-genai>=0.18'"),
-    BackendKind.web: Entry(_web, ready=_web_ready),
+    BackendKind.torch: Entry(_torch, TORCH_CAPABILITIES, EXPORT_EXTRA, EXPORT_INSTALL),
+    BackendKind.ort: Entry(_ort, ORT_CAPABILITIES),
+    BackendKind.openvino: Entry(_openvino, OPENVINO_CAPABILITIES, ("openvino",), "pip install 'gpt2x[openvino]'"),
+    BackendKind.genai: Entry(_genai, GENAI_CAPABILITIES, ("onnxruntime_genai",), "pip install --no-deps 'onnxruntime-genai>=0.18'"),
+    BackendKind.web: Entry(_web, WEB_CAPABILITIES, ready=_web_ready),
 }
 
 
@@ -98,30 +105,23 @@ def backend_class(kind: BackendKind) -> type:
 
 
 def capabilities_of(kind: BackendKind) -> Capabilities:
-    """Its class's record, before one is opened; only its modules need to import (not the web's browser)."""
+    """Its class's record, before one is opened, where the modules it needs import (not the web's browser)."""
     entry = REGISTRY[kind]
     require_modules(f"the {kind.value} backend", entry.needs, entry.install)
-    return entry.load().capabilities
+    return entry.capabilities
 
 
 def kinds_that(predicate: Callable[[Capabilities], bool]) -> list[BackendKind]:
-    """The installed kinds whose record satisfies `predicate`. Imports every class: for messages only."""
-    kinds = []
-    for kind in BackendKind:
-        try:
-            caps = capabilities_of(kind)
-        except MissingDependencyError:
-            continue
-        if predicate(caps):
-            kinds.append(kind)
-    return kinds
+    """The installed kinds (their modules found, none imported) whose record satisfies `predicate`: for messages."""
+    return [kind for kind, entry in REGISTRY.items()
+            if all(installed(module) for module in entry.needs) and predicate(entry.capabilities)]
 
 
 def default_backend(precision: Precision, provider: ProviderKind = ProviderKind.cpu) -> BackendKind:
     """The backend a command runs `precision` exports on when none is named: the native one where its record runs
     `precision` on `provider`, else the first installed export runner whose record does (bf16 on the CPU: ONNX Runtime
     computes none there), else the native one, whose refusal then names the backends that would."""
-    runners = [kind for kind, entry in REGISTRY.items() if entry.exports]
+    runners = [kind for kind, entry in REGISTRY.items() if not entry.capabilities.reference]
     native = next(kind for kind in runners if capabilities_of(kind).native)
     for kind in [native, *(k for k in runners if k is not native)]:
         try:

@@ -26,7 +26,7 @@ import numpy as np
 from ..choices import ProviderKind
 from ..errors import ArtifactError, MissingDependencyError, ProviderError
 from ..onnx.artifact import DATA_FILE, MODEL_FILE, ExportInfo
-from .base import CPU_PRECISIONS, Capabilities, Closable, merge_on_host
+from .base import WEB_CAPABILITIES, Closable, merge_on_host
 from .providers import physical_cores
 
 WEB_DIR = Path(__file__).parent / "web"  # the page, and package.json for onnxruntime-web
@@ -337,8 +337,7 @@ class WebBackend(Closable):
     """One export run by onnxruntime-web (WebAssembly) in headless Chromium."""
 
     name = "web"
-    capabilities = Capabilities(runtime="onnxruntime-web's WebAssembly build", precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS},
-                                takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True, page=True)
+    capabilities = WEB_CAPABILITIES
     cache_forms = (WebCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None):

@@ -25,6 +25,7 @@ from gpt2x.onnx.artifact import EXPORTS_ENV, default_export_dir, is_export
 from gpt2x.runtime import pytorch
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.pytorch import TorchBackend
+from gpt2x.runtime.registry import REGISTRY
 from gpt2x.tokenizer import encode
 
 from ..helpers import BENCH_SCHEMA, REPO, StepClock, assert_one_line_error, cli, greedy_counts, make_hf_model, validate
@@ -433,7 +434,9 @@ def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
     text = rendered(result)
     assert "Speculative decoding" in text and "int8" in text and "step cost" in text
 
-    monkeypatch.setattr(OrtBackend, "capabilities", dataclasses.replace(OrtBackend.capabilities, rolls_back=False))
+    unrolled = dataclasses.replace(OrtBackend.capabilities, rolls_back=False)  # the record, and the class's
+    monkeypatch.setitem(REGISTRY, BackendKind.ort, dataclasses.replace(REGISTRY[BackendKind.ort], capabilities=unrolled))
+    monkeypatch.setattr(OrtBackend, "capabilities", unrolled)
     s.backends, s.drafts = [BackendKind.ort], ["ngram"]
     again = bench.run_bench(s, {"cpu": "test", "cores": 1}, loaded=(model, source))
     assert again.speculative == [] and len(again.speed) == 1

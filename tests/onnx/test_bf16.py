@@ -47,14 +47,6 @@ def test_bf16_is_run_by_the_backends_whose_record_says_so_and_is_their_default()
     assert isinstance(error, UsageError) and str(error).endswith("bf16 is run by the openvino backend")
 
 
-def test_the_registry_knows_which_backends_run_exports_as_their_records_say():
-    """default_backend reads Entry.exports so as not to import torch; it must be the record's own answer."""
-    from gpt2x.runtime.registry import REGISTRY
-
-    for kind, entry in REGISTRY.items():
-        assert entry.exports is not capabilities_of(kind).reference, kind
-
-
 @needs_bf16
 def test_the_bf16_export_holds_fp32_weights_and_passes_its_own_gate_at_bf16_compute(exports):
     model, info, _ = exports

@@ -5,6 +5,8 @@ context manager, and an engine whose `close` says when it could not stop its thr
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -168,6 +170,21 @@ def test_what_an_export_backend_declares_it_runs_and_what_it_does_not_it_refuses
                 info = bundled_export(precision)
                 with pytest.raises(ProviderError, match="CUDA only"):
                     _opens(kind, provider, info)
+
+
+def test_the_records_and_the_messages_built_from_them_import_no_backend():
+    """Which backends run exports, roll back or run a precision is read from the records without importing a backend's
+    module or its runtime (torch's import alone is over a second of a refusal); a fresh process, to see its imports."""
+    code = ("import sys\n"
+            "from gpt2x.choices import Precision, ProviderKind\n"
+            "from gpt2x.runtime.registry import cannot_roll_back, default_backend, unsupported\n"
+            "assert 'openvino' in str(cannot_roll_back('genai', 'target'))\n"
+            "assert 'openvino' in str(unsupported(default_backend(Precision.fp32), ProviderKind.cpu, Precision.bf16))\n"
+            "loaded = [m for m in ('torch', 'openvino', 'onnxruntime_genai', 'playwright', 'gpt2x.runtime.pytorch', "
+            "'gpt2x.runtime.openvino', 'gpt2x.runtime.genai', 'gpt2x.runtime.web', 'gpt2x.runtime.ort') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 def test_the_reference_runs_what_it_declares():

@@ -55,6 +55,44 @@ def test_the_record_sets_batched_from_and_a_user_may_turn_it_off(tiny):
         assert backend.batched_from is None
 
 
+def test_an_8_bit_graph_from_before_is_skipped_where_the_cpu_would_overflow_it(tiny, monkeypatch):
+    """A record without weight_bits (an export from before its weights kept 7 bits): on a CPU without VNNI every step
+    runs on model.onnx, and asking for the batched graph is one ProviderError; with VNNI, or 7-bit weights, it runs."""
+    from gpt2x.runtime import ort as ort_backend
+
+    _, info = tiny
+    assert info.batched["weight_bits"] == 7
+    old = ExportInfo(info.folder, {**info.meta, BATCHED_KEY: {k: v for k, v in info.meta[BATCHED_KEY].items() if k != "weight_bits"}})
+    monkeypatch.setattr(ort_backend, "cpu_sums_int8_in_32_bits", lambda: True)
+    assert ort_backend.batched_from(old, None, on_cpu=True) == info.batched["batched_from"]
+    assert ort_backend.batched_from(old, True, on_cpu=True) == 1
+    monkeypatch.setattr(ort_backend, "cpu_sums_int8_in_32_bits", lambda: False)
+    assert ort_backend.batched_from(info, None, on_cpu=True) == info.batched["batched_from"]
+    assert ort_backend.batched_from(info, True, on_cpu=True) == 1
+    assert ort_backend.batched_from(old, None, on_cpu=True) is None
+    with OrtBackend(old, threads=1) as backend:
+        assert backend.batched_from is None and backend.session_for(1000, 1) is backend.session
+    with pytest.raises(ProviderError, match="8-bit weights overflow this CPU's int8 kernel"):
+        OrtBackend(old, threads=1, batched=True)
+
+
+def test_the_cpu_flags_say_whether_int8_products_sum_in_32_bits(monkeypatch, tmp_path):
+    """Read from /proc/cpuinfo's flags on x86: VNNI (AVX-512 or AVX) or AMX, and not AVX2 alone."""
+    from gpt2x.runtime import providers
+
+    cpuinfo, real = tmp_path / "cpuinfo", providers.Path
+    monkeypatch.setattr(providers, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo" else real(p))
+    monkeypatch.setattr(providers.platform, "machine", lambda: "x86_64")
+    for flags, expected in (("fpu avx2 fma", False), ("fpu avx2 avx512_vnni", True), ("avx2 avx_vnni", True), ("amx_int8 avx2", True)):
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        providers.cpu_sums_int8_in_32_bits.cache_clear()
+        assert providers.cpu_sums_int8_in_32_bits() is expected, flags
+    monkeypatch.setattr(providers.platform, "machine", lambda: "aarch64")
+    providers.cpu_sums_int8_in_32_bits.cache_clear()
+    assert providers.cpu_sums_int8_in_32_bits() is True
+    providers.cpu_sums_int8_in_32_bits.cache_clear()
+
+
 def test_each_step_runs_on_the_graph_its_rows_times_new_tokens_choose(tiny, backends):
     """The same step from the same past on all three backends: the switching one's logits are the batched-only
     backend's from FROM rows x new tokens on (with BATCHED_MIN_ROWS rows) and model.onnx's below (the two graphs

@@ -181,7 +181,7 @@ def test_chat_in_the_browser_streams_gpt2xs_own_tokens(browser, base, reference)
     page.close()
 
 
-def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference):
+def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference, service, monkeypatch):
     page, errors = open_page(browser, base)
     page.select_option("#mode", "completion")
     assert page.is_hidden("#system")  # a raw prompt: no system prompt, no template
@@ -203,6 +203,11 @@ def test_completion_mode_stop_and_errors_in_the_browser(browser, base, reference
     whole = decode(generate(reference, ["ROMEO:"], SamplingSettings(greedy=True, max_new_tokens=240))[0].tokens)
     page.fill("#message", "ROMEO:")
     aborted = aborts(base)
+    # Each step 5 ms longer for this answer: its 240 tokens then take over a second, so the click lands while the server
+    # still generates (on a loaded machine the whole answer was out before the page showed its first text: no abort).
+    for name in ("step", "step_greedy"):
+        method = getattr(service.backend, name)
+        monkeypatch.setattr(service.backend, name, lambda *a, method=method, **k: (time.sleep(0.005), method(*a, **k))[1])
     # Stop clicked in the page as soon as this answer's first text shows: from here, a click could come after the whole
     # answer (240 tokens of the bundled model stream in well under a second).
     page.evaluate("""() => {
