@@ -351,7 +351,7 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     return None if loaded is None else _in_memory(*loaded)
 
 
-def static_forms(path: Path, sampling: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
+def static_forms(path: Path, sampling: bool = False, logits: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
     """The export's two graphs for StaticDecoder, from one read of its file, their weights shared:
     - the prompt's: its GroupQueryAttention graph (the export's, or its twin) without the attention bias, for prompts
       without padding (the operator's own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their
@@ -359,7 +359,8 @@ def static_forms(path: Path, sampling: bool = False) -> tuple[InMemoryGraph, InM
     - the one-token decode step with every shape fixed, for a step captured in a CUDA graph (to_static_decode): its
       lengths read from the inputs seqlens_k (on the device) and total_sequence_length (the cache's capacity,
       constant) instead of the attention mask, which goes (rows hold no padding), and each row's argmax (next_token)
-      returned instead of the logits; `sampling`: each row's draw at its temperature instead (sampling_head).
+      returned instead of the logits; `sampling`: each row's draw at its temperature instead (sampling_head); `logits`:
+      the logits themselves, for a sampler on the host (runtime.static_decode.SlotDecoder's serving rows).
     None where the weights are in a data file, or the graph has no attention to rewrite."""
     loaded = _gqa_proto(path, require_rewrite=False)
     if loaded is None:
@@ -369,7 +370,7 @@ def static_forms(path: Path, sampling: bool = False) -> tuple[InMemoryGraph, InM
     decode.CopyFrom(prefill)  # the graph alone: its large weights are in `weights`
     _drop_attention_bias(prefill.graph)
     _prune(prefill.graph)
-    to_static_decode(decode, sampling)
+    to_static_decode(decode, sampling, logits)
     return _in_memory(prefill, weights), _in_memory(decode, weights)
 
 
@@ -388,9 +389,11 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict
     return proto, weights
 
 
-def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
+def to_static_decode(proto: onnx.ModelProto, sampling: bool = False, logits: bool = False) -> None:
     """In place: the decode graph of static_forms. Input ids become [batch, 1]; position ids are computed from
-    seqlens_k."""
+    seqlens_k. Its output: next_token (the argmax, or with `sampling` the draw), or with `logits` the logits."""
+    if sampling and logits:
+        raise ValueError("a decode graph returns the logits or a token chosen from them, not both")
     graph = proto.graph
     _drop_attention_bias(graph)
     for n in graph.node:
@@ -414,10 +417,10 @@ def to_static_decode(proto: onnx.ModelProto, sampling: bool = False) -> None:
         graph.input.extend([helper.make_tensor_value_info(io.TEMPERATURE, TensorProto.DOUBLE, [io.BATCH]),
                             helper.make_tensor_value_info(io.UNIFORM, TensorProto.DOUBLE, [io.BATCH])])
         graph.node.extend(sampling_head(graph))
-    else:
+    elif not logits:
         graph.node.append(helper.make_node("ArgMax", [io.LOGITS], [io.NEXT_TOKEN], axis=-1, keepdims=0))
-    outputs = [helper.make_tensor_value_info(io.NEXT_TOKEN, TensorProto.INT64, [io.BATCH, 1])] + \
-        [o for o in graph.output if o.name != io.LOGITS]
+    outputs = list(graph.output) if logits else \
+        [helper.make_tensor_value_info(io.NEXT_TOKEN, TensorProto.INT64, [io.BATCH, 1])] + [o for o in graph.output if o.name != io.LOGITS]
     del graph.output[:]
     graph.output.extend(outputs)
     _prune(graph)

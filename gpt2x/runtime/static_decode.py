@@ -199,3 +199,109 @@ class StaticDecoder(Closable):
     def close(self) -> None:
         self._prefill = self._decode = Released("static decoder")
         self._kv = []
+
+
+class SlotDecoder(Closable):
+    """The serving engine's fixed slots: one cache of `slots` rows x `capacity` positions (default: the model's), in
+    which each row is a sequence of its own, at its own length. A row joins by `prefill` into a free slot (its prompt, or
+    the next chunk of it after what the slot holds), run on that slot's rows of the buffers alone; `step` decodes every
+    slot at its own length (GroupQueryAttention's seqlens_k), a free slot on token 0 at position 0, which its next
+    prefill overwrites; `release` frees a slot. No row's cache is ever moved or copied: rows join and leave without a
+    merge. The logits come back to the host, for the serving engine's samplers. The graphs are StaticDecoder's, the
+    decode step's head the logits (onnx.optimize.static_forms), so ONNX Runtime's CPU runs fp32 exports and CUDA fp16.
+    """
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
+                 capacity: int | None = None, threads: int | None = None):
+        refuse_fp16_on_cpu(info, provider)
+        why = fixed_cache_refusal(provider, info.precision)
+        if why:
+            raise ProviderError(f"{info.folder}: {why}")
+        cfg = info.config
+        self.slots, self.capacity = slots, capacity or cfg.n_positions
+        if slots < 1 or not 1 < self.capacity <= cfg.n_positions:
+            raise ValueError(f"slots must be >= 1 and capacity 2..{cfg.n_positions}, not {slots} and {self.capacity}")
+        from ..onnx.optimize import static_forms  # onnx's rewrite: imported by the decoders that need it
+
+        forms = static_forms(info.model_path, logits=True)
+        if forms is None:
+            raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
+        self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
+        prefill, decode = forms
+        self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
+        overridable = {i.name for i in self._prefill.get_overridable_initializers()}
+        self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)) if io.LOGITS_TO_KEEP in overridable else None
+        self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
+                                      dims={io.BATCH: slots, io.PAST: self.capacity, io.TOTAL: self.capacity,
+                                            io.LOGITS_SEQUENCE: 1})
+        self.dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
+        self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
+        # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
+        # are bound by address, so a prefill writes that slot and nothing else.
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((slots, *self._row_shape[1:]), self.dtype), self.device, 0)
+                    for _ in range(2 * cfg.n_layer)]
+        self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
+        self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
+        self.vocab_size = cfg.vocab_size
+        self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((slots, 1), np.int64), self.device, 0)
+        self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(slots, np.int32), self.device, 0)
+        self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
+        self._logits = np.zeros((slots, 1, cfg.vocab_size), np.float32)
+        self._binding = self._decode.io_binding()
+        for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
+            self._binding.bind_ortvalue_input(name, value)
+        bind_past_and_present(self._binding, self._kv)
+        self._binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(self._logits.shape), self._logits.ctypes.data)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of 0..{self.slots - 1}")
+
+    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
+        """Append `ids` [T] to what `slot` holds (a prompt into a free slot, or the next chunk of one) in one forward on
+        that slot's rows; the last position's logits [vocab]."""
+        self._check_slot(slot)
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
+        past, T = int(self.lengths[slot]), ids.shape[1]
+        if T == 0 or past + T > self.capacity:
+            raise ValueError(f"slot {slot} holds {past} positions of {self.capacity}: {T} more do not fit")
+        binding = self._prefill.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, ids)
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((1, past + T), np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.arange(past, past + T, dtype=np.int64)[None])
+        if self._keep_last is not None:
+            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
+        binding.bind_output(io.LOGITS, "cpu")
+        element = np.float16 if self.dtype == np.float16 else np.float32
+        for names, bind in ((self._names[0], binding.bind_input), (self._names[1], binding.bind_output)):
+            for name, value in zip(names, self._kv):  # this slot's rows of each buffer, by address: no copy
+                bind(name, self.device, 0, element, list(self._row_shape), value.data_ptr() + slot * self._row_bytes)
+        self._prefill.run_with_iobinding(binding)
+        self.lengths[slot] = past + T
+        return binding.get_outputs()[0].numpy()[0, -1]
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Append each held slot's token of `tokens` [slots] at its own next position (a free slot's is ignored); the
+        logits [slots, vocab] (a free slot's are meaningless)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
+        held = self.lengths > 0
+        if not held.any():
+            raise ValueError("no slot holds a sequence: prefill one first")
+        if (self.lengths[held] >= self.capacity).any():
+            raise ValueError(f"slot {int(np.flatnonzero(held & (self.lengths >= self.capacity))[0])} is full "
+                             f"({self.capacity} positions)")
+        self._tokens.update_inplace(np.where(held, tokens, 0).reshape(self.slots, 1))
+        self._seqlens.update_inplace(self.lengths.astype(np.int32))  # a free slot's 0: its token goes to position 0
+        self._decode.run_with_iobinding(self._binding)
+        self.lengths[held] += 1
+        return self._logits[:, 0].copy()  # the bound buffer is the next step's too
+
+    def release(self, slot: int) -> None:
+        """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+
+    def close(self) -> None:
+        self._prefill = self._decode = Released("slot decoder")
+        self._kv = []

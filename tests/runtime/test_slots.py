@@ -1,0 +1,99 @@
+"""SlotDecoder, the serving engine's fixed slots, on the CPU provider: rows that join by a prefill into a free slot (in
+one forward or in chunks), decode at their own lengths, and leave, each row's logits against the PyTorch model's forward
+of that row's whole sequence without a cache, and no row's cache touched by another's join."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2x.choices import Precision, ProviderKind
+from gpt2x.errors import ProviderError
+from gpt2x.runtime.static_decode import SlotDecoder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_export):
+    model, _, info = tiny_export(Precision.fp32)
+    return model, info
+
+
+def torch_last_logits(model, ids: list[int]) -> np.ndarray:
+    """The PyTorch model's logits at the last position of `ids`, one forward without a cache."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits, _ = model(x, torch.ones_like(x), torch.arange(len(ids))[None], None)
+    return logits[0, -1].numpy()
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    """fp32 against fp32, summed in another order: within 1e-4 of the logits' scale, and the same argmax."""
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert got.argmax() == want.argmax()
+
+
+def test_rows_join_decode_at_their_own_lengths_and_leave_as_if_each_ran_alone(tiny):
+    model, info = tiny
+    rng = np.random.default_rng(5)
+    V = info.config.vocab_size
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=3, capacity=48)
+    rows: dict[int, list[int]] = {}  # slot -> the sequence it holds
+
+    def join(slot: int, prompt: list[int], chunks: tuple[int, ...] = ()) -> None:
+        start = 0
+        for end in (*chunks, len(prompt)):  # a prompt in one forward, or in chunks after what the slot holds
+            logits = decoder.prefill(slot, np.array(prompt[start:end]))
+            assert_close(logits, torch_last_logits(model, prompt[:end]))
+            start = end
+        rows[slot] = list(prompt) + [int(logits.argmax())]
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            tokens = np.zeros(decoder.slots, np.int64)
+            for slot, seq in rows.items():
+                tokens[slot] = seq[-1]
+            logits = decoder.step(tokens)
+            for slot, seq in rows.items():
+                assert_close(logits[slot], torch_last_logits(model, seq))
+                seq.append(int(logits[slot].argmax()))
+            np.testing.assert_array_equal(decoder.lengths[list(rows)], [len(seq) - 1 for seq in rows.values()])
+
+    join(1, rng.integers(0, V, 7).tolist())
+    steps(3)  # one row, slots 0 and 2 free
+    join(2, rng.integers(0, V, 4).tolist())  # a shorter row joins beside a longer one
+    steps(4)
+    kept = [kv.numpy()[2].copy() for kv in decoder._kv]  # slot 2's cache, whole
+    decoder.release(1)
+    del rows[1]
+    join(0, rng.integers(0, V, 10).tolist(), chunks=(6,))  # in two chunks, in the slot below
+    # the join wrote its own slot alone: slot 2's rows are byte for byte what they were
+    assert all(np.array_equal(kv.numpy()[2], before) for kv, before in zip(decoder._kv, kept))
+    steps(4)
+    join(1, rng.integers(0, V, 3).tolist())  # a freed slot taken again: what it held before is not read
+    steps(3)
+    assert sorted(rows) == [0, 1, 2] and decoder.lengths.tolist() == [len(rows[s]) - 1 for s in range(3)]
+
+
+def test_what_does_not_fit_is_refused_and_a_step_needs_a_row(tiny):
+    _, info = tiny
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=8)
+    with pytest.raises(ValueError, match="no slot holds a sequence"):
+        decoder.step(np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="slot 2 is not one of 0..1"):
+        decoder.prefill(2, np.array([1, 2]))
+    decoder.prefill(0, np.arange(6))
+    with pytest.raises(ValueError, match="slot 0 holds 6 positions of 8: 3 more do not fit"):
+        decoder.prefill(0, np.arange(3))
+    decoder.step(np.array([1, 0]))
+    decoder.step(np.array([1, 0]))
+    with pytest.raises(ValueError, match="slot 0 is full"):
+        decoder.step(np.array([1, 0]))
+    with pytest.raises(ValueError, match="capacity"):
+        SlotDecoder(info, ProviderKind.cpu, capacity=info.config.n_positions + 1)
+
+
+def test_an_export_the_fixed_slots_cannot_run_is_one_line(tiny_export):
+    info = tiny_export(Precision.int8)[2]
+    with pytest.raises(ProviderError, match="needs an fp32 export"):
+        SlotDecoder(info, ProviderKind.cpu)
