@@ -231,10 +231,12 @@ class SlotDecoder(Closable):
         self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
         overridable = {i.name for i in self._prefill.get_overridable_initializers()}
         self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)) if io.LOGITS_TO_KEEP in overridable else None
+        # The decode step's rows are the slots up to the highest one held (free ones below it on a dummy token): its
+        # batch dimension stays free, the rows bound by address like a prefill's.
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
-                                      dims={io.BATCH: slots, io.PAST: self.capacity, io.TOTAL: self.capacity,
-                                            io.LOGITS_SEQUENCE: 1})
+                                      dims={io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
         self.dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        self._element = np.float16 if self.dtype == np.float16 else np.float32
         self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
@@ -244,15 +246,28 @@ class SlotDecoder(Closable):
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
         self.vocab_size = cfg.vocab_size
-        self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((slots, 1), np.int64), self.device, 0)
-        self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(slots, np.int32), self.device, 0)
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
-        self._logits = np.zeros((slots, 1, cfg.vocab_size), np.float32)
-        self._binding = self._decode.io_binding()
-        for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
-            self._binding.bind_ortvalue_input(name, value)
-        bind_past_and_present(self._binding, self._kv)
-        self._binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(self._logits.shape), self._logits.ctypes.data)
+        self._steps: dict[int, tuple] = {}  # rows -> the decode step's binding over slots [0, rows) and its buffers
+
+    def _bind_slots(self, binding, first: int, rows: int) -> None:
+        """Slots [first, first + rows) of every buffer bound as past and present, by address: no copy."""
+        shape = [rows, *self._row_shape[1:]]
+        for names, bind in ((self._names[0], binding.bind_input), (self._names[1], binding.bind_output)):
+            for name, value in zip(names, self._kv):
+                bind(name, self.device, 0, self._element, shape, value.data_ptr() + first * self._row_bytes)
+
+    def _step_binding(self, rows: int) -> tuple:
+        if rows not in self._steps:
+            tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
+            seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
+            logits = np.zeros((rows, 1, self.vocab_size), np.float32)
+            binding = self._decode.io_binding()
+            for name, value in ((io.INPUT_IDS, tokens), (io.SEQLENS_K, seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
+                binding.bind_ortvalue_input(name, value)
+            self._bind_slots(binding, 0, rows)
+            binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+            self._steps[rows] = binding, tokens, seqlens, logits
+        return self._steps[rows]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -273,17 +288,14 @@ class SlotDecoder(Closable):
         if self._keep_last is not None:
             binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
         binding.bind_output(io.LOGITS, "cpu")
-        element = np.float16 if self.dtype == np.float16 else np.float32
-        for names, bind in ((self._names[0], binding.bind_input), (self._names[1], binding.bind_output)):
-            for name, value in zip(names, self._kv):  # this slot's rows of each buffer, by address: no copy
-                bind(name, self.device, 0, element, list(self._row_shape), value.data_ptr() + slot * self._row_bytes)
+        self._bind_slots(binding, slot, 1)  # this slot's rows alone
         self._prefill.run_with_iobinding(binding)
         self.lengths[slot] = past + T
         return binding.get_outputs()[0].numpy()[0, -1]
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Append each held slot's token of `tokens` [slots] at its own next position (a free slot's is ignored); the
-        logits [slots, vocab] (a free slot's are meaningless)."""
+        logits [slots, vocab] (a free slot's are meaningless). The step runs slots 0 up to the highest one held."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
         held = self.lengths > 0
         if not held.any():
@@ -291,11 +303,15 @@ class SlotDecoder(Closable):
         if (self.lengths[held] >= self.capacity).any():
             raise ValueError(f"slot {int(np.flatnonzero(held & (self.lengths >= self.capacity))[0])} is full "
                              f"({self.capacity} positions)")
-        self._tokens.update_inplace(np.where(held, tokens, 0).reshape(self.slots, 1))
-        self._seqlens.update_inplace(self.lengths.astype(np.int32))  # a free slot's 0: its token goes to position 0
-        self._decode.run_with_iobinding(self._binding)
+        rows = int(np.flatnonzero(held)[-1]) + 1
+        binding, ids, seqlens, logits = self._step_binding(rows)
+        ids.update_inplace(np.where(held, tokens, 0)[:rows].reshape(rows, 1))
+        seqlens.update_inplace(self.lengths[:rows].astype(np.int32))  # a free slot's 0: its token goes to position 0
+        self._decode.run_with_iobinding(binding)
         self.lengths[held] += 1
-        return self._logits[:, 0].copy()  # the bound buffer is the next step's too
+        out = np.zeros((self.slots, self.vocab_size), np.float32)
+        out[:rows] = logits[:, 0]  # the bound buffer is the next step's too
+        return out
 
     def release(self, slot: int) -> None:
         """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""
