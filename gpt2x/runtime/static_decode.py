@@ -204,9 +204,9 @@ class StaticDecoder(Closable):
 class SlotDecoder(Closable):
     """The serving engine's fixed slots: one cache of `slots` rows x `capacity` positions (default: the model's), in
     which each row is a sequence of its own, at its own length. A row joins by `prefill` into a free slot (its prompt, or
-    the next chunk of it after what the slot holds), run on that slot's rows of the buffers alone; `step` decodes every
-    slot at its own length (GroupQueryAttention's seqlens_k), a free slot on token 0 at position 0, which its next
-    prefill overwrites; `release` frees a slot. No row's cache is ever moved or copied: rows join and leave without a
+    the next chunk of it after what the slot holds), run on that slot's rows of the buffers alone; `step` decodes the
+    slots up to the highest one held, each at its own length (GroupQueryAttention's seqlens_k), a free one among them on
+    token 0 at position 0, which its next prefill overwrites; `release` frees a slot. No row's cache is ever moved or copied: rows join and leave without a
     merge. The logits come back to the host, for the serving engine's samplers. The graphs are StaticDecoder's, the
     decode step's head the logits (onnx.optimize.static_forms), so ONNX Runtime's CPU runs fp32 exports and CUDA fp16.
     """
@@ -236,7 +236,6 @@ class SlotDecoder(Closable):
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
                                       dims={io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
         self.dtype = np.float16 if info.precision is Precision.fp16 else np.float32
-        self._element = np.float16 if self.dtype == np.float16 else np.float32
         self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
@@ -254,7 +253,7 @@ class SlotDecoder(Closable):
         shape = [rows, *self._row_shape[1:]]
         for names, bind in ((self._names[0], binding.bind_input), (self._names[1], binding.bind_output)):
             for name, value in zip(names, self._kv):
-                bind(name, self.device, 0, self._element, shape, value.data_ptr() + first * self._row_bytes)
+                bind(name, self.device, 0, self.dtype, shape, value.data_ptr() + first * self._row_bytes)
 
     def _step_binding(self, rows: int) -> tuple:
         if rows not in self._steps:
