@@ -4,6 +4,8 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnxruntime as ort
 
@@ -11,7 +13,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from .base import Closable, Released
+from .base import Capabilities, Closable, Released
 from .ort import bind_past_and_present
 from .providers import create_session, refuse_fp16_on_cpu
 
@@ -240,8 +242,9 @@ class SlotDecoder(Closable):
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
         # are bound by address, so a prefill writes that slot and nothing else.
-        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros((slots, *self._row_shape[1:]), self.dtype), self.device, 0)
-                    for _ in range(2 * cfg.n_layer)]
+        self._arrays = [np.zeros((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
+        self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
         self.vocab_size = cfg.vocab_size
@@ -292,17 +295,21 @@ class SlotDecoder(Closable):
         self.lengths[slot] = past + T
         return binding.get_outputs()[0].numpy()[0, -1]
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """Append each held slot's token of `tokens` [slots] at its own next position (a free slot's is ignored); the
-        logits [slots, vocab] (a free slot's are meaningless). The step runs slots 0 up to the highest one held."""
+        logits [slots, vocab] (a free slot's are meaningless). The step runs slots 0 up to the highest one held.
+        `active` [slots] bool: only those slots advance (default: every held one); another held slot runs a dummy
+        token at its next position without advancing, which its own next token or chunk overwrites before it is read."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
         held = self.lengths > 0
+        if active is not None:
+            held = held & np.asarray(active, dtype=bool)
         if not held.any():
             raise ValueError("no slot holds a sequence: prefill one first")
         if (self.lengths[held] >= self.capacity).any():
             raise ValueError(f"slot {int(np.flatnonzero(held & (self.lengths >= self.capacity))[0])} is full "
                              f"({self.capacity} positions)")
-        rows = int(np.flatnonzero(held)[-1]) + 1
+        rows = int(np.flatnonzero(self.lengths > 0)[-1]) + 1
         binding, ids, seqlens, logits = self._step_binding(rows)
         ids.update_inplace(np.where(held, tokens, 0)[:rows].reshape(rows, 1))
         seqlens.update_inplace(self.lengths[:rows].astype(np.int32))  # a free slot's 0: its token goes to position 0
@@ -317,6 +324,139 @@ class SlotDecoder(Closable):
         self._check_slot(slot)
         self.lengths[slot] = 0
 
+    def copy(self, source: int, target: int) -> None:
+        """`target` holds what `source` holds (one row's positions copied: two rows of one prompt). On the CPU."""
+        if self.device != "cpu":
+            raise ProviderError("a slot is copied on the CPU provider only")
+        n = int(self.lengths[source])
+        for a in self._arrays:
+            a[target, :, :n] = a[source, :, :n]
+        self.lengths[target] = n
+
+    def read(self, slot: int) -> list[np.ndarray]:
+        """What `slot` holds: 2 * n_layer arrays (H, length, D), copies. On the CPU."""
+        if self.device != "cpu":
+            raise ProviderError("a slot is read on the CPU provider only")
+        return [a[slot, :, : int(self.lengths[slot])].copy() for a in self._arrays]
+
     def close(self) -> None:
         self._prefill = self._decode = Released("slot decoder")
-        self._kv = []
+        self._kv, self._arrays = [], []
+
+
+@dataclass(eq=False)
+class SlotCache:
+    """A batch's rows in a SlotBackend: the slots it holds, row i in slots[i]. Each slot has one holder: `merge` and
+    `reorder` hand the slots kept to the cache they return (the ones before hold none after), a row that leaves frees
+    its slot, and a cache let go (a batch's end, joiners dropped) frees what it holds. Nothing of a row's cache moves."""
+
+    owner: SlotBackend
+    slots: np.ndarray  # (B,): row i is in slot slots[i]
+
+    def _handed(self) -> np.ndarray:
+        slots, self.slots = self.slots, np.zeros(0, np.int64)
+        return slots
+
+    def merge(self, rows: np.ndarray, joiner: SlotCache | None, width: int) -> SlotCache:
+        """`width` goes unused: each row keeps its own length, and nothing is aligned."""
+        pool = self._handed() if joiner is None else np.concatenate([self._handed(), joiner._handed()])
+        kept = self.owner.gathered(pool, np.asarray(rows))
+        for slot in set(pool.tolist()) - set(kept.tolist()):
+            self.owner.free(slot)
+        return SlotCache(self.owner, kept)
+
+    def reorder(self, rows: np.ndarray) -> SlotCache:
+        """The rows gathered by `rows`: a row taken twice is copied into a free slot (two rows of one prompt)."""
+        pool = self._handed()
+        kept = self.owner.gathered(pool, np.asarray(rows))
+        for slot in set(pool.tolist()) - set(kept.tolist()):
+            self.owner.free(slot)
+        return SlotCache(self.owner, kept)
+
+    def __del__(self) -> None:
+        for slot in self.slots.tolist():
+            self.owner.free(slot)
+
+    def to_numpy(self) -> list[np.ndarray]:
+        """2 * n_layer arrays (B, H, P, D), each row right-aligned to the longest (zeros before a shorter one)."""
+        rows = [self.owner.decoder.read(int(s)) for s in self.slots]
+        P = max(r[0].shape[1] for r in rows)
+        out = []
+        for layer in range(len(rows[0])):
+            a = np.zeros((len(rows), *rows[0][layer].shape[:1], P, rows[0][layer].shape[2]), np.float32)
+            for b, r in enumerate(rows):
+                a[b, :, P - r[layer].shape[1]:] = r[layer]
+            out.append(a)
+        return out
+
+
+class SlotBackend(Closable):
+    """A SlotDecoder behind the Backend protocol, for the serving engine: a prefill takes a free slot per row (the
+    lowest, so that steps run few slots) and runs each row's own tokens there (a left-padded row's padding dropped);
+    a one-token step of a batch is one decode step of its slots; rows join and leave through SlotCache.merge. The
+    attention mask's columns only say which new tokens are a row's: every row runs at its own length. No prefix
+    cache (it takes no past) and no prompt scoring (a step returns the last position's logits)."""
+
+    name = "ort"
+    capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
+                                precisions_by_provider={ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp16,)},
+                                joins_rows=True)
+    cache_forms = (SlotCache,)
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
+                 slots: int = 16, capacity: int | None = None):
+        self.decoder = SlotDecoder(info, provider, slots, capacity, threads)
+        self.info, self.provider = info, provider
+        self.n_positions, self.vocab_size = self.decoder.capacity, info.config.vocab_size
+        self.model_name = info.meta["model"]["name"]
+        self._free = list(range(slots))
+
+    def take(self) -> int:
+        """The lowest free slot, now taken."""
+        if not self._free:
+            raise RuntimeError(f"every one of the {self.decoder.slots} slots is held: serve at most as many rows")
+        self._free.sort()
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        self.decoder.release(slot)
+        self._free.append(slot)
+
+    def gathered(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """slots[rows], a slot taken a second time copied into a free one."""
+        out, seen = [], set()
+        for slot in slots[rows].tolist():
+            if slot in seen:
+                copy = self.take()
+                self.decoder.copy(slot, copy)
+                slot = copy
+            seen.add(slot)
+            out.append(slot)
+        return np.asarray(out, dtype=np.int64)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
+        B, T = input_ids.shape
+        slots = np.asarray([self.take() for _ in range(B)], dtype=np.int64) if past is None else past.slots
+        new = attention_mask[:, -T:].astype(bool)  # which of the T columns are each row's own tokens
+        if T == 1 and past is not None and new.all():
+            tokens = np.zeros(self.decoder.slots, np.int64)
+            tokens[slots] = input_ids[:, 0]
+            active = np.zeros(self.decoder.slots, bool)
+            active[slots] = True
+            return self.decoder.step(tokens, active)[slots], past
+        logits = np.zeros((B, self.vocab_size), np.float32)
+        for b in range(B):  # a prompt, or its next chunk, into each row's own slot
+            if new[b].any():
+                logits[b] = self.decoder.prefill(int(slots[b]), input_ids[b][new[b]])
+        return logits, SlotCache(self, slots) if past is None else past
+
+    def run(self, input_ids, attention_mask, position_ids, past):
+        raise ProviderError("the fixed slots return the last position's logits only: prompt logprobs and echo need "
+                            "another cache")
+
+    def peak_device_memory_mb(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        self.decoder.close()

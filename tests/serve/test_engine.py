@@ -160,6 +160,45 @@ def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
         engine.close()
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, chunk):
+    """The engine on runtime.static_decode.SlotBackend, the fp32 export's fixed slots: rows join a running batch into
+    free slots (whole, or in chunks of 8 on what their slot holds), leave and free them, each at its own length; every
+    row's tokens, greedy and sampled, are those of the row alone on the ort backend (fp32: within summation order)."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    reference = OrtBackend(read_export(exports[Precision.fp32]), threads=1)
+    backend = SlotBackend(read_export(exports[Precision.fp32]), threads=1, slots=16)  # a full batch, and its joiners
+    settings = EngineSettings(max_batch_size=8, max_join_delay_s=0, **({"prefill_chunk": chunk} if chunk else {}))
+    engine = Engine(backend, settings).start()
+    todo = cases()
+    sinks: list[Collect] = []
+
+    def submit(i: int) -> None:
+        ids, s = todo[i]
+        sink = Collect(3, (lambda: submit(i + 1)) if i + 1 < len(todo) else None)
+        sinks.append(sink)
+        engine.submit([Row(ids, s, sink)])
+
+    try:
+        submit(0)
+        deadline = time.time() + 180
+        while time.time() < deadline and not (len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)):
+            if len(sinks) < len(todo) and all(s.done.is_set() for s in sinks):
+                submit(len(sinks))
+            time.sleep(0.01)
+        assert len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)
+        for (ids, s), sink in zip(todo, sinks):
+            expected = reference_tokens(reference, ids, s)
+            assert sink.tokens == expected, (decode(ids)[:40], s)
+            assert sink.end == ("done", "eos" if len(expected) < s.max_new_tokens else "length")
+        stats = engine.stats()
+        assert stats["rows"] == len(todo) and stats["errors"] == 0 and stats["joins"] > 0
+        assert sorted(backend._free) == list(range(16)) and not backend.decoder.lengths.any()  # every slot freed
+    finally:
+        engine.close()
+
+
 def test_a_cancelled_row_leaves_and_the_others_go_on(backend):
     engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0.05)).start()
     try:
