@@ -95,10 +95,9 @@ def main() -> None:
     settings = {v: variant_settings(v) for v in variants}
     backend = OrtBackend(info)
     backend.warm_up()
-    # the fixed slots: a full batch and as many joiners, each of the longest request's positions
-    slots = SlotBackend(info, slots=2 * settings[variants[0]].max_batch_size,
-                        capacity=args.prefix_tokens + args.suffix_tokens + args.max_tokens + 1) \
-        if any(v.startswith("slots:") for v in variants) else None
+    # the fixed slots: a full batch and as many joiners, each of the model's context (the scheduler plans a join's
+    # positions as the in-place cache lays them out, right-aligned to the widest row, which a shorter capacity refuses)
+    slots = SlotBackend(info, slots=2 * settings[variants[0]].max_batch_size) if any(v.startswith("slots:") for v in variants) else None
     runs = []
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
