@@ -360,18 +360,11 @@ class SlotCache:
     def merge(self, rows: np.ndarray, joiner: SlotCache | None, width: int) -> SlotCache:
         """`width` goes unused: each row keeps its own length, and nothing is aligned."""
         pool = self._handed() if joiner is None else np.concatenate([self._handed(), joiner._handed()])
-        kept = self.owner.gathered(pool, np.asarray(rows))
-        for slot in set(pool.tolist()) - set(kept.tolist()):
-            self.owner.free(slot)
-        return SlotCache(self.owner, kept)
+        return SlotCache(self.owner, self.owner.gathered(pool, np.asarray(rows)))
 
     def reorder(self, rows: np.ndarray) -> SlotCache:
         """The rows gathered by `rows`: a row taken twice is copied into a free slot (two rows of one prompt)."""
-        pool = self._handed()
-        kept = self.owner.gathered(pool, np.asarray(rows))
-        for slot in set(pool.tolist()) - set(kept.tolist()):
-            self.owner.free(slot)
-        return SlotCache(self.owner, kept)
+        return SlotCache(self.owner, self.owner.gathered(self._handed(), np.asarray(rows)))
 
     def __del__(self) -> None:
         for slot in self.slots.tolist():
@@ -423,7 +416,9 @@ class SlotBackend(Closable):
         self._free.append(slot)
 
     def gathered(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """slots[rows], a slot taken a second time copied into a free one."""
+        """slots[rows]: the slots not taken freed first, then a slot taken a second time copied into a free one."""
+        for slot in set(slots.tolist()) - set(slots[rows].tolist()):
+            self.free(slot)
         out, seen = [], set()
         for slot in slots[rows].tolist():
             if slot in seen:
@@ -437,6 +432,8 @@ class SlotBackend(Closable):
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
         B, T = input_ids.shape
+        if past is None and len(self._free) < B:  # refused before any is taken: none is left held by no cache
+            raise RuntimeError(f"{B} rows need a slot each and {len(self._free)} of {self.decoder.slots} are free")
         slots = np.asarray([self.take() for _ in range(B)], dtype=np.int64) if past is None else past.slots
         new = attention_mask[:, -T:].astype(bool)  # which of the T columns are each row's own tokens
         if T == 1 and past is not None and new.all():

@@ -97,3 +97,36 @@ def test_an_export_the_fixed_slots_cannot_run_is_one_line(tiny_export):
     info = tiny_export(Precision.int8)[2]
     with pytest.raises(ProviderError, match="needs an fp32 export"):
         SlotDecoder(info, ProviderKind.cpu)
+
+
+def test_the_backends_caches_hold_each_slot_once_and_free_what_they_let_go(tiny):
+    """SlotBackend's caches: a prefill takes the lowest free slots (refused whole where too few are free), a merge hands
+    the kept slots on and frees the leavers', a row taken twice is copied (its twin's logits the same), and a cache let
+    go frees what it holds."""
+    import gc
+
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    backend = SlotBackend(info, slots=4, capacity=32)
+    ids = np.array([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])  # the first row left-padded: its three tokens alone run
+    logits, batch = backend.step(ids, mask, None, None)
+    assert batch.slots.tolist() == [0, 1] and backend.decoder.lengths[:2].tolist() == [3, 4]
+    assert_close(logits[0], torch_last_logits(model, [5, 6, 7]))
+    with pytest.raises(RuntimeError, match="3 rows need a slot each and 2 of 4 are free"):
+        backend.step(np.zeros((3, 2), np.int64), np.ones((3, 2), np.int64), None, None)
+    assert sorted(backend._free) == [2, 3]
+    _, joiner = backend.step(np.array([[12, 13]]), np.ones((1, 2), np.int64), None, None)
+    assert joiner.slots.tolist() == [2]
+    merged = batch.merge(np.array([1, 2, 2]), joiner, width=0)  # row 0 leaves; the joiner's row twice
+    assert merged.slots.tolist() == [1, 2, 0] and batch.slots.size == 0 and joiner.slots.size == 0
+    assert backend.decoder.lengths.tolist() == [2, 4, 2, 0] and sorted(backend._free) == [3]
+    tokens = np.array([[3], [14], [14]])
+    logits, same = backend.step(tokens, np.ones((3, 5), np.int64), None, merged)
+    assert same is merged
+    assert_close(logits[1], torch_last_logits(model, [12, 13, 14]))
+    np.testing.assert_array_equal(logits[1], logits[2])  # the copy decodes as its original
+    del merged, same
+    gc.collect()
+    assert sorted(backend._free) == [0, 1, 2, 3] and not backend.decoder.lengths.any()
