@@ -27,6 +27,29 @@ NEXT_TOKEN = "next_token"  # [batch, 1] int64: the argmax of the logits, or the 
 TEMPERATURE = "temperature"  # [batch] float64, the sampling form's: > 0 draws at that temperature, 0 takes the argmax
 UNIFORM = "uniform"  # [batch] float64 in [0, 1): the sampling form's draw by inverse CDF (the host's seeded generator)
 
+# The mixed step's own I/O (optimize.mixed_form): every token of the step in one row [1, tokens], the decode rows' first
+# (one each, on the decode group's cache: seqlens_k, total_sequence_length), then the chunk rows' (chunk_rows x
+# chunk_length, on the chunk group's cache), and the positions whose logits come back.
+CHUNK_SEQLENS_K = "chunk_seqlens_k"  # [chunk_rows] int32: each chunk row's past + chunk_length - 1
+CHUNK_TOTAL = "chunk_total_sequence_length"  # [1] int32: the chunk group's cache capacity
+KEEP = "keep"  # [kept] int64: the token positions (of input_ids' row) whose logits come back
+
+
+def chunk_past_key(i: int) -> str:
+    return f"chunk_past.{i}.key"  # [chunk_rows, n_head, capacity, head_dim]: the chunk rows' slots, bound in place
+
+
+def chunk_past_value(i: int) -> str:
+    return f"chunk_past.{i}.value"
+
+
+def chunk_present_key(i: int) -> str:
+    return f"chunk_present.{i}.key"
+
+
+def chunk_present_value(i: int) -> str:
+    return f"chunk_present.{i}.value"
+
 
 def past_key(i: int) -> str:
     return f"past_key_values.{i}.key"  # [batch, n_head, past_sequence, head_dim]

@@ -529,3 +529,101 @@ def _in_memory(proto: onnx.ModelProto, weights: dict[str, np.ndarray]) -> InMemo
     weights = {name: array for name, array in weights.items() if name in names}
     return InMemoryGraph(proto.SerializeToString(), weights, attention_layout(count_ops(proto)))
 
+
+
+def mixed_form(path: Path) -> InMemoryGraph | None:
+    """The export's one-forward step of decode rows and prefill chunks together (to_mixed_step), its weights as arrays,
+    or None where static_forms has none."""
+    loaded = _gqa_proto(path, require_rewrite=False)
+    if loaded is None:
+        return None
+    proto, weights = loaded
+    to_mixed_step(proto)
+    return _in_memory(proto, weights)
+
+
+def to_mixed_step(proto: onnx.ModelProto) -> None:
+    """In place: one forward of B decode rows (one token each, on a cache of B rows read at seqlens_k) and J chunk rows
+    (S tokens each, on a cache of their own read at chunk_seqlens_k), their tokens packed in one row: input_ids and
+    position_ids [1, B + J * S], the decode rows' first. Everything but attention runs on the packed tokens, so a chunk
+    costs its own tokens and the decode rows theirs (no padding to a common length); each attention is split in two
+    GroupQueryAttention nodes, one per group, and joined again. The logits: those of the positions `keep` [K]
+    ([1, K, vocab])."""
+    graph = proto.graph
+    _drop_attention_bias(graph)
+    i64 = TensorProto.INT64
+
+    def const(name: str, values: list[int]) -> str:
+        graph.initializer.append(helper.make_tensor(name, i64, [len(values)], values))
+        return name
+
+    n = helper.make_node
+    prelude = [
+        n("Shape", [io.SEQLENS_K], ["mixed_decode_rows"]),  # [1]: B
+        n("Concat", ["mixed_decode_rows", const("mixed_minus_1", [-1])], ["mixed_chunk_rows_shape"], axis=0),
+        n("Shape", [io.CHUNK_SEQLENS_K], ["mixed_chunk_rows"]),  # [1]: J
+    ]
+    zero, axis1, end = const("mixed_zero", [0]), const("mixed_axis_1", [1]), const("mixed_end", [2**63 - 1])
+    flat = const("mixed_flat", [1, -1, 0])  # [J, S, C] -> [1, J * S, C]
+    nodes, layer = [], 0
+    for node in graph.node:
+        if node.op_type != GQA or node.domain != MSFT:
+            nodes.append(node)
+            continue
+        p = f"mixed_{layer}_"
+        qkv, attn = node.input[0], node.output[0]
+        rest = list(node.input[7:])
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        nodes += [
+            n("Slice", [qkv, zero, "mixed_decode_rows", axis1], [p + "qkv_d1"]),  # [1, B, 3C]
+            n("Transpose", [p + "qkv_d1"], [p + "qkv_d"], perm=[1, 0, 2]),  # [B, 1, 3C]
+            n("Slice", [qkv, "mixed_decode_rows", end, axis1], [p + "qkv_c1"]),  # [1, J * S, 3C]
+            n("Shape", [qkv], [p + "qkv_shape"]),
+            n("Slice", [p + "qkv_shape", const(p + "two", [2]), const(p + "three", [3])], [p + "width"]),
+            n("Concat", ["mixed_chunk_rows", const(p + "minus_1", [-1]), p + "width"], [p + "chunk_shape"], axis=0),
+            n("Reshape", [p + "qkv_c1", p + "chunk_shape"], [p + "qkv_c"]),  # [J, S, 3C]
+            helper.make_node(GQA, [p + "qkv_d", "", "", node.input[3], node.input[4], io.SEQLENS_K,
+                                   io.TOTAL_SEQUENCE_LENGTH, *rest], [p + "attn_d", node.output[1], node.output[2]],
+                             name=f"{node.name}_decode", domain=MSFT, **attrs),
+            helper.make_node(GQA, [p + "qkv_c", "", "", io.chunk_past_key(layer), io.chunk_past_value(layer),
+                                   io.CHUNK_SEQLENS_K, io.CHUNK_TOTAL, *rest],
+                             [p + "attn_c", io.chunk_present_key(layer), io.chunk_present_value(layer)],
+                             name=f"{node.name}_chunk", domain=MSFT, **attrs),
+            n("Transpose", [p + "attn_d"], [p + "attn_d1"], perm=[1, 0, 2]),  # [1, B, C]
+            n("Reshape", [p + "attn_c", flat], [p + "attn_c1"]),  # [1, J * S, C]
+            n("Concat", [p + "attn_d1", p + "attn_c1"], [attn], axis=1),
+        ]
+        layer += 1
+    # The unembedding of the kept positions alone (before logits_to_keep's slice, which goes).
+    unembed = logits_producer(proto)
+    producer = {o: x for x in nodes for o in x.output if o}
+    hidden = unembed.input[0]
+    if producer.get(hidden) is not None and producer[hidden].name == "logits_to_keep_slice":
+        hidden = producer[hidden].input[0]
+    nodes.insert(nodes.index(unembed), n("Gather", [hidden, io.KEEP], ["mixed_kept_hidden"], axis=1))
+    unembed.input[0] = "mixed_kept_hidden"
+    del graph.node[:]
+    graph.node.extend(prelude + nodes)
+    layers = layer
+    kept = [i for i in graph.input if i.name in (io.INPUT_IDS, io.POSITION_IDS) or i.name.startswith("past_key_values.")]
+    for i in kept:
+        if i.name in (io.INPUT_IDS, io.POSITION_IDS):
+            i.type.tensor_type.shape.dim[0].Clear()
+            i.type.tensor_type.shape.dim[0].dim_value = 1
+    past = next(i for i in graph.input if i.name == io.past_key(0)).type.tensor_type
+    dtype, (_, heads, _, dim) = past.elem_type, [d.dim_value for d in past.shape.dim]
+    chunk_cache = ["chunk_rows", heads, "capacity", dim]
+    del graph.input[:]
+    graph.input.extend(kept + [
+        helper.make_tensor_value_info(io.SEQLENS_K, TensorProto.INT32, [io.BATCH]),
+        helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(io.CHUNK_SEQLENS_K, TensorProto.INT32, ["chunk_rows"]),
+        helper.make_tensor_value_info(io.CHUNK_TOTAL, TensorProto.INT32, [1]),
+        helper.make_tensor_value_info(io.KEEP, i64, ["kept"]),
+    ] + [helper.make_tensor_value_info(name, dtype, chunk_cache)
+         for i in range(layers) for name in (io.chunk_past_key(i), io.chunk_past_value(i))])
+    outputs = list(graph.output) + [helper.make_tensor_value_info(name, dtype, chunk_cache)
+                                    for i in range(layers) for name in (io.chunk_present_key(i), io.chunk_present_value(i))]
+    del graph.output[:]
+    graph.output.extend(outputs)
+    _prune(graph)

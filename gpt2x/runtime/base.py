@@ -64,6 +64,9 @@ class Capabilities:
     # sharing_threads, half the backend's, so that another thread's steps run beside them on the rest (a joining
     # prompt's prefill beside the batch's decode steps; None: nothing to share); prepare_sharing opens what they run on.
     shares_cores: bool = False
+    # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk whose logits nobody reads,
+    # which the backend may run in the forward of its next decode step (one forward for both, docs/serving/index.md).
+    mixes_chunks: bool = False
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:

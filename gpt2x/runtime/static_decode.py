@@ -246,15 +246,22 @@ class SlotDecoder(Closable):
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
+        self._chunk_names = ([n for i in range(cfg.n_layer) for n in (io.chunk_past_key(i), io.chunk_past_value(i))],
+                             [n for i in range(cfg.n_layer) for n in (io.chunk_present_key(i), io.chunk_present_value(i))])
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
         self.vocab_size = cfg.vocab_size
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
         self._steps: dict[int, tuple] = {}  # rows -> the decode step's binding over slots [0, rows) and its buffers
+        # The mixed step's session, made at its first use: (the file, provider and threads to make it)
+        self._mixed, self._path, self._provider, self._threads = None, info.model_path, provider, threads
+        self.mixed_runs = 0  # step_mixed's forwards
 
-    def _bind_slots(self, binding, first: int, rows: int) -> None:
-        """Slots [first, first + rows) of every buffer bound as past and present, by address: no copy."""
+    def _bind_slots(self, binding, first: int, rows: int, names: tuple[list[str], list[str]] | None = None) -> None:
+        """Slots [first, first + rows) of every buffer bound as past and present (`names`: the past's and present's
+        input and output names, default the export's), by address: no copy."""
         shape = [rows, *self._row_shape[1:]]
-        for names, bind in ((self._names[0], binding.bind_input), (self._names[1], binding.bind_output)):
+        past, present = names or self._names
+        for names, bind in ((past, binding.bind_input), (present, binding.bind_output)):
             for name, value in zip(names, self._kv):
                 bind(name, self.device, 0, self.dtype, shape, value.data_ptr() + first * self._row_bytes)
 
@@ -319,6 +326,54 @@ class SlotDecoder(Closable):
         out[:rows] = logits[:, 0]  # the bound buffer is the next step's too
         return out
 
+    def mixes(self, active: np.ndarray, slot: int, ids: np.ndarray) -> bool:
+        """Whether step_mixed runs these: decode rows, a chunk into a slot that is not one of them, and room in that
+        slot for the chunk and a dummy token after it."""
+        active = np.asarray(active, dtype=bool)
+        return bool(active.any()) and not active[slot] and 0 < len(ids) and self.lengths[slot] + len(ids) < self.capacity
+
+    def step_mixed(self, tokens: np.ndarray, active: np.ndarray, slot: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`step(tokens, active)` and `prefill(slot, ids)` in one forward (the mixed form: onnx.optimize.to_mixed_step),
+        where `mixes` says so: the decode logits [slots, vocab] and the chunk's last position's [vocab]. (One chunk row:
+        ONNX Runtime's GroupQueryAttention runs several tokens on a past for one row at a time.) The chunk's slot, when
+        it is among the decode rows, runs its dummy token after the chunk, where the row's next token overwrites it."""
+        self._check_slot(slot)
+        active = np.asarray(active, dtype=bool)
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        if not self.mixes(active, slot, ids):
+            raise ValueError(f"a chunk of {len(ids)} into slot {slot} does not mix with this step (SlotDecoder.mixes)")
+        if self._mixed is None:
+            from ..onnx.optimize import mixed_form
+
+            form = mixed_form(self._path)
+            self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
+                                         dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
+        rows = int(np.flatnonzero(active)[-1]) + 1  # the decode group: slots [0, rows)
+        past, T = int(self.lengths[slot]), len(ids)
+        seqlens = self.lengths[:rows].astype(np.int32)  # a free slot's 0: its dummy token goes to position 0
+        if slot < rows:
+            seqlens[slot] = past + T
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
+        binding = self._mixed.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.concatenate([np.where(active, tokens, 0)[:rows], ids])[None])
+        binding.bind_cpu_input(io.POSITION_IDS, np.concatenate([seqlens.astype(np.int64), past + np.arange(T)])[None])
+        binding.bind_cpu_input(io.SEQLENS_K, seqlens)
+        binding.bind_ortvalue_input(io.TOTAL_SEQUENCE_LENGTH, self._total)
+        binding.bind_cpu_input(io.CHUNK_SEQLENS_K, np.array([past + T - 1], np.int32))
+        binding.bind_ortvalue_input(io.CHUNK_TOTAL, self._total)
+        binding.bind_cpu_input(io.KEEP, np.append(np.arange(rows), rows + T - 1).astype(np.int64))
+        binding.bind_output(io.LOGITS, "cpu")
+        self._bind_slots(binding, 0, rows)
+        self._bind_slots(binding, slot, 1, self._chunk_names)
+        self._mixed.run_with_iobinding(binding)
+        self.mixed_runs += 1
+        logits = binding.get_outputs()[0].numpy()[0]  # [rows + 1, vocab]
+        self.lengths[active] += 1
+        self.lengths[slot] = past + T
+        out = np.zeros((self.slots, self.vocab_size), np.float32)
+        out[:rows] = logits[:rows]
+        return out, logits[rows]
+
     def release(self, slot: int) -> None:
         """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""
         self._check_slot(slot)
@@ -340,7 +395,7 @@ class SlotDecoder(Closable):
         return [a[slot, :, : int(self.lengths[slot])].copy() for a in self._arrays]
 
     def close(self) -> None:
-        self._prefill = self._decode = Released("slot decoder")
+        self._prefill = self._decode = self._mixed = Released("slot decoder")
         self._kv, self._arrays = [], []
 
 
@@ -372,6 +427,7 @@ class SlotCache:
 
     def to_numpy(self) -> list[np.ndarray]:
         """2 * n_layer arrays (B, H, P, D), each row right-aligned to the longest (zeros before a shorter one)."""
+        self.owner.flush()
         rows = [self.owner.decoder.read(int(s)) for s in self.slots]
         P = max(r[0].shape[1] for r in rows)
         out = []
@@ -393,7 +449,7 @@ class SlotBackend(Closable):
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
                                 precisions_by_provider={ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp16,)},
-                                joins_rows=True)
+                                joins_rows=True, mixes_chunks=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -403,6 +459,9 @@ class SlotBackend(Closable):
         self.n_positions, self.vocab_size = self.decoder.capacity, info.config.vocab_size
         self.model_name = info.meta["model"]["name"]
         self._free = list(range(slots))
+        # step_later's chunks, not yet run: (slot, ids), each run in the next decode step's forward or alone before
+        # anything else reads the slots
+        self._pending: list[tuple[int, np.ndarray]] = []
 
     def take(self) -> int:
         """The lowest free slot, now taken."""
@@ -412,8 +471,35 @@ class SlotBackend(Closable):
         return self._free.pop(0)
 
     def free(self, slot: int) -> None:
+        self._pending = [(s, ids) for s, ids in self._pending if s != slot]  # a row that leaves runs nothing more
         self.decoder.release(slot)
         self._free.append(slot)
+
+    def flush(self, but: int | None = None) -> None:
+        """Run the chunks step_later holds, each alone (`but`: the one at that index left pending)."""
+        kept = [] if but is None else [self._pending[but]]
+        for i, (slot, ids) in enumerate(self._pending):
+            if i != but:
+                self.decoder.prefill(slot, ids)
+        self._pending = kept
+
+    def _slots_for(self, B: int, past: SlotCache | None) -> np.ndarray:
+        if past is not None:
+            return past.slots
+        if len(self._free) < B:  # refused before any is taken: none is left held by no cache
+            raise RuntimeError(f"{B} rows need a slot each and {len(self._free)} of {self.decoder.slots} are free")
+        return np.asarray([self.take() for _ in range(B)], dtype=np.int64)
+
+    def step_later(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                   past: SlotCache | None) -> SlotCache:
+        """`step` for a prefill chunk whose logits are not read: each row's tokens held, to run in the forward of the
+        next decode step (SlotDecoder.step_mixed, one chunk at a time) or alone before anything else reads a slot."""
+        slots = self._slots_for(len(input_ids), past)
+        if set(slots.tolist()) & {s for s, _ in self._pending}:
+            self.flush()  # a row's chunks run in order
+        new = attention_mask[:, -input_ids.shape[1]:].astype(bool)
+        self._pending += [(int(slots[b]), input_ids[b][new[b]]) for b in range(len(slots)) if new[b].any()]
+        return SlotCache(self, slots) if past is None else past
 
     def gathered(self, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """slots[rows]: the slots not taken freed first, then a slot taken a second time copied into a free one."""
@@ -422,6 +508,7 @@ class SlotBackend(Closable):
         out, seen = [], set()
         for slot in slots[rows].tolist():
             if slot in seen:
+                self.flush()  # what the copy reads has run
                 copy = self.take()
                 self.decoder.copy(slot, copy)
                 slot = copy
@@ -432,16 +519,21 @@ class SlotBackend(Closable):
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
         B, T = input_ids.shape
-        if past is None and len(self._free) < B:  # refused before any is taken: none is left held by no cache
-            raise RuntimeError(f"{B} rows need a slot each and {len(self._free)} of {self.decoder.slots} are free")
-        slots = np.asarray([self.take() for _ in range(B)], dtype=np.int64) if past is None else past.slots
+        slots = self._slots_for(B, past)
         new = attention_mask[:, -T:].astype(bool)  # which of the T columns are each row's own tokens
         if T == 1 and past is not None and new.all():
             tokens = np.zeros(self.decoder.slots, np.int64)
             tokens[slots] = input_ids[:, 0]
             active = np.zeros(self.decoder.slots, bool)
             active[slots] = True
-            return self.decoder.step(tokens, active)[slots], past
+            mixed = next((i for i, (s, ids) in enumerate(self._pending) if self.decoder.mixes(active, s, ids)), None)
+            self.flush(but=mixed)
+            if mixed is None:
+                return self.decoder.step(tokens, active)[slots], past
+            (slot, ids), = self._pending
+            self._pending = []
+            return self.decoder.step_mixed(tokens, active, slot, ids)[0][slots], past
+        self.flush()
         logits = np.zeros((B, self.vocab_size), np.float32)
         for b in range(B):  # a prompt, or its next chunk, into each row's own slot
             if new[b].any():

@@ -130,3 +130,62 @@ def test_the_backends_caches_hold_each_slot_once_and_free_what_they_let_go(tiny)
     del merged, same
     gc.collect()
     assert sorted(backend._free) == [0, 1, 2, 3] and not backend.decoder.lengths.any()
+
+
+def test_a_chunk_mixed_into_a_decode_step_is_the_chunk_and_the_step_run_apart(tiny):
+    """SlotDecoder.step_mixed: the decode rows' logits and the chunk's last position's, from one forward, each against
+    the PyTorch model's forward of that row alone; chunks into a fresh slot and on a past, in a slot among the decode
+    rows (its dummy token after the chunk) and above them. What cannot mix is refused."""
+    model, info = tiny
+    rng = np.random.default_rng(7)
+    V = info.config.vocab_size
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=5, capacity=48)
+    rows: dict[int, list[int]] = {}
+    for slot, n in ((0, 7), (2, 4)):
+        prompt = rng.integers(0, V, n).tolist()
+        rows[slot] = prompt + [int(decoder.prefill(slot, np.array(prompt)).argmax())]
+    for slot, length in ((1, 19), (4, 13), (3, 5)):  # among the decode rows, above them, between
+        prompt, done = rng.integers(0, V, length).tolist(), 0
+        while done < length:
+            tokens = np.zeros(5, np.int64)
+            active = np.zeros(5, bool)
+            for s, seq in rows.items():
+                tokens[s], active[s] = seq[-1], True
+            chunk = np.array(prompt[done:done + 8])
+            logits, last = decoder.step_mixed(tokens, active, slot, chunk)
+            done += len(chunk)
+            assert_close(last, torch_last_logits(model, prompt[:done]))
+            for s, seq in rows.items():
+                assert_close(logits[s], torch_last_logits(model, seq))
+                seq.append(int(logits[s].argmax()))
+        rows[slot] = prompt + [int(last.argmax())]
+        assert decoder.lengths.tolist() == [len(rows[s]) - 1 if s in rows else 0 for s in range(5)]
+    assert decoder.mixed_runs == 3 + 2 + 1
+    active = np.array([True, False, True, False, False])
+    assert not decoder.mixes(active, 0, np.array([1]))  # a decode row's own slot
+    assert not decoder.mixes(np.zeros(5, bool), 1, np.array([1]))  # no decode row
+    assert not decoder.mixes(active, 1, np.arange(48 - decoder.lengths[1]))  # no room for its dummy token after it
+    with pytest.raises(ValueError, match="does not mix"):
+        decoder.step_mixed(np.zeros(5, np.int64), active, 0, np.array([1]))
+
+
+def test_the_backend_runs_a_later_chunk_in_the_next_decode_step_or_drops_it_with_its_row(tiny):
+    """SlotBackend.step_later: the chunk waits, then runs in the batch's next decode step (one mixed forward, the
+    chunk's row then holding it, as a prefill would); a row let go before that step runs nothing."""
+    import gc
+
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    backend = SlotBackend(info, slots=4, capacity=32)
+    _, batch = backend.step(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64), None, None)
+    joiner = backend.step_later(np.array([[8, 9, 10, 11]]), np.ones((1, 4), np.int64), None, None)
+    assert joiner.slots.tolist() == [1] and backend.decoder.lengths[:2].tolist() == [3, 0]  # not run yet
+    logits, _ = backend.step(np.array([[12]]), np.ones((1, 4), np.int64), None, batch)
+    assert backend.decoder.mixed_runs == 1 and backend.decoder.lengths[:2].tolist() == [4, 4]
+    assert_close(logits[0], torch_last_logits(model, [5, 6, 7, 12]))
+    logits, _ = backend.step(np.array([[13]]), np.ones((1, 5), np.int64), None, joiner)  # the joiner's next token
+    assert_close(logits[0], torch_last_logits(model, [8, 9, 10, 11, 13]))
+    backend.step_later(np.array([[1, 2]]), np.ones((1, 2), np.int64), None, None)
+    gc.collect()  # the cache step_later returned is gone: its row left, and its chunk with it
+    assert backend._pending == [] and backend.decoder.lengths[2] == 0

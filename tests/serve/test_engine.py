@@ -195,6 +195,8 @@ def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, c
         stats = engine.stats()
         assert stats["rows"] == len(todo) and stats["errors"] == 0 and stats["joins"] > 0
         assert sorted(backend._free) == list(range(16)) and not backend.decoder.lengths.any()  # every slot freed
+        # chunked, a joiner's chunks before its last ran in the decode steps' forwards (SlotDecoder.step_mixed)
+        assert (backend.decoder.mixed_runs > 0) == (chunk is not None)
     finally:
         engine.close()
 

@@ -280,7 +280,10 @@ class Runner:
         ran = int(mask[:, K + prefill.done :].sum())
         prefill.done += cols
         if prefill.done < T:
-            _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
+            if self.backend.capabilities.mixes_chunks and report:  # run in the next decode step's forward
+                prefill.past = self.backend.step_later(ids, mask, positions(mask, cols), prefill.past)
+            else:
+                _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
             ran_step(ran, mask.size)
             return None
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
