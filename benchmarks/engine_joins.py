@@ -1,6 +1,7 @@
 """Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
 inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens, and the overlapped
-prefill: EngineSettings.prefill_chunk and overlap_prefill; or chunks on the fixed slots, SlotBackend, for an fp32 export),
+prefill: EngineSettings.prefill_chunk and overlap_prefill; or chunks on the fixed slots, SlotBackend, for an fp32 export,
+each in the forward of a decode step, or apart: slots-apart),
 in rounds that rotate their order, on one backend warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
@@ -30,12 +31,13 @@ from gpt2x.serve.core.outputs import TokenOut
 
 def variant_settings(name: str) -> EngineSettings:
     """"chunk=N": prompts joining prefilled N tokens between two decode steps; "overlap": the overlapped prefill;
-    "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend, an fp32 export)."""
+    "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend, an fp32 export), each run in a
+    decode step's forward; "slots-apart:chunk=N": each in a forward of its own."""
     if name == "overlap":
         return EngineSettings(overlap_prefill=True, prefix_cache_mb=0)
-    key, _, value = name.removeprefix("slots:").partition("=")
+    key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
     if key != "chunk" or not value.isdigit():
-        raise SystemExit(f"--variants: {name!r} is neither chunk=N, slots:chunk=N nor overlap")
+        raise SystemExit(f"--variants: {name!r} is neither chunk=N, slots:chunk=N, slots-apart:chunk=N nor overlap")
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
 
 
@@ -87,7 +89,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default="chunk=256,overlap", help="comma-separated: chunk=N, slots:chunk=N, overlap")
+    ap.add_argument("--variants", default="chunk=256,overlap",
+                    help="comma-separated: chunk=N, slots:chunk=N, slots-apart:chunk=N, overlap")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     info = read_export(args.export)
@@ -97,11 +100,15 @@ def main() -> None:
     backend.warm_up()
     # the fixed slots: a full batch and as many joiners, each of the model's context (the scheduler plans a join's
     # positions as the in-place cache lays them out, right-aligned to the widest row, which a shorter capacity refuses)
-    slots = SlotBackend(info, slots=2 * settings[variants[0]].max_batch_size) if any(v.startswith("slots:") for v in variants) else None
+    size = 2 * settings[variants[0]].max_batch_size
+    backends = {kind: SlotBackend(info, slots=size, mix_chunks=kind == "slots") for kind in ("slots", "slots-apart")
+                if any(v.startswith(kind + ":") for v in variants)}
+    for b in backends.values():
+        b.warm_up()
     runs = []
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-            result = one_round(slots if v.startswith("slots:") else backend, settings[v], args)
+            result = one_round(backends.get(v.partition(":")[0], backend), settings[v], args)
             runs.append({"round": r + 1, "variant": v, **result})
             print(f"round {r + 1}, {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in result.items() if k != "gaps"), flush=True)
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]

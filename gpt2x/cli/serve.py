@@ -235,6 +235,10 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(
+        help="The step's token budget (vLLM's): a joining prompt's chunk is what the running requests leave of it, one "
+        "token each, in place of --prefill-chunk. With --kv-cache slots the chunk runs in the decode step's own "
+        "forward, so a step costs about this many tokens.", show_default=False)] = None,
     overlap_prefill: Annotated[bool, typer.Option(
         help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "
         "cores while the running requests decode on the other half, where the backend can share its cores (ort on the "
@@ -294,6 +298,7 @@ def serve(
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
+                            max_num_batched_tokens=max_num_batched_tokens,
                             overlap_prefill=overlap_prefill, prefix_cache_mb=prefix_cache_mb,
                             prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir.resolve()),
                             prefix_cache_disk_mb=prefix_cache_disk_mb,

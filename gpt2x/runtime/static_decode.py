@@ -4,7 +4,7 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
@@ -241,8 +241,11 @@ class SlotDecoder(Closable):
         self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
-        # are bound by address, so a prefill writes that slot and nothing else.
-        self._arrays = [np.zeros((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        # are bound by address, so a prefill writes that slot and nothing else. Written now, not left to the kernel's
+        # lazily zeroed pages: a slot's first use would fault them in mid-step (a 0.8-1 s gap in a served stream).
+        self._arrays = [np.empty((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        for a in self._arrays:
+            a.fill(0)
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
@@ -326,6 +329,15 @@ class SlotDecoder(Closable):
         out[:rows] = logits[:, 0]  # the bound buffer is the next step's too
         return out
 
+    def open_mixed(self) -> None:
+        """Open the mixed step's session now (a server's first mixed step would otherwise wait seconds for it)."""
+        if self._mixed is None:
+            from ..onnx.optimize import mixed_form
+
+            form = mixed_form(self._path)
+            self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
+                                         dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
+
     def mixes(self, active: np.ndarray, slot: int, ids: np.ndarray) -> bool:
         """Whether step_mixed runs these: decode rows, a chunk into a slot that is not one of them, and room in that
         slot for the chunk and a dummy token after it."""
@@ -342,12 +354,7 @@ class SlotDecoder(Closable):
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         if not self.mixes(active, slot, ids):
             raise ValueError(f"a chunk of {len(ids)} into slot {slot} does not mix with this step (SlotDecoder.mixes)")
-        if self._mixed is None:
-            from ..onnx.optimize import mixed_form
-
-            form = mixed_form(self._path)
-            self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
-                                         dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
+        self.open_mixed()
         rows = int(np.flatnonzero(active)[-1]) + 1  # the decode group: slots [0, rows)
         past, T = int(self.lengths[slot]), len(ids)
         seqlens = self.lengths[:rows].astype(np.int32)  # a free slot's 0: its dummy token goes to position 0
@@ -449,12 +456,14 @@ class SlotBackend(Closable):
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
                                 precisions_by_provider={ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp16,)},
-                                joins_rows=True, mixes_chunks=True)
+                                joins_rows=True, mixes_chunks=True, warms_up=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 slots: int = 16, capacity: int | None = None):
+                 slots: int = 16, capacity: int | None = None, mix_chunks: bool = True):
         self.decoder = SlotDecoder(info, provider, slots, capacity, threads)
+        if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
+            self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider
         self.n_positions, self.vocab_size = self.decoder.capacity, info.config.vocab_size
         self.model_name = info.meta["model"]["name"]
@@ -462,6 +471,11 @@ class SlotBackend(Closable):
         # step_later's chunks, not yet run: (slot, ids), each run in the next decode step's forward or alone before
         # anything else reads the slots
         self._pending: list[tuple[int, np.ndarray]] = []
+
+    def warm_up(self) -> None:
+        """Open the mixed step's session, where chunks mix."""
+        if self.capabilities.mixes_chunks:
+            self.decoder.open_mixed()
 
     def take(self) -> int:
         """The lowest free slot, now taken."""

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpt2x.errors import UsageError
 from gpt2x.generation.decode import Event
 from gpt2x.generation.settings import Finish, SamplingSettings
 from gpt2x.serve.core.outputs import Failed, Finished, PromptLogprobs, TokenOut
@@ -278,6 +279,21 @@ def test_joiners_are_prefilled_a_chunk_before_each_step_then_join():
     regroup = plans[5].regroup
     assert regroup.order.tolist() == [0, 1] and regroup.width == 40
     assert shapes.batch.rows == [rows[0], joiner] and scheduler.in_flight == [rows[0], joiner]
+
+
+def test_a_step_token_budget_leaves_the_chunk_what_the_rows_running_do_not_take():
+    """max_num_batched_tokens (vLLM's): 3 rows running, a budget of 10: chunks of 7 columns; once one row has ended, of 8."""
+    clock = Clock()
+    scheduler, shapes, rows = running(3, clock, prefill_chunk=64, max_num_batched_tokens=10, max_join_delay_s=0)
+    joiner = row(prompt=30, clock=clock)
+    scheduler.submit([joiner])
+    plans = [shapes.step(), shapes.step()]
+    rows[0].cancel()
+    plans += [shapes.step() for _ in range(5)]
+    assert [p.num_scheduled_tokens.get(joiner) for p in plans if joiner in p.num_scheduled_tokens][:4] == [7, 7, 8, 8]
+    assert shapes.columns == [7, 7, 8, 8]
+    with pytest.raises(UsageError, match="max_num_batched_tokens must be >= 1"):
+        EngineSettings(max_num_batched_tokens=0)
 
 
 def test_joiners_share_a_chunk_and_run_whole_when_no_row_runs():

@@ -65,6 +65,10 @@ class EngineSettings:
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
     # joiners than rows running).
     prefill_chunk: int = 256
+    # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
+    # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
+    # (capabilities.mixes_chunks: the fixed slots), a step then costs about this many tokens' forward.
+    max_num_batched_tokens: int | None = None
     # Joiners whose prefill would take more than OVERLAP_AFTER_CHUNKS chunks are prefilled whole on half the cores
     # while the batch decodes on the other half, where the backend can share its cores (else chunked as above): the
     # rows running keep streaming, each step on half the cores, rather than waiting a chunk between two steps. Off
@@ -100,6 +104,9 @@ class EngineSettings:
         for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb", "prefix_cache_disk_mb"):
             if getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+                             option="max_num_batched_tokens")
         for name in ("batch_wait_s", "max_join_delay_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
@@ -379,15 +386,21 @@ class Scheduler:
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
         # (docs/serving/index.md#chunked-prefill).
         beside = bool(live) and len(joiners) <= len(live)
-        if new and beside and self.overlaps and self.prefill_steps(joiners) > OVERLAP_AFTER_CHUNKS:
+        if new and beside and self.overlaps and self.prefill_steps(joiners, len(live)) > OVERLAP_AFTER_CHUNKS:
             self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
             return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
-        # the columns this chunk runs: prefill_chunk tokens shared by the distinct prompts (at least one column each)
+        # the columns this chunk runs: prefill_chunk tokens (or what the rows running leave of the step's budget) shared
+        # by the distinct prompts, at least one column each
         left = max(len(r.prompt_ids) for r in joiners) - self._chunked
-        chunk = self.settings.prefill_chunk if beside else 0
+        chunk = self.chunk_tokens(len(live)) if beside else 0
         cols = min(left, max(1, chunk // len({tuple(r.prompt_ids) for r in joiners}))) if chunk else left
         self._chunked += cols
         return SchedulerOutput(new, () if new else tuple(joiners), dict.fromkeys(joiners, cols))
+
+    def chunk_tokens(self, running: int) -> int:
+        """A joiners' chunk beside `running` rows: prefill_chunk, or what they leave of max_num_batched_tokens."""
+        budget = self.settings.max_num_batched_tokens
+        return self.settings.prefill_chunk if budget is None else max(1, budget - running)
 
     def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
@@ -536,7 +549,7 @@ class Scheduler:
         if width is None:
             lag = 0
         else:
-            lag = self.prefill_steps(joiners) - 1 if lag is None else lag
+            lag = self.prefill_steps(joiners, len(_live(rows))) - 1 if lag is None else lag
             new_width = max(width + lag, new_width)
         need = max([r.remaining - lag for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
         return new_width + need <= self.n_positions
@@ -547,7 +560,7 @@ class Scheduler:
         chunked prefill's), at most n_positions: past it the batch waits for them. The widths `_fits` adds up first
         shrink, then grow with the lag, so the lags that fit from the checked one on are an interval: its end is
         searched."""
-        low, high = self.prefill_steps(joiners) - 1, self.n_positions  # low fits
+        low, high = self.prefill_steps(joiners, len(_live(rows))) - 1, self.n_positions  # low fits
         while low < high:
             mid = (low + high + 1) // 2
             if self._fits(rows, joiners, width, mid):
@@ -556,11 +569,11 @@ class Scheduler:
                 high = mid - 1
         return low
 
-    def prefill_steps(self, joiners: list[Row]) -> int:
-        """The steps that prefilling `joiners` beside a running batch takes at most (chunks of
-        prefill_chunk tokens shared by its distinct prompts, at least a column each; fewer when the
-        prefix cache holds some of them)."""
-        chunk = self.settings.prefill_chunk
+    def prefill_steps(self, joiners: list[Row], running: int) -> int:
+        """The steps that prefilling `joiners` beside a batch of `running` rows takes at most (chunks of
+        chunk_tokens shared by its distinct prompts, at least a column each; fewer when the prefix cache
+        holds some of them, or rows end meanwhile)."""
+        chunk = self.chunk_tokens(running)
         if not chunk:
             return 1
         distinct = len({tuple(r.prompt_ids) for r in joiners})
