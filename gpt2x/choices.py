@@ -29,16 +29,18 @@ class ProviderKind(str, Enum):
 class KvCache(str, Enum):
     """ONNX Runtime's KV cache form (`ort` backend): auto (in place wherever it can be on the CPU: int8 and int4
     graphs, an fp32 export's through its GroupQueryAttention twin; growing on CUDA), in-place (required: refused where
-    it cannot be), growing (the export's own graph, each step's presents the next past)."""
+    it cannot be), growing (the export's own graph, each step's presents the next past), slots (the server's alone: a
+    fixed slot per row, runtime.static_decode.SlotBackend, for fp32 exports on the CPU)."""
 
     auto = "auto"
     in_place = "in-place"
     growing = "growing"
+    slots = "slots"
 
     @property
     def in_place_kv(self) -> bool | None:
-        """OrtBackend's `in_place_kv` for it."""
-        return {KvCache.auto: None, KvCache.in_place: True, KvCache.growing: False}[self]
+        """OrtBackend's `in_place_kv` for it (slots: not an OrtBackend's)."""
+        return {KvCache.auto: None, KvCache.in_place: True, KvCache.growing: False, KvCache.slots: None}[self]
 
 
 class Precision(str, Enum):

@@ -109,6 +109,9 @@ class BenchSettings:
         self.draft_settings()  # num_speculative_tokens in range
         if self.kv_cache is not KvCache.auto and not any(capabilities_of(k).native for k in self.backends):
             raise UsageError(f"kv_cache {self.kv_cache.value} applies to the ort rows, and none is asked for", option="kv_cache")
+        if self.kv_cache is KvCache.slots:
+            raise UsageError("kv_cache slots is the server's (gpt2x serve): the bench times a batch decoding alone",
+                             option="kv_cache")
         if self.prompt_text is not None and not encode(self.prompt_text):
             raise UsageError("prompt_text is empty: it encodes to no tokens", option="prompt_text")
         if self.fixed_cache:

@@ -110,13 +110,22 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
 
 
-def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind) -> None:
-    """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it."""
+def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = False,
+                    precision: Precision | None = None) -> None:
+    """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it. The
+    fixed slots are the server's (`served`), for fp32 exports (`precision`: the one asked for, None: fp32 or an --onnx
+    folder's, checked when it is opened)."""
     from ..runtime.registry import capabilities_of  # the backends' records, read only when the option is given
 
     if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
         raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
                          option="kv-cache")
+    if kv_cache is KvCache.slots and not served:
+        raise UsageError("--kv-cache slots is the server's (gpt2x serve): a slot per request, joined and left between "
+                         "steps", option="kv-cache")
+    if kv_cache is KvCache.slots and precision not in (None, Precision.fp32):
+        raise UsageError(f"--kv-cache slots runs fp32 exports (ONNX Runtime's GroupQueryAttention on the CPU), not "
+                         f"{precision.value}", option="kv-cache")
 
 
 def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:

@@ -328,7 +328,10 @@ def serve(
         require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
         refuse_batched_draft(max_batch_size)
-    refuse_kv_cache(kv_cache, backend)
+    refuse_kv_cache(kv_cache, backend, served=True, precision=precision)
+    if kv_cache is KvCache.slots and draft is not None:
+        raise UsageError("--kv-cache slots does not take --draft: speculative decoding rolls a row's cache back, which "
+                         "the slots do not", option="kv-cache")
     refuse_int8_kv(precision, None if any(folder is None for _, folder in sources) else sources[0][1])
     if address is None:
         require_provider([backend], provider)
@@ -352,7 +355,7 @@ def serve(
                 threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
                 engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source,
                 draft_settings=draft_settings, chat_template=template, default_chat_template=default_chat_template,
-                in_place_kv=kv_cache.in_place_kv,
+                in_place_kv=kv_cache.in_place_kv, fixed_slots=kv_cache is KvCache.slots,
             ))
             if template is None and default_chat_template and not has_chat_template(info.folder):
                 notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a "

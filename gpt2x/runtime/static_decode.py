@@ -456,7 +456,7 @@ class SlotBackend(Closable):
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
                                 precisions_by_provider={ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp16,)},
-                                joins_rows=True, mixes_chunks=True, warms_up=True)
+                                joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -466,6 +466,7 @@ class SlotBackend(Closable):
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider
         self.n_positions, self.vocab_size = self.decoder.capacity, info.config.vocab_size
+        self.kv_dtype = self.decoder.dtype
         self.model_name = info.meta["model"]["name"]
         self._free = list(range(slots))
         # step_later's chunks, not yet run: (slot, ids), each run in the next decode step's forward or alone before

@@ -54,6 +54,10 @@ class ReplicaConfig:
     # 2-core VM (2026-11-25, int8, c=16): 545 tok/s in place against 406 growing (TTFT p50 117 against
     # 106 ms), and 97 against 41 tok/s with 544-token prompts sharing 512-token prefixes.
     in_place_kv: bool | None = None
+    # The fixed slots instead (runtime.static_decode.SlotBackend, fp32 on the CPU; --kv-cache slots): a slot per row,
+    # twice max_batch_size of them (rows that ended keep theirs until the batch is laid out anew), and a joining
+    # prompt's chunks run in the decode steps' forwards. No prefix cache; no prompt logprobs.
+    fixed_slots: bool = False
     # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
     # backend (workflows.open_drafter): `ngram` or the draft's export folder, resolved and exported by
@@ -121,8 +125,13 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     """A replica's service: the export's backend (and draft) opened, its engine started."""
     info = read_export(Path(config.export))
     get_encoding()  # built now, not by the first request (~55 ms)
-    backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
-                             in_place_kv=config.in_place_kv)
+    if config.fixed_slots:
+        from ..runtime.static_decode import SlotBackend
+
+        backend = SlotBackend(info, ProviderKind(config.provider), config.threads, slots=2 * config.engine.max_batch_size)
+    else:
+        backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
+                                 in_place_kv=config.in_place_kv)
     if backend.capabilities.warms_up:
         backend.warm_up()
     drafter = None

@@ -56,9 +56,9 @@ class CompletionService:
             stats["draft"] = self.draft_name
             stats["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else None
         # The native backend's cache form (its in_place_kv, as workflows.export_backend sets it); the others keep their own.
-        native = self.backend.capabilities.native
-        kv_cache = ("in-place" if self.backend.in_place_kv else "growing") if native else None
-        kv_dtype = np.dtype(self.backend.kv_dtype).name if native else None
+        caps = self.backend.capabilities
+        kv_cache = "slots" if caps.mixes_chunks else ("in-place" if self.backend.in_place_kv else "growing") if caps.native else None
+        kv_dtype = np.dtype(self.backend.kv_dtype).name if caps.native or caps.mixes_chunks else None
         return Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
                       provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_dtype,
                       max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
@@ -67,7 +67,7 @@ class CompletionService:
     def served(self) -> ServedModel:
         """What its requests are checked against: the model's id, context and vocabulary, and its scheduling."""
         return ServedModel(self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE),
-                           self.engine.settings.scheduling_policy == "priority")
+                           self.engine.settings.scheduling_policy == "priority", self.backend.capabilities.scores_prompts)
 
     def prepare(self, p: CompletionRequest) -> ServedRequest:
         """A completions request as it is served (a 4xx APIError for what it asks and is not served)."""

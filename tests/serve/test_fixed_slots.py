@@ -1,0 +1,85 @@
+"""`gpt2x serve --kv-cache slots`: a replica on the fixed slots (runtime.static_decode.SlotBackend) with a step token
+budget, its completions against gpt2x's generation code on the export's own backend, what it refuses (prompt
+logprobs, which it cannot give; the option where it does not apply), and /health saying which cache it runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.serve.core.scheduler import EngineSettings
+from gpt2x.tokenizer import decode
+
+from ..helpers import assert_one_line_error, cli
+
+PROMPTS = ["ROMEO:", "Now is the winter of our discontent", "First Citizen:\nBefore we proceed any further, hear me speak."]
+
+
+@pytest.fixture(scope="module")
+def service(export_dir):
+    from gpt2x.serve.replica import ReplicaConfig, open_service
+
+    config = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1, fixed_slots=True,
+                           engine=EngineSettings(max_batch_size=4, max_join_delay_s=0, max_num_batched_tokens=6))
+    service = open_service(config)
+    yield service
+    service.close()
+
+
+def test_completions_on_the_slots_are_generate_alone_and_health_says_slots(client, reference):
+    r = client.post("/v1/completions", json={"prompt": PROMPTS, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    for prompt, choice in zip(PROMPTS, r.json()["choices"]):
+        want = generate(reference, [prompt], SamplingSettings(max_new_tokens=12, greedy=True))[0]
+        assert choice["text"] == decode(want.tokens), prompt
+    seeded = {"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0.9, "seed": 3, "n": 2}
+    r = client.post("/v1/completions", json=seeded)  # two rows of one prompt: a slot copied for the second
+    want = generate(reference, [PROMPTS[1]], SamplingSettings(max_new_tokens=10, temperature=0.9, seed=3))[0]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == decode(want.tokens)
+    health = client.get("/health").json()
+    assert health["kv_cache"] == "slots" and health["kv_cache_dtype"] == "float32"
+
+
+def test_prompts_that_join_a_running_request_run_their_chunks_in_its_steps(client, service, reference):
+    """A request decoding, two more arriving meanwhile: their prompts join in chunks of what the running row leaves of
+    the budget of 6 tokens, run in the decode steps' forwards; every text is the prompt's alone."""
+    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0} for p, m in ((PROMPTS[0], 150), (PROMPTS[2], 8), (PROMPTS[1], 8))]
+    mixed = service.engine.backend.decoder.mixed_runs
+
+    async def staggered():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            async def later(i: int):
+                await asyncio.sleep(0.1 * i)  # the first request's steps are under way
+                return await c.post("/v1/completions", json=bodies[i])
+            return await asyncio.gather(*[later(i) for i in range(len(bodies))])
+
+    for body, answer in zip(bodies, asyncio.run(staggered())):
+        want = generate(reference, [body["prompt"]], SamplingSettings(max_new_tokens=body["max_tokens"], greedy=True))[0]
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == decode(want.tokens), body
+    assert service.engine.backend.decoder.mixed_runs > mixed
+
+
+@pytest.mark.parametrize("body,param", [({"echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
+                                        ({"prompt_logprobs": 1, "max_tokens": 1}, "prompt_logprobs")])
+def test_prompt_logprobs_are_refused_with_a_400_naming_the_cache(client, body, param):
+    r = client.post("/v1/completions", json={"prompt": "ROMEO:", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "--kv-cache slots" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "ROMEO:", "echo": True, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["generate", "hi", "--kv-cache", "slots"], "--kv-cache slots is the server's"),
+    (["serve", "--kv-cache", "slots", "--precision", "int8"], "--kv-cache slots runs fp32 exports"),
+    (["serve", "--kv-cache", "slots", "--draft", "ngram"], "--kv-cache slots does not take --draft"),
+    (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+])
+def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, args, fragment):
+    code, _, err = cli(capsys, *args)
+    assert_one_line_error(code, err, 2, fragment)
+    assert not own_exports.exists()  # refused before anything is exported
