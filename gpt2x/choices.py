@@ -30,7 +30,7 @@ class KvCache(str, Enum):
     """ONNX Runtime's KV cache form (`ort` backend): auto (in place wherever it can be on the CPU: int8 and int4
     graphs, an fp32 export's through its GroupQueryAttention twin; growing on CUDA), in-place (required: refused where
     it cannot be), growing (the export's own graph, each step's presents the next past), slots (the server's alone: a
-    fixed slot per row, runtime.static_decode.SlotBackend, for fp32 exports on the CPU)."""
+    fixed slot per row, runtime.static_decode.SlotBackend, for fp32, int8 and int4 exports on the CPU)."""
 
     auto = "auto"
     in_place = "in-place"

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..choices import BackendKind, KvCache, Precision
+from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
@@ -123,9 +123,12 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
     if kv_cache is KvCache.slots and not served:
         raise UsageError("--kv-cache slots is the server's (gpt2x serve): a slot per request, joined and left between "
                          "steps", option="kv-cache")
-    if kv_cache is KvCache.slots and precision not in (None, Precision.fp32):
-        raise UsageError(f"--kv-cache slots runs fp32 exports (ONNX Runtime's GroupQueryAttention on the CPU), not "
-                         f"{precision.value}", option="kv-cache")
+    if kv_cache is KvCache.slots and precision is not None:
+        from ..runtime.static_decode import slots_refusal  # ONNX Runtime's module: only when the option is given
+
+        why = slots_refusal(ProviderKind.cpu, precision)
+        if why:
+            raise UsageError(f"--kv-cache slots: {why}", option="kv-cache")
 
 
 def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:

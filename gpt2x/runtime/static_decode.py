@@ -31,6 +31,20 @@ def fixed_cache_refusal(provider: ProviderKind, precision: Precision) -> str | N
             f"GroupQueryAttention on {provider.value}), not {precision.value}")
 
 
+# The fixed slots' precisions: the CPU's GroupQueryAttention graphs (fp32's twin, int8's and int4's own, each on a float
+# cache), and fp16 on CUDA.
+SLOT_PRECISIONS = {ProviderKind.cpu: (Precision.fp32, Precision.int8, Precision.int4), ProviderKind.cuda: (Precision.fp16,)}
+
+
+def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
+    """Why SlotDecoder cannot run `precision` on `provider`, or None."""
+    runs = SLOT_PRECISIONS[provider]
+    if precision in runs:
+        return None
+    return (f"the fixed slots on {provider.value} run {', '.join(p.value for p in runs)} exports (ONNX Runtime's "
+            f"GroupQueryAttention there), not {precision.value}")
+
+
 class StaticDecoder(Closable):
     """`rows` prompts of one length (no padding) decoded greedily into one fixed-capacity cache of `capacity`
     positions (default: the model's). The prompt runs on the export's GroupQueryAttention graph (the fp32 and fp16
@@ -210,13 +224,14 @@ class SlotDecoder(Closable):
     slots up to the highest one held, each at its own length (GroupQueryAttention's seqlens_k), a free one among them on
     token 0 at position 0, which its next prefill overwrites; `release` frees a slot. No row's cache is ever moved or copied: rows join and leave without a
     merge. The logits come back to the host, for the serving engine's samplers. The graphs are StaticDecoder's, the
-    decode step's head the logits (onnx.optimize.static_forms), so ONNX Runtime's CPU runs fp32 exports and CUDA fp16.
+    decode step's head the logits (onnx.optimize.static_forms): on the CPU fp32 exports (their GroupQueryAttention twin)
+    and int8 and int4 ones, each on a float cache; fp16 on CUDA.
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
                  capacity: int | None = None, threads: int | None = None):
         refuse_fp16_on_cpu(info, provider)
-        why = fixed_cache_refusal(provider, info.precision)
+        why = slots_refusal(provider, info.precision)
         if why:
             raise ProviderError(f"{info.folder}: {why}")
         cfg = info.config
@@ -455,8 +470,7 @@ class SlotBackend(Closable):
 
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
-                                precisions_by_provider={ProviderKind.cpu: (Precision.fp32,), ProviderKind.cuda: (Precision.fp16,)},
-                                joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
+                                precisions_by_provider=SLOT_PRECISIONS, joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,

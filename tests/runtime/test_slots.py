@@ -94,9 +94,40 @@ def test_what_does_not_fit_is_refused_and_a_step_needs_a_row(tiny):
 
 
 def test_an_export_the_fixed_slots_cannot_run_is_one_line(tiny_export):
-    info = tiny_export(Precision.int8)[2]
-    with pytest.raises(ProviderError, match="needs an fp32 export"):
+    info = tiny_export(Precision.fp16)[2]
+    with pytest.raises(ProviderError, match="fp16"):
         SlotDecoder(info, ProviderKind.cpu)
+
+
+def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tiny_export):
+    """An int8 export on the slots (its own GroupQueryAttention graph, a float cache): a row's prefill, a mixed step's
+    decode row and chunk against the ort backend's int8 forward of each row alone (float cache, no cache passed),
+    within int8's batch variance (its activations are quantized per step)."""
+    from gpt2x.numerics import positions
+    from gpt2x.runtime.ort import OrtBackend
+
+    info = tiny_export(Precision.int8)[2]
+    reference = OrtBackend(info, threads=1, kv_cache_dtype="float")
+
+    def alone(ids: list[int]) -> np.ndarray:
+        x = np.array([ids])
+        m = np.ones_like(x)
+        return reference.run(x, m, positions(m, x.shape[1]), None)[0][0, -1]
+
+    def close(got: np.ndarray, want: np.ndarray) -> None:
+        assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+    rng = np.random.default_rng(3)
+    V = info.config.vocab_size
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48)
+    first = rng.integers(0, V, 9).tolist()
+    logits = decoder.prefill(0, np.array(first))
+    close(logits, alone(first))
+    row = first + [int(logits.argmax())]
+    joiner = rng.integers(0, V, 12).tolist()
+    decode, last = decoder.step_mixed(np.array([row[-1], 0]), np.array([True, False]), 1, np.array(joiner[:7]))
+    close(decode[0], alone(row))
+    close(last, alone(joiner[:7]))
 
 
 def test_the_backends_caches_hold_each_slot_once_and_free_what_they_let_go(tiny):

@@ -75,7 +75,7 @@ def test_prompt_logprobs_are_refused_with_a_400_naming_the_cache(client, body, p
 
 @pytest.mark.parametrize("args,fragment", [
     (["generate", "hi", "--kv-cache", "slots"], "--kv-cache slots is the server's"),
-    (["serve", "--kv-cache", "slots", "--precision", "int8"], "--kv-cache slots runs fp32 exports"),
+    (["serve", "--kv-cache", "slots", "--precision", "fp16"], "the fixed slots on cpu run fp32, int8, int4 exports"),
     (["serve", "--kv-cache", "slots", "--draft", "ngram"], "--kv-cache slots does not take --draft"),
     (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
 ])
