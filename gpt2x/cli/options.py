@@ -110,6 +110,13 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
 
 
+def given_by_user(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter `name` came from the command line or the environment, not its default. Compared by name:
+    Typer vendors its own click, whose ParameterSource is not click's (click's compared equal to nothing)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = False,
                     precision: Precision | None = None) -> None:
     """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it. The

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from click.core import ParameterSource
 
 from ..bench.results import BenchResult
 from ..bench.system import cpu_model
@@ -38,6 +37,7 @@ from .options import (
     Status,
     ThreadsOpt,
     err,
+    given_by_user,
     notice,
     out,
     progress_to,
@@ -103,7 +103,7 @@ def from_bench(ctx: typer.Context, path: Path, backend: BackendKind | None, prov
                f"not on this machine ({here[0]}, {here[1]} cores)")
 
     def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+        return given_by_user(ctx, name)
 
     backend = backend if given("backend") else best.backend
     provider = provider if given("provider") else result.settings.provider
@@ -296,6 +296,12 @@ def serve(
     keys = tuple(api_key or ()) + (read_api_keys(api_key_file) if api_key_file is not None else ())
     cors = cors_settings(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
+    if kv_cache is KvCache.slots:  # a slot takes no past made elsewhere: no prefix cache, asked for or by default
+        for name in ("prefix_cache_mb", "prefix_cache_dir"):
+            if given_by_user(ctx, name) and ctx.params.get(name):
+                raise UsageError(f"--kv-cache slots has no prefix cache: --{name.replace('_', '-')} does not apply",
+                                 option="kv-cache")
+        prefix_cache_mb = 0
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
                             max_num_batched_tokens=max_num_batched_tokens,

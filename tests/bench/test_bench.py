@@ -492,9 +492,9 @@ class _Given:
         self.names = names
 
     def get_parameter_source(self, name):
-        from click.core import ParameterSource
+        from types import SimpleNamespace  # read by name (cli.options.given_by_user), as Typer's own enum is
 
-        return ParameterSource.COMMANDLINE if name in self.names else ParameterSource.DEFAULT
+        return SimpleNamespace(name="COMMANDLINE" if name in self.names else "DEFAULT")
 
 
 def test_fastest_of_a_kept_result_and_serve_from_bench(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import typer
 
 from gpt2x.errors import HubError, ModelNotFoundError, UsageError
 from gpt2x.onnx.artifact import EXPORTS_ENV
@@ -260,3 +261,21 @@ def test_bench_cuda_without_gpu_and_ctrl_c(capsys, monkeypatch, tmp_path):
     out_json = tmp_path / "b.json"
     code, _, err = cli(capsys, "bench", "--output", str(out_json))
     assert code == INTERRUPTED_EXIT_CODE and "interrupted" in err and not out_json.exists()
+
+
+def test_an_option_given_is_told_from_its_default_in_typers_own_context():
+    """cli.options.given_by_user on a real Typer context (Typer vendors click: click's own ParameterSource compared
+    equal to nothing, and `serve --from-bench` took the result's backend over the one given)."""
+    from typer.testing import CliRunner
+
+    from gpt2x.cli.options import given_by_user
+
+    app = typer.Typer()
+    seen: dict = {}
+
+    @app.command()
+    def command(ctx: typer.Context, a: int = 1, b: int = 2) -> None:
+        seen.update(a=given_by_user(ctx, "a"), b=given_by_user(ctx, "b"))
+
+    assert CliRunner().invoke(app, ["--a", "3"]).exit_code == 0
+    assert seen == {"a": True, "b": False}

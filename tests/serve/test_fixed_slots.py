@@ -78,6 +78,7 @@ def test_prompt_logprobs_are_refused_with_a_400_naming_the_cache(client, body, p
     (["serve", "--kv-cache", "slots", "--precision", "fp16"], "the fixed slots on cpu run fp32, int8, int4 exports"),
     (["serve", "--kv-cache", "slots", "--draft", "ngram"], "--kv-cache slots does not take --draft"),
     (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    (["serve", "--kv-cache", "slots", "--prefix-cache-mb", "64"], "--kv-cache slots has no prefix cache"),
 ])
 def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, args, fragment):
     code, _, err = cli(capsys, *args)
