@@ -120,8 +120,8 @@ def given_by_user(ctx: typer.Context, name: str) -> bool:
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = False,
                     precision: Precision | None = None) -> None:
     """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it. The
-    fixed slots are the server's (`served`), for fp32 exports (`precision`: the one asked for, None: fp32 or an --onnx
-    folder's, checked when it is opened)."""
+    fixed slots are the server's (`served`), for the precisions they run (runtime.static_decode.SLOT_PRECISIONS;
+    `precision`: the one asked for, None: the default fp32 or an --onnx folder's, checked when it is opened)."""
     from ..runtime.registry import capabilities_of  # the backends' records, read only when the option is given
 
     if kv_cache is not KvCache.auto and not capabilities_of(backend).native:

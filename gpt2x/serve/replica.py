@@ -54,7 +54,7 @@ class ReplicaConfig:
     # 2-core VM (2026-11-25, int8, c=16): 545 tok/s in place against 406 growing (TTFT p50 117 against
     # 106 ms), and 97 against 41 tok/s with 544-token prompts sharing 512-token prefixes.
     in_place_kv: bool | None = None
-    # The fixed slots instead (runtime.static_decode.SlotBackend, fp32 on the CPU; --kv-cache slots): a slot per row,
+    # The fixed slots instead (runtime.static_decode.SlotBackend, fp32, int8 or int4 on the CPU; --kv-cache slots): a slot per row,
     # twice max_batch_size of them (rows that ended keep theirs until the batch is laid out anew), and a joining
     # prompt's chunks run in the decode steps' forwards. No prefix cache; no prompt logprobs.
     fixed_slots: bool = False
