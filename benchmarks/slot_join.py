@@ -1,7 +1,8 @@
 """What a long prompt's join costs the rows decoding beside it, at the backend: the serving engine's in-place cache (the
 joiner's prefill, then its merge into the batch's buffers, every row right-aligned to the new width) against
-SlotDecoder's fixed slots (the joiner's prefill into a slot of its own; nothing merged), on one fp32 export, with the
-same rows, prompt and threads. Medians over rounds, in ms.
+SlotDecoder's fixed slots (the joiner's prefill into a slot of its own; nothing merged), and the slots with each chunk
+run in the forward of the rows' decode step (`slots_mixed`: SlotDecoder.step_mixed), on one fp32 export, with the same
+rows, prompt and threads. Medians over rounds, in ms.
 
     python benchmarks/slot_join.py --export EXPORTS/random-gpt2-fp32 \
         --out benchmarks/results/slot-join-epyc-avx2-cpu-2core.json
@@ -10,7 +11,8 @@ Rows: `--rows` rows of `--row-tokens` tokens decoding; a prompt of `--prompt-tok
 `--chunk`-token chunks (each on what the earlier ones wrote); `--steps` decode steps timed before and after. The slot
 decoder holds `--slots` slots; a step runs those up to the highest one held. `join_stall`: the running rows' longest
 gap beyond a step, where the engine interleaves chunks with decode steps (the longest chunk, the merge, the first
-step's excess).
+step's excess); for `slots_mixed`, whose every chunk is a forward with the rows' decode step in it, the longest such
+forward's excess over a step, and the first step's.
 """
 
 from __future__ import annotations
@@ -102,7 +104,38 @@ def slot_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, steps
             "step_after": after[1:]}
 
 
-def summary(rounds: list[dict]) -> dict:
+def mixed_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, steps: int, chunk: int) -> dict:
+    """slot_round with each chunk run in the forward of the rows' decode step: `chunk` is that forward's time."""
+    R = rows.shape[0]
+    for slot in range(decoder.slots):
+        decoder.release(slot)
+    tok = np.zeros(decoder.slots, np.int64)
+    for slot in range(R):
+        tok[slot] = decoder.prefill(slot, rows[slot]).argmax()
+    active = np.arange(decoder.slots) < R
+    before = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        logits = decoder.step(tok)
+        before.append(ms(t))
+        tok[:R] = logits[:R].argmax(-1)
+    chunks = []
+    for start in range(0, prompt.shape[1], chunk):
+        t = time.perf_counter()
+        logits, last = decoder.step_mixed(tok, active, R, prompt[0, start : start + chunk])
+        chunks.append(ms(t))
+        tok[:R], tok[R] = logits[:R].argmax(-1), last.argmax()
+    after = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        logits = decoder.step(tok)
+        after.append(ms(t))
+        tok[: R + 1] = logits[: R + 1].argmax(-1)
+    return {"step_before": before, "prefill": sum(chunks), "chunk": chunks, "merge": 0.0, "first_step_after": after[0],
+            "step_after": after[1:]}
+
+
+def summary(rounds: list[dict], mixed: bool = False) -> dict:
     out = {}
     for key in rounds[0]:
         values = [v for r in rounds for v in (r[key] if isinstance(r[key], list) else [r[key]])]
@@ -111,7 +144,9 @@ def summary(rounds: list[dict]) -> dict:
     # would interleave chunks with decode steps; plus the merge and the first step's excess
     longest = max(float(np.median([r["chunk"][i] for r in rounds])) for i in range(len(rounds[0]["chunk"])))
     out["chunk"] = [round(float(np.median([r["chunk"][i] for r in rounds])), 2) for i in range(len(rounds[0]["chunk"]))]
-    out["join_stall"] = round(longest + out["merge"] + out["first_step_after"] - out["step_after"], 2)
+    # (a mixed chunk's forward holds the rows' step: only its excess over a step stalls them)
+    stall = longest - out["step_before"] if mixed else longest
+    out["join_stall"] = round(stall + out["merge"] + out["first_step_after"] - out["step_after"], 2)
     return out
 
 
@@ -134,13 +169,14 @@ def main() -> None:
     capacity = max(args.row_tokens, args.prompt_tokens) + 2 * args.steps + 1
     backend = OrtBackend(info, threads=args.threads)
     decoder = SlotDecoder(info, slots=args.slots, capacity=capacity, threads=args.threads)
-    results = {"in_place": [], "slots": []}
+    results = {"in_place": [], "slots": [], "slots_mixed": []}
     for _ in range(args.rounds + 1):  # the first round warms both up and is not kept
         rows = rng.integers(0, V, (args.rows, args.row_tokens))
         prompt = rng.integers(0, V, (1, args.prompt_tokens))
         chunk = args.chunk or args.prompt_tokens
         results["in_place"].append(in_place_round(backend, rows, prompt, args.steps, chunk))
         results["slots"].append(slot_round(decoder, rows, prompt, args.steps, chunk))
+        results["slots_mixed"].append(mixed_round(decoder, rows, prompt, args.steps, chunk))
     record = {
         "benchmark": "slot_join", "command": "python benchmarks/slot_join.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",) and v is not None),
@@ -148,9 +184,10 @@ def main() -> None:
                                             "in_place_kv": backend.in_place_kv},
         "settings": {k: v for k, v in vars(args).items() if k not in ("export", "out")} | {"capacity": capacity},
         "in_place": summary(results["in_place"][1:]), "slots": summary(results["slots"][1:]),
+        "slots_mixed": summary(results["slots_mixed"][1:], mixed=True),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({k: record[k] for k in ("in_place", "slots")}, indent=1))
+    print(json.dumps({k: record[k] for k in ("in_place", "slots", "slots_mixed")}, indent=1))
 
 
 if __name__ == "__main__":
