@@ -32,12 +32,15 @@ from gpt2x.serve.core.outputs import TokenOut
 def variant_settings(name: str) -> EngineSettings:
     """"chunk=N": prompts joining prefilled N tokens between two decode steps; "overlap": the overlapped prefill;
     "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend, an fp32 export), each run in a
-    decode step's forward; "slots-apart:chunk=N": each in a forward of its own."""
+    decode step's forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's
+    token budget (max_num_batched_tokens), the chunk what the rows running leave of it, a wave of joiners chunked too."""
     if name == "overlap":
         return EngineSettings(overlap_prefill=True, prefix_cache_mb=0)
     key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
-    if key != "chunk" or not value.isdigit():
-        raise SystemExit(f"--variants: {name!r} is neither chunk=N, slots:chunk=N, slots-apart:chunk=N nor overlap")
+    if key not in ("chunk", "budget") or not value.isdigit():
+        raise SystemExit(f"--variants: {name!r} is neither chunk=N or budget=N (after slots: or slots-apart:) nor overlap")
+    if key == "budget":
+        return EngineSettings(max_num_batched_tokens=int(value), prefix_cache_mb=0)
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
 
 
@@ -90,7 +93,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="chunk=256,overlap",
-                    help="comma-separated: chunk=N, slots:chunk=N, slots-apart:chunk=N, overlap")
+                    help="comma-separated: chunk=N or budget=N, each also after slots: or slots-apart:, and overlap")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     info = read_export(args.export)
