@@ -237,7 +237,7 @@ def serve(
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="The step's token budget (vLLM's): a joining prompt's chunk is what the running requests leave of it, one "
-        "token each, in place of --prefill-chunk, however many prompts join. With --kv-cache slots the chunk runs in the decode step's own "
+        "token each, in place of --prefill-chunk. With --kv-cache slots the chunk runs in the decode step's own "
         "forward, so a step costs about this many tokens.", show_default=False)] = None,
     overlap_prefill: Annotated[bool, typer.Option(
         help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "

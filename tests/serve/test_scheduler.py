@@ -292,11 +292,6 @@ def test_a_step_token_budget_leaves_the_chunk_what_the_rows_running_do_not_take(
     plans += [shapes.step() for _ in range(5)]
     assert [p.num_scheduled_tokens.get(joiner) for p in plans if joiner in p.num_scheduled_tokens][:4] == [7, 7, 8, 8]
     assert shapes.columns == [7, 7, 8, 8]
-    # a wave outnumbering the rows running is chunked under the budget too (without one it is prefilled whole)
-    scheduler, shapes, rows = running(1, clock, max_num_batched_tokens=10, max_join_delay_s=0)
-    wave = [row(prompt=12 + i, clock=clock) for i in range(3)]  # three distinct prompts share the 9 tokens left
-    scheduler.submit(wave)
-    assert shapes.step().num_scheduled_tokens == dict.fromkeys(wave, 3) and shapes.columns == [3]
     with pytest.raises(UsageError, match="max_num_batched_tokens must be >= 1"):
         EngineSettings(max_num_batched_tokens=0)
 

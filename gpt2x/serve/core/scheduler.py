@@ -66,9 +66,8 @@ class EngineSettings:
     # joiners than rows running).
     prefill_chunk: int = 256
     # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
-    # least one column, in place of prefill_chunk, however many the joiners (never a whole prefill beside running
-    # rows). On a backend that runs a chunk in its decode step's forward (capabilities.mixes_chunks: the fixed slots),
-    # a step then costs about this many tokens' forward.
+    # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
+    # (capabilities.mixes_chunks: the fixed slots), a step then costs about this many tokens' forward.
     max_num_batched_tokens: int | None = None
     # Joiners whose prefill would take more than OVERLAP_AFTER_CHUNKS chunks are prefilled whole on half the cores
     # while the batch decodes on the other half, where the backend can share its cores (else chunked as above): the
@@ -385,9 +384,8 @@ class Scheduler:
             self.in_flight = rows + joiners
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
-        # (docs/serving/index.md#chunked-prefill). A step token budget is a cap (vLLM's): under it, any joiners are chunked.
-        budget = self.settings.max_num_batched_tokens is not None
-        beside = bool(live) and (len(joiners) <= len(live) or budget)
+        # (docs/serving/index.md#chunked-prefill).
+        beside = bool(live) and len(joiners) <= len(live)
         if new and beside and self.overlaps and self.prefill_steps(joiners, len(live)) > OVERLAP_AFTER_CHUNKS:
             self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
             return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
