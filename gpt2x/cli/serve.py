@@ -237,8 +237,9 @@ def serve(
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="The step's token budget (vLLM's): a joining prompt's chunk is what the running requests leave of it, one "
-        "token each, in place of --prefill-chunk. With --kv-cache slots the chunk runs in the decode step's own "
-        "forward, so a step costs about this many tokens.", show_default=False)] = None,
+        "token each, in place of --prefill-chunk (keep it well above the requests that run at once: at or below them a "
+        "chunk is one token). With --kv-cache slots the chunk runs in the decode step's own forward, so a step costs "
+        "about this many tokens.", show_default=False)] = None,
     overlap_prefill: Annotated[bool, typer.Option(
         help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "
         "cores while the running requests decode on the other half, where the backend can share its cores (ort on the "
