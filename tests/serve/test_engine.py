@@ -92,6 +92,27 @@ def greedy_margins(backend, ids, n: int) -> list[float]:
     return margins
 
 
+def staggered(engine: Engine, todo: list) -> list[Collect]:
+    """Each of `todo`'s rows submitted once the row before it has produced 3 tokens (or ended), so that rows arrive
+    while a batch runs; every row's sink, once all have ended (within 180 s)."""
+    sinks: list[Collect] = []
+
+    def submit(i: int) -> None:
+        ids, s = todo[i]
+        sink = Collect(3, (lambda: submit(i + 1)) if i + 1 < len(todo) else None)
+        sinks.append(sink)
+        engine.submit([Row(ids, s, sink)])
+
+    submit(0)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)):
+        if len(sinks) < len(todo) and all(s.done.is_set() for s in sinks):
+            submit(len(sinks))  # the last row ended before its 3rd token: hand on from here
+        time.sleep(0.01)
+    assert len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)
+    return sinks
+
+
 @pytest.mark.parametrize("mode", ["continuous", "overlapped", "static", "off"])
 def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
     """Each row is submitted once the row before it has produced 3 tokens, so rows arrive while a
@@ -110,22 +131,8 @@ def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
         monkeypatch.setattr(Runner, "_prefill_overlapped", lambda self, p: overlapped.append(p) or prefill(self, p))
     engine = Engine(backend, settings).start()
     todo = cases()
-    sinks: list[Collect] = []
-
-    def submit(i: int) -> None:
-        ids, s = todo[i]
-        sink = Collect(3, (lambda: submit(i + 1)) if i + 1 < len(todo) else None)
-        sinks.append(sink)
-        engine.submit([Row(ids, s, sink)])
-
     try:
-        submit(0)
-        deadline = time.time() + 180
-        while time.time() < deadline and not (len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)):
-            if len(sinks) < len(todo) and all(s.done.is_set() for s in sinks):
-                submit(len(sinks))  # the last row ended before its 3rd token: hand on from here
-            time.sleep(0.01)
-        assert len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)
+        sinks = staggered(engine, todo)
         # fp32 decodes batch-invariantly (logits within 1e-5 of the row alone): every row's tokens are
         # those of the row alone. ONNX Runtime's int8 GroupQueryAttention graph is not: a row's
         # logits in a batch differ from its logits alone by up to ~7e-2 in plain left-padded batches
@@ -172,22 +179,8 @@ def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, c
     settings = EngineSettings(max_batch_size=8, max_join_delay_s=0, **({"prefill_chunk": chunk} if chunk else {}))
     engine = Engine(backend, settings).start()
     todo = cases()
-    sinks: list[Collect] = []
-
-    def submit(i: int) -> None:
-        ids, s = todo[i]
-        sink = Collect(3, (lambda: submit(i + 1)) if i + 1 < len(todo) else None)
-        sinks.append(sink)
-        engine.submit([Row(ids, s, sink)])
-
     try:
-        submit(0)
-        deadline = time.time() + 180
-        while time.time() < deadline and not (len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)):
-            if len(sinks) < len(todo) and all(s.done.is_set() for s in sinks):
-                submit(len(sinks))
-            time.sleep(0.01)
-        assert len(sinks) == len(todo) and all(s.done.is_set() for s in sinks)
+        sinks = staggered(engine, todo)
         for (ids, s), sink in zip(todo, sinks):
             expected = reference_tokens(reference, ids, s)
             assert sink.tokens == expected, (decode(ids)[:40], s)
