@@ -75,37 +75,10 @@ def in_place_round(backend: OrtBackend, rows: np.ndarray, prompt: np.ndarray, st
             "step_after": after[1:]}
 
 
-def slot_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, steps: int, chunk: int) -> dict:
-    R = rows.shape[0]
-    for slot in range(decoder.slots):
-        decoder.release(slot)
-    tok = np.zeros(decoder.slots, np.int64)
-    for slot in range(R):
-        tok[slot] = decoder.prefill(slot, rows[slot]).argmax()
-    before = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        logits = decoder.step(tok)
-        before.append(ms(t))
-        tok[:R] = logits[:R].argmax(-1)
-    chunks = []
-    for start in range(0, prompt.shape[1], chunk):  # into its own slot, chunk after chunk
-        t = time.perf_counter()
-        tok[R] = decoder.prefill(R, prompt[0, start : start + chunk]).argmax()
-        chunks.append(ms(t))
-    prefill = sum(chunks)
-    after = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        logits = decoder.step(tok)
-        after.append(ms(t))
-        tok[: R + 1] = logits[: R + 1].argmax(-1)
-    return {"step_before": before, "prefill": prefill, "chunk": chunks, "merge": 0.0, "first_step_after": after[0],
-            "step_after": after[1:]}
-
-
-def mixed_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, steps: int, chunk: int) -> dict:
-    """slot_round with each chunk run in the forward of the rows' decode step: `chunk` is that forward's time."""
+def slot_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, steps: int, chunk: int,
+               mixed: bool = False) -> dict:
+    """The rows decoding in slots, the prompt joining into its own slot, chunk after chunk; `mixed`: each chunk run in
+    the forward of the rows' decode step (SlotDecoder.step_mixed), whose time `chunk` then is."""
     R = rows.shape[0]
     for slot in range(decoder.slots):
         decoder.release(slot)
@@ -121,10 +94,15 @@ def mixed_round(decoder: SlotDecoder, rows: np.ndarray, prompt: np.ndarray, step
         tok[:R] = logits[:R].argmax(-1)
     chunks = []
     for start in range(0, prompt.shape[1], chunk):
+        part = prompt[0, start : start + chunk]
         t = time.perf_counter()
-        logits, last = decoder.step_mixed(tok, active, R, prompt[0, start : start + chunk])
+        if mixed:
+            logits, last = decoder.step_mixed(tok, active, R, part)
+            tok[:R] = logits[:R].argmax(-1)
+        else:
+            last = decoder.prefill(R, part)
         chunks.append(ms(t))
-        tok[:R], tok[R] = logits[:R].argmax(-1), last.argmax()
+        tok[R] = last.argmax()
     after = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -176,7 +154,7 @@ def main() -> None:
         chunk = args.chunk or args.prompt_tokens
         results["in_place"].append(in_place_round(backend, rows, prompt, args.steps, chunk))
         results["slots"].append(slot_round(decoder, rows, prompt, args.steps, chunk))
-        results["slots_mixed"].append(mixed_round(decoder, rows, prompt, args.steps, chunk))
+        results["slots_mixed"].append(slot_round(decoder, rows, prompt, args.steps, chunk, mixed=True))
     record = {
         "benchmark": "slot_join", "command": "python benchmarks/slot_join.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",) and v is not None),
