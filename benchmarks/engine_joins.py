@@ -1,7 +1,7 @@
 """Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
 inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens, and the overlapped
-prefill: EngineSettings.prefill_chunk and overlap_prefill; or chunks on the fixed slots, SlotBackend, for an fp32 export,
-each in the forward of a decode step, or apart: slots-apart),
+prefill: EngineSettings.prefill_chunk and overlap_prefill; or chunks on the fixed slots, SlotBackend, for an fp32, int8
+or int4 export, each in the forward of a decode step, or apart: slots-apart),
 in rounds that rotate their order, on one backend warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
@@ -31,9 +31,9 @@ from gpt2x.serve.core.outputs import TokenOut
 
 def variant_settings(name: str) -> EngineSettings:
     """"chunk=N": prompts joining prefilled N tokens between two decode steps; "overlap": the overlapped prefill;
-    "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend, an fp32 export), each run in a
-    decode step's forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's
-    token budget (max_num_batched_tokens), the chunk what the rows running leave of it, a wave of joiners chunked too."""
+    "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend), each run in a decode step's
+    forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's token budget
+    (max_num_batched_tokens), the chunk what the rows running leave of it."""
     if name == "overlap":
         return EngineSettings(overlap_prefill=True, prefix_cache_mb=0)
     key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
