@@ -262,7 +262,6 @@ def reserve_port(shared_dir):
 # that mark by rewriting node ids, which pytest 9.2 no longer lets it do; the scheduler below groups
 # by this list instead, and the collection hook checks that the list and the marks agree.
 RAY_TESTS = ("tests/serve/test_ray.py::",
-             "tests/cli/test_serve.py::test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running",
              "tests/cli/test_serve.py::test_a_signal_stops_the_server_cleanly_within_10_s[ray-")
 
 

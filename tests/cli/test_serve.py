@@ -261,62 +261,6 @@ def test_kv_cache_serves_an_fp32_export_from_its_twin_by_default_and_other_backe
             proc.wait(60)
 
 
-@RAY
-def test_deploys_onto_an_existing_ray_cluster_and_leaves_it_running(export_dir, reserve_port):
-    """`ray start --head` (blocking, so that stopping it stops its processes), then `gpt2x serve
-    --address` onto it: it answers, and SIGTERM removes the application, not the cluster."""
-    ray_exe = os.path.join(os.path.dirname(sys.executable), "ray")
-    gcs_port, http_port = reserve_port(), reserve_port()
-    # A throwaway cluster without Ray's token authentication (the command would otherwise need the
-    # cluster's token, as any Ray driver does); its own process group, so that it can be stopped whole.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    head = subprocess.Popen([ray_exe, "start", "--head", "--block", f"--port={gcs_port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--node-ip-address=127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    proc = None
-    try:
-        address = f"127.0.0.1:{gcs_port}"
-        proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--address", address,
-                                 "--port", str(http_port), "--json", "--threads", "1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
-        ready = json.loads(read_line(proc, 240))
-        assert ready["ray"] == address
-        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0, proc.stderr.read()
-        # the cluster outlives the command: `ray start --block` exits when one of its processes dies, and the GCS listens
-        assert head.poll() is None
-        socket.create_connection(("127.0.0.1", gcs_port), timeout=10).close()
-        assert httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=10).status_code == 404  # the app is gone
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        # The head and every process it started, at once: a throwaway cluster has nothing to save, and a SIGTERM's
-        # orderly stop took its processes about 5 s
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        head.wait(30)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and group_alive(head.pid):
-            time.sleep(0.1)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` is left, zombies aside: an orphan's zombie stays until PID 1 reaps it, which
-    a container's PID 1 may never do (a signal-0 probe counted them, and each wait ran to its deadline)."""
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                return True
-        except (psutil.Error, ProcessLookupError):  # a process that ended meanwhile
-            continue
-    return False
-
-
 # ------------------------------------------------------------------ the stop under a process manager
 
 
