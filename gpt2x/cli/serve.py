@@ -297,12 +297,6 @@ def serve(
     keys = tuple(api_key or ()) + (read_api_keys(api_key_file) if api_key_file is not None else ())
     cors = cors_settings(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     draft_settings = DraftSettings(num_speculative_tokens=num_speculative_tokens, adaptive=draft_adaptive)
-    if kv_cache is KvCache.slots:  # a slot takes no past made elsewhere: no prefix cache, asked for or by default
-        for name in ("prefix_cache_mb", "prefix_cache_dir"):
-            if given_by_user(ctx, name) and ctx.params.get(name):
-                raise UsageError(f"--kv-cache slots has no prefix cache: --{name.replace('_', '-')} does not apply",
-                                 option="kv-cache")
-        prefix_cache_mb = 0
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
                             max_num_batched_tokens=max_num_batched_tokens,

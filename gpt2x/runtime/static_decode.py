@@ -410,6 +410,19 @@ class SlotDecoder(Closable):
             a[target, :, :n] = a[source, :, :n]
         self.lengths[target] = n
 
+    def write(self, slot: int, kv: list[np.ndarray]) -> None:
+        """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer: a past made elsewhere, such as
+        the prefix cache's blocks) at its positions 0 .. n - 1. On the CPU."""
+        self._check_slot(slot)
+        if self.device != "cpu":
+            raise ProviderError("a slot is written on the CPU provider only")
+        n = kv[0].shape[1]
+        if not 0 < n < self.capacity:
+            raise ValueError(f"slot {slot} holds at most {self.capacity - 1} positions of a past, not {n}")
+        for a, values in zip(self._arrays, kv):
+            a[slot, :, :n] = values
+        self.lengths[slot] = n
+
     def read(self, slot: int) -> list[np.ndarray]:
         """What `slot` holds: 2 * n_layer arrays (H, length, D), copies. On the CPU."""
         if self.device != "cpu":
@@ -429,8 +442,13 @@ class SlotCache:
 
     owner: SlotBackend
     slots: np.ndarray  # (B,): row i is in slot slots[i]
+    # A past made elsewhere (past_from_numpy: 2 * n_layer arrays (B, H, P, D), each row right-aligned), written into
+    # the slots at the first step, whose attention mask says how many of its positions are each row's.
+    staged: list[np.ndarray] | None = None
 
     def _handed(self) -> np.ndarray:
+        if self.staged is not None:
+            raise RuntimeError("a past made elsewhere is written into its slots by a step before its rows move")
         slots, self.slots = self.slots, np.zeros(0, np.int64)
         return slots
 
@@ -449,6 +467,8 @@ class SlotCache:
 
     def to_numpy(self) -> list[np.ndarray]:
         """2 * n_layer arrays (B, H, P, D), each row right-aligned to the longest (zeros before a shorter one)."""
+        if self.staged is not None:
+            return [a.copy() for a in self.staged]
         self.owner.flush()
         rows = [self.owner.decoder.read(int(s)) for s in self.slots]
         P = max(r[0].shape[1] for r in rows)
@@ -460,17 +480,20 @@ class SlotCache:
             out.append(a)
         return out
 
+    stored = to_numpy  # what the prefix cache keeps: float arrays, as the slots hold them
+
 
 class SlotBackend(Closable):
     """A SlotDecoder behind the Backend protocol, for the serving engine: a prefill takes a free slot per row (the
     lowest, so that steps run few slots) and runs each row's own tokens there (a left-padded row's padding dropped);
     a one-token step of a batch is one decode step of its slots; rows join and leave through SlotCache.merge. The
-    attention mask's columns only say which new tokens are a row's: every row runs at its own length. No prefix
-    cache (it takes no past) and no prompt scoring (a step returns the last position's logits)."""
+    attention mask's columns only say which tokens are a row's: every row runs at its own length. A past made
+    elsewhere (the prefix cache's blocks: past_from_numpy) is written into the rows' slots at their first step, each
+    row's positions as its mask counts them (CPU only). No prompt scoring (a step returns the last position's logits)."""
 
     name = "ort"
-    capabilities = Capabilities(runtime="ONNX Runtime, fixed slots",
-                                precisions_by_provider=SLOT_PRECISIONS, joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
+    capabilities = Capabilities(runtime="ONNX Runtime, fixed slots", precisions_by_provider=SLOT_PRECISIONS,
+                                takes_past=True, joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -519,10 +542,29 @@ class SlotBackend(Closable):
             raise RuntimeError(f"{B} rows need a slot each and {len(self._free)} of {self.decoder.slots} are free")
         return np.asarray([self.take() for _ in range(B)], dtype=np.int64)
 
+    def past_from_numpy(self, arrays: list[np.ndarray]) -> SlotCache:
+        """A slot per row, which its first step fills with its part of `arrays` (SlotCache.staged)."""
+        return SlotCache(self, self._slots_for(arrays[0].shape[0], None), staged=list(arrays))
+
+    def _write_staged(self, past: SlotCache | None, attention_mask: np.ndarray, T: int) -> None:
+        """A staged past written into its slots: row b's last n_b positions, n_b its mask's past columns held."""
+        if past is None or past.staged is None:
+            return
+        staged, past.staged = past.staged, None
+        P = staged[0].shape[2]
+        held = attention_mask[:, : attention_mask.shape[1] - T].sum(axis=1)
+        for b, slot in enumerate(past.slots.tolist()):
+            n = int(held[b])
+            if n > P:
+                raise ValueError(f"row {b}'s mask holds {n} past positions; its past has {P}")
+            if n:
+                self.decoder.write(slot, [a[b, :, P - n:] for a in staged])
+
     def step_later(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                    past: SlotCache | None) -> SlotCache:
         """`step` for a prefill chunk whose logits are not read: each row's tokens held, to run in the forward of the
         next decode step (SlotDecoder.step_mixed, one chunk at a time) or alone before anything else reads a slot."""
+        self._write_staged(past, attention_mask, input_ids.shape[1])
         slots = self._slots_for(len(input_ids), past)
         if set(slots.tolist()) & {s for s, _ in self._pending}:
             self.flush()  # a row's chunks run in order
@@ -548,9 +590,10 @@ class SlotBackend(Closable):
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
         B, T = input_ids.shape
+        self._write_staged(past, attention_mask, T)
         slots = self._slots_for(B, past)
         new = attention_mask[:, -T:].astype(bool)  # which of the T columns are each row's own tokens
-        if T == 1 and past is not None and new.all():
+        if T == 1 and past is not None and new.all() and (self.decoder.lengths[slots] > 0).all():
             tokens = np.zeros(self.decoder.slots, np.int64)
             tokens[slots] = input_ids[:, 0]
             active = np.zeros(self.decoder.slots, bool)

@@ -220,3 +220,66 @@ def test_the_backend_runs_a_later_chunk_in_the_next_decode_step_or_drops_it_with
     backend.step_later(np.array([[1, 2]]), np.ones((1, 2), np.int64), None, None)
     gc.collect()  # the cache step_later returned is gone: its row left, and its chunk with it
     assert backend._pending == [] and backend.decoder.lengths[2] == 0
+
+
+def torch_past(model, rows: list[list[int]]) -> list[np.ndarray]:
+    """The PyTorch model's cache of each row's tokens (each row alone, no cache), as 2 * n_layer arrays (B, H, P, D)
+    right-aligned to the longest row, zeros before a shorter one: what the prefix cache hands a backend."""
+    P = max(len(r) for r in rows)
+    out = None
+    for b, ids in enumerate(rows):
+        if not ids:
+            continue
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            _, presents = model(x, torch.ones_like(x), torch.arange(len(ids))[None], None)
+        arrays = [t.numpy()[0] for kv in presents for t in kv]
+        if out is None:
+            out = [np.zeros((len(rows), a.shape[0], P, a.shape[2]), np.float32) for a in arrays]
+        for o, a in zip(out, arrays):
+            o[b, :, P - len(ids):] = a
+    return out
+
+
+def test_a_past_made_elsewhere_is_written_into_the_slots_at_the_first_step(tiny):
+    """SlotBackend.past_from_numpy (the prefix cache's blocks): PyTorch's cache of three rows' first tokens (12, 5 and
+    none), right-aligned; the rest of each prompt run on it, left-padded as the runner sends it, gives each row's last
+    logits as PyTorch's forward of the whole prompt, and each row's slot then holds exactly its prompt. A one-token rest
+    on every row's past decodes; the cache reads back as it went in."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    rng = np.random.default_rng(11)
+    V = info.config.vocab_size
+    prompts = [rng.integers(0, V, n).tolist() for n in (15, 9, 2)]
+    cached = [12, 5, 0]
+    backend = SlotBackend(info, slots=4, capacity=40)
+    past = backend.past_from_numpy(torch_past(model, [p[:c] for p, c in zip(prompts, cached)]))
+    for got, want in zip(past.to_numpy(), torch_past(model, [p[:c] for p, c in zip(prompts, cached)])):
+        np.testing.assert_array_equal(got, want)  # not yet written: read back as given
+    K, T = max(cached), max(len(p) - c for p, c in zip(prompts, cached))
+    ids = np.zeros((3, T), np.int64)
+    mask = np.zeros((3, K + T), np.int64)
+    for b, (p, c) in enumerate(zip(prompts, cached)):
+        rest = p[c:]
+        ids[b, T - len(rest):] = rest
+        mask[b, K - c:K] = 1
+        mask[b, K + T - len(rest):] = 1
+    logits, cache = backend.step(ids, mask, None, past)
+    for b, p in enumerate(prompts):
+        assert_close(logits[b], torch_last_logits(model, p))
+    assert backend.decoder.lengths[cache.slots].tolist() == [len(p) for p in prompts]
+    for got, want in zip(cache.stored(), torch_past(model, prompts)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+    del cache, past  # the rows leave: their slots are free again
+    # Every row's rest one token: where each row has a past, the decode step runs them; a row without one (a
+    # one-token prompt) is a prefill.
+    for lengths in ((6, 3), (6, 3, 1)):
+        one = [rng.integers(0, V, n).tolist() for n in lengths]
+        past = backend.past_from_numpy(torch_past(model, [p[:-1] for p in one]))
+        mask = np.array([[0] * (6 - n) + [1] * n for n in lengths])
+        logits, cache = backend.step(np.array([[p[-1]] for p in one]), mask, None, past)
+        for b, p in enumerate(one):
+            assert_close(logits[b], torch_last_logits(model, p))
+        del cache, past

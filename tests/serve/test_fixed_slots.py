@@ -1,6 +1,7 @@
 """`gpt2x serve --kv-cache slots`: a replica on the fixed slots (runtime.static_decode.SlotBackend) with a step token
-budget, its completions against gpt2x's generation code on the export's own backend, what it refuses (prompt
-logprobs, which it cannot give; the option where it does not apply), and /health saying which cache it runs."""
+budget and the prefix cache, its completions against gpt2x's generation code on the export's own backend, what it
+refuses (prompt logprobs, which it cannot give; the option where it does not apply), and /health saying which cache it
+runs."""
 
 from __future__ import annotations
 
@@ -49,19 +50,38 @@ def test_prompts_that_join_a_running_request_run_their_chunks_in_its_steps(clien
     the budget of 6 tokens, run in the decode steps' forwards; every text is the prompt's alone."""
     bodies = [{"prompt": p, "max_tokens": m, "temperature": 0} for p, m in ((PROMPTS[0], 150), (PROMPTS[2], 8), (PROMPTS[1], 8))]
     mixed = service.engine.backend.decoder.mixed_runs
-
-    async def staggered():
-        transport = httpx.ASGITransport(app=client.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
-            async def later(i: int):
-                await asyncio.sleep(0.1 * i)  # the first request's steps are under way
-                return await c.post("/v1/completions", json=bodies[i])
-            return await asyncio.gather(*[later(i) for i in range(len(bodies))])
-
-    for body, answer in zip(bodies, asyncio.run(staggered())):
+    for body, answer in zip(bodies, asyncio.run(staggered(client, bodies))):
         want = generate(reference, [body["prompt"]], SamplingSettings(max_new_tokens=body["max_tokens"], greedy=True))[0]
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == decode(want.tokens), body
     assert service.engine.backend.decoder.mixed_runs > mixed
+
+
+def test_a_prompt_that_starts_as_an_earlier_one_takes_its_blocks_from_the_prefix_cache(client, service, reference):
+    """The prefix cache on the slots: prompts sharing a 3-block prefix, sent alone and then while a row decodes (their
+    rests joining in chunks of the budget, the first on the cached blocks written into the slot); each text is the
+    prompt's alone, and the later prompts' prefixes came from the cache."""
+    engine = service.engine
+    prefix = PROMPTS[2] * 4  # 15 tokens each: the shared part covers 3 blocks of 16
+    prompts = [prefix + " What say you?", prefix + " Speak, speak.", prefix + " Go to."]
+    r = client.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 6, "temperature": 0})
+    before = engine.stats()["prefix_cache_hits"]
+    bodies = [{"prompt": PROMPTS[0], "max_tokens": 80, "temperature": 0}] + \
+        [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts[1:]]
+    answers = [r] + asyncio.run(staggered(client, bodies))[1:]
+    for prompt, answer in zip(prompts, answers):
+        want = generate(reference, [prompt], SamplingSettings(max_new_tokens=6, greedy=True))[0]
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == decode(want.tokens), prompt
+    assert engine.stats()["prefix_cache_hits"] - before >= 2 * 48
+
+
+async def staggered(client, bodies: list[dict]) -> list[httpx.Response]:
+    """The bodies posted 0.1 s apart, the first's steps under way when the others arrive."""
+    transport = httpx.ASGITransport(app=client.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+        async def later(i: int):
+            await asyncio.sleep(0.1 * i)
+            return await c.post("/v1/completions", json=bodies[i])
+        return await asyncio.gather(*[later(i) for i in range(len(bodies))])
 
 
 @pytest.mark.parametrize("body,param", [({"echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
@@ -78,7 +98,6 @@ def test_prompt_logprobs_are_refused_with_a_400_naming_the_cache(client, body, p
     (["serve", "--kv-cache", "slots", "--precision", "fp16"], "the fixed slots on cpu run fp32, int8, int4 exports"),
     (["serve", "--kv-cache", "slots", "--draft", "ngram"], "--kv-cache slots does not take --draft"),
     (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
-    (["serve", "--kv-cache", "slots", "--prefix-cache-mb", "64"], "--kv-cache slots has no prefix cache"),
 ])
 def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, args, fragment):
     code, _, err = cli(capsys, *args)
