@@ -67,8 +67,6 @@ class Capabilities:
     # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk whose logits nobody reads,
     # which the backend may run in the forward of its next decode step (one forward for both, docs/serving/index.md).
     mixes_chunks: bool = False
-    # `run` gives every position's logits (a prompt's logprobs, echo); else only a step's last position's.
-    scores_prompts: bool = True
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:

@@ -300,9 +300,10 @@ class SlotDecoder(Closable):
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of 0..{self.slots - 1}")
 
-    def prefill(self, slot: int, ids: np.ndarray) -> np.ndarray:
+    def prefill(self, slot: int, ids: np.ndarray, every: bool = False) -> np.ndarray:
         """Append `ids` [T] to what `slot` holds (a prompt into a free slot, or the next chunk of one) in one forward on
-        that slot's rows; the last position's logits [vocab]."""
+        that slot's rows; the last position's logits [vocab], or with `every` each position's [T, vocab] (a prompt's
+        logprobs)."""
         self._check_slot(slot)
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
         past, T = int(self.lengths[slot]), ids.shape[1]
@@ -312,13 +313,14 @@ class SlotDecoder(Closable):
         binding.bind_cpu_input(io.INPUT_IDS, ids)
         binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((1, past + T), np.int64))
         binding.bind_cpu_input(io.POSITION_IDS, np.arange(past, past + T, dtype=np.int64)[None])
-        if self._keep_last is not None:
+        if self._keep_last is not None and not every:  # else the graph's default: every position's
             binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
         binding.bind_output(io.LOGITS, "cpu")
         self._bind_slots(binding, slot, 1)  # this slot's rows alone
         self._prefill.run_with_iobinding(binding)
         self.lengths[slot] = past + T
-        return binding.get_outputs()[0].numpy()[0, -1]
+        logits = binding.get_outputs()[0].numpy()[0]
+        return logits if every else logits[-1]
 
     def step(self, tokens: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """Append each held slot's token of `tokens` [slots] at its own next position (a free slot's is ignored); the
@@ -489,11 +491,11 @@ class SlotBackend(Closable):
     a one-token step of a batch is one decode step of its slots; rows join and leave through SlotCache.merge. The
     attention mask's columns only say which tokens are a row's: every row runs at its own length. A past made
     elsewhere (the prefix cache's blocks: past_from_numpy) is written into the rows' slots at their first step, each
-    row's positions as its mask counts them (CPU only). No prompt scoring (a step returns the last position's logits)."""
+    row's positions as its mask counts them (CPU only). `run` gives every position's logits (a prompt's logprobs)."""
 
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots", precisions_by_provider=SLOT_PRECISIONS,
-                                takes_past=True, joins_rows=True, mixes_chunks=True, warms_up=True, scores_prompts=False)
+                                takes_past=True, joins_rows=True, mixes_chunks=True, warms_up=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -589,6 +591,8 @@ class SlotBackend(Closable):
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
+        """The last position's logits (B, V) of each row's new tokens (the mask's last T columns that are 1), run on
+        what its slot holds: a batch of one-token rows on held slots is one decode step; any other, a prefill per row."""
         B, T = input_ids.shape
         self._write_staged(past, attention_mask, T)
         slots = self._slots_for(B, past)
@@ -605,16 +609,32 @@ class SlotBackend(Closable):
             (slot, ids), = self._pending
             self._pending = []
             return self.decoder.step_mixed(tokens, active, slot, ids)[0][slots], past
+        return self._prefill(input_ids, new, slots, past, every=False)
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            past: SlotCache | None) -> tuple[np.ndarray, SlotCache]:
+        """Every position's logits (B, T, V) of each row's new tokens (a padding column's zeros), each row prefilled
+        into its slot."""
+        T = input_ids.shape[1]
+        self._write_staged(past, attention_mask, T)
+        slots = self._slots_for(len(input_ids), past)
+        return self._prefill(input_ids, attention_mask[:, -T:].astype(bool), slots, past, every=True)
+
+    def _prefill(self, input_ids: np.ndarray, new: np.ndarray, slots: np.ndarray, past: SlotCache | None,
+                 every: bool) -> tuple[np.ndarray, SlotCache]:
+        """Each row's new tokens (`new`: which of the T columns are its own) appended to its slot, one forward a row:
+        the last position's logits (B, V), or with `every` each position's (B, T, V)."""
         self.flush()
-        logits = np.zeros((B, self.vocab_size), np.float32)
+        B, T = input_ids.shape
+        logits = np.zeros((B, T, self.vocab_size) if every else (B, self.vocab_size), np.float32)
         for b in range(B):  # a prompt, or its next chunk, into each row's own slot
             if new[b].any():
-                logits[b] = self.decoder.prefill(int(slots[b]), input_ids[b][new[b]])
+                out = self.decoder.prefill(int(slots[b]), input_ids[b][new[b]], every)
+                if every:
+                    logits[b, new[b]] = out
+                else:
+                    logits[b] = out
         return logits, SlotCache(self, slots) if past is None else past
-
-    def run(self, input_ids, attention_mask, position_ids, past):
-        raise ProviderError("the fixed slots return the last position's logits only: prompt logprobs and echo need "
-                            "another cache")
 
     def peak_device_memory_mb(self) -> float | None:
         return None

@@ -283,3 +283,32 @@ def test_a_past_made_elsewhere_is_written_into_the_slots_at_the_first_step(tiny)
         for b, p in enumerate(one):
             assert_close(logits[b], torch_last_logits(model, p))
         del cache, past
+
+
+def test_run_gives_every_position_of_each_rows_own_tokens(tiny):
+    """SlotBackend.run (a prompt's logprobs): each row's new tokens' logits at every position, a left-padded row's
+    padding columns zero, on no past and on a past made elsewhere, against PyTorch's forward of the whole sequence."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    rng = np.random.default_rng(13)
+    V = info.config.vocab_size
+    backend = SlotBackend(info, slots=4, capacity=40)
+
+    def torch_logits(ids: list[int]) -> np.ndarray:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return model(x, torch.ones_like(x), torch.arange(len(ids))[None], None)[0][0].numpy()
+
+    prompts = [rng.integers(0, V, n).tolist() for n in (7, 4)]
+    ids = np.array([prompts[0], [0, 0, 0] + prompts[1]])
+    mask = (np.arange(7)[None] >= np.array([[0], [3]])).astype(np.int64)
+    logits, cache = backend.run(ids, mask, None, None)
+    assert logits.shape == (2, 7, V) and not logits[1, :3].any()
+    for got, p in ((logits[0], prompts[0]), (logits[1, 3:], prompts[1])):
+        np.testing.assert_allclose(got, torch_logits(p), atol=1e-4 * np.abs(got).max())
+    del cache
+    seq = rng.integers(0, V, 9).tolist()
+    past = backend.past_from_numpy(torch_past(model, [seq[:5]]))
+    logits, _ = backend.run(np.array([seq[5:]]), np.ones((1, 9), np.int64), None, past)
+    np.testing.assert_allclose(logits[0], torch_logits(seq)[5:], atol=1e-4 * np.abs(logits).max())

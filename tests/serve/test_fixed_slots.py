@@ -1,6 +1,6 @@
 """`gpt2x serve --kv-cache slots`: a replica on the fixed slots (runtime.static_decode.SlotBackend) with a step token
 budget and the prefix cache, its completions against gpt2x's generation code on the export's own backend, what it
-refuses (prompt logprobs, which it cannot give; the option where it does not apply), and /health saying which cache it
+answers (prompt logprobs), what it refuses (the option where it does not apply), and /health saying which cache it
 runs."""
 
 from __future__ import annotations
@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
+from gpt2x.numerics import log_softmax
 from gpt2x.serve.core.scheduler import EngineSettings
-from gpt2x.tokenizer import decode
+from gpt2x.tokenizer import decode, encode
 
 from ..helpers import assert_one_line_error, cli
 
@@ -84,13 +86,22 @@ async def staggered(client, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*[later(i) for i in range(len(bodies))])
 
 
-@pytest.mark.parametrize("body,param", [({"echo": True, "logprobs": 1, "max_tokens": 1}, "echo"),
-                                        ({"prompt_logprobs": 1, "max_tokens": 1}, "prompt_logprobs")])
-def test_prompt_logprobs_are_refused_with_a_400_naming_the_cache(client, body, param):
-    r = client.post("/v1/completions", json={"prompt": "ROMEO:", **body})
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
-    assert "--kv-cache slots" in r.json()["error"]["message"]
-    assert client.post("/v1/completions", json={"prompt": "ROMEO:", "echo": True, "max_tokens": 2}).status_code == 200
+def test_prompt_logprobs_and_echo_are_the_prompts_own_forward(client, reference):
+    """A prompt's logprobs on the slots (each position's logits, the prompt prefilled into a slot of its own), echo's
+    and vLLM's prompt_logprobs, against log_softmax of the export's own backend's forward of the prompt."""
+    ids = encode("ROMEO: I will not")
+    x = np.asarray([ids])
+    logits, _ = reference.run(x, np.ones_like(x), np.arange(len(ids))[None], None)
+    want = [float(log_softmax(logits[0])[i - 1, ids[i]]) for i in range(1, len(ids))]
+    r = client.post("/v1/completions", json={"prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert lps[0] is None and lps[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    r = client.post("/v1/completions", json={"prompt": [ids], "max_tokens": 1, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and [list(e) for e in entries[1:]] == [[str(t)] for t in ids[1:]]
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize("args,fragment", [

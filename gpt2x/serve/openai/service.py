@@ -67,7 +67,7 @@ class CompletionService:
     def served(self) -> ServedModel:
         """What its requests are checked against: the model's id, context and vocabulary, and its scheduling."""
         return ServedModel(self.model_id, self.backend.n_positions, min(self.backend.vocab_size, VOCAB_SIZE),
-                           self.engine.settings.scheduling_policy == "priority", self.backend.capabilities.scores_prompts)
+                           self.engine.settings.scheduling_policy == "priority")
 
     def prepare(self, p: CompletionRequest) -> ServedRequest:
         """A completions request as it is served (a 4xx APIError for what it asks and is not served)."""

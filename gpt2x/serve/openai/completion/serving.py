@@ -33,7 +33,6 @@ class ServedModel:
     n_positions: int
     vocab_size: int = VOCAB_SIZE
     priority_scheduling: bool = False
-    scores_prompts: bool = True  # its backend gives a prompt's logprobs (capabilities.scores_prompts)
 
 
 def check_model(given: Any, served: str) -> None:
@@ -89,10 +88,6 @@ def serve(p: SamplingRequest, prompts: list[tuple[str | None, list[int] | None]]
     if n * len(ids) > MAX_CHOICES:
         raise bad(f"n x prompts is {n} x {len(ids)} = {n * len(ids)} choices; at most {MAX_CHOICES} per request", "n")
     sampling = to_sampling_params(p, n, max_tokens, served.vocab_size, {"logprobs": logprobs, "echo": echo})
-    if not served.scores_prompts and (p.prompt_logprobs is not None or (echo and logprobs is not None)):
-        raise bad("this server's KV cache (--kv-cache slots) keeps a step's last logits only: no prompt logprobs "
-                  "(prompt_logprobs, echo with logprobs); serve with another --kv-cache for them",
-                  "prompt_logprobs" if p.prompt_logprobs is not None else "echo")
     if p.priority and not served.priority_scheduling:  # vLLM refuses it so too
         raise bad(f"priority is {p.priority}: this server schedules first come, first served; start it "
                   "with --scheduling-policy priority", "priority")
