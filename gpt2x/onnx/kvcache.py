@@ -65,29 +65,36 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def with_int8_kv(proto: onnx.ModelProto, scales: np.ndarray) -> None:
     """In place: every GroupQueryAttention reads and writes an int8 cache with `scales` (2L, H, D) per channel, and the
-    graph's past and present inputs and outputs are int8. ValueError where the graph has no GroupQueryAttention per
-    layer."""
+    graph's past and present inputs and outputs are int8 (the mixed step's, onnx.optimize.to_mixed_step: both of a
+    layer's attentions, on the decode rows' cache and the chunk's). ValueError where some layer has no
+    GroupQueryAttention."""
     from onnx import TensorProto, helper  # rewriting a graph: onnx's
 
     graph = proto.graph
     nodes = [n for n in graph.node if n.op_type == GQA and n.domain == MSFT]
     n_layer = len(scales) // 2
-    if len(nodes) != n_layer:
+    # A node's past key names its layer: the export's past, or the mixed step's chunk past.
+    layer_of = {name: i // 2 for i, name in enumerate(io.input_names(n_layer)[3:]) if i % 2 == 0}
+    layer_of.update({io.chunk_past_key(i): i for i in range(n_layer)})
+    layers = {layer_of.get(n.input[3]) for n in nodes}
+    if len(nodes) < n_layer or layers != set(range(n_layer)):
         raise ValueError(f"the graph has {len(nodes)} GroupQueryAttention nodes; the scales are for {n_layer} layers")
-    pasts = io.input_names(n_layer)[3:]
     for n in nodes:
-        layer = pasts.index(n.input[3]) // 2  # the node's past key names its layer
+        layer = layer_of[n.input[3]]
         while len(n.input) <= _V_SCALE:
             n.input.append("")
         for slot, kind, k in ((_K_SCALE, "key", 0), (_V_SCALE, "value", 1)):
             name = scale_name(layer, kind)
             heads, dim = scales[2 * layer + k].shape
-            graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, [1, heads, 1, dim],
-                                                        scales[2 * layer + k].ravel().tolist()))
+            if not any(t.name == name for t in graph.initializer):  # one per layer, shared by its two attentions
+                graph.initializer.append(helper.make_tensor(name, TensorProto.FLOAT, [1, heads, 1, dim],
+                                                            scales[2 * layer + k].ravel().tolist()))
             n.input[slot] = name
         n.attribute.extend([helper.make_attribute("kv_cache_bit_width", 8), helper.make_attribute("k_quant_type", "PER_CHANNEL"),
                             helper.make_attribute("v_quant_type", "PER_CHANNEL")])
-    cache = set(pasts) | set(io.output_names(n_layer)[1:])
+    cache = set(io.input_names(n_layer)[3:]) | set(io.output_names(n_layer)[1:])
+    cache |= {name(i) for i in range(n_layer) for name in (io.chunk_past_key, io.chunk_past_value, io.chunk_present_key,
+                                                          io.chunk_present_value)}
     for value in list(graph.input) + list(graph.output):
         if value.name in cache:
             value.type.tensor_type.elem_type = TensorProto.INT8

@@ -13,7 +13,11 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
+from ..onnx.graph_cache import InMemoryGraph
+from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
+from .kvdtype import asked as asked_kv_dtype
+from .kvdtype import int8_kv_scales
 from .ort import bind_past_and_present
 from .providers import create_session, refuse_fp16_on_cpu
 
@@ -31,8 +35,8 @@ def fixed_cache_refusal(provider: ProviderKind, precision: Precision) -> str | N
             f"GroupQueryAttention on {provider.value}), not {precision.value}")
 
 
-# The fixed slots' precisions: the CPU's GroupQueryAttention graphs (fp32's twin, int8's and int4's own, each on a float
-# cache), and fp16 on CUDA.
+# The fixed slots' precisions: the CPU's GroupQueryAttention graphs (fp32's twin on a float cache, int8's and int4's own
+# on an int8 or a float cache, as runtime.kvdtype chooses), and fp16 on CUDA.
 SLOT_PRECISIONS = {ProviderKind.cpu: (Precision.fp32, Precision.int8, Precision.int4), ProviderKind.cuda: (Precision.fp16,)}
 
 
@@ -225,7 +229,8 @@ class SlotDecoder(Closable):
     token 0 at position 0, which its next prefill overwrites; `release` frees a slot. No row's cache is ever moved or copied: rows join and leave without a
     merge. The logits come back to the host, for the serving engine's samplers. The graphs are StaticDecoder's, the
     decode step's head the logits (onnx.optimize.static_forms): on the CPU fp32 exports (their GroupQueryAttention twin)
-    and int8 and int4 ones, each on a float cache; fp16 on CUDA.
+    on a float cache, and int8 and int4 ones on an int8 cache where the export's record chose one (`kv_scales`: the
+    graphs rewritten by onnx.kvcache.with_int8_kv, as the ort backend's) or a float one; fp16 on CUDA.
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
@@ -244,7 +249,10 @@ class SlotDecoder(Closable):
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
-        prefill, decode = forms
+        # An int8 cache where the export's record (or --kv-cache-dtype) chooses one: a quarter of a float cache's bytes,
+        # and the attention reads them so (the ort backend's choice, runtime.kvdtype).
+        self.kv_scales = int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu)
+        prefill, decode = (self._with_kv_dtype(form) for form in forms)
         self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
         overridable = {i.name for i in self._prefill.get_overridable_initializers()}
         self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)) if io.LOGITS_TO_KEEP in overridable else None
@@ -252,7 +260,7 @@ class SlotDecoder(Closable):
         # batch dimension stays free, the rows bound by address like a prefill's.
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
                                       dims={io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
-        self.dtype = np.float16 if info.precision is Precision.fp16 else np.float32
+        self.dtype = np.int8 if self.kv_scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32
         self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
@@ -273,6 +281,18 @@ class SlotDecoder(Closable):
         # The mixed step's session, made at its first use: (the file, provider and threads to make it)
         self._mixed, self._path, self._provider, self._threads = None, info.model_path, provider, threads
         self.mixed_runs = 0  # step_mixed's forwards
+
+    def _with_kv_dtype(self, form: InMemoryGraph) -> InMemoryGraph:
+        """`form` reading and writing the int8 cache, where the slots hold one."""
+        if self.kv_scales is None:
+            return form
+        import onnx  # rewriting a graph: onnx's, where the cache is int8
+
+        from ..onnx.kvcache import with_int8_kv
+
+        proto = onnx.load_from_string(form.graph)
+        with_int8_kv(proto, self.kv_scales)
+        return replace(form, graph=proto.SerializeToString())
 
     def _bind_slots(self, binding, first: int, rows: int, names: tuple[list[str], list[str]] | None = None) -> None:
         """Slots [first, first + rows) of every buffer bound as past and present (`names`: the past's and present's
@@ -351,7 +371,7 @@ class SlotDecoder(Closable):
         if self._mixed is None:
             from ..onnx.optimize import mixed_form
 
-            form = mixed_form(self._path)
+            form = self._with_kv_dtype(mixed_form(self._path))
             self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
                                          dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
 
@@ -413,8 +433,8 @@ class SlotDecoder(Closable):
         self.lengths[target] = n
 
     def write(self, slot: int, kv: list[np.ndarray]) -> None:
-        """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer: a past made elsewhere, such as
-        the prefix cache's blocks) at its positions 0 .. n - 1. On the CPU."""
+        """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer, in the slots' dtype: a past made
+        elsewhere, such as the prefix cache's blocks) at its positions 0 .. n - 1. On the CPU."""
         self._check_slot(slot)
         if self.device != "cpu":
             raise ProviderError("a slot is written on the CPU provider only")
@@ -426,7 +446,7 @@ class SlotDecoder(Closable):
         self.lengths[slot] = n
 
     def read(self, slot: int) -> list[np.ndarray]:
-        """What `slot` holds: 2 * n_layer arrays (H, length, D), copies. On the CPU."""
+        """What `slot` holds: 2 * n_layer arrays (H, length, D) in the slots' dtype, copies. On the CPU."""
         if self.device != "cpu":
             raise ProviderError("a slot is read on the CPU provider only")
         return [a[slot, :, : int(self.lengths[slot])].copy() for a in self._arrays]
@@ -468,7 +488,14 @@ class SlotCache:
             self.owner.free(slot)
 
     def to_numpy(self) -> list[np.ndarray]:
-        """2 * n_layer arrays (B, H, P, D), each row right-aligned to the longest (zeros before a shorter one)."""
+        """2 * n_layer float arrays (B, H, P, D), each row right-aligned to the longest (zeros before a shorter one); an
+        int8 cache's dequantized."""
+        scales = self.owner.decoder.kv_scales
+        stored = self.stored()
+        return stored if scales is None else [dequantize(a, s) for a, s in zip(stored, scales)]
+
+    def stored(self) -> list[np.ndarray]:
+        """As to_numpy, in the dtype the slots hold (int8 for an int8 cache): what the prefix cache keeps."""
         if self.staged is not None:
             return [a.copy() for a in self.staged]
         self.owner.flush()
@@ -476,13 +503,11 @@ class SlotCache:
         P = max(r[0].shape[1] for r in rows)
         out = []
         for layer in range(len(rows[0])):
-            a = np.zeros((len(rows), *rows[0][layer].shape[:1], P, rows[0][layer].shape[2]), np.float32)
+            a = np.zeros((len(rows), *rows[0][layer].shape[:1], P, rows[0][layer].shape[2]), rows[0][layer].dtype)
             for b, r in enumerate(rows):
                 a[b, :, P - r[layer].shape[1]:] = r[layer]
             out.append(a)
         return out
-
-    stored = to_numpy  # what the prefix cache keeps: float arrays, as the slots hold them
 
 
 class SlotBackend(Closable):
@@ -545,7 +570,13 @@ class SlotBackend(Closable):
         return np.asarray([self.take() for _ in range(B)], dtype=np.int64)
 
     def past_from_numpy(self, arrays: list[np.ndarray]) -> SlotCache:
-        """A slot per row, which its first step fills with its part of `arrays` (SlotCache.staged)."""
+        """A slot per row, which its first step fills with its part of `arrays` (SlotCache.staged): float arrays, or
+        for an int8 cache int8 ones as `stored` gives them (float ones quantized as the cache stores them)."""
+        scales = self.decoder.kv_scales
+        if scales is not None and arrays[0].dtype != np.int8:
+            arrays = [quantize(a, s) for a, s in zip(arrays, scales)]
+        elif scales is None:
+            arrays = [np.asarray(a, dtype=self.decoder.dtype) for a in arrays]
         return SlotCache(self, self._slots_for(arrays[0].shape[0], None), staged=list(arrays))
 
     def _write_staged(self, past: SlotCache | None, attention_mask: np.ndarray, T: int) -> None:

@@ -130,6 +130,68 @@ def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tin
     close(last, alone(joiner[:7]))
 
 
+def test_an_int8_cache_on_the_slots_decodes_and_mixes_as_the_ort_backends_int8_cache(tiny_export, monkeypatch):
+    """An int8 export whose record kept the int8 cache's scales, with the int8 cache asked for: the slots hold int8 (a
+    quarter of the float cache's bytes), and a row's prefill, its decode steps, and a mixed step's decode row and chunk
+    give the ort backend's logits on its own int8 cache (in place) for the same sequences; the prefix cache's copy of a
+    slot is int8, and a past made of it decodes on."""
+    from gpt2x.numerics import positions
+    from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+    from gpt2x.runtime.ort import OrtBackend
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    info = tiny_export(Precision.int8, int8_kv=True)[2]
+    monkeypatch.setenv(KV_DTYPE_ENV, "int8")  # for this test's backends (not the export's own gate, which sets it)
+    reference = OrtBackend(info, threads=1)
+    assert reference.kv_dtype == np.int8
+
+    def ort_steps(ids: list[int], steps: list[int]) -> list[np.ndarray]:
+        """The ort backend's last logits after the prompt `ids`, then after each of `steps`, on its int8 cache."""
+        x = np.array([ids])
+        m = np.ones_like(x)
+        logits, past = reference.step(x, m, positions(m, x.shape[1]), None)
+        out = [logits[0]]
+        for t in steps:
+            m = np.ones((1, m.shape[1] + 1), np.int64)
+            logits, past = reference.step(np.array([[t]]), m, positions(m, 1), past)
+            out.append(logits[0])
+        return out
+
+    def close(got: np.ndarray, want: np.ndarray) -> None:
+        assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+    rng = np.random.default_rng(4)
+    V = info.config.vocab_size
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48)
+    assert decoder.dtype == np.int8 and all(a.dtype == np.int8 for a in decoder._arrays)
+    first = rng.integers(0, V, 9).tolist()
+    logits = [decoder.prefill(0, np.array(first))]
+    nxt = [int(logits[0].argmax())]
+    for _ in range(3):
+        logits.append(decoder.step(np.array([nxt[-1], 0]))[0])
+        nxt.append(int(logits[-1].argmax()))
+    for got, want in zip(logits, ort_steps(first, nxt[:-1])):
+        close(got, want)
+    joiner = rng.integers(0, V, 12).tolist()
+    decode, last = decoder.step_mixed(np.array([nxt[-1], 0]), np.array([True, False]), 1, np.array(joiner[:7]))
+    close(decode[0], ort_steps(first, nxt)[-1])
+    close(last, ort_steps(joiner[:7], [])[0])
+    nxt.append(int(decode[0].argmax()))
+    after = decoder.step(np.array([nxt[-1], int(last.argmax())]))  # both read what the mixed step wrote
+    close(after[0], ort_steps(first, nxt)[-1])
+    close(after[1], ort_steps(joiner[:7], [int(last.argmax())])[-1])
+
+    backend = SlotBackend(info, slots=2, capacity=48)
+    x = np.array([first])
+    _, cache = backend.step(x, np.ones_like(x), None, None)
+    kept = cache.stored()
+    assert kept[0].dtype == np.int8 and kept[0].shape[2] == len(first)
+    del cache
+    past = backend.past_from_numpy(kept)
+    logits, _ = backend.step(np.array([[nxt[0]]]), np.ones((1, len(first) + 1), np.int64), None, past)
+    close(logits[0], ort_steps(first, nxt[:1])[-1])
+
+
 def test_the_backends_caches_hold_each_slot_once_and_free_what_they_let_go(tiny):
     """SlotBackend's caches: a prefill takes the lowest free slots (refused whole where too few are free), a merge hands
     the kept slots on and frees the leavers', a row taken twice is copied (its twin's logits the same), and a cache let
