@@ -330,9 +330,6 @@ def serve(
     if draft is not None:
         refuse_batched_draft(max_batch_size)
     refuse_kv_cache(kv_cache, backend, served=True, precision=precision)
-    if kv_cache is KvCache.slots and draft is not None:
-        raise UsageError("--kv-cache slots does not take --draft: speculative decoding rolls a row's cache back, which "
-                         "the slots do not", option="kv-cache")
     refuse_int8_kv(precision, None if any(folder is None for _, folder in sources) else sources[0][1])
     if address is None:
         require_provider([backend], provider)

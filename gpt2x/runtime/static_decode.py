@@ -479,6 +479,17 @@ class SlotCache:
         pool = self._handed() if joiner is None else np.concatenate([self._handed(), joiner._handed()])
         return SlotCache(self.owner, self.owner.gathered(pool, np.asarray(rows)))
 
+    def truncate(self, length: int) -> SlotCache:
+        """The rows' first `length` positions of the longest one's, each row right-aligned to it (speculative decoding's
+        rejected tokens dropped): each slot holds that many fewer positions, nothing moved."""
+        self.owner.flush()
+        lengths = self.owner.decoder.lengths
+        drop = int(lengths[self.slots].max()) - length
+        if drop < 0 or (lengths[self.slots] <= drop).any():
+            raise ValueError(f"cannot keep {length} positions of rows holding {lengths[self.slots].tolist()}")
+        lengths[self.slots] -= drop
+        return self
+
     def reorder(self, rows: np.ndarray) -> SlotCache:
         """The rows gathered by `rows`: a row taken twice is copied into a free slot (two rows of one prompt)."""
         return SlotCache(self.owner, self.owner.gathered(self._handed(), np.asarray(rows)))
@@ -516,11 +527,12 @@ class SlotBackend(Closable):
     a one-token step of a batch is one decode step of its slots; rows join and leave through SlotCache.merge. The
     attention mask's columns only say which tokens are a row's: every row runs at its own length. A past made
     elsewhere (the prefix cache's blocks: past_from_numpy) is written into the rows' slots at their first step, each
-    row's positions as its mask counts them (CPU only). `run` gives every position's logits (a prompt's logprobs)."""
+    row's positions as its mask counts them (CPU only). `run` gives every position's logits (a prompt's logprobs, a
+    draft's verification), and a cache rolls back by its slots' lengths alone (SlotCache.truncate)."""
 
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots", precisions_by_provider=SLOT_PRECISIONS,
-                                takes_past=True, joins_rows=True, mixes_chunks=True, warms_up=True)
+                                takes_past=True, joins_rows=True, rolls_back=True, mixes_chunks=True, warms_up=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,

@@ -120,12 +120,16 @@ def no_cache_logits(backend, ids: list[int]) -> np.ndarray:
 # ---------------------------------------------------------------- 1. Backend.truncate
 
 
-TRUNCATE_BACKENDS = ["ort-fp32", "ort-int8", "openvino-fp32", "openvino-int8", "torch"]
+TRUNCATE_BACKENDS = ["ort-fp32", "ort-int8", "openvino-fp32", "openvino-int8", "torch", "slots-fp32", "slots-int8"]
 
 
 def make_backend(bundled, kind: str):
     if kind == "torch":
         return TorchBackend(bundled.model)
+    if kind.startswith("slots"):  # the server's fixed slots (runtime.static_decode.SlotBackend)
+        from gpt2x.runtime.static_decode import SlotBackend
+
+        return SlotBackend(bundled.infos[Precision(kind.split("-")[1])], threads=1, slots=6)
     runtime, precision = kind.split("-")
     info = bundled.infos[Precision(precision)]
     # ort-fp32: the growing cache (ort-int8 has its cache in place), so that both forms are covered
@@ -135,7 +139,7 @@ def make_backend(bundled, kind: str):
 
 def in_place(kind: str) -> bool:
     """Whether the backend keeps its cache in fixed buffers, whose earlier views go stale."""
-    return kind in ("ort-int8", "openvino-fp32", "openvino-int8")
+    return kind in ("ort-int8", "openvino-fp32", "openvino-int8")  # a slot's cache is its handle: no earlier view
 
 
 @pytest.mark.parametrize("kind", TRUNCATE_BACKENDS)

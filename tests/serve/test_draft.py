@@ -94,13 +94,19 @@ def expected_end(tokens: list[int], settings: SamplingSettings) -> tuple[str, st
 # ------------------------------------------------------------------ the engine
 
 
-@pytest.mark.parametrize("target", ["fp32", "int8-in-place"])
+@pytest.mark.parametrize("target", ["fp32", "int8-in-place", "slots"])
 @pytest.mark.parametrize("kind", ["ngram", "int8"])
 def test_greedy_with_a_draft_equals_the_plain_engine(exports, fp32, int8_draft, kind, target):
     """Adaptive K (the default): the rows mix plain steps and rounds of any K; greedy tokens are the
-    target's own either way (the int8 target with its cache in place, rolled back by its length)."""
-    backend = fp32 if target == "fp32" else OrtBackend(read_export(exports[Precision.int8]), threads=1)
-    assert backend.in_place_kv == (target == "int8-in-place")
+    target's own either way (the int8 target with its cache in place, rolled back by its length; the fixed slots,
+    by their slots' lengths)."""
+    if target == "slots":
+        from gpt2x.runtime.static_decode import SlotBackend
+
+        backend = SlotBackend(read_export(exports[Precision.fp32]), threads=1, slots=4)
+    else:
+        backend = fp32 if target == "fp32" else OrtBackend(read_export(exports[Precision.int8]), threads=1)
+        assert backend.in_place_kv == (target == "int8-in-place")
     todo = cases()
     plain = Engine(backend, ONE).start()
     spec = Engine(backend, ONE, make_drafter(kind, int8_draft)).start()

@@ -107,7 +107,6 @@ def test_prompt_logprobs_and_echo_are_the_prompts_own_forward(client, reference)
 @pytest.mark.parametrize("args,fragment", [
     (["generate", "hi", "--kv-cache", "slots"], "--kv-cache slots is the server's"),
     (["serve", "--kv-cache", "slots", "--precision", "fp16"], "the fixed slots on cpu run fp32, int8, int4 exports"),
-    (["serve", "--kv-cache", "slots", "--draft", "ngram"], "--kv-cache slots does not take --draft"),
     (["serve", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
 ])
 def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, args, fragment):
