@@ -4,8 +4,8 @@ cache on disk (`gpt2x serve --prefix-cache-dir`), against a cold one (the same r
     python benchmarks/prefix_disk.py --onnx EXPORT [--onnx EXPORT2 ...] --out benchmarks/results/prefix-disk-cpu-2core
         [--prefix-len 512] [--rounds 3] [--threads 2]
 
-Each round and export: a fresh folder; a server started on it answers one short warm-up request (its sessions'
-first run is not the cache's doing) and then prefix + suffix A (the cold first token: nothing on disk), and is
+Each round and export: a fresh folder; a server started on it answers one short warm-up request, streamed as the
+timed one is (its sessions' and its stream's first run are not the cache's doing) and then prefix + suffix A (the cold first token: nothing on disk), and is
 stopped (its blocks written as it stops); a second server started on the same folder answers the warm-up and then
 prefix + suffix B (the restarted first token: the prefix's blocks read back from the disk). Both are first requests
 of a fresh `gpt2x serve` process, streamed, greedy, timed by this client from the request to the first chunk with
@@ -65,7 +65,7 @@ def served(export: str, folder: Path, threads: int, ids: list[int]) -> tuple[flo
     try:
         ready = json.loads(proc.stdout.readline())
         url = ready["url"]
-        httpx.post(f"{url}/v1/completions", json={"prompt": [464], "max_tokens": 1}, timeout=120).raise_for_status()
+        first_token_ms(url, [464, 465])  # the warm-up, streamed as the request timed: its path's first use is not timed
         ms = first_token_ms(url, ids)
         health = httpx.get(f"{url}/health", timeout=30).json()
     finally:
