@@ -46,6 +46,9 @@ class Capabilities:
     # on whole sequences.
     takes_past: bool = False
     joins_rows: bool = False  # `KVCache.merge`: continuous batching; else static batches
+    # `KVCache.merge` moves no row's cache (fixed slots): a finished row leaves the batch at its next step, where
+    # otherwise finished rows ride along, masked, until half the batch has finished (a merge copies the cache).
+    frees_rows: bool = False
     rolls_back: bool = False  # `KVCache.truncate`: speculative decoding's rollback
     # `step_greedy`: the argmax taken where the logits are (device, page); one token per row comes back.
     argmax_where_logits_are: bool = False

@@ -414,6 +414,20 @@ def test_the_batch_regroups_when_half_of_it_has_finished():
     assert scheduler.running == 2
 
 
+def test_where_rows_leave_at_no_cost_a_finished_row_leaves_at_the_next_step():
+    """A cache whose merge moves nothing (the fixed slots: frees_rows): one finished row of four is compacted away at
+    once, not carried to half the batch."""
+    clock = Clock()
+    scheduler, shapes, rows = running(4, clock)
+    scheduler.frees_rows = True
+    rows[1].cancel()
+    assert shapes.step() == decode(rows) and rows[1].finished  # ended by this step
+    plan = shapes.step()
+    kept = [rows[i] for i in plan.regroup.order.tolist()]
+    assert plan.finished_req_ids == (rows[1],) and sorted(plan.regroup.order.tolist()) == [0, 2, 3]
+    assert list(plan.scheduled_cached_reqs) == kept and shapes.batch.rows == kept
+
+
 def test_the_scheduler_keeps_the_batchs_width_from_what_the_runner_gave():
     """The scheduler's own view of the batch: rows of 20 prompt tokens (width 20, then 21 after a step) with a
     12-token joiner in chunks of 4; both rows cancelled, their next decode step ends them without running the model

@@ -211,14 +211,15 @@ class Scheduler:
     """Every decision on the waiting rows (held by `queue`, a RequestQueue the callers' threads put rows in:
     `submit`, `close`) and on the batch (the engine's thread: `schedule`, `update_from_output`, `fail`), whose rows'
     state it keeps. `joins_rows`: the backend's cache takes rows prefilled apart (else batches are static);
-    `speculative`: a draft decodes lone rows; `prefix` and `estimate`: the prefix cache and the backend's prefill
-    times, for the prefix cache's policy."""
+    `frees_rows`: a row leaves its cache at no cost (finished rows leave at once); `speculative`: a draft decodes lone
+    rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
-                 prefix: PrefixView | None = None, estimate: Estimate | None = None):
+                 prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False):
         self.settings = settings
         self.joins_rows = joins_rows
+        self.frees_rows = frees_rows
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
@@ -590,8 +591,8 @@ class Scheduler:
     def regroup_due(self, live: int, rows: int, joining: bool) -> bool:
         """Whether the batch regroups before its next step: rows join, or half of it has finished
         (finished rows ride along, masked and unread, until then: a merge through the host copies the
-        whole cache, so rows do not leave one by one)."""
-        return joining or 2 * live <= rows
+        whole cache, so rows do not leave one by one); where rows leave at no cost (`frees_rows`), a row has."""
+        return joining or (live < rows if self.frees_rows else 2 * live <= rows)
 
     def plan_regroup(self, rows: list[Row], live: list[int], joined: list[Row] | None) -> Regroup | None:
         """The batch (`rows`, `live` of them running) with its finished rows gone and the joined rows still running
