@@ -125,8 +125,9 @@ class DiskBlocks:
         why = _mismatch(meta, kv, self.key, digest, tokens, self.dtype, self.block_tokens, self._shape)
         if why is not None:
             return self._bad(digest, why)
-        self._shape = kv.shape
-        self.loaded += 1
+        with self._lock:  # blocks are read on several threads at once (PrefixCache._read_in)
+            self._shape = kv.shape
+            self.loaded += 1
         self._touch(digest)
         return kv
 
@@ -190,7 +191,8 @@ class DiskBlocks:
                 self.bytes -= size
 
     def _bad(self, digest: str, why: str) -> None:
-        self.errors += 1
+        with self._lock:
+            self.errors += 1
         log.warning("prefix cache: skipped %s: %s", self._path(digest), why)
         self._forget(digest)
         self._path(digest).unlink(missing_ok=True)
@@ -212,7 +214,7 @@ class DiskBlocks:
             return
         kv = np.ascontiguousarray(kv)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": self.key, "digest": digest,
-                "tokens": json.dumps(tokens), "sha256": hashlib.sha256(kv.tobytes()).hexdigest()}
+                "tokens": json.dumps(tokens), "sha256": _sha256(kv)}
         tmp = self.folder / f"{digest}.{threading.get_ident()}.tmp"
         save_file({"kv": kv}, str(tmp), metadata=meta)
         size = tmp.stat().st_size
@@ -243,6 +245,11 @@ def _mismatch(meta: dict, kv: np.ndarray, key: str, digest: str, tokens: list[in
         return "its tokens are not the prompt's"
     if kv.dtype != dtype or kv.ndim != 4 or kv.shape[2] != block_tokens or shape not in (None, kv.shape):
         return f"its KV is {kv.dtype}{list(kv.shape)}, not a block of {block_tokens} tokens in {dtype}"
-    if hashlib.sha256(np.ascontiguousarray(kv).tobytes()).hexdigest() != meta.get("sha256"):
+    if _sha256(kv) != meta.get("sha256"):
         return "its bytes do not match their checksum"
     return None
+
+
+def _sha256(kv: np.ndarray) -> str:
+    """The SHA-256 of an array's bytes, read in place (no copy)."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(kv)).cast("B")).hexdigest()
