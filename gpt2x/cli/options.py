@@ -103,8 +103,9 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (def
 KvCacheOpt = Annotated[KvCache, typer.Option(
     rich_help_panel=RUNTIME_PANEL,
     help="The ort backend's KV cache: auto (written in place wherever it can be on the CPU: int8 and int4 graphs, an "
-    "fp32 export's through its graph's GroupQueryAttention twin, made in memory), in-place (required), or growing "
-    "(the export's own graph).")]
+    "fp32 export's through its graph's GroupQueryAttention twin, made in memory), in-place (required), growing "
+    "(the export's own graph), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run in the "
+    "decode steps' own forward).")]
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
