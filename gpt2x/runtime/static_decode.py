@@ -482,6 +482,8 @@ class SlotCache:
     def truncate(self, length: int) -> SlotCache:
         """The rows' first `length` positions of the longest one's, each row right-aligned to it (speculative decoding's
         rejected tokens dropped): each slot holds that many fewer positions, nothing moved."""
+        if self.staged is not None:
+            raise RuntimeError("a past made elsewhere is written into its slots by a step before it is cut")
         self.owner.flush()
         lengths = self.owner.decoder.lengths
         drop = int(lengths[self.slots].max()) - length
