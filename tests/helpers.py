@@ -369,6 +369,21 @@ class EndsAt:
         return logits, past
 
 
+@contextmanager
+def serving(*args: str, env: dict | None = None, timeout: float = 180) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """`python -m gpt2x serve ARGS --json` in a subprocess, as a user starts it: the process and its ready line, once
+    printed; killed on the way out where the block did not stop it."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", *args, "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, encoding="utf-8", env=full_env)
+    try:
+        yield proc, json.loads(read_line(proc, timeout))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def read_line(proc: subprocess.Popen, timeout: float) -> str:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -38,6 +38,7 @@ from ..helpers import (  # noqa: E402
     cli,
     read_line,
     run_cli,
+    serving,
 )
 
 # Every test that starts Ray runs in one pytest-xdist worker, one after another (conftest.RAY_TESTS).
@@ -127,12 +128,8 @@ def test_serve_answers_and_stops_cleanly(export_dir, reserve_port):
     routes are test_ray's, through the same deployment, and the command's stop with what Ray started is
     test_a_signal_stops_the_server_cleanly_within_10_s's."""
     port = reserve_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPT2X_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
-                             "--json", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, encoding="utf-8", env=env)
-    try:
-        ready = json.loads(read_line(proc, 180))
+    with serving("--onnx", str(export_dir), "--port", str(port), "--threads", "1", env={"GPT2X_API_KEY": KEY}) \
+            as (proc, ready):
         assert ready["url"] == f"http://127.0.0.1:{port}" and ready["model"] == "shakespeare" and ready["api_key"] is True
         assert ready["ray"] is None and ready["replicas"] == 1
         assert KEY not in json.dumps(ready)
@@ -175,10 +172,6 @@ def test_serve_answers_and_stops_cleanly(export_dir, reserve_port):
             # still makes the bind fail.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))  # the port is free again
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 # `gpt2x serve` in an install without the ray extra: importing ray (or a submodule) raises ImportError,

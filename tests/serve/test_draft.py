@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -270,15 +267,10 @@ def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32, reserve_
     draft's tokens. Stopped with SIGTERM."""
     import httpx
 
-    from ..helpers import read_line
+    from ..helpers import serving
 
-    port = reserve_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(exports[Precision.fp32]), "--port",
-                             str(port), "--json", "--threads", "1", "--draft", "ngram", "--num-speculative-tokens", "4",
-                             "--no-draft-adaptive"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8", env=env)
-    try:
-        ready = json.loads(read_line(proc, 180))
+    with serving("--onnx", str(exports[Precision.fp32]), "--port", str(reserve_port()), "--threads", "1", "--draft",
+                 "ngram", "--num-speculative-tokens", "4", "--no-draft-adaptive") as (proc, ready):
         assert ready["draft"] == "ngram" and ready["engine"]["max_batch_size"] == 1
         assert ready["draft_settings"]["num_speculative_tokens"] == 4 and ready["draft_settings"]["adaptive"] is False
         for body, settings in (({"temperature": 0}, SamplingSettings(max_new_tokens=40, greedy=True)),
@@ -292,7 +284,3 @@ def test_a_replica_with_a_draft_answers_as_generate_does(exports, fp32, reserve_
         assert h["draft"] == "ngram" and h["rows"] == 2 and h["drafted"] >= h["accepted"] and h["drafts"] > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

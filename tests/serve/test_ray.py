@@ -495,28 +495,18 @@ def test_the_command_deploys_onto_a_running_cluster_and_leaves_it_and_its_applic
     its application answers at the root, and SIGTERM removes it and nothing else (the cluster and the other
     applications go on)."""
     import signal
-    import subprocess
-    import sys
 
-    from ..helpers import read_line
+    from ..helpers import serving
 
     address = ray.get_runtime_context().gcs_address
     port = server.rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--address", address,
-                             "--port", port, "--json", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        ready = json.loads(read_line(proc, 240))
+    with serving("--onnx", str(export_dir), "--address", address, "--port", port, "--threads", "1", timeout=240) \
+            as (proc, ready):
         assert ready["ray"] == address and ready["url"] == server
         r = client.post(f"{server}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert client.get(f"{server}/v1/models").status_code == 404  # its application is gone
     assert set(serve.status().applications) == {"main", "small"}  # the others are not
     assert complete(client, f"{server}/small", prompt="ROMEO:", max_tokens=2)["choices"]
