@@ -38,10 +38,10 @@ import socket  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from .helpers import as_gqa, cuda_loads, make_hf_model  # noqa: E402
+# torch and .helpers (gpt2x, onnx, transformers: seconds) are imported where used: pytest-xdist's controller process
+# loads this file too, and starts the workers only after.
 
 # CI runs property tests derandomized: the same examples every run, so a failure is reproducible.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -51,6 +51,8 @@ if os.environ.get("CI"):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
+    from .helpers import make_hf_model
+
     folder = tmp_path_factory.mktemp("tiny-hf")
     model = make_hf_model(folder)
     return folder, model
@@ -79,6 +81,8 @@ def tiny_export(shared_dir):
     from gpt2x.model.weights import load_model
     from gpt2x.onnx.artifact import is_export, read_export
     from gpt2x.workflows.exports import export_model
+
+    from .helpers import as_gqa, make_hf_model
 
     root = shared_dir / "tiny"
     models: dict = {}
@@ -132,12 +136,16 @@ def one_core_per_worker(worker_id):
                 os.sched_setaffinity(int(tid), core)
             except ProcessLookupError:  # a thread that ended meanwhile
                 pass
+        import torch
+
         torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
 def torch_threads_restored():
     """What a test sets PyTorch's thread count to (a backend built with threads=2) ends with it."""
+    import torch
+
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
@@ -309,6 +317,8 @@ def pytest_collection_modifyitems(config, items):
         group = item.get_closest_marker("xdist_group")
         if (group is not None and group.args == ("ray",)) != item.nodeid.startswith(RAY_TESTS):
             raise pytest.UsageError(f"{item.nodeid}: its xdist_group('ray') mark and conftest.RAY_TESTS disagree")
+    from .helpers import cuda_loads
+
     cuda_items = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_items or cuda_loads():
         return

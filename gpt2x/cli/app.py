@@ -4,6 +4,7 @@ help and completion load them all."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -88,6 +89,13 @@ def command_module(name: str):
     return module
 
 
+@functools.cache
+def _command(registered: tuple[str, ...]):
+    """The click command Typer builds from `app` with these commands registered. Built once per set: Typer rebuilds
+    every command's options on each call, a fifth of a second per call once all are registered (in-process callers)."""
+    return typer.main.get_command(app)
+
+
 def register(args: list[str]) -> None:
     """Add the command `args` names (its first non-option word), or every command when none (help, completion, a typo)."""
     first = next((a for a in args if not a.startswith("-")), None)
@@ -165,7 +173,9 @@ def main() -> None:
             err.print(f"warning: {message}", markup=False, soft_wrap=True)
     register(args)
     try:
-        code = app(args=args, standalone_mode=False)  # Typer turns Ctrl-C inside a command into exit code 130
+        # (Typer's app() is get_command(app)(...) with its own traceback printer, which the app turns off.) Ctrl-C
+        # inside a command becomes exit code 130.
+        code = _command(tuple(c.name for c in app.registered_commands))(args=args, standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
         code = INTERRUPTED_EXIT_CODE
     except _CLICK_ERROR as e:  # usage errors: unknown option, bad choice, missing argument
