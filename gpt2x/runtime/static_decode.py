@@ -234,7 +234,7 @@ class SlotDecoder(Closable):
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
-                 capacity: int | None = None, threads: int | None = None):
+                 capacity: int | None = None, threads: int | None = None, resident: int | None = None):
         refuse_fp16_on_cpu(info, provider)
         why = slots_refusal(provider, info.precision)
         if why:
@@ -264,11 +264,12 @@ class SlotDecoder(Closable):
         self._row_shape = (1, cfg.n_head, self.capacity, cfg.head_dim)
         self._row_bytes = cfg.n_head * self.capacity * cfg.head_dim * np.dtype(self.dtype).itemsize
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
-        # are bound by address, so a prefill writes that slot and nothing else. Written now, not left to the kernel's
-        # lazily zeroed pages: the server holds its memory from the start, and no step faults a slot's pages in.
-        self._arrays = [np.empty((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        # are bound by address, so a prefill writes that slot and nothing else. The first `resident` slots (default:
+        # all) are written now: the server holds their memory from the start, and no step faults their pages in. The
+        # rest stay the kernel's zero pages, resident only once a row uses them.
+        self._arrays = [np.zeros((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
         for a in self._arrays:
-            a.fill(0)
+            a[: slots if resident is None else resident].fill(0)
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
@@ -539,8 +540,8 @@ class SlotBackend(Closable):
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 slots: int = 16, capacity: int | None = None, mix_chunks: bool = True):
-        self.decoder = SlotDecoder(info, provider, slots, capacity, threads)
+                 slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None):
+        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider

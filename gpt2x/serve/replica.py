@@ -128,7 +128,10 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     if config.fixed_slots:
         from ..runtime.static_decode import SlotBackend
 
-        backend = SlotBackend(info, ProviderKind(config.provider), config.threads, slots=2 * config.engine.max_batch_size)
+        # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
+        # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
+        batch = config.engine.max_batch_size
+        backend = SlotBackend(info, ProviderKind(config.provider), config.threads, slots=2 * batch, resident=batch)
     else:
         backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
                                  in_place_kv=config.in_place_kv)

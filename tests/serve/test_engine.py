@@ -175,7 +175,16 @@ def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, c
     from gpt2x.runtime.static_decode import SlotBackend
 
     reference = OrtBackend(read_export(exports[Precision.fp32]), threads=1)
-    backend = SlotBackend(read_export(exports[Precision.fp32]), threads=1, slots=16)  # a full batch, and its joiners
+    backend = SlotBackend(read_export(exports[Precision.fp32]), threads=1, slots=16)
+    held = []  # the slots held after each take
+    take = backend.take
+
+    def spied() -> int:
+        slot = take()
+        held.append(16 - len(backend._free))
+        return slot
+
+    backend.take = spied
     settings = EngineSettings(max_batch_size=8, max_join_delay_s=0, **({"prefill_chunk": chunk} if chunk else {}))
     engine = Engine(backend, settings).start()
     todo = cases()
@@ -188,6 +197,8 @@ def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, c
         stats = engine.stats()
         assert stats["rows"] == len(todo) and stats["errors"] == 0 and stats["joins"] > 0
         assert sorted(backend._free) == list(range(16)) and not backend.decoder.lengths.any()  # every slot freed
+        # a finished row's slot is free before a joiner takes one: never more held than the batch's rows
+        assert 8 <= max(held) <= settings.max_batch_size, held
         # chunked, a joiner's chunks before its last ran in the decode steps' forwards (SlotDecoder.step_mixed)
         assert (backend.decoder.mixed_runs > 0) == (chunk is not None)
     finally:

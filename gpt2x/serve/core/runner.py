@@ -81,8 +81,8 @@ class Runner:
     def execute(self, plan: SchedulerOutput) -> Iterator[RunnerOutput]:
         """Run `plan`, each part's outcome yielded as soon as it is done (a draft row's tokens one by one, so that
         they are told as they come): the new rows' prompts scored and their beam searches, the batch let go at its
-        end, a draft row, a new batch's prefill (where none is held) or the joiners' (beside the one held), the
-        joiners' next chunk, the regroup, the decode step of the batch's rows scheduled."""
+        end, a draft row, the regroup, a new batch's prefill (where none is held) or the joiners' (beside the one held),
+        the joiners' next chunk, the decode step of the batch's rows scheduled."""
         joined, self.joined = self.joined, None  # the joiners prefilled: merged by this plan's regroup, or dropped
         starts: dict[Start, list[NewRow]] = {}
         for n in plan.scheduled_new_reqs:
@@ -93,13 +93,13 @@ class Runner:
             self.reset()  # every row has left: the batch's end
         for n in starts.get(Start.draft, []):
             yield from self._drafted(n.row)
+        if plan.regroup is not None:  # before the joiners begin: the rows that left free their cache (fixed slots) first
+            self._regroup(plan.regroup, joined)
         prefill = starts.get(Start.prefill, [])
         if prefill and self.batch is None:
             yield self._new_batch(prefill, starts.get(Start.after, []))
         else:
             yield from self._join(plan, prefill)
-        if plan.regroup is not None:
-            self._regroup(plan.regroup, joined)
         if self.batch is not None and not set(self.batch.rows).isdisjoint(plan.scheduled_cached_reqs):
             yield from self._decode()
 

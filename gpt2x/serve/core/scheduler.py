@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -351,7 +351,8 @@ class Scheduler:
 
     def _joining(self, rows: list[Row]) -> SchedulerOutput | None:
         """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
-        next chunk of their prefill (whole when no row runs: there is nobody to stall)."""
+        next chunk of their prefill (whole when no row runs: there is nobody to stall). Where rows leave at no cost
+        (`frees_rows`), the finished rows leave first, in this plan's regroup."""
         live = _live(rows)
         if self._overlap is not None:  # the joiners' prefill runs beside the steps
             if self._joined is not None or (live and self._overlap > 0):
@@ -359,11 +360,22 @@ class Scheduler:
             # no row decodes, or none may run further ahead: its end waited for (it ran its tokens)
             return SchedulerOutput(scheduled_cached_reqs=tuple(self._joiners))
         new: tuple[NewRow, ...] = ()
+        regroup, left = None, ()
         if self._joiners is None and live and self.joins and self.join_due(len(live)):
+            if self.frees_rows and len(live) < len(rows):
+                # the finished rows leave before the joiners are taken (the runner regroups first): their cache is
+                # free for them, and the rows held never outnumber the batch
+                regroup = self.plan_regroup(rows, live, None)
+                left = tuple(rows[i] for i in sorted(set(range(len(rows))) - set(live)))
+                rows = [rows[i] for i in regroup.order]
+                live = list(range(len(rows)))
+                self._rows, self._width = rows, regroup.width
+                self.in_flight = list(rows)
             new = self._join(rows, live)
         if self._joiners is None:
-            return SchedulerOutput(new) if new else None
-        return self._chunk(new, rows, live)
+            return SchedulerOutput(new, finished_req_ids=left, regroup=regroup) if new or regroup else None
+        plan = self._chunk(new, rows, live)
+        return plan if regroup is None else replace(plan, finished_req_ids=left, regroup=regroup)
 
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners."""
