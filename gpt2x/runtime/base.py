@@ -70,6 +70,9 @@ class Capabilities:
     # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk whose logits nobody reads,
     # which the backend may run in the forward of its next decode step (one forward for both, docs/serving/index.md).
     mixes_chunks: bool = False
+    # Its caches store `kv_dtype` (ONNX Runtime's, in place, growing or in slots: int8 where it chose the int8 cache),
+    # as `KVCache.stored` gives it; the others' give float32. (The prefix cache's blocks and /health say which.)
+    stores_kv_dtype: bool = False
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:
@@ -108,7 +111,7 @@ TORCH_CAPABILITIES = Capabilities(runtime="PyTorch", reference=True,
 ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
-                                estimates_prefill=True, warms_up=True, shares_cores=True)
+                                estimates_prefill=True, warms_up=True, shares_cores=True, stores_kv_dtype=True)
 OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
                                      takes_past=True, joins_rows=True, rolls_back=True)
 # onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):

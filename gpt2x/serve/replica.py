@@ -148,10 +148,8 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
 
 def block_identity(info: ExportInfo, backend: Backend) -> BlockIdentity:
     """What the export's prefix-cache blocks depend on besides their tokens (their folder on disk): its files, the
-    backend, and the dtype its cache stores (ONNX Runtime's own, in place or in slots; the others' float32,
-    KVCache.stored)."""
-    caps = backend.capabilities
-    kv_dtype = np.dtype(backend.kv_dtype).name if caps.native or caps.mixes_chunks else "float32"
+    backend, and the dtype its cache stores (Capabilities.stores_kv_dtype; the others' float32, KVCache.stored)."""
+    kv_dtype = np.dtype(backend.kv_dtype).name if backend.capabilities.stores_kv_dtype else "float32"
     return BlockIdentity(dict(info.meta["files"]), backend.name, kv_dtype)
 
 

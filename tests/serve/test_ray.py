@@ -490,6 +490,21 @@ def test_loadtest_counts_match_the_server(server, client):
     assert level["ttft"]["p99_ms"] <= level["wall_s"] * 1e3
 
 
+def test_another_http_address_than_the_clusters_serve_listens_on_is_refused_before_anything_is_deployed(server, export_dir):
+    """Ray Serve already runs on this module's cluster: it keeps its HTTP address, so an application asked to listen
+    elsewhere would answer at another URL than the one printed. One line naming the address it listens on."""
+    from gpt2x.errors import UsageError
+
+    port = int(server.rsplit(":", 1)[1])
+    config = ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1)
+    for host, other in (("127.0.0.1", port + 1), ("0.0.0.0", port)):
+        settings = ServeSettings(replicas=1, host=host, port=other, cpus_per_replica=0.5, route_prefix="/elsewhere",
+                                 app_name="elsewhere")
+        with pytest.raises(UsageError, match=f"already listens on 127.0.0.1:{port} .*--host 127.0.0.1 --port {port}$"):
+            start(config, settings)
+    assert set(serve.status().applications) == {"main", "small"}
+
+
 def test_the_command_deploys_onto_a_running_cluster_and_leaves_it_and_its_applications_running(server, client, export_dir):
     """`gpt2x serve --address` onto this module's cluster, which already serves /main and /small on the same HTTP port:
     its application answers at the root, and SIGTERM removes it and nothing else (the cluster and the other

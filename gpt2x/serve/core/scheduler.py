@@ -363,19 +363,24 @@ class Scheduler:
         regroup, left = None, ()
         if self._joiners is None and live and self.joins and self.join_due(len(live)):
             if self.frees_rows and len(live) < len(rows):
-                # the finished rows leave before the joiners are taken (the runner regroups first): their cache is
-                # free for them, and the rows held never outnumber the batch
-                regroup = self.plan_regroup(rows, live, None)
-                left = tuple(rows[i] for i in sorted(set(range(len(rows))) - set(live)))
-                rows = [rows[i] for i in regroup.order]
+                regroup, left, rows = self._compacted(rows, live)
                 live = list(range(len(rows)))
-                self._rows, self._width = rows, regroup.width
-                self.in_flight = list(rows)
             new = self._join(rows, live)
         if self._joiners is None:
             return SchedulerOutput(new, finished_req_ids=left, regroup=regroup) if new or regroup else None
         plan = self._chunk(new, rows, live)
         return plan if regroup is None else replace(plan, finished_req_ids=left, regroup=regroup)
+
+    def _compacted(self, rows: list[Row], live: list[int]) -> tuple[Regroup, tuple[Row, ...], list[Row]]:
+        """The batch without its finished rows, before joiners are taken (the runner regroups before it joins): their
+        cache is free for the joiners, and the rows holding one never outnumber the batch. The regroup, the rows that
+        leave, the rows kept."""
+        regroup = self.plan_regroup(rows, live, None)
+        kept = set(live)
+        left = tuple(r for i, r in enumerate(rows) if i not in kept)
+        rows = [rows[i] for i in regroup.order]
+        self._rows, self._width, self.in_flight = rows, regroup.width, list(rows)
+        return regroup, left, rows
 
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners."""

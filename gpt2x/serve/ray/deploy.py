@@ -361,16 +361,31 @@ def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = n
         progress(f"starting Ray ({settings.address or 'a local instance'})")
         _init_ray(settings)
     check()
+    serve.start(http_options={"host": settings.host, "port": settings.port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    refuse_other_http_address(settings)
     # The hub: owned by this process (it ends with it, or when its handle here is dropped: `stop`), in a
     # namespace of its own, one per application.
     _hubs[hub_name(settings)] = MetricsHub.options(name=hub_name(settings), namespace=HUB_NAMESPACE,
                                                    get_if_exists=True).remote()
-    serve.start(http_options={"host": settings.host, "port": settings.port},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
     check()
     progress(f"loading {settings.replicas} replica(s) of {config.model_id}")
     _deploy(config, settings, stopping)
     return settings.url
+
+
+def refuse_other_http_address(settings: ServeSettings) -> None:
+    """A UsageError, before anything is deployed, where Ray Serve already ran on the cluster listening elsewhere than
+    `settings` ask: it keeps the HTTP options it started with (serve.start's apply only to a new one), so the
+    application would answer there, not at the URL asked for."""
+    try:  # Ray's own record of them (the client's; no public API gives it)
+        options = serve.context._get_global_client().http_config
+        host, port = str(options.host), int(options.port)
+    except (AttributeError, TypeError, ValueError, RayError):  # another Ray's layout: nothing to compare with
+        return
+    if (host, port) != (settings.host, settings.port):
+        raise UsageError(f"Ray Serve on this cluster already listens on {host}:{port} and keeps that address (its HTTP "
+                         f"options are set when it starts): give --host {host} --port {port}", option="port")
 
 
 def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
