@@ -193,7 +193,7 @@ def serve(
     threads: ThreadsOpt = None,
     replicas: Annotated[int, typer.Option(help="Replicas, each with the model loaded once.")] = 1,
     host: Annotated[str, typer.Option(help="Address to bind (127.0.0.1: this machine only; 0.0.0.0 for every interface).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    port: Annotated[int, typer.Option(help="HTTP port (0: one the system chooses, told in the ready line; one replica in this process only).")] = 8000,
     address: Annotated[Optional[str], typer.Option(help="An existing Ray cluster (ray://HEAD:10001 or auto) instead of a local Ray instance.")] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help=(
         "Serve through Ray Serve even with one replica on this machine (by default one replica runs in this "
@@ -369,9 +369,9 @@ def serve(
 
     def ready(url: str) -> None:
         status.__exit__(None, None, None)
-        if as_json:
-            more = {"models": [describe(c, settings) for c in configs]} if several else {}
-            print(json.dumps({**describe(config, settings), **more}), flush=True)
+        if as_json:  # `url`, not the settings': the port the system chose for --port 0
+            more = {"models": [{**describe(c, settings), "url": url} for c in configs]} if several else {}
+            print(json.dumps({**describe(config, settings), "url": url, **more}), flush=True)
         else:
             with_draft = "" if draft is None else f", draft {draft}"
             where = "in this process" if settings.embedded else "on Ray Serve"

@@ -101,6 +101,9 @@ class ServeSettings:
             raise UsageError(f"replicas must be at least 1, got {self.replicas}", option="replicas")
         if not 0 <= self.port <= 65535:
             raise UsageError(f"port must be in [0, 65535], got {self.port}", option="port")
+        if self.port == 0 and not self.embedded:  # each node's proxy would take a port of its own
+            raise UsageError("port 0 (a port the system chooses) is for one replica in this process; give Ray Serve "
+                             "a port", option="port")
         if self.cpus_per_replica < 0:
             raise UsageError(f"cpus_per_replica must be >= 0, got {self.cpus_per_replica}", option="cpus_per_replica")
         if self.address is None:

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..choices import Progress, no_progress
@@ -143,6 +144,8 @@ def serve_in_process(config: ReplicaConfig, settings: ServeSettings, ready: Call
     http: tuple | None = None
     try:
         sock = listening_socket(settings.host, settings.port)
+        if settings.port == 0:  # the port the system chose: the URL told is where the server answers
+            settings = replace(settings, port=sock.getsockname()[1])
         served.load(progress)
         if stopping.is_set():
             raise _Stopping

@@ -51,6 +51,7 @@ KEY = "sekret-key-42"
     (["--replicas", "0"], 2, "--replicas must be at least 1"),
     (["--replicas", "64"], 2, "CPUs"),
     (["--port", "70000"], 2, "--port must be in [0, 65535]"),
+    (["--port", "0", "--replicas", "2"], 2, "--port 0 (a port the system chooses) is for one replica in this process"),
     (["--backend", "torch"], 2, "not served"),
     (["--max-batch-size", "0"], 2, "--max-batch-size must be >= 1"),
     (["--precision", "int8"], 2, "is a fp32 export, not int8"),
@@ -123,14 +124,15 @@ def scrape(url: str, **kw) -> dict[str, float]:
     return samples
 
 
-def test_serve_answers_and_stops_cleanly(export_dir, reserve_port):
+def test_serve_answers_and_stops_cleanly(export_dir):
     """The server answers, then stops on SIGTERM to its pid. On Ray (a start of it costs the suite about 18 s), the same
     routes are test_ray's, through the same deployment, and the command's stop with what Ray started is
-    test_a_signal_stops_the_server_cleanly_within_10_s's."""
-    port = reserve_port()
-    with serving("--onnx", str(export_dir), "--port", str(port), "--threads", "1", env={"GPT2X_API_KEY": KEY}) \
+    test_a_signal_stops_the_server_cleanly_within_10_s's. `--port 0`: the port the system chooses, told in the URL."""
+    with serving("--onnx", str(export_dir), "--port", "0", "--threads", "1", env={"GPT2X_API_KEY": KEY}) \
             as (proc, ready):
-        assert ready["url"] == f"http://127.0.0.1:{port}" and ready["model"] == "shakespeare" and ready["api_key"] is True
+        port = int(ready["url"].rsplit(":", 1)[1])
+        assert port > 0 and ready["url"] == f"http://127.0.0.1:{port}"
+        assert ready["model"] == "shakespeare" and ready["api_key"] is True
         assert ready["ray"] is None and ready["replicas"] == 1
         assert KEY not in json.dumps(ready)
         auth = {"Authorization": f"Bearer {KEY}"}
