@@ -234,7 +234,8 @@ class SlotDecoder(Closable):
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
-                 capacity: int | None = None, threads: int | None = None, resident: int | None = None):
+                 capacity: int | None = None, threads: int | None = None, resident: int | None = None,
+                 mixed_prefill: bool = False):
         refuse_fp16_on_cpu(info, provider)
         why = slots_refusal(provider, info.precision)
         if why:
@@ -245,17 +246,29 @@ class SlotDecoder(Closable):
             raise ValueError(f"slots must be >= 1 and capacity 2..{cfg.n_positions}, not {slots} and {self.capacity}")
         from ..onnx.optimize import static_forms  # onnx's rewrite: imported by the decoders that need it
 
-        forms = static_forms(info.model_path, logits=True)
-        if forms is None:
-            raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         # An int8 cache where the export's record (or --kv-cache-dtype) chooses one: a quarter of a float cache's bytes,
         # and the attention reads them so (the ort backend's choice, runtime.kvdtype).
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu)
+        # The mixed step's session, made at its first use: (the file, provider and threads to make it)
+        self._mixed, self._path, self._provider, self._threads = None, info.model_path, provider, threads
+        forms = static_forms(info.model_path, logits=True)
+        if forms is None:
+            raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         prefill, decode = (self._with_kv_dtype(form) for form in forms)
-        self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
-        overridable = {i.name for i in self._prefill.get_overridable_initializers()}
-        self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64)) if io.LOGITS_TO_KEEP in overridable else None
+        # `mixed_prefill` (the CPU's): a prefill runs as a mixed step, its chunk beside a dummy decode row in a scratch
+        # slot of its own (the buffers' last row, which no row holds), and no prefill session is made. Each session
+        # holds the weights and ONNX Runtime's packed copies of them (about 1 GB for 124M fp32); a decode step keeps
+        # its own graph (as a mixed step it took 8-13% longer).
+        self.mixed_prefill = mixed_prefill and self.device == "cpu"
+        self._prefill = self._keep_last = None
+        if self.mixed_prefill:
+            self.open_mixed()
+        else:
+            self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
+            overridable = {i.name for i in self._prefill.get_overridable_initializers()}
+            if io.LOGITS_TO_KEEP in overridable:
+                self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
         # The decode step's rows are the slots up to the highest one held (free ones below it on a dummy token): its
         # batch dimension stays free, the rows bound by address like a prefill's.
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
@@ -267,7 +280,9 @@ class SlotDecoder(Closable):
         # are bound by address, so a prefill writes that slot and nothing else. The first `resident` slots (default:
         # all) are written now: the server holds their memory from the start, and no step faults their pages in. The
         # rest stay the kernel's zero pages, resident only once a row uses them.
-        self._arrays = [np.zeros((slots, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        self._scratch = slots  # mixed_prefill's dummy decode row
+        rows = slots + 1 if self.mixed_prefill else slots
+        self._arrays = [np.zeros((rows, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
         for a in self._arrays:
             a[: slots if resident is None else resident].fill(0)
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
@@ -279,8 +294,6 @@ class SlotDecoder(Closable):
         self.vocab_size = cfg.vocab_size
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
         self._steps: dict[int, tuple] = {}  # rows -> the decode step's binding over slots [0, rows) and its buffers
-        # The mixed step's session, made at its first use: (the file, provider and threads to make it)
-        self._mixed, self._path, self._provider, self._threads = None, info.model_path, provider, threads
         self.mixed_runs = 0  # step_mixed's forwards
 
     def _with_kv_dtype(self, form: InMemoryGraph) -> InMemoryGraph:
@@ -330,6 +343,10 @@ class SlotDecoder(Closable):
         past, T = int(self.lengths[slot]), ids.shape[1]
         if T == 0 or past + T > self.capacity:
             raise ValueError(f"slot {slot} holds {past} positions of {self.capacity}: {T} more do not fit")
+        if self.mixed_prefill:  # beside the scratch slot's dummy token
+            logits = self._run_mixed(self._scratch, 1, np.zeros(1, np.int64), np.zeros(1, np.int32), slot, ids[0], every)
+            self.lengths[slot] = past + T
+            return logits[1:] if every else logits[1]
         binding = self._prefill.io_binding()
         binding.bind_cpu_input(io.INPUT_IDS, ids)
         binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((1, past + T), np.int64))
@@ -399,25 +416,35 @@ class SlotDecoder(Closable):
         if slot < rows:
             seqlens[slot] = past + T
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
-        binding = self._mixed.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, np.concatenate([np.where(active, tokens, 0)[:rows], ids])[None])
-        binding.bind_cpu_input(io.POSITION_IDS, np.concatenate([seqlens.astype(np.int64), past + np.arange(T)])[None])
-        binding.bind_cpu_input(io.SEQLENS_K, seqlens)
-        binding.bind_ortvalue_input(io.TOTAL_SEQUENCE_LENGTH, self._total)
-        binding.bind_cpu_input(io.CHUNK_SEQLENS_K, np.array([past + T - 1], np.int32))
-        binding.bind_ortvalue_input(io.CHUNK_TOTAL, self._total)
-        binding.bind_cpu_input(io.KEEP, np.append(np.arange(rows), rows + T - 1).astype(np.int64))
-        binding.bind_output(io.LOGITS, "cpu")
-        self._bind_slots(binding, 0, rows)
-        self._bind_slots(binding, slot, 1, self._chunk_names)
-        self._mixed.run_with_iobinding(binding)
+        logits = self._run_mixed(0, rows, np.where(active, tokens, 0)[:rows], seqlens, slot, ids)  # [rows + 1, vocab]
         self.mixed_runs += 1
-        logits = binding.get_outputs()[0].numpy()[0]  # [rows + 1, vocab]
         self.lengths[active] += 1
         self.lengths[slot] = past + T
         out = np.zeros((self.slots, self.vocab_size), np.float32)
         out[:rows] = logits[:rows]
         return out, logits[rows]
+
+    def _run_mixed(self, first: int, rows: int, tokens: np.ndarray, seqlens: np.ndarray, slot: int, ids: np.ndarray,
+                   every: bool = False) -> np.ndarray:
+        """One forward of the mixed step: `rows` decode rows on slots [first, first + rows), each token of `tokens`
+        at its position `seqlens`, and `ids` appended to what `slot` holds (its length: `lengths`, 0 for the scratch
+        slot). The logits of the decode rows, then of the chunk's last position (`every`: each position's)."""
+        self.open_mixed()
+        past, T = int(self.lengths[slot]), len(ids)
+        binding = self._mixed.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.concatenate([tokens, ids]).astype(np.int64)[None])
+        binding.bind_cpu_input(io.POSITION_IDS, np.concatenate([seqlens.astype(np.int64), past + np.arange(T)])[None])
+        binding.bind_cpu_input(io.SEQLENS_K, seqlens)
+        binding.bind_ortvalue_input(io.TOTAL_SEQUENCE_LENGTH, self._total)
+        binding.bind_cpu_input(io.CHUNK_SEQLENS_K, np.array([past + T - 1], np.int32))
+        binding.bind_ortvalue_input(io.CHUNK_TOTAL, self._total)
+        chunk = rows + (np.arange(T) if every else np.array([T - 1]))
+        binding.bind_cpu_input(io.KEEP, np.concatenate([np.arange(rows), chunk]).astype(np.int64))
+        binding.bind_output(io.LOGITS, "cpu")
+        self._bind_slots(binding, first, rows)
+        self._bind_slots(binding, slot, 1, self._chunk_names)
+        self._mixed.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]
 
     def release(self, slot: int) -> None:
         """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""
@@ -541,7 +568,8 @@ class SlotBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None):
-        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident)
+        # Mixing chunks, the prefills are mixed steps too: no prefill session (SlotDecoder.mixed_prefill).
+        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider

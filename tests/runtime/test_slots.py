@@ -33,11 +33,13 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert got.argmax() == want.argmax()
 
 
-def test_rows_join_decode_at_their_own_lengths_and_leave_as_if_each_ran_alone(tiny):
+# SlotDecoder.mixed_prefill: prefills as mixed steps (the serving backend's), or on the prefill's own graph.
+@pytest.mark.parametrize("mixed_prefill", [False, True], ids=["prefill-graph", "mixed-prefill"])
+def test_rows_join_decode_at_their_own_lengths_and_leave_as_if_each_ran_alone(tiny, mixed_prefill):
     model, info = tiny
     rng = np.random.default_rng(5)
     V = info.config.vocab_size
-    decoder = SlotDecoder(info, ProviderKind.cpu, slots=3, capacity=48)
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=3, capacity=48, mixed_prefill=mixed_prefill)
     rows: dict[int, list[int]] = {}  # slot -> the sequence it holds
 
     def join(slot: int, prompt: list[int], chunks: tuple[int, ...] = ()) -> None:
@@ -130,7 +132,8 @@ def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tin
     close(last, alone(joiner[:7]))
 
 
-def test_an_int8_cache_on_the_slots_decodes_and_mixes_as_the_ort_backends_int8_cache(tiny_export, monkeypatch):
+@pytest.mark.parametrize("mixed_prefill", [False, True], ids=["prefill-graph", "mixed-prefill"])
+def test_an_int8_cache_on_the_slots_decodes_and_mixes_as_the_ort_backends_int8_cache(tiny_export, monkeypatch, mixed_prefill):
     """An int8 export whose record kept the int8 cache's scales, with the int8 cache asked for: the slots hold int8 (a
     quarter of the float cache's bytes), and a row's prefill, its decode steps, and a mixed step's decode row and chunk
     give the ort backend's logits on its own int8 cache (in place) for the same sequences; the prefix cache's copy of a
@@ -162,7 +165,7 @@ def test_an_int8_cache_on_the_slots_decodes_and_mixes_as_the_ort_backends_int8_c
 
     rng = np.random.default_rng(4)
     V = info.config.vocab_size
-    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48)
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48, mixed_prefill=mixed_prefill)
     assert decoder.dtype == np.int8 and all(a.dtype == np.int8 for a in decoder._arrays)
     first = rng.integers(0, V, 9).tolist()
     logits = [decoder.prefill(0, np.array(first))]
@@ -225,14 +228,15 @@ def test_the_backends_caches_hold_each_slot_once_and_free_what_they_let_go(tiny)
     assert sorted(backend._free) == [0, 1, 2, 3] and not backend.decoder.lengths.any()
 
 
-def test_a_chunk_mixed_into_a_decode_step_is_the_chunk_and_the_step_run_apart(tiny):
+@pytest.mark.parametrize("mixed_prefill", [False, True], ids=["prefill-graph", "mixed-prefill"])
+def test_a_chunk_mixed_into_a_decode_step_is_the_chunk_and_the_step_run_apart(tiny, mixed_prefill):
     """SlotDecoder.step_mixed: the decode rows' logits and the chunk's last position's, from one forward, each against
     the PyTorch model's forward of that row alone; chunks into a fresh slot and on a past, in a slot among the decode
     rows (its dummy token after the chunk) and above them. What cannot mix is refused."""
     model, info = tiny
     rng = np.random.default_rng(7)
     V = info.config.vocab_size
-    decoder = SlotDecoder(info, ProviderKind.cpu, slots=5, capacity=48)
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=5, capacity=48, mixed_prefill=mixed_prefill)
     rows: dict[int, list[int]] = {}
     for slot, n in ((0, 7), (2, 4)):
         prompt = rng.integers(0, V, n).tolist()
@@ -347,7 +351,8 @@ def test_a_past_made_elsewhere_is_written_into_the_slots_at_the_first_step(tiny)
         del cache, past
 
 
-def test_run_gives_every_position_of_each_rows_own_tokens(tiny):
+@pytest.mark.parametrize("mix_chunks", [True, False], ids=["mixed-prefill", "prefill-graph"])
+def test_run_gives_every_position_of_each_rows_own_tokens(tiny, mix_chunks):
     """SlotBackend.run (a prompt's logprobs): each row's new tokens' logits at every position, a left-padded row's
     padding columns zero, on no past and on a past made elsewhere, against PyTorch's forward of the whole sequence."""
     from gpt2x.runtime.static_decode import SlotBackend
@@ -355,7 +360,7 @@ def test_run_gives_every_position_of_each_rows_own_tokens(tiny):
     model, info = tiny
     rng = np.random.default_rng(13)
     V = info.config.vocab_size
-    backend = SlotBackend(info, slots=4, capacity=40)
+    backend = SlotBackend(info, slots=4, capacity=40, mix_chunks=mix_chunks)
 
     def torch_logits(ids: list[int]) -> np.ndarray:
         x = torch.tensor([ids])
