@@ -426,9 +426,9 @@ class SlotDecoder(Closable):
 
     def _run_mixed(self, first: int, rows: int, tokens: np.ndarray, seqlens: np.ndarray, slot: int, ids: np.ndarray,
                    every: bool = False) -> np.ndarray:
-        """One forward of the mixed step: `rows` decode rows on slots [first, first + rows), each token of `tokens`
-        at its position `seqlens`, and `ids` appended to what `slot` holds (its length: `lengths`, 0 for the scratch
-        slot). The logits of the decode rows, then of the chunk's last position (`every`: each position's)."""
+        """One forward of the mixed step: `rows` decode rows on slots [first, first + rows) (the scratch slot's one,
+        beside a prefill), each token of `tokens` at its position `seqlens`, and `ids` appended to what `slot` holds.
+        The logits of the decode rows, then of the chunk's last position (`every`: each position's)."""
         self.open_mixed()
         past, T = int(self.lengths[slot]), len(ids)
         binding = self._mixed.io_binding()
