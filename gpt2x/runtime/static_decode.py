@@ -255,7 +255,7 @@ class SlotDecoder(Closable):
         forms = static_forms(info.model_path, logits=True)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
-        prefill, decode = (self._with_kv_dtype(form) for form in forms)
+        prefill, decode = forms
         # `mixed_prefill` (the CPU's): a prefill runs as a mixed step, its chunk beside a dummy decode row in a scratch
         # slot of its own (the buffers' last row, which no row holds), and no prefill session is made. Each session
         # holds the weights and ONNX Runtime's packed copies of them (about 1 GB for 124M fp32); a decode step keeps
@@ -265,12 +265,14 @@ class SlotDecoder(Closable):
         if self.mixed_prefill:
             self.open_mixed()
         else:
+            prefill = self._with_kv_dtype(prefill)
             self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
             overridable = {i.name for i in self._prefill.get_overridable_initializers()}
             if io.LOGITS_TO_KEEP in overridable:
                 self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
         # The decode step's rows are the slots up to the highest one held (free ones below it on a dummy token): its
         # batch dimension stays free, the rows bound by address like a prefill's.
+        decode = self._with_kv_dtype(decode)
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
                                       dims={io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
         self.dtype = np.int8 if self.kv_scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32

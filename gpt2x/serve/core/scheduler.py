@@ -376,11 +376,17 @@ class Scheduler:
         cache is free for the joiners, and the rows holding one never outnumber the batch. The regroup, the rows that
         leave, the rows kept."""
         regroup = self.plan_regroup(rows, live, None)
-        kept = set(live)
-        left = tuple(r for i, r in enumerate(rows) if i not in kept)
-        rows = [rows[i] for i in regroup.order]
-        self._rows, self._width, self.in_flight = rows, regroup.width, list(rows)
+        rows, left = self._laid_out(regroup, rows, None)
+        self.in_flight = list(rows)
         return regroup, left, rows
+
+    def _laid_out(self, regroup: Regroup, rows: list[Row], joined: list[Row] | None) -> tuple[list[Row], tuple[Row, ...]]:
+        """The batch (`rows`, then `joined`) as `regroup` lays it out, now this scheduler's, and the rows it leaves."""
+        every = rows + (joined or [])
+        rows = [every[i] for i in regroup.order]
+        kept = set(rows)
+        self._rows, self._width = rows, regroup.width
+        return rows, tuple(r for r in every if r not in kept)
 
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners."""
@@ -438,11 +444,7 @@ class Scheduler:
             regroup = self.plan_regroup(rows, live, joined)
         left: tuple[Row, ...] = tuple(joined or ())  # joiners that ended at their first token are dropped
         if regroup is not None:
-            every = rows + (joined or [])
-            rows = [every[i] for i in regroup.order]
-            kept = set(rows)
-            left = tuple(r for r in every if r not in kept)
-            self._rows, self._width = rows, regroup.width
+            rows, left = self._laid_out(regroup, rows, joined)
         elif not live:
             return None  # every joiner ended at its first token
         self.in_flight = rows + (self._joiners or [])
