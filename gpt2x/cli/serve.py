@@ -314,10 +314,10 @@ def serve(
                          "per model, in their order, or not at all", option="served-model-name")
     adapters = parse_adapters(list(adapter or ()), list(model or ()), list(onnx_dir or ()), models_dir, names)
     several = len(sources) > 1 or bool(adapters) or models_max is not None or idle_unload_s is not None
-    if several and not settings.embedded:  # before Ray is asked for: the one line is about the models
-        raise UsageError(f"several models ({len(sources) + len(adapters)} given), --adapter, --models-max and --idle-unload-s are served by the one-process "
-                         "server only, not through Ray Serve yet: drop --replicas, --address and --ray, or start one "
-                         "gpt2x serve per model", option="model")
+    if (models_max is not None or idle_unload_s is not None) and not settings.embedded:  # before Ray is asked for
+        raise UsageError("--models-max and --idle-unload-s load and close models in the one-process server; on Ray "
+                         "Serve each model is a deployment that stays loaded: drop them, or --replicas, --address and "
+                         "--ray", option="models-max" if models_max is not None else "idle-unload-s")
     if idle_unload_s is not None and idle_unload_s <= 0:
         raise UsageError(f"--idle-unload-s must be > 0, got {idle_unload_s:g}", option="idle-unload-s")
     if (len(sources) > 1 or adapters) and draft is not None:
@@ -381,14 +381,17 @@ def serve(
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)
         err.print(f"or chat in a browser: {url}/playground", markup=False, soft_wrap=True)
 
-    if several:
+    if several and settings.embedded:
         def run(config, settings, ready, progress):
             serve_in_process(config, settings, ready, progress, others=configs[1:], max_loaded=models_max,
                              idle_unload_s=idle_unload_s)
     elif settings.embedded:
         run = serve_in_process
     else:  # deferred further: importing Ray takes seconds the embedded path does not spend
-        from ..serve.ray.deploy import serve_until_stopped as run
+        from ..serve.ray.deploy import serve_until_stopped
+
+        def run(config, settings, ready, progress):
+            serve_until_stopped(config, settings, ready, progress, others=configs[1:])
     status = Status("starting" if settings.embedded else "starting Ray Serve")
     status.__enter__()
     try:

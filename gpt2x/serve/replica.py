@@ -156,6 +156,15 @@ def block_identity(info: ExportInfo, backend: Backend) -> BlockIdentity:
     return BlockIdentity(dict(info.meta["files"]), backend.name, kv_dtype)
 
 
+def listed_as(config: ReplicaConfig) -> tuple[int, str, str]:
+    """What /v1/models lists of one of several models besides its id and parent, from its export's record: its
+    context, its precision, and its root (its export; a LoRA adapter's export: the adapter's folder, as vLLM lists a
+    LoRA module)."""
+    info = read_export(Path(config.export))
+    adapter = info.meta["model"].get("adapter") if config.parent is not None else None
+    return info.config.n_positions, info.precision.value, adapter["path"] if adapter else config.export
+
+
 def close_service(service: CompletionService) -> None:
     """The engine stopped, then what `open_service` opened closed (left open if the engine's thread
     could not be stopped: it still uses them)."""

@@ -20,15 +20,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 
 from ..choices import Progress, no_progress
 from ..errors import ServeError, UsageError
-from ..onnx.artifact import read_export
 from .core.engine import refuse_batched_draft
 from .openai.many import Models, ModelSlot, models_app
 from .openai.routes import local_app
-from .replica import SHUTTING_DOWN, STOP_GRACE_S, STOP_SIGNALS, ReplicaConfig, ServeSettings, close_service, open_service
+from .replica import (
+    SHUTTING_DOWN,
+    STOP_GRACE_S,
+    STOP_SIGNALS,
+    ReplicaConfig,
+    ServeSettings,
+    close_service,
+    listed_as,
+    open_service,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +67,9 @@ class _Stopping(Exception):
 def model_slot(config: ReplicaConfig) -> ModelSlot:
     """One of several models (openai/many.py): opened and closed as a single model's replica is. A LoRA adapter's
     export (config.parent) is listed with its adapter's folder as root, as vLLM lists a LoRA module."""
-    info = read_export(Path(config.export))
-    adapter = info.meta["model"].get("adapter") if config.parent is not None else None
-    return ModelSlot(config.model_id, lambda: open_service(config, replica="embedded"), close_service,
-                     info.config.n_positions, info.precision.value, config.backend, config.provider,
-                     root=adapter["path"] if adapter else config.export, parent=config.parent)
+    n_positions, precision, root = listed_as(config)
+    return ModelSlot(config.model_id, lambda: open_service(config, replica="embedded"), close_service, n_positions,
+                     precision, config.backend, config.provider, root=root, parent=config.parent)
 
 
 class _One:

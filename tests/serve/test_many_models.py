@@ -179,8 +179,11 @@ def test_a_model_that_fails_to_load_is_a_503_naming_it(folders):
 def test_the_command_refuses_duplicate_ids_and_ray_in_one_line(capsys, export_dir):
     code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--onnx", str(export_dir), "--port", "0")
     assert_one_line_error(code, err, 2, "two models would be served as 'shakespeare'")
-    code, _, err = cli(capsys, "serve", "--model", "a", "--model", "b", "--ray")
-    assert_one_line_error(code, err, 2, "one-process server")
+    # several models are served on Ray too (tests/serve/test_ray.py), each loaded for good: no loading on demand there
+    code, _, err = cli(capsys, "serve", "--model", "a", "--model", "b", "--ray", "--models-max", "1")
+    assert_one_line_error(code, err, 2, "--models-max and --idle-unload-s load and close models in the one-process server")
+    code, _, err = cli(capsys, "serve", "--model", "a", "--replicas", "2", "--idle-unload-s", "60")
+    assert_one_line_error(code, err, 2, "on Ray Serve each model is a deployment that stays loaded")
     code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--onnx", str(export_dir),
                        "--served-model-name", "x")
     assert_one_line_error(code, err, 2, "once per model")

@@ -172,7 +172,6 @@ def test_every_refusal_is_one_line_before_any_export(capsys, monkeypatch, tmp_pa
          "one folder name"),
         (["--onnx", str(tmp_path), "--adapter", f"a={poet}"], 2, "exactly one --model"),
         (["--model", str(base_dir), "--model", "gpt2", "--adapter", f"a={poet}"], 2, "exactly one --model"),
-        (["--model", str(base_dir), "--adapter", f"a={poet}", "--ray", "--port", "8000"], 2, "--adapter"),  # (Ray: no port 0)
         (["--model", str(base_dir), "--adapter", f"a={tmp_path}"], WeightsError.exit_code, "not a PEFT adapter folder"),
         (["--model", str(base_dir), "--adapter", f"a={ia3}"], WeightsError.exit_code, "LoRA adapters only"),
         (["--model", str(base_dir), "--adapter", f"a={wide}"], WeightsError.exit_code, "does not fit the base"),

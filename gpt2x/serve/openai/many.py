@@ -39,6 +39,17 @@ ROOM_WAIT_S = 60.0  # how long a model to load waits for a loaded one to go idle
 POLL_S = 0.05
 
 
+def model_named(model: Any, served: Sequence[str]) -> str:
+    """The id of the model a body names (absent or "": the first served), a 404 listing the served ids for another."""
+    if not isinstance(model, str) or not model:
+        return served[0]
+    if model not in served:
+        listed = ", ".join(repr(m) for m in served)
+        raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {listed}", param="model",
+                       code="model_not_found")
+    return model
+
+
 @dataclass(eq=False)
 class ModelSlot:
     """One served model: how to open and close its service, what /v1/models and /health say of it while it is
@@ -183,15 +194,7 @@ class Models(RequestGate):
     # -- routing ------------------------------------------------------------------------------------------
 
     def slot_of(self, model: Any) -> ModelSlot:
-        """The model a body names (absent or "": the first), a 404 listing the served ids for another."""
-        if not isinstance(model, str) or not model:
-            return self.first
-        slot = self.slots.get(model)
-        if slot is None:
-            served = ", ".join(repr(m) for m in self.slots)
-            raise APIError(404, f"the model {model[:100]!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
-        return slot
+        return self.slots[model_named(model, list(self.slots))]
 
     def check_model(self, model: Any) -> None:
         self.slot_of(model)

@@ -1,14 +1,15 @@
 """`gpt2x serve` on Ray Serve (more than one replica, a cluster, or one replica asked to run on Ray;
 single_process.py serves one replica in this process without Ray): one deployment whose replicas each
 load the export once and batch the requests they are routed (core/engine.py), behind a FastAPI
-ingress with the OpenAI routes (openai/routes.py).
+ingress with the OpenAI routes (openai/routes.py). Several models: a deployment per model, each with its
+own replicas, behind a router deployment that routes each request by its `model` (many.py).
 
 The same application runs on a local Ray instance started here (the default, on 127.0.0.1) and on an
 existing Ray cluster (`address`), where Ray Serve places the replicas and runs the HTTP proxies;
 nothing in the application changes between the two. On a cluster every node needs gpt2x installed
 and the export folder at the same path (a shared filesystem, or the same image).
 
-Beside the replicas, one small actor per application, its hub (`MetricsHub`): each replica hands it
+Beside the replicas, one small actor per application (per model with several), its hub (`MetricsHub`): each replica hands it
 its metrics' snapshot (openai/metrics.py) every REPORT_S and as each request is answered, and
 `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
 it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
@@ -39,10 +40,11 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import ray
+from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayError
 
@@ -50,6 +52,7 @@ from ...choices import Progress, no_progress
 from ...errors import ServeError, UsageError
 from ..core.engine import refuse_batched_draft
 from ..openai.metrics import STALE_S
+from ..openai.protocol import ModelCard
 from ..openai.routes import HttpApi, new_app, router
 from ..replica import (  # what both paths share; re-exported here for the callers that use Ray Serve
     APP_NAME,
@@ -60,8 +63,10 @@ from ..replica import (  # what both paths share; re-exported here for the calle
     ServeSettings,
     close_service,
     describe,
+    listed_as,
     open_service,
 )
+from .many import ModelRouter, answer, model_card
 from .patches import ray_processes_in_their_own_session, rays_sigterm_handlers_left_out
 from .proxy import PROXY_CALLBACK
 
@@ -162,13 +167,9 @@ app = new_app()
 app.include_router(router(_replica_api))
 
 
-# Ray Serve's own drain (a replica removed waits for its requests) backs the hub's up: a replica that
-# did not hear of the stop gets STOP_GRACE_S + 2 s, and is then killed with whatever it still runs.
-@serve.deployment(name="gpt2x", max_constructor_retry_count=3, graceful_shutdown_timeout_s=STOP_GRACE_S + 2.0,
-                  graceful_shutdown_wait_loop_s=0.1, health_check_period_s=5)
-@serve.ingress(app)
-class Gpt2xReplica:
-    """One replica: the export loaded once, an engine batching the requests routed here."""
+class _Replica:
+    """One replica: the export loaded once, an engine batching the requests routed here, its metrics handed to its
+    hub."""
 
     def __init__(self, config: ReplicaConfig):
         replica = serve.get_replica_context().replica_id.unique_id
@@ -209,11 +210,67 @@ class Gpt2xReplica:
         if service is not None:  # the engine stopped: release what this replica opened
             close_service(service)
 
-def hub_name(settings: ServeSettings) -> str:
-    return f"metrics-hub:{settings.app_name}"
+
+# Ray Serve's own drain (a replica removed waits for its requests) backs the hub's up: a replica that
+# did not hear of the stop gets STOP_GRACE_S + 2 s, and is then killed with whatever it still runs.
+_REPLICA_OPTIONS = dict(max_constructor_retry_count=3, graceful_shutdown_timeout_s=STOP_GRACE_S + 2.0,
+                        graceful_shutdown_wait_loop_s=0.1, health_check_period_s=5)
+
+
+@serve.deployment(name="gpt2x", **_REPLICA_OPTIONS)
+@serve.ingress(app)
+class Gpt2xReplica(_Replica):
+    """One replica of the one model served: the routes answered here."""
+
+
+@serve.deployment(name="gpt2x-model", **_REPLICA_OPTIONS)
+class Gpt2xModel(_Replica):
+    """One replica of one of several models, behind the router (many.py): each request handed over by it."""
+
+    async def call(self, handler: str, body: BaseModel) -> AsyncIterator[tuple | bytes]:
+        async for item in answer(self.http, handler, body):  # a generator method: Ray Serve streams what it yields
+            yield item
+
+    def health(self) -> dict:
+        return self.service.health().model_dump()
+
+    async def snapshots(self) -> list[dict]:
+        """Every replica's of this model (its hub's), this one's included."""
+        own = self.http.metrics.snapshot()
+        return [own] if self.exchange is None else await self.exchange.gather(own)
+
+
+# The router's ingress: the same routes, each answered by the router replica's ModelRouter.
+router_app = new_app()
+router_app.include_router(router(lambda: serve.get_replica_context().servable_object.api))
+
+
+@serve.deployment(name="gpt2x-router", ray_actor_options={"num_cpus": 0})
+@serve.ingress(router_app)
+class Gpt2xRouter:
+    """The ingress of several models: each request routed by its `model` to that model's deployment."""
+
+    def __init__(self, cards: list[ModelCard], api_keys: tuple[str, ...], max_body_bytes: int, *handles):
+        self.api = ModelRouter(cards, {card.id: handle for card, handle in zip(cards, handles)}, api_keys,
+                               max_body_bytes)
+
+
+def hub_name(settings: ServeSettings, model: int | None = None) -> str:
+    """The application's hub, or with several models, model number `model`'s."""
+    return f"metrics-hub:{settings.app_name}" + ("" if model is None else f":{model}")
 
 
 _hubs: dict = {}  # the hubs this process made, by name: a named actor lives while a handle to it does
+_app_hubs: dict[str, list[str]] = {}  # the hubs' names of each application this process deployed
+
+
+def _replica_options(config: ReplicaConfig, settings: ServeSettings) -> dict:
+    """A model's replicas and their bounded queues: the requests a replica takes are its batch and waiting queue,
+    plus REFUSAL_HEADROOM that it answers 429 (JSON, at once); beyond that Ray Serve's proxies queue a bounded
+    number, then answer 503."""
+    return dict(num_replicas=settings.replicas, ray_actor_options={"num_cpus": settings.cpus_per_replica},
+                max_ongoing_requests=config.engine.rows_held + REFUSAL_HEADROOM,
+                max_queued_requests=REFUSAL_HEADROOM * settings.replicas)
 
 
 def application(config: ReplicaConfig, settings: ServeSettings, metrics_hub: str | None = None):
@@ -221,15 +278,28 @@ def application(config: ReplicaConfig, settings: ServeSettings, metrics_hub: str
     `metrics_hub`, the name of the hub its replicas report to)."""
     if metrics_hub is not None:
         config = replace(config, metrics_hub=metrics_hub)
-    engine = config.engine
-    return Gpt2xReplica.options(
-        num_replicas=settings.replicas,
-        ray_actor_options={"num_cpus": settings.cpus_per_replica},
-        # Requests a replica takes: its batch and waiting queue, plus REFUSAL_HEADROOM that it answers
-        # 429 (JSON, at once). Beyond that Ray Serve's proxies queue a bounded number, then answer 503.
-        max_ongoing_requests=engine.rows_held + REFUSAL_HEADROOM,
-        max_queued_requests=REFUSAL_HEADROOM * settings.replicas,
-    ).bind(config)
+    return Gpt2xReplica.options(**_replica_options(config, settings)).bind(config)
+
+
+def several_application(configs: list[ReplicaConfig], settings: ServeSettings, metrics_hubs: list[str]):
+    """Several models' application: each model a deployment with `settings.replicas` replicas of its own, reporting
+    to its own hub, behind the router (as many replicas, no CPU of their own), which takes every request the models
+    take."""
+    models = []
+    for i, (config, hub) in enumerate(zip(configs, metrics_hubs)):
+        config = replace(config, metrics_hub=hub)
+        models.append(Gpt2xModel.options(name=f"gpt2x-model-{i}", **_replica_options(config, settings)).bind(config))
+    cards = [_card(config) for config in configs]
+    taken = sum(_replica_options(c, settings)["max_ongoing_requests"] for c in configs) * settings.replicas
+    first = configs[0]
+    return Gpt2xRouter.options(num_replicas=settings.replicas, max_ongoing_requests=taken,
+                               max_queued_requests=REFUSAL_HEADROOM * settings.replicas
+                               ).bind(cards, first.api_keys, first.max_body_bytes, *models)
+
+
+def _card(config: ReplicaConfig) -> ModelCard:
+    n_positions, precision, root = listed_as(config)
+    return model_card(config.model_id, n_positions, precision, root, config.parent)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -326,10 +396,10 @@ def _init_ray(settings: ServeSettings) -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _deploy(config: ReplicaConfig, settings: ServeSettings, stopping: threading.Event | None) -> None:
+def _deploy(application, settings: ServeSettings, stopping: threading.Event | None) -> None:
     """The application deployed, and waited for until it runs (every replica loaded): StopRequested
     as soon as `stopping` is set meanwhile, ServeError if its replicas fail to start."""
-    serve._run(application(config, settings, hub_name(settings)), _blocking=False, name=settings.app_name,
+    serve._run(application, _blocking=False, name=settings.app_name,
                route_prefix=settings.route_prefix, logging_config={"log_level": "WARNING", "enable_access_log": False})
     while True:
         if stopping is not None and stopping.is_set():
@@ -343,9 +413,10 @@ def _deploy(config: ReplicaConfig, settings: ServeSettings, stopping: threading.
 
 
 def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = no_progress,
-          stopping: threading.Event | None = None) -> str:
+          stopping: threading.Event | None = None, others: Sequence[ReplicaConfig] = ()) -> str:
     """Start (or join) Ray, run the application and return its URL once every replica has loaded.
-    With `stopping`: StopRequested, between steps and while the replicas load, once it is set."""
+    With `stopping`: StopRequested, between steps and while the replicas load, once it is set. With `others`:
+    several models, `config`'s first (several_application)."""
     settings.validate()
     if config.draft is not None:
         refuse_batched_draft(config.engine.max_batch_size)
@@ -364,13 +435,17 @@ def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = n
     serve.start(http_options={"host": settings.host, "port": settings.port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     refuse_other_http_address(settings)
-    # The hub: owned by this process (it ends with it, or when its handle here is dropped: `stop`), in a
-    # namespace of its own, one per application.
-    _hubs[hub_name(settings)] = MetricsHub.options(name=hub_name(settings), namespace=HUB_NAMESPACE,
-                                                   get_if_exists=True).remote()
+    # The hubs: owned by this process (each ends with it, or when its handle here is dropped: `stop`), in a
+    # namespace of their own, one per application, or with several models one per model.
+    names = [hub_name(settings, i) for i in range(1 + len(others))] if others else [hub_name(settings)]
+    for name in names:
+        _hubs[name] = MetricsHub.options(name=name, namespace=HUB_NAMESPACE, get_if_exists=True).remote()
+    _app_hubs[settings.app_name] = names
     check()
-    progress(f"loading {settings.replicas} replica(s) of {config.model_id}")
-    _deploy(config, settings, stopping)
+    models = [config, *others]
+    progress(f"loading {settings.replicas} replica(s) of {', '.join(c.model_id for c in models)}")
+    _deploy(several_application(models, settings, names) if others else application(config, settings, names[0]),
+            settings, stopping)
     return settings.url
 
 
@@ -389,15 +464,16 @@ def refuse_other_http_address(settings: ServeSettings) -> None:
 
 
 def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
-    """Tell the application's replicas to stop (through its hub) and wait until each has: requests in
-    flight get `grace` seconds, then end with an error. True once every replica has drained; False
-    when there is no hub or it did not say so within grace + 2 s."""
+    """Tell the application's replicas to stop (through its hubs: every model's at once) and wait until each has:
+    requests in flight get `grace` seconds, then end with an error. True once every replica has drained; False
+    when there is no hub or they did not say so within grace + 2 s."""
     try:
-        hub = ray.get_actor(hub_name(settings), namespace=HUB_NAMESPACE)
-        ray.get(hub.stop.remote(grace), timeout=HUB_TIMEOUT_S)
+        hubs = [ray.get_actor(name, namespace=HUB_NAMESPACE)
+                for name in _app_hubs.get(settings.app_name, [hub_name(settings)])]
+        ray.get([hub.stop.remote(grace) for hub in hubs], timeout=HUB_TIMEOUT_S)
         deadline = time.monotonic() + grace + 2.0
         while time.monotonic() < deadline:
-            if ray.get(hub.drained.remote(), timeout=HUB_TIMEOUT_S):
+            if all(ray.get([hub.drained.remote() for hub in hubs], timeout=HUB_TIMEOUT_S)):
                 return True
             time.sleep(0.05)
     except (RayError, ValueError):  # no hub, or it is gone: Ray Serve's own drain does the rest
@@ -416,13 +492,15 @@ def stop(settings: ServeSettings, grace: float = STOP_GRACE_S) -> None:
             # graceful_shutdown call, which Ray then reports as a failed task, on stdout).
             serve.delete(settings.app_name)
     finally:
-        _hubs.pop(hub_name(settings), None)  # the hub ends with its last handle
+        for name in _app_hubs.pop(settings.app_name, [hub_name(settings)]):
+            _hubs.pop(name, None)  # a hub ends with its last handle
         ray.shutdown()
         end_process_groups(_local_processes)  # what ray.shutdown left of the local instance (nothing, normally)
 
 
 def serve_until_stopped(config: ReplicaConfig, settings: ServeSettings, ready: Callable[[str], None],
-                        progress: Progress = no_progress, grace: float = STOP_GRACE_S) -> None:
+                        progress: Progress = no_progress, grace: float = STOP_GRACE_S,
+                        others: Sequence[ReplicaConfig] = ()) -> None:
     """start(), tell `ready` the URL, serve until SIGTERM or SIGINT (to this process or its group),
     then stop() cleanly: requests in flight get `grace` seconds, and Ray's processes are gone when it
     returns. A signal while starting stops what has started, once the step under way (starting Ray,
@@ -439,7 +517,7 @@ def serve_until_stopped(config: ReplicaConfig, settings: ServeSettings, ready: C
         signal.signal(sig, on_signal)
     try:
         try:
-            url = start(config, settings, progress, stopping)
+            url = start(config, settings, progress, stopping, others)
             if not stopping.is_set():
                 ready(url)
             while not stopping.wait(0.5):
