@@ -577,6 +577,32 @@ def test_several_models_are_each_a_deployment_of_their_own_routed_by_model(many,
         time.sleep(0.1)
     assert now["running"] == 0 and now["tokens"] - before["tokens"] < 250  # stopped before its budget
 
+    # bard's replica killed mid-stream: the relayed stream ends with the error event and [DONE] (as a single model's);
+    # a stream that ended before the kill landed is tried again once the model's new replica answers
+    body = {"model": "bard", "prompt": "ROMEO:", "max_tokens": 250, "n": 4, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    for _ in range(3):
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::many#gpt2x-model-0#")]
+        with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            events = [first] + [line for line in lines if line]  # a body cut short raises here
+        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+        last = json.loads(events[-2][len("data: "):])
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            again = client.post(f"{url}/v1/completions", json={"model": "bard", "prompt": "ROMEO:", "max_tokens": 2},
+                                headers=AUTH)
+            if again.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert again.status_code == 200, again.text
+        if "error" in last:
+            break
+    assert last["error"]["code"] == "replica_lost", last
+
 
 def test_another_http_address_than_the_clusters_serve_listens_on_is_refused_before_anything_is_deployed(server, export_dir):
     """Ray Serve already runs on this module's cluster: it keeps its HTTP address, so an application asked to listen
