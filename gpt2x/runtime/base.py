@@ -233,6 +233,24 @@ def greedy_step(backend: Backend):
     return step
 
 
+# A backend may also declare `past_buffers(batch, length, dtype) -> (arrays, finish) | None`: 2 * n_layer writable
+# arrays (batch, H, length, D) inside the buffers its next cache will hold, and `finish()`, that cache once they are
+# written; None where its cache does not store `dtype` in buffers of its own.
+
+
+def past_to_fill(backend: Backend, shape: tuple[int, int, int, int], count: int,
+                 dtype) -> tuple[list[np.ndarray], Callable[[], KVCache]]:
+    """`count` arrays of `shape` (B, H, P, D) to write a past into, and what makes them a cache once written: the
+    backend's own buffers where it offers them (past_buffers: nothing copied again), else new arrays that
+    past_from_numpy takes. Their contents are unset: the caller writes every position."""
+    offer = getattr(type(backend), "past_buffers", None)
+    given = offer(backend, shape[0], shape[2], dtype) if offer is not None else None
+    if given is not None:
+        return given
+    arrays = [np.empty(shape, dtype=dtype) for _ in range(count)]
+    return arrays, lambda: backend.past_from_numpy(arrays)
+
+
 def right_aligned_rows(parts: list[list[np.ndarray]], rows: np.ndarray, width: int) -> list[np.ndarray]:
     """`merge` on host arrays: per cache tensor, the parts (B_k, H, P_k, D) stacked and right-aligned to
     `width`, rows `rows` of that stack as new arrays (len(rows), H, width, D)."""

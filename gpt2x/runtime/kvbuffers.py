@@ -301,6 +301,19 @@ class BufferCache(KVCacheView):
         raise NotImplementedError
 
     @classmethod
+    def to_fill(cls, owner: Any, batch: int, length: int) -> tuple[list[np.ndarray], Callable[[], BufferCache]]:
+        """New buffers' first `length` positions, (batch, H, length, D) each, to write a past into, and the cache
+        holding them once written: from_numpy without its copy (Backend.past_buffers)."""
+        capacity = min(owner.n_positions, length + cls.capacity_step)
+        buffers = cls.allocate(owner, batch, capacity, None)
+
+        def finish() -> BufferCache:
+            buffers.length = length
+            return cls(buffers, length, owner)
+
+        return [a[:, :, :length] for a in buffers.arrays], finish
+
+    @classmethod
     def from_numpy(cls, owner: Any, arrays: list[np.ndarray]):
         """A cache holding `arrays` (B, H, P, D), with room to grow (Backend.past_from_numpy)."""
         capacity = min(owner.n_positions, arrays[0].shape[2] + cls.capacity_step)

@@ -594,6 +594,13 @@ class OrtBackend(Closable):
     def past_from_numpy(self, arrays: list[np.ndarray]):
         return (InPlaceCache if self.in_place_kv else GrowingCache).from_numpy(self, arrays)
 
+    def past_buffers(self, batch: int, length: int, dtype):
+        """The in-place cache's new buffers to write a past of `dtype` into (base.past_to_fill), where it stores that
+        dtype; None otherwise (the growing cache's tensors are ONNX Runtime's)."""
+        if not self.in_place_kv or np.dtype(dtype) != np.dtype(self.kv_dtype):
+            return None
+        return InPlaceCache.to_fill(self, batch, length)
+
     def peak_device_memory_mb(self) -> float | None:
         """None: ONNX Runtime's arena is not exposed to Python."""
         return None

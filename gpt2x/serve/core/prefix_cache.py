@@ -24,6 +24,7 @@ as a whole, as exact as a row in a batch is (the serving tests compare greedy to
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -128,16 +129,16 @@ class PrefixCache:
         n = len(ids) // self.block_tokens
         return len(self._match(ids, n)) < n
 
-    def gather(self, blocks: list[_Block], length: int, out: np.ndarray, row: int) -> None:
-        """Write the first `length` tokens' KV of `blocks` into row `row` of `out` ((2 * n_layer, B, H, W, D),
-        the arrays KVCache.stored gives, stacked), right-aligned: columns W - length .. W - 1. One copy a
-        block, every layer's key and value at once."""
-        at = out.shape[3] - length
+    def gather(self, blocks: list[_Block], length: int, out: Sequence[np.ndarray], row: int) -> None:
+        """Write the first `length` tokens' KV of `blocks` into row `row` of `out` (2 * n_layer arrays (B, H, W, D),
+        as KVCache.stored gives them, or a cache's own buffers), right-aligned: columns W - length .. W - 1."""
+        at = out[0].shape[2] - length
         for j, block in enumerate(blocks):
             n = min(self.block_tokens, length - j * self.block_tokens)
             if n <= 0:
                 break
-            out[:, row, :, at : at + n] = block.kv[:, :, :n]
+            for layer, a in enumerate(out):
+                a[row, :, at : at + n] = block.kv[layer, :, :n]
             at += n
 
     # -- inside

@@ -21,7 +21,7 @@ from ...generation.logprobs import LogprobEntry, token_logprobs
 from ...generation.settings import Finish
 from ...generation.speculative import Drafter, DraftSettings
 from ...numerics import positions
-from ...runtime.base import Backend
+from ...runtime.base import Backend, past_to_fill
 from .prefix_cache import PrefixCache
 from .request import Row
 from .scheduler import NewRow, Regroup, RunnerOutput, SchedulerOutput, Start
@@ -255,14 +255,16 @@ class Runner:
         K = max(cached)
         first = next(h for h in hits if h)[0].kv
         layers, heads, _, dim = first.shape
-        # Not zero-filled: gather writes each row's last `cached` columns, and only the columns left of
-        # them (a shorter row's padding) are zeroed; a whole zeroed copy cost a served batch its step.
-        kv = np.empty((layers, len(hits), heads, K, dim), dtype=first.dtype)  # (2L, U, H, K, D), as stored
+        # Written where the backend's cache will hold them where it offers its buffers (one 37 MB copy fewer for a
+        # 512-token past of 124M fp32). Not zero-filled: gather writes each row's last `cached` columns, and only
+        # the columns left of them (a shorter row's padding) are zeroed.
+        kv, finish = past_to_fill(self.backend, (len(hits), heads, K, dim), layers, first.dtype)  # 2L x (U, H, K, D)
         for u, (h, c) in enumerate(zip(hits, cached)):
-            kv[:, u, :, : K - c] = 0
+            for a in kv:
+                a[u, :, : K - c] = 0
             if c:
                 self.prefix_cache.gather(h, c, kv, u)
-        return self.backend.past_from_numpy(list(kv))
+        return finish()
 
     def advance(self, prefill: Prefill, columns: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
         """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's
