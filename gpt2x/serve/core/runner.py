@@ -255,9 +255,9 @@ class Runner:
         K = max(cached)
         first = next(h for h in hits if h)[0].kv
         layers, heads, _, dim = first.shape
-        # Written where the backend's cache will hold them where it offers its buffers (one 37 MB copy fewer for a
-        # 512-token past of 124M fp32). Not zero-filled: gather writes each row's last `cached` columns, and only
-        # the columns left of them (a shorter row's padding) are zeroed.
+        # Written straight into the buffers the backend's next cache holds, where it offers them (one 37 MB copy fewer
+        # for a 512-token past of 124M fp32). Not zero-filled: gather writes each row's last `cached` columns, and
+        # only the columns left of them (a shorter row's padding) are zeroed.
         kv, finish = past_to_fill(self.backend, (len(hits), heads, K, dim), layers, first.dtype)  # 2L x (U, H, K, D)
         for u, (h, c) in enumerate(zip(hits, cached)):
             for a in kv:
