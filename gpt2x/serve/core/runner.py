@@ -77,6 +77,9 @@ class Runner:
         # The joiners' prefill running overlapped (on half the cores, beside the decode steps), on its own thread.
         self.overlap: Future | None = None
         self._overlapping: ThreadPoolExecutor | None = None
+        # Prefills whose prompts' blocks the prefix cache is yet to keep: kept once their first tokens are told (a
+        # 512-token prompt's copy is 37 MB at 124M fp32, which its first token need not wait for).
+        self._unkept: list[Prefill] = []
 
     def execute(self, plan: SchedulerOutput) -> Iterator[RunnerOutput]:
         """Run `plan`, each part's outcome yielded as soon as it is done (a draft row's tokens one by one, so that
@@ -98,6 +101,7 @@ class Runner:
         prefill = starts.get(Start.prefill, [])
         if prefill and self.batch is None:
             yield self._new_batch(prefill, starts.get(Start.after, []))
+            self._keep_unkept()
         else:
             yield from self._join(plan, prefill)
         if self.batch is not None and not set(self.batch.rows).isdisjoint(plan.scheduled_cached_reqs):
@@ -144,6 +148,7 @@ class Runner:
             self.prefilling = None
             self.joined, events = done
             yield RunnerOutput(self.joined.rows, events, joined=True)
+            self._keep_unkept()
 
     def _regroup(self, regroup: Regroup, joined: Batch | None) -> None:
         """The batch laid out as `regroup` says, the joiners in where its order takes them, else a compaction."""
@@ -167,6 +172,7 @@ class Runner:
             wait([self.overlap])
             self.overlap = None
         self.batch = self.prefilling = self.joined = None
+        self._unkept.clear()
 
     def _overlap_pool(self) -> ThreadPoolExecutor:
         if self._overlapping is None:
@@ -193,8 +199,8 @@ class Runner:
         self.prefilling = None
         for tokens, held in prefill.ran:
             self._ran(tokens, held)
-        self._keep_prefixes(prefill)
         yield RunnerOutput(self.joined.rows, events, joined=True)
+        self._keep_prefixes(prefill)
 
     def prefill(self, rows: list[Row], cached: bool = True, later: Sequence[Row] = (),
                 later_cached: bool = True) -> tuple[Batch, list[Event]]:
@@ -207,6 +213,7 @@ class Runner:
         if not later:
             return result
         batch, events = result
+        self._keep_unkept()  # the later rows' prefill reads these prompts' blocks
         joined, jevents = self.prefill(list(later), later_cached)
         width = max(batch.mask.shape[1], joined.mask.shape[1])
         merged = self.merge(batch, joined, np.arange(len(rows) + len(later)), width)
@@ -269,9 +276,9 @@ class Runner:
     def advance(self, prefill: Prefill, columns: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
         """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's
         num_scheduled_tokens), or fewer where fewer are left, or all that is left (None). When its last column has run, each row's first token is
-        sampled and its prompt's whole blocks kept in the prefix cache: the batch and the events;
-        before that, None. `report` False (another thread's prefill): its steps are left in `prefill.ran`
-        and its blocks not kept, for the engine's thread to do (`_overlapped`)."""
+        sampled: the batch and the events (its prompts' whole blocks kept in the prefix cache once they are told,
+        `_keep_unkept`); before that, None. `report` False (another thread's prefill): its steps are left in
+        `prefill.ran` and its blocks not kept, for the engine's thread to do (`_overlapped`)."""
         ran_step = self._ran if report else lambda tokens, held: prefill.ran.append((tokens, held))
         T = prefill.ids.shape[1]
         cols = T - prefill.done if columns is None else min(T - prefill.done, columns)
@@ -293,12 +300,17 @@ class Runner:
                                                        prefill.past, prefill.index)
         # vLLM's iteration tokens: the prompt tokens run and the tokens sampled (each row's first, its end of text too)
         ran_step(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), mask.size)
-        if report:
-            self._keep_prefixes(prefill)
+        if report:  # kept once the first tokens are told (_keep_unkept)
+            self._unkept.append(prefill)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events
+
+    def _keep_unkept(self) -> None:
+        for prefill in self._unkept:
+            self._keep_prefixes(prefill)
+        self._unkept.clear()
 
     def _keep_prefixes(self, prefill: Prefill) -> None:
         """The prompts' whole blocks that the prefix cache lacks, copied into it from the prefill's cache."""
