@@ -50,6 +50,42 @@ def model_named(model: Any, served: Sequence[str]) -> str:
     return model
 
 
+class ModelRoutes(RequestGate):
+    """The routes with a body, each handed to the model it names (`_route`, a subclass's: a model in this process, or
+    a model's deployment on Ray Serve, ray/many.py), and what every model's server checks and answers alike."""
+
+    def model_ids(self) -> list[str]:
+        """The served models' ids, in order: the first answers a body without `model`."""
+        raise NotImplementedError
+
+    async def _route(self, handler: str, body: BaseModel, request: Request) -> Response:
+        raise NotImplementedError
+
+    def check_model(self, model: Any) -> None:
+        model_named(model, self.model_ids())
+
+    async def completions(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("completions", body, request)
+
+    async def chat_completions(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("chat_completions", body, request)
+
+    async def responses(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("responses", body, request)
+
+    async def tokenize(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("tokenize", body, request)
+
+    async def detokenize(self, body: BaseModel, request: Request) -> Response:
+        return await self._route("detokenize", body, request)
+
+    @staticmethod
+    def every_health(every: list[dict]) -> Response:
+        """/health of several models: each one's under `models`, the first's at the top level too (a single model's
+        server's fields)."""
+        return JSONBody(Health(**every[0], models=every))
+
+
 @dataclass(eq=False)
 class ModelSlot:
     """One served model: how to open and close its service, what /v1/models and /health say of it while it is
@@ -80,7 +116,7 @@ class ModelSlot:
         return not stats.get("running", 0) and not stats.get("waiting", 0)
 
 
-class Models(RequestGate):
+class Models(ModelRoutes):
     """The routes' answers for several models (module docstring). `max_loaded` None: no limit (every model is
     loaded before the server starts, by `load_all`); `idle_unload_s` None: no model is closed for being idle."""
 
@@ -193,11 +229,11 @@ class Models(RequestGate):
 
     # -- routing ------------------------------------------------------------------------------------------
 
-    def slot_of(self, model: Any) -> ModelSlot:
-        return self.slots[model_named(model, list(self.slots))]
+    def model_ids(self) -> list[str]:
+        return list(self.slots)
 
-    def check_model(self, model: Any) -> None:
-        self.slot_of(model)
+    def slot_of(self, model: Any) -> ModelSlot:
+        return self.slots[model_named(model, self.model_ids())]
 
     async def _route(self, handler: str, body: BaseModel, request: Request) -> Response:
         """The request handed to the HttpApi of the model its body names (the gate passed: routes.gated_route)."""
@@ -211,21 +247,6 @@ class Models(RequestGate):
         finally:
             slot.busy -= 1
             slot.last_used = time.monotonic()
-
-    async def completions(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("completions", body, request)
-
-    async def chat_completions(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("chat_completions", body, request)
-
-    async def responses(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("responses", body, request)
-
-    async def tokenize(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("tokenize", body, request)
-
-    async def detokenize(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("detokenize", body, request)
 
     # -- every model --------------------------------------------------------------------------------------
 
@@ -245,8 +266,7 @@ class Models(RequestGate):
     def health(self, request: Request) -> Response:
         """Open without the API key: every model's state under `models`, the first's at the top level too (a
         single model's server's fields)."""
-        every = [self._health(slot) for slot in self.slots.values()]
-        return JSONBody(Health(**every[0], models=every))
+        return self.every_health([self._health(slot) for slot in self.slots.values()])
 
     async def prometheus(self, request: Request) -> Response:
         """Every model's series, each under its model_name (a model never loaded has none yet)."""

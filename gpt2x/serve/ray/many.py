@@ -24,9 +24,9 @@ from ray.serve.exceptions import RayServeException
 
 from ..openai import metrics as prom
 from ..openai.errors import APIError
-from ..openai.many import model_named
-from ..openai.protocol import Health, ModelCard, ModelList
-from ..openai.routes import MAX_BODY_BYTES, JSONBody, RequestGate, error_response
+from ..openai.many import ModelRoutes, model_named
+from ..openai.protocol import ModelCard, ModelList
+from ..openai.routes import MAX_BODY_BYTES, error_response
 from .proxy import lost_stream_end
 
 CALL_TIMEOUT_S = 5.0  # a model's /health or /metrics answer that takes longer is reported as not answering
@@ -59,7 +59,7 @@ async def answer(http, handler: str, body: BaseModel) -> AsyncIterator[tuple | b
         yield response.body
 
 
-class ModelRouter(RequestGate):
+class ModelRouter(ModelRoutes):
     """The routes' answers for several models, each on its deployment's handle (module docstring). `cards`: /v1/models'
     cards, in order (the first answers a body without `model`); `handles`: each card's deployment, by id."""
 
@@ -70,8 +70,8 @@ class ModelRouter(RequestGate):
         self.ids = [card.id for card in self.cards]
         self.handles = handles
 
-    def check_model(self, model) -> None:
-        model_named(model, self.ids)
+    def model_ids(self) -> list[str]:
+        return self.ids
 
     async def _route(self, handler: str, body: BaseModel, request: Request) -> Response:
         model = model_named(getattr(body, "model", None), self.ids)
@@ -102,21 +102,6 @@ class ModelRouter(RequestGate):
             if not finished:  # the client left mid-stream
                 call.cancel()
 
-    async def completions(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("completions", body, request)
-
-    async def chat_completions(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("chat_completions", body, request)
-
-    async def responses(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("responses", body, request)
-
-    async def tokenize(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("tokenize", body, request)
-
-    async def detokenize(self, body: BaseModel, request: Request) -> Response:
-        return await self._route("detokenize", body, request)
-
     def models(self, request: Request) -> Response:
         return self._authorized(request, lambda: ModelList(data=self.cards))
 
@@ -131,7 +116,7 @@ class ModelRouter(RequestGate):
             except (*LOST, TimeoutError) as e:
                 every.append({"status": "ok", "model": card.id, "replica": "", "backend": "", "provider": "",
                               "running": 0, "waiting": 0, "error": _unanswered(card.id, e).message})
-        return JSONBody(Health(**every[0], models=every))
+        return self.every_health(every)
 
     async def prometheus(self, request: Request) -> Response:
         """Every model's series, each summed over its replicas (by its hub) under its model_name."""
