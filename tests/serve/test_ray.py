@@ -500,23 +500,6 @@ def test_loadtest_counts_match_the_server(server, client):
 # ------------------------------------------------------------------ several models
 
 
-@pytest.fixture
-def many(server, export_dir, tiny_export):
-    """/many on this module's cluster: the bundled model as "bard" and a tiny random GPT-2 as "tiny", each a deployment
-    with a replica of its own, behind the router; removed after the test."""
-    tiny = tiny_export()[2].folder
-    port = int(server.rsplit(":", 1)[1])
-    engine = EngineSettings(max_batch_size=4, max_waiting=8)
-    bard = ReplicaConfig(export=str(export_dir), model_id="bard", threads=1, api_keys=(KEY,), engine=engine)
-    small = ReplicaConfig(export=str(tiny), model_id="tiny", threads=1, api_keys=(KEY,), engine=engine)
-    start(bard, ServeSettings(replicas=1, port=port, cpus_per_replica=0.5, route_prefix="/many", app_name="many"),
-          others=[small])
-    try:
-        yield f"{server}/many", tiny
-    finally:
-        serve.delete("many")
-
-
 def model_counts(text: str) -> dict[str, float]:
     """Requests answered per model_name, from a /metrics exposition."""
     answered: dict[str, float] = {}
@@ -525,83 +508,6 @@ def model_counts(text: str) -> dict[str, float]:
             model = dict(labels)["model_name"]
             answered[model] = answered.get(model, 0) + v
     return answered
-
-
-def test_several_models_are_each_a_deployment_of_their_own_routed_by_model(many, client, reference, export_dir):
-    """Each model a deployment with its own replica behind one router: each request answered by the model its body
-    names (absent or "": the first) with that export's own tokens, whole and streamed; another name a 404 listing the
-    served ids; the key checked; /v1/models, /health and /metrics cover both; a client leaving frees its row."""
-    url, tiny = many
-    deployments = serve.status().applications["many"].deployments
-    assert set(deployments) == {"gpt2x-router", "gpt2x-model-0", "gpt2x-model-1"}
-    assert {d.status for d in deployments.values()} == {"HEALTHY"}
-    tiny_reference = OrtBackend(read_export(tiny), threads=1)
-    cards = client.get(f"{url}/v1/models", headers=AUTH).json()["data"]
-    assert [(c["id"], c["max_model_len"], c["precision"], c["root"]) for c in cards] == [
-        ("bard", read_export(export_dir).config.n_positions, "fp32", str(export_dir)),
-        ("tiny", read_export(tiny).config.n_positions, "fp32", str(tiny))]
-
-    for model, ref in (("bard", reference), ("tiny", tiny_reference), ("", reference), (None, reference)):
-        named = {} if model is None else {"model": model}
-        body = complete(client, url, prompt="ROMEO:", max_tokens=8, temperature=0, **named)
-        assert body["choices"][0]["text"] == expected(ref, "ROMEO:", 8, greedy=True)[0], model
-        assert body["model"] == (model or "bard")
-    texts, reasons, chunks = stream_text(client, url, model="tiny", prompt="ROMEO:", max_tokens=12, temperature=0)
-    assert texts[0] == expected(tiny_reference, "ROMEO:", 12, greedy=True)[0] and len(chunks) > 3
-    chat = client.post(f"{url}/v1/chat/completions", headers=AUTH,
-                       json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-    assert chat.status_code == 200 and chat.json()["model"] == "tiny", chat.text
-    assert client.post(f"{url}/tokenize", headers=AUTH, json={"model": "tiny", "prompt": "ROMEO:"}).json()["tokens"] \
-        == encode("ROMEO:")
-
-    r = client.post(f"{url}/v1/completions", headers=AUTH, json={"model": "nope", "prompt": "x", "max_tokens": 2})
-    error = r.json()["error"]
-    assert r.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
-    assert error["message"].endswith("this server serves 'bard', 'tiny'")
-    assert client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
-
-    h = client.get(f"{url}/health").json()
-    assert h["model"] == "bard" and [m["model"] for m in h["models"]] == ["bard", "tiny"]
-    time.sleep(4 * REPORT_S)  # each model's replica reports its last answer to its hub
-    assert model_counts(client.get(f"{url}/metrics", headers=AUTH).text) == {"bard": 3, "tiny": 3}
-
-    before = client.get(f"{url}/health").json()["models"][0]
-    with client.stream("POST", f"{url}/v1/completions", headers=AUTH,
-                       json={"model": "bard", "prompt": "ROMEO:", "max_tokens": 250, "temperature": 0, "stream": True}) as r:
-        assert next(line for line in r.iter_lines() if line.startswith("data: "))
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        now = client.get(f"{url}/health").json()["models"][0]
-        if now["running"] == 0 and now["rows"] > before["rows"]:
-            break
-        time.sleep(0.1)
-    assert now["running"] == 0 and now["tokens"] - before["tokens"] < 250  # stopped before its budget
-
-    # bard's replica killed mid-stream: the relayed stream ends with the error event and [DONE] (as a single model's);
-    # a stream that ended before the kill landed is tried again once the model's new replica answers
-    body = {"model": "bard", "prompt": "ROMEO:", "max_tokens": 250, "n": 4, "ignore_eos": True, "temperature": 0,
-            "stream": True}
-    for _ in range(3):
-        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith("SERVE_REPLICA::many#gpt2x-model-0#")]
-        with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
-            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            events = [first] + [line for line in lines if line]  # a body cut short raises here
-        assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
-        last = json.loads(events[-2][len("data: "):])
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            again = client.post(f"{url}/v1/completions", json={"model": "bard", "prompt": "ROMEO:", "max_tokens": 2},
-                                headers=AUTH)
-            if again.status_code == 200:
-                break
-            time.sleep(0.5)
-        assert again.status_code == 200, again.text
-        if "error" in last:
-            break
-    assert last["error"]["code"] == "replica_lost", last
 
 
 def test_another_http_address_than_the_clusters_serve_listens_on_is_refused_before_anything_is_deployed(server, export_dir):
@@ -619,27 +525,99 @@ def test_another_http_address_than_the_clusters_serve_listens_on_is_refused_befo
     assert set(serve.status().applications) == {"main", "small"}
 
 
-def test_the_command_deploys_onto_a_running_cluster_and_leaves_it_and_its_applications_running(server, client, export_dir,
-                                                                                                  tiny_export):
+def test_the_command_deploys_several_models_onto_a_running_cluster_each_routed_by_model_and_leaves_the_rest(
+        server, client, reference, export_dir, tiny_export):
     """`gpt2x serve --address` onto this module's cluster, which already serves /main and /small on the same HTTP port,
-    with two models (each a deployment of its own): its application answers at the root, each model by its name, and
-    SIGTERM drains both and removes the application and nothing else (the cluster and the other applications go on)."""
+    with two models: the bundled model as "bard" and a tiny random GPT-2 as "tiny", each a deployment with a replica
+    of its own behind the router, at the root. Each request is answered by the model its body names (absent or "":
+    the first) with that export's own tokens, whole and streamed; another name is a 404 listing the served ids; the
+    key is checked; /v1/models, /health and /metrics cover both; a client leaving frees its row; a model's replica
+    killed mid-stream ends the relayed stream with the error event. SIGTERM then drains and removes the application
+    and nothing else (the cluster and the other applications go on)."""
     import signal
 
     from ..helpers import serving
 
     address = ray.get_runtime_context().gcs_address
     port = server.rsplit(":", 1)[1]
+    url = server
     tiny = tiny_export()[2].folder
     with serving("--onnx", str(export_dir), "--onnx", str(tiny), "--served-model-name", "bard", "--served-model-name",
-                 "tiny", "--address", address, "--port", port, "--threads", "1", timeout=240) as (proc, ready):
+                 "tiny", "--address", address, "--port", port, "--threads", "1", "--api-key", KEY,
+                 "--max-batch-size", "4", "--max-waiting", "8", timeout=240) as (proc, ready):
         assert ready["ray"] == address and ready["url"] == server
         assert [(m["model"], m["export"]) for m in ready["models"]] == [("bard", str(export_dir)), ("tiny", str(tiny))]
-        for model in ("bard", "tiny"):
-            r = client.post(f"{server}/v1/completions", json={"model": model, "prompt": "ROMEO:", "max_tokens": 3})
-            assert r.status_code == 200 and r.json()["model"] == model
-            assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
-        assert set(serve.status().applications["gpt2x"].deployments) == {"gpt2x-router", "gpt2x-model-0", "gpt2x-model-1"}
+        deployments = serve.status().applications["gpt2x"].deployments
+        assert set(deployments) == {"gpt2x-router", "gpt2x-model-0", "gpt2x-model-1"}
+        assert {d.status for d in deployments.values()} == {"HEALTHY"}
+        tiny_reference = OrtBackend(read_export(tiny), threads=1)
+        cards = client.get(f"{url}/v1/models", headers=AUTH).json()["data"]
+        assert [(c["id"], c["max_model_len"], c["precision"], c["root"]) for c in cards] == [
+            ("bard", read_export(export_dir).config.n_positions, "fp32", str(export_dir)),
+            ("tiny", read_export(tiny).config.n_positions, "fp32", str(tiny))]
+
+        for model, ref in (("bard", reference), ("tiny", tiny_reference), ("", reference), (None, reference)):
+            named = {} if model is None else {"model": model}
+            body = complete(client, url, prompt="ROMEO:", max_tokens=8, temperature=0, **named)
+            assert body["choices"][0]["text"] == expected(ref, "ROMEO:", 8, greedy=True)[0], model
+            assert body["model"] == (model or "bard")
+        texts, reasons, chunks = stream_text(client, url, model="tiny", prompt="ROMEO:", max_tokens=12, temperature=0)
+        assert texts[0] == expected(tiny_reference, "ROMEO:", 12, greedy=True)[0] and len(chunks) > 3
+        chat = client.post(f"{url}/v1/chat/completions", headers=AUTH,
+                           json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["model"] == "tiny", chat.text
+        assert client.post(f"{url}/tokenize", headers=AUTH, json={"model": "tiny", "prompt": "ROMEO:"}).json()["tokens"] \
+            == encode("ROMEO:")
+
+        r = client.post(f"{url}/v1/completions", headers=AUTH, json={"model": "nope", "prompt": "x", "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+        assert error["message"].endswith("this server serves 'bard', 'tiny'")
+        assert client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+
+        h = client.get(f"{url}/health").json()
+        assert h["model"] == "bard" and [m["model"] for m in h["models"]] == ["bard", "tiny"]
+        time.sleep(4 * REPORT_S)  # each model's replica reports its last answer to its hub
+        assert model_counts(client.get(f"{url}/metrics", headers=AUTH).text) == {"bard": 3, "tiny": 3}
+
+        before = client.get(f"{url}/health").json()["models"][0]
+        with client.stream("POST", f"{url}/v1/completions", headers=AUTH,
+                           json={"model": "bard", "prompt": "ROMEO:", "max_tokens": 250, "temperature": 0, "stream": True}) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            now = client.get(f"{url}/health").json()["models"][0]
+            if now["running"] == 0 and now["rows"] > before["rows"]:
+                break
+            time.sleep(0.1)
+        assert now["running"] == 0 and now["tokens"] - before["tokens"] < 250  # stopped before its budget
+
+        # bard's replica killed mid-stream: the relayed stream ends with the error event and [DONE] (as a single model's);
+        # a stream that ended before the kill landed is tried again once the model's new replica answers
+        body = {"model": "bard", "prompt": "ROMEO:", "max_tokens": 250, "n": 4, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        for _ in range(3):
+            [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith("SERVE_REPLICA::gpt2x#gpt2x-model-0#")]
+            with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line)
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+                events = [first] + [line for line in lines if line]  # a body cut short raises here
+            assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+            last = json.loads(events[-2][len("data: "):])
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                again = client.post(f"{url}/v1/completions", json={"model": "bard", "prompt": "ROMEO:", "max_tokens": 2},
+                                    headers=AUTH)
+                if again.status_code == 200:
+                    break
+                time.sleep(0.5)
+            assert again.status_code == 200, again.text
+            if "error" in last:
+                break
+        assert last["error"]["code"] == "replica_lost", last
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, proc.stderr.read()
     assert client.get(f"{server}/v1/models").status_code == 404  # its application is gone
