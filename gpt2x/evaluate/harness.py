@@ -13,7 +13,7 @@ from ..generation import decode as decoding
 from ..generation.decode import left_pad
 from ..generation.sampling import Sampler
 from ..generation.settings import Finish, SamplingSettings
-from ..numerics import log_softmax, positions
+from ..numerics import positions, target_log_probs
 from ..runtime.base import Backend
 from ..tokenizer import EOT_ID, StreamDecoder, decode
 
@@ -75,7 +75,7 @@ def score_continuations(backend: Backend, requests: Sequence[tuple[list[int], li
         for row, r in enumerate(rows):
             targets = np.asarray(requests[r][1], dtype=np.int64)
             scored = logits[row, ids.shape[1] - len(targets) :]  # left padding: the continuation's logits are last
-            logprob = float(log_softmax(scored)[np.arange(len(targets)), targets].sum())
+            logprob = float(target_log_probs(scored, targets).sum())
             results[r] = (logprob, bool((scored.argmax(axis=-1) == targets).all()))
         done(len(rows))
     return results  # type: ignore[return-value]  # every slot is filled

@@ -9,7 +9,7 @@ from importlib import resources
 
 import numpy as np
 
-from ..numerics import log_softmax
+from ..numerics import log_softmax, target_log_probs
 
 
 def heldout_text() -> str:
@@ -54,7 +54,7 @@ def summarize_latencies(seconds: list[float]) -> dict[str, float]:
 
 def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
     """Mean -log softmax(logits)[target] over rows, in nats (float64)."""
-    return float(-log_softmax(logits)[np.arange(len(targets)), targets].mean())
+    return float(-target_log_probs(logits, targets).mean())
 
 
 def perplexity(full_logits: Callable[[np.ndarray], np.ndarray], ids: list[int], window: int) -> float:

@@ -381,17 +381,16 @@ def test_first_difference():
     assert bench.first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch):
+def test_run_bench_speculative_rows(tiny, tmp_path, monkeypatch, quick_bench):
     """--draft: one row per backend x precision that rolls back x draft, measured at batch 1 whatever
     the batches, each against plain decoding of the same target in the same run; a backend that cannot
     roll back has none, and says why."""
     model, source = tiny
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(EXPORTS_ENV, str(tmp_path / "exported"))  # exports by model name land there
-    monkeypatch.setattr(bench, "cpu_read_bandwidth", lambda threads: 20e9)  # not what this test checks
     s = bench.BenchSettings(model=source.name, backends=[BackendKind.torch, BackendKind.ort], precisions=[Precision.fp32],
                             batches=[2], prompt_len=4, new_tokens=10, repeat=1, drafts=["ngram", "int8"], num_speculative_tokens=3,
-                            prompt_text=GROUNDED)
+                            prompt_text=GROUNDED, text=quick_bench)
     # Each forward of the target costs 2 + 0.5 per new position ms: a plain step 2.5 ms, a verification of
     # d drafted tokens 2.5 + 0.5 d ms, the prefill of the P-token prompt 2 + 0.5 P; the drafts' cost nothing.
     clock = StepClock(monkeypatch, {TorchBackend: (2, 0.5), OrtBackend: (2, 0.5)})
