@@ -43,21 +43,47 @@ def afresh() -> bytes:
     return trace._trace(model(2), OPSET).SerializeToString()
 
 
-def test_a_second_model_of_the_architecture_is_refilled_not_traced(traces, afresh, tmp_path, monkeypatch):
-    """In this process's memory, and so even where the cache folder cannot be written: that costs only the trace."""
+def test_a_second_model_is_refilled_from_memory_or_from_the_graph_a_later_process_finds_on_disk(traces, afresh, tmp_path,
+                                                                                                  monkeypatch):
+    """A later model of the architecture takes the traced graph with its own weights, byte for byte what tracing it
+    afresh gives: from this process's memory, even where the cache folder cannot be written (that costs only the
+    trace), and, in a process without it in memory, from GPT2X_TRACES, where the first trace was kept. A kept file cut
+    short, or under another architecture's name, is not used; a model with another forward is traced."""
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(trace.TRACES_ENV, str(blocker / "traces"))  # under a file: mkdir fails
     a, b = model(1), model(2)
-    first = trace.trace_to_onnx(a, OPSET)
-    assert len(first.graph.node) > 0 and not (blocker / "traces").exists()
+    first = trace.trace_to_onnx(a, OPSET).SerializeToString()
+    assert not (blocker / "traces").exists()
     refilled = trace.trace_to_onnx(b, OPSET)
     assert traces == [a]  # b took a's graph
-    assert refilled.SerializeToString() == afresh
-    assert first.SerializeToString() != afresh  # the weights differ
-    scaled = Scaled(CFG).init_weights(1).eval()  # the same config, another forward: its own trace
+    assert refilled.SerializeToString() == afresh and first != afresh  # the weights differ
+
+    kept = tmp_path / "traces"
+    monkeypatch.setenv(trace.TRACES_ENV, str(kept))
+    trace._TEMPLATES.clear()  # as a new process
+    trace.trace_to_onnx(b, OPSET)
+    assert traces == [a, b]
+    [file] = kept.iterdir()
+    trace._TEMPLATES.clear()
+    assert trace.trace_to_onnx(a, OPSET).SerializeToString() == first  # a's weights in the graph b's process kept
+    assert traces == [a, b]
+    scaled = Scaled(CFG).init_weights(1).eval()  # the same config, another forward: its own trace, not a's graph
     trace.trace_to_onnx(scaled, OPSET)
-    assert traces == [a, scaled]
+    assert traces == [a, b, scaled]
+
+    whole = file.read_bytes()
+    params = {name: p.detach() for name, p in trace._ExportWrapper(trace._export_copy(a)).named_parameters()}
+    assert trace._load_template(file, params) is not None
+    file.write_bytes(whole[: len(whole) // 2])
+    assert trace._load_template(file, params) is None  # cut short: traced again, as with no file
+    file.write_bytes(whole)
+    wider = GPT2(GPT2Config(vocab_size=64, n_positions=24, n_embd=32, n_layer=1, n_head=2)).init_weights(5).eval()
+    file.rename(kept / f"{trace._disk_key(wider, OPSET)}.onnx")  # a file under another architecture's name
+    trace._TEMPLATES.clear()
+    trace.trace_to_onnx(wider, OPSET)
+    assert traces == [a, b, scaled, wider]
+    assert len({trace._disk_key(wider, OPSET), trace._disk_key(b, OPSET), trace._disk_key(scaled, OPSET)}) == 3
 
 
 class Scaled(GPT2):
@@ -75,29 +101,3 @@ def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces):
     other = model(4)
     trace.trace_to_onnx(other, OPSET)
     assert traces == [twin, other]
-
-
-def test_a_later_process_takes_the_graph_kept_on_disk(traces, afresh, tmp_path, monkeypatch):
-    """GPT2X_TRACES: the first trace is kept there; a process without it in memory refills the kept graph, byte for
-    byte what tracing afresh gives, and a kept file that is cut short, or of another architecture, is traced again."""
-    kept = tmp_path / "traces"
-    monkeypatch.setenv(trace.TRACES_ENV, str(kept))
-    a, b = model(1), model(2)
-    trace.trace_to_onnx(a, OPSET)
-    [file] = kept.iterdir()
-    trace._TEMPLATES.clear()  # as a new process
-    refilled = trace.trace_to_onnx(b, OPSET)
-    assert traces == [a]
-    assert refilled.SerializeToString() == afresh
-
-    whole = file.read_bytes()
-    file.write_bytes(whole[: len(whole) // 2])
-    trace._TEMPLATES.clear()
-    trace.trace_to_onnx(b, OPSET)
-    assert traces == [a, b] and file.read_bytes() == whole  # traced again, and kept whole again
-    wider = GPT2(GPT2Config(vocab_size=64, n_positions=24, n_embd=32, n_layer=1, n_head=2)).init_weights(5).eval()
-    file.rename(kept / f"{trace._disk_key(wider, OPSET)}.onnx")  # a file under another architecture's name
-    trace._TEMPLATES.clear()
-    trace.trace_to_onnx(wider, OPSET)
-    assert traces == [a, b, wider]
-    assert trace._disk_key(wider, OPSET) != trace._disk_key(b, OPSET) != trace._disk_key(Scaled(CFG), OPSET)

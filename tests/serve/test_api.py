@@ -782,7 +782,7 @@ def fuzz_app(export_dir):
     service.close()
 
 
-FUZZ_EXAMPLES = 200  # requests, every one sent however long they take (about 5 s on the 2-core VM)
+FUZZ_EXAMPLES = 120  # requests, every one sent however long they take (drawing them is most of the time: about 8 s on a busy VM)
 
 
 def openai_error_shape(response) -> None:

@@ -113,7 +113,15 @@ def staggered(engine: Engine, todo: list) -> list[Collect]:
     return sinks
 
 
-@pytest.mark.parametrize("mode", ["continuous", "overlapped", "static", "off"])
+# Joins (continuous, overlapped) on every cache; a static batch on fp32 and on serve's default int8 cache; one row at a
+# time on fp32 and on the int8 cache, where the row alone must be exact even sampled.
+ENGINE_MODES = [("fp32", "continuous"), ("fp32", "overlapped"), ("fp32", "static"), ("fp32", "off"),
+                ("int8-in-place", "continuous"), ("int8-in-place", "overlapped"), ("int8-in-place", "static"),
+                ("int8-growing", "continuous"), ("int8-growing", "overlapped"),
+                ("int8-int8-kv", "continuous"), ("int8-int8-kv", "overlapped"), ("int8-int8-kv", "off")]
+
+
+@pytest.mark.parametrize("backend,mode", ENGINE_MODES, ids=[f"{b}-{m}" for b, m in ENGINE_MODES], indirect=["backend"])
 def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
     """Each row is submitted once the row before it has produced 3 tokens, so rows arrive while a
     batch runs: they join it (continuous; overlapped: on two threads, chunks of 4, so that joiners of
