@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from gpt2x.errors import OutputError, UsageError
@@ -85,6 +87,7 @@ def test_another_export_never_reads_them(tmp_path):
 
 @pytest.mark.parametrize("damage,why", [
     ("truncate", "unreadable"), ("flip", "checksum"), ("swap", "another export's block"), ("tokens", "tokens"),
+    ("earlier format", "of version 2"),
 ])
 def test_a_damaged_block_is_skipped_reported_and_deleted(tmp_path, caplog, damage, why):
     first = stored(tmp_path)
@@ -99,11 +102,18 @@ def test_a_damaged_block_is_skipped_reported_and_deleted(tmp_path, caplog, damag
         second.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     elif damage == "swap":  # another block's file under this block's name
         os.replace(folder / f"{digests[2]}{SUFFIX}", second)
-    else:  # a file whose checksum matches, of other tokens, under this name
+    elif damage == "tokens":  # a file whose checksum matches, of other tokens, under this name
         kv = np.zeros((4, 1, B, 1), np.float32)
         save_file({"kv": kv}, str(second), metadata={
-            "format": "gpt2x-prefix-block", "format_version": "1", "key": first.disk.key, "digest": digests[1],
-            "tokens": json.dumps([1, 2, 3, 4]), "sha256": hashlib.sha256(kv.tobytes()).hexdigest()})
+            "format": "gpt2x-prefix-block", "format_version": "2", "key": first.disk.key, "digest": digests[1],
+            "tokens": json.dumps([1, 2, 3, 4]), "xxh3_128": xxhash.xxh3_128_hexdigest(kv.tobytes())})
+    else:  # the block as version 1 wrote it: a SHA-256 checksum
+        with safe_open(str(second), framework="numpy") as f:
+            meta, kv = f.metadata(), f.get_tensor("kv")
+        meta["format_version"] = "1"
+        meta["sha256"] = hashlib.sha256(kv.tobytes()).hexdigest()
+        del meta["xxh3_128"]
+        save_file({"kv": kv}, str(second), metadata=meta)
     later = cache(tmp_path)
     with caplog.at_level(logging.WARNING):
         got = gathered(later, PROMPT)

@@ -162,7 +162,7 @@ class PrefixCache:
 
     def _read_in(self, ids: list[int], chain: list[_Block], most: int) -> None:
         """The blocks after `chain` (held here) that the disk holds, read and held here too, appended to `chain`: read
-        and checked on READ_THREADS threads (file reads and SHA-256 release the GIL), kept in order up to the first
+        and checked on READ_THREADS threads (file reads and the checksum release the GIL), kept in order up to the first
         that does not check out."""
         digests = self.disk.chain()
         wanted = []

@@ -5,8 +5,9 @@ did skip their prefill.
 A block is a safetensors file named by the SHA-256 of the export's key and every token up to the block's end (a
 block's KV depends on every token before it), in a folder of the export's key (`cache_key`: its files' digests,
 the backend and the cache's dtype), so a different export never reads another's blocks. Each file holds the block's
-KV and, in its metadata, the key, its digest, its tokens, and the SHA-256 of its bytes; a file that does not check
-out (truncated, corrupt, another export's, renamed) is skipped, reported, and deleted, never used.
+KV and, in its metadata, the key, its digest, its tokens, and the XXH3-128 checksum of its bytes (a check against damage,
+not tampering: whoever can write the file can write its checksum); a file that does not check out (truncated, corrupt,
+another export's, renamed, of an earlier format) is skipped, reported, and deleted, never used.
 
 Writes go through one background thread (the engine's thread hands a block over and goes on: a decode step never
 waits for the disk), each to a temporary file renamed into place, so no reader sees half a block. The folder is
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -36,7 +38,7 @@ from ...errors import OutputError
 log = logging.getLogger(__name__)
 
 FORMAT = "gpt2x-prefix-block"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: XXH3-128 checksums (1: SHA-256)
 SUFFIX = ".safetensors"
 DEFAULT_PREFIX_CACHE_DISK_MB = 4096  # about 58,000 tokens of GPT-2 124M in float32
 PENDING_WRITES = 256  # blocks handed to the writer and not yet written; more are dropped (counted), never waited for
@@ -214,7 +216,7 @@ class DiskBlocks:
             return
         kv = np.ascontiguousarray(kv)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "key": self.key, "digest": digest,
-                "tokens": json.dumps(tokens), "sha256": _sha256(kv)}
+                "tokens": json.dumps(tokens), "xxh3_128": _checksum(kv)}
         tmp = self.folder / f"{digest}.{threading.get_ident()}.tmp"
         save_file({"kv": kv}, str(tmp), metadata=meta)
         size = tmp.stat().st_size
@@ -245,11 +247,11 @@ def _mismatch(meta: dict, kv: np.ndarray, key: str, digest: str, tokens: list[in
         return "its tokens are not the prompt's"
     if kv.dtype != dtype or kv.ndim != 4 or kv.shape[2] != block_tokens or shape not in (None, kv.shape):
         return f"its KV is {kv.dtype}{list(kv.shape)}, not a block of {block_tokens} tokens in {dtype}"
-    if _sha256(kv) != meta.get("sha256"):
+    if _checksum(kv) != meta.get("xxh3_128"):
         return "its bytes do not match their checksum"
     return None
 
 
-def _sha256(kv: np.ndarray) -> str:
-    """The SHA-256 of an array's bytes, read in place (no copy)."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(kv)).cast("B")).hexdigest()
+def _checksum(kv: np.ndarray) -> str:
+    """The XXH3-128 of an array's bytes, read in place (no copy)."""
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(kv)).cast("B"))
