@@ -20,7 +20,7 @@ def target_log_probs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float32)
     top = x.max(axis=-1)
     total = np.exp(x - top[:, None]).sum(axis=-1, dtype=np.float64)
-    return (x[np.arange(len(targets)), targets] - top).astype(np.float64) - np.log(total)
+    return x[np.arange(len(targets)), targets].astype(np.float64) - top - np.log(total)  # float64: exact differences
 
 
 def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
