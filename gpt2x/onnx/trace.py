@@ -153,7 +153,7 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
     torch's dynamo exporter, or the architecture's traced graph (this process's, or one kept in
     traces_root() by an earlier process) with this model's weights."""
     key = (type(model), model.config, opset, torch.__version__)  # a subclass may trace to another graph
-    params = {name: p.detach() for name, p in _ExportWrapper(_export_copy(model)).named_parameters()}
+    params = _parameters(model)
     root = traces_root()
     disk_key = _disk_key(model, opset) if root is not None and key not in _TEMPLATES else None
     if disk_key is not None:
@@ -174,6 +174,11 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
             if disk_key is not None and _TEMPLATES[key] is not None:
                 _keep_template(root / f"{disk_key}.onnx", _TEMPLATES[key])
     return proto
+
+
+def _parameters(model: GPT2) -> dict[str, torch.Tensor]:
+    """The model's parameters under the names the traced graph's initializers take (_ExportWrapper's)."""
+    return {name: p.detach() for name, p in _ExportWrapper(_export_copy(model)).named_parameters()}
 
 
 def _template(proto: onnx.ModelProto, params: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[_Weight]] | None:

@@ -73,7 +73,7 @@ def test_a_second_model_is_refilled_from_memory_or_from_the_graph_a_later_proces
     assert traces == [a, b, scaled]
 
     whole = file.read_bytes()
-    params = {name: p.detach() for name, p in trace._ExportWrapper(trace._export_copy(a)).named_parameters()}
+    params = trace._parameters(a)
     assert trace._load_template(file, params) is not None
     file.write_bytes(whole[: len(whole) // 2])
     assert trace._load_template(file, params) is None  # cut short: traced again, as with no file

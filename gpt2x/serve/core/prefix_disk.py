@@ -89,7 +89,6 @@ class DiskBlocks:
             raise OutputError(f"the prefix cache's folder {self.folder} cannot be made: {e.strerror or e}") from None
         if not os.access(self.folder, os.W_OK):
             raise OutputError(f"the prefix cache's folder {self.folder} is not writable")
-        self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recently used first
         self.bytes = 0
