@@ -28,19 +28,28 @@ class ProviderKind(str, Enum):
 
 class KvCache(str, Enum):
     """ONNX Runtime's KV cache form (`ort` backend): auto (in place wherever it can be on the CPU: int8 and int4
-    graphs, an fp32 export's through its GroupQueryAttention twin; growing on CUDA), in-place (required: refused where
-    it cannot be), growing (the export's own graph, each step's presents the next past), slots (the server's alone: a
-    fixed slot per row, runtime.static_decode.SlotBackend, for fp32, int8 and int4 exports on the CPU)."""
+    graphs, an fp32 export's through its GroupQueryAttention twin; growing on CUDA, where `generate` decodes on the
+    fixed cache wherever the generation allows), in-place (required: refused where it cannot be), growing (the
+    export's own graph, each step's presents the next past), fixed (`generate`'s alone, required: one fixed-capacity
+    cache, runtime.static_decode.StaticDecoder, its step a CUDA graph on CUDA), slots (the server's alone: a fixed
+    slot per row, runtime.static_decode.SlotBackend, for fp32, int8 and int4 exports on the CPU)."""
 
     auto = "auto"
     in_place = "in-place"
     growing = "growing"
+    fixed = "fixed"
     slots = "slots"
 
     @property
     def in_place_kv(self) -> bool | None:
-        """OrtBackend's `in_place_kv` for it (slots: not an OrtBackend's)."""
-        return {KvCache.auto: None, KvCache.in_place: True, KvCache.growing: False, KvCache.slots: None}[self]
+        """OrtBackend's `in_place_kv` for it (fixed, slots: not an OrtBackend's step)."""
+        return {KvCache.in_place: True, KvCache.growing: False}.get(self)
+
+    def fixed_cache(self, provider: ProviderKind) -> bool | None:
+        """generation.generate's `fixed_cache` for it: required (fixed), where it can be (auto on CUDA), or never."""
+        if self is KvCache.fixed:
+            return True
+        return None if self is KvCache.auto and provider is ProviderKind.cuda else False
 
 
 class Precision(str, Enum):

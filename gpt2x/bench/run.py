@@ -42,7 +42,7 @@ from ..onnx.artifact import ExportInfo
 from ..runtime.base import Backend
 from ..runtime.providers import default_precisions
 from ..runtime.registry import cannot_roll_back, capabilities_of, unsupported
-from ..runtime.static_decode import StaticDecoder, fixed_cache_refusal
+from ..runtime.static_decode import FIXED_CACHE, StaticDecoder, fixed_cache_refusal
 from ..tokenizer import encode
 from ..workflows.backends import open_backend, torch_backend
 from ..workflows.drafts import check_draft, open_drafter
@@ -111,6 +111,9 @@ class BenchSettings:
             raise UsageError(f"kv_cache {self.kv_cache.value} applies to the ort rows, and none is asked for", option="kv_cache")
         if self.kv_cache is KvCache.slots:
             raise UsageError("kv_cache slots is the server's (gpt2x serve): the bench times a batch decoding alone",
+                             option="kv_cache")
+        if self.kv_cache is KvCache.fixed:
+            raise UsageError("kv_cache fixed is gpt2x generate's: the bench times the fixed cache beside each ort row",
                              option="kv_cache")
         if self.prompt_text is not None and not encode(self.prompt_text):
             raise UsageError("prompt_text is empty: it encodes to no tokens", option="prompt_text")
@@ -300,10 +303,6 @@ class Timing:
     same_tokens: float | None = None  # those rows: the share of their tokens equal to the ort row's
 
 
-# The decoders of the fixed-cache rows, as a speed row names them.
-FIXED_CACHE, FIXED_CACHE_GRAPH = "fixed cache", "fixed cache + CUDA graph"
-
-
 def time_batch(backend: Backend, kind: BackendKind, precision: Precision, prompt: np.ndarray, cold_s: float,
                s: BenchSettings) -> Timing:
     """s.warmup untimed runs, then s.repeat timed ones of `backend` on `prompt` (one row per batch
@@ -337,7 +336,7 @@ def time_fixed(s: BenchSettings, info: ExportInfo, precision: Precision, prompt:
                             cuda_graph=graph, threads=threads)
     try:
         decoder.prefill(prompt)
-        cold_s = time.perf_counter() - t0
+        cold_s, name = time.perf_counter() - t0, decoder.name
         for _ in range(s.warmup):
             timed_fixed(decoder, prompt, min(8, s.new_tokens))
         runs = [timed_fixed(decoder, prompt, s.new_tokens) for _ in range(s.repeat)]
@@ -347,7 +346,7 @@ def time_fixed(s: BenchSettings, info: ExportInfo, precision: Precision, prompt:
     same = float(np.mean(np.asarray(run["tokens"]) == np.asarray(plain.run["tokens"])))
     return Timing(backend=plain.backend, precision=precision, batch=prompt.shape[0], run=run, cold_start_s=cold_s,
                   peak_rss_mb=peak_rss_mb(), peak_gpu_mb=None, page_memory_mb=None, page_info=None,
-                  decoder=FIXED_CACHE_GRAPH if graph else FIXED_CACHE, same_tokens=same)
+                  decoder=name, same_tokens=same)
 
 
 def speed_row(t: Timing, new_tokens: int, prompt_len: int, roof_tps: float) -> SpeedRow:

@@ -216,18 +216,17 @@ def generate(
                                                           progress=progress_to(status), notice=notice)
     stream = len(prompts) == 1 and not as_json and num_beams == 1 and n == 1
     decoder = StreamDecoder()
+    shown = []  # the prompt, written with the first token: a generation refused before its first writes nothing
 
     def write_token(row: int, tok: int) -> None:
-        sys.stdout.write(decoder.push(tok))
+        sys.stdout.write(("" if shown else prompts[0]) + decoder.push(tok))
         sys.stdout.flush()
+        shown.append(True)
 
-    if stream:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
     results = run_generation(runner, prompts, settings, truncate=truncate, on_token=write_token if stream else None,
-                             draft=drafter, draft_settings=draft_settings)
+                             draft=drafter, draft_settings=draft_settings, fixed_cache=kv_cache.fixed_cache(provider))
     if stream:
-        sys.stdout.write(decoder.flush() + "\n")
+        sys.stdout.write(("" if shown else prompts[0]) + decoder.flush() + "\n")
     elif as_json:
         for i, r in enumerate(results):
             print(json.dumps({
@@ -236,6 +235,7 @@ def generate(
                 "seed": seed + i % n,  # sample i of a prompt: seed + i
                 **({"sample": i % n} if n > 1 else {}),
                 **({"draft": drafter.name, "speculation": r.speculation} if drafter is not None else {}),
+                **({"decoder": r.decoder} if r.decoder is not None else {}),
             }))
     else:
         for i, r in enumerate(results):

@@ -103,9 +103,11 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (def
 KvCacheOpt = Annotated[KvCache, typer.Option(
     rich_help_panel=RUNTIME_PANEL,
     help="The ort backend's KV cache: auto (written in place wherever it can be on the CPU: int8 and int4 graphs, an "
-    "fp32 export's through its graph's GroupQueryAttention twin, made in memory), in-place (required), growing "
-    "(the export's own graph), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run in the "
-    "decode steps' own forward).")]
+    "fp32 export's through its graph's GroupQueryAttention twin, made in memory; on CUDA, gpt2x generate decodes on "
+    "the fixed cache wherever the generation allows), in-place (required), growing (the export's own graph), fixed "
+    "(gpt2x generate only, required: one fixed-capacity cache, its step replayed as a CUDA graph on CUDA; greedy or a "
+    "temperature, one prompt length), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run "
+    "in the decode steps' own forward).")]
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
@@ -128,6 +130,9 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
     if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
         raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
                          option="kv-cache")
+    if kv_cache is KvCache.fixed and served:
+        raise UsageError("--kv-cache fixed is gpt2x generate's: a server's rows join and leave (slots: a fixed slot "
+                         "per request)", option="kv-cache")
     if kv_cache is KvCache.slots and not served:
         raise UsageError("--kv-cache slots is the server's (gpt2x serve): a slot per request, joined and left between "
                          "steps", option="kv-cache")

@@ -19,8 +19,9 @@ from .decode import Sequence, decode, left_pad
 from .sampling import Sampler
 from .settings import Finish, Generation, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats
+from .static_decoding import fixed_refusal, generate_fixed
 
-__all__ = ["OnToken", "generate", "generate_speculative", "left_pad", "prepare_prompts"]
+__all__ = ["OnToken", "fixed_cache_refusal", "generate", "generate_speculative", "left_pad", "prepare_prompts"]
 
 
 def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, truncate: bool) -> list[list[int]]:
@@ -53,6 +54,7 @@ def generate(
     prompt_ids: list[list[int]] | None = None,
     draft: Drafter | None = None,
     draft_settings: DraftSettings | None = None,
+    fixed_cache: bool | None = False,
 ) -> list[Generation]:
     """Generate for all prompts as one left-padded batch (decode.decode). Stops each row at EOS (unless
     settings.ignore_eos) or a stop token id; all rows at max_new_tokens or at the model's context
@@ -61,11 +63,21 @@ def generate(
     With settings.n > 1, n samples per prompt, returned prompt by prompt (prompt 0's n samples, then
     prompt 1's, ...; `on_token`'s row counts them so): sample i of every prompt is what the batch
     gives alone with seed + i (vLLM's rule for n's seeds), so sample 0 is what n = 1 gives, and one
-    prompt's samples are the API's n choices for it."""
+    prompt's samples are the API's n choices for it.
+
+    `fixed_cache`: on the backend's fixed-capacity decoder (static_decoding.generate_fixed; the same tokens
+    wherever the logits agree) where it has one and the generation allows (fixed_refusal); True requires it (a
+    UsageError says why not), None takes it where it can, False never."""
     if not prompts and not prompt_ids:
         raise UsageError("no prompts given")
     if prompt_ids is None:
         prompt_ids = prepare_prompts(prompts, backend.n_positions, settings.max_new_tokens, truncate)
+    if fixed_cache is not False:
+        why = fixed_cache_refusal(backend, settings, prompt_ids, draft is not None)
+        if why is None:
+            return generate_fixed(backend, prompts or [""] * len(prompt_ids), prompt_ids, settings, on_token)
+        if fixed_cache:
+            raise UsageError(f"kv_cache fixed: {why}", option="kv_cache")
     children = [replace(settings, seed=settings.seed + i, n=1) for i in range(settings.n)]  # sample i: seed + i
     if draft is not None:
         if settings.num_beams > 1:
@@ -74,6 +86,14 @@ def generate(
     if settings.num_beams > 1:
         return [beam_search(backend, p, ids, settings) for p, ids in zip(prompts, prompt_ids)]
     return _batched(backend, prompts, prompt_ids, children, on_token)
+
+
+def fixed_cache_refusal(backend: Backend, settings: SamplingSettings, prompt_ids: list[list[int]],
+                        drafted: bool = False) -> str | None:
+    """Why `generate` would not run on `backend`'s fixed-capacity decoder, or None."""
+    if not backend.capabilities.decodes_fixed:
+        return f"the {backend.name} backend keeps its own cache"
+    return backend.fixed_refusal() or fixed_refusal(settings, prompt_ids, drafted)
 
 
 def _batched(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], children: list[SamplingSettings],

@@ -91,3 +91,4 @@ class Generation:
     tokens: list[int] = field(default_factory=list)  # generated ids, without the final EOS (kept with ignore_eos)
     finish_reason: Finish = Finish.length
     speculation: dict | None = None  # with a draft: SpecStats.to_dict() (drafted, accepted, acceptance rate, ...)
+    decoder: str | None = None  # on the fixed-capacity cache: which (runtime.static_decode.StaticDecoder.name)

@@ -52,6 +52,10 @@ class Capabilities:
     rolls_back: bool = False  # `KVCache.truncate`: speculative decoding's rollback
     # `step_greedy`: the argmax taken where the logits are (device, page); one token per row comes back.
     argmax_where_logits_are: bool = False
+    # `fixed_refusal()` and `fixed_decoder(rows, sampling)`: a runtime.static_decode.StaticDecoder on the backend's
+    # export (one fixed-capacity cache, the step's token chosen in the graph, the step a CUDA graph on CUDA), where
+    # fixed_refusal says None.
+    decodes_fixed: bool = False
     # `page_ms`, `page_info`, `page_memory_mb()`, `reset_page_memory()`: forwards run in a browser page,
     # which times them and measures its own memory.
     page: bool = False
@@ -111,7 +115,7 @@ TORCH_CAPABILITIES = Capabilities(runtime="PyTorch", reference=True,
 ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
-                                estimates_prefill=True, warms_up=True, shares_cores=True, stores_kv_dtype=True)
+                                decodes_fixed=True, estimates_prefill=True, warms_up=True, shares_cores=True, stores_kv_dtype=True)
 OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
                                      takes_past=True, joins_rows=True, rolls_back=True)
 # onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):

@@ -42,6 +42,7 @@ from .kvdtype import KvDtypeChoice, int8_kv_scales
 from .kvdtype import asked as asked_kv_dtype
 from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
 from .providers import (
+    bind_past_and_present,
     cpu_sums_int8_in_32_bits,
     create_export_session,
     create_session,
@@ -51,16 +52,7 @@ from .providers import (
     refuse_fp16_on_cpu,
     slice_positions_model,
 )
-
-
-def bind_past_and_present(binding, values: list) -> None:
-    """Each layer's K and V OrtValue in `values` (the io.input_names order) bound as its past and its present: the same
-    buffers, written in place by GroupQueryAttention."""
-    n_layer = len(values) // 2
-    for name, value in zip(io.input_names(n_layer)[3:], values):
-        binding.bind_ortvalue_input(name, value)
-    for name, value in zip(io.output_names(n_layer)[1:], values):
-        binding.bind_ortvalue_output(name, value)
+from .static_decode import StaticDecoder, fixed_cache_refusal
 
 
 def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
@@ -424,6 +416,7 @@ class OrtBackend(Closable):
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._helpers: dict = {}  # one-node graphs on this provider (gather, slice, argmax), made when first used
+        self._fixed: dict = {}  # fixed_decoder's, by (rows, sampling): each holds a captured CUDA graph on CUDA
         # Optional (older exports lack it): `step` binds 1, so a prefill unembeds its last position only; `run` 0.
         overridable = {i.name for i in self.session.get_overridable_initializers()}
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
@@ -590,6 +583,24 @@ class OrtBackend(Closable):
         self._openvino_prefill = None
         self._half = None
         self._helpers.clear()
+        for decoder in self._fixed.values():
+            decoder.close()
+        self._fixed.clear()
+
+    def fixed_refusal(self) -> str | None:
+        """Why this export cannot decode on the fixed-capacity cache here (static_decode.fixed_cache_refusal), or None."""
+        return fixed_cache_refusal(self.provider, self.info.precision)
+
+    def fixed_decoder(self, rows: int, positions: int, sampling: bool = False) -> StaticDecoder:
+        """A StaticDecoder of `rows` rows holding at least `positions` positions on this export and provider, its step a
+        CUDA graph on CUDA. Its capacity is `positions` rounded up to 64, sized to the generation as the bench's
+        decoder is (not the model's context); made once per (rows, capacity, sampling) and kept (its capture paid
+        once), closed with the backend."""
+        key = (rows, min(self.n_positions, -(-positions // 64) * 64), sampling)
+        if key not in self._fixed:
+            self._fixed[key] = StaticDecoder(self.info, self.provider, rows, capacity=key[1], threads=self._threads,
+                                             cuda_graph=self.provider is ProviderKind.cuda, sampling=sampling)
+        return self._fixed[key]
 
     def past_from_numpy(self, arrays: list[np.ndarray]):
         return (InPlaceCache if self.in_place_kv else GrowingCache).from_numpy(self, arrays)

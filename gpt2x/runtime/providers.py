@@ -14,6 +14,7 @@ import onnxruntime as ort
 
 from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError, UsageError
+from ..onnx import names as io
 from ..onnx.artifact import IR_VERSION, ExportInfo
 from ..onnx.graph_cache import InMemoryGraph, load_graph, save_graph
 from ..onnx.mapped import mapped_model, parse_model
@@ -228,3 +229,13 @@ def refuse_fp16_on_cpu(info: ExportInfo, provider: ProviderKind,
     """fp16 exports run on CUDA only (their kernels are the GPU's): one ProviderError, with `hint`."""
     if info.precision is Precision.fp16 and provider is ProviderKind.cpu:
         raise ProviderError(f"{info.folder} is an fp16 export, which gpt2x runs on CUDA only ({hint})")
+
+
+def bind_past_and_present(binding, values: list) -> None:
+    """Each layer's K and V OrtValue in `values` (the io.input_names order) bound as its past and its present: the same
+    buffers, written in place by GroupQueryAttention."""
+    n_layer = len(values) // 2
+    for name, value in zip(io.input_names(n_layer)[3:], values):
+        binding.bind_ortvalue_input(name, value)
+    for name, value in zip(io.output_names(n_layer)[1:], values):
+        binding.bind_ortvalue_output(name, value)

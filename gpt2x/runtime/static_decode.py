@@ -18,11 +18,14 @@ from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
-from .ort import bind_past_and_present
-from .providers import create_session, refuse_fp16_on_cpu
+from .providers import bind_past_and_present, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
 CAPTURE_RUNS = 3
+
+
+# What a StaticDecoder is called where its figures or its tokens are shown (bench rows, generate's --json).
+FIXED_CACHE, FIXED_CACHE_GRAPH = "fixed cache", "fixed cache + CUDA graph"
 
 
 def fixed_cache_refusal(provider: ProviderKind, precision: Precision) -> str | None:
@@ -109,6 +112,10 @@ class StaticDecoder(Closable):
         self._pending, self._host_tokens = None, False  # the first tokens after a prefill, chosen on the host
         self._device_tokens = False  # whether the bound ids hold the tokens of the next position (a step's choice)
         self.runs = 0  # decode runs on this decoder (a CUDA graph is captured on one of the first)
+
+    @property
+    def name(self) -> str:
+        return FIXED_CACHE_GRAPH if self.cuda_graph else FIXED_CACHE
 
     @property
     def providers(self) -> list[str]:

@@ -90,6 +90,16 @@ def test_generate_runs_the_fp32_twin_by_default_with_the_tokens_of_the_growing_c
     assert code == 0 and len(made) == 2 and json.loads(asked)["tokens"] == json.loads(out)["tokens"]
     code, _, err = cli(capsys, "generate", "ROMEO:", "--backend", "openvino", "--kv-cache", "in-place")
     assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache in-place applies to the ort backend")
+    # The fixed-capacity cache (CUDA's default decoder, asked for here): the same tokens, and it says it ran there.
+    code, fixed, _ = cli(capsys, *args, "--kv-cache", "fixed")
+    assert code == 0 and json.loads(fixed)["tokens"] == json.loads(out)["tokens"]
+    assert json.loads(fixed)["decoder"] == "fixed cache" and "decoder" not in json.loads(out)
+    code, shown, err = cli(capsys, "generate", "ROMEO:", "--kv-cache", "fixed", "--top-p", "0.5")
+    assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache fixed: the device sampler takes a temperature only")
+    assert shown == ""  # refused before the prompt is echoed
+    for command in ("serve", "bench"):
+        code, _, err = cli(capsys, command, "--kv-cache", "fixed")
+        assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache fixed is gpt2x generate's")
 
 
 def test_generate_streams_prompt_and_text(capsys):

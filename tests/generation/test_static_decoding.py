@@ -61,3 +61,63 @@ def test_refusals(info):
         sampling.step(np.array([1]))
     with pytest.raises(ValueError, match="make it with sampling=True"):
         argmax_only.set_temperature(0.5)
+
+
+# ---------------------------------------------------------------- generate on the fixed cache (generate_fixed)
+
+
+def both_ways(info, prompt_ids: list[list[int]], settings: SamplingSettings, fixed_cache: bool | None = True):
+    """generate's results and on_token calls on the fixed cache (`fixed_cache`) and on the decode loop's growing cache."""
+    out = []
+    for fixed in (fixed_cache, False):
+        backend, seen = OrtBackend(info, in_place_kv=False), []
+        results = generate(backend, [""] * len(prompt_ids), settings, prompt_ids=prompt_ids, fixed_cache=fixed,
+                           on_token=lambda row, tok, seen=seen: seen.append((row, tok)))
+        out.append((results, seen))
+        backend.close()
+    return out
+
+
+@pytest.mark.parametrize("sampled,seed", [(False, 36), (True, 5)])  # prompts whose rows' tokens vary (a random model)
+def test_generate_on_the_fixed_cache_is_the_decode_loops_generation(info, sampled, seed):
+    """Two rows, one ended early by a stop token id the loop's own run reaches: the same tokens, finish reasons and
+    streamed tokens as the decode loop on the growing cache; the steps stop once both rows have ended."""
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(0, info.config.vocab_size, (2, 7)).tolist()
+    settings = SamplingSettings(greedy=not sampled, temperature=0.9, seed=4, max_new_tokens=30, ignore_eos=True)
+    free = generate(OrtBackend(info, in_place_kv=False), ["", ""], settings, prompt_ids=prompt_ids)
+    # The first of row 1's tokens after its first that neither row has had before: row 1 ends there, row 0 goes on.
+    end = next(j for j, t in enumerate(free[1].tokens[:15]) if j and t not in free[1].tokens[:j] + free[0].tokens[:20])
+    stop = free[1].tokens[end]
+    settings = SamplingSettings(greedy=not sampled, temperature=0.9, seed=4, max_new_tokens=20, ignore_eos=True,
+                                stop_token_ids=(stop,))
+    (fixed, fixed_seen), (loop, loop_seen) = both_ways(info, prompt_ids, settings)
+    assert [(r.tokens, r.finish_reason) for r in fixed] == [(r.tokens, r.finish_reason) for r in loop]
+    assert [r.finish_reason for r in fixed] == ["length", "stop"] and len(fixed[1].tokens) == end
+    assert fixed_seen == loop_seen
+    assert {r.decoder for r in fixed} == {"fixed cache"} and {r.decoder for r in loop} == {None}
+
+
+def test_generate_on_the_fixed_cache_stops_at_the_context(info):
+    n = info.config.n_positions
+    prompt_ids = np.random.default_rng(2).integers(0, info.config.vocab_size, (1, n - 4)).tolist()
+    settings = SamplingSettings(greedy=True, max_new_tokens=10, ignore_eos=True)
+    (fixed, _), (loop, _) = both_ways(info, prompt_ids, settings)
+    assert (fixed[0].tokens, fixed[0].finish_reason) == (loop[0].tokens, "context") and len(loop[0].tokens) == 4
+
+
+def test_where_the_fixed_cache_cannot_run_a_generation(info):
+    """fixed_cache=None falls back to the decode loop (same tokens, no decoder named); True refuses, saying why."""
+    uneven = [[1, 2, 3], [4, 5, 6, 7]]
+    (auto, _), (loop, _) = both_ways(info, uneven, SamplingSettings(greedy=True, max_new_tokens=6), fixed_cache=None)
+    assert [r.tokens for r in auto] == [r.tokens for r in loop] and auto[0].decoder is None
+    backend = OrtBackend(info, in_place_kv=False)
+    for settings, ids, why in (
+        (SamplingSettings(greedy=True, max_new_tokens=4), uneven, "prompts of different lengths"),
+        (SamplingSettings(temperature=0.8, top_p=0.9, max_new_tokens=4), [[1, 2]], "temperature only, not TopP"),
+        (SamplingSettings(greedy=True, min_tokens=2, max_new_tokens=4), [[1, 2]], "temperature only, not MinTokens"),
+        (SamplingSettings(temperature=0.8, n=2, max_new_tokens=4), [[1, 2]], "several samples per prompt"),
+        (SamplingSettings(greedy=True, num_beams=2, max_new_tokens=4), [[1, 2]], "beam search"),
+    ):
+        with pytest.raises(UsageError, match=f"^kv_cache fixed: .*{why}"):
+            generate(backend, [""] * len(ids), settings, prompt_ids=ids, fixed_cache=True)

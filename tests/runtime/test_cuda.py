@@ -202,3 +202,23 @@ def test_the_draw_on_the_device_follows_the_host_sampler_on_cuda(tiny):
     np.testing.assert_array_equal(graph, plain)
     host = generate(OrtBackend(info, ProviderKind.cuda), [""], settings, prompt_ids=prompts.tolist())[0].tokens
     assert (np.array(host) == plain[0]).mean() >= 0.8
+
+
+def test_generate_decodes_on_the_fixed_cache_and_its_cuda_graph_by_default_on_cuda(tiny):
+    """`gpt2x generate --provider cuda`'s decoder (fixed_cache=None, auto): an fp16 export greedy and sampled runs on
+    the fixed cache with its step a CUDA graph replayed on CUDA's provider, with the tokens of StaticDecoder's plain
+    steps (decode_static: the same sampler's uniforms); an fp32 export stays on the growing cache."""
+    _, infos = tiny
+    info = infos[Precision.fp16]
+    prompts = np.random.default_rng(9).integers(0, info.config.vocab_size, (2, 8))
+    backend = OrtBackend(info, ProviderKind.cuda)
+    for settings in (SamplingSettings(greedy=True, max_new_tokens=24, ignore_eos=True),
+                     SamplingSettings(temperature=0.9, seed=2, max_new_tokens=24, ignore_eos=True)):
+        got = generate(backend, [""] * 2, settings, prompt_ids=prompts.tolist(), fixed_cache=None)
+        assert {r.decoder for r in got} == {"fixed cache + CUDA graph"}
+        plain = StaticDecoder(info, ProviderKind.cuda, rows=2, capacity=64, sampling=not settings.greedy)
+        np.testing.assert_array_equal([r.tokens for r in got], decode_static(plain, prompts, settings))
+    assert backend.fixed_decoder(2, 32).providers[0] == "CUDAExecutionProvider"
+    fp32 = generate(OrtBackend(infos[Precision.fp32], ProviderKind.cuda), [""] * 2, settings, prompt_ids=prompts.tolist(),
+                    fixed_cache=None)
+    assert {r.decoder for r in fp32} == {None}
