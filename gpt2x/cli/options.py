@@ -121,7 +121,7 @@ def given_by_user(ctx: typer.Context, name: str) -> bool:
 
 
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = False,
-                    precision: Precision | None = None) -> None:
+                    precision: Precision | None = None, provider: ProviderKind = ProviderKind.cpu) -> None:
     """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it. The
     fixed slots are the server's (`served`), for the precisions they run (runtime.static_decode.SLOT_PRECISIONS;
     `precision`: the one asked for, None: the default fp32 or an --onnx folder's, checked when it is opened)."""
@@ -139,7 +139,7 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
     if kv_cache is KvCache.slots and precision is not None:
         from ..runtime.static_decode import slots_refusal  # ONNX Runtime's module: only when the option is given
 
-        why = slots_refusal(ProviderKind.cpu, precision)
+        why = slots_refusal(provider, precision)
         if why:
             raise UsageError(f"--kv-cache slots: {why}", option="kv-cache")
 

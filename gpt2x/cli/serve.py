@@ -329,7 +329,7 @@ def serve(
         require_ray_extra(f"--replicas {replicas}" if replicas > 1 else f"--address {address}" if address else "--ray")
     if draft is not None:
         refuse_batched_draft(max_batch_size)
-    refuse_kv_cache(kv_cache, backend, served=True, precision=precision)
+    refuse_kv_cache(kv_cache, backend, served=True, precision=precision, provider=provider)
     refuse_int8_kv(precision, None if any(folder is None for _, folder in sources) else sources[0][1])
     if address is None:
         require_provider([backend], provider)

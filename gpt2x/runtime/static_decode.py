@@ -238,6 +238,11 @@ class SlotDecoder(Closable):
     decode step's head the logits (onnx.optimize.static_forms): on the CPU fp32 exports (their GroupQueryAttention twin)
     on a float cache, and int8 and int4 ones on an int8 cache where the export's record chose one (`kv_scales`: the
     graphs rewritten by onnx.kvcache.with_int8_kv, as the ort backend's) or a float one; fp16 on CUDA.
+
+    A row's logits never depend on what the other slots hold (tests/runtime/test_slots.py), but an int8 graph's may on
+    how many slots a step runs: its MatMulNBits quantizes each row's activations alone, yet rounds a row of a one-row
+    step and of a several-row one ~1e-7 apart (its row tiling), which the next activation's int8 rounding can turn
+    into ~3e-2 of the logits (measured on AVX-512 VNNI).
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,

@@ -379,3 +379,42 @@ def test_run_gives_every_position_of_each_rows_own_tokens(tiny, mix_chunks):
     past = backend.past_from_numpy(torch_past(model, [seq[:5]]))
     logits, _ = backend.run(np.array([seq[5:]]), np.ones((1, 9), np.int64), None, past)
     np.testing.assert_allclose(logits[0], torch_logits(seq)[5:], atol=1e-4 * np.abs(logits).max())
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.int8])
+def test_a_rows_logits_do_not_depend_on_what_the_other_slots_hold(tiny_export, precision):
+    """A decode row's logits are a function of its own slot and token alone, bit for bit, for a given set of slots
+    stepped: what the other slots hold (their tokens, lengths, whether they advance), and what its own slot holds beyond
+    its length (a rollback's rejected positions, left in place: SlotCache.truncate), change nothing. This would fail on
+    any CPU if an int8 graph quantized its activations with one scale for the step's rows (it quantizes each row's
+    128-wide blocks: MatMulNBits' accuracy_level 4), or if the attention read past a row's seqlens_k. (What can change a
+    row's int8 logits is the number of slots stepped: ONNX Runtime's int8 kernels round a row of one-row and of
+    several-row steps differently by ~1e-7, and an activation's int8 rounding can turn that into ~1e-2 of the logits,
+    measured on AVX-512 VNNI: tests/generation/test_speculative.py compares a rollback in the same slots.)"""
+    info = tiny_export(precision)[2]
+    rng = np.random.default_rng(17)
+    V = info.config.vocab_size
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=4, capacity=32, threads=1, mixed_prefill=True)
+    decoder.prefill(1, rng.integers(0, V, 10))
+    decoder.lengths[1] = 6  # rolled back: positions 6..9 left as they were
+    decoder.prefill(3, rng.integers(0, V, 5))
+    token = int(rng.integers(0, V))
+
+    def step_slot_1(other: int, both: bool) -> np.ndarray:
+        """Slot 1's logits on `token` at position 6, slots 0..3 stepped (0 and 2 free), slot 3 on `other`
+        (advancing where `both`); slot 1 then rolled back again."""
+        lengths = decoder.lengths.copy()
+        logits = decoder.step(np.array([0, token, 0, other]), np.array([False, True, False, both]))[1]
+        decoder.lengths[:] = lengths
+        return logits
+
+    want = step_slot_1(0, both=False)
+    assert np.isfinite(want).all()
+    for other, both in ((int(rng.integers(0, V)), True), (0, False)):
+        for a in decoder._arrays:  # slot 1's rejected positions, the free slots and slot 3 hold something else
+            junk = rng.integers(-100, 100, a[:, :, 6:].shape) if a.dtype == np.int8 else rng.normal(0, 50, a[:, :, 6:].shape)
+            a[:, :, 6:] = junk.astype(a.dtype)  # slot 1's from its next position on (which the step writes)
+            a[[0, 2], :, :6] = junk[[0, 2], :, :6].astype(a.dtype)
+        decoder.release(3)
+        decoder.prefill(3, rng.integers(0, V, int(rng.integers(2, 9))))  # another row, of another length
+        np.testing.assert_array_equal(step_slot_1(other, both), want)
