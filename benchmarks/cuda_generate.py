@@ -8,7 +8,8 @@ Rows (greedy unless said, the same random prompt ids, --repeat timed runs after 
   and its CUDA graph where the generation allows), timed by its on_token callback: decode tok/s is the tokens after
   each row's first over the time after the first;
 - `generate (growing)`: the same with fixed_cache=False (`--kv-cache growing`: the decode loop on the growing cache);
-- `bench fixed row`: bench.run.timed_fixed on a StaticDecoder of the prompt plus the new tokens (`gpt2x bench`'s row);
+- `bench fixed row`: bench.run.timed_fixed on a StaticDecoder of the prompt plus the new tokens (`gpt2x bench`'s row: a
+  step at a time, the host writing its position and reading its token; generate reads a block of 16 steps at once);
 - `generate (auto), sampled`: temperature 0.8 (seed 1): the draw on the device, against the greedy row's rate;
 - with --cli, `gpt2x generate` itself in a subprocess, its streamed stdout timed as it arrives (the first chunk holds
   the prompt and the first token, the last the final flush): (new tokens - 1) over the time between them.

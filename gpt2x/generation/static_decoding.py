@@ -2,8 +2,8 @@
 prompt's logits, every later one on the device (its argmax, or its draw at the sampler's temperature from the
 sampler's own seeded uniforms), so that the tokens are the host sampler's wherever the logits agree.
 
-`generate_fixed` is `generate` on it (`gpt2x generate`'s decoder on CUDA, docs/guide/generate.md): each row ends as
-decode.Sequence decides, the steps stopping once every row has ended."""
+`generate_fixed` is `generate` on it (`gpt2x generate`'s decoder on CUDA, docs/commands/generate.md): each row ends as
+decode.Sequence decides, the steps stopping at the first block after every row has ended."""
 
 from __future__ import annotations
 
@@ -26,15 +26,18 @@ def _device_refusal(sampler: Sampler) -> str | None:
 
 
 def _steps(decoder: StaticDecoder, prompt_ids: np.ndarray, sampler: Sampler, n: int) -> Iterator[np.ndarray]:
-    """Each row's next token [rows], `n` times: the first drawn on the host from the prompt's logits, the others on
-    the device (one uniform per row per step from the sampler's generator, as the host sampler draws them)."""
-    yield decoder.prefill_tokens(sampler(decoder.prefill_logits(prompt_ids)))
+    """Each row's next tokens [rows, k], `n` in all: the first drawn on the host from the prompt's logits, the others
+    on the device in blocks of the decoder's (StaticDecoder.steps: read once a block), one uniform per row per step
+    from the sampler's generator, in the order the host sampler draws them (step by step, row by row)."""
+    yield decoder.prefill_tokens(sampler(decoder.prefill_logits(prompt_ids)))[:, None]
     greedy = sampler.s.greedy
     if decoder.sampling:
         decoder.set_temperature(0.0 if greedy else sampler.s.temperature)
-    for _ in range(1, n):
-        uniform = None if not decoder.sampling else np.zeros(decoder.rows) if greedy else sampler.rng.random(decoder.rows)
-        yield decoder.step(uniform=uniform)
+    for done in range(1, n, decoder.block):
+        k = min(decoder.block, n - done)
+        uniforms = None if not decoder.sampling else \
+            np.zeros((decoder.rows, k)) if greedy else sampler.rng.random((k, decoder.rows)).T
+        yield decoder.steps(k, uniforms=uniforms)
 
 
 def decode_static(decoder: StaticDecoder, prompt_ids: np.ndarray, settings: SamplingSettings) -> np.ndarray:
@@ -53,8 +56,10 @@ def decode_static(decoder: StaticDecoder, prompt_ids: np.ndarray, settings: Samp
         raise UsageError(f"a prompt of {np.shape(prompt_ids)[-1]} tokens and {n} new ones do not fit the decoder's "
                          f"{decoder.capacity} positions", option="max_new_tokens")
     out = np.empty((decoder.rows, n), np.int64)
-    for i, tokens in enumerate(_steps(decoder, prompt_ids, sampler, n) if n else ()):
-        out[:, i] = tokens
+    done = 0
+    for tokens in _steps(decoder, prompt_ids, sampler, n) if n else ():
+        out[:, done:done + tokens.shape[1]] = tokens
+        done += tokens.shape[1]
     return out
 
 
@@ -95,12 +100,14 @@ def generate_fixed(backend, prompts: list[str], prompt_ids: list[list[int]], set
     if n > 0:
         decoder: StaticDecoder = backend.fixed_decoder(len(prompt_ids), T + n, sampling=not settings.greedy)
         name = decoder.name
-        for tokens in _steps(decoder, np.asarray(prompt_ids, np.int64), sampler, n):
-            for row, seq in enumerate(seqs):
-                if seq.finish is None:
-                    kept, _ = seq.accept(int(tokens[row]))
-                    if kept is not None and on_token is not None:
-                        on_token(row, kept)
+        for block in _steps(decoder, np.asarray(prompt_ids, np.int64), sampler, n):
+            # A block's tokens step by step: what it decoded past a row's end is discarded, never told.
+            for tokens in block.T:
+                for row, seq in enumerate(seqs):
+                    if seq.finish is None:
+                        kept, _ = seq.accept(int(tokens[row]))
+                        if kept is not None and on_token is not None:
+                            on_token(row, kept)
             if all(seq.finish is not None for seq in seqs):
                 break
     return [Generation(p, s.prompt_ids, s.tokens, s.finish or Finish.length, decoder=name)

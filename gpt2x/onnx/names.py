@@ -26,6 +26,16 @@ TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # [1] int32, on the host: the c
 NEXT_TOKEN = "next_token"  # [batch, 1] int64: the argmax of the logits, or the sampling form's draw
 TEMPERATURE = "temperature"  # [batch] float64, the sampling form's: > 0 draws at that temperature, 0 takes the argmax
 UNIFORM = "uniform"  # [batch] float64 in [0, 1): the sampling form's draw by inverse CDF (the host's seeded generator)
+# The decode step with the host off its path (optimize.with_device_steps): a block of steps replayed back to back, each
+# advancing the positions and writing its tokens where the next finds them, the host reading the block's tokens once.
+# Each output is bound to its input's buffer: the step after reads what this one wrote.
+STEPS = "steps"  # the dimension: the most steps of one block
+STEP = "step"  # [1] int64: this step's index in the block (the host writes 0 before a block)
+STEP_NEXT = "step_next"  # [1] int64: step + 1, written once the tokens are
+SEQLENS_K_NEXT = "seqlens_k_next"  # [batch] int32: seqlens_k + 1, written after every read of seqlens_k
+TOKENS = "tokens"  # [batch, steps] int64: each step's tokens at its index
+TOKENS_NEXT = "tokens_next"  # [batch, steps] int64: tokens with this step's written in
+UNIFORMS = "uniforms"  # [batch, steps] float64: the sampling form's uniform of each step of the block
 
 # The mixed step's own I/O (optimize.mixed_form): every token of the step in one row [1, tokens], the decode rows' first
 # (one each, on the decode group's cache: seqlens_k, total_sequence_length), then the chunk rows' (chunk_rows x

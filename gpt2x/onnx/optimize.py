@@ -351,7 +351,8 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     return None if loaded is None else _in_memory(*loaded)
 
 
-def static_forms(path: Path, sampling: bool = False, logits: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
+def static_forms(path: Path, sampling: bool = False, logits: bool = False,
+                 steps: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
     """The export's two graphs for StaticDecoder, from one read of its file, their weights shared:
     - the prompt's: its GroupQueryAttention graph (the export's, or its twin) without the attention bias, for prompts
       without padding (the operator's own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their
@@ -360,7 +361,8 @@ def static_forms(path: Path, sampling: bool = False, logits: bool = False) -> tu
       lengths read from the inputs seqlens_k (on the device) and total_sequence_length (the cache's capacity,
       constant) instead of the attention mask, which goes (rows hold no padding), and each row's argmax (next_token)
       returned instead of the logits; `sampling`: each row's draw at its temperature instead (sampling_head); `logits`:
-      the logits themselves, for a sampler on the host (runtime.static_decode.SlotDecoder's serving rows).
+      the logits themselves, for a sampler on the host (runtime.static_decode.SlotDecoder's serving rows); `steps`:
+      the step that advances its own positions and keeps its tokens (with_device_steps).
     None where the weights are in a data file, or the graph has no attention to rewrite."""
     loaded = _gqa_proto(path, require_rewrite=False)
     if loaded is None:
@@ -370,7 +372,7 @@ def static_forms(path: Path, sampling: bool = False, logits: bool = False) -> tu
     decode.CopyFrom(prefill)  # the graph alone: its large weights are in `weights`
     _drop_attention_bias(prefill.graph)
     _prune(prefill.graph)
-    to_static_decode(decode, sampling, logits)
+    to_static_decode(decode, sampling, logits, steps)
     return _in_memory(prefill, weights), _in_memory(decode, weights)
 
 
@@ -389,11 +391,14 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict
     return proto, weights
 
 
-def to_static_decode(proto: onnx.ModelProto, sampling: bool = False, logits: bool = False) -> None:
+def to_static_decode(proto: onnx.ModelProto, sampling: bool = False, logits: bool = False, steps: bool = False) -> None:
     """In place: the decode graph of static_forms. Input ids become [batch, 1]; position ids are computed from
-    seqlens_k. Its output: next_token (the argmax, or with `sampling` the draw), or with `logits` the logits."""
+    seqlens_k. Its output: next_token (the argmax, or with `sampling` the draw), or with `logits` the logits; `steps`:
+    with_device_steps's I/O too."""
     if sampling and logits:
         raise ValueError("a decode graph returns the logits or a token chosen from them, not both")
+    if steps and logits:
+        raise ValueError("a step that keeps its tokens on the device chooses them: not with logits")
     graph = proto.graph
     _drop_attention_bias(graph)
     for n in graph.node:
@@ -414,8 +419,9 @@ def to_static_decode(proto: onnx.ModelProto, sampling: bool = False, logits: boo
         helper.make_tensor_value_info(io.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, [1]),
     ])
     if sampling:
-        graph.input.extend([helper.make_tensor_value_info(io.TEMPERATURE, TensorProto.DOUBLE, [io.BATCH]),
-                            helper.make_tensor_value_info(io.UNIFORM, TensorProto.DOUBLE, [io.BATCH])])
+        graph.input.append(helper.make_tensor_value_info(io.TEMPERATURE, TensorProto.DOUBLE, [io.BATCH]))
+        if not steps:  # with steps, each step's uniform is taken from the block's (with_device_steps)
+            graph.input.append(helper.make_tensor_value_info(io.UNIFORM, TensorProto.DOUBLE, [io.BATCH]))
         graph.node.extend(sampling_head(graph))
     elif not logits:
         graph.node.append(helper.make_node("ArgMax", [io.LOGITS], [io.NEXT_TOKEN], axis=-1, keepdims=0))
@@ -423,7 +429,58 @@ def to_static_decode(proto: onnx.ModelProto, sampling: bool = False, logits: boo
         [helper.make_tensor_value_info(io.NEXT_TOKEN, TensorProto.INT64, [io.BATCH, 1])] + [o for o in graph.output if o.name != io.LOGITS]
     del graph.output[:]
     graph.output.extend(outputs)
+    if steps:
+        with_device_steps(graph, sampling)
     _prune(graph)
+
+
+def with_device_steps(graph: onnx.GraphProto, sampling: bool) -> None:
+    """In place, on a decode graph of to_static_decode: the step advances its own positions and keeps its tokens, so
+    that a block of steps replays with nothing written or read by the host between them (runtime.static_decode.
+    StaticDecoder.steps). Its next_token is written into `tokens` at column `step`; seqlens_k_next = seqlens_k + 1 and
+    step_next = step + 1, each bound by the caller to its input's buffer. A value is written over its input only
+    after its last read: the increments add a one computed from the tokens written last, so no order of execution
+    can advance a length before the attention has read it (8 small nodes a step). With `sampling`, the step's
+    uniform is column `step` of the block's uniforms."""
+    i64, i32 = TensorProto.INT64, TensorProto.INT32
+
+    def const(name: str, dtype: int, dims: list[int], values: list) -> str:
+        graph.initializer.append(helper.make_tensor(name, dtype, dims, values))
+        return name
+
+    zero, one = const("steps_zero", i64, [], [0]), const("steps_one", i64, [], [1])
+    rows_by_one = const("steps_rows_by_one", i64, [2], [-1, 1])
+    n = helper.make_node
+    head = [  # first (the graph is sorted): the sampling head reads the uniform made here
+        # [batch, 1]: this step's column, every row
+        n("Shape", [io.SEQLENS_K], ["steps_batch"]),
+        n("Concat", ["steps_batch", const("steps_one_dim", i64, [1], [1])], ["steps_index_shape"], axis=0),
+        n("Expand", [io.STEP, "steps_index_shape"], ["steps_index"]),
+    ]
+    if sampling:
+        graph.input.append(helper.make_tensor_value_info(io.UNIFORMS, TensorProto.DOUBLE, [io.BATCH, io.STEPS]))
+        head += [n("GatherElements", [io.UNIFORMS, "steps_index"], ["steps_uniform"], axis=1),
+                 n("Reshape", ["steps_uniform", const("steps_flat", i64, [1], [-1])], [io.UNIFORM])]
+    # Both increments' 1 is a value of the tensor written last, the tokens (0 times their sum, plus 1), which follow
+    # next_token, which follows every read of seqlens_k; the step's index is read by the scatter that writes them.
+    tail = [
+        n("Reshape", [io.NEXT_TOKEN, rows_by_one], ["steps_next_token"]),
+        n("ScatterElements", [io.TOKENS, "steps_index", "steps_next_token"], [io.TOKENS_NEXT], axis=1),
+        n("ReduceSum", [io.TOKENS_NEXT], ["steps_tokens_sum"], keepdims=0),
+        n("Mul", ["steps_tokens_sum", zero], ["steps_tokens_zero"]),
+        n("Add", ["steps_tokens_zero", one], ["steps_after_tokens"]),
+        n("Add", [io.STEP, "steps_after_tokens"], [io.STEP_NEXT]),
+        n("Cast", ["steps_after_tokens"], ["steps_after_tokens_32"], to=i32),
+        n("Add", [io.SEQLENS_K, "steps_after_tokens_32"], [io.SEQLENS_K_NEXT]),
+    ]
+    for k, x in enumerate(head):
+        graph.node.insert(k, x)
+    graph.node.extend(tail)
+    graph.input.extend([helper.make_tensor_value_info(io.STEP, i64, [1]),
+                        helper.make_tensor_value_info(io.TOKENS, i64, [io.BATCH, io.STEPS])])
+    graph.output.extend([helper.make_tensor_value_info(io.TOKENS_NEXT, i64, [io.BATCH, io.STEPS]),
+                         helper.make_tensor_value_info(io.SEQLENS_K_NEXT, i32, [io.BATCH]),
+                         helper.make_tensor_value_info(io.STEP_NEXT, i64, [1])])
 
 
 def sampling_head(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

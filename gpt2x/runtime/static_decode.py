@@ -22,6 +22,9 @@ from .providers import bind_past_and_present, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
 CAPTURE_RUNS = 3
+# The most steps StaticDecoder.steps runs as one block, the host reading their tokens once (a caller checking stop
+# tokens reads every BLOCK_STEPS tokens: what a block decodes past a row's end is discarded).
+BLOCK_STEPS = 16
 
 
 # What a StaticDecoder is called where its figures or its tokens are shown (bench rows, generate's --json).
@@ -62,7 +65,7 @@ class StaticDecoder(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cuda, rows: int = 1,
                  capacity: int | None = None, cuda_graph: bool = False, threads: int | None = None,
-                 sampling: bool = False):
+                 sampling: bool = False, block: int = BLOCK_STEPS):
         refuse_fp16_on_cpu(info, provider)
         if cuda_graph and provider is not ProviderKind.cuda:
             raise ProviderError("a CUDA graph needs the cuda provider")
@@ -73,9 +76,11 @@ class StaticDecoder(Closable):
         self.rows, self.capacity = rows, capacity or cfg.n_positions
         if not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"capacity must be 2..{cfg.n_positions}, not {self.capacity}")
+        if block < 1:
+            raise ValueError(f"block must be at least 1, not {block}")
         from ..onnx.optimize import static_forms  # onnx's rewrite: imported by the decoders that need it
 
-        forms = static_forms(info.model_path, sampling)
+        forms = static_forms(info.model_path, sampling, steps=True)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
@@ -88,7 +93,8 @@ class StaticDecoder(Closable):
         self._decode = create_session(
             decode.graph, provider, threads, weights=decode.weights,
             provider_options={"enable_cuda_graph": "1"} if cuda_graph else None,
-            dims={io.BATCH: rows, io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
+            dims={io.BATCH: rows, io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1,
+                  io.STEPS: block})
         dtype = np.float16 if info.precision is Precision.fp16 else np.float32
         shape = (rows, cfg.n_head, self.capacity, cfg.head_dim)
         # One buffer per layer and K/V, bound as both past and present in every session: nothing is copied. Zeroed, not
@@ -101,10 +107,17 @@ class StaticDecoder(Closable):
         self._tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
         self._seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
+        # A block's steps (steps()): the step's index in it and each step's tokens, advanced and written by the graph.
+        self.block = block
+        self._step = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.int64), self.device, 0)
+        self._block_tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, block), np.int64), self.device, 0)
+        # The steps of a block but its last run without waiting for the device: the last one's wait covers them all.
+        self._no_wait = ort.RunOptions()
+        self._no_wait.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.sampling = sampling
-        if sampling:  # each row's temperature (0: argmax) and the uniform its draw reads, written before each step
+        if sampling:  # each row's temperature (0: argmax) and the uniforms its draws read, written before each block
             self._temperature = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
-            self._uniform = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.float64), self.device, 0)
+            self._uniforms = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, block), np.float64), self.device, 0)
         self._binding = self._decode_binding()
         if cuda_graph:
             self._capture()
@@ -126,17 +139,22 @@ class StaticDecoder(Closable):
         """Dummy steps (token 0 at position 0, which a prefill overwrites) until ONNX Runtime has captured the CUDA
         graph, so that every step of a generation is a replay and none pays for the capture."""
         for _ in range(CAPTURE_RUNS):
+            self._step.update_inplace(np.zeros(1, np.int64))  # each within the block's columns
             self._decode.run_with_iobinding(self._binding)
 
     def _decode_binding(self):
         binding = self._decode.io_binding()
-        for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
+        for name, value in ((io.INPUT_IDS, self._tokens), (io.SEQLENS_K, self._seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total),
+                            (io.STEP, self._step), (io.TOKENS, self._block_tokens)):
             binding.bind_ortvalue_input(name, value)
         if self.sampling:
             binding.bind_ortvalue_input(io.TEMPERATURE, self._temperature)
-            binding.bind_ortvalue_input(io.UNIFORM, self._uniform)
+            binding.bind_ortvalue_input(io.UNIFORMS, self._uniforms)
         bind_past_and_present(binding, self._kv)
-        binding.bind_ortvalue_output(io.NEXT_TOKEN, self._tokens)
+        # Each written where it was read: the next step reads what this one wrote (optimize.with_device_steps).
+        for name, value in ((io.NEXT_TOKEN, self._tokens), (io.SEQLENS_K_NEXT, self._seqlens), (io.STEP_NEXT, self._step),
+                            (io.TOKENS_NEXT, self._block_tokens)):
+            binding.bind_ortvalue_output(name, value)
         return binding
 
     def prefill(self, prompt_ids: np.ndarray) -> np.ndarray:
@@ -183,28 +201,45 @@ class StaticDecoder(Closable):
     def step(self, tokens: np.ndarray | None = None, uniform: np.ndarray | None = None) -> np.ndarray:
         """Append `tokens` [rows] at the next position (None: the tokens the last step chose, already on the device);
         each row's next token: the argmax (first of equal maxima), or on a sampling decoder the draw at the row's
-        temperature that `uniform` [rows] in [0, 1) picks by inverse CDF."""
-        if self.length == 0:
-            raise ValueError("prefill a prompt first")
-        if self.length >= self.capacity:
-            raise ValueError(f"the cache is full ({self.capacity} positions)")
+        temperature that `uniform` [rows] in [0, 1) picks by inverse CDF. A block of one step."""
         if self.sampling != (uniform is not None):
             raise ValueError("a sampling decoder's step takes a uniform per row; an argmax decoder's takes none")
-        if uniform is not None:
-            self._uniform.update_inplace(np.ascontiguousarray(np.broadcast_to(uniform, (self.rows,)), dtype=np.float64))
+        uniforms = None if uniform is None else np.broadcast_to(np.asarray(uniform, np.float64), (self.rows,))[:, None]
+        return self.steps(1, tokens, uniforms)[:, 0]
+
+    def steps(self, k: int, tokens: np.ndarray | None = None, uniforms: np.ndarray | None = None) -> np.ndarray:
+        """`k` steps (at most `block`) as step() would run them one by one, each row's k tokens [rows, k], with the host
+        off their path: the positions and the tokens advance on the device, the steps run back to back without the
+        host waiting for any but the last, and their tokens come back in one read. `tokens` as step()'s; a sampling
+        decoder takes each step's uniforms [rows, k]."""
+        if self.length == 0:
+            raise ValueError("prefill a prompt first")
+        if not 1 <= k <= self.block:
+            raise ValueError(f"a block runs 1..{self.block} steps, not {k}")
+        if self.length + k > self.capacity:
+            raise ValueError(f"the cache is full ({self.capacity} positions)")
+        if self.sampling != (uniforms is not None):
+            raise ValueError("a sampling decoder's step takes a uniform per row; an argmax decoder's takes none")
+        if uniforms is not None:
+            drawn = np.zeros((self.rows, self.block), np.float64)
+            drawn[:, :k] = np.broadcast_to(uniforms, (self.rows, k))
+            self._uniforms.update_inplace(drawn)
         if tokens is None and not (self._host_tokens or self._device_tokens):
             raise ValueError("no tokens for the next position: pass them, or choose the first ones with prefill_tokens")
         if tokens is not None or self._host_tokens:
             chosen = self._pending if tokens is None else tokens
             self._tokens.update_inplace(np.ascontiguousarray(chosen, dtype=np.int64).reshape(self.rows, 1))
             self._host_tokens = False
-        # Written into the bound buffer: a replayed CUDA graph reads it where it was captured.
+        # Written into the bound buffers once a block: a replayed CUDA graph reads them where it was captured, and each
+        # step advances them for the next.
         self._seqlens.update_inplace(np.full(self.rows, self.length, np.int32))
-        self._decode.run_with_iobinding(self._binding)
-        self.runs += 1
-        self.length += 1
+        self._step.update_inplace(np.zeros(1, np.int64))
+        for i in range(k):
+            self._decode.run_with_iobinding(self._binding, self._no_wait if i < k - 1 else None)
+        self.runs += k
+        self.length += k
         self._device_tokens = True
-        return self._tokens.numpy()[:, 0]
+        return self._block_tokens.numpy()[:, :k].copy()
 
     def generate(self, prompt_ids: np.ndarray, new_tokens: int) -> np.ndarray:
         """Greedy: `new_tokens` tokens per row [rows, new_tokens] after `prompt_ids` [rows, T] (an argmax decoder's;
@@ -219,8 +254,9 @@ class StaticDecoder(Closable):
         if new_tokens == 0:
             return out
         out[:, 0] = self.prefill(prompt_ids)
-        for i in range(1, new_tokens):
-            out[:, i] = self.step()
+        for i in range(1, new_tokens, self.block):
+            k = min(self.block, new_tokens - i)
+            out[:, i:i + k] = self.steps(k)
         return out
 
     def close(self) -> None:

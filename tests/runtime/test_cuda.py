@@ -171,13 +171,15 @@ def test_greedy_steps_take_the_argmax_on_the_device(tiny, precision):
 
 
 def test_fixed_cache_and_its_cuda_graph_on_cuda(tiny):
-    """fp16 StaticDecoder on CUDA: the step captured in a CUDA graph (on an early run, replayed after) gives the tokens
-    of the same steps run one by one, also on a second prompt (replays only), and those follow the export's growing
-    cache (MultiHeadAttention, not GroupQueryAttention: fp16 rounding may part them at a near tie, hence 0.8)."""
+    """fp16 StaticDecoder on CUDA: the step captured in a CUDA graph (on an early run, replayed after) and replayed in
+    blocks of steps with the host off their path (positions and tokens advanced on the device, the host waiting for a
+    block's last step alone) gives the tokens of the same steps run one by one, the host writing each position and
+    reading each token, also on a second prompt (replays only), and those follow the export's growing cache
+    (MultiHeadAttention, not GroupQueryAttention: fp16 rounding may part them at a near tie, hence 0.8)."""
     _, infos = tiny
     info = infos[Precision.fp16]
     prompts = np.random.default_rng(5).integers(0, info.config.vocab_size, (2, 9))
-    plain = StaticDecoder(info, ProviderKind.cuda, rows=2, capacity=48)
+    plain = StaticDecoder(info, ProviderKind.cuda, rows=2, capacity=48, block=1)
     graph = StaticDecoder(info, ProviderKind.cuda, rows=2, capacity=48, cuda_graph=True)
     want = plain.generate(prompts, 30)
     np.testing.assert_array_equal(graph.generate(prompts, 30), want)

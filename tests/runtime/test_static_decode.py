@@ -41,6 +41,31 @@ def test_fixed_cache_tokens_equal_torch(tiny):
     assert decoder.length == 11 + 19
 
 
+@pytest.mark.parametrize("block", [1, 3, 16])
+def test_blocks_of_steps_with_the_host_off_their_path_equal_torch(tiny, block):
+    """StaticDecoder.steps: blocks of `block` steps, the positions and tokens advanced by the graph alone between the
+    host's writes (one a block), give PyTorch's greedy tokens; a block read with steps() and the one-step step() mix;
+    a block past the capacity, or longer than the decoder's, is refused."""
+    model, info = tiny
+    prompts = np.random.default_rng(7).integers(0, info.config.vocab_size, (2, 5))
+    want = torch_greedy(model, prompts, 24)
+    decoder = StaticDecoder(info, ProviderKind.cpu, rows=2, capacity=32, block=block)
+    np.testing.assert_array_equal(decoder.generate(prompts, 24), want)
+    got = [decoder.prefill(prompts)[:, None], decoder.steps(min(2, block)), decoder.step()[:, None]]
+    got.append(decoder.steps(block))
+    np.testing.assert_array_equal(np.concatenate(got, axis=1), want[:, : 2 + min(2, block) + block])
+    assert decoder.length == 5 + 1 + min(2, block) + block
+    with pytest.raises(ValueError, match=f"a block runs 1..{block} steps"):
+        decoder.steps(block + 1)
+    decoder.prefill(np.ones((2, 31), np.int64))
+    if block > 1:  # 2 steps would write position 32 of 0..31
+        with pytest.raises(ValueError, match="the cache is full"):
+            decoder.steps(2)
+    decoder.steps(1)
+    with pytest.raises(ValueError, match="the cache is full"):
+        decoder.steps(1)
+
+
 def test_decode_graph_has_fixed_io(tiny):
     _, info = tiny
     graph = onnx.load_from_string(static_forms(info.model_path)[1].graph).graph
@@ -49,6 +74,13 @@ def test_decode_graph_has_fixed_io(tiny):
     assert inputs[io.INPUT_IDS] == [io.BATCH, 1] and inputs[io.SEQLENS_K] == [io.BATCH]
     assert [o.name for o in graph.output][0] == io.NEXT_TOKEN and io.LOGITS not in [o.name for o in graph.output]
     assert all(len(n.input) <= 10 for n in graph.node if n.op_type == "GroupQueryAttention")  # no attention bias
+    # Without the host's steps I/O unless asked (SlotDecoder's); with it, each written output has its input's shape.
+    assert io.STEP not in inputs
+    graph = onnx.load_from_string(static_forms(info.model_path, steps=True)[1].graph).graph
+    inputs = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    outputs = {o.name: [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim] for o in graph.output}
+    for read, written in ((io.STEP, io.STEP_NEXT), (io.TOKENS, io.TOKENS_NEXT), (io.SEQLENS_K, io.SEQLENS_K_NEXT)):
+        assert inputs[read] == outputs[written]
 
 
 def test_refusals(tiny, tiny_export):
