@@ -440,7 +440,7 @@ def with_device_steps(graph: onnx.GraphProto, sampling: bool) -> None:
     StaticDecoder.steps). Its next_token is written into `tokens` at column `step`; seqlens_k_next = seqlens_k + 1 and
     step_next = step + 1, each bound by the caller to its input's buffer. A value is written over its input only
     after its last read: the increments add a one computed from the tokens written last, so no order of execution
-    can advance a length before the attention has read it (8 small nodes a step). With `sampling`, the step's
+    can advance a length before the attention has read it (10 small nodes a step). With `sampling`, the step's
     uniform is column `step` of the block's uniforms."""
     i64, i32 = TensorProto.INT64, TensorProto.INT32
 
@@ -448,7 +448,8 @@ def with_device_steps(graph: onnx.GraphProto, sampling: bool) -> None:
         graph.initializer.append(helper.make_tensor(name, dtype, dims, values))
         return name
 
-    zero, one = const("steps_zero", i64, [], [0]), const("steps_one", i64, [], [1])
+    f32 = TensorProto.FLOAT
+    zero, one = const("steps_zero", f32, [], [0.0]), const("steps_one", f32, [], [1.0])
     rows_by_one = const("steps_rows_by_one", i64, [2], [-1, 1])
     n = helper.make_node
     head = [  # first (the graph is sorted): the sampling head reads the uniform made here
@@ -466,11 +467,15 @@ def with_device_steps(graph: onnx.GraphProto, sampling: bool) -> None:
     tail = [
         n("Reshape", [io.NEXT_TOKEN, rows_by_one], ["steps_next_token"]),
         n("ScatterElements", [io.TOKENS, "steps_index", "steps_next_token"], [io.TOKENS_NEXT], axis=1),
-        n("ReduceSum", [io.TOKENS_NEXT], ["steps_tokens_sum"], keepdims=0),
+        # in float: every execution provider reduces it (an int64 reduction may leave CUDA for the CPU, which a
+        # captured graph cannot hold); the sum, however rounded, is finite, so 0 times it is 0
+        n("Cast", [io.TOKENS_NEXT], ["steps_tokens_f"], to=f32),
+        n("ReduceSum", ["steps_tokens_f"], ["steps_tokens_sum"], keepdims=0),
         n("Mul", ["steps_tokens_sum", zero], ["steps_tokens_zero"]),
-        n("Add", ["steps_tokens_zero", one], ["steps_after_tokens"]),
+        n("Add", ["steps_tokens_zero", one], ["steps_after_tokens_f"]),
+        n("Cast", ["steps_after_tokens_f"], ["steps_after_tokens"], to=i64),
         n("Add", [io.STEP, "steps_after_tokens"], [io.STEP_NEXT]),
-        n("Cast", ["steps_after_tokens"], ["steps_after_tokens_32"], to=i32),
+        n("Cast", ["steps_after_tokens_f"], ["steps_after_tokens_32"], to=i32),
         n("Add", [io.SEQLENS_K, "steps_after_tokens_32"], [io.SEQLENS_K_NEXT]),
     ]
     for k, x in enumerate(head):
