@@ -8,8 +8,10 @@ Rows (greedy unless said, the same random prompt ids, --repeat timed runs after 
   and its CUDA graph where the generation allows), timed by its on_token callback: decode tok/s is the tokens after
   each row's first over the time after the first;
 - `generate (growing)`: the same with fixed_cache=False (`--kv-cache growing`: the decode loop on the growing cache);
-- `bench fixed row`: bench.run.timed_fixed on a StaticDecoder of the prompt plus the new tokens (`gpt2x bench`'s row: a
-  step at a time, the host writing its position and reading its token; generate reads a block of 16 steps at once);
+- `bench fixed row`: bench.run.timed_fixed on a StaticDecoder of the prompt plus the new tokens (`gpt2x bench`'s row:
+  blocks of 16 steps, as generate runs them);
+- `fixed, a step a block`: the same on a decoder of blocks of one step (the host writing each step's position and
+  reading its token, as before the host left the step's path);
 - `generate (auto), sampled`: temperature 0.8 (seed 1): the draw on the device, against the greedy row's rate;
 - with --cli, `gpt2x generate` itself in a subprocess, its streamed stdout timed as it arrives (the first chunk holds
   the prompt and the first token, the last the final flush): (new tokens - 1) over the time between them.
@@ -122,7 +124,13 @@ def main() -> int:
 
     def save() -> None:  # after every row: a lease cut off still leaves the figures so far
         a.out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-        lines = ["| batch | row | decoder | decode tok/s | TTFT ms | x generate (growing) | x bench fixed row | same tokens |",
+        sysinfo = report["system"]
+        lines = [f"# What `gpt2x generate` decodes at: {a.model} {precision.value} on {a.provider.value}", "",
+                 f"Machine: {sysinfo['cpu']}, {sysinfo['cores']} cores, GPU {sysinfo['gpu']}; {sysinfo['date']}, "
+                 f"gpt2x git {sysinfo.get('git', '?')}; session providers {', '.join(report['session_providers'])}. "
+                 f"Prompt {a.prompt_len} random tokens, {a.new_tokens} new (greedy unless sampled, EOS ignored), "
+                 f"{a.repeat} runs after a warm-up, medians.", "", f"Command: `python {' '.join(sys.argv)}`", "",
+                 "| batch | row | decoder | decode tok/s | TTFT ms | x generate (growing) | x bench fixed row | same tokens |",
                  "|---|---|---|---|---|---|---|---|"]
         for r in report["rows"]:
             rate = r.get("decode_tok_s")
@@ -149,6 +157,9 @@ def main() -> int:
             decoder = StaticDecoder(info, a.provider, rows=batch, capacity=a.prompt_len + a.new_tokens,
                                     cuda_graph=a.provider is ProviderKind.cuda)
             rows.append(("bench fixed row", partial(timed_bench_row, decoder, prompts, a.new_tokens)))
+            single = StaticDecoder(info, a.provider, rows=batch, capacity=a.prompt_len + a.new_tokens,
+                                   cuda_graph=a.provider is ProviderKind.cuda, block=1)
+            rows.append(("fixed, a step a block", partial(timed_bench_row, single, prompts, a.new_tokens)))
         rows.append(("generate (auto), sampled", partial(timed_generate, backend, prompts, sampled, None)))
         base_tokens = None
         for name, run in rows:
@@ -171,6 +182,7 @@ def main() -> int:
         if decoder is not None:
             report.setdefault("fixed_providers", decoder.providers)
             decoder.close()
+            single.close()
     if a.cli:
         log("gpt2x generate (the command)")
         text = decode(rng.integers(0, 50000, a.prompt_len).tolist())

@@ -242,17 +242,19 @@ def timed_speculative(target: Backend, drafter: Drafter, prompt_ids: list[int], 
 
 def timed_fixed(decoder, prompt_ids: np.ndarray, new_tokens: int) -> dict:
     """One greedy run on a StaticDecoder, timed as timed_generation: the prefill and the first tokens (chosen on the
-    host), then each step (its tokens copied back, so it has finished)."""
+    host), then the steps in the decoder's blocks, as `gpt2x generate` runs them (StaticDecoder.steps: its tokens
+    copied back, so it has finished); each step of a block is given the block's time over its steps."""
     steps: list[float] = []
     out = np.empty((prompt_ids.shape[0], new_tokens), np.int64)
     t0 = time.perf_counter()
     out[:, 0] = decoder.prefill(prompt_ids)
     ttft = time.perf_counter() - t0
     last = t0 + ttft
-    for i in range(1, new_tokens):
-        out[:, i] = decoder.step()
+    for i in range(1, new_tokens, decoder.block):
+        k = min(decoder.block, new_tokens - i)
+        out[:, i:i + k] = decoder.steps(k)
         now = time.perf_counter()
-        steps.append(now - last)
+        steps += [(now - last) / k] * k
         last = now
     return {"ttft_s": ttft, "steps_s": steps, "decode_s": sum(steps), "decoded": len(steps),
             "total_s": time.perf_counter() - t0, "tokens": out.tolist(), "page_ms": None}
