@@ -270,8 +270,7 @@ print(resolve_export(sys.argv[1], precision=Precision(sys.argv[2])).folder.resol
         url="http://127.0.0.1:$(( port + i ))"; i=$(( i + 1 ))
         if [ "$(serve_left)" -lt 60 ]; then serve_note "$variant" skipped "$(serve_left) s left of the stage's budget"; continue; fi
         kv=(); [ "$variant" = default ] || kv=(--kv-cache "$variant")
-        # --onnx, not --precision: `--kv-cache slots --precision fp16` is refused on any provider (the CLI checks the
-        # slots' CPU precisions); an --onnx folder's precision is checked when the slots open it, on their provider.
+        # --onnx: the folder the export step made (or found), the same for every variant.
         local cmd=(gpt2x serve --provider "$provider" --onnx "$folder" --model "$model" --port "${url##*:}"
                    --max-batch-size "$max_batch" "${kv[@]}" --json)
         serve_note "$variant" command "${cmd[*]}"
