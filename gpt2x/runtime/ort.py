@@ -22,7 +22,7 @@ import onnxruntime as ort
 from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import DATA_FILE, ExportInfo
 from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, save_graph
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.mapped import mapped_model
@@ -589,6 +589,8 @@ class OrtBackend(Closable):
 
     def fixed_refusal(self) -> str | None:
         """Why this export cannot decode on the fixed-capacity cache here (static_decode.fixed_cache_refusal), or None."""
+        if (self.info.folder / DATA_FILE).exists():  # optimize.static_forms rewrites a graph whose weights it holds
+            return "its weights are in a data file (past 2 GB), which the fixed-shape decode graph does not read"
         return fixed_cache_refusal(self.provider, self.info.precision)
 
     def fixed_decoder(self, rows: int, positions: int, sampling: bool = False) -> StaticDecoder:

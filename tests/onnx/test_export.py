@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpt2x.choices import Precision, ProviderKind
-from gpt2x.errors import ArtifactError, OutputError, ParityError, ProviderError
+from gpt2x.errors import ArtifactError, OutputError, ParityError, ProviderError, UsageError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
@@ -443,6 +443,13 @@ def test_external_data_export_and_its_checks(tiny, tmp_path, monkeypatch):
     assert info.meta["parity"]["status"] == "passed"
     assert info.meta["fused_operators"] == tiny[2].meta["fused_operators"]  # graph-only fusion, same result
     assert {p.name for p in info.folder.iterdir()} == {"gpt2x.json", "model.onnx", "model.onnx.data", *INTEROP_FILES}
+    # Its weights beside the graph: `generate` keeps the growing cache (fixed_cache=None) or says why not (True).
+    backend = OrtBackend(info)
+    assert "weights are in a data file" in backend.fixed_refusal()
+    settings = SamplingSettings(max_new_tokens=4, greedy=True)
+    assert generate(backend, ["ROMEO:"], settings, fixed_cache=None)[0].decoder is None
+    with pytest.raises(UsageError, match="kv_cache fixed: its weights are in a data file"):
+        generate(backend, ["ROMEO:"], settings, fixed_cache=True)
     folder = tmp_path / "evil"
     shutil.copytree(info.folder, folder)
     proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
