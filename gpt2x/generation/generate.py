@@ -8,7 +8,6 @@ happens here, so every backend produces the same tokens for the same seed wherev
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 from ..errors import UsageError
@@ -17,7 +16,7 @@ from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
 from .decode import Sequence, decode, left_pad
 from .sampling import Sampler
-from .settings import Finish, Generation, SamplingSettings
+from .settings import Finish, Generation, OnToken, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats
 from .static_decoding import fixed_refusal, generate_fixed
 
@@ -40,9 +39,6 @@ def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, t
             ids = ids[-keep:]
         out.append(ids)
     return out
-
-
-OnToken = Callable[[int, int], None]  # (row, token id), called as each token is produced
 
 
 def generate(

@@ -4,6 +4,7 @@ settings give the same tokens however they are asked for; temperature 0 is greed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -92,3 +93,6 @@ class Generation:
     finish_reason: Finish = Finish.length
     speculation: dict | None = None  # with a draft: SpecStats.to_dict() (drafted, accepted, acceptance rate, ...)
     decoder: str | None = None  # on the fixed-capacity cache: which (runtime.static_decode.StaticDecoder.name)
+
+
+OnToken = Callable[[int, int], None]  # (row, token id), called as each token is produced

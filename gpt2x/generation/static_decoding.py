@@ -7,7 +7,7 @@ decode.Sequence decides, the steps stopping at the first block after every row h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from ..runtime.static_decode import StaticDecoder
 from .decode import Sequence
 from .processors import Temperature
 from .sampling import Sampler
-from .settings import Finish, Generation, SamplingSettings
+from .settings import Finish, Generation, OnToken, SamplingSettings
 
 
 def _device_refusal(sampler: Sampler) -> str | None:
@@ -76,9 +76,6 @@ def fixed_refusal(settings: SamplingSettings, prompt_ids: list[list[int]], draft
     if len({len(ids) for ids in prompt_ids}) > 1:
         return "prompts of different lengths (its rows are one length)"
     return _device_refusal(Sampler(settings))
-
-
-OnToken = Callable[[int, int], None]  # (row, token id), as generate's
 
 
 def generate_fixed(backend, prompts: list[str], prompt_ids: list[list[int]], settings: SamplingSettings,
