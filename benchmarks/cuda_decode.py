@@ -552,24 +552,18 @@ def torch_graph_loop(model_name, precision, provider, prompt, n):
 
 
 def torch_reference(model_name, provider, prompt, n) -> np.ndarray:
-    """gpt2x's PyTorch model in fp32 on the provider's device, greedy on its growing cache: the tokens an fp16 path's
-    near ties are counted against."""
-    import torch
+    """gpt2x's PyTorch model in fp32 on the provider's device, greedy on its growing cache (gpt2x's generate on the
+    torch backend, EOS not stopping): the tokens an fp16 path's near ties are counted against."""
+    import copy
+
+    from gpt2x.generation.generate import generate
+    from gpt2x.runtime.pytorch import TorchBackend
 
     device, _ = torch_setting(Precision.fp32, provider)
     model = gpt2x_weights(model_name)
-    if device != "cpu":
-        import copy
-
-        model = copy.deepcopy(model).to(device)
-    out = []
-    with torch.inference_mode():
-        logits, past = model(torch.as_tensor(prompt, device=device), logits_to_keep=1)
-        for _ in range(n):
-            out.append(logits[:, -1].argmax(-1, keepdim=True))
-            if len(out) < n:
-                logits, past = model(out[-1], past_key_values=past)
-    return torch.cat(out, 1).cpu().numpy()
+    backend = TorchBackend(model if device == "cpu" else copy.deepcopy(model), device)  # it moves the model it gets
+    settings = SamplingSettings(max_new_tokens=n, greedy=True, ignore_eos=True)
+    return np.array([r.tokens for r in generate(backend, [""] * len(prompt), settings, prompt_ids=prompt.tolist())])
 
 
 def agreement(tokens: np.ndarray, reference: np.ndarray) -> str:
