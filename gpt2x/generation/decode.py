@@ -36,7 +36,7 @@ from ..tokenizer import EOT_ID
 from .logprobs import LogprobEntry, token_logprobs
 from .processors import History
 from .sampling import BatchProcessors, Sampler, sample_many
-from .settings import Finish, SamplingSettings
+from .settings import Finish, Generation, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats, Speculation, control_for
 
 
@@ -91,6 +91,10 @@ class Sequence:
         self.limit = self.max_tokens
         self.history = History(self.prompt_ids, self.tokens, self)
         self._stops = frozenset(self.settings.stop_token_ids)
+
+    def result(self, prompt: str, decoder: str | None = None) -> Generation:
+        """What it generated after `prompt`, as generate returns it (Finish.length if it has not ended)."""
+        return Generation(prompt, self.prompt_ids, self.tokens, self.finish or Finish.length, decoder=decoder)
 
     def cancel(self, reason: Finish = Finish.cancelled) -> None:
         """End the row at its next token, or before the next step when it is cancelled between steps,

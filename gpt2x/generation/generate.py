@@ -16,7 +16,7 @@ from ..tokenizer import EOT_ID, encode
 from .beam import beam_search
 from .decode import Sequence, decode, left_pad
 from .sampling import Sampler
-from .settings import Finish, Generation, OnToken, SamplingSettings
+from .settings import Generation, OnToken, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats
 from .static_decoding import fixed_refusal, generate_fixed
 
@@ -101,7 +101,7 @@ def _batched(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], 
     for event in decode(backend, seqs):
         if on_token and event.token is not None:
             on_token(event.row, event.token)
-    return [_result(p, s) for p, s in zip([p for p in prompts for _ in range(n)], seqs)]
+    return [s.result(p) for p, s in zip([p for p in prompts for _ in range(n)], seqs)]
 
 
 def _drafted(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], children: list[SamplingSettings],
@@ -110,10 +110,6 @@ def _drafted(backend: Backend, prompts: list[str], prompt_ids: list[list[int]], 
     n = len(children)
     return [generate_speculative(backend, draft, p, ids, children[i], draft_settings, row * n + i, on_token)
             for row, (p, ids) in enumerate(zip(prompts, prompt_ids)) for i in range(n)]
-
-
-def _result(prompt: str, seq: Sequence) -> Generation:
-    return Generation(prompt, seq.prompt_ids, seq.tokens, seq.finish or Finish.length)
 
 
 def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_ids: list[int], settings: SamplingSettings,
@@ -125,6 +121,6 @@ def generate_speculative(backend: Backend, draft: Drafter, prompt: str, prompt_i
     for event in decode(backend, [seq], draft, draft_settings):
         if on_token and event.token is not None:
             on_token(row, event.token)
-    result = _result(prompt, seq)
+    result = seq.result(prompt)
     result.speculation = seq.speculation.to_dict() if seq.speculation else SpecStats().to_dict()
     return result

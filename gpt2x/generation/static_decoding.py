@@ -16,7 +16,7 @@ from ..runtime.static_decode import StaticDecoder
 from .decode import Sequence
 from .processors import Temperature
 from .sampling import Sampler
-from .settings import Finish, Generation, OnToken, SamplingSettings
+from .settings import Generation, OnToken, SamplingSettings
 
 
 def _device_refusal(sampler: Sampler) -> str | None:
@@ -107,5 +107,4 @@ def generate_fixed(backend, prompts: list[str], prompt_ids: list[list[int]], set
                             on_token(row, kept)
             if all(seq.finish is not None for seq in seqs):
                 break
-    return [Generation(p, s.prompt_ids, s.tokens, s.finish or Finish.length, decoder=name)
-            for p, s in zip(prompts, seqs)]
+    return [s.result(p, decoder=name) for p, s in zip(prompts, seqs)]
