@@ -202,8 +202,6 @@ class StaticDecoder(Closable):
         """Append `tokens` [rows] at the next position (None: the tokens the last step chose, already on the device);
         each row's next token: the argmax (first of equal maxima), or on a sampling decoder the draw at the row's
         temperature that `uniform` [rows] in [0, 1) picks by inverse CDF. A block of one step."""
-        if self.sampling != (uniform is not None):
-            raise ValueError("a sampling decoder's step takes a uniform per row; an argmax decoder's takes none")
         uniforms = None if uniform is None else np.broadcast_to(np.asarray(uniform, np.float64), (self.rows,))[:, None]
         return self.steps(1, tokens, uniforms)[:, 0]
 
