@@ -65,7 +65,7 @@ class ReplicaConfig:
     draft: str | None = None
     draft_source: str | None = None
     draft_settings: DraftSettings = field(default_factory=DraftSettings)
-    # Under Ray Serve, the application's hub (ray/deploy.py's MetricsHub), by name: set by deploy.application.
+    # Under Ray Serve, the application's hub (ray/hub.py's MetricsHub), by name: set by deploy.application.
     # None: each replica's /metrics is its own, and a stop is Ray Serve's alone.
     metrics_hub: str | None = None
     # /v1/chat/completions' Jinja2 template: the text of --chat-template's file (None: the export

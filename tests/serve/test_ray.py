@@ -30,12 +30,12 @@ from gpt2x.runtime.ort import OrtBackend  # noqa: E402
 from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.ray.deploy import (  # noqa: E402
     LOCAL_INSTANCE_ENV,
-    REPORT_S,
     ReplicaConfig,
     ServeSettings,
     local_instance_environment,
     start,
 )
+from gpt2x.serve.ray.hub import REPORT_S  # noqa: E402
 from gpt2x.tokenizer import decode, encode  # noqa: E402
 
 from ..helpers import (  # noqa: E402

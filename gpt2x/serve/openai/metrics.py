@@ -47,9 +47,8 @@ from ..core.engine import Engine, Row
 PREFIX = "vllm:"
 ALIAS_PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-STALE_S = 10.0  # a replica whose last snapshot is older than this is gone (the drain stops waiting for it)
-# ... and one whose last is older than this no longer adds its gauges: a replica reports every 0.25 s
-# (ray/deploy.REPORT_S), so twelve reports missed; a dead replica's rows left /metrics after 10 s before.
+# A replica whose last snapshot is older than this no longer adds its gauges: a replica reports every 0.25 s
+# (ray/hub.REPORT_S), so twelve reports missed; a dead replica's rows left /metrics after 10 s before.
 GAUGE_STALE_S = 3.0
 # Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
 # left before it ended (routes.py notices a disconnect, streamed or not).

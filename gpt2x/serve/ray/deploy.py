@@ -9,7 +9,7 @@ existing Ray cluster (`address`), where Ray Serve places the replicas and runs t
 nothing in the application changes between the two. On a cluster every node needs gpt2x installed
 and the export folder at the same path (a shared filesystem, or the same image).
 
-Beside the replicas, one small actor per application (per model with several), its hub (`MetricsHub`): each replica hands it
+Beside the replicas, one small actor per application (per model with several), its hub (hub.py): each replica hands it
 its metrics' snapshot (openai/metrics.py) every REPORT_S and as each request is answered, and
 `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
 it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
@@ -51,7 +51,6 @@ from ray.exceptions import RayError
 from ...choices import Progress, no_progress
 from ...errors import ServeError, UsageError
 from ..core.engine import refuse_batched_draft
-from ..openai.metrics import STALE_S
 from ..openai.protocol import ModelCard
 from ..openai.routes import HttpApi, new_app, router
 from ..replica import (  # what both paths share; re-exported here for the callers that use Ray Serve
@@ -66,6 +65,7 @@ from ..replica import (  # what both paths share; re-exported here for the calle
     listed_as,
     open_service,
 )
+from .hub import HUB_NAMESPACE, REPORT_S, MetricsHub
 from .many import ModelRouter, answer, model_card
 from .patches import ray_processes_in_their_own_session, rays_sigterm_handlers_left_out
 from .proxy import PROXY_CALLBACK
@@ -76,10 +76,8 @@ __all__ = ["APP_NAME", "SHUTTING_DOWN", "STOP_GRACE_S", "ReplicaConfig", "ServeS
 log = logging.getLogger(__name__)
 
 REFUSAL_HEADROOM = 64  # requests per replica beyond its batch and queue that reach it only to be refused
-REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
 HUB_TIMEOUT_S = 5.0  # a call to the hub that takes longer is given up (the metrics are then this replica's)
 PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its counts to the hub
-HUB_NAMESPACE = "gpt2x"
 # What the processes of a local instance started here take from this process's environment (those of a
 # cluster keep their own): Ray Serve's proxy reaches the replicas over gRPC rather than through Ray's
 # actor calls, which costs less per streamed chunk (benchmarks/results/serve-ray-transport-cpu-2core), and
@@ -87,34 +85,6 @@ HUB_NAMESPACE = "gpt2x"
 LOCAL_INSTANCE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
 
 
-@ray.remote(num_cpus=0)
-class MetricsHub:
-    """One per application: each replica's last metrics snapshot (kept when a replica dies: counters
-    do not go down), and the stop (when it began, and for how long requests in flight may run)."""
-
-    def __init__(self) -> None:
-        self.snapshots: dict[str, tuple[float, dict]] = {}  # replica -> (when the hub received it, snapshot)
-        self.stop_at: float | None = None
-
-    def report(self, replica: str, snapshot: dict) -> float | None:
-        """A replica's snapshot; the answer: None, or the seconds its requests in flight have left (a stop)."""
-        self.snapshots[replica] = (time.monotonic(), snapshot)
-        return None if self.stop_at is None else max(0.0, self.stop_at - time.monotonic())
-
-    def exchange(self, replica: str, snapshot: dict) -> list[dict]:
-        """A replica's snapshot in, every replica's out, each with its `age` in seconds (on the hub's clock)."""
-        self.report(replica, snapshot)
-        now = time.monotonic()
-        return [{**snap, "age": now - received} for received, snap in self.snapshots.values()]
-
-    def stop(self, grace: float) -> None:
-        if self.stop_at is None:
-            self.stop_at = time.monotonic() + grace
-
-    def drained(self) -> bool:
-        """Every replica that reported lately has stopped its engine."""
-        now = time.monotonic()
-        return all(snap["drained"] for received, snap in self.snapshots.values() if now - received < STALE_S)
 
 
 class HubExchange:

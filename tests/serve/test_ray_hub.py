@@ -1,0 +1,55 @@
+"""gpt2x/serve/ray/hub.py: the metrics hub, as a plain object on a clock the test moves (no Ray instance):
+when a stop is drained. The replicas' side is tested on a cluster in test_ray.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpt2x.serve.ray import hub
+from gpt2x.serve.ray.hub import REPORT_S, SILENT_S, Hub
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(hub.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_a_stop_waits_for_every_replica_that_still_reports_and_not_for_one_that_went_silent(clock):
+    h = Hub()
+    h.report("a", {"drained": False})
+    h.report("b", {"drained": False})  # b is then killed: it never reports again
+    clock[0] += REPORT_S
+    h.stop(3.0)
+    assert not h.drained()
+    clock[0] += REPORT_S
+    assert h.report("a", {"drained": False}) == pytest.approx(3.0 - REPORT_S)  # a hears of the stop
+    clock[0] += REPORT_S
+    h.report("a", {"drained": True})
+    assert not h.drained()  # b may still be on its way
+    clock[0] = 100.0 + REPORT_S + SILENT_S - 0.01
+    assert not h.drained()
+    clock[0] += 0.02
+    assert h.drained()  # b said nothing for SILENT_S since the stop: gone
+
+
+def test_a_replica_that_reported_since_the_stop_is_waited_for_until_it_has_drained(clock):
+    h = Hub()
+    h.report("a", {"drained": False})
+    h.stop(3.0)
+    clock[0] += REPORT_S
+    h.report("a", {"drained": False})  # still finishing its requests
+    clock[0] += 2 * SILENT_S
+    assert not h.drained()
+    h.report("a", {"drained": True})
+    assert h.drained()
+
+
+def test_without_a_stop_drained_means_every_recent_replica_has_drained(clock):
+    h = Hub()
+    h.report("a", {"drained": True})
+    h.report("b", {"drained": False})
+    assert not h.drained()
+    h.report("b", {"drained": True})
+    assert h.drained()
