@@ -2,7 +2,7 @@
 continuous batching.
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
-        [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8]
+        [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8,bf16]
         [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--genai-kv-caches auto]
         [--contenders gpt2x,gpt2x-offline,openvino-genai]
 
@@ -18,13 +18,16 @@ wall time from handing them over to the last token.
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
   record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
   the ort backend on an int8 export that kept int8 KV scales with its cache as the record says and in float32;
+  at bf16 (a CPU that computes it), gpt2x's bf16 export on the backend gpt2x picks for it (openvino), as `gpt2x
+  serve --precision bf16` runs it;
 - gpt2x's offline API (`gpt2x.LLM(export).generate(prompts as token ids, SamplingParams(max_tokens = min_tokens =
   --new-tokens, temperature 0))`, vLLM's shape): the same engine behind a call that returns once every prompt is
   done, each prompt a completions request of the OpenAI layer, so the figure is what that layer adds; it has no
   per-row first-token time (TTFT and TPOT not shown);
 - OpenVINO GenAI: ov_genai.ContinuousBatchingPipeline on the folder optimum-intel converted from the
   same weights (int8 and fp32 weights, peers/openvino_genai.py's convert), at OpenVINO's default compute
-  precision on this CPU and at f32, INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
+  precision on this CPU and at f32 (bf16: the fp32 weights at its default compute, bf16 on such a CPU, the
+  default its users get; refused where the default is f32), INFERENCE_NUM_THREADS = cores, its default SchedulerConfig (paged
   KV cache, dynamic split-fuse), every prompt added at once (add_request, greedy configs) and the pipeline
   stepped until none is left, as its generate() does; its KV cache in
   the CPU plugin's default precision (u8 on a CPU), and with --genai-kv-caches auto,f32 again in f32
@@ -62,7 +65,7 @@ from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
-from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.backends import choose_backend, export_backend
 from gpt2x.workflows.exports import ensure_export
 from gpt2x.workflows.models import load_model
 
@@ -167,6 +170,8 @@ class OvContinuousBatching:
         if kv_cache != "auto":
             properties = properties | {"KV_CACHE_PRECISION": kv_cache}
         self.precision = {v: k for k, v in WEIGHT_FORMATS.items()}[weight_format].value
+        if compute == "bf16" and weight_format == WEIGHT_FORMATS[Precision.fp32]:
+            self.precision = Precision.bf16.value  # fp32 weights computed in bf16: the peer of gpt2x's bf16
         scheduler = ov_genai.SchedulerConfig()
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(folder), scheduler, "CPU", properties)
         self.requests = 0
@@ -217,7 +222,10 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
         for precision in precisions:
             info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
-            for kind in args.gpt2x_backends:
+            # bf16: the backend gpt2x picks for it (refused in one line on a CPU without bf16)
+            kinds = args.gpt2x_backends if precision is not Precision.bf16 else \
+                [choose_backend(None, precision, ProviderKind.cpu).value]
+            for kind in kinds:
                 # the batched decode graph's switch: the ort backend's option, on the int8 exports that have one
                 choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
                 # and the KV cache's dtype: the ort backend's option, on the exports that kept int8 scales
@@ -243,14 +251,26 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
         except ImportError as e:
             skipped["OpenVINO GenAI"] = f"not importable here: {e}"
             variants = {}
+        opened: set[tuple[str, str]] = set()  # (weights, compute): fp32 and bf16 both run fp32 weights at bf16
+        folders: dict[str, Path] = {}  # weight format -> its converted folder, converted once
         for precision in precisions if variants else []:
-            fmt = WEIGHT_FORMATS[precision]
-            try:
-                folder, _ = convert(ctx.hf_dir_with_tokenizer(), fmt, ctx.work / f"openvino-{fmt}")
-            except Exception as e:
-                skipped[f"OpenVINO GenAI {fmt}"] = error_line(e)
+            fmt = WEIGHT_FORMATS.get(precision, WEIGHT_FORMATS[Precision.fp32])
+            computes = variants if precision is not Precision.bf16 else {c: v for c, v in variants.items() if c == "bf16"}
+            if precision is Precision.bf16 and not computes:
+                skipped["OpenVINO GenAI bf16"] = "OpenVINO's default compute on this CPU is f32 (no bf16)"
                 continue
-            for compute, properties in variants.items():
+            computes = {c: v for c, v in computes.items() if (fmt, c) not in opened}
+            if not computes:
+                continue
+            if fmt not in folders:
+                try:
+                    folders[fmt], _ = convert(ctx.hf_dir_with_tokenizer(), fmt, ctx.work / f"openvino-{fmt}")
+                except Exception as e:
+                    skipped[f"OpenVINO GenAI {fmt}"] = error_line(e)
+                    continue
+            folder = folders[fmt]
+            for compute, properties in computes.items():
+                opened.add((fmt, compute))
                 for kv_cache in args.genai_kv_caches:
                     try:
                         contenders.append(OvContinuousBatching(folder, fmt, compute, properties, kv_cache))
@@ -279,7 +299,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
-    ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8 (default: %(default)s)")
+    ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8, bf16 (default: %(default)s)")
     ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino (default: %(default)s)")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
@@ -289,7 +309,8 @@ def main() -> int:
                     "plugin's default, u8), f32, bf16, u8; several: auto,f32")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     args = ap.parse_args()
-    args.precisions = parse_list(args.precisions, [p.value for p in WEIGHT_FORMATS], "--precisions", ap)
+    args.precisions = parse_list(args.precisions, [*(p.value for p in WEIGHT_FORMATS), Precision.bf16.value],
+                                 "--precisions", ap)
     args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)

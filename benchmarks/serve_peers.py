@@ -325,7 +325,8 @@ def main() -> int:
     ap.add_argument("--llama-server-args", default="", help="more llama-server flags, space-separated")
     ap.add_argument("--vllm-python", type=Path, default=Path(f"{sys.prefix}-vllm") / "bin" / "python",
                     help="the python of vLLM's venv (default: %(default)s, what setup_peers.sh makes)")
-    ap.add_argument("--gpt2x-precision", default="int8", choices=["fp32", "int8", "int4"], help="gpt2x's export (default: %(default)s)")
+    ap.add_argument("--gpt2x-precision", default="int8", choices=["fp32", "int8", "int4", "bf16"],
+                    help="gpt2x's export (default: %(default)s; bf16: served on the backend gpt2x picks for it, openvino)")
     ap.add_argument("--gpt2x-args", default="", help="more gpt2x serve flags, space-separated (every gpt2x server: e.g. --ray)")
     ap.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (default: %(default)s)")
     ap.add_argument("--vllm-args", default="", help="more vLLM server flags, space-separated")

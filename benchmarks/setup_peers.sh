@@ -8,7 +8,8 @@
 # About 14 minutes on 2 cores from nothing (761-826 s measured, 2026-11-25/26: about 6.5 for the venv
 # and llama-cpp-python, about 7 for llama-server), most of it compiling llama.cpp twice, then a few
 # minutes for OpenVINO GenAI and vLLM (nothing compiled; about 1.3 GB of wheels); run again on
-# complete venvs, under a minute (it prints how long it took). Run it in the background
+# complete venvs, under a minute (it prints how long it took). PEERS_LLAMA=0 leaves llama.cpp out (no compiling:
+# a few minutes in all), PEERS_VLLM=0 vLLM. Run it in the background
 # (nohup bash benchmarks/setup_peers.sh > /tmp/setup-peers.log 2>&1 &) if your shell has a time limit.
 #
 # onnxruntime-genai goes in with --no-deps: its wheel requires the `onnxruntime` distribution, while
@@ -95,40 +96,45 @@ py="$venv/bin/python"
 "$py" -m pip install --quiet "ctranslate2==$ctranslate2_version" sentencepiece pyyaml
 
 # llama-cpp-python from its sdist, kept unpacked for the GGUF converter.
-src="$venv/src"
-sdist_dir="$src/llama_cpp_python-$llama_cpp_version"
-mkdir -p "$src"
-if [ ! -f "$sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
-    "$py" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$llama_cpp_version" -d "$src"
-    tar -xzf "$src/llama_cpp_python-$llama_cpp_version.tar.gz" -C "$src"
-    rm "$src/llama_cpp_python-$llama_cpp_version.tar.gz"
-fi
-if [ "$("$py" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)" != "$llama_cpp_version" ]; then
-    echo "building llama-cpp-python $llama_cpp_version from $sdist_dir (several minutes)"
-    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-        "$py" -m pip install --quiet --no-binary llama-cpp-python "$sdist_dir"
-fi
-"$py" -m pip install --quiet "$sdist_dir/vendor/llama.cpp/gguf-py"
+if [ "${PEERS_LLAMA:-1}" != 0 ]; then
+    src="$venv/src"
+    sdist_dir="$src/llama_cpp_python-$llama_cpp_version"
+    mkdir -p "$src"
+    if [ ! -f "$sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+        "$py" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$llama_cpp_version" -d "$src"
+        tar -xzf "$src/llama_cpp_python-$llama_cpp_version.tar.gz" -C "$src"
+        rm "$src/llama_cpp_python-$llama_cpp_version.tar.gz"
+    fi
+    if [ "$("$py" -c 'import llama_cpp; print(llama_cpp.__version__)' 2>/dev/null || true)" != "$llama_cpp_version" ]; then
+        echo "building llama-cpp-python $llama_cpp_version from $sdist_dir (several minutes)"
+        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+            "$py" -m pip install --quiet --no-binary llama-cpp-python "$sdist_dir"
+    fi
+    "$py" -m pip install --quiet "$sdist_dir/vendor/llama.cpp/gguf-py"
 
-"$py" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x, ctranslate2, llama_cpp, gguf; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__, '/ ctranslate2', ctranslate2.__version__, '/ llama-cpp-python', llama_cpp.__version__)"
-echo "llama.cpp converter: $sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py"
+    "$py" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x, ctranslate2, llama_cpp, gguf; print('peers ready: transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__, '/ ctranslate2', ctranslate2.__version__, '/ llama-cpp-python', llama_cpp.__version__)"
+    echo "llama.cpp converter: $sdist_dir/vendor/llama.cpp/convert_hf_to_gguf.py"
 
-# llama-server from the vendored llama.cpp.
-server_build="$venv/llama.cpp-build"
-server_bin="$server_build/bin/llama-server"
-if [ ! -x "$server_bin" ]; then
-    echo "building llama-server from $sdist_dir/vendor/llama.cpp into $server_build (several minutes)"
-    generator=()
-    if command -v ninja > /dev/null; then generator=(-G Ninja); fi
-    cmake -S "$sdist_dir/vendor/llama.cpp" -B "$server_build" "${generator[@]}" \
-        -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    cmake --build "$server_build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    # llama-server from the vendored llama.cpp.
+    server_build="$venv/llama.cpp-build"
+    server_bin="$server_build/bin/llama-server"
+    if [ ! -x "$server_bin" ]; then
+        echo "building llama-server from $sdist_dir/vendor/llama.cpp into $server_build (several minutes)"
+        generator=()
+        if command -v ninja > /dev/null; then generator=(-G Ninja); fi
+        cmake -S "$sdist_dir/vendor/llama.cpp" -B "$server_build" "${generator[@]}" \
+            -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+            -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+        cmake --build "$server_build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    fi
+    echo "llama-server: $server_bin ($("$server_bin" --version 2>&1 | grep -m1 version || true))"
+
+    # OpenVINO GenAI's runtime in VENV, its converter (optimum-intel) in VENV-optimum.
+else
+    "$py" -c "import optimum.onnxruntime, onnxruntime_genai, openvino, transformers, gpt2x, ctranslate2; print('peers ready (llama.cpp left out: PEERS_LLAMA=0): transformers', transformers.__version__, '/ onnxruntime-genai', onnxruntime_genai.__version__, '/ openvino', openvino.__version__, '/ ctranslate2', ctranslate2.__version__)"
 fi
-echo "llama-server: $server_bin ($("$server_bin" --version 2>&1 | grep -m1 version || true))"
 
-# OpenVINO GenAI's runtime in VENV, its converter (optimum-intel) in VENV-optimum.
 "$py" -m pip install --quiet "openvino==$openvino_version" "openvino-genai==$openvino_genai_version"
 ov_venv="$venv-optimum"
 [ -x "$ov_venv/bin/python" ] || python3 -m venv "$ov_venv"

@@ -57,7 +57,7 @@ def converter_versions(cli: Path) -> dict:
     code = ("import importlib.metadata as m, json\n"
             "print(json.dumps({p: m.version(p) for p in ('optimum-intel', 'optimum', 'nncf', 'openvino', 'openvino-tokenizers', "
             "'transformers', 'torch')}))")
-    proc = subprocess.run([str(cli.parent / "python"), "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([str(cli.parent / "python"), "-c", code], capture_output=True, text=True, encoding="utf-8", errors="replace")
     return {} if proc.returncode else json.loads(proc.stdout)
 
 
@@ -72,7 +72,7 @@ def convert(hf_dir: Path, weight_format: str, out: Path) -> tuple[Path, float]:
            "--weight-format", weight_format, str(out)]
     log(f"OpenVINO GenAI: {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace")
     if proc.returncode != 0 or not (out / "openvino_model.xml").is_file():
         raise RuntimeError(f"optimum-cli export openvino failed ({proc.returncode}): {process_error(proc.stderr or proc.stdout)}")
     return out, time.perf_counter() - t0
