@@ -283,6 +283,7 @@ def serve(
 
     if bench_file is not None:
         backend, provider, precision, max_batch_size = from_bench(ctx, bench_file, backend, provider, precision, max_batch_size)
+    asked_backend = backend  # None: each model on the backend its export's record runs by default
     backend = choose_backend(backend, precision, provider, next(iter(onnx_dir or ()), None))
     if backend not in SERVED:
         caps = capabilities_of(backend)
@@ -342,14 +343,20 @@ def serve(
         for i, (name, folder, lora) in enumerate([*((m, f, None) for m, f in sources), *((sources[0][0], None, a) for a in adapters)]):
             info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
                                   adapter=None if lora is None else lora.folder)
-            refuse_unsupported(backend, provider, info.precision)  # a folder's, before any replica starts
+            model_backend = backend if asked_backend is not None or i == 0 else \
+                choose_backend(None, info.precision, provider, asked_as=f"{info.folder}, a bf16 export,")
+            if model_backend is not backend:  # a bf16 export beside the others: its own backend, checked as the first's
+                refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)
+                if address is None:
+                    require_provider([model_backend], provider)
+            refuse_unsupported(model_backend, provider, info.precision)  # a folder's, before any replica starts
             draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
                                                                      progress=progress_to(status), notice=notice)
             configs.append(ReplicaConfig(
                 export=str(info.folder.resolve()),
                 model_id=lora.name if lora else names[i] if names else info.meta["model"]["name"],
                 parent=None if lora is None else configs[0].model_id,
-                backend=backend.value, provider=provider.value,
+                backend=model_backend.value, provider=provider.value,
                 threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
                 engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source,
                 draft_settings=draft_settings, chat_template=template, default_chat_template=default_chat_template,
@@ -375,7 +382,8 @@ def serve(
         else:
             with_draft = "" if draft is None else f", draft {draft}"
             where = "in this process" if settings.embedded else "on Ray Serve"
-            out.print(f"serving {', '.join(ids)} at {url}/v1 ({replicas} replica(s) {where}, {backend.value} on "
+            backends = "/".join(dict.fromkeys(c.backend for c in configs))
+            out.print(f"serving {', '.join(ids)} at {url}/v1 ({replicas} replica(s) {where}, {backends} on "
                       f"{provider.value}{with_draft}); Ctrl-C to stop", markup=False)
         err.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"prompt\": \"ROMEO:\", \"max_tokens\": 32}}'", markup=False, soft_wrap=True)

@@ -14,6 +14,7 @@ from gpt2x.choices import Precision
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
+from gpt2x.runtime import openvino_prefill
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.template import find_template
@@ -21,7 +22,7 @@ from gpt2x.serve.openai.many import Models, ModelSlot, models_app
 from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 
-from ..helpers import assert_one_line_error, cli, scrape, served_models, uvicorn_server
+from ..helpers import assert_one_line_error, cli, scrape, served_models, serving, uvicorn_server
 
 A, B = "shakespeare", "tiny"
 PROMPT = "ROMEO:"
@@ -58,9 +59,9 @@ class Opened:
         return ModelSlot(model_id, open_service, close_service, info.config.n_positions, info.precision.value, "ort", "cpu")
 
 
-def expected(folder) -> str:
+def expected(folder, backend_type=OrtBackend) -> str:
     """The greedy continuation on an independent backend over the export."""
-    backend = OrtBackend(read_export(folder), threads=1)
+    backend = backend_type(read_export(folder), threads=1)
     try:
         return decode(generate(backend, [PROMPT], SamplingSettings(max_new_tokens=TOKENS, greedy=True))[0].tokens)
     finally:
@@ -187,3 +188,22 @@ def test_the_command_refuses_duplicate_ids_and_ray_in_one_line(capsys, export_di
     code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--onnx", str(export_dir),
                        "--served-model-name", "x")
     assert_one_line_error(code, err, 2, "once per model")
+
+
+@pytest.mark.skipif(not openvino_prefill.cpu_has_bf16(), reason="this CPU does not compute bf16")
+def test_a_bf16_export_beside_an_fp32_one_is_served_on_the_backend_its_record_runs(tiny_export):
+    """Without --backend, each model on its own export's default backend: bf16 on openvino, fp32 on ort (the first's
+    choice had been made for all, and the bf16 export refused)."""
+    from gpt2x.runtime.openvino import OpenVinoBackend
+
+    fp32, bf16 = (tiny_export(p)[2].folder for p in (Precision.fp32, Precision.bf16))
+    with serving("--onnx", str(fp32), "--onnx", str(bf16), "--served-model-name", "f", "--served-model-name", "b",
+                 "--port", "0", "--threads", "1") as (proc, ready):
+        assert [(m["model"], m["backend"]) for m in ready["models"]] == [("f", "ort"), ("b", "openvino")]
+        with httpx.Client(base_url=ready["url"], timeout=60) as client:
+            for model, folder, backend_type in (("f", fp32, OrtBackend), ("b", bf16, OpenVinoBackend)):
+                r = complete(client, model)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == expected(folder, backend_type)
+            health = client.get("/health").json()
+        assert [(m["model"], m["backend"]) for m in health["models"]] == [("f", "ort"), ("b", "openvino")]
