@@ -12,7 +12,7 @@ import ray
 HUB_NAMESPACE = "gpt2x"
 REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
 STALE_S = 10.0  # a replica whose last snapshot is older than this is gone (the drain stops waiting for it)
-SILENT_S = 6 * REPORT_S  # a replica that has not reported for this long since a stop began is taken for gone
+SILENT_S = 10 * REPORT_S  # a replica that has not reported for this long since a stop began is taken for gone
 
 
 class Hub:
