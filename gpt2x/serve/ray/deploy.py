@@ -85,8 +85,6 @@ PUBLISH_TIMEOUT_S = 1.0  # as long as an answered request waits to hand its coun
 LOCAL_INSTANCE_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
 
 
-
-
 class HubExchange:
     """A replica's side of the hub (routes.Exchange): its snapshot handed in, everyone's taken out."""
 
