@@ -59,6 +59,7 @@ from peers.openvino_genai import F32, WEIGHT_FORMATS, compute_variants, convert,
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import installed_versions, system_info
 from gpt2x.choices import BackendKind, Precision, ProviderKind
+from gpt2x.errors import Gpt2xError
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
@@ -222,7 +223,7 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
         for precision in precisions:
             info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
-            # bf16: the backend gpt2x picks for it (refused in one line on a CPU without bf16)
+            # bf16: the backend gpt2x picks for it (main refused bf16 on a CPU without it)
             kinds = args.gpt2x_backends if precision is not Precision.bf16 else \
                 [choose_backend(None, precision, ProviderKind.cpu).value]
             for kind in kinds:
@@ -312,6 +313,11 @@ def main() -> int:
     args.precisions = parse_list(args.precisions, [*(p.value for p in WEIGHT_FORMATS), Precision.bf16.value],
                                  "--precisions", ap)
     args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
+    if Precision.bf16.value in args.precisions:
+        try:  # bf16 on a CPU without it (or without openvino): one line, before any export
+            choose_backend(None, Precision.bf16, ProviderKind.cpu)
+        except Gpt2xError as e:
+            ap.error(f"--precisions bf16: {e}")
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
     args.gpt2x_kv_dtypes = parse_list(args.gpt2x_kv_dtypes, ["auto", "int8", "float"], "--gpt2x-kv-dtypes", ap)
