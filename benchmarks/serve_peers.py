@@ -80,10 +80,11 @@ from peers.llamacpp import convert_f32, converter, llama_cpp_commit, quantize
 from gpt2x.bench.report import save_results
 from gpt2x.bench.system import system_info
 from gpt2x.choices import Precision
+from gpt2x.errors import Gpt2xError
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.providers import physical_cores
-from gpt2x.workflows.exports import ensure_export
+from gpt2x.workflows.exports import ensure_export, require_bf16_cpu
 from gpt2x.workflows.models import load_model
 
 # --no-repack: no extra weight buffer types. On an x86 CPU with AMX (this VM's reports amx_int8),
@@ -356,6 +357,11 @@ def main() -> int:
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in SERVERS for s in servers):
         ap.error(f"--servers: each of {', '.join(SERVERS)}")
+    if args.gpt2x_precision == Precision.bf16.value:
+        try:  # on a CPU without bf16 (or without openvino): one line, before any export
+            require_bf16_cpu("--gpt2x-precision bf16")
+        except Gpt2xError as e:
+            ap.error(str(e))
     if (BASELINE in servers) != (args.baseline is not None) or (args.baseline and not (args.baseline / "gpt2x" / "__init__.py").is_file()):
         ap.error(f"--baseline CHECKOUT (a folder holding gpt2x/) goes with --servers ...,{BASELINE}")
     if args.baseline_onnx is not None and (args.baseline is None or not (args.baseline_onnx / "gpt2x.json").is_file()):
