@@ -68,26 +68,29 @@ class Stub(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {obj}\n\n".encode())
             self.wfile.flush()
 
-        time.sleep(FIRST_S)
-        for i in range(CHUNKS):
-            if i:
-                time.sleep(BETWEEN_S)
-            if Stub.mode == "malformed" and i == 2:
-                send("{not json")
-                return
-            send(json.dumps({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" tok{i}"}]}))
-        # The cached modes: request n states 10 n prompt tokens, n * n of them cached (OpenAI's/vLLM's
-        # usage.prompt_tokens_details, or llama.cpp's server's timings.cache_n and prompt_n).
-        if Stub.mode == "cached_openai":
-            send(json.dumps({"id": "x", "choices": [], "usage": {
-                "prompt_tokens": 10 * n, "completion_tokens": 2 * CHUNKS, "prompt_tokens_details": {"cached_tokens": n * n}}}))
-        elif Stub.mode == "cached_llamacpp":
-            send(json.dumps({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-                             "usage": {"completion_tokens": 2 * CHUNKS, "prompt_tokens": 10 * n},
-                             "timings": {"cache_n": n * n, "prompt_n": 10 * n - n * n, "predicted_n": 2 * CHUNKS}}))
-        elif Stub.mode != "no_usage":  # two tokens per chunk: usage wins over counting chunks
-            send(json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2 * CHUNKS}}))
-        send("[DONE]")
+        try:
+            time.sleep(FIRST_S)
+            for i in range(CHUNKS):
+                if i:
+                    time.sleep(BETWEEN_S)
+                if Stub.mode == "malformed" and i == 2:
+                    send("{not json")
+                    return
+                send(json.dumps({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f" tok{i}"}]}))
+            # The cached modes: request n states 10 n prompt tokens, n * n of them cached (OpenAI's/vLLM's
+            # usage.prompt_tokens_details, or llama.cpp's server's timings.cache_n and prompt_n).
+            if Stub.mode == "cached_openai":
+                send(json.dumps({"id": "x", "choices": [], "usage": {
+                    "prompt_tokens": 10 * n, "completion_tokens": 2 * CHUNKS, "prompt_tokens_details": {"cached_tokens": n * n}}}))
+            elif Stub.mode == "cached_llamacpp":
+                send(json.dumps({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                                 "usage": {"completion_tokens": 2 * CHUNKS, "prompt_tokens": 10 * n},
+                                 "timings": {"cache_n": n * n, "prompt_n": 10 * n - n * n, "predicted_n": 2 * CHUNKS}}))
+            elif Stub.mode != "no_usage":  # two tokens per chunk: usage wins over counting chunks
+                send(json.dumps({"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2 * CHUNKS}}))
+            send("[DONE]")
+        except (BrokenPipeError, ConnectionResetError):  # the client left mid-stream (after a malformed event)
+            pass
 
 
 @pytest.fixture(scope="module")
