@@ -343,14 +343,14 @@ def serve(
         for i, (name, folder, lora) in enumerate([*((m, f, None) for m, f in sources), *((sources[0][0], None, a) for a in adapters)]):
             info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
                                   adapter=None if lora is None else lora.folder)
-            model_backend = backend if asked_backend is not None or i == 0 else \
+            model_backend = backend if asked_backend is not None else \
                 choose_backend(None, info.precision, provider, asked_as=f"{info.folder}, a bf16 export,")
-            if model_backend is not backend:  # a bf16 export beside the others: its own backend, checked as the first's
+            if model_backend is not backend:  # not the first folder's (a bf16 export beside others): checked as it was
                 refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)
                 if address is None:
                     require_provider([model_backend], provider)
             refuse_unsupported(model_backend, provider, info.precision)  # a folder's, before any replica starts
-            draft_source = None if draft is None else prepare_draft(draft, info, backend, provider, revision,
+            draft_source = None if draft is None else prepare_draft(draft, info, model_backend, provider, revision,
                                                                      progress=progress_to(status), notice=notice)
             configs.append(ReplicaConfig(
                 export=str(info.folder.resolve()),
