@@ -104,6 +104,8 @@ def register(args: list[str]) -> None:
     for name in (n for n in names if n not in done):
         module = command_module(name)
         app.command(name, epilog=module.EPILOG)(getattr(module, name.replace("-", "_")))
+        if len(names) == 1 and hasattr(module, "before_parsing"):
+            module.before_parsing()
 
 
 # The previous release's spellings, rewritten before Typer parses (upgrade_args): commands declare only the new ones.

@@ -14,10 +14,11 @@ from ..choices import BackendKind, KvCache, ProviderKind
 from ..errors import UsageError
 from ..generation.constraints import ConstraintSpec
 from ..generation.generate import generate as run_generation
+from ..generation.generate import most_step_tokens
 from ..generation.settings import SamplingSettings
 from ..generation.speculative import DraftSettings
 from ..runtime.registry import refuse_export_folder
-from ..tokenizer import StreamDecoder, decode
+from ..tokenizer import StreamDecoder, decode, load_in_background
 from ..workflows.backends import choose_backend, open_backend
 from ..workflows.drafts import DRAFT_HELP, check_draft, open_drafter
 from .options import (
@@ -85,6 +86,12 @@ def dry_breakers(given: list[str] | None) -> tuple[str, ...]:
     for b in given:
         breakers = [] if b == "none" else [*breakers, b]
     return tuple(breakers)
+
+
+def before_parsing() -> None:
+    """What the command starts before Typer parses its options (`register` calls it): the tokenizer, on a thread, for
+    most_step_tokens to read the prompts' lengths before the backend opens."""
+    load_in_background()
 
 
 def generate(
@@ -211,7 +218,8 @@ def generate(
         check_draft(draft, backend, provider, revision=revision)
     with Status("starting") as status:
         runner = open_backend(backend, provider, model, revision, precision, onnx_dir, threads,
-                              progress=progress_to(status), notice=notice, in_place_kv=kv_cache.in_place_kv)
+                              progress=progress_to(status), notice=notice, in_place_kv=kv_cache.in_place_kv,
+                              prefill_tokens=most_step_tokens(prompts, settings, draft_settings if draft else None))
         drafter = None if draft is None else open_drafter(draft, runner, backend, provider, None, draft_settings, revision,
                                                           progress=progress_to(status), notice=notice)
     stream = len(prompts) == 1 and not as_json and num_beams == 1 and n == 1

@@ -20,7 +20,8 @@ from .settings import Generation, OnToken, SamplingSettings
 from .speculative import Drafter, DraftSettings, SpecStats
 from .static_decoding import fixed_refusal, generate_fixed
 
-__all__ = ["OnToken", "fixed_cache_refusal", "generate", "generate_speculative", "left_pad", "prepare_prompts"]
+__all__ = ["OnToken", "fixed_cache_refusal", "generate", "generate_speculative", "left_pad", "most_step_tokens",
+           "prepare_prompts"]
 
 
 def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, truncate: bool) -> list[list[int]]:
@@ -39,6 +40,16 @@ def prepare_prompts(prompts: list[str], n_positions: int, max_new_tokens: int, t
             ids = ids[-keep:]
         out.append(ids)
     return out
+
+
+def most_step_tokens(prompts: list[str], settings: SamplingSettings, draft_settings: DraftSettings | None = None) -> int:
+    """At most how many new tokens (rows x tokens) one multi-token step of `generate` on `prompts` runs: the batch's
+    prefill, or with a draft (`draft_settings`) a verification step; a backend asked before it opens (its
+    prefill_tokens) prepares only what such steps run on."""
+    rows = len(prompts) * max(settings.n, settings.num_beams)
+    longest = max(len(encode(text)) or 1 for text in prompts)
+    verify = 0 if draft_settings is None else rows * (draft_settings.num_speculative_tokens + 1)
+    return max(rows * longest, verify)
 
 
 def generate(

@@ -343,7 +343,9 @@ class OrtBackend(Closable):
     ONNX Runtime or an fp32 or int8 export's OpenVINO prefill graph, whose presents then fill this backend's own cache.
     `batched` (CPU): None runs a step of rows x new tokens >= the export's recorded batched_from on its batched decode
     graph (none where it has none), True every step, False none. `kv_cache_dtype` (runtime.kvdtype.KvDtypeChoice;
-    None: GPT2X_KV_CACHE_DTYPE's, else auto): an int8 or int4 export's in-place cache in int8 or its float."""
+    None: GPT2X_KV_CACHE_DTYPE's, else auto): an int8 or int4 export's in-place cache in int8 or its float.
+    `prefill_tokens`: the most new tokens (rows x tokens) a multi-token step will run, where the caller knows it (a
+    one-shot generation); the OpenVINO prefill is then opened at start only where such a step runs on it."""
 
     name = "ort"
     # step_greedy takes the argmax on the device on CUDA (on the CPU, NumPy's on the host).
@@ -353,7 +355,7 @@ class OrtBackend(Closable):
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  in_place_kv: bool | None = None, *, shared_kv: bool | None = None,
                  prefill: PrefillChoice | str | None = None, batched: bool | None = None,
-                 kv_cache_dtype: KvDtypeChoice | str | None = None):
+                 kv_cache_dtype: KvDtypeChoice | str | None = None, prefill_tokens: int | None = None):
         if shared_kv is not None:
             warnings.warn("OrtBackend(shared_kv=...) is deprecated; use in_place_kv=...", DeprecationWarning, stacklevel=2)
             if in_place_kv is None:
@@ -395,14 +397,21 @@ class OrtBackend(Closable):
         self._openvino_past_from = openvino_past_from(info, choice, self._openvino_from) if self.in_place_kv else None
         # OpenVINO's prefill imported, loaded and (where nearly every prompt runs there) compiled and run once on a thread
         # of its own while the session is made (ONNX Runtime releases the GIL): a fresh process's first token waits for
-        # what is left of it, not for all of it (openvino's import alone is 0.2-0.3 s).
+        # what is left of it, not for all of it (openvino's import alone is 0.2-0.3 s). Where the caller knows that no
+        # step will run there (`prefill_tokens`), at its first use instead: the thread's work would slow the session's.
         self._prefill_graph_opening: Future | None = None
         self._prefill_graph_opened = None
+        self._prefill_graph_args = (info, threads, self.kv_scales)
+        self._prefill_graph_later = False
         if self._openvino_from is not None:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-prefill")
-            self._prefill_graph_opening = pool.submit(_open_openvino_prefill, info, threads, self.kv_scales,
-                                                      self._openvino_from <= PREPARE_PREFILL_FROM)
-            pool.shutdown(wait=False)  # the thread ends with its one job
+            first = min(self._openvino_from, self._openvino_past_from or self._openvino_from)
+            if prefill_tokens is not None and prefill_tokens < first:
+                self._prefill_graph_later = True
+            else:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-prefill")
+                self._prefill_graph_opening = pool.submit(_open_openvino_prefill, *self._prefill_graph_args,
+                                                          self._openvino_from <= PREPARE_PREFILL_FROM)
+                pool.shutdown(wait=False)  # the thread ends with its one job
         self.session = self._open_session(threads)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
@@ -429,7 +438,11 @@ class OrtBackend(Closable):
 
     @property
     def _openvino_prefill(self):
-        """The OpenVINO prefill (None: none), once its thread has opened it: an error there is raised here, at each use."""
+        """The OpenVINO prefill (None: none), once its thread has opened it (or now, where it was left to its first
+        use): an error there is raised here, at each use."""
+        if self._prefill_graph_later:
+            self._prefill_graph_opened = _open_openvino_prefill(*self._prefill_graph_args, False)
+            self._prefill_graph_later = False
         if self._prefill_graph_opening is not None:
             self._prefill_graph_opened = self._prefill_graph_opening.result()
             self._prefill_graph_opening = None
@@ -437,7 +450,7 @@ class OrtBackend(Closable):
 
     @_openvino_prefill.setter
     def _openvino_prefill(self, graph) -> None:
-        self._prefill_graph_opening, self._prefill_graph_opened = None, graph
+        self._prefill_graph_opening, self._prefill_graph_opened, self._prefill_graph_later = None, graph, False
 
     @property
     def prefill(self) -> str:

@@ -86,10 +86,11 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
                  model: str | None = None, revision: str | None = None, precision: Precision | None = None,
                  onnx_dir: Path | None = None, threads: int | None = None,
                  loaded: tuple[GPT2, ModelSource] | None = None,
-                 progress: Progress = no_progress, notice: Progress = no_progress, in_place_kv: bool | None = None) -> Backend:
+                 progress: Progress = no_progress, notice: Progress = no_progress, in_place_kv: bool | None = None,
+                 prefill_tokens: int | None = None) -> Backend:
     """The backend the user asked for: the model in PyTorch for the reference (`loaded` reuses one), else the
     export in `onnx_dir` or the default folder (exported first when missing). Refusals come before any work.
-    `in_place_kv`: the native backend's KV cache form (export_backend)."""
+    `in_place_kv` and `prefill_tokens`: the native backend's options (export_backend)."""
     refuse_unsupported(backend, provider, precision or Precision.fp32)
     if precision is Precision.bf16:
         require_bf16_cpu("--precision bf16")
@@ -105,17 +106,19 @@ def open_backend(backend: BackendKind = BackendKind.ort, provider: ProviderKind 
     info = resolve_export(model, revision, precision, onnx_dir, loaded, progress, notice)
     refuse_unsupported(backend, provider, info.precision)  # an --onnx folder's, where no precision was asked
     progress(f"loading {info.folder} on {backend.value} ({provider.value})")
-    return export_backend(backend, info, provider, threads, in_place_kv=in_place_kv)
+    return export_backend(backend, info, provider, threads, in_place_kv=in_place_kv, prefill_tokens=prefill_tokens)
 
 
 def export_backend(backend: BackendKind, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu,
                    threads: int | None = None, in_place_kv: bool | None = None, batched: bool | None = None,
-                   kv_cache_dtype: str | None = None) -> Backend:
+                   kv_cache_dtype: str | None = None, prefill_tokens: int | None = None) -> Backend:
     """A runtime on an export folder, checked before its module is imported. `in_place_kv`, `batched` (its
-    batched decode graph: None as recorded, False never) and `kv_cache_dtype` (None: GPT2X_KV_CACHE_DTYPE's, else
-    auto): the native backend's (OrtBackend's) options."""
+    batched decode graph: None as recorded, False never), `kv_cache_dtype` (None: GPT2X_KV_CACHE_DTYPE's, else
+    auto) and `prefill_tokens` (the most rows x tokens a multi-token step will run, where known): the native
+    backend's (OrtBackend's) options."""
     caps = capabilities_of(backend)
     if caps.reference:
         raise UsageError(f"the {backend.value} backend does not run export folders (it runs the model itself, in {caps.runtime})")
-    options = {"in_place_kv": in_place_kv, "batched": batched, "kv_cache_dtype": kv_cache_dtype} if caps.native else {}
+    options = {"in_place_kv": in_place_kv, "batched": batched, "kv_cache_dtype": kv_cache_dtype,
+               "prefill_tokens": prefill_tokens} if caps.native else {}
     return backend_class(backend)(info, provider, threads, **options)

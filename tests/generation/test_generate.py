@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from transformers import GPT2LMHeadModel
 
 from gpt2x.errors import UsageError
-from gpt2x.generation.generate import generate
+from gpt2x.generation.generate import generate, most_step_tokens
 from gpt2x.generation.sampling import Sampler
 from gpt2x.generation.settings import SamplingSettings
+from gpt2x.generation.speculative import DraftSettings
 from gpt2x.model.checkpoints import bundled_dir
 from gpt2x.model.weights import load_model
 from gpt2x.runtime.base import Capabilities
@@ -216,3 +217,15 @@ def test_n_samples_per_prompt_are_the_batch_with_seed_plus_i(shakespeare):
         alone = generate(b, prompts, replace(s, seed=9 + i))
         assert [got[p * 3 + i].tokens for p in range(2)] == [a.tokens for a in alone]
     assert len({tuple(g.tokens) for g in got[:3]}) == 3
+
+
+def test_most_step_tokens_is_the_widest_prefill_or_verification_step():
+    """Rows x the longest prompt's tokens (transformers' GPT-2 tokenizer gives "Hello, my name is" 5 tokens, "Hi" 1),
+    a row per sample or beam; with a draft, a verification step of K + 1 tokens a row where that is wider."""
+    plain = SamplingSettings(max_new_tokens=4, greedy=True)
+    assert most_step_tokens(["Hello, my name is", "Hi"], plain) == 2 * 5
+    assert most_step_tokens(["Hello, my name is"], SamplingSettings(max_new_tokens=4, n=3, seed=1)) == 3 * 5
+    assert most_step_tokens(["Hi"], SamplingSettings(max_new_tokens=4, greedy=True, num_beams=4)) == 4 * 1
+    assert most_step_tokens([""], plain) == 1  # an empty prompt starts from <|endoftext|>
+    assert most_step_tokens(["Hi"], plain, DraftSettings(num_speculative_tokens=5)) == 6
+    assert most_step_tokens(["Hello, my name is"], plain, DraftSettings(num_speculative_tokens=2)) == 5

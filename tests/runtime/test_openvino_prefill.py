@@ -6,6 +6,7 @@ from the export's timings; and the compute precision its record chose."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -405,7 +406,7 @@ def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
     _, info = tiny
     monkeypatch.delenv("GPT2X_PREFILL", raising=False)
     timing = info.prefill["timing"]
-    assert len(timing["lengths"]) == len(timing["onnxruntime_ms"]) == len(timing["openvino_ms"]) == 2
+    assert len(timing["lengths"]) == len(timing["onnxruntime_ms"]) == len(timing["openvino_ms"]) == 3  # 8, 32, the context
     with OrtBackend(with_timing(info, None), threads=1) as slower:
         assert slower.prefill == "onnxruntime"
     with OrtBackend(with_timing(info, 8), threads=1) as from8:
@@ -428,6 +429,73 @@ def test_auto_follows_the_exports_measured_figures(tiny, monkeypatch):
     monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")  # the CLI's --prefill sets it
     with OrtBackend(with_timing(info, 2), threads=1) as forced:
         assert forced.prefill == "onnxruntime"
+
+
+def test_a_caller_whose_steps_all_run_on_onnx_runtime_never_opens_openvino_and_a_longer_one_opens_it_then(tiny, monkeypatch):
+    """`prefill_tokens` below the record's route (a one-shot process's short prompt): OpenVINO's prefill is not opened
+    beside the session (its thread would slow the session's creation), and a step that does run there opens it then,
+    giving what a backend that opened it at start gives. At or above the route, it is opened at start."""
+    import gpt2x.runtime.ort as ort_module
+
+    _, info = tiny
+    monkeypatch.delenv("GPT2X_PREFILL", raising=False)
+    opened = []
+    real_open = ort_module._open_openvino_prefill
+    monkeypatch.setattr(ort_module, "_open_openvino_prefill", lambda *a: opened.append(a[-1]) or real_open(*a))
+    timing = info.prefill["timing"]
+    record = ExportInfo(info.folder, {**info.meta, "openvino_prefill": dict(info.prefill, timing={
+        **timing, "openvino_from": 8, "past": {**timing["past"], "openvino_from": 8}})})
+    ids, mask = left_padded([PROMPTS[0]])  # 5 tokens: ONNX Runtime's
+    long_ids, long_mask = left_padded([PROMPTS[2]])  # 11: OpenVINO's
+    with OrtBackend(record, threads=1) as eager:
+        assert opened == [True]  # on its thread, compiled there (8 <= PREPARE_PREFILL_FROM)
+        want, _ = eager.step(long_ids, long_mask, positions(long_mask, 11), None)
+    opened.clear()
+    with OrtBackend(record, threads=1, prefill_tokens=7) as later:
+        assert later.prefill_runtime(7) == "onnxruntime" and later.prefill_runtime(11) == "openvino"
+        short, _ = later.step(ids, mask, positions(mask, 5), None)
+        assert opened == []
+        got, _ = later.step(long_ids, long_mask, positions(long_mask, 11), None)
+        assert opened == [False] and np.array_equal(got, want)
+    with OrtBackend(record, threads=1, prefill_tokens=8):
+        assert opened == [False, True]
+
+
+# `gpt2x generate` in a process of its own that says on stderr, at exit, whether openvino was imported.
+IMPORTS_OPENVINO = """
+import runpy, sys
+sys.argv = ["gpt2x", *sys.argv[1:]]
+try:
+    runpy.run_module("gpt2x", run_name="__main__")
+finally:
+    print("openvino imported:", "openvino" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_generate_with_a_short_prompt_never_imports_openvino_and_a_long_one_prefills_there(tiny, tmp_path):
+    """A one-shot `gpt2x generate` whose prompt is shorter than where its export runs prefills on OpenVINO does not
+    import openvino (0.15 s of a core, beside the session's creation); a prompt long enough does, and its greedy
+    tokens are PyTorch's without a cache."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    model, info = tiny
+    folder = tmp_path / "export"
+    shutil.copytree(info.folder, folder)
+    meta = json.loads((folder / "gpt2x.json").read_text(encoding="utf-8"))
+    timing = meta["openvino_prefill"]["timing"]
+    timing["openvino_from"] = timing["past"]["openvino_from"] = 8
+    (folder / "gpt2x.json").write_text(json.dumps(meta), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "GPT2X_PREFILL"}
+    for prompt, imported in (("Hi", False), ("ROMEO: But soft, what light through yonder window", True)):
+        r = subprocess.run([sys.executable, "-c", IMPORTS_OPENVINO, "--quiet", "generate", prompt, "--onnx", str(folder),
+                            "--greedy", "--max-new-tokens", "3", "--json"], capture_output=True, text=True, env=env,
+                           encoding="utf-8", timeout=300)
+        assert r.returncode == 0 and r.stderr.splitlines()[-1] == f"openvino imported: {imported}", r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == torch_greedy(model, out["prompt_tokens"], 3) and len(out["prompt_tokens"]) >= 8 * imported
 
 
 # The times an int8 GPT-2 124M export recorded on an Intel Xeon (one row; ms at 32 and 256 tokens).
