@@ -75,7 +75,7 @@ t.append(time.perf_counter())
 from gpt2x.tokenizer import encode
 ids = encode(sys.argv[2])
 t.append(time.perf_counter())
-backend = export_backend(BackendKind.ort, info)
+backend = export_backend(BackendKind.ort, info, prefill_tokens=len(ids))  # as generate opens it
 t.append(time.perf_counter())
 import numpy as np
 from gpt2x.numerics import positions
