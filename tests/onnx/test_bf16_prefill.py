@@ -56,7 +56,7 @@ def test_the_bf16_export_records_its_prefill_graph_gated_at_bf16_on_the_openvino
     assert parity["logits"]["max_rel"] <= tol.max_rel and parity["logits"]["present_max_rel"] <= tol.max_rel
     assert any(c["past"] for c in parity["logits"]["cases"])  # a prompt's next chunk, on a past
     timing = record["timing"]
-    assert timing["compute"] == BF16 and timing["lengths"] == [32, info.config.n_positions - 1]
+    assert timing["compute"] == BF16 and timing["lengths"] == [8, 32, info.config.n_positions - 1]
     assert all(ms > 0 for ms in timing["prefill_graph_ms"] + timing["model_onnx_ms"])
 
 
