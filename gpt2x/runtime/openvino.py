@@ -29,6 +29,29 @@ def _first_line(e: Exception) -> str:
     return (useful or lines or [type(e).__name__])[-1]
 
 
+def presents_of_new_positions(model: ov.Model, n_layer: int) -> bool:
+    """The graph's presents given out as the step's new positions alone, where it concatenates them to the past
+    (model.onnx's MultiHeadAttention form): the whole concatenation, as long as the cache, had been given out at every
+    step (at bf16 converted back to f32) for its last positions to be copied into the cache. Whether it did so (a
+    GroupQueryAttention graph writes its presents in place: unchanged)."""
+    changed, presents = False, set(io.output_names(n_layer)[1:])
+    for result in model.get_results():
+        source = result.input_value(0)
+        concat = source.get_node()
+        if concat.get_type_name() != "Concat" or not source.get_names() & presents:
+            continue
+        past, new = concat.input_values()
+        if past.get_node().get_type_name() != "Parameter" or concat.get_attributes().get("axis") not in (2, -2):
+            continue
+        names = source.get_names()
+        source.get_tensor().set_names(set())  # the output's names move to what it now gives out
+        new.get_tensor().set_names(names)
+        result.input(0).replace_source_output(new)
+        changed = True
+    model.validate_nodes_and_infer_types()
+    return changed
+
+
 class OpenVinoKVCache(BufferCache):
     """The cache's buffers holding positions [0, length)."""
 
@@ -97,6 +120,7 @@ class OpenVinoBackend(Closable):
         }
         try:
             model = core.read_model(str(info.model_path))
+            self._new_presents = presents_of_new_positions(model, self.cfg.n_layer)
             self.compiled = core.compile_model(model, DEVICE, config)
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.model_path}: {_first_line(e)}") from None
@@ -199,8 +223,8 @@ class OpenVinoBackend(Closable):
             for port, buf in zip(self._past_ports, buffers.arrays):
                 request.set_tensor(port, ov.Tensor(buf[rows], shared_memory=True))
             self._bound = (buffers, row, buffers.rows)
-        shape = (1 if row is not None else buffers.rows, self.cfg.n_head, buffers.capacity + input_ids.shape[1],
-                 self.cfg.head_dim)
+        shape = (1 if row is not None else buffers.rows, self.cfg.n_head,
+                 input_ids.shape[1] + (0 if self._new_presents else buffers.capacity), self.cfg.head_dim)
         if self._presents_out is None or self._presents_out[0] != shape:
             arrays = [np.empty(shape, np.float32) for _ in self._present_ports]
             for port, arr in zip(self._present_ports, arrays):
@@ -209,7 +233,8 @@ class OpenVinoBackend(Closable):
         request.infer()
         capacity, T = buffers.capacity, input_ids.shape[1]
         rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
+        new = slice(0 if self._new_presents else capacity, None)
         for present, buf in zip(self._presents_out[1], buffers.arrays):
-            buf[rows, :, length : length + T] = present[:, :, capacity:]
+            buf[rows, :, length : length + T] = present[:, :, new]
         out = request.get_tensor(self._logits_port).data
         return out[:, -1] if last_only else out

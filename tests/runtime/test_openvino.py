@@ -59,8 +59,10 @@ def test_int8_export_uses_gqa_and_passes_the_int8_gate(tiny, tmp_path):
 
 
 def test_steps_write_new_positions_into_the_same_buffers(tiny):
-    """A decode step neither allocates nor rebinds the cache until it is full; the logits and the
-    cache equal the PyTorch model's on the whole sequence."""
+    """A decode step neither allocates nor rebinds the cache until it is full, and the graph gives out its new
+    positions alone (model.onnx gives out the past and them concatenated, as long as the cache: at every step, 84
+    against 37 ms at 16 rows of GPT-2 124M bf16); the logits and the cache equal the PyTorch model's on the whole
+    sequence."""
     model, _, infos = tiny
     backend = OpenVinoBackend(infos["mha"])
     ids = np.array([[10, 20, 30, 40, 50, 60]])
@@ -70,6 +72,8 @@ def test_steps_write_new_positions_into_the_same_buffers(tiny):
     _, cache = backend.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.array([[4]]), cache)
     logits, cache2 = backend.step(ids[:, 5:], np.ones((1, 6), np.int64), np.array([[5]]), cache)
     assert cache2.length == 6 and [a.ctypes.data for a in cache2.arrays] == pointers
+    given = [backend.request.get_tensor(backend.compiled.output(name)).shape for name in ("present.0.key", "present.1.value")]
+    assert given == [(1, model.config.n_head, 1, model.config.n_embd // model.config.n_head)] * 2
     with torch.no_grad():
         ref, ref_present = model(torch.tensor(ids), torch.ones(1, 6, dtype=torch.long), torch.arange(6)[None])
     assert logits.shape == (1, backend.vocab_size)
