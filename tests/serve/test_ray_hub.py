@@ -28,10 +28,21 @@ def test_a_stop_waits_for_every_replica_that_still_reports_and_not_for_one_that_
     clock[0] += REPORT_S
     h.report("a", {"drained": True})
     assert not h.drained()  # b may still be on its way
-    clock[0] = 100.0 + REPORT_S + SILENT_S - 0.01
+    clock[0] = 100.0 + SILENT_S - 0.01
     assert not h.drained()
     clock[0] += 0.02
-    assert h.drained()  # b said nothing for SILENT_S since the stop: gone
+    assert h.drained()  # b said nothing for SILENT_S since its last report: gone
+
+
+def test_a_replica_silent_for_long_before_the_stop_is_not_waited_for(clock):
+    """Killed seconds before the stop (its snapshot still counted in the metrics): the stop does not wait SILENT_S
+    more for it."""
+    h = Hub()
+    h.report("b", {"drained": False})
+    clock[0] += SILENT_S + REPORT_S
+    h.report("a", {"drained": True})
+    h.stop(3.0)
+    assert h.drained()
 
 
 def test_a_replica_that_reported_since_the_stop_is_waited_for_until_it_has_drained(clock):

@@ -12,7 +12,7 @@ import ray
 HUB_NAMESPACE = "gpt2x"
 REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
 STALE_S = 10.0  # a replica whose last snapshot is older than this is gone (the drain stops waiting for it)
-SILENT_S = 10 * REPORT_S  # a replica that has not reported for this long since a stop began is taken for gone
+SILENT_S = 10 * REPORT_S  # during a stop, a replica that has not reported for this long is taken for gone
 
 
 class Hub:
@@ -43,12 +43,13 @@ class Hub:
 
     def drained(self) -> bool:
         """Every replica that reported lately has stopped its engine. A live replica reports every
-        REPORT_S, so one silent for SILENT_S since the stop began is gone (a replica killed shortly
-        before), not draining: the stop does not wait for it."""
+        REPORT_S, so one that has not reported since the stop began and not for SILENT_S is gone (a
+        replica killed before), not draining: the stop does not wait for it (from its last report: one
+        killed seconds before the stop is not waited for at all)."""
         now = time.monotonic()
         began = self.stop_began if self.stop_began is not None else now
         return all(snap["drained"] for received, snap in self.snapshots.values()
-                   if now - received < STALE_S and (received >= began or now - began < SILENT_S))
+                   if now - received < STALE_S and (received >= began or now - received < SILENT_S))
 
 
 MetricsHub = ray.remote(num_cpus=0)(Hub)
