@@ -15,7 +15,7 @@ from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
 from .base import OPENVINO_CAPABILITIES, Closable, Released
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
-from .openvino_prefill import OpenVinoPrefill, cpu_has_bf16
+from .openvino_prefill import BF16_BITS, OpenVinoPrefill, bf16_io, cpu_has_bf16, tensor_of
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -61,10 +61,34 @@ class OpenVinoKVCache(BufferCache):
 
     @classmethod
     def allocate(cls, owner: OpenVinoBackend, batch: int, capacity: int, keep: KVCacheView | None) -> KVBuffers:
-        """Zeroed, not left unset: the graph reads the whole capacity, and a masked slot must be finite."""
+        """Zeroed, not left unset: the graph reads the whole capacity, and a masked slot must be finite. In the
+        backend's kv_dtype: float32, or bf16 bits at bf16 compute."""
         batch, rows = rows_to_keep(batch, keep)
         shape = (batch, owner.cfg.n_head, capacity, owner.cfg.head_dim)
-        return KVBuffers(zeroed_arrays(shape, 2 * owner.cfg.n_layer, np.float32, keep), keep.length if keep else 0, rows)
+        return KVBuffers(zeroed_arrays(shape, 2 * owner.cfg.n_layer, owner.kv_dtype, keep), keep.length if keep else 0,
+                         rows)
+
+    @classmethod
+    def from_numpy(cls, owner: OpenVinoBackend, arrays: list[np.ndarray]):
+        """float32 arrays (or the cache's own bf16 bits) into a cache; into a bf16 one rounded to bf16 (to the nearest,
+        ties to even), which a past this backend computed holds exactly already."""
+        if owner.kv_dtype == BF16_BITS:
+            arrays = [a if a.dtype == BF16_BITS else to_bf16_bits(a) for a in arrays]
+        return super().from_numpy(owner, arrays)
+
+    def to_numpy(self) -> list[np.ndarray]:
+        if self.owner.kv_dtype != BF16_BITS:
+            return super().to_numpy()
+        return [(a.astype(np.uint32) << 16).view(np.float32) for a in self.filled()]  # a bf16 is a float32's upper half
+
+    def stored(self) -> list[np.ndarray]:
+        return self.to_numpy()  # what the prefix cache keeps: float32, as every backend's but the ort backend's int8
+
+
+def to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (to the nearest, ties to even), as their bits."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(BF16_BITS)
 
 
 class OpenVinoBackend(Closable):
@@ -88,6 +112,8 @@ class OpenVinoBackend(Closable):
             raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
                                 "AMX); this one does not: export fp32 for it")
         self.inference_precision = BF16 if info.precision is Precision.bf16 else F32
+        # At bf16 the cache holds bf16 (its bits), as the graph computes it: read and written as it is, every step.
+        self.kv_dtype = BF16_BITS if self.inference_precision == BF16 else np.float32
         self.info = info
         self.model_name = info.meta["model"]["name"]
         self.cfg = info.config
@@ -104,7 +130,8 @@ class OpenVinoBackend(Closable):
         if prefill_graph and info.prefill is None:
             raise ArtifactError(f"{info.folder} has no OpenVINO prefill graph (a bf16, fp32 or int8 export made with the "
                                 "openvino extra installed has one)")
-        self.prefill_graph = OpenVinoPrefill(info, self.threads) if prefill_graph else None
+        self.prefill_graph = OpenVinoPrefill(info, self.threads, bf16_cache=self.kv_dtype == BF16_BITS) \
+            if prefill_graph else None
         if self.prefill_graph is not None:  # compiled while model.onnx is, not at the first prompt
             self.prefill_graph.prepare(bf16=True)
         core = ov.Core()
@@ -121,6 +148,8 @@ class OpenVinoBackend(Closable):
         try:
             model = core.read_model(str(info.model_path))
             self._new_presents = presents_of_new_positions(model, self.cfg.n_layer)
+            if self.kv_dtype == BF16_BITS:
+                model = bf16_io(model, self.cfg.n_layer)
             self.compiled = core.compile_model(model, DEVICE, config)
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.model_path}: {_first_line(e)}") from None
@@ -221,14 +250,14 @@ class OpenVinoBackend(Closable):
             # Contiguous row slices of the buffers themselves: no copy.
             rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
             for port, buf in zip(self._past_ports, buffers.arrays):
-                request.set_tensor(port, ov.Tensor(buf[rows], shared_memory=True))
+                request.set_tensor(port, tensor_of(buf[rows]))
             self._bound = (buffers, row, buffers.rows)
         shape = (1 if row is not None else buffers.rows, self.cfg.n_head,
                  input_ids.shape[1] + (0 if self._new_presents else buffers.capacity), self.cfg.head_dim)
         if self._presents_out is None or self._presents_out[0] != shape:
-            arrays = [np.empty(shape, np.float32) for _ in self._present_ports]
+            arrays = [np.empty(shape, self.kv_dtype) for _ in self._present_ports]
             for port, arr in zip(self._present_ports, arrays):
-                request.set_tensor(port, ov.Tensor(arr, shared_memory=True))
+                request.set_tensor(port, tensor_of(arr))
             self._presents_out = (shape, arrays)
         request.infer()
         capacity, T = buffers.capacity, input_ids.shape[1]

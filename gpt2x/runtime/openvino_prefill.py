@@ -13,6 +13,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as opset
 from openvino import passes
+from openvino.preprocess import PrePostProcessor
 
 from ..errors import ArtifactError
 from ..onnx import kvcache
@@ -59,11 +60,13 @@ class _Compiled:
     it (widen)."""
 
     def __init__(self, model: ov.Model, precision: str, threads: int, n_layer: int, past: bool,
-                 kv_scales: np.ndarray | None = None):
-        self.narrow = precision == BF16
-        self.kv_dtype = np.float32 if kv_scales is None else np.int8
+                 kv_scales: np.ndarray | None = None, bf16_cache: bool = False):
+        self.narrow = precision == BF16 and not bf16_cache
+        self.kv_dtype = np.int8 if kv_scales is not None else BF16_BITS if bf16_cache else np.float32
         if kv_scales is not None:
             model = cache_in_int8(model, kv_scales, bf16=self.narrow)
+        elif bf16_cache:  # read and written in place, in bf16, as the openvino backend's bf16 cache holds it
+            model = bf16_io(model, n_layer)
         elif self.narrow:
             model = presents_in_bf16(model)
         config = {
@@ -180,6 +183,30 @@ def cache_in_int8(model: ov.Model, scales: np.ndarray, bf16: bool = False) -> ov
     return quantized
 
 
+BF16_BITS = np.uint16  # a bf16 array on the host: its bits (NumPy has no bf16), typed bf16 for OpenVINO (tensor_of)
+
+
+def tensor_of(arr: np.ndarray) -> ov.Tensor:
+    """A tensor sharing `arr`'s memory (C-contiguous), typed bf16 where the array holds bf16 bits."""
+    if arr.dtype == BF16_BITS:
+        return ov.Tensor(arr, arr.shape, ov.Type.bf16)
+    return ov.Tensor(arr, shared_memory=True)
+
+
+def bf16_io(model: ov.Model, n_layer: int) -> ov.Model:
+    """The graph with its past inputs and presents in bf16, where it computes in bf16: a cache held in bf16 is read and
+    written as it is, where a float32 one was converted whole to bf16 at every step (the presents, computed in bf16,
+    lose nothing: the same values, the same logits, bit for bit; 16 rows of GPT-2 124M on a 512-position cache 91
+    against 118 ms a step, scratch)."""
+    ppp = PrePostProcessor(model)
+    for name in io.input_names(n_layer)[3:]:
+        if any(name in port.get_names() for port in model.inputs):
+            ppp.input(name).tensor().set_element_type(ov.Type.bf16)
+    for name in io.output_names(n_layer)[1:]:
+        ppp.output(name).tensor().set_element_type(ov.Type.bf16)
+    return ppp.build()
+
+
 def widen(narrow: ov.Tensor, arr: np.ndarray, rows: int, start: int, stop: int) -> None:
     """A (rows, H, T, D) bf16 tensor into rows [0, rows) and positions [start, stop) of a float32 (B, H, T', D)
     buffer: a bf16 is the upper half of the float32 of the same value, so this is exact. Into an int8 buffer, the
@@ -211,8 +238,10 @@ class OpenVinoPrefill:
     and one infer request. A graph that takes a past is compiled twice, for fresh prompts (fresh_graph) and on a past,
     each at its first use."""
 
-    def __init__(self, info: ExportInfo, threads: int | None = None, kv_scales: np.ndarray | None = None):
+    def __init__(self, info: ExportInfo, threads: int | None = None, kv_scales: np.ndarray | None = None,
+                 bf16_cache: bool = False):
         self.kv_scales = kv_scales  # the int8 KV cache's (onnx/kvcache.py), where the backend's cache is int8
+        self.bf16_cache = bf16_cache  # the openvino backend's at bf16: read and written in bf16 (BF16_BITS arrays)
         self.inference_precision = compute_precision(info)
         self._threads, self._n_layer, self._path = threads or physical_cores(), info.config.n_layer, info.prefill_path
         try:
@@ -266,7 +295,7 @@ class OpenVinoPrefill:
             model = _folded(model)
         try:
             self._graphs[precision, past] = _Compiled(model, precision, self._threads, self._n_layer, self.takes_past,
-                                                      self.kv_scales)
+                                                      self.kv_scales, self.bf16_cache and precision == BF16)
         except Exception as e:  # as read_model's
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot compile {self._path}: {e}".splitlines()[0]) from None
 
@@ -298,14 +327,15 @@ class OpenVinoPrefill:
         _, heads, _, dim = graph.presents[0].get_partial_shape()  # (B, H, T, D)
         H, D = heads.get_length(), dim.get_length()
         for port in graph.past:
-            graph.request.set_tensor(port, ov.Tensor(np.zeros((1, H, past, D), graph.kv_dtype)))
+            graph.request.set_tensor(port, tensor_of(np.zeros((1, H, past, D), graph.kv_dtype)))
         if not graph.narrow:
             for port in graph.presents:  # its own arrays: every call sets the cache's regions again
-                graph.request.set_tensor(port, ov.Tensor(np.empty((1, H, 2, D), graph.kv_dtype)))
+                graph.request.set_tensor(port, tensor_of(np.empty((1, H, 2, D), graph.kv_dtype)))
         graph.request.infer()
 
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray], past: int = 0) -> np.ndarray:
-        """The last position's logits (B, V). `presents` are C-contiguous float32 arrays (int8 with kv_scales) (B' >= B,
+        """The last position's logits (B, V). `presents` are C-contiguous float32 arrays (int8 with kv_scales, bf16 bits
+        with bf16_cache) (B' >= B,
         H, >= past + T, D), in the outputs' order, whose first `past` positions hold the past (a graph that takes_past
         only): OpenVINO reads those and writes the T new positions straight after them (at f32 compute; at bf16 it gives
         them out in bf16 and they are widened into place: presents_in_bf16, cache_in_int8), the past never copied. The
@@ -347,6 +377,6 @@ def _region(arr: np.ndarray, rows: int, start: int, stop: int) -> ov.Tensor:
     """Rows [0, rows) and positions [start, stop) of a (B, H, T, D) buffer, sharing its memory."""
     B, H, T, D = arr.shape
     if start == stop:
-        return ov.Tensor(np.empty((rows, H, 0, D), arr.dtype))
-    whole = ov.Tensor(arr, shared_memory=True)
+        return tensor_of(np.empty((rows, H, 0, D), arr.dtype))
+    whole = tensor_of(arr)
     return whole if (rows, start, stop) == (B, 0, T) else ov.Tensor(whole, [0, 0, start, 0], [rows, H, stop, D])

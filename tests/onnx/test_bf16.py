@@ -155,3 +155,40 @@ def test_a_bf16_export_on_a_cpu_without_bf16_is_refused_by_the_backend(tiny_expo
     monkeypatch.setattr(openvino, "cpu_has_bf16", lambda: False)
     with pytest.raises(ProviderError, match="is a bf16 export, which needs a CPU that computes bf16"):
         openvino.OpenVinoBackend(info, threads=1)
+
+
+@needs_bf16
+def test_the_openvino_backends_bf16_cache_is_half_a_float32_one_and_steps_as_float32_io_bit_for_bit(exports):
+    """At bf16 compute the openvino backend's cache holds bf16 bits, read and written as they are (bf16_io), where it
+    held float32 that the graph converted whole to bf16 at every step: half the memory, and a decode step's logits and
+    new keys and values, bit for bit, those of model.onnx compiled as it is (float32 past and presents) on the same
+    past (a bf16's bits are a float32's upper half)."""
+    import openvino as ov
+
+    from gpt2x.onnx import names as io
+    from gpt2x.runtime.openvino import OpenVinoBackend
+
+    _, info, _ = exports
+    cfg = info.config
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 13), dtype=np.int64)
+    mask = np.ones_like(ids)
+    with OpenVinoBackend(info, threads=1) as backend:
+        _, cache = backend.step(ids[:, :12], mask[:, :12], positions(mask[:, :12], 12), None)
+        assert all(a.dtype.itemsize == 2 for a in cache.arrays)
+        past = [(a.astype(np.uint32) << 16).view(np.float32) for a in cache.arrays]  # (B, H, capacity, D), masked after 12
+        logits, cache = backend.step(ids[:, 12:], mask, positions(mask, 1), cache)
+        new = [(a[:, :, 12:13].astype(np.uint32) << 16).view(np.float32) for a in cache.arrays]
+        assert [np.array_equal(a, b) for a, b in zip(cache.to_numpy(), [np.concatenate([p[:, :, :12], n], 2)
+                                                                        for p, n in zip(past, new)])] == [True] * len(new)
+    capacity = past[0].shape[2]
+    wide = np.zeros((2, capacity + 1), np.int64)
+    wide[:, :12] = wide[:, capacity] = 1
+    core = ov.Core()
+    plain = core.compile_model(core.read_model(str(info.model_path)), "CPU", {
+        "INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "bf16", "PERFORMANCE_HINT": "LATENCY",
+        "ENABLE_CPU_PINNING": False})
+    out = plain({io.INPUT_IDS: ids[:, 12:], io.ATTENTION_MASK: wide, io.POSITION_IDS: np.full((2, 1), 12, np.int64),
+                 **dict(zip(io.input_names(cfg.n_layer)[3:], past))})
+    assert np.array_equal(out[io.LOGITS][:, -1], logits)
+    for name, want in zip(io.output_names(cfg.n_layer)[1:], new):
+        assert np.array_equal(out[name][:, :, capacity:], want), name
