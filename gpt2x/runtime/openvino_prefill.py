@@ -326,11 +326,15 @@ class OpenVinoPrefill:
             graph.request.set_tensor(port, ov.Tensor(arr))
         _, heads, _, dim = graph.presents[0].get_partial_shape()  # (B, H, T, D)
         H, D = heads.get_length(), dim.get_length()
-        for port in graph.past:
-            graph.request.set_tensor(port, tensor_of(np.zeros((1, H, past, D), graph.kv_dtype)))
+        # Held until the inference is done: the request reads and writes the arrays' memory, not copies of it.
+        held = [np.zeros((1, H, past, D), graph.kv_dtype) for _ in graph.past]
+        for port, arr in zip(graph.past, held):
+            graph.request.set_tensor(port, tensor_of(arr))
         if not graph.narrow:
-            for port in graph.presents:  # its own arrays: every call sets the cache's regions again
-                graph.request.set_tensor(port, tensor_of(np.empty((1, H, 2, D), graph.kv_dtype)))
+            written = [np.empty((1, H, 2, D), graph.kv_dtype) for _ in graph.presents]
+            held += written
+            for port, arr in zip(graph.presents, written):  # its own arrays: every call sets the cache's regions again
+                graph.request.set_tensor(port, tensor_of(arr))
         graph.request.infer()
 
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray], past: int = 0) -> np.ndarray:
