@@ -55,7 +55,8 @@ def openvino_cache_dir() -> Path | None:
 
 class _Compiled:
     """The graph compiled at one compute precision, its ports and one infer request. At bf16 its presents come out
-    in bf16 (`narrow`, presents_in_bf16), which __call__ widens into the float32 cache; with `kv_scales` the cache is
+    in bf16 (`narrow`, presents_in_bf16), which __call__ widens into the float32 cache, or, with `bf16_cache`, its past
+    and presents are the bf16 cache's own (bf16_io); with `kv_scales` the cache is
     int8 (cache_in_int8), written straight at f32 and, at bf16, given out as bf16 integers that __call__ stores into
     it (widen)."""
 
@@ -339,10 +340,10 @@ class OpenVinoPrefill:
 
     def __call__(self, input_ids, attention_mask, position_ids, presents: list[np.ndarray], past: int = 0) -> np.ndarray:
         """The last position's logits (B, V). `presents` are C-contiguous float32 arrays (int8 with kv_scales, bf16 bits
-        with bf16_cache) (B' >= B,
-        H, >= past + T, D), in the outputs' order, whose first `past` positions hold the past (a graph that takes_past
-        only): OpenVINO reads those and writes the T new positions straight after them (at f32 compute; at bf16 it gives
-        them out in bf16 and they are widened into place: presents_in_bf16, cache_in_int8), the past never copied. The
+        with bf16_cache) (B' >= B, H, >= past + T, D), in the outputs' order, whose first `past` positions hold the past
+        (a graph that takes_past only): OpenVINO reads those and writes the T new positions straight after them (at f32
+        compute, and into a bf16 cache; at bf16 into a float32 or int8 one it gives them out in bf16 and they are widened
+        into place: presents_in_bf16, cache_in_int8), the past never copied. The
         request keeps pointers into them until the next call sets its own, and reads and writes only during a call."""
         B, T = input_ids.shape
         if past and not self.takes_past:
