@@ -74,6 +74,13 @@ CHECK_TOKENS = 16
 CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
 
 
+def kv_dtype_name(dtype) -> str:
+    """A backend's KV cache dtype by name; the openvino backend's bf16 cache holds bf16's bits in uint16 (NumPy has no
+    bf16)."""
+    name = np.dtype(dtype).name
+    return "bfloat16" if name == "uint16" else name
+
+
 class Gpt2xEngine:
     """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all."""
 
@@ -90,7 +97,7 @@ class Gpt2xEngine:
         self.engine = Engine(self.backend, self.settings).start()
         self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None),
                         "batched_from": getattr(self.backend, "batched_from", None),
-                        "kv_cache_dtype": np.dtype(getattr(self.backend, "kv_dtype", np.float32)).name}
+                        "kv_cache_dtype": kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)
