@@ -453,7 +453,7 @@ def test_a_caller_whose_steps_all_run_on_onnx_runtime_never_opens_openvino_and_a
     opened.clear()
     with OrtBackend(record, threads=1, prefill_tokens=7) as later:
         assert later.prefill_runtime(7) == "onnxruntime" and later.prefill_runtime(11) == "openvino"
-        short, _ = later.step(ids, mask, positions(mask, 5), None)
+        later.step(ids, mask, positions(mask, 5), None)
         assert opened == []
         got, _ = later.step(long_ids, long_mask, positions(long_mask, 11), None)
         assert opened == [False] and np.array_equal(got, want)
