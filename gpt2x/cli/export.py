@@ -184,11 +184,7 @@ def _kv_timings(record: dict) -> str:
     timing, long = record["timing"], record["long"]
     times = ", ".join(f"on {p} positions {i:.2f} against {f:.2f} ms" for p, i, f in
                       zip(timing["pasts"], timing["int8_ms"], timing["float_ms"]))
-    batch = timing.get("batch")
-    if batch:
-        times += f", {batch['rows']} rows on {batch['past']} {batch['int8_ms']:.2f} against {batch['float_ms']:.2f} ms"
-    on = "the longest, at one row or a batch's" if batch else "the longest"
-    use = "used" if record["use"] else f"not used (not {timing['faster_by']:.0%} faster on {on})"
+    use = "used" if record["use"] else f"not used (not {timing['faster_by']:.0%} faster on the longest)"
     return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale (float cache "
             f"{record['long_float']['max_rel']:.2g}); a decode step, int8 cache against float: {times}; {use}")
 

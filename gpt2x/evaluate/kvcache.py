@@ -1,6 +1,6 @@
 """An int8 or int4 export's int8 KV cache (onnx/kvcache.py): gated by the export's own parity check with the cache in
 int8, and by a long context decoded on it (where an int8 cache matters, and where its error would show: every step
-attends to hundreds of quantized positions), then decode steps of one row and of a batch timed on both caches, so that the runtime
+attends to hundreds of quantized positions), then one-row decode steps timed on both caches, so that the runtime
 holds it in int8 from measured figures (docs/export.md, the int8 KV cache). No torch here."""
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ TIMED_PASTS = (32, 512)  # one-row decode steps timed on caches this long (cappe
 # cache's steps came 1.4 ms slower than the float's at 32 positions, and 0.9 ms faster side by side (GPT-2 124M int8,
 # scratch).
 TIMED_ROUNDS = 3
-# The serving engine's rows (its default max_batch_size), timed at the longest past too: there the cache's bytes are
-# most of a step's (16 prompts of GPT-2 124M int8: 977.8 against 848.6 output tok/s on the int8 cache, where one row
-# timed it 4.8 against 5.0 ms, not 5% faster; benchmarks/batch_peers.py, 2-core EPYC, scratch).
-TIMED_BATCH = 16
 
 
 def compare_long(reference: Backend, backend: Backend, seed: int = 0) -> dict:
@@ -53,32 +49,18 @@ def compare_long(reference: Backend, backend: Backend, seed: int = 0) -> dict:
 def time_steps(backends: dict[str, OrtBackend], n_positions: int, repeat: int = TIMED_REPEAT,
                rounds: int = TIMED_ROUNDS) -> dict:
     """One-row decode steps' medians (ms) on the float and the int8 cache (`backends`' "float_ms" and "int8_ms", both
-    open) at TIMED_PASTS, and TIMED_BATCH rows' at the longest (`batch`), timed in alternating rounds (the median of
-    each round's median), and `use`: int8_pays."""
+    open) at TIMED_PASTS, timed in alternating rounds (the median of each round's median), and `use`: whether the
+    int8 cache was faster by FASTER_BY at the longest (where the bytes it saves are most of a step's)."""
     pasts = sorted({min(p, n_positions - 2) for p in TIMED_PASTS})
-    cases = [(1, p) for p in pasts] + [(TIMED_BATCH, pasts[-1])]
     names = list(backends)
-    runs: dict[str, list[list[float]]] = {name: [[] for _ in cases] for name in names}
+    runs: dict[str, list[list[float]]] = {name: [[] for _ in pasts] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            for i, (rows, p) in enumerate(cases):
-                runs[name][i].append(decode_step_ms(backends[name], rows, p, repeat))
-    medians = {name: [round(statistics.median(times), 3) for times in per_case] for name, per_case in runs.items()}
-    timing = {"rows": 1, "pasts": pasts, "repeat": repeat, "rounds": rounds, "faster_by": FASTER_BY,
-              **{name: ms[:-1] for name, ms in medians.items()},
-              "batch": {"rows": TIMED_BATCH, "past": pasts[-1], **{name: ms[-1] for name, ms in medians.items()}}}
-    return {**timing, "use": int8_pays(timing)}
-
-
-def int8_pays(timing: dict) -> bool:
-    """Whether a record's timing puts the cache in int8: faster by its faster_by at the longest past, at one row or at
-    its batch's rows (where the bytes it saves are most of a step's), and not slower by as much at the other (a record
-    without `batch`: at one row alone)."""
-    by = timing["faster_by"]
-    pairs = [(timing["int8_ms"][-1], timing["float_ms"][-1])]
-    if timing.get("batch"):
-        pairs.append((timing["batch"]["int8_ms"], timing["batch"]["float_ms"]))
-    return any(i < f * (1 - by) for i, f in pairs) and all(i <= f * (1 + by) for i, f in pairs)
+            for i, p in enumerate(pasts):
+                runs[name][i].append(decode_step_ms(backends[name], 1, p, repeat))
+    figures = {name: [round(statistics.median(times), 3) for times in per_past] for name, per_past in runs.items()}
+    use = figures["int8_ms"][-1] < figures["float_ms"][-1] * (1 - FASTER_BY)
+    return {"rows": 1, "pasts": pasts, "repeat": repeat, "rounds": rounds, "faster_by": FASTER_BY, **figures, "use": use}
 
 
 def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
