@@ -401,15 +401,14 @@ class OrtBackend(Closable):
         # step will run there (`prefill_tokens`), at its first use instead: the thread's work would slow the session's.
         self._prefill_graph_opening: Future | None = None
         self._prefill_graph_opened = None
-        self._prefill_graph_args = (info, threads, self.kv_scales)
-        self._prefill_graph_later = False
+        self._prefill_graph_later: tuple | None = None  # what opens it at its first use, where that is left to it
         if self._openvino_from is not None:
             first = min(self._openvino_from, self._openvino_past_from or self._openvino_from)
             if prefill_tokens is not None and prefill_tokens < first:
-                self._prefill_graph_later = True
+                self._prefill_graph_later = (info, threads, self.kv_scales)
             else:
                 pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-prefill")
-                self._prefill_graph_opening = pool.submit(_open_openvino_prefill, *self._prefill_graph_args,
+                self._prefill_graph_opening = pool.submit(_open_openvino_prefill, info, threads, self.kv_scales,
                                                           self._openvino_from <= PREPARE_PREFILL_FROM)
                 pool.shutdown(wait=False)  # the thread ends with its one job
         self.session = self._open_session(threads)
@@ -440,9 +439,9 @@ class OrtBackend(Closable):
     def _openvino_prefill(self):
         """The OpenVINO prefill (None: none), once its thread has opened it (or now, where it was left to its first
         use): an error there is raised here, at each use."""
-        if self._prefill_graph_later:
-            self._prefill_graph_opened = _open_openvino_prefill(*self._prefill_graph_args, False)
-            self._prefill_graph_later = False
+        if self._prefill_graph_later is not None:
+            self._prefill_graph_opened = _open_openvino_prefill(*self._prefill_graph_later, False)
+            self._prefill_graph_later = None
         if self._prefill_graph_opening is not None:
             self._prefill_graph_opened = self._prefill_graph_opening.result()
             self._prefill_graph_opening = None
@@ -450,7 +449,7 @@ class OrtBackend(Closable):
 
     @_openvino_prefill.setter
     def _openvino_prefill(self, graph) -> None:
-        self._prefill_graph_opening, self._prefill_graph_opened, self._prefill_graph_later = None, graph, False
+        self._prefill_graph_opening, self._prefill_graph_opened, self._prefill_graph_later = None, graph, None
 
     @property
     def prefill(self) -> str:
