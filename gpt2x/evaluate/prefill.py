@@ -25,8 +25,9 @@ from .parity import GREEDY_TOKENS, TOLERANCES, Case, case_inputs, greedy_agreeme
 
 # Fresh prompts: one row, a left-padded batch, a longer batch.
 PREFILL_CASES = [Case(1, 0, 7, False), Case(3, 0, 5, True), Case(2, 0, 19, True)]
-# On a past (a graph that takes one): a prompt's next chunk, a left-padded batch's.
-PAST_CASES = [Case(1, 9, 6, False), Case(3, 11, 4, True)]
+# On a past (a graph that takes one): a prompt's next chunk, a left-padded batch's, and its decode step (the openvino
+# backend decodes on the graph).
+PAST_CASES = [Case(1, 9, 6, False), Case(3, 11, 4, True), Case(3, 11, 1, True)]
 # Prompt lengths both prefills are timed at (capped at the model's context): the runtime switches where the two lines
 # cross between neighbouring lengths (crossover), so a prompt's chunk of 128 gets the faster one. 8: a short prompt ran
 # sooner on ONNX Runtime (GPT-2 124M int8, 2-core EPYC: 9-10 against 9.5-14 ms), where timing 32 first had sent it to

@@ -101,8 +101,9 @@ class OpenVinoBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  prefill_graph: bool | None = None):
-        """`prefill_graph`: whether a step of more than one token runs on the export's OpenVINO prefill graph (None: a
-        bf16 export's, where it kept one; True: refused where the export has none; False: model.onnx for all)."""
+        """`prefill_graph`: whether steps run on the export's OpenVINO prefill graph (None: a bf16 export's, where it
+        kept one; True: refused where the export has none; False: model.onnx for all): those of more than one token,
+        and where it takes a past and computes at the backend's precision, the decode steps too."""
         refused = self.capabilities.refuse_provider(self.name, provider)
         if refused is not None:
             raise refused
@@ -121,8 +122,6 @@ class OpenVinoBackend(Closable):
         self.vocab_size = self.cfg.vocab_size
         self.provider = provider
         self.threads = threads or physical_cores()
-        # OpenVINO's GroupQueryAttention (int8, int4) runs one batch row per inference.
-        self.rows_only = io.in_place_kv(info.attention)
         if prefill_graph is None:
             # bf16's only: model.onnx at bf16 prefills 1.5-2.2x slower (benchmarks/results/bf16-prefill-cpu-2core.md);
             # the others' graphs were gated and timed for ONNX Runtime's cache, not this one.
@@ -132,11 +131,26 @@ class OpenVinoBackend(Closable):
                                 "openvino extra installed has one)")
         self.prefill_graph = OpenVinoPrefill(info, self.threads, bf16_cache=self.kv_dtype == BF16_BITS) \
             if prefill_graph else None
+        # A prefill graph that takes a past runs the decode steps too, on the whole buffer as its past: OpenVINO's own
+        # conversion of the model attends without transposing and scaling every cached key at every step, as its ONNX
+        # reader's MultiHeadAttention does (docs/backends.md). model.onnx then runs only what needs every position's
+        # logits (run), compiled at its first use.
+        graph = self.prefill_graph
+        self.decodes_on_graph = graph is not None and graph.takes_past and \
+            graph.inference_precision == self.inference_precision
         if self.prefill_graph is not None:  # compiled while model.onnx is, not at the first prompt
-            self.prefill_graph.prepare(bf16=True)
+            self.prefill_graph.prepare(bf16=True, past=self.decodes_on_graph)
         core = ov.Core()
         if DEVICE not in core.available_devices:
             raise ProviderError(f"OpenVINO {ov.__version__} finds no CPU device")
+        self._full: _Steps | None = None  # model.onnx's
+        self._decoding: _Steps | None = None  # the prefill graph's, on a past
+        if not self.decodes_on_graph:
+            self._full = self._compile_full()
+        self.prefill_steps = 0  # steps run on it
+
+    def _compile_full(self) -> _Steps:
+        """model.onnx compiled, at the export's compute precision, and its steps' request."""
         config = {
             "INFERENCE_NUM_THREADS": self.threads,
             # The export's: OpenVINO computes in bf16 by default on CPUs that have it, which fails the fp32 gate.
@@ -146,24 +160,40 @@ class OpenVinoBackend(Closable):
             "ENABLE_CPU_PINNING": False,
         }
         try:
-            model = core.read_model(str(info.model_path))
-            self._new_presents = presents_of_new_positions(model, self.cfg.n_layer)
+            model = ov.Core().read_model(str(self.info.model_path))
+            new_presents = presents_of_new_positions(model, self.cfg.n_layer)
             if self.kv_dtype == BF16_BITS:
                 model = bf16_io(model, self.cfg.n_layer)
-            self.compiled = core.compile_model(model, DEVICE, config)
+            compiled = ov.Core().compile_model(model, DEVICE, config)
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
-            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.model_path}: {_first_line(e)}") from None
-        self.request = self.compiled.create_infer_request()
-        n = self.cfg.n_layer
-        self._past_ports = [self.compiled.input(name) for name in io.input_names(n)[3:]]
-        self._present_ports = [self.compiled.output(name) for name in io.output_names(n)[1:]]
-        self._logits_port = self.compiled.output(io.LOGITS)
-        self._id_ports = [self.compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
-        self._bound: tuple | None = None  # which arrays are set as the request's past tensors
-        # The presents' output memory, kept from step to step for one shape: OpenVINO would otherwise allocate the
-        # presents (as large as the cache) afresh at every inference, and fault in their pages every step.
-        self._presents_out: tuple[tuple, list[np.ndarray]] | None = None
-        self.prefill_steps = 0  # steps run on it
+            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {self.info.model_path}: {_first_line(e)}") from None
+        # OpenVINO's GroupQueryAttention (int8, int4) runs one batch row per inference.
+        return _Steps(compiled, self.cfg.n_layer, new_presents, rows_only=io.in_place_kv(self.info.attention))
+
+    @property
+    def rows_only(self) -> bool:
+        """Whether its decode steps run one batch row per inference."""
+        return self._steps(every_position=False).rows_only
+
+    @property
+    def compiled(self) -> ov.CompiledModel:
+        """The compiled graph its decode steps run on."""
+        return self._steps(every_position=False).compiled
+
+    @property
+    def request(self) -> ov.InferRequest:
+        """Its decode steps' infer request."""
+        return self._steps(every_position=False).request
+
+    def _steps(self, every_position: bool) -> _Steps:
+        """The request a step runs on: the prefill graph's where it decodes (but for every position's logits)."""
+        if self.decodes_on_graph and not every_position:
+            if self._decoding is None:
+                self._decoding = _Steps(self.prefill_graph.compiled_on_past, self.cfg.n_layer, True)
+            return self._decoding
+        if self._full is None:
+            self._full = self._compile_full()
+        return self._full
 
     # -- the KV cache
 
@@ -175,9 +205,9 @@ class OpenVinoBackend(Closable):
         return None
 
     def close(self) -> None:
-        self.request = self.compiled = Released(self.name)
-        self.prefill_graph = None  # steps then reach the released request
-        self._presents_out = None
+        self._full = self._decoding = Released(self.name)
+        self.decodes_on_graph = False  # steps then reach the released request
+        self.prefill_graph = None
 
     # -- running
 
@@ -223,6 +253,7 @@ class OpenVinoBackend(Closable):
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
         position_ids = np.ascontiguousarray(position_ids, dtype=np.int64)
         B, T = input_ids.shape
+        steps = self._steps(every_position=not last_only)
         buffers = self._prepare(B, T, attention_mask, cache)
         length, capacity = (0 if cache is None else cache.length), buffers.capacity
         # The mask over the whole buffer: filled slots as given, empty slots masked, then the new tokens.
@@ -230,40 +261,58 @@ class OpenVinoBackend(Closable):
         mask[:, :length] = attention_mask[:, :length]
         mask[:, capacity:] = attention_mask[:, length:]
         logits = np.empty((B, self.vocab_size) if last_only else (B, T, self.vocab_size), dtype=np.float32)
-        if self.rows_only and B > 1:
+        if steps.rows_only and B > 1:
             for r in range(B):
-                logits[r : r + 1] = self._infer(buffers, r, input_ids[r : r + 1], mask[r : r + 1],
+                logits[r : r + 1] = steps.infer(buffers, r, input_ids[r : r + 1], mask[r : r + 1],
                                                 position_ids[r : r + 1], length, last_only)
         else:
-            logits[:] = self._infer(buffers, None, input_ids, mask, position_ids, length, last_only)
+            logits[:] = steps.infer(buffers, None, input_ids, mask, position_ids, length, last_only)
         buffers.length = length + T
         return logits, OpenVinoKVCache(buffers, length + T, self)
 
-    def _infer(self, buffers: KVBuffers, row: int | None, input_ids, mask, position_ids, length: int,
-               last_only: bool) -> np.ndarray:
+
+class _Steps:
+    """One compiled graph's infer request for steps on the whole buffer (its past inputs), the new positions written
+    into it after each: its ports, which buffers its past is set to, and its presents' output memory, kept from step to
+    step for one shape (OpenVINO would otherwise allocate the presents afresh at every inference, and fault in their
+    pages every step)."""
+
+    def __init__(self, compiled: ov.CompiledModel, n_layer: int, new_presents: bool, rows_only: bool = False):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+        self.ids = [compiled.input(name) for name in (io.INPUT_IDS, io.ATTENTION_MASK, io.POSITION_IDS)]
+        self.past = [compiled.input(name) for name in io.input_names(n_layer)[3:]]
+        self.presents = [compiled.output(name) for name in io.output_names(n_layer)[1:]]
+        self.logits = compiled.output(io.LOGITS)
+        self.new_presents = new_presents  # its presents the step's new positions alone, else past and new
+        self.rows_only = rows_only  # one batch row per inference
+        self._bound: tuple | None = None
+        self._presents_out: tuple[tuple, list[np.ndarray]] | None = None
+
+    def infer(self, buffers: KVBuffers, row: int | None, input_ids, mask, position_ids, length: int,
+              last_only: bool) -> np.ndarray:
         """One inference over `buffers` (or one row); writes the new positions into them and returns a view
         of the logits, valid until the next inference."""
         request = self.request
-        for port, arr in zip(self._id_ports, (input_ids, mask, position_ids)):
+        for port, arr in zip(self.ids, (input_ids, mask, position_ids)):
             request.set_tensor(port, ov.Tensor(arr))
+        rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
         if self._bound != (buffers, row, buffers.rows):
             # Contiguous row slices of the buffers themselves: no copy.
-            rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
-            for port, buf in zip(self._past_ports, buffers.arrays):
+            for port, buf in zip(self.past, buffers.arrays):
                 request.set_tensor(port, tensor_of(buf[rows]))
             self._bound = (buffers, row, buffers.rows)
-        shape = (1 if row is not None else buffers.rows, self.cfg.n_head,
-                 input_ids.shape[1] + (0 if self._new_presents else buffers.capacity), self.cfg.head_dim)
+        B, H, capacity, D = buffers.arrays[0][rows].shape
+        T = input_ids.shape[1]
+        shape = (B, H, T + (0 if self.new_presents else capacity), D)
         if self._presents_out is None or self._presents_out[0] != shape:
-            arrays = [np.empty(shape, self.kv_dtype) for _ in self._present_ports]
-            for port, arr in zip(self._present_ports, arrays):
+            arrays = [np.empty(shape, buffers.arrays[0].dtype) for _ in self.presents]
+            for port, arr in zip(self.presents, arrays):
                 request.set_tensor(port, tensor_of(arr))
             self._presents_out = (shape, arrays)
         request.infer()
-        capacity, T = buffers.capacity, input_ids.shape[1]
-        rows = slice(0, buffers.rows) if row is None else slice(row, row + 1)
-        new = slice(0 if self._new_presents else capacity, None)
+        new = slice(0 if self.new_presents else capacity, None)
         for present, buf in zip(self._presents_out[1], buffers.arrays):
             buf[rows, :, length : length + T] = present[:, :, new]
-        out = request.get_tensor(self._logits_port).data
+        out = request.get_tensor(self.logits).data
         return out[:, -1] if last_only else out

@@ -252,43 +252,47 @@ class OpenVinoPrefill:
         self.takes_past = graph_takes_past(self._model)
         self._widening: ThreadPoolExecutor | None = None  # bf16 presents widened on the prefill's threads
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
-        self._compiling: Future | None = None  # prepare()'s compile of the fresh graph, on a thread of its own
+        self._compiling: dict[bool, Future] = {}  # prepare()'s compiles (fresh: False, on a past: True), on a thread
         # bf16 graphs compiled from _folded (warm_up's choice), where the export's gate passed that graph too
         self.fold_bf16 = False
         self._folds_gated = (info.prefill or {}).get("bf16_folded", {}).get("status") == "passed"
 
-    def prepare(self, bf16: bool = False, wait: bool = False) -> None:
+    def prepare(self, bf16: bool = False, wait: bool = False, past: bool = False) -> None:
         """Compile the graph for fresh prompts at inference_precision on a thread of its own, now, where f32 computes
         it, or with `bf16` bf16 (the openvino backend's bf16 exports: f32 weights, which nothing folds; an int8 graph's
-        bf16 form is warm_up's choice): its first use waits for it (_graph) rather than compiling it then. `wait`: on
-        the caller's thread (one of its own already)."""
+        bf16 form is warm_up's choice), and with `past` the graph on a past after it (where the openvino backend
+        decodes on it): their first use waits for them (_graph) rather than compiling them then. `wait`: on the
+        caller's thread (one of its own already)."""
         precision = self.inference_precision
-        if (precision != F32 and not bf16) or self._compiling is not None or (precision, False) in self._graphs:
+        if (precision != F32 and not bf16) or self._compiling or (precision, False) in self._graphs:
             return
+        forms = [False, True] if past and self.takes_past else [False]
         if wait:
-            self.compile_fresh(precision)
+            self.compile_and_warm(precision, forms)
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-openvino-compile")
-        self._compiling = pool.submit(self.compile_fresh, precision)
-        pool.shutdown(wait=False)  # the thread ends with its one compile
+        # One after the other, each awaited alone: a fresh prompt does not wait for the graph on a past.
+        self._compiling = {form: pool.submit(self.compile_and_warm, precision, [form]) for form in forms}
+        pool.shutdown(wait=False)  # the thread ends with its compiles
 
     def _graph(self, precision: str, past: bool = False) -> _Compiled:
         """The graph compiled at `precision`, for a past or fresh prompts, at its first use: a process whose prompts
         all run on ONNX Runtime (short ones) never compiles it (0.2-0.25 s for GPT-2 124M int8 here)."""
-        if self._compiling is not None and (precision, past) == (self.inference_precision, False):
-            compiling, self._compiling = self._compiling, None
-            compiling.result()  # prepare()'s compile: its error is raised here, as a compile's here would be
+        if past in self._compiling and precision == self.inference_precision:
+            self._compiling.pop(past).result()  # prepare()'s compile: its error is raised here, as a compile's here would be
         if (precision, past) not in self._graphs:
             self._compile(precision, past)
         return self._graphs[precision, past]
 
-    def compile_fresh(self, precision: str | None = None) -> None:
-        """The graph for fresh prompts compiled at `precision` (inference_precision's by default) and run once, so that
-        the first prompt pays neither (OpenVINO lays out its weights at a graph's first inference: 100-130 ms of a fresh
-        process's first token, GPT-2 124M int8). prepare() runs it on a thread."""
+    def compile_and_warm(self, precision: str | None = None, forms: list[bool] | tuple[bool, ...] = (False,)) -> None:
+        """The graph for fresh prompts (and with True in `forms`, on a past) compiled at `precision`
+        (inference_precision's by default) and run once, so that the first prompt pays neither (OpenVINO lays out its
+        weights at a graph's first inference: 100-130 ms of a fresh process's first token, GPT-2 124M int8). prepare()
+        runs it on a thread."""
         precision = precision or self.inference_precision
-        self._compile(precision, False)
-        self._warm(self._graphs[precision, False], 0)
+        for past in forms:
+            self._compile(precision, past)
+            self._warm(self._graphs[precision, past], 2 if past else 0)
 
     def _compile(self, precision: str, past: bool) -> None:
         model = self._model if past else fresh_graph(self._model, self._n_layer)
@@ -308,6 +312,11 @@ class OpenVinoPrefill:
     @property
     def request(self):
         return self._graph(self.inference_precision).request
+
+    @property
+    def compiled_on_past(self) -> ov.CompiledModel:
+        """The compiled graph on a past at inference_precision (compiled now if it was not)."""
+        return self._graph(self.inference_precision, True).compiled
 
     def warm_up(self, past: bool, fold_bf16: bool = False) -> None:
         """Every graph compiled that a prefill may run, fresh and (`past`) on a past, and

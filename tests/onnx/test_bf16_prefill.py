@@ -1,7 +1,7 @@
 """A bf16 export's OpenVINO prefill graph (docs/export.md, docs/backends.md): made and gated at export on the openvino
 backend at bf16's tolerances (a graph out of them is dropped), recorded as computing in bf16, and run by that backend
-for every step of more than one token (fresh prompts and a prompt's next chunk), its presents widened into the
-backend's KV buffers, where decode steps on model.onnx go on."""
+for every step of more than one token (fresh prompts and a prompt's next chunk), and for decode steps on the backend's
+KV buffers whole, the new positions written into them."""
 
 from __future__ import annotations
 
@@ -80,12 +80,15 @@ def test_the_backend_prefills_on_the_graph_within_bf16_tolerance_of_pytorch(expo
         got, cache = backend.step(ids, mask, positions(mask, 21), None)
         assert backend.prefill_steps == 1
         assert_within_bf16(want, got)
-        # a decode step runs on model.onnx, reading the widened presents in the backend's buffers
-        nxt = got.argmax(-1)[:, None]
-        mask2 = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
-        step, _ = backend.step(nxt, mask2, positions(mask2, 1), cache)
-        assert backend.prefill_steps == 1
-        assert_within_bf16(torch_last_logits(model, np.concatenate([ids, nxt], axis=1), mask2), step)
+        # decode steps run on the graph too, on the whole buffer as its past, through a growth of that buffer
+        assert backend.decodes_on_graph
+        capacity = cache.capacity
+        for _ in range(capacity - ids.shape[1] + 2):
+            nxt = got.argmax(-1)[:, None]
+            ids, mask = np.concatenate([ids, nxt], axis=1), np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
+            got, cache = backend.step(nxt, mask, positions(mask, 1), cache)
+            assert_within_bf16(torch_last_logits(model, ids, mask), got)
+        assert backend.prefill_steps == 1 and cache.capacity > capacity
 
 
 def test_a_prompts_next_chunk_runs_on_the_graph_on_its_past(exports):
