@@ -101,8 +101,8 @@ class OpenVinoBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  prefill_graph: bool | None = None):
-        """`prefill_graph`: whether steps run on the export's OpenVINO prefill graph (None: a bf16 export's, where it
-        kept one; True: refused where the export has none; False: model.onnx for all): those of more than one token,
+        """`prefill_graph`: whether steps run on the export's OpenVINO prefill graph (None: a bf16 or fp32 export's,
+        where it kept one; True: refused where the export has none; False: model.onnx for all): those of more than one token,
         and where it takes a past and computes at the backend's precision, the decode steps too."""
         refused = self.capabilities.refuse_provider(self.name, provider)
         if refused is not None:
@@ -123,21 +123,23 @@ class OpenVinoBackend(Closable):
         self.provider = provider
         self.threads = threads or physical_cores()
         if prefill_graph is None:
-            # bf16's only: model.onnx at bf16 prefills 1.5-2.2x slower (benchmarks/results/bf16-prefill-cpu-2core.md);
-            # the others' graphs were gated and timed for ONNX Runtime's cache, not this one.
-            prefill_graph = info.precision is Precision.bf16 and info.prefill is not None
+            # bf16's and fp32's: model.onnx at bf16 prefills 1.5-2.2x slower (benchmarks/results/bf16-prefill-cpu-2core.md),
+            # and decodes slower at both (above); an int8 graph's weights are nncf's, not model.onnx's.
+            prefill_graph = info.precision in (Precision.bf16, Precision.fp32) and info.prefill is not None
         if prefill_graph and info.prefill is None:
             raise ArtifactError(f"{info.folder} has no OpenVINO prefill graph (a bf16, fp32 or int8 export made with the "
                                 "openvino extra installed has one)")
-        self.prefill_graph = OpenVinoPrefill(info, self.threads, bf16_cache=self.kv_dtype == BF16_BITS) \
-            if prefill_graph else None
-        # A prefill graph that takes a past runs the decode steps too, on the whole buffer as its past: OpenVINO's own
-        # conversion of the model attends without transposing and scaling every cached key at every step, as its ONNX
-        # reader's MultiHeadAttention does (docs/backends.md). model.onnx then runs only what needs every position's
+        # A prefill graph that takes a past runs the decode steps too, on the whole buffer as its past, its attention
+        # there apart over the past and the new positions: OpenVINO's own conversion of the model attends without
+        # transposing and scaling every cached key at every step, as its ONNX reader's MultiHeadAttention does, and
+        # apart without copying the cache (docs/backends.md). model.onnx then runs only what needs every position's
         # logits (run), compiled at its first use.
-        graph = self.prefill_graph
+        graph = OpenVinoPrefill(info, self.threads, bf16_cache=self.kv_dtype == BF16_BITS) if prefill_graph else None
         self.decodes_on_graph = graph is not None and graph.takes_past and \
             graph.inference_precision == self.inference_precision
+        if graph is not None:
+            graph.decodes = self.decodes_on_graph
+        self.prefill_graph = graph
         if self.prefill_graph is not None:  # compiled while model.onnx is, not at the first prompt
             self.prefill_graph.prepare(bf16=True, past=self.decodes_on_graph)
         core = ov.Core()

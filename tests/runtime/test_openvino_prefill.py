@@ -211,6 +211,39 @@ def test_an_fp32_prompt_chunked_on_openvinos_past_then_decoded_is_pytorchs_witho
             fp32.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
 
 
+def test_the_openvino_backend_steps_on_an_fp32_exports_graph_with_its_attention_on_a_past_apart(tiny_export):
+    """The openvino backend on an fp32 export with the graph: prompts, their next chunks and decode steps all on it, its
+    attention on a past rewritten to read the past where it lies (no concatenation of the past and the new positions
+    left, each present the new positions themselves), through a growth of the buffers, for a left-padded batch; every
+    logit within fp32's gate of PyTorch's forward of the whole rows, and model.onnx compiled only for `run`."""
+    from collections import Counter
+
+    import openvino as ov
+
+    from gpt2x.runtime.openvino import OpenVinoBackend
+    from gpt2x.runtime.openvino_prefill import attend_past_apart
+
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    graph = ov.Core().read_model(str(info.prefill_path))
+    apart = attend_past_apart(graph)
+    before, after = (Counter(op.get_type_name() for op in g.get_ordered_ops()) for g in (graph, apart))
+    assert before["ScaledDotProductAttention"] >= 1 and after["ScaledDotProductAttention"] == 0
+    assert all(r.input_value(0).get_node().get_type_name() != "Slice" for r in apart.get_results())
+    # no concatenation along the positions left: the past is read where it lies
+    assert not [op for op in apart.get_ordered_ops() if op.get_type_name() == "Concat" and op.get_attributes()["axis"] in (2, -2)
+                and len(op.get_output_partial_shape(0)) == 4]
+    with OpenVinoBackend(info, threads=1) as backend:
+        assert backend.decodes_on_graph and backend._full is None
+        ids, mask = left_padded([PROMPTS[2] * 3, PROMPTS[0] * 4])  # 33 and 20 tokens
+        logits, cache = chunked(backend, ids, mask, [8, 16, 9])
+        assert backend.prefill_steps == 3 and rel(full_forward(model, ids, mask), logits) < 1e-4
+        capacity = cache.capacity
+        ids, mask, cache = decode(backend, model, ids, mask, cache, capacity - cache.length + 2, tol=1e-4)
+        assert cache.capacity > capacity and backend._full is None
+        every, _ = backend.run(ids[:, :5], mask[:, :5], positions(mask[:, :5], 5), None)
+        assert backend._full is not None and every.shape == (2, 5, model.config.vocab_size)
+
+
 def test_an_int8_batch_chunked_on_a_past_is_the_whole_prompts_prefill(tiny, hybrid):
     """int8: a left-padded batch prefilled in chunks on OpenVINO gives the logits of its prefill in one (to the
     rounding of a different split) and the same next tokens; then every decode step on ONNX Runtime is within int8's
