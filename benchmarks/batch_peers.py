@@ -231,8 +231,8 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
             info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
                                            loaded=(ctx.model, ctx.source), progress=log, notice=log)
             # bf16: the backend gpt2x picks for it (main refused bf16 on a CPU without it)
-            kinds = args.gpt2x_backends if precision is not Precision.bf16 else \
-                [choose_backend(None, precision, ProviderKind.cpu).value]
+            kinds = [kind for kind, only in args.gpt2x_backends if only in (None, precision.value)] \
+                if precision is not Precision.bf16 else [choose_backend(None, precision, ProviderKind.cpu).value]
             for kind in kinds:
                 # the batched decode graph's switch: the ort backend's option, on the int8 exports that have one
                 choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
@@ -308,7 +308,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
     ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8, bf16 (default: %(default)s)")
-    ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino (default: %(default)s)")
+    ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino, each for "
+                    "every precision or for one (openvino@fp32) (default: %(default)s)")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
@@ -319,7 +320,9 @@ def main() -> int:
     args = ap.parse_args()
     args.precisions = parse_list(args.precisions, [*(p.value for p in WEIGHT_FORMATS), Precision.bf16.value],
                                  "--precisions", ap)
-    args.gpt2x_backends = parse_list(args.gpt2x_backends, ["ort", "openvino"], "--gpt2x-backends", ap)
+    kinds = ["ort", "openvino"]
+    args.gpt2x_backends = [tuple(v.split("@")) if "@" in v else (v, None) for v in parse_list(
+        args.gpt2x_backends, kinds + [f"{k}@{p}" for k in kinds for p in args.precisions], "--gpt2x-backends", ap)]
     if Precision.bf16.value in args.precisions:
         try:  # bf16 on a CPU without it (or without openvino): one line, before any export
             choose_backend(None, Precision.bf16, ProviderKind.cpu)
