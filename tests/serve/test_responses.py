@@ -241,6 +241,23 @@ def test_what_is_not_served_is_an_error_naming_the_field(http, body, param, stat
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
 
 
+def test_stream_options_is_accepted_and_a_server_without_a_template_names_the_input(http, export_dir):
+    """stream_options (OpenAI's include_obfuscation) is answered, not read as the completions body's; without a chat
+    template the 400 names input, as chat's names messages."""
+    r = http.post("/v1/responses", json={"input": GREETING, "max_output_tokens": 2, "stream": True,
+                                         "stream_options": {"include_obfuscation": False}})
+    assert r.status_code == 200 and "event: response.incomplete" in r.text, r.text  # cut off by max_output_tokens
+    bare = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=1), MODEL,
+                             chat_template=None)
+    try:
+        with TestClient(local_app(bare)) as c:
+            r = c.post("/v1/responses", json={"input": GREETING, "max_output_tokens": 2})
+    finally:
+        bare.close()
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == ("input", "chat_template_missing"), r.text
+
+
 @pytest.mark.parametrize("item,named", [
     ({"type": "function_call_output", "call_id": "c", "output": "x"}, "function_call_output"),
     ({"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}, "input_image"),

@@ -9,12 +9,12 @@ Input items other than messages are refused by their type before the schema's ch
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ..errors import bad
-from ..protocol import MAX_CHAT_LOGPROBS, Integer_, SamplingRequest
+from ..protocol import MAX_CHAT_LOGPROBS, Integer_, JsonSchemaFormat, ResponseFormat, SamplingRequest
 from ..sampling import PROCESSOR_FIELDS
 
 MAX_METADATA = 16  # OpenAI's limit: key-value pairs per request
@@ -121,7 +121,9 @@ class _ResponsesFields(BaseModel):
     prompt_cache_key: str | None = Field(None, description="Accepted; the prefix cache is shared by every request.")
     prompt_cache_retention: str | None = Field(None, description="Accepted; the prefix cache keeps what it can hold.")
     safety_identifier: str | None = Field(None, description="Accepted; not used.")
-    stream_options: dict[str, Any] | None = Field(None, description="Accepted (include_obfuscation); no effect.")
+    # Its own name inside: `stream_options` is the completions body's (include_usage), which this body lacks.
+    responses_stream_options: dict[str, Any] | None = Field(None, alias="stream_options", description=(
+        "Accepted (include_obfuscation); no effect."))
     # Refused unless absent or neutral (serving.py says why, naming the field); the schema narrowed to what is served.
     tools: list[dict[str, Any]] | None = Field(None, description="Not served: only an empty list.",
                                                json_schema_extra={"maxItems": 0})
@@ -143,6 +145,44 @@ class _ResponsesFields(BaseModel):
         "Not served: continue a conversation with previous_response_id."), json_schema_extra=NULL_ONLY)
     prompt: dict[str, Any] | None = Field(None, description="Not served (stored prompt templates).",
                                           json_schema_extra=NULL_ONLY)
+
+    # What serving reads of a completions or chat request (completion.serving.serve, the sampling settings, Pending)
+    # and this body does not take: not asked for. The request is served as it is, with the completions body's names.
+    n: ClassVar[None] = None
+    best_of: ClassVar[None] = None
+    suffix: ClassVar[None] = None
+    stream_options: ClassVar[None] = None
+    ignore_eos: ClassVar[None] = None
+    stop_token_ids: ClassVar[None] = None
+    structured_outputs: ClassVar[None] = None
+    use_beam_search: ClassVar[None] = None
+    length_penalty: ClassVar[None] = None
+    include_stop_str_in_output: ClassVar[None] = None
+    truncate_prompt_tokens: ClassVar[None] = None
+    truncation_side: ClassVar[None] = None
+    prompt_logprobs: ClassVar[None] = None
+    return_token_ids: ClassVar[None] = None
+    return_tokens_as_token_ids: ClassVar[None] = None
+    priority: ClassVar[None] = None
+    request_id: ClassVar[None] = None
+    add_special_tokens: ClassVar[None] = None
+    skip_special_tokens: ClassVar[None] = None
+    spaces_between_special_tokens: ClassVar[None] = None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def response_format(self) -> ResponseFormat | None:
+        """text.format in the completions body's shape (None: free text)."""
+        fmt = self.text.format if self.text is not None else None
+        if isinstance(fmt, ResponseFormatJsonObject):
+            return ResponseFormat(type="json_object")
+        if isinstance(fmt, ResponseFormatJsonSchema):
+            return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+                name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict))
+        return None
 
     @model_validator(mode="before")
     @classmethod

@@ -1,8 +1,8 @@
-"""OpenAI's Responses API (`POST /v1/responses`) served over the chat path, as vLLM's entrypoints/openai/responses
-serve it: the request's instructions (a system message first), the conversation of the response it continues
-(previous_response_id) and its input become a chat completions request, rendered by the chat template and completed as
-chat is (chat_completion.serving.prepare, n always 1); the answer is one assistant message, whole (a `response`
-object) or streamed as OpenAI's typed events.
+"""OpenAI's Responses API (`POST /v1/responses`), as vLLM's entrypoints/openai/responses serve it: the request's
+instructions (a system message first), the conversation of the response it continues (previous_response_id) and its
+input are rendered by the chat template to one prompt, which is served as a completions request is
+(completion.serving.serve, on the request itself, whose fields the completions body names alike; n always 1); the
+answer is one assistant message, whole (a `response` object) or streamed as OpenAI's typed events.
 
 The conversations of the last MAX_STORED responses kept (`store`, true by default) live in this replica's memory
 (`ResponseStore`): under Ray Serve, a previous_response_id is found only on the replica that answered it.
@@ -22,17 +22,17 @@ from pydantic import ValidationError
 
 from ....generation.settings import SamplingSettings
 from .. import render
-from ..chat_completion.protocol import ChatCompletionRequest, Message, TextPart
+from ..chat_completion.template import no_template
+from ..completion.serving import serve
 from ..errors import APIError, bad, json_object, validation_error
 from ..pending import Pending, ServedRequest
-from ..protocol import JsonSchemaFormat, ResponseFormat, Usage
+from ..protocol import Usage
 from ..service import CompletionService
 from . import protocol as p
 from .protocol import MAX_STORED
 
-# The chat body's fields that a chat error may name, as the Responses request names them.
-_PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
-           "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+# The fields a completions or chat error may name, as the Responses request names them.
+_PARAMS = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
 class ResponseStore:
@@ -62,7 +62,7 @@ class ResponseStore:
 
 @dataclass(frozen=True)
 class ResponseCall:
-    """A Responses request as it is served: the chat request it became, and what its answer echoes and keeps."""
+    """A Responses request as it is served, and what its answer echoes and keeps."""
 
     req: ServedRequest
     params: p.ResponsesRequest
@@ -94,7 +94,7 @@ class ResponsesAPI:
         self.store = store if store is not None else ResponseStore()
 
     def parse(self, raw: bytes) -> ResponseCall:
-        """A raw body as the chat request it is served as (the routes have FastAPI validate theirs: `prepare`)."""
+        """A raw body as it is served (the routes have FastAPI validate theirs: `prepare`)."""
         try:
             params = p.ResponsesRequest.model_validate(json_object(raw))
         except ValidationError as e:
@@ -102,8 +102,8 @@ class ResponsesAPI:
         return self.prepare(params)
 
     def prepare(self, params: p.ResponsesRequest) -> ResponseCall:
-        """The request as the chat request it is served as: every field checked (a 400 naming the one at fault, a 404
-        for another model or a previous_response_id not stored), the conversation rendered by the chat template."""
+        """The request as it is served: every field checked (a 400 naming the one at fault, a 404 for another model or a
+        previous_response_id not stored), the conversation rendered by the chat template."""
         _refuse(params)
         n_positions = self.service.backend.n_positions
         if params.max_output_tokens is not None and params.max_output_tokens > n_positions:
@@ -121,8 +121,13 @@ class ResponsesAPI:
         system = ({"role": "system", "content": params.instructions},) if params.instructions is not None else ()
         if not system and not conversation:
             raise bad("input is empty: send a text, or messages", "input")
+        template = self.service.chat_template
         try:
-            req = self.service.prepare_chat(_chat_request(params, [*system, *conversation]))
+            if template is None:
+                raise no_template()
+            prompt = template.render([{"role": m["role"], "content": _text(m["content"])} for m in (*system, *conversation)],
+                                     True, {})
+            req = serve(params, [(prompt, None)], params.max_output_tokens, self.service.served)
         except APIError as e:
             raise _renamed(e) from None
         hex_id = req.id.removeprefix("cmpl-")
@@ -247,26 +252,9 @@ def _messages(given: str | list[p.ResponseInputMessage]) -> list[dict]:
              else [{"type": "text", "text": part.text} for part in m.content]} for m in given]
 
 
-def _chat_request(params: p.ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    """The chat completions request the Responses request is served as (chat_completion.serving.prepare checks it)."""
-    fields: dict = {f: v for f in p.SAMPLING_FIELDS if (v := getattr(params, f)) is not None}
-    for name, value in (("model", params.model), ("max_completion_tokens", params.max_output_tokens),
-                        ("temperature", params.temperature), ("top_p", params.top_p)):
-        if value is not None:
-            fields[name] = value
-    fmt = params.text.format if params.text is not None else None
-    if isinstance(fmt, p.ResponseFormatJsonObject):
-        fields["response_format"] = ResponseFormat(type="json_object")
-    elif isinstance(fmt, p.ResponseFormatJsonSchema):
-        schema = JsonSchemaFormat(name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
-        fields["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
-    chat_messages = [Message(role=m["role"], content=m["content"] if isinstance(m["content"], str)
-                             else [TextPart(type="text", text=part["text"]) for part in m["content"]])
-                     for m in messages]
-    try:
-        return ChatCompletionRequest(messages=chat_messages, stream=bool(params.stream), **fields)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+def _text(content: str | list[dict]) -> str:
+    """A message's text: its text parts joined by a newline, as chat joins a message's parts (Message.text)."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
 
 def _renamed(e: APIError) -> APIError:
