@@ -63,6 +63,7 @@ from gpt2x.errors import Gpt2xError
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
+from gpt2x.runtime.base import kv_dtype_name
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
@@ -72,13 +73,6 @@ from gpt2x.workflows.models import load_model
 
 CHECK_TOKENS = 16
 CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
-
-
-def kv_dtype_name(dtype) -> str:
-    """A backend's KV cache dtype by name; the openvino backend's bf16 cache holds bf16's bits in uint16 (NumPy has no
-    bf16)."""
-    name = np.dtype(dtype).name
-    return "bfloat16" if name == "uint16" else name
 
 
 class Gpt2xEngine:

@@ -18,6 +18,12 @@ from .kvbuffers import write_right_aligned
 # The precisions an export runs in on the CPU: fp16's kernels are the GPU's; bf16 is computed by the backends that
 # declare it (ONNX Runtime's CPU provider has no bf16 MatMul on x86: docs/backends.md).
 CPU_PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)
+BF16_BITS = np.uint16  # a bf16 array on the host: its bits (NumPy has no bf16)
+
+
+def kv_dtype_name(dtype) -> str:
+    """A KV cache's dtype by name: NumPy's, bfloat16 for bf16's bits."""
+    return "bfloat16" if np.dtype(dtype) == BF16_BITS else np.dtype(dtype).name
 CUDA_PRECISIONS = (Precision.fp32, Precision.fp16, Precision.int8, Precision.int4)
 
 
@@ -74,8 +80,9 @@ class Capabilities:
     # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk whose logits nobody reads,
     # which the backend may run in the forward of its next decode step (one forward for both, docs/serving/index.md).
     mixes_chunks: bool = False
-    # Its caches store `kv_dtype` (ONNX Runtime's, in place, growing or in slots: int8 where it chose the int8 cache),
-    # as `KVCache.stored` gives it; the others' give float32. (The prefix cache's blocks and /health say which.)
+    # Its caches store `kv_dtype` (ONNX Runtime's, in place, growing or in slots: int8 where it chose the int8 cache;
+    # OpenVINO's: bf16's bits at bf16), as `KVCache.stored` gives it; the others' give float32. (The prefix cache's
+    # blocks and /health say which.)
     stores_kv_dtype: bool = False
 
     @property
@@ -117,7 +124,7 @@ ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
                                 decodes_fixed=True, estimates_prefill=True, warms_up=True, shares_cores=True, stores_kv_dtype=True)
 OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
-                                     takes_past=True, joins_rows=True, rolls_back=True)
+                                     takes_past=True, joins_rows=True, rolls_back=True, stores_kv_dtype=True)
 # onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):
 # a larger batch runs as one single-row generator per row, as a padded one does.
 GENAI_MAX_BATCH = 32

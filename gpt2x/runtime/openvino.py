@@ -81,8 +81,7 @@ class OpenVinoKVCache(BufferCache):
             return super().to_numpy()
         return [(a.astype(np.uint32) << 16).view(np.float32) for a in self.filled()]  # a bf16 is a float32's upper half
 
-    def stored(self) -> list[np.ndarray]:
-        return self.to_numpy()  # what the prefix cache keeps: float32, as every backend's but the ort backend's int8
+    # stored: the buffers' own (BufferCache's), bf16 bits at bf16, which from_numpy takes back as they are
 
 
 def to_bf16_bits(a: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ from ..onnx import kvcache
 from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
 from ..onnx.graph_cache import graphs_root
+from .base import BF16_BITS
 from .providers import physical_cores
 
 
@@ -257,7 +258,6 @@ def attend_past_apart(model: ov.Model) -> ov.Model:
     return apart
 
 
-BF16_BITS = np.uint16  # a bf16 array on the host: its bits (NumPy has no bf16), typed bf16 for OpenVINO (tensor_of)
 
 
 def tensor_of(arr: np.ndarray) -> ov.Tensor:

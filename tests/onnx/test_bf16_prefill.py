@@ -140,3 +140,24 @@ def test_the_gate_refuses_a_graph_out_of_bf16_tolerance(exports, monkeypatch):
     monkeypatch.setitem(parity_module.TOLERANCES, Precision.bf16, strict)
     with pytest.raises(ParityError, match="OpenVINO prefill at bf16 compute is out of tolerance"):
         gate_prefill(TorchBackend(model), info)
+
+
+def test_the_prefix_cache_keeps_a_bf16_cache_as_it_is(exports):
+    """What the prefix cache keeps of a bf16 cache (KVCache.stored) is its bf16 values, 2 bytes each, and a past made of
+    them steps as the cache they came from, bit for bit: nothing rounded or widened on the way."""
+    from gpt2x.runtime.base import kv_dtype_name
+
+    _, info = exports
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, info.config.vocab_size, (2, 12), dtype=np.int64)
+    mask = np.ones_like(ids)
+    with _backend(info) as backend:
+        assert backend.capabilities.stores_kv_dtype and kv_dtype_name(backend.kv_dtype) == "bfloat16"
+        _, cache = backend.step(ids, mask, positions(mask, 12), None)
+        kept = [a.copy() for a in cache.stored()]
+        assert len(kept) == 2 * info.config.n_layer and all(a.dtype == np.uint16 and a.shape[2] == 12 for a in kept)
+        nxt = rng.integers(0, info.config.vocab_size, (2, 1), dtype=np.int64)
+        longer = np.ones((2, 13), np.int64)
+        want, _ = backend.step(nxt, longer, positions(longer, 1), cache)
+        got, _ = backend.step(nxt, longer, positions(longer, 1), backend.past_from_numpy(kept))
+    assert np.array_equal(want, got)

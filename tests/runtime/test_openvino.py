@@ -147,7 +147,7 @@ def test_workflows_open_it_and_it_implements_the_protocol(tiny):
     assert isinstance(backend, OpenVinoBackend)
     assert (backend.name, backend.provider) == ("openvino", ProviderKind.cpu)
     assert backend.capabilities == Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
-                                                takes_past=True, joins_rows=True, rolls_back=True)
+                                                takes_past=True, joins_rows=True, rolls_back=True, stores_kv_dtype=True)
     assert backend.model_name == infos["mha"].meta["model"]["name"]
     assert (backend.n_positions, backend.vocab_size) == (96, 50257)
     assert backend.peak_device_memory_mb() is None

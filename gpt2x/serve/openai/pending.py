@@ -2,7 +2,7 @@
 read as it is, and what is computed from it once: its prompts tokenized, each prompt's token budget, its
 SamplingSettings), and `Pending`, its rows in the engine and each choice's text as it is released.
 
-The engine's thread hands each row's outputs (core/outputs.py) to the request's asyncio loop (call_soon_threadsafe);
+The engine's thread hands each row's outputs (core/outputs.py) to the request's asyncio loop (`LoopPost`);
 a request whose consumer goes away (client disconnected, stop string found, server stopping) cancels its rows, which
 leave the batch before the next decode step. A request's choices are its rows: n per prompt, prompt by prompt (choice
 p * n + i is prompt p's i-th, seeded seed + i, as vLLM numbers and seeds them); the rows of one prompt that are
@@ -12,8 +12,11 @@ choice's completion tokens, and the prompt tokens the prefix cache held (`prompt
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -93,6 +96,49 @@ class ChoiceEvent:
     extra: dict = field(default_factory=dict)
 
 
+class LoopPost:
+    """Calls handed from the engine's thread to one asyncio loop, which runs all those that arrived before it woke in
+    one wake-up: `call_soon_threadsafe` wakes the loop (a write to its pipe) at each call, once per row and token, which
+    took the engine's thread 36 us a call, 0.6 ms of a 16-row step (scratch). In order; one per loop (`of`)."""
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._calls: deque = deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a wake-up is on its way: calls posted meanwhile ride on it
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopPost:
+        with cls._made:
+            post = cls._by_loop.get(loop)
+            if post is None:
+                post = cls._by_loop[loop] = cls(loop)
+            return post
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            self._calls.append((fn, args))
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # a closed loop: said to the engine as before, and the next call tries again
+            with self._lock:
+                self._woken = False
+            raise
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, deque()
+            self._woken = False
+        for fn, args in calls:
+            fn(*args)
+
+
 class Pending:
     """A request's rows in the engine (one per choice: n per prompt), the queue their tokens arrive on,
     and each choice's text and logprobs."""
@@ -121,9 +167,10 @@ class Pending:
         """Prompt p's n rows, each with its own settings; with beam search one search, by its first row."""
         req = self.req
         rows = []
+        post = LoopPost.of(loop)
         for i in range(req.n):
             def sink(out: Output, index: int = p * req.n + i) -> None:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, out))
+                post(self.queue.put_nowait, (index, out))
 
             budget = req.max_tokens[p]
             row = Row(req.prompt_ids[p], req.settings(budget, i), sink, req.logprobs, self.scored, budget)

@@ -296,7 +296,7 @@ class Health(BaseModel):
     running: int
     waiting: int
     kv_cache: Literal["in-place", "growing", "slots"] | None = None  # the ort backend's cache form (None: a backend's own)
-    kv_cache_dtype: str | None = None  # the ort backend's cache dtype (int8, float32, float16; None: a backend's own)
+    kv_cache_dtype: str | None = None  # the ort and openvino backends' (int8, float32, float16, bfloat16; None: another's)
     rss_mb: float | None = None
     max_rss_mb: float | None = None
 
