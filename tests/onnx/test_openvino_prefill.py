@@ -85,8 +85,10 @@ def test_bf16_asked_for_is_gated_at_bf16_as_run_and_folded_and_recorded_with_its
     assert record["parity"]["status"] == "passed" and record["parity"]["tolerance"] == tol
     assert record["parity_f32"]["status"] == "passed" and record["parity_f32"]["tolerance"] == tol
     assert record["bf16_folded"]["status"] == "passed"
-    # bf16's logits are not f32's: the gate ran at bf16 (its error above f32's, both within int8's bound).
-    assert record["parity"]["logits"]["max_rel"] != record["parity_f32"]["logits"]["max_rel"]
+    # bf16's logits are not f32's: the gate ran at bf16 (both within int8's bound). Compared on the mean over every
+    # position: the worst one may be a decode step's, which runs on ONNX Runtime in both gates (on a Xeon with AMX
+    # the two maxima were equal to the last bit).
+    assert record["parity"]["logits"]["mean_kl"] != record["parity_f32"]["logits"]["mean_kl"]
 
 
 def test_bf16_prefill_compute_is_refused_in_one_line_where_it_cannot_be_had(monkeypatch, tmp_path):
