@@ -134,12 +134,13 @@ def faster_from(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> 
 
 def crossover(sizes: list[int], base_ms: list[float], new_ms: list[float]) -> int | None:
     """The size from which `new_ms` is faster than `base_ms` by FASTER_BY: faster_from's timed size where it is the
-    smallest (2: every size), else where the two lines cross between it and the timed size below it (each line
-    straight between its two timed points), so that sizes between two timed ones get the faster side too. None: not
-    faster at the largest."""
+    smallest (sizes below it were not timed and stay on the base: a few milliseconds either way, where a one-shot
+    process would open OpenVINO for them, about 170 ms on a Xeon), else where the two lines cross between it and the
+    timed size below it (each line straight between its two timed points), so that sizes between two timed ones get
+    the faster side too. None: not faster at the largest."""
     start = faster_from(sizes, base_ms, new_ms)
     if start is None or start == sizes[0]:
-        return None if start is None else 2
+        return start
     hi = sizes.index(start)
     lo = hi - 1
     # The margin new has over base at each end: not positive at lo (not faster enough there), positive at hi.
@@ -152,7 +153,7 @@ def time_prefills(info: ExportInfo, threads: int | None = None, lengths: tuple[i
                   repeat: int = TIMED_REPEAT) -> dict:
     """Both prefills' medians (ms, batch 1) at `lengths` (OpenVINO's at the record's compute precision), and
     `openvino_from`: the prompt length from which OpenVINO's was faster (by FASTER_BY at least) at that and every
-    longer timed length (2: at all of them; None: not at the longest); where the graph takes a past, the same for
+    longer timed length (the shortest timed where at all of them; None: not at the longest); where the graph takes a past, the same for
     those lengths on a past of TIMED_PAST tokens (`past`), from which the runtime runs a prompt's next chunk."""
     timing = _timed(info, threads, lengths, repeat, 0)
     if takes_past(info):

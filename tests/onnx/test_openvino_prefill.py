@@ -208,5 +208,6 @@ def test_chunks_on_a_past_switch_to_openvino_where_the_two_lines_cross():
 
     assert crossover([32, 256], [26.208, 164.865], [25.427, 75.331]) == 34
     assert crossover([32, 128, 256], [26.2, 60.0, 164.9], [25.4, 40.0, 75.3]) == 35  # 32 + 96 x 0.51 / 17.51, up
-    assert crossover([32, 256], [26.2, 164.9], [20.0, 75.3]) == 2  # faster at every timed length
+    # Faster at every timed length: from the shortest; shorter prompts, never timed, stay on ONNX Runtime.
+    assert crossover([8, 32, 256], [10.4, 26.2, 164.9], [8.7, 20.0, 75.3]) == 8
     assert crossover([32, 256], [26.2, 164.9], [30.0, 160.0]) is None
