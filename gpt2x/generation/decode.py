@@ -173,7 +173,10 @@ def sample_rows(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None
     if alone:
         alone.sort()
         mine = logits if len(alone) == len(logits) else logits[alone]  # every row (sorted): no 3 MB copy a step
-        drawn[alone] = sample_many([seqs[i].sampler for i in alone], mine, [seqs[i].history for i in alone], state)
+        # The step's logits are read after sampling only for the logprobs of the rows that ask (_accept).
+        overwrite = all(seqs[i].logprobs is None for i in index)
+        drawn[alone] = sample_many([seqs[i].sampler for i in alone], mine, [seqs[i].history for i in alone], state,
+                                   overwrite)
     return _accept(seqs, drawn.tolist(), index, logits)
 
 

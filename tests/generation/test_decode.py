@@ -204,6 +204,31 @@ def test_sample_rows_samples_only_the_rows_asked_and_feeds_eot_elsewhere():
     assert events == [Event(0, 42, None), Event(2, 42, None)] and seqs[1].tokens == []
 
 
+def test_greedy_rows_that_only_mask_process_the_steps_logits_in_place_unless_a_row_reads_its_logprobs():
+    """min_tokens masks end-of-text: with no row asking for logprobs, the step's float32 logits are masked where they
+    are (no copy: nothing reads them after); with one asking, they are left as the model gave them, and its logprobs
+    are the raw distribution's (log-softmax by hand), while every row still gets the masked argmax."""
+    rng = np.random.default_rng(5)
+    raw = rng.standard_normal((3, EOT_ID + 1)).astype(np.float32)
+    raw[:, EOT_ID] = 30.0  # every row's raw argmax: masked by min_tokens
+    want = np.where(np.arange(EOT_ID + 1) == EOT_ID, -np.inf, raw).argmax(axis=-1).tolist()
+    settings = SamplingSettings(greedy=True, min_tokens=4, max_new_tokens=8)
+    for asks in (None, 2):
+        logits = raw.copy()
+        seqs = [Sequence([1], settings), Sequence([1], settings, logprobs=asks), Sequence([1], settings)]
+        nxt, events = sample_rows(seqs, logits)
+        assert nxt.tolist() == want and EOT_ID not in want
+        if asks is None:
+            assert np.isneginf(logits[:, EOT_ID]).all()  # processed in place
+            np.testing.assert_array_equal(np.delete(logits, EOT_ID, axis=1), np.delete(raw, EOT_ID, axis=1))
+        else:
+            np.testing.assert_array_equal(logits, raw)
+            x = raw[1].astype(np.float64)
+            by_hand = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+            tok, lp, _ = events[1].logprob
+            assert tok == want[1] and lp == pytest.approx(by_hand[want[1]], rel=1e-5)
+
+
 def test_logprobs_are_the_raw_distributions():
     """The chosen token's log-probability and the k most likely tokens, from the step's logits before
     temperature; the end-of-text token's too, on the event that ends the row."""
