@@ -59,6 +59,38 @@ def test_lookup_finds_whole_blocks_of_the_same_tokens_and_leaves_the_last_token(
     assert not out[0][0].any()
 
 
+def test_blocks_kept_later_are_copied_on_the_caches_thread_and_every_lookup_waits_for_them(caplog):
+    """keep_later returns while the copy runs (held here until the test lets it go), on a thread other than the
+    caller's; a lookup then waits for it and finds the blocks, their values the prompt's. A copy that fails is logged,
+    its blocks not kept, and the cache goes on."""
+    cache = PrefixCache(10**6, block_tokens=4)
+    a, b = list(range(10)), list(range(50, 59))
+    go, threads = threading.Event(), []
+    store = cache._store
+
+    def held_back(ids, kv, row, end):
+        threads.append(threading.current_thread())
+        assert go.wait(10)
+        store(ids, kv, row, end)
+
+    cache._store = held_back
+    rows = [np.concatenate([x, y]) for x, y in zip(kv_of(a[:9]), kv_of(b))]  # two rows of 9 positions
+    cache.keep_later([(0, a[:9]), (1, b)], rows, 9)
+    assert len(cache._blocks) == 0  # not yet: the copy waits
+    go.set()
+    found = cache.lookup(a[:9] + [99])
+    assert threads and threading.current_thread() not in threads
+    assert len(found) == 2 and len(cache.lookup(b + [7])) == 2
+    assert found[1].kv[3, 0, :, 0].tolist() == [3000 + t for t in range(4, 8)]
+    cache._store = store
+    cache.keep_later([(1, list(range(200, 209)))], kv_of(list(range(200, 209))), 9)  # row 1 of a 1-row cache
+    with caplog.at_level("ERROR"):
+        assert cache.lookup(list(range(200, 210))) == []
+    assert "keeping prompts' blocks in the prefix cache failed" in caplog.text
+    assert len(cache.lookup(a[:9] + [99])) == 2
+    cache.close()
+
+
 def test_store_takes_the_rows_positions_where_its_prompt_ends():
     cache = PrefixCache(10**6, block_tokens=2)
     a, b = [5, 6, 7], [8, 9, 10, 11, 12]
@@ -282,36 +314,48 @@ def test_a_long_prompt_joins_in_chunks_while_the_batch_streams(kind, exports):
 
 
 @pytest.mark.parametrize("joins", [False, True], ids=["new-batch", "joining"])
-def test_a_prompts_blocks_are_kept_once_its_first_token_is_told(exports, joins):
+def test_a_prompts_blocks_are_kept_once_its_first_token_is_told_while_the_batch_decodes_on(exports, joins):
     """The prefix cache copies a prompt's whole blocks (37 MB for 512 tokens of 124M fp32) only after the prompt's
-    first token has been told, whether it starts a batch or joins one: its first token does not wait for the copy.
-    A later request for the same prompt still finds them."""
+    first token has been told, whether it starts a batch or joins one, and on the cache's own thread: the batch's
+    next decode step does not wait for the copy (the copy here waits for that step's token, which an inline copy
+    would never see). A later request for the same prompt still finds them."""
     backend = open_backend("int8-in-place", exports)
     engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0, max_join_delay_s=0)).start()
     ids = SHARED + SUFFIXES[0]
     sink = Collect()
-    told_at_store = []
-    store = engine.prefix_cache.store
+    running = Collect()
+    handed, told_at_store, stepped_meanwhile = [], [], []
+    keep_later, store = engine.prefix_cache.keep_later, engine.prefix_cache._store
 
-    def spied(prompt, kv, row, end):
+    def handing(prompts, kv, end):
+        if any(p == ids for _, p in prompts):
+            handed.append(len(running.tokens) if joins else len(sink.tokens))
+        return keep_later(prompts, kv, end)
+
+    def storing(prompt, kv, row, end):
         if prompt == ids:
             told_at_store.append(len(sink.tokens))
+            watched = running if joins else sink  # the next decode step's token: the running row's, or its own
+            deadline = time.time() + 10
+            while len(watched.tokens) <= handed[-1] and time.time() < deadline:
+                time.sleep(0.005)
+            stepped_meanwhile.append(len(watched.tokens) > handed[-1] and threading.current_thread() is not engine._thread)
         return store(prompt, kv, row, end)
 
-    engine.prefix_cache.store = spied
+    engine.prefix_cache.keep_later, engine.prefix_cache._store = handing, storing
     try:
-        running = Collect()
         if joins:  # a row decoding (its prompt shorter than a block: nothing to keep) that the prompt joins
             engine.submit([Row(encode("ROMEO:"), SamplingSettings(max_new_tokens=200, greedy=True), running)])
             deadline = time.time() + 60
             while len(running.tokens) < 3 and time.time() < deadline:
                 time.sleep(0.005)
-        row = Row(ids, SamplingSettings(max_new_tokens=4, greedy=True), sink)
+        row = Row(ids, SamplingSettings(max_new_tokens=12, greedy=True), sink)
         engine.submit([row])
         assert sink.done.wait(120) and sink.end[0] == "done"
         assert told_at_store and min(told_at_store) >= 1  # stored after the first token, never before
+        assert stepped_meanwhile == [True]
         assert engine.stats()["joins"] == (1 if joins else 0)
-        (again, again_row), = run_rows(engine, [ids], [SamplingSettings(max_new_tokens=4, greedy=True)])
+        (again, again_row), = run_rows(engine, [ids], [SamplingSettings(max_new_tokens=12, greedy=True)])
         assert again_row.cached_tokens == (len(ids) - 1) // 16 * 16 and again.tokens == sink.tokens
     finally:
         engine.close()

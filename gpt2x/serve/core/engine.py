@@ -149,6 +149,8 @@ class Engine:
             self._tell(row, Failed("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.prefix_cache is not None and not self._thread.is_alive():
+            self.prefix_cache.close()  # the blocks still being copied, kept (and so written to disk below)
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:  # the blocks handed over, written
             self.prefix_cache.disk.flush(timeout)
         if self._thread.is_alive():

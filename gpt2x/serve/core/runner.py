@@ -80,12 +80,15 @@ class Runner:
         # Prefills whose prompts' blocks the prefix cache is yet to keep: kept once their first tokens are told (a
         # 512-token prompt's copy is 37 MB at 124M fp32, which its first token need not wait for).
         self._unkept: list[Prefill] = []
+        self._keeping_held = False  # the prefix cache may still be copying from the held batch's own cache
 
     def execute(self, plan: SchedulerOutput) -> Iterator[RunnerOutput]:
         """Run `plan`, each part's outcome yielded as soon as it is done (a draft row's tokens one by one, so that
         they are told as they come): the new rows' prompts scored and their beam searches, the batch let go at its
         end, a draft row, the regroup, a new batch's prefill (where none is held) or the joiners' (beside the one held),
         the joiners' next chunk, the decode step of the batch's rows scheduled."""
+        if self._keeping_held and not self._decode_only(plan):  # it may write the cache the prefix cache copies from
+            self._settle()
         joined, self.joined = self.joined, None  # the joiners prefilled: merged by this plan's regroup, or dropped
         starts: dict[Start, list[NewRow]] = {}
         for n in plan.scheduled_new_reqs:
@@ -101,11 +104,22 @@ class Runner:
         prefill = starts.get(Start.prefill, [])
         if prefill and self.batch is None:
             yield self._new_batch(prefill, starts.get(Start.after, []))
-            self._keep_unkept()
+            self._keep_unkept(held=True)
         else:
             yield from self._join(plan, prefill)
         if self.batch is not None and not set(self.batch.rows).isdisjoint(plan.scheduled_cached_reqs):
             yield from self._decode()
+
+    def _decode_only(self, plan: SchedulerOutput) -> bool:
+        """Whether `plan` is the held batch's decode step and nothing else: no row taken, leaving or regrouped, no
+        prefill under way, joined or overlapped."""
+        return not (plan.scheduled_new_reqs or plan.finished_req_ids or plan.regroup is not None
+                    or self.prefilling is not None or self.joined is not None or self.overlap is not None)
+
+    def _settle(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.settle()
+        self._keeping_held = False
 
     def _scored_and_searched(self, new: tuple[NewRow, ...]) -> Iterator[RunnerOutput]:
         """The new rows' prompts scored where they ask, then their beam searches, each whole."""
@@ -171,6 +185,7 @@ class Runner:
         if self.overlap is not None:
             wait([self.overlap])
             self.overlap = None
+        self._settle()
         self.batch = self.prefilling = self.joined = None
         self._unkept.clear()
 
@@ -307,23 +322,25 @@ class Runner:
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events
 
-    def _keep_unkept(self) -> None:
+    def _keep_unkept(self, held: bool = False) -> None:
+        """The prefills' blocks handed to the prefix cache (`_keep_prefixes`). `held`: their cache is the held batch's,
+        which a plan other than its decode step may write (a regroup, a row's slot freed), so that such a plan waits
+        for the copy first; a joiners' cache is only read by the merge, and then let go."""
         for prefill in self._unkept:
-            self._keep_prefixes(prefill)
+            self._keep_prefixes(prefill, held)
         self._unkept.clear()
 
-    def _keep_prefixes(self, prefill: Prefill) -> None:
-        """The prompts' whole blocks that the prefix cache lacks, copied into it from the prefill's cache."""
+    def _keep_prefixes(self, prefill: Prefill, held: bool = False) -> None:
+        """The prompts' whole blocks that the prefix cache lacks, copied into it from the prefill's cache on the
+        cache's thread (PrefixCache.keep_later) while the next decode step runs, which writes only new positions;
+        anything else that writes the batch's cache, or reads the prefix cache, waits for it first (`execute`)."""
         cache = self.prefix_cache
         if cache is None:
             return
-        new = [u for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
-        if not new:
-            return
-        kv = prefill.past.stored()  # an int8 cache's bytes: no float copy before the first tokens go out
-        width = prefill.mask.shape[1]
-        for u in new:
-            cache.store(prefill.prompts[u], kv, u, width)
+        new = [(u, p) for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
+        if new:  # an int8 cache's bytes: no float copy before the first tokens go out
+            cache.keep_later(new, prefill.past.stored(), prefill.mask.shape[1])  # the copy before, settled
+            self._keeping_held = held
 
     def step(self, batch: Batch) -> list[Event]:
         """One decode step of the batch (generation.decode.step): rows cancelled meanwhile end, and the
