@@ -120,11 +120,10 @@ class PrefixCache:
 
     def keep_later(self, prompts: Sequence[tuple[int, list[int]]], kv: list[np.ndarray], end: int) -> None:
         """Keep the whole blocks that the cache lacks of each prompt (row, ids) (as `store` reads it), copied on
-        the cache's own thread while the caller goes on to its next decode step: the copy into fresh memory, mostly
-        its page faults, took 15 ms for 16 prompts of 32 tokens of GPT-2 124M fp32, and the step that waited for it
-        came that much later (beside it, the step slows by less than that, except where it keeps every core busy:
-        docs/serving/index.md#prefix-caching). The caller writes none of those columns of `kv` until it has called
-        `settle`."""
+        the cache's own thread while the caller goes on to its next decode step: the copy into fresh memory is mostly
+        its page faults, and a step that waited for it came that much later (beside it, the step slows by less, except
+        where it keeps every core busy: docs/results/serving.md#why-does-a-waves-second-token-come-late). The caller
+        writes none of those columns of `kv` until it has called `settle`."""
         self.settle()
         if self._keeper is None:
             self._keeper = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-prefix-keep")
