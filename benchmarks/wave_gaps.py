@@ -30,7 +30,7 @@ from gpt2x.choices import BackendKind, ProviderKind
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
-from gpt2x.workflows.backends import export_backend
+from gpt2x.workflows.backends import choose_backend, export_backend
 from gpt2x.workflows.exports import resolve_export
 
 
@@ -85,8 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     info = resolve_export(onnx_dir=args.export)
-    kind = BackendKind(args.backend) if args.backend else BackendKind.openvino if info.precision.value == "bf16" \
-        else BackendKind.ort
+    kind = choose_backend(BackendKind(args.backend) if args.backend else None, info.precision, ProviderKind.cpu)
     options = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
     backend = export_backend(kind, info, ProviderKind.cpu, **options)
     if backend.capabilities.warms_up:

@@ -119,7 +119,7 @@ class PrefixCache:
         self._store(ids, kv, row, end)
 
     def keep_later(self, prompts: Sequence[tuple[int, list[int]]], kv: list[np.ndarray], end: int) -> None:
-        """Keep the whole blocks that the cache lacks of each prompt (row, ids) (as `store` reads it), copied on
+        """Keep the whole blocks of each prompt (row, ids) (as `store` reads it, blocks held only touched), copied on
         the cache's own thread while the caller goes on to its next decode step: the copy into fresh memory is mostly
         its page faults, and a step that waited for it came that much later (beside it, the step slows by less, except
         where it keeps every core busy: docs/results/serving.md#why-does-a-waves-second-token-come-late). The caller
@@ -149,8 +149,7 @@ class PrefixCache:
 
     def _keep(self, prompts: Sequence[tuple[int, list[int]]], kv: list[np.ndarray], end: int) -> None:
         for row, ids in prompts:
-            if self._lacks(ids):
-                self._store(ids, kv, row, end)
+            self._store(ids, kv, row, end)
 
     def _store(self, ids: list[int], kv: list[np.ndarray], row: int, end: int) -> None:
         n = len(ids) // self.block_tokens
