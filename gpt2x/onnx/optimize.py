@@ -656,14 +656,15 @@ def to_mixed_step(proto: onnx.ModelProto) -> None:
             n("Concat", [p + "attn_d1", p + "attn_c1"], [attn], axis=1),
         ]
         layer += 1
-    # The unembedding of the kept positions alone (before logits_to_keep's slice, which goes).
-    unembed = logits_producer(proto)
-    producer = {o: x for x in nodes for o in x.output if o}
-    hidden = unembed.input[0]
-    if producer.get(hidden) is not None and producer[hidden].name == "logits_to_keep_slice":
-        hidden = producer[hidden].input[0]
-    nodes.insert(nodes.index(unembed), n("Gather", [hidden, io.KEEP], ["mixed_kept_hidden"], axis=1))
-    unembed.input[0] = "mixed_kept_hidden"
+    # The unembedding of the kept positions alone: logits_to_keep's slice becomes a gather of them (an int8 batched
+    # graph quantizes the slice's output on its way to the unembedding: no MatMul reads it directly).
+    sliced = next((x for x in nodes if x.name == "logits_to_keep_slice"), None)
+    if sliced is not None:
+        nodes[nodes.index(sliced)] = n("Gather", [sliced.input[0], io.KEEP], [sliced.output[0]], axis=1)
+    else:
+        unembed = logits_producer(proto)
+        nodes.insert(nodes.index(unembed), n("Gather", [unembed.input[0], io.KEEP], ["mixed_kept_hidden"], axis=1))
+        unembed.input[0] = "mixed_kept_hidden"
     del graph.node[:]
     graph.node.extend(prelude + nodes)
     layers = layer

@@ -42,8 +42,8 @@ from .kvdtype import KvDtypeChoice, int8_kv_scales
 from .kvdtype import asked as asked_kv_dtype
 from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
 from .providers import (
+    batched_from,
     bind_past_and_present,
-    cpu_sums_int8_in_32_bits,
     create_export_session,
     create_session,
     gather_model,
@@ -293,26 +293,6 @@ class InPlaceCache(BufferCache):
 # and one row's 32-token prefill, on that graph after decode steps on model.onnx, came later than on model.onnx
 # (gpt2x bench at batch 1, docs/results/engines.md).
 BATCHED_MIN_ROWS = 2
-
-
-def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | None:
-    """The rows x new tokens from which a step runs on the export's batched decode graph (None: never): the record's
-    batched_from (where it timed the graph faster from there on), 1 where asked for (refused in one line where the
-    export has none, or off the CPU), None where refused."""
-    if asked is False:
-        return None
-    record = info.batched
-    # An export made before its weights kept 7 bits, run on a CPU whose kernel would overflow them: gated where it was
-    # made, wrong here (0.42 of the logits' scale off, measured), so never run.
-    overflows = record is not None and record.get("weight_bits", 8) > 7 and not cpu_sums_int8_in_32_bits()
-    if asked:
-        if record is None or not on_cpu or overflows:
-            why = "it has none (an int8 export has one unless GPT2X_BATCHED_DECODE=0 or its gate dropped it)" \
-                if record is None else "it runs on the CPU only" if not on_cpu else \
-                "its 8-bit weights overflow this CPU's int8 kernel (no VNNI); export it again, in 7 bits"
-            raise ProviderError(f"{info.folder}: cannot run steps on a batched decode graph: {why}")
-        return 1
-    return record.get("batched_from") if record is not None and on_cpu and not overflows else None
 
 
 @dataclass

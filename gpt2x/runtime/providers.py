@@ -239,3 +239,23 @@ def bind_past_and_present(binding, values: list) -> None:
         binding.bind_ortvalue_input(name, value)
     for name, value in zip(io.output_names(n_layer)[1:], values):
         binding.bind_ortvalue_output(name, value)
+
+
+def batched_from(info: ExportInfo, asked: bool | None, on_cpu: bool) -> int | None:
+    """The rows x new tokens from which a step runs on the export's batched decode graph (None: never): the record's
+    batched_from (where it timed the graph faster from there on), 1 where asked for (refused in one line where the
+    export has none, or off the CPU), None where refused."""
+    if asked is False:
+        return None
+    record = info.batched
+    # An export made before its weights kept 7 bits, run on a CPU whose kernel would overflow them: gated where it was
+    # made, wrong here (0.42 of the logits' scale off, measured), so never run.
+    overflows = record is not None and record.get("weight_bits", 8) > 7 and not cpu_sums_int8_in_32_bits()
+    if asked:
+        if record is None or not on_cpu or overflows:
+            why = "it has none (an int8 export has one unless GPT2X_BATCHED_DECODE=0 or its gate dropped it)" \
+                if record is None else "it runs on the CPU only" if not on_cpu else \
+                "its 8-bit weights overflow this CPU's int8 kernel (no VNNI); export it again, in 7 bits"
+            raise ProviderError(f"{info.folder}: cannot run steps on a batched decode graph: {why}")
+        return 1
+    return record.get("batched_from") if record is not None and on_cpu and not overflows else None

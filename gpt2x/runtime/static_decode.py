@@ -18,7 +18,7 @@ from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
-from .providers import bind_past_and_present, create_session, refuse_fp16_on_cpu
+from .providers import batched_from, bind_past_and_present, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
 CAPTURE_RUNS = 3
@@ -271,17 +271,21 @@ class SlotDecoder(Closable):
     merge. The logits come back to the host, for the serving engine's samplers. The graphs are StaticDecoder's, the
     decode step's head the logits (onnx.optimize.static_forms): on the CPU fp32 exports (their GroupQueryAttention twin)
     on a float cache, and int8 and int4 ones on an int8 cache where the export's record chose one (`kv_scales`: the
-    graphs rewritten by onnx.kvcache.with_int8_kv, as the ort backend's) or a float one; fp16 on CUDA.
+    graphs rewritten by onnx.kvcache.with_int8_kv, as the ort backend's) or a float one; fp16 on CUDA. An int8
+    export's graphs are its batched decode graph's where the ort backend would run one (`batched`, as OrtBackend's; its
+    record's rows threshold aside: one graph for every step, whose mixed steps' many tokens are where its matmuls gain
+    most: docs/results/serving.md).
 
-    A row's logits never depend on what the other slots hold (tests/runtime/test_slots.py), but an int8 graph's may on
-    how many slots a step runs: its MatMulNBits quantizes each row's activations alone, yet rounds a row of a one-row
-    step and of a several-row one ~1e-7 apart (its row tiling), which the next activation's int8 rounding can turn
-    into ~3e-2 of the logits (measured on AVX-512 VNNI).
+    On model.onnx a row's logits never depend on what the other slots hold (tests/runtime/test_slots.py), but an int8
+    graph's may on how many slots a step runs: its MatMulNBits quantizes each row's activations alone, yet rounds a row
+    of a one-row step and of a several-row one ~1e-7 apart (its row tiling), which the next activation's int8 rounding
+    can turn into ~3e-2 of the logits (measured on AVX-512 VNNI). The batched graph quantizes a step's activations with
+    one scale for all its rows, so there they do depend on the other rows, as in the ort backend's batched steps.
     """
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
                  capacity: int | None = None, threads: int | None = None, resident: int | None = None,
-                 mixed_prefill: bool = False):
+                 mixed_prefill: bool = False, batched: bool | None = None):
         refuse_fp16_on_cpu(info, provider)
         why = slots_refusal(provider, info.precision)
         if why:
@@ -296,9 +300,11 @@ class SlotDecoder(Closable):
         # An int8 cache where the export's record (or --kv-cache-dtype) chooses one: a quarter of a float cache's bytes,
         # and the attention reads them so (the ort backend's choice, runtime.kvdtype).
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu)
+        self.batched = batched_from(info, batched, provider is ProviderKind.cpu) is not None
+        path = info.batched_path if self.batched else info.model_path
         # The mixed step's session, made at its first use: (the file, provider and threads to make it)
-        self._mixed, self._path, self._provider, self._threads = None, info.model_path, provider, threads
-        forms = static_forms(info.model_path, logits=True)
+        self._mixed, self._path, self._provider, self._threads = None, path, provider, threads
+        forms = static_forms(path, logits=True)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         prefill, decode = forms
@@ -615,9 +621,11 @@ class SlotBackend(Closable):
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None):
+                 slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None,
+                 batched: bool | None = None):
         # Mixing chunks, the prefills are mixed steps too: no prefill session (SlotDecoder.mixed_prefill).
-        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks)
+        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
+                                   batched=batched)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider

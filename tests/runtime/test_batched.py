@@ -58,18 +58,18 @@ def test_the_record_sets_batched_from_and_a_user_may_turn_it_off(tiny):
 def test_an_8_bit_graph_from_before_is_skipped_where_the_cpu_would_overflow_it(tiny, monkeypatch):
     """A record without weight_bits (an export from before its weights kept 7 bits): on a CPU without VNNI every step
     runs on model.onnx, and asking for the batched graph is one ProviderError; with VNNI, or 7-bit weights, it runs."""
-    from gpt2x.runtime import ort as ort_backend
+    from gpt2x.runtime import providers
 
     _, info = tiny
     assert info.batched["weight_bits"] == 7
     old = ExportInfo(info.folder, {**info.meta, BATCHED_KEY: {k: v for k, v in info.meta[BATCHED_KEY].items() if k != "weight_bits"}})
-    monkeypatch.setattr(ort_backend, "cpu_sums_int8_in_32_bits", lambda: True)
-    assert ort_backend.batched_from(old, None, on_cpu=True) == info.batched["batched_from"]
-    assert ort_backend.batched_from(old, True, on_cpu=True) == 1
-    monkeypatch.setattr(ort_backend, "cpu_sums_int8_in_32_bits", lambda: False)
-    assert ort_backend.batched_from(info, None, on_cpu=True) == info.batched["batched_from"]
-    assert ort_backend.batched_from(info, True, on_cpu=True) == 1
-    assert ort_backend.batched_from(old, None, on_cpu=True) is None
+    monkeypatch.setattr(providers, "cpu_sums_int8_in_32_bits", lambda: True)
+    assert providers.batched_from(old, None, on_cpu=True) == info.batched["batched_from"]
+    assert providers.batched_from(old, True, on_cpu=True) == 1
+    monkeypatch.setattr(providers, "cpu_sums_int8_in_32_bits", lambda: False)
+    assert providers.batched_from(info, None, on_cpu=True) == info.batched["batched_from"]
+    assert providers.batched_from(info, True, on_cpu=True) == 1
+    assert providers.batched_from(old, None, on_cpu=True) is None
     with OrtBackend(old, threads=1) as backend:
         assert backend.batched_from is None and backend.session_for(1000, 1) is backend.session
     with pytest.raises(ProviderError, match="8-bit weights overflow this CPU's int8 kernel"):

@@ -101,15 +101,18 @@ def test_an_export_the_fixed_slots_cannot_run_is_one_line(tiny_export):
         SlotDecoder(info, ProviderKind.cpu)
 
 
-def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tiny_export):
+@pytest.mark.parametrize("batched", [False, True], ids=["model", "batched-graph"])
+def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tiny_export, batched):
     """An int8 export on the slots (its own GroupQueryAttention graph, a float cache): a row's prefill, a mixed step's
     decode row and chunk against the ort backend's int8 forward of each row alone (float cache, no cache passed),
-    within int8's batch variance (its activations are quantized per step)."""
+    within int8's batch variance (its activations are quantized per step). With its batched decode graph asked for (as
+    serving runs it where the export's record timed it faster), the reference is the ort backend on that graph: the
+    mixed step's kept positions gathered ahead of its dynamically quantized unembedding."""
     from gpt2x.numerics import positions
     from gpt2x.runtime.ort import OrtBackend
 
-    info = tiny_export(Precision.int8)[2]
-    reference = OrtBackend(info, threads=1, kv_cache_dtype="float")
+    info = tiny_export(Precision.int8, batched=batched)[2]
+    reference = OrtBackend(info, threads=1, kv_cache_dtype="float", batched=batched or None)
 
     def alone(ids: list[int]) -> np.ndarray:
         x = np.array([ids])
@@ -121,7 +124,8 @@ def test_int8_rows_on_the_slots_decode_and_mix_as_onnx_runtimes_int8_backend(tin
 
     rng = np.random.default_rng(3)
     V = info.config.vocab_size
-    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48)
+    decoder = SlotDecoder(info, ProviderKind.cpu, slots=2, capacity=48, batched=batched)
+    assert decoder.batched is batched
     first = rng.integers(0, V, 9).tolist()
     logits = decoder.prefill(0, np.array(first))
     close(logits, alone(first))
