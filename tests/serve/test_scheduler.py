@@ -164,10 +164,10 @@ def row(prompt: int = 4, tokens: int = 10, clock: Clock | None = None, **kw) -> 
     return r
 
 
-def engine(n_positions: int = 256, clock: Clock | None = None, shares_cores: bool = False,
+def engine(n_positions: int = 256, clock: Clock | None = None, shares_cores: bool = False, mixes: bool = False,
            **settings) -> tuple[Scheduler, Shapes]:
     scheduler = Scheduler(EngineSettings(**{"max_join_delay_s": 0.05, **settings}), n_positions,
-                          clock=clock or Clock(), shares_cores=shares_cores)
+                          clock=clock or Clock(), shares_cores=shares_cores, mixes=mixes)
     return scheduler, Shapes(scheduler)
 
 
@@ -331,6 +331,25 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
     scheduler.submit(wave)
     plan = shapes.step()
     assert plan.num_scheduled_tokens == dict.fromkeys(wave, 16) and shapes.columns == [16]  # one prompt, run once
+
+
+def test_where_chunks_mix_into_the_decode_step_joiners_are_taken_a_chunks_worth_and_always_chunked():
+    """On a backend that runs a joiners' chunk in its decode step's forward (the fixed slots): the joiners taken
+    together hold at most one chunk's prompt tokens (the first whatever its length), and they are chunked even where
+    they outnumber the rows running (a whole prefill there was the rows' longest gap)."""
+    clock = Clock()
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0, mixes=True)
+    wave = [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=6, clock=clock), row(prompt=40, clock=clock)]
+    scheduler.submit(wave)
+    plans = [shapes.step() for _ in range(7)]
+    assert [taken(p) for p in plans] == [wave[:2], [], [], [], [wave[2]], [], [wave[3]]]  # 6 + 10 fit 16; 6 + 40 do not
+    # two joiners beside one row: chunked (8 columns each, then the 10-token prompt's last 2), not run whole
+    assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 8) and shapes.columns[:2] == [8, 2]
+    assert plans[6].num_scheduled_tokens == {wave[3]: 16}  # a long prompt alone, a chunk a step
+    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)  # a backend that does not mix
+    scheduler.submit(wave := [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock)])
+    plan = shapes.step()
+    assert taken(plan) == wave and plan.num_scheduled_tokens == dict.fromkeys(wave, 40)  # outnumbering: whole
 
 
 def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_its_cores():

@@ -74,7 +74,8 @@ class Engine:
         estimate = backend.prefill_ms if backend.capabilities.estimates_prefill else None
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
                                    shares_cores=shares, prefix=self.prefix_cache, estimate=estimate,
-                                   frees_rows=backend.capabilities.frees_rows)
+                                   frees_rows=backend.capabilities.frees_rows,
+                                   mixes=backend.capabilities.mixes_chunks)
         if self.scheduler.overlaps:  # what the overlapped prefill and its steps run on, open before the first join
             backend.prepare_sharing()
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)

@@ -211,15 +211,18 @@ class Scheduler:
     """Every decision on the waiting rows (held by `queue`, a RequestQueue the callers' threads put rows in:
     `submit`, `close`) and on the batch (the engine's thread: `schedule`, `update_from_output`, `fail`), whose rows'
     state it keeps. `joins_rows`: the backend's cache takes rows prefilled apart (else batches are static);
-    `frees_rows`: a row leaves its cache at no cost (finished rows leave at once); `speculative`: a draft decodes lone
+    `frees_rows`: a row leaves its cache at no cost (finished rows leave at once); `mixes`: a joiners' chunk runs in
+    the decode step's own forward (capabilities.mixes_chunks); `speculative`: a draft decodes lone
     rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
-                 prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False):
+                 prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False,
+                 mixes: bool = False):
         self.settings = settings
         self.joins_rows = joins_rows
         self.frees_rows = frees_rows
+        self.mixes = mixes
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
@@ -389,8 +392,11 @@ class Scheduler:
         return rows, tuple(r for r in every if r not in kept)
 
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
-        """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners."""
-        taken = self.take([rows[i] for i in live], _used([rows[i] for i in live]))
+        """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners. Where a
+        chunk runs in the decode step's forward (`mixes`), as many as one chunk's tokens hold, at least one: the mixed
+        step runs one joiner's chunk, and the others' would each run a forward of their own in every step."""
+        running = [rows[i] for i in live]
+        taken = self.take(running, _used(running), (self.chunk_tokens(len(live)) or None) if self.mixes else None)
         if not taken:
             return ()
         new, going = self._start(taken)
@@ -408,8 +414,9 @@ class Scheduler:
             self.in_flight = rows + joiners
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
-        # (docs/serving/index.md#chunked-prefill).
-        beside = bool(live) and len(joiners) <= len(live)
+        # (docs/serving/index.md#chunked-prefill), unless each chunk runs in a decode step's forward, where it costs
+        # its own tokens: the whole prefill of joiners outnumbering the rows was the rows' longest gap there.
+        beside = bool(live) and (self.mixes or len(joiners) <= len(live))
         if new and beside and self.overlaps and self.prefill_steps(joiners, len(live)) > OVERLAP_AFTER_CHUNKS:
             self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
             return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
@@ -546,12 +553,17 @@ class Scheduler:
         self.running = n
         self._peak = max(self._peak, n)  # the batch's most rows at once, for the next one's batch_wait
 
-    def take(self, rows: list[Row], width: int | None) -> list[Row]:
+    def take(self, rows: list[Row], width: int | None, tokens: int | None = None) -> list[Row]:
         """Waiting rows (in arrival order, or by priority with the priority policy) that fit beside
-        `rows`, a batch whose cache can be made `width` wide (None: a new batch). Stops at the first
+        `rows`, a batch whose cache can be made `width` wide (None: a new batch), and, where `tokens` is given, whose
+        prompts hold that many tokens in all (the first taken whatever its length). Stops at the first
         that does not fit, so no request is overtaken forever (by one of its own priority)."""
-        taken = self.queue.take(lambda taken, candidate: self._fits(rows, taken + [candidate], width),
-                                self.settings.max_batch_size - len(rows))
+        def fits(taken: list[Row], candidate: Row) -> bool:
+            if tokens is not None and taken and sum(len(r.prompt_ids) for r in [*taken, candidate]) > tokens:
+                return False
+            return self._fits(rows, taken + [candidate], width)
+
+        taken = self.queue.take(fits, self.settings.max_batch_size - len(rows))
         self.running = len(rows) + len(taken)
         return taken
 
