@@ -308,20 +308,18 @@ class SlotDecoder(Closable):
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         prefill, decode = forms
-        # `mixed_prefill` (the CPU's): a prefill runs as a mixed step, its chunk beside a dummy decode row in a scratch
-        # slot of its own (the buffers' last row, which no row holds), and no prefill session is made. Each session
-        # holds the weights and ONNX Runtime's packed copies of them (about 1 GB for 124M fp32); a decode step keeps
-        # its own graph (as a mixed step it took 8-13% longer).
+        # `mixed_prefill` (the CPU's): a lone row's prefill runs as a mixed step, its chunk beside a dummy decode row in
+        # a scratch slot of its own (the buffers' last row, which no row holds), and the prefill session is made only
+        # for prompts that start together (prefill_rows: open_prefill). Each session holds the weights and ONNX
+        # Runtime's packed copies of them (about 1 GB for 124M fp32); a decode step keeps its own graph (as a mixed
+        # step it took 8-13% longer).
         self.mixed_prefill = mixed_prefill and self.device == "cpu"
         self._prefill = self._keep_last = None
+        self._prefill_form = prefill  # rewritten for an int8 cache where its session is made
         if self.mixed_prefill:
             self.open_mixed()
         else:
-            prefill = self._with_kv_dtype(prefill)
-            self._prefill = create_session(prefill.graph, provider, threads, weights=prefill.weights)
-            overridable = {i.name for i in self._prefill.get_overridable_initializers()}
-            if io.LOGITS_TO_KEEP in overridable:
-                self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
+            self.open_prefill()
         # The decode step's rows are the slots up to the highest one held (free ones below it on a dummy token): its
         # batch dimension stays free, the rows bound by address like a prefill's.
         decode = self._with_kv_dtype(decode)
@@ -437,6 +435,47 @@ class SlotDecoder(Closable):
         out = np.zeros((self.slots, self.vocab_size), np.float32)
         out[:rows] = logits[:, 0]  # the bound buffer is the next step's too
         return out
+
+    def open_prefill(self) -> None:
+        """Open the prefill's session now (where prefills are mixed steps, prompts starting together run on it)."""
+        if self._prefill is None:
+            form = self._with_kv_dtype(self._prefill_form)
+            self._prefill = create_session(form.graph, self._provider, self._threads, weights=form.weights)
+            if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
+                self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
+
+    def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: the prefill graph on an empty
+        past (ONNX Runtime's GroupQueryAttention runs several tokens of several rows only there), its presents then
+        written into the slots. Each row's last logits [B, vocab]. On the CPU."""
+        slots = np.asarray(slots, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        (B, T), (_, heads, _, dim) = ids.shape, self._row_shape
+        for slot in slots.tolist():
+            self._check_slot(slot)
+        if len(set(slots.tolist())) != B or self.lengths[slots].any() or not 0 < T < self.capacity:
+            raise ValueError(f"{B} prompts of {T} tokens go into as many distinct free slots of {self.capacity} positions")
+        if self.device != "cpu":
+            raise ProviderError("prompts are prefilled together into the slots on the CPU provider only")
+        self.open_prefill()
+        binding = self._prefill.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, ids)
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
+        if self._keep_last is not None:
+            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
+        empty = np.zeros((B, heads, 0, dim), self.dtype)
+        for name in self._names[0]:
+            binding.bind_cpu_input(name, empty)
+        binding.bind_output(io.LOGITS, "cpu")
+        for name in self._names[1]:
+            binding.bind_output(name, "cpu")
+        self._prefill.run_with_iobinding(binding)
+        logits, *presents = binding.get_outputs()
+        for a, present in zip(self._arrays, presents):
+            a[slots, :, :T] = present.numpy()
+        self.lengths[slots] = T
+        return logits.numpy()[:, -1]
 
     def open_mixed(self) -> None:
         """Open the mixed step's session now (a server's first mixed step would otherwise wait seconds for it)."""
@@ -638,9 +677,11 @@ class SlotBackend(Closable):
         self._pending: list[tuple[int, np.ndarray]] = []
 
     def warm_up(self) -> None:
-        """Open the mixed step's session, where chunks mix."""
+        """Open the sessions the server runs: the mixed step's, where chunks mix, and the prefill's, on the CPU."""
         if self.capabilities.mixes_chunks:
             self.decoder.open_mixed()
+        if self.decoder.device == "cpu":
+            self.decoder.open_prefill()
 
     def take(self) -> int:
         """The lowest free slot, now taken."""
@@ -655,12 +696,24 @@ class SlotBackend(Closable):
         self._free.append(slot)
 
     def flush(self, but: int | None = None) -> None:
-        """Run the chunks step_later holds, each alone (`but`: the one at that index left pending)."""
+        """Run the chunks step_later holds (`but`: the one at that index left pending): the whole prompts of one length
+        into free slots together (SlotDecoder.prefill_rows), each other alone."""
         kept = [] if but is None else [self._pending[but]]
-        for i, (slot, ids) in enumerate(self._pending):
-            if i != but:
-                self.decoder.prefill(slot, ids)
+        run = [p for i, p in enumerate(self._pending) if i != but]
         self._pending = kept
+        together: dict[int, list[tuple[int, np.ndarray]]] = {}
+        if self.decoder.device == "cpu":
+            for slot, ids in run:
+                if self.decoder.lengths[slot] == 0:
+                    together.setdefault(len(ids), []).append((slot, ids))
+        ran = set()
+        for group in together.values():
+            if len(group) > 1:
+                self.decoder.prefill_rows(np.array([s for s, _ in group]), np.stack([ids for _, ids in group]))
+                ran.update(s for s, _ in group)
+        for slot, ids in run:
+            if slot not in ran:
+                self.decoder.prefill(slot, ids)
 
     def _slots_for(self, B: int, past: SlotCache | None) -> np.ndarray:
         if past is not None:
@@ -758,7 +811,12 @@ class SlotBackend(Closable):
         self.flush()
         B, T = input_ids.shape
         logits = np.zeros((B, T, self.vocab_size) if every else (B, self.vocab_size), np.float32)
-        for b in range(B):  # a prompt, or its next chunk, into each row's own slot
+        together = self._together(new, slots) if not every else []
+        for rows in together:  # prompts of one length starting together: one forward (a wave of requests)
+            logits[rows] = self.decoder.prefill_rows(slots[rows], input_ids[rows][:, -int(new[rows[0]].sum()):])
+        alone = np.ones(B, bool)
+        alone[[b for rows in together for b in rows]] = False
+        for b in np.flatnonzero(alone).tolist():  # a prompt, or its next chunk, into each row's own slot
             if new[b].any():
                 out = self.decoder.prefill(int(slots[b]), input_ids[b][new[b]], every)
                 if every:
@@ -766,6 +824,18 @@ class SlotBackend(Closable):
                 else:
                     logits[b] = out
         return logits, SlotCache(self, slots) if past is None else past
+
+    def _together(self, new: np.ndarray, slots: np.ndarray) -> list[list[int]]:
+        """The rows whose slots are free and whose new tokens are as many and the mask's last columns, grouped by that
+        count, groups of two or more (on the CPU)."""
+        if self.decoder.device != "cpu":
+            return []
+        groups: dict[int, list[int]] = {}
+        for b, row in enumerate(new):
+            n = int(row.sum())
+            if n and row[len(row) - n:].all() and self.decoder.lengths[slots[b]] == 0:
+                groups.setdefault(n, []).append(b)
+        return [rows for rows in groups.values() if len(rows) > 1]
 
     def peak_device_memory_mb(self) -> float | None:
         return None

@@ -385,6 +385,51 @@ def test_run_gives_every_position_of_each_rows_own_tokens(tiny, mix_chunks):
     np.testing.assert_allclose(logits[0], torch_logits(seq)[5:], atol=1e-4 * np.abs(logits).max())
 
 
+def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_alone(tiny):
+    """A wave of prompts: SlotBackend's prefill of a left-padded batch runs the rows of one length in one forward
+    (SlotDecoder.prefill_rows: the prefill graph on an empty past, its presents written into their slots) and a row of
+    another length alone, and so do joiners' whole prompts held for a later step (`flush`). Each row's logits, and
+    then its decode steps', against PyTorch's forward of its sequence; a slot already held is refused."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    rng = np.random.default_rng(23)
+    V = info.config.vocab_size
+    backend = SlotBackend(info, slots=8, capacity=40)
+    backend.warm_up()
+    prompts = [rng.integers(0, V, n).tolist() for n in (6, 9, 6, 6)]
+    ids = np.array([[0] * (9 - len(p)) + p for p in prompts])
+    mask = (np.arange(9)[None] >= 9 - np.array([[len(p)] for p in prompts])).astype(np.int64)
+    runs = []
+    real = backend.decoder.prefill_rows
+    backend.decoder.prefill_rows = lambda slots, x: runs.append(x.shape) or real(slots, x)
+    logits, cache = backend.step(ids, mask, None, None)
+    assert runs == [(3, 6)]  # the three 6-token prompts together; the 9-token one alone
+    seqs = [list(p) for p in prompts]
+    for _ in range(3):
+        for b, seq in enumerate(seqs):
+            assert_close(logits[b], torch_last_logits(model, seq))
+            seq.append(int(logits[b].argmax()))
+        mask = np.concatenate([mask, np.ones((4, 1), np.int64)], axis=1)
+        logits, cache = backend.step(np.array([[s[-1]] for s in seqs]), mask, None, cache)
+    with pytest.raises(ValueError, match="distinct free slots"):
+        backend.decoder.prefill_rows(cache.slots[:2], np.zeros((2, 3), np.int64))
+    # joiners' whole prompts held for a later step (step_later), run together where the step cannot mix them
+    joiners = [rng.integers(0, V, 5).tolist() for _ in range(3)] + [rng.integers(0, V, 4).tolist()]
+    runs.clear()
+    later = backend.step_later(np.array([[0] + j if len(j) == 4 else j for j in joiners]),
+                               (np.arange(5)[None] >= np.array([[0], [0], [0], [1]])).astype(np.int64), None, None)
+    backend.flush()
+    assert runs == [(3, 5)]
+    tokens = np.zeros(backend.decoder.slots, np.int64)
+    tokens[later.slots] = [int(rng.integers(0, V)) for _ in joiners]
+    active = np.zeros(backend.decoder.slots, bool)
+    active[later.slots] = True
+    logits = backend.decoder.step(tokens, active)
+    for slot, j in zip(later.slots.tolist(), joiners):
+        assert_close(logits[slot], torch_last_logits(model, j + [int(tokens[slot])]))
+
+
 @pytest.mark.parametrize("precision", [Precision.fp32, Precision.int8])
 def test_a_rows_logits_do_not_depend_on_what_the_other_slots_hold(tiny_export, precision):
     """A decode row's logits are a function of its own slot and token alone, bit for bit, for a given set of slots
