@@ -28,6 +28,7 @@ from gpt2x.bench.report import save_results
 from gpt2x.bench.system import git_revision, system_info
 from gpt2x.choices import BackendKind, ProviderKind
 from gpt2x.generation.settings import SamplingSettings
+from gpt2x.runtime.static_decode import SlotBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
 from gpt2x.workflows.backends import choose_backend, export_backend
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--export", type=Path, required=True)
     ap.add_argument("--backend", default=None, help="ort or openvino (default: the export's own)")
     ap.add_argument("--kv-cache-dtype", default=None, help="the ort backend's KV cache: auto, float or int8")
+    ap.add_argument("--slots", action="store_true", help="the fixed slots (gpt2x serve --kv-cache slots) instead")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=16)
@@ -87,7 +89,10 @@ def main() -> None:
     info = resolve_export(onnx_dir=args.export)
     kind = choose_backend(BackendKind(args.backend) if args.backend else None, info.precision, ProviderKind.cpu)
     options = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
-    backend = export_backend(kind, info, ProviderKind.cpu, **options)
+    if args.slots:  # as gpt2x serve --kv-cache slots opens them
+        backend = SlotBackend(info, ProviderKind.cpu, slots=2 * args.prompts, resident=args.prompts)
+    else:
+        backend = export_backend(kind, info, ProviderKind.cpu, **options)
     if backend.capabilities.warms_up:
         backend.warm_up()
     engine = Engine(backend, EngineSettings(max_batch_size=args.prompts)).start()
@@ -107,7 +112,7 @@ def main() -> None:
     kept = rounds[1:]
     result = {
         "label": args.label, "export": str(args.export), "precision": info.precision.value, "backend": kind.value,
-        "kv_cache_dtype": args.kv_cache_dtype or "auto", "prompts": args.prompts, "prompt_len": args.prompt_len,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto", "slots": args.slots, "prompts": args.prompts, "prompt_len": args.prompt_len,
         "tokens": args.tokens, "rounds": args.rounds,
         "gaps_ms": [statistics.median(r["gaps_ms"][k] for r in kept) for k in range(args.gaps)],
         "tpot_ms": statistics.median(r["tpot_ms"] for r in kept),
@@ -117,7 +122,8 @@ def main() -> None:
     result["outside_step_ms"] = result["tpot_ms"] - result["decode_step_ms"]
     sysinfo = result["system"]
     md = (f"# {args.label}: a wave of {args.prompts} prompts of {args.prompt_len} tokens in the serving engine\n\n"
-          f"{info.precision.value} export on the {kind.value} backend, KV cache {result['kv_cache_dtype']}; "
+          f"{info.precision.value} export on the {kind.value} backend, KV cache {result['kv_cache_dtype']}"
+          f"{' in fixed slots' if args.slots else ''}; "
           f"{sysinfo['cpu']}, {sysinfo['cores']} cores; gpt2x git {result['commit']}; "
           f"medians of {args.rounds} rounds after a warm-up.\n\n"
           "| gap after token | " + " | ".join(str(k + 1) for k in range(args.gaps)) + " | TPOT | decode step | outside the step |\n"

@@ -566,6 +566,13 @@ class SlotDecoder(Closable):
             a[slot, :, :n] = values
         self.lengths[slot] = n
 
+    def views(self, first: int, rows: int, length: int) -> list[np.ndarray]:
+        """Positions 0 .. length - 1 of slots [first, first + rows): 2 * n_layer arrays (rows, H, length, D), views of
+        the slots' memory (read them before those positions are written again). On the CPU."""
+        if self.device != "cpu":
+            raise ProviderError("the slots are read on the CPU provider only")
+        return [a[first: first + rows, :, :length] for a in self._arrays]
+
     def read(self, slot: int) -> list[np.ndarray]:
         """What `slot` holds: 2 * n_layer arrays (H, length, D) in the slots' dtype, copies. On the CPU."""
         if self.device != "cpu":
@@ -629,11 +636,17 @@ class SlotCache:
         return stored if scales is None else [dequantize(a, s) for a, s in zip(stored, scales)]
 
     def stored(self) -> list[np.ndarray]:
-        """As to_numpy, in the dtype the slots hold (int8 for an int8 cache): what the prefix cache keeps."""
+        """As to_numpy, in the dtype the slots hold (int8 for an int8 cache): what the prefix cache keeps. Views of the
+        slots where the rows hold one length in consecutive slots (a wave's prompts: no copy before its first step),
+        else copies."""
         if self.staged is not None:
             return [a.copy() for a in self.staged]
         self.owner.flush()
-        rows = [self.owner.decoder.read(int(s)) for s in self.slots]
+        decoder, first = self.owner.decoder, int(self.slots[0])
+        lengths = decoder.lengths[self.slots]
+        if (self.slots == first + np.arange(len(self.slots))).all() and (lengths == lengths[0]).all():
+            return decoder.views(first, len(self.slots), int(lengths[0]))
+        rows = [decoder.read(int(s)) for s in self.slots]
         P = max(r[0].shape[1] for r in rows)
         out = []
         for layer in range(len(rows[0])):

@@ -430,6 +430,29 @@ def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_
         assert_close(logits[slot], torch_last_logits(model, j + [int(tokens[slot])]))
 
 
+def test_a_waves_cache_as_the_prefix_cache_keeps_it_is_its_slots_own_memory_and_each_rows_kv(tiny):
+    """SlotCache.stored of prompts of one length in consecutive slots (a wave): views of the slots (no copy before
+    the wave's first step), each row's keys and values those of PyTorch's forward of its prompt; rows of two lengths:
+    copies, right-aligned."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, info = tiny
+    rng = np.random.default_rng(29)
+    V = info.config.vocab_size
+    backend = SlotBackend(info, slots=6, capacity=40)
+    for lengths in ((5, 5, 5), (3, 6)):
+        prompts = [rng.integers(0, V, n).tolist() for n in lengths]
+        P = max(lengths)
+        ids = np.array([[0] * (P - len(p)) + p for p in prompts])
+        mask = (np.arange(P)[None] >= P - np.array([[len(p)] for p in prompts])).astype(np.int64)
+        _, cache = backend.step(ids, mask, None, None)
+        stored = cache.stored()
+        assert all(np.shares_memory(a, b) for a, b in zip(stored, backend.decoder._arrays)) == (len(set(lengths)) == 1)
+        for got, want in zip(stored, torch_past(model, prompts)):
+            np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+        del cache, stored
+
+
 @pytest.mark.parametrize("precision", [Precision.fp32, Precision.int8])
 def test_a_rows_logits_do_not_depend_on_what_the_other_slots_hold(tiny_export, precision):
     """A decode row's logits are a function of its own slot and token alone, bit for bit, for a given set of slots
