@@ -98,7 +98,8 @@ GPT2X_SERVE_FLAGS = ["--max-batch-size", "16"]
 # gives to the streams running while 512-token prompts join (their inter-token latency p99).
 VARIANTS = {"gpt2x-uncached": ["--prefix-cache-mb", "0"],
             "gpt2x-uncached-unchunked": ["--prefix-cache-mb", "0", "--prefill-chunk", "0"],
-            "gpt2x-in-place-kv": ["--kv-cache", "in-place"]}  # an fp32 export's in-place twin (--gpt2x-precision fp32)
+            "gpt2x-in-place-kv": ["--kv-cache", "in-place"],  # an fp32 export's in-place twin (--gpt2x-precision fp32)
+            "gpt2x-slots": ["--kv-cache", "slots"]}  # the fixed slots, beside the default in-place cache
 PREFIX_ONLY = ("gpt2x-uncached", "gpt2x-uncached-unchunked")  # the variants run on the shared-prefix workload only
 # vLLM's CPU settings: threads bound to the cores (OMP), KV cache space in GiB (its default, 4 GiB,
 # is more than 16 x 1,024 GPT-2 positions need).

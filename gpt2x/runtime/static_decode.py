@@ -18,6 +18,8 @@ from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
+from .prefill import asked as asked_prefill
+from .prefill import openvino_from
 from .providers import batched_from, bind_past_and_present, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
@@ -285,7 +287,7 @@ class SlotDecoder(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, slots: int = 4,
                  capacity: int | None = None, threads: int | None = None, resident: int | None = None,
-                 mixed_prefill: bool = False, batched: bool | None = None):
+                 mixed_prefill: bool = False, batched: bool | None = None, prefill_choice: str | None = None):
         refuse_fp16_on_cpu(info, provider)
         why = slots_refusal(provider, info.precision)
         if why:
@@ -316,6 +318,10 @@ class SlotDecoder(Closable):
         self.mixed_prefill = mixed_prefill and self.device == "cpu"
         self._prefill = self._keep_last = None
         self._prefill_form = prefill  # rewritten for an int8 cache where its session is made
+        # Fresh prompts of at least this many tokens (rows x tokens) on the export's OpenVINO prefill graph, as the ort
+        # backend runs them (`prefill_choice`: runtime.prefill.PrefillChoice), written straight into their slots.
+        self._openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
+        self._openvino, self._info = None, info
         if self.mixed_prefill:
             self.open_mixed()
         else:
@@ -395,6 +401,10 @@ class SlotDecoder(Closable):
         past, T = int(self.lengths[slot]), ids.shape[1]
         if T == 0 or past + T > self.capacity:
             raise ValueError(f"slot {slot} holds {past} positions of {self.capacity}: {T} more do not fit")
+        if not past and not every:
+            logits = self._on_openvino(slot, ids)
+            if logits is not None:
+                return logits[0]
         if self.mixed_prefill:  # beside the scratch slot's dummy token
             logits = self._run_mixed(self._scratch, 1, np.zeros(1, np.int64), np.zeros(1, np.int32), slot, ids[0], every)
             self.lengths[slot] = past + T
@@ -444,6 +454,32 @@ class SlotDecoder(Closable):
             if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
                 self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
 
+    def open_openvino(self) -> None:
+        """Open and warm the OpenVINO prefill now, where fresh prompts run there (its first inference lays its weights
+        out: seconds)."""
+        if self._openvino_from is not None and self._openvino is None:
+            try:
+                from .openvino_prefill import OpenVinoPrefill
+            except ImportError as e:
+                raise ProviderError(f"{self._info.folder}: cannot run the prefill on OpenVINO: openvino does not import "
+                                    f"({e})") from None
+            self._openvino = OpenVinoPrefill(self._info, self._threads, self.kv_scales)
+            self._openvino.warm_up(past=False)
+
+    def _on_openvino(self, first: int, ids: np.ndarray) -> np.ndarray | None:
+        """Fresh prompts of one length `ids` [B, T] into slots [first, first + B) on OpenVINO, its presents written
+        into the slots' own memory: their last logits [B, vocab]; None where the export's record runs them on ONNX
+        Runtime."""
+        (B, T) = ids.shape
+        if self._openvino_from is None or T < 2 or B * T < self._openvino_from or self.device != "cpu":
+            return None
+        self.open_openvino()
+        presents = [a[first: first + B] for a in self._arrays]  # C-contiguous views: OpenVINO writes into them
+        positions = np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
+        logits = self._openvino(ids, np.ones((B, T), np.int64), positions, presents)
+        self.lengths[first: first + B] = T
+        return logits
+
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: the prefill graph on an empty
         past (ONNX Runtime's GroupQueryAttention runs several tokens of several rows only there), its presents then
@@ -457,6 +493,10 @@ class SlotDecoder(Closable):
             raise ValueError(f"{B} prompts of {T} tokens go into as many distinct free slots of {self.capacity} positions")
         if self.device != "cpu":
             raise ProviderError("prompts are prefilled together into the slots on the CPU provider only")
+        if (slots == slots[0] + np.arange(B)).all():
+            logits = self._on_openvino(int(slots[0]), ids)
+            if logits is not None:
+                return logits
         self.open_prefill()
         binding = self._prefill.io_binding()
         binding.bind_cpu_input(io.INPUT_IDS, ids)
@@ -581,6 +621,7 @@ class SlotDecoder(Closable):
 
     def close(self) -> None:
         self._prefill = self._decode = self._mixed = Released("slot decoder")
+        self._openvino = None
         self._kv, self._arrays = [], []
 
 
@@ -674,10 +715,10 @@ class SlotBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None,
-                 batched: bool | None = None):
-        # Mixing chunks, the prefills are mixed steps too: no prefill session (SlotDecoder.mixed_prefill).
+                 batched: bool | None = None, prefill: str | None = None):
+        # Mixing chunks, a lone row's prefill is a mixed step too (SlotDecoder.mixed_prefill).
         self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
-                                   batched=batched)
+                                   batched=batched, prefill_choice=prefill)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
         self.info, self.provider = info, provider
@@ -690,11 +731,13 @@ class SlotBackend(Closable):
         self._pending: list[tuple[int, np.ndarray]] = []
 
     def warm_up(self) -> None:
-        """Open the sessions the server runs: the mixed step's, where chunks mix, and the prefill's, on the CPU."""
+        """Open the sessions the server runs: the mixed step's, where chunks mix, and on the CPU the prefill's and the
+        OpenVINO prefill, where the export's record runs fresh prompts there."""
         if self.capabilities.mixes_chunks:
             self.decoder.open_mixed()
         if self.decoder.device == "cpu":
             self.decoder.open_prefill()
+            self.decoder.open_openvino()
 
     def take(self) -> int:
         """The lowest free slot, now taken."""

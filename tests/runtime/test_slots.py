@@ -430,6 +430,50 @@ def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_
         assert_close(logits[slot], torch_last_logits(model, j + [int(tokens[slot])]))
 
 
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.int8])
+def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_decode_on(tiny_export, precision,
+                                                                                      monkeypatch):
+    """Where the export's OpenVINO prefill runs fresh prompts (asked for here: the record's choice is a timing), a
+    wave of one length and a lone prompt run there, OpenVINO writing their keys and values into the slots' own
+    memory (an int8 export's int8 cache, quantized as ONNX Runtime's is); their logits and the decode steps after them
+    against the same prompts on ONNX Runtime's slots (fp32: within f32's summation order; int8: within int8's batch
+    variance)."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+
+    info = tiny_export(precision, openvino_prefill=True, int8_kv=precision is Precision.int8)[2]
+    if precision is Precision.int8:
+        monkeypatch.setenv(KV_DTYPE_ENV, "int8")  # the cache the export's record may or may not choose
+    tolerance = 1e-4 if precision is Precision.fp32 else 5e-2
+    rng = np.random.default_rng(31)
+    V = info.config.vocab_size
+    prompts = [rng.integers(0, V, 7).tolist() for _ in range(3)]
+    lone = rng.integers(0, V, 5).tolist()
+
+    def run(prefill: str) -> list[np.ndarray]:
+        backend = SlotBackend(info, slots=5, capacity=32, prefill=prefill, threads=1)
+        backend.warm_up()
+        on_openvino = backend.decoder._openvino is not None
+        assert on_openvino == (prefill == "openvino")
+        if precision is Precision.int8:
+            assert backend.decoder.dtype == np.int8
+        out = []
+        for batch in (prompts, [lone]):
+            ids = np.array(batch)
+            logits, cache = backend.step(ids, np.ones_like(ids), None, None)
+            mask = np.ones_like(ids)
+            for _ in range(2):
+                out.append(logits)
+                mask = np.concatenate([mask, np.ones((len(batch), 1), np.int64)], axis=1)
+                logits, cache = backend.step(logits.argmax(axis=1)[:, None], mask, None, cache)
+        return out
+
+    for got, want in zip(run("openvino"), run("onnxruntime")):
+        assert np.abs(got - want).max() <= tolerance * np.abs(want).max()
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.5
+
+
 def test_a_waves_cache_as_the_prefix_cache_keeps_it_is_its_slots_own_memory_and_each_rows_kv(tiny):
     """SlotCache.stored of prompts of one length in consecutive slots (a wave): views of the slots (no copy before
     the wave's first step), each row's keys and values those of PyTorch's forward of its prompt; rows of two lengths:
