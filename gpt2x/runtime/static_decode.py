@@ -11,6 +11,7 @@ import onnxruntime as ort
 
 from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
+from ..numerics import positions
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.graph_cache import InMemoryGraph
@@ -466,19 +467,33 @@ class SlotDecoder(Closable):
             self._openvino = OpenVinoPrefill(self._info, self._threads, self.kv_scales)
             self._openvino.warm_up(past=False)
 
-    def _on_openvino(self, first: int, ids: np.ndarray) -> np.ndarray | None:
-        """Fresh prompts of one length `ids` [B, T] into slots [first, first + B) on OpenVINO, its presents written
-        into the slots' own memory: their last logits [B, vocab]; None where the export's record runs them on ONNX
-        Runtime."""
-        (B, T) = ids.shape
+    def _on_openvino(self, first: int, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray | None:
+        """Fresh prompts `ids` [B, T], left-padded where `mask` [B, T] says so, into slots [first, first + B) on
+        OpenVINO, its presents written into the slots' own memory, then each padded row's positions moved to the
+        front of its slot: their last logits [B, vocab]; None where the export's record runs them on ONNX Runtime."""
+        B, T = ids.shape
         if self._openvino_from is None or T < 2 or B * T < self._openvino_from or self.device != "cpu":
             return None
         self.open_openvino()
+        mask = np.ones((B, T), np.int64) if mask is None else np.ascontiguousarray(mask, dtype=np.int64)
+        held = mask.sum(axis=1)
         presents = [a[first: first + B] for a in self._arrays]  # C-contiguous views: OpenVINO writes into them
-        positions = np.broadcast_to(np.arange(T, dtype=np.int64), (B, T))
-        logits = self._openvino(ids, np.ones((B, T), np.int64), positions, presents)
-        self.lengths[first: first + B] = T
+        logits = self._openvino(ids, mask, positions(mask, T), presents)
+        for b in np.flatnonzero(held < T).tolist():  # a slot's row starts at its position 0
+            n = int(held[b])
+            for a in self._arrays:
+                a[first + b, :, :n] = a[first + b, :, T - n: T].copy()
+        self.lengths[first: first + B] = held
         return logits
+
+    def prefill_padded(self, first: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """Fresh prompts `ids` [B, T], left-padded as `mask` says, into the free slots [first, first + B) in one forward
+        on the export's OpenVINO prefill (its graph reads the mask), where the export's record runs prompts of B x T
+        tokens there: their last logits [B, vocab]; else None, nothing run."""
+        B, T = ids.shape
+        if self.lengths[first: first + B].any() or first + B > self.slots:
+            raise ValueError(f"slots {first}..{first + B - 1} are not all free")
+        return self._on_openvino(first, np.ascontiguousarray(ids, dtype=np.int64), mask)
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: the prefill graph on an empty
@@ -867,6 +882,11 @@ class SlotBackend(Closable):
         self.flush()
         B, T = input_ids.shape
         logits = np.zeros((B, T, self.vocab_size) if every else (B, self.vocab_size), np.float32)
+        fresh = not every and past is None and B > 1 and (slots == slots[0] + np.arange(B)).all()
+        if fresh and (new[:, -1].all()):  # a new batch, left-padded: one OpenVINO forward where the record says so
+            out = self.decoder.prefill_padded(int(slots[0]), input_ids, new.astype(np.int64))
+            if out is not None:
+                return out, SlotCache(self, slots)
         together = self._together(new, slots) if not every else []
         for rows in together:  # prompts of one length starting together: one forward (a wave of requests)
             logits[rows] = self.decoder.prefill_rows(slots[rows], input_ids[rows][:, -int(new[rows[0]].sum()):])

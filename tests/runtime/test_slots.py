@@ -434,13 +434,12 @@ def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_
 def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_decode_on(tiny_export, precision,
                                                                                       monkeypatch):
     """Where the export's OpenVINO prefill runs fresh prompts (asked for here: the record's choice is a timing), a
-    wave of one length and a lone prompt run there, OpenVINO writing their keys and values into the slots' own
-    memory (an int8 export's int8 cache, quantized as ONNX Runtime's is); their logits and the decode steps after them
-    against the same prompts on ONNX Runtime's slots (fp32: within f32's summation order; int8: within int8's batch
-    variance)."""
-    from gpt2x.runtime.static_decode import SlotBackend
-
+    wave of one length, one of three lengths (left-padded: each row then moved to the front of its slot) and a lone
+    prompt run there, OpenVINO writing their keys and values into the slots' own memory (an int8 export's int8 cache,
+    quantized as ONNX Runtime's is); their logits and the decode steps after them against the same prompts on ONNX
+    Runtime's slots (fp32: within f32's summation order; int8: within int8's batch variance)."""
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+    from gpt2x.runtime.static_decode import SlotBackend
 
     info = tiny_export(precision, openvino_prefill=True, int8_kv=precision is Precision.int8)[2]
     if precision is Precision.int8:
@@ -448,7 +447,7 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
     tolerance = 1e-4 if precision is Precision.fp32 else 5e-2
     rng = np.random.default_rng(31)
     V = info.config.vocab_size
-    prompts = [rng.integers(0, V, 7).tolist() for _ in range(3)]
+    waves = [[rng.integers(0, V, 7).tolist() for _ in range(3)], [rng.integers(0, V, n).tolist() for n in (7, 4, 6)]]
     lone = rng.integers(0, V, 5).tolist()
 
     def run(prefill: str) -> list[np.ndarray]:
@@ -459,14 +458,16 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
         if precision is Precision.int8:
             assert backend.decoder.dtype == np.int8
         out = []
-        for batch in (prompts, [lone]):
-            ids = np.array(batch)
-            logits, cache = backend.step(ids, np.ones_like(ids), None, None)
-            mask = np.ones_like(ids)
+        for batch in (*waves, [lone]):
+            P = max(len(p) for p in batch)
+            ids = np.array([[0] * (P - len(p)) + p for p in batch])
+            mask = (np.arange(P)[None] >= P - np.array([[len(p)] for p in batch])).astype(np.int64)
+            logits, cache = backend.step(ids, mask, None, None)
             for _ in range(2):
                 out.append(logits)
                 mask = np.concatenate([mask, np.ones((len(batch), 1), np.int64)], axis=1)
                 logits, cache = backend.step(logits.argmax(axis=1)[:, None], mask, None, cache)
+            del cache  # its slots freed for the next batch
         return out
 
     for got, want in zip(run("openvino"), run("onnxruntime")):
