@@ -447,7 +447,7 @@ def main() -> int:
                         for lv in result["levels"]:
                             log(f"  c={lv['concurrency']}: {fmt(lv['output_token_throughput'], '.1f')} output tok/s, "
                                 f"failed {lv['failed']}, prefix-cache hit rate {fmt(lv.get('prefix_cache_hit_rate'), '.3f')}")
-                    if bench and name not in VARIANTS:
+                    if bench and name not in PREFIX_ONLY:
                         log(f"round {rnd + 1}/{args.rounds}, {name}, {BENCH}")
                         result, cmds = run_bench(vllm_python, server.url, hf_tok, args, work, envs["vllm"])
                         runs.append({"round": rnd + 1, "server": name, "workload": BENCH, "command": cmds, "loadtest": result})

@@ -403,7 +403,7 @@ class SlotDecoder(Closable):
         if T == 0 or past + T > self.capacity:
             raise ValueError(f"slot {slot} holds {past} positions of {self.capacity}: {T} more do not fit")
         if not past and not every:
-            logits = self._on_openvino(slot, ids)
+            logits = self._on_openvino(np.array([slot]), ids)
             if logits is not None:
                 return logits[0]
         if self.mixed_prefill:  # beside the scratch slot's dummy token
@@ -467,33 +467,40 @@ class SlotDecoder(Closable):
             self._openvino = OpenVinoPrefill(self._info, self._threads, self.kv_scales)
             self._openvino.warm_up(past=False)
 
-    def _on_openvino(self, first: int, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray | None:
-        """Fresh prompts `ids` [B, T], left-padded where `mask` [B, T] says so, into slots [first, first + B) on
-        OpenVINO, its presents written into the slots' own memory, then each padded row's positions moved to the
-        front of its slot: their last logits [B, vocab]; None where the export's record runs them on ONNX Runtime."""
+    def _on_openvino(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray | None:
+        """Fresh prompts `ids` [B, T], left-padded where `mask` [B, T] says so, into the free `slots` [B] on OpenVINO:
+        its presents written into the slots' own memory where they are consecutive (else into fresh arrays, then
+        copied), each padded row's positions then moved to the front of its slot. Their last logits [B, vocab]; None
+        where the export's record runs B x T tokens on ONNX Runtime."""
         B, T = ids.shape
         if self._openvino_from is None or T < 2 or B * T < self._openvino_from or self.device != "cpu":
             return None
         self.open_openvino()
         mask = np.ones((B, T), np.int64) if mask is None else np.ascontiguousarray(mask, dtype=np.int64)
         held = mask.sum(axis=1)
-        presents = [a[first: first + B] for a in self._arrays]  # C-contiguous views: OpenVINO writes into them
+        first = int(slots[0])
+        in_place = bool((slots == first + np.arange(B)).all())
+        if in_place:
+            presents = [a[first: first + B] for a in self._arrays]  # C-contiguous views: OpenVINO writes into them
+        else:
+            presents = [np.empty((B, a.shape[1], T, a.shape[3]), a.dtype) for a in self._arrays]
         logits = self._openvino(ids, mask, positions(mask, T), presents)
-        for b in np.flatnonzero(held < T).tolist():  # a slot's row starts at its position 0
+        for b, slot in enumerate(slots.tolist()):
             n = int(held[b])
-            for a in self._arrays:
-                a[first + b, :, :n] = a[first + b, :, T - n: T].copy()
-        self.lengths[first: first + B] = held
+            if n < T or not in_place:  # a slot's row starts at its position 0
+                for a, p in zip(self._arrays, presents):
+                    a[slot, :, :n] = p[b, :, T - n: T].copy() if in_place else p[b, :, T - n: T]
+        self.lengths[slots] = held
         return logits
 
-    def prefill_padded(self, first: int, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
-        """Fresh prompts `ids` [B, T], left-padded as `mask` says, into the free slots [first, first + B) in one forward
-        on the export's OpenVINO prefill (its graph reads the mask), where the export's record runs prompts of B x T
-        tokens there: their last logits [B, vocab]; else None, nothing run."""
-        B, T = ids.shape
-        if self.lengths[first: first + B].any() or first + B > self.slots:
-            raise ValueError(f"slots {first}..{first + B - 1} are not all free")
-        return self._on_openvino(first, np.ascontiguousarray(ids, dtype=np.int64), mask)
+    def prefill_fresh(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+        """Fresh prompts `ids` [B, T], left-padded as `mask` says, into the free `slots` [B] in one forward on the
+        export's OpenVINO prefill (its graph reads the mask), where the export's record runs prompts of B x T tokens
+        there: their last logits [B, vocab]; else None, nothing run."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(set(slots.tolist())) != len(slots) or self.lengths[slots].any():
+            raise ValueError(f"slots {slots.tolist()} are not all distinct and free")
+        return self._on_openvino(slots, np.ascontiguousarray(ids, dtype=np.int64), mask)
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: the prefill graph on an empty
@@ -508,10 +515,9 @@ class SlotDecoder(Closable):
             raise ValueError(f"{B} prompts of {T} tokens go into as many distinct free slots of {self.capacity} positions")
         if self.device != "cpu":
             raise ProviderError("prompts are prefilled together into the slots on the CPU provider only")
-        if (slots == slots[0] + np.arange(B)).all():
-            logits = self._on_openvino(int(slots[0]), ids)
-            if logits is not None:
-                return logits
+        logits = self._on_openvino(slots, ids)
+        if logits is not None:
+            return logits
         self.open_prefill()
         binding = self._prefill.io_binding()
         binding.bind_cpu_input(io.INPUT_IDS, ids)
@@ -767,11 +773,20 @@ class SlotBackend(Closable):
         self._free.append(slot)
 
     def flush(self, but: int | None = None) -> None:
-        """Run the chunks step_later holds (`but`: the one at that index left pending): the whole prompts of one length
-        into free slots together (SlotDecoder.prefill_rows), each other alone."""
+        """Run the chunks step_later holds (`but`: the one at that index left pending): the whole prompts into free slots
+        together (on OpenVINO, padded, where the export's record runs them there: SlotDecoder.prefill_fresh; else those
+        of one length: prefill_rows), each other alone."""
         kept = [] if but is None else [self._pending[but]]
         run = [p for i, p in enumerate(self._pending) if i != but]
         self._pending = kept
+        fresh = [(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]]
+        if len(fresh) > 1 and self.decoder.device == "cpu":  # whole prompts joining: one OpenVINO forward, left-padded
+            T = max(len(ids) for _, ids in fresh)
+            mask = np.array([[0] * (T - len(ids)) + [1] * len(ids) for _, ids in fresh], np.int64)
+            padded = np.array([np.concatenate([np.zeros(T - len(ids), np.int64), ids]) for _, ids in fresh])
+            if self.decoder.prefill_fresh(np.array([s for s, _ in fresh]), padded, mask) is not None:
+                done = {slot for slot, _ in fresh}
+                run = [(slot, ids) for slot, ids in run if slot not in done]
         together: dict[int, list[tuple[int, np.ndarray]]] = {}
         if self.decoder.device == "cpu":
             for slot, ids in run:
@@ -882,9 +897,8 @@ class SlotBackend(Closable):
         self.flush()
         B, T = input_ids.shape
         logits = np.zeros((B, T, self.vocab_size) if every else (B, self.vocab_size), np.float32)
-        fresh = not every and past is None and B > 1 and (slots == slots[0] + np.arange(B)).all()
-        if fresh and (new[:, -1].all()):  # a new batch, left-padded: one OpenVINO forward where the record says so
-            out = self.decoder.prefill_padded(int(slots[0]), input_ids, new.astype(np.int64))
+        if not every and past is None and B > 1 and new[:, -1].all():  # a new batch, left-padded: one OpenVINO forward
+            out = self.decoder.prefill_fresh(slots, input_ids, new.astype(np.int64))  # where the record says so
             if out is not None:
                 return out, SlotCache(self, slots)
         together = self._together(new, slots) if not every else []

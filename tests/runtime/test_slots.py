@@ -436,7 +436,8 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
     """Where the export's OpenVINO prefill runs fresh prompts (asked for here: the record's choice is a timing), a
     wave of one length, one of three lengths (left-padded: each row then moved to the front of its slot) and a lone
     prompt run there, OpenVINO writing their keys and values into the slots' own memory (an int8 export's int8 cache,
-    quantized as ONNX Runtime's is); their logits and the decode steps after them against the same prompts on ONNX
+    quantized as ONNX Runtime's is), and so do prompts into slots apart and joiners' prompts held for a later step
+    (into fresh arrays, then copied); their logits and the decode steps after them against the same prompts on ONNX
     Runtime's slots (fp32: within f32's summation order; int8: within int8's batch variance)."""
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.runtime.static_decode import SlotBackend
@@ -451,7 +452,7 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
     lone = rng.integers(0, V, 5).tolist()
 
     def run(prefill: str) -> list[np.ndarray]:
-        backend = SlotBackend(info, slots=5, capacity=32, prefill=prefill, threads=1)
+        backend = SlotBackend(info, slots=6, capacity=32, prefill=prefill, threads=1)
         backend.warm_up()
         on_openvino = backend.decoder._openvino is not None
         assert on_openvino == (prefill == "openvino")
@@ -468,6 +469,26 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
                 mask = np.concatenate([mask, np.ones((len(batch), 1), np.int64)], axis=1)
                 logits, cache = backend.step(logits.argmax(axis=1)[:, None], mask, None, cache)
             del cache  # its slots freed for the next batch
+        # slot 1 held: two prompts then take slots 0 and 2 (OpenVINO writes fresh arrays, then copied in), and two
+        # joiners' whole prompts held for a later step run together when flushed
+        held = backend.step(np.array([lone]), np.ones((1, 5), np.int64), None, None)[1]
+        held2 = backend.step(np.array([lone]), np.ones((1, 5), np.int64), None, None)[1]
+        del held
+        pair = waves[1][:2]
+        ids = np.array([[0] * (7 - len(p)) + p for p in pair])
+        mask = (np.arange(7)[None] >= 7 - np.array([[len(p)] for p in pair])).astype(np.int64)
+        logits, cache = backend.step(ids, mask, None, None)
+        assert sorted(cache.slots.tolist()) == [0, 2]
+        later = backend.step_later(ids, mask, None, None)
+        backend.flush()
+        for c in (cache, later):
+            tokens = np.zeros(backend.decoder.slots, np.int64)
+            tokens[c.slots] = [3, 5]
+            active = np.zeros(backend.decoder.slots, bool)
+            active[c.slots] = True
+            out.append(backend.decoder.step(tokens, active)[c.slots])
+        out.append(logits)
+        del held2, cache, later
         return out
 
     for got, want in zip(run("openvino"), run("onnxruntime")):
