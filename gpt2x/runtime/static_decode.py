@@ -19,8 +19,8 @@ from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
+from .prefill import PrefillChoice, estimate_ms, openvino_from
 from .prefill import asked as asked_prefill
-from .prefill import openvino_from
 from .providers import batched_from, bind_past_and_present, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
@@ -321,7 +321,7 @@ class SlotDecoder(Closable):
         self._prefill_form = prefill  # rewritten for an int8 cache where its session is made
         # Fresh prompts of at least this many tokens (rows x tokens) on the export's OpenVINO prefill graph, as the ort
         # backend runs them (`prefill_choice`: runtime.prefill.PrefillChoice), written straight into their slots.
-        self._openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
+        self.openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
         self._openvino, self._info = None, info
         if self.mixed_prefill:
             self.open_mixed()
@@ -458,7 +458,7 @@ class SlotDecoder(Closable):
     def open_openvino(self) -> None:
         """Open and warm the OpenVINO prefill now, where fresh prompts run there (its first inference lays its weights
         out: seconds)."""
-        if self._openvino_from is not None and self._openvino is None:
+        if self.openvino_from is not None and self._openvino is None:
             try:
                 from .openvino_prefill import OpenVinoPrefill
             except ImportError as e:
@@ -473,7 +473,7 @@ class SlotDecoder(Closable):
         copied), each padded row's positions then moved to the front of its slot. Their last logits [B, vocab]; None
         where the export's record runs B x T tokens on ONNX Runtime."""
         B, T = ids.shape
-        if self._openvino_from is None or T < 2 or B * T < self._openvino_from or self.device != "cpu":
+        if self.openvino_from is None or T < 2 or B * T < self.openvino_from or self.device != "cpu":
             return None
         self.open_openvino()
         mask = np.ones((B, T), np.int64) if mask is None else np.ascontiguousarray(mask, dtype=np.int64)
@@ -731,7 +731,7 @@ class SlotBackend(Closable):
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots", precisions_by_provider=SLOT_PRECISIONS,
                                 takes_past=True, joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True,
-                                warms_up=True, stores_kv_dtype=True)
+                                warms_up=True, stores_kv_dtype=True, estimates_prefill=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
@@ -914,6 +914,20 @@ class SlotBackend(Closable):
                 else:
                     logits[b] = out
         return logits, SlotCache(self, slots) if past is None else past
+
+    def prefill_ms(self, rows: int, new_tokens: int, past_tokens: int = 0) -> float | None:
+        """The estimated ms of a prefill of `rows` x `new_tokens` on a past of `past_tokens`, from the export's record
+        (runtime.prefill.estimate_ms), as the slots run it: fresh prompts together, on OpenVINO where the record runs
+        that many tokens there; on a past each row alone on ONNX Runtime. None without an OpenVINO prefill."""
+        start = self.decoder.openvino_from
+        if start is None:
+            return None
+        timing = self.info.prefill.get("timing") or {}
+        if past_tokens:
+            one = estimate_ms(timing.get("past") or timing, PrefillChoice.onnxruntime, new_tokens)
+            return None if one is None else rows * one
+        fresh = PrefillChoice.openvino if new_tokens > 1 and rows * new_tokens >= start else PrefillChoice.onnxruntime
+        return estimate_ms(timing, fresh, rows * new_tokens)
 
     def _together(self, new: np.ndarray, slots: np.ndarray) -> list[list[int]]:
         """The rows whose slots are free and whose new tokens are as many and the mask's last columns, grouped by that
