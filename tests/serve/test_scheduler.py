@@ -333,19 +333,19 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
     assert plan.num_scheduled_tokens == dict.fromkeys(wave, 16) and shapes.columns == [16]  # one prompt, run once
 
 
-def test_where_chunks_mix_into_the_decode_step_joiners_are_taken_a_chunks_worth_and_always_chunked():
-    """On a backend that runs a joiners' chunk in its decode step's forward (the fixed slots): the joiners taken
-    together hold at most one chunk's prompt tokens (the first whatever its length), and they are chunked even where
-    they outnumber the rows running (a whole prefill there was the rows' longest gap)."""
+def test_where_chunks_mix_into_the_decode_step_a_long_prompt_joins_alone_and_a_lone_joiner_is_chunked():
+    """On a backend that runs a joiners' chunk in its decode step's forward (the fixed slots): a prompt longer than a
+    chunk joins alone (the queue waits behind it), and a lone joiner is chunked even beside fewer rows running, where
+    several short ones run whole, in one forward (each chunk of several would be a forward of its own)."""
     clock = Clock()
     scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0, mixes=True)
-    wave = [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=6, clock=clock), row(prompt=40, clock=clock)]
+    wave = [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock), row(prompt=6, clock=clock)]
     scheduler.submit(wave)
-    plans = [shapes.step() for _ in range(7)]
-    assert [taken(p) for p in plans] == [wave[:2], [], [], [], [wave[2]], [], [wave[3]]]  # 6 + 10 fit 16; 6 + 40 do not
-    # two joiners beside one row: chunked (8 columns each, then the 10-token prompt's last 2), not run whole
-    assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 8) and shapes.columns[:2] == [8, 2]
-    assert plans[6].num_scheduled_tokens == {wave[3]: 16}  # a long prompt alone, a chunk a step
+    plans = [shapes.step() for _ in range(9)]
+    assert [taken(p) for p in plans] == [wave[:2], [], [wave[2]], [], [], [], [], [], [wave[3]]]
+    assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 10)  # two joiners beside one row: whole
+    assert [p.num_scheduled_tokens.get(wave[2]) for p in plans[2:7]] == [16, None, 16, None, 8]  # alone, a chunk a step
+    assert shapes.columns == [10, 16, 16, 8, 6]
     scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)  # a backend that does not mix
     scheduler.submit(wave := [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock)])
     plan = shapes.step()

@@ -393,8 +393,8 @@ class Scheduler:
 
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners. Where a
-        chunk runs in the decode step's forward (`mixes`), as many as one chunk's tokens hold, at least one: the mixed
-        step runs one joiner's chunk, and the others' would each run a forward of their own in every step."""
+        chunk runs in the decode step's forward (`mixes`), a prompt longer than a chunk joins alone: the mixed step
+        runs one joiner's chunk, and the others' would each run a forward of their own in every step."""
         running = [rows[i] for i in live]
         taken = self.take(running, _used(running), (self.chunk_tokens(len(live)) or None) if self.mixes else None)
         if not taken:
@@ -414,9 +414,10 @@ class Scheduler:
             self.in_flight = rows + joiners
         # Chunks spare the rows running a whole prefill's wait for their next token, at the joiners' first tokens'
         # cost: worth it while those rows are as many as the joiners, not for a wave of requests joining a row or two
-        # (docs/serving/index.md#chunked-prefill), unless each chunk runs in a decode step's forward, where it costs
-        # its own tokens: the whole prefill of joiners outnumbering the rows was the rows' longest gap there.
-        beside = bool(live) and (self.mixes or len(joiners) <= len(live))
+        # (docs/serving/index.md#chunked-prefill). Where a chunk runs in a decode step's forward (`mixes`), a lone
+        # joiner is chunked there, whatever the rows running, and several (each within a chunk: `_join`) run whole
+        # in one forward, the chunks of several each being a forward of their own.
+        beside = bool(live) and (len(joiners) == 1 if self.mixes else len(joiners) <= len(live))
         if new and beside and self.overlaps and self.prefill_steps(joiners, len(live)) > OVERLAP_AFTER_CHUNKS:
             self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
             return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
@@ -555,11 +556,11 @@ class Scheduler:
 
     def take(self, rows: list[Row], width: int | None, tokens: int | None = None) -> list[Row]:
         """Waiting rows (in arrival order, or by priority with the priority policy) that fit beside
-        `rows`, a batch whose cache can be made `width` wide (None: a new batch), and, where `tokens` is given, whose
-        prompts hold that many tokens in all (the first taken whatever its length). Stops at the first
+        `rows`, a batch whose cache can be made `width` wide (None: a new batch); where `tokens` is given, a prompt
+        longer than that is taken alone (first, or not at all). Stops at the first
         that does not fit, so no request is overtaken forever (by one of its own priority)."""
         def fits(taken: list[Row], candidate: Row) -> bool:
-            if tokens is not None and taken and sum(len(r.prompt_ids) for r in [*taken, candidate]) > tokens:
+            if tokens is not None and taken and max(len(taken[0].prompt_ids), len(candidate.prompt_ids)) > tokens:
                 return False
             return self._fits(rows, taken + [candidate], width)
 
