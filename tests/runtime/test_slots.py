@@ -538,16 +538,18 @@ def test_a_rows_logits_do_not_depend_on_what_the_other_slots_hold(tiny_export, p
     decoder.prefill(3, rng.integers(0, V, 5))
     token = int(rng.integers(0, V))
 
-    def step_slot_1(other: int, both: bool) -> np.ndarray:
+    def step_slot_1(other: int, both: bool, take: bool = False) -> np.ndarray:
         """Slot 1's logits on `token` at position 6, slots 0..3 stepped (0 and 2 free), slot 3 on `other`
-        (advancing where `both`); slot 1 then rolled back again."""
+        (advancing where `both`), read from every slot's or (`take`) from slot 1's alone; slot 1 then rolled back."""
         lengths = decoder.lengths.copy()
-        logits = decoder.step(np.array([0, token, 0, other]), np.array([False, True, False, both]))[1]
+        tokens, active = np.array([0, token, 0, other]), np.array([False, True, False, both])
+        logits = decoder.step(tokens, active, take=np.array([1]))[0] if take else decoder.step(tokens, active)[1]
         decoder.lengths[:] = lengths
         return logits
 
     want = step_slot_1(0, both=False)
     assert np.isfinite(want).all()
+    np.testing.assert_array_equal(step_slot_1(0, both=False, take=True), want)
     for other, both in ((int(rng.integers(0, V)), True), (0, False)):
         for a in decoder._arrays:  # slot 1's rejected positions, the free slots and slot 3 hold something else
             junk = rng.integers(-100, 100, a[:, :, 6:].shape) if a.dtype == np.int8 else rng.normal(0, 50, a[:, :, 6:].shape)
