@@ -507,9 +507,10 @@ class SlotDecoder(Closable):
         return self._on_openvino(slots, np.ascontiguousarray(ids, dtype=np.int64), mask)
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: the prefill graph on an empty
-        past (ONNX Runtime's GroupQueryAttention runs several tokens of several rows only there), its presents then
-        written into the slots. Each row's last logits [B, vocab]. On the CPU."""
+        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: on the export's OpenVINO
+        prefill where its record runs B x T tokens there (`_on_openvino`), else the prefill graph on an empty past
+        (ONNX Runtime's GroupQueryAttention runs several tokens of several rows only there), its presents then written
+        into the slots. Each row's last logits [B, vocab]. On the CPU."""
         slots = np.asarray(slots, dtype=np.int64)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         (B, T), (_, heads, _, dim) = ids.shape, self._row_shape
@@ -778,32 +779,36 @@ class SlotBackend(Closable):
 
     def flush(self, but: int | None = None) -> None:
         """Run the chunks step_later holds (`but`: the one at that index left pending): the whole prompts into free slots
-        together (on OpenVINO, padded, where the export's record runs them there: SlotDecoder.prefill_fresh; else those
-        of one length: prefill_rows), each other alone."""
+        together (`_together_first`), each other alone."""
         kept = [] if but is None else [self._pending[but]]
         run = [p for i, p in enumerate(self._pending) if i != but]
         self._pending = kept
-        fresh = [(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]]
-        if len(fresh) > 1 and self.decoder.device == "cpu":  # whole prompts joining: one OpenVINO forward, left-padded
-            T = max(len(ids) for _, ids in fresh)
-            mask = np.array([[0] * (T - len(ids)) + [1] * len(ids) for _, ids in fresh], np.int64)
-            padded = np.array([np.concatenate([np.zeros(T - len(ids), np.int64), ids]) for _, ids in fresh])
-            if self.decoder.prefill_fresh(np.array([s for s, _ in fresh]), padded, mask) is not None:
-                done = {slot for slot, _ in fresh}
-                run = [(slot, ids) for slot, ids in run if slot not in done]
-        together: dict[int, list[tuple[int, np.ndarray]]] = {}
-        if self.decoder.device == "cpu":
-            for slot, ids in run:
-                if self.decoder.lengths[slot] == 0:
-                    together.setdefault(len(ids), []).append((slot, ids))
-        ran = set()
-        for group in together.values():
-            if len(group) > 1:
-                self.decoder.prefill_rows(np.array([s for s, _ in group]), np.stack([ids for _, ids in group]))
-                ran.update(s for s, _ in group)
+        ran = self._together_first([(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]])
         for slot, ids in run:
             if slot not in ran:
                 self.decoder.prefill(slot, ids)
+
+    def _together_first(self, fresh: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
+        """Whole prompts (slot, ids) into free slots, run together where they can be (on the CPU): on OpenVINO,
+        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else those of one length
+        on ONNX Runtime (prefill_rows). The last logits [vocab] of each slot that ran."""
+        if len(fresh) < 2 or self.decoder.device != "cpu":
+            return {}
+        slots = np.array([slot for slot, _ in fresh])
+        T = max(len(ids) for _, ids in fresh)
+        mask = np.array([[0] * (T - len(ids)) + [1] * len(ids) for _, ids in fresh], np.int64)
+        padded = np.array([np.concatenate([np.zeros(T - len(ids), np.int64), ids]) for _, ids in fresh])
+        logits = self.decoder.prefill_fresh(slots, padded, mask)
+        if logits is not None:
+            return dict(zip(slots.tolist(), logits))
+        groups: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for slot, ids in fresh:
+            groups.setdefault(len(ids), []).append((slot, ids))
+        ran: dict[int, np.ndarray] = {}
+        for group in (g for g in groups.values() if len(g) > 1):
+            group_slots = [slot for slot, _ in group]
+            ran.update(zip(group_slots, self.decoder.prefill_rows(np.array(group_slots), np.stack([i for _, i in group]))))
+        return ran
 
     def _slots_for(self, B: int, past: SlotCache | None) -> np.ndarray:
         if past is not None:
@@ -896,23 +901,20 @@ class SlotBackend(Closable):
 
     def _prefill(self, input_ids: np.ndarray, new: np.ndarray, slots: np.ndarray, past: SlotCache | None,
                  every: bool) -> tuple[np.ndarray, SlotCache]:
-        """Each row's new tokens (`new`: which of the T columns are its own) appended to its slot, one forward a row:
-        the last position's logits (B, V), or with `every` each position's (B, T, V)."""
+        """Each row's new tokens (`new`: which of the T columns are its own) appended to its slot: the whole prompts
+        into free slots together where they can be (`_together_first`: a wave of requests), every other row in a
+        forward of its own. The last position's logits (B, V), or with `every` each position's (B, T, V)."""
         self.flush()
         B, T = input_ids.shape
         logits = np.zeros((B, T, self.vocab_size) if every else (B, self.vocab_size), np.float32)
-        if not every and past is None and B > 1 and new[:, -1].all():  # a new batch, left-padded: one OpenVINO forward
-            out = self.decoder.prefill_fresh(slots, input_ids, new.astype(np.int64))  # where the record says so
-            if out is not None:
-                return out, SlotCache(self, slots)
-        together = self._together(new, slots) if not every else []
-        for rows in together:  # prompts of one length starting together: one forward (a wave of requests)
-            logits[rows] = self.decoder.prefill_rows(slots[rows], input_ids[rows][:, -int(new[rows[0]].sum()):])
-        alone = np.ones(B, bool)
-        alone[[b for rows in together for b in rows]] = False
-        for b in np.flatnonzero(alone).tolist():  # a prompt, or its next chunk, into each row's own slot
-            if new[b].any():
-                out = self.decoder.prefill(int(slots[b]), input_ids[b][new[b]], every)
+        rows = [(int(slots[b]), input_ids[b][new[b]]) for b in range(B)]
+        together = {} if every else self._together_first([(s, ids) for s, ids in rows
+                                                           if len(ids) and not self.decoder.lengths[s]])
+        for b, (slot, ids) in enumerate(rows):  # a prompt, or its next chunk, into each row's own slot
+            if slot in together:
+                logits[b] = together[slot]
+            elif len(ids):
+                out = self.decoder.prefill(slot, ids, every)
                 if every:
                     logits[b, new[b]] = out
                 else:
@@ -932,18 +934,6 @@ class SlotBackend(Closable):
             return None if one is None else rows * one
         fresh = PrefillChoice.openvino if new_tokens > 1 and rows * new_tokens >= start else PrefillChoice.onnxruntime
         return estimate_ms(timing, fresh, rows * new_tokens)
-
-    def _together(self, new: np.ndarray, slots: np.ndarray) -> list[list[int]]:
-        """The rows whose slots are free and whose new tokens are as many and the mask's last columns, grouped by that
-        count, groups of two or more (on the CPU)."""
-        if self.decoder.device != "cpu":
-            return []
-        groups: dict[int, list[int]] = {}
-        for b, row in enumerate(new):
-            n = int(row.sum())
-            if n and row[len(row) - n:].all() and self.decoder.lengths[slots[b]] == 0:
-                groups.setdefault(n, []).append(b)
-        return [rows for rows in groups.values() if len(rows) > 1]
 
     def peak_device_memory_mb(self) -> float | None:
         return None
