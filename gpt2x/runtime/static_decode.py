@@ -380,13 +380,11 @@ class SlotDecoder(Closable):
         if rows not in self._steps:
             tokens = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, 1), np.int64), self.device, 0)
             seqlens = ort.OrtValue.ortvalue_from_numpy(np.zeros(rows, np.int32), self.device, 0)
-            logits = np.zeros((rows, 1, self.vocab_size), np.float32)
             binding = self._decode.io_binding()
             for name, value in ((io.INPUT_IDS, tokens), (io.SEQLENS_K, seqlens), (io.TOTAL_SEQUENCE_LENGTH, self._total)):
                 binding.bind_ortvalue_input(name, value)
             self._bind_slots(binding, 0, rows)
-            binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-            self._steps[rows] = binding, tokens, seqlens, logits
+            self._steps[rows] = binding, tokens, seqlens
         return self._steps[rows]
 
     def _check_slot(self, slot: int) -> None:
@@ -426,8 +424,8 @@ class SlotDecoder(Closable):
     def step(self, tokens: np.ndarray, active: np.ndarray | None = None, take: np.ndarray | None = None) -> np.ndarray:
         """Append each held slot's token of `tokens` [slots] at its own next position (a free slot's is ignored); the
         logits [slots, vocab] (a free slot's are meaningless), or with `take` only those slots' [len(take), vocab] (a
-        16-row step's caller reads 3 MB, not the 6 MB of 32 slots zeroed and copied). The step runs slots 0 up to the
-        highest one held.
+        16-row step's caller reads 3 MB, not the 6 MB of 32 slots zeroed and copied, and where it takes slots 0 up to
+        the highest one stepped, in order, the step's own output). The step runs slots 0 up to the highest one held.
         `active` [slots] bool: only those slots advance (default: every held one); another held slot runs a dummy
         token at its next position without advancing, which its own next token or chunk overwrites before it is read."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(self.slots)
@@ -440,13 +438,17 @@ class SlotDecoder(Closable):
             raise ValueError(f"slot {int(np.flatnonzero(held & (self.lengths >= self.capacity))[0])} is full "
                              f"({self.capacity} positions)")
         rows = int(np.flatnonzero(self.lengths > 0)[-1]) + 1
-        binding, ids, seqlens, logits = self._step_binding(rows)
+        binding, ids, seqlens = self._step_binding(rows)
         ids.update_inplace(np.where(held, tokens, 0)[:rows].reshape(rows, 1))
         seqlens.update_inplace(self.lengths[:rows].astype(np.int32))  # a free slot's 0: its token goes to position 0
+        # fresh memory each step, as the caller may keep what a step gave: never copied again where it reads every row
+        logits = np.empty((rows, 1, self.vocab_size), np.float32)
+        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self._decode.run_with_iobinding(binding)
         self.lengths[held] += 1
-        if take is not None:  # a copy: the bound buffer is the next step's too
-            return logits[np.asarray(take), 0]
+        if take is not None:
+            take = np.asarray(take)
+            return logits[:, 0] if np.array_equal(take, np.arange(rows)) else logits[take, 0]
         out = np.zeros((self.slots, self.vocab_size), np.float32)
         out[:rows] = logits[:, 0]
         return out
