@@ -504,8 +504,9 @@ class SlotDecoder(Closable):
         export's OpenVINO prefill (its graph reads the mask), where the export's record runs prompts of B x T tokens
         there: their last logits [B, vocab]; else None, nothing run."""
         slots = np.asarray(slots, dtype=np.int64)
-        if len(set(slots.tolist())) != len(slots) or self.lengths[slots].any():
-            raise ValueError(f"slots {slots.tolist()} are not all distinct and free")
+        if len(set(slots.tolist())) != len(slots) or self.lengths[slots].any() or not 0 < ids.shape[1] <= self.capacity:
+            raise ValueError(f"slots {slots.tolist()} are not all distinct and free, or {ids.shape[1]} positions do not "
+                             f"fit their {self.capacity}")
         return self._on_openvino(slots, np.ascontiguousarray(ids, dtype=np.int64), mask)
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
