@@ -76,6 +76,21 @@ def test_a_prompt_that_starts_as_an_earlier_one_takes_its_blocks_from_the_prefix
     assert engine.stats()["prefix_cache_hits"] - before >= 2 * 48
 
 
+def test_rows_of_one_long_prompt_are_served_and_its_blocks_kept_from_the_slot_they_share(client, service, reference):
+    """Two rows of one prompt of several blocks (n=2): prefilled once, the second row's slot a copy of the first's (the
+    prompts' cache handed to the batch's). Its blocks are kept by the prefix cache from what the prefill wrote (the
+    batch failed here: the prompts' cache, emptied by the hand-over, was read), and a later request finds them."""
+    prompt = PROMPTS[2] * 5 + " Speak."
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2})
+    want = decode(generate(reference, [prompt], SamplingSettings(max_new_tokens=6, greedy=True))[0].tokens)
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [want, want]
+    before = service.engine.stats()["prefix_cache_hits"]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    assert service.engine.stats()["prefix_cache_hits"] - before >= 64
+
+
 async def staggered(client, bodies: list[dict]) -> list[httpx.Response]:
     """The bodies posted 0.1 s apart, the first's steps under way when the others arrive."""
     transport = httpx.ASGITransport(app=client.app)

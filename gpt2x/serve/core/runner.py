@@ -54,6 +54,9 @@ class Prefill:
     done: int = 0
     # An overlapped prefill's model steps (tokens, positions), told by the engine's thread once it has ended.
     ran: list[tuple[int, int]] = field(default_factory=list)
+    # The prompts' cache as the prefix cache keeps it (KVCache.stored), taken where the ended prefill's cache is handed
+    # on to its rows' (a fixed slots' reorder leaves the cache before it holding nothing); else read at the keeping.
+    stored: list[np.ndarray] | None = None
 
 
 class Runner:
@@ -319,6 +322,8 @@ class Runner:
             self._unkept.append(prefill)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
+            if report and self.prefix_cache is not None:
+                prefill.stored = past.stored()
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events
 
@@ -339,7 +344,8 @@ class Runner:
             return
         new = [(u, p) for u, p in enumerate(prefill.prompts) if cache.lacks(p)]
         if new:  # an int8 cache's bytes: no float copy before the first tokens go out
-            cache.keep_later(new, prefill.past.stored(), prefill.mask.shape[1])  # the copy before, settled
+            stored = prefill.past.stored() if prefill.stored is None else prefill.stored
+            cache.keep_later(new, stored, prefill.mask.shape[1])  # the copy before, settled
             self._keeping_held = held
 
     def step(self, batch: Batch) -> list[Event]:
