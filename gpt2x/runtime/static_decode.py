@@ -58,6 +58,17 @@ def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
             f"GroupQueryAttention there), not {precision.value}")
 
 
+def bind_prompts(binding, ids: np.ndarray, keep_last: ort.OrtValue | None) -> None:
+    """Prompts `ids` [B, T] with no past and no padding bound as a prefill graph's inputs (the mask all ones, positions
+    0 .. T - 1), and `keep_last` as its logits_to_keep where the graph takes one (the last position's logits alone)."""
+    B, T = ids.shape
+    binding.bind_cpu_input(io.INPUT_IDS, ids)
+    binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
+    binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
+    if keep_last is not None:
+        binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, keep_last)
+
+
 class StaticDecoder(Closable):
     """`rows` prompts of one length (no padding) decoded greedily into one fixed-capacity cache of `capacity`
     positions (default: the model's). The prompt runs on the export's GroupQueryAttention graph (the fp32 and fp16
@@ -172,11 +183,7 @@ class StaticDecoder(Closable):
         if B != self.rows or not 0 < T < self.capacity:
             raise ValueError(f"prompts must be {self.rows} rows of 1..{self.capacity - 1} tokens, not {B} x {T}")
         binding = self._prefill.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, prompt_ids)
-        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
-        if self._keep_last is not None:
-            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
+        bind_prompts(binding, prompt_ids, self._keep_last)
         binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs follows the order of binding
         bind_past_and_present(binding, self._kv)
         self._prefill.run_with_iobinding(binding)
@@ -510,10 +517,10 @@ class SlotDecoder(Closable):
         return self._on_openvino(slots, np.ascontiguousarray(ids, dtype=np.int64), mask)
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward: on the export's OpenVINO
-        prefill where its record runs B x T tokens there (`_on_openvino`), else the prefill graph on an empty past
-        (ONNX Runtime's GroupQueryAttention runs several tokens of several rows only there), its presents then written
-        into the slots. Each row's last logits [B, vocab]. On the CPU."""
+        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward on ONNX Runtime: the prefill
+        graph on an empty past (its GroupQueryAttention runs several tokens of several rows only there), its presents
+        then written into the slots. Each row's last logits [B, vocab]. On the CPU. (Where the export's record runs
+        the prompts on OpenVINO, SlotBackend has run them there first: prefill_fresh.)"""
         slots = np.asarray(slots, dtype=np.int64)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         (B, T), (_, heads, _, dim) = ids.shape, self._row_shape
@@ -523,16 +530,9 @@ class SlotDecoder(Closable):
             raise ValueError(f"{B} prompts of {T} tokens go into as many distinct free slots of {self.capacity} positions")
         if self.device != "cpu":
             raise ProviderError("prompts are prefilled together into the slots on the CPU provider only")
-        logits = self._on_openvino(slots, ids)
-        if logits is not None:
-            return logits
         self.open_prefill()
         binding = self._prefill.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, ids)
-        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
-        if self._keep_last is not None:
-            binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, self._keep_last)
+        bind_prompts(binding, ids, self._keep_last)
         empty = np.zeros((B, heads, 0, dim), self.dtype)
         for name in self._names[0]:
             binding.bind_cpu_input(name, empty)
