@@ -541,7 +541,9 @@ class NoRepeatNGram(LogitsProcessor):
         return cls(settings.no_repeat_ngram_size) if settings.no_repeat_ngram_size else None
 
     def __init__(self, n: int | np.ndarray):
-        self.n = n  # 0: left as is
+        # 0: left as is. A size past int64's range bans nothing, as any longer than the row's text does (a request
+        # may send one: JSON ints are unbounded; its batch's int64 sizes overflowed, and the batch failed).
+        self.n = min(n, np.iinfo(np.int64).max) if isinstance(n, int) else n
 
     @classmethod
     def for_rows(cls, procs: Sequence[NoRepeatNGram | None]) -> NoRepeatNGram:

@@ -176,9 +176,11 @@ def test_no_repeat_ngram_by_hand_and_typical_p_only_when_sampling():
     (`5 6` ends the text and `5 6 7` was seen), and 4-grams ban nothing (`7 5 6` occurred once). typical_p is a
     sampling warper (transformers applies it only when sampling): greedy leaves it out; no_repeat_ngram_size stays."""
     h = [History([5, 6], [7, 5, 6], 0)]
-    for n, banned in ((2, [7]), (3, [7]), (4, [])):
+    for n, banned in ((2, [7]), (3, [7]), (4, []), (2**67, [])):  # one past int64's range too (a request's), batched
         out = NoRepeatNGram(n)(np.zeros((1, 10)), h)
         assert np.flatnonzero(np.isinf(out[0])).tolist() == banned, n
+        out = NoRepeatNGram.for_rows([NoRepeatNGram(n), None])(np.zeros((2, 10)), h * 2)
+        assert np.flatnonzero(np.isinf(out[0])).tolist() == banned and not np.isinf(out[1]).any(), n
     assert [type(p) for p in processors_for(SamplingSettings(typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram, TypicalP]
     assert [type(p) for p in processors_for(SamplingSettings(greedy=True, typical_p=0.5, no_repeat_ngram_size=3))] == [NoRepeatNGram]
 
