@@ -19,7 +19,7 @@ from ..onnx.kvcache import dequantize, quantize
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
-from .prefill import PrefillChoice, estimate_ms, openvino_from
+from .prefill import PrefillChoice, estimate_ms, openvino_from, openvino_past_from
 from .prefill import asked as asked_prefill
 from .providers import batched_from, bind_past_and_present, create_session, refuse_fp16_on_cpu
 
@@ -329,6 +329,8 @@ class SlotDecoder(Closable):
         # Fresh prompts of at least this many tokens (rows x tokens) on the export's OpenVINO prefill graph, as the ort
         # backend runs them (`prefill_choice`: runtime.prefill.PrefillChoice), written straight into their slots.
         self.openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
+        # And rows' next tokens after what their slots hold from this many on (its graph on a past, where it takes one).
+        self.openvino_past_from = openvino_past_from(info, asked_prefill(prefill_choice), self.openvino_from)
         self._openvino, self._info = None, info
         if self.mixed_prefill:
             self.open_mixed()
@@ -478,7 +480,7 @@ class SlotDecoder(Closable):
                 raise ProviderError(f"{self._info.folder}: cannot run the prefill on OpenVINO: openvino does not import "
                                     f"({e})") from None
             self._openvino = OpenVinoPrefill(self._info, self._threads, self.kv_scales)
-            self._openvino.warm_up(past=False)
+            self._openvino.warm_up(past=self.openvino_past_from is not None)
 
     def _on_openvino(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray | None:
         """Fresh prompts `ids` [B, T], left-padded where `mask` [B, T] says so, into the free `slots` [B] on OpenVINO:
@@ -515,6 +517,44 @@ class SlotDecoder(Closable):
             raise ValueError(f"slots {slots.tolist()} are not all distinct and free, or {ids.shape[1]} positions do not "
                              f"fit their {self.capacity}")
         return self._on_openvino(slots, np.ascontiguousarray(ids, dtype=np.int64), mask)
+
+    def prefill_held(self, slots: np.ndarray, rows: list[np.ndarray]) -> np.ndarray | None:
+        """Each slot's next tokens `rows[b]` after what it holds, in one forward on the export's OpenVINO prefill graph
+        on a past, where its record runs that many new tokens (rows x the longest) on a past there: their last logits
+        [B, vocab]; else None, nothing run. Slots holding one length, consecutive, with rows of one length run in the
+        slots' own memory; any others in fresh arrays, each slot's past right-aligned before the new columns and its
+        tokens left-padded in them (the mask's zeros between), then copied back after what the slot holds."""
+        slots = np.asarray(slots, dtype=np.int64)
+        B, T = len(slots), max(len(r) for r in rows)
+        held = self.lengths[slots].copy()
+        start = self.openvino_past_from
+        if start is None or T < 2 or B * T < start or self.device != "cpu" or not held.all() \
+                or len(set(slots.tolist())) != B or held.max() + T > self.capacity:
+            return None
+        self.open_openvino()
+        P, first = int(held.max()), int(slots[0])
+        ids = np.zeros((B, T), np.int64)
+        for b, r in enumerate(rows):
+            ids[b, T - len(r):] = r
+        if (slots == first + np.arange(B)).all() and (held == P).all() and all(len(r) == T for r in rows):
+            mask = np.ones((B, P + T), np.int64)
+            logits = self._openvino(ids, mask, positions(mask, T), [a[first: first + B] for a in self._arrays], past=P)
+            self.lengths[slots] = P + T
+            return logits
+        mask = np.zeros((B, P + T), np.int64)
+        buffers = [np.zeros((B, a.shape[1], P + T, a.shape[3]), a.dtype) for a in self._arrays]
+        for b, slot in enumerate(slots.tolist()):
+            n = int(held[b])
+            mask[b, P - n: P] = mask[b, P + T - len(rows[b]):] = 1
+            for a, buffer in zip(self._arrays, buffers):
+                buffer[b, :, P - n: P] = a[slot, :, :n]
+        logits = self._openvino(ids, mask, positions(mask, T), buffers, past=P)
+        for b, slot in enumerate(slots.tolist()):
+            n, t = int(held[b]), len(rows[b])
+            for a, buffer in zip(self._arrays, buffers):
+                a[slot, :, n: n + t] = buffer[b, :, P + T - t:]
+            self.lengths[slot] = n + t
+        return logits
 
     def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward on ONNX Runtime: the prefill
@@ -787,6 +827,7 @@ class SlotBackend(Closable):
         run = [p for i, p in enumerate(self._pending) if i != but]
         self._pending = kept
         ran = self._together_first([(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]])
+        ran.update(self._together_on_past([(slot, ids) for slot, ids in run if slot not in ran]))
         for slot, ids in run:
             if slot not in ran:
                 self.decoder.prefill(slot, ids)
@@ -812,6 +853,16 @@ class SlotBackend(Closable):
             group_slots = [slot for slot, _ in group]
             ran.update(zip(group_slots, self.decoder.prefill_rows(np.array(group_slots), np.stack([i for _, i in group]))))
         return ran
+
+    def _together_on_past(self, held: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
+        """Rows' next tokens (slot, ids) after what their slots hold (a prompt's rest after the prefix cache's blocks,
+        a chunk), run together on OpenVINO where the export's record runs that many there (SlotDecoder.prefill_held).
+        The last logits [vocab] of each slot that ran."""
+        if not held or len({slot for slot, _ in held}) != len(held) or not all(self.decoder.lengths[s] for s, _ in held):
+            return {}
+        slots = np.array([slot for slot, _ in held])
+        logits = self.decoder.prefill_held(slots, [ids for _, ids in held])
+        return {} if logits is None else dict(zip(slots.tolist(), logits))
 
     def _slots_for(self, B: int, past: SlotCache | None) -> np.ndarray:
         if past is not None:
@@ -913,6 +964,8 @@ class SlotBackend(Closable):
         rows = [(int(slots[b]), input_ids[b][new[b]]) for b in range(B)]
         together = {} if every else self._together_first([(s, ids) for s, ids in rows
                                                            if len(ids) and not self.decoder.lengths[s]])
+        if not every:
+            together.update(self._together_on_past([(s, ids) for s, ids in rows if len(ids) and s not in together]))
         for b, (slot, ids) in enumerate(rows):  # a prompt, or its next chunk, into each row's own slot
             if slot in together:
                 logits[b] = together[slot]
@@ -927,12 +980,16 @@ class SlotBackend(Closable):
     def prefill_ms(self, rows: int, new_tokens: int, past_tokens: int = 0) -> float | None:
         """The estimated ms of a prefill of `rows` x `new_tokens` on a past of `past_tokens`, from the export's record
         (runtime.prefill.estimate_ms), as the slots run it: fresh prompts together, on OpenVINO where the record runs
-        that many tokens there; on a past each row alone on ONNX Runtime. None without an OpenVINO prefill."""
+        that many tokens there; on a past together on OpenVINO likewise (its record's `past` timing), else each row
+        alone on ONNX Runtime. None without an OpenVINO prefill."""
         start = self.decoder.openvino_from
         if start is None:
             return None
         timing = self.info.prefill.get("timing") or {}
         if past_tokens:
+            on_past = self.decoder.openvino_past_from
+            if on_past is not None and new_tokens > 1 and rows * new_tokens >= on_past:
+                return estimate_ms(timing.get("past") or timing, PrefillChoice.openvino, rows * new_tokens)
             one = estimate_ms(timing.get("past") or timing, PrefillChoice.onnxruntime, new_tokens)
             return None if one is None else rows * one
         fresh = PrefillChoice.openvino if new_tokens > 1 and rows * new_tokens >= start else PrefillChoice.onnxruntime

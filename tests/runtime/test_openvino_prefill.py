@@ -577,8 +577,8 @@ def test_a_backend_estimates_a_prompt_on_the_runtime_that_runs_it(tiny, tiny_exp
 
 def test_the_fixed_slots_estimate_a_prompt_as_they_run_it(tiny, tiny_export):
     """SlotBackend.prefill_ms, for the scheduler's prefix-cache policy: fresh prompts together on the line of the
-    runtime that runs them (OpenVINO from 8 tokens here), rows on a past each alone, on ONNX Runtime's line of chunks
-    on a past; no estimate without an OpenVINO prefill."""
+    runtime that runs them (OpenVINO from 8 tokens here), rows on a past together on OpenVINO's line of chunks on a past
+    from its 256 new tokens, below that each alone, on ONNX Runtime's line; no estimate without an OpenVINO prefill."""
     from gpt2x.runtime.static_decode import SlotBackend
 
     _, info = tiny
@@ -589,6 +589,7 @@ def test_the_fixed_slots_estimate_a_prompt_as_they_run_it(tiny, tiny_export):
     assert slots.prefill_ms(15, 32, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.openvino, 480))
     assert slots.prefill_ms(1, 4, 0) == pytest.approx(estimate_ms(XEON_TIMING, PrefillChoice.onnxruntime, 4))
     assert slots.prefill_ms(15, 16, 16) == pytest.approx(15 * (30.0 + 123.5 / 224 * (16 - 32)))  # 15 rows alone
+    assert slots.prefill_ms(2, 128, 16) == pytest.approx(73.5)  # 256 tokens: together on OpenVINO
     assert SlotBackend(tiny_export(Precision.int8)[2], threads=1, slots=2, capacity=32).prefill_ms(15, 16, 16) is None
 
 

@@ -496,6 +496,73 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
         assert (got.argmax(axis=1) == want.argmax(axis=1)).mean() >= 0.5
 
 
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.int8])
+def test_rows_on_a_past_run_together_on_the_exports_openvino_prefill_and_decode_on(tiny_export, precision, monkeypatch):
+    """Rows' next tokens after what their slots hold, on the export's OpenVINO prefill graph on a past (asked for here:
+    the record's choice is a timing), all of them in one forward: the prefix cache's pasts of three lengths with rests of
+    two (in fresh arrays, each past right-aligned and each rest left-padded, then copied after what its slot holds), a
+    wave of one past and one rest in consecutive slots (in the slots' own memory), and chunks held for a later step
+    (flushed together). Their logits and the decode steps after them against the same rows on ONNX Runtime's slots,
+    each row alone (fp32: within f32's summation order; int8: within int8's batch variance)."""
+    from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    model, _, info = tiny_export(precision, openvino_prefill=True, int8_kv=precision is Precision.int8)
+    if precision is Precision.int8:
+        monkeypatch.setenv(KV_DTYPE_ENV, "int8")
+    tolerance = 1e-4 if precision is Precision.fp32 else 5e-2
+    rng = np.random.default_rng(41)
+    V = info.config.vocab_size
+    ragged = [rng.integers(0, V, n).tolist() for n in (15, 9, 12)], [12, 5, 8]  # prompts, the tokens cached
+    wave = [rng.integers(0, V, 12).tolist() for _ in range(3)], [8, 8, 8]
+    chunks = [rng.integers(0, V, n).tolist() for n in (9, 6)]
+
+    def run(prefill: str) -> tuple[list[np.ndarray], int]:
+        backend = SlotBackend(info, slots=6, capacity=32, prefill=prefill, threads=1)
+        backend.warm_up()
+        together = []
+        held = backend.decoder.prefill_held
+        monkeypatch.setattr(backend.decoder, "prefill_held",
+                            lambda slots, rows: together.append(held(slots, rows)) or together[-1])
+        out = []
+        for prompts, cached in (ragged, wave):
+            past = backend.past_from_numpy(torch_past(model, [p[:c] for p, c in zip(prompts, cached)]))
+            K, T = max(cached), max(len(p) - c for p, c in zip(prompts, cached))
+            ids = np.zeros((len(prompts), T), np.int64)
+            mask = np.zeros((len(prompts), K + T), np.int64)
+            for b, (p, c) in enumerate(zip(prompts, cached)):
+                ids[b, T - len(p) + c:] = p[c:]
+                mask[b, K - c:K] = mask[b, K + T - len(p) + c:] = 1
+            logits, cache = backend.step(ids, mask, None, past)
+            assert backend.decoder.lengths[cache.slots].tolist() == [len(p) for p in prompts]
+            for _ in range(2):
+                out.append(logits)
+                mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+                logits, cache = backend.step(logits.argmax(axis=1)[:, None], mask, None, cache)
+            del cache, past
+        # two prompts' first 4 tokens prefilled, then their rests (5 and 2 tokens) held for a later step, flushed together
+        logits, cache = backend.step(np.array([p[:4] for p in chunks]), np.ones((2, 4), np.int64), None, None)
+        rests = np.array([chunks[0][4:], [0] * 3 + chunks[1][4:]])
+        mask = np.array([[1] * 9, [1] * 4 + [0] * 3 + [1] * 2])
+        backend.step_later(rests, mask, None, cache)
+        backend.flush()
+        assert backend.decoder.lengths[cache.slots].tolist() == [9, 6]
+        tokens = np.zeros(backend.decoder.slots, np.int64)
+        tokens[cache.slots] = [3, 5]
+        active = np.zeros(backend.decoder.slots, bool)
+        active[cache.slots] = True
+        out.append(backend.decoder.step(tokens, active)[cache.slots])
+        del cache
+        return out, sum(t is not None for t in together)
+
+    got, ran = run("openvino")
+    want, none = run("onnxruntime")
+    assert (ran, none) == (3, 0)  # the three prefills on a past ran on OpenVINO, each in one forward
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() <= tolerance * np.abs(w).max()
+        assert (g.argmax(axis=1) == w.argmax(axis=1)).mean() >= 0.5
+
+
 def test_a_waves_cache_as_the_prefix_cache_keeps_it_is_its_slots_own_memory_and_each_rows_kv(tiny):
     """SlotCache.stored of prompts of one length in consecutive slots (a wave): views of the slots (no copy before
     the wave's first step), each row's keys and values those of PyTorch's forward of its prompt; rows of two lengths:
