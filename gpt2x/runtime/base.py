@@ -77,8 +77,9 @@ class Capabilities:
     # sharing_threads, half the backend's, so that another thread's steps run beside them on the rest (a joining
     # prompt's prefill beside the batch's decode steps; None: nothing to share); prepare_sharing opens what they run on.
     shares_cores: bool = False
-    # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk whose logits nobody reads,
-    # which the backend may run in the forward of its next decode step (one forward for both, docs/serving/index.md).
+    # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk the backend may run in the
+    # forward of its next decode step (one forward for both, docs/serving/index.md); `later_logits(past)`: its last
+    # position's logits (B, V), once run (run now where it is still held).
     mixes_chunks: bool = False
     # Its caches store `kv_dtype` (ONNX Runtime's, in place, growing or in slots: int8 where it chose the int8 cache;
     # OpenVINO's: bf16's bits at bf16), as `KVCache.stored` gives it; the others' give float32. (The prefix cache's

@@ -796,8 +796,9 @@ class SlotBackend(Closable):
         self.model_name = info.meta["model"]["name"]
         self._free = list(range(slots))
         # step_later's chunks, not yet run: (slot, ids), each run in the next decode step's forward or alone before
-        # anything else reads the slots
+        # anything else reads the slots; and the last logits [vocab] of each slot's chunk that ran, for later_logits
         self._pending: list[tuple[int, np.ndarray]] = []
+        self._ran: dict[int, np.ndarray] = {}
 
     def warm_up(self) -> None:
         """Open the sessions the server runs: the mixed step's, where chunks mix, and on the CPU the prefill's and the
@@ -817,6 +818,7 @@ class SlotBackend(Closable):
 
     def free(self, slot: int) -> None:
         self._pending = [(s, ids) for s, ids in self._pending if s != slot]  # a row that leaves runs nothing more
+        self._ran.pop(slot, None)
         self.decoder.release(slot)
         self._free.append(slot)
 
@@ -830,7 +832,15 @@ class SlotBackend(Closable):
         ran.update(self._together_on_past([(slot, ids) for slot, ids in run if slot not in ran]))
         for slot, ids in run:
             if slot not in ran:
-                self.decoder.prefill(slot, ids)
+                ran[slot] = self.decoder.prefill(slot, ids)
+        self._ran.update(ran)
+
+    def later_logits(self, past: SlotCache) -> np.ndarray:
+        """The last position's logits [B, vocab] of the chunk step_later held for each row of `past`, which ran in a
+        decode step's forward or, where still held, runs now alone."""
+        if {slot for slot, _ in self._pending} & set(past.slots.tolist()):
+            self.flush()
+        return np.stack([self._ran.pop(slot) for slot in past.slots.tolist()])
 
     def _together_first(self, fresh: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Whole prompts (slot, ids) into free slots, run together where they can be (on the CPU): on OpenVINO,
@@ -941,7 +951,8 @@ class SlotBackend(Closable):
                 return self.decoder.step(tokens, active, take=slots), past
             (slot, ids), = self._pending
             self._pending = []
-            return self.decoder.step_mixed(tokens, active, slot, ids)[0][slots], past
+            logits, self._ran[slot] = self.decoder.step_mixed(tokens, active, slot, ids)
+            return logits[slots], past
         return self._prefill(input_ids, new, slots, past, every=False)
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,

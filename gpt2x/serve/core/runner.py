@@ -57,6 +57,9 @@ class Prefill:
     # The prompts' cache as the prefix cache keeps it (KVCache.stored), taken where the ended prefill's cache is handed
     # on to its rows' (a fixed slots' reorder leaves the cache before it holding nothing); else read at the keeping.
     stored: list[np.ndarray] | None = None
+    # Its last chunk's (tokens, positions), where that chunk runs in the next decode step's forward and the rows' first
+    # tokens are sampled after it (Runner._joined_after_step); None otherwise.
+    last: tuple[int, int] | None = None
 
 
 class Runner:
@@ -182,6 +185,20 @@ class Runner:
         with self.backend.sharing_cores() if self.overlap is not None else nullcontext():
             events = self.step(self.batch)
         yield RunnerOutput(self.batch.rows, events, stepped=self.batch.mask.shape[1] > width)
+        yield from self._joined_after_step()
+
+    def _joined_after_step(self) -> Iterator[RunnerOutput]:
+        """The joiners whose last chunk ran in this decode step's forward (Prefill.last): their first tokens sampled from
+        its logits (backend.later_logits), the joined rows held for the next plan to merge."""
+        prefill = self.prefilling
+        if prefill is None or prefill.last is None:
+            return
+        self.prefilling = None
+        logits = self.backend.later_logits(prefill.past)  # (U, V)
+        nxt, events = loop.sample_rows(prefill.rows, logits if prefill.index is None else logits[prefill.index])
+        self.joined, events = self._ended(prefill, nxt, events, *prefill.last, self._ran, report=True)
+        yield RunnerOutput(self.joined.rows, events, joined=True)
+        self._keep_unkept()
 
     def reset(self) -> None:
         """Let go of every batch held (the batch ended, or failed), once an overlapped prefill has stopped."""
@@ -292,11 +309,13 @@ class Runner:
         return finish()
 
     def advance(self, prefill: Prefill, columns: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
-        """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's
-        num_scheduled_tokens), or fewer where fewer are left, or all that is left (None). When its last column has run, each row's first token is
-        sampled: the batch and the events (its prompts' whole blocks kept in the prefix cache once they are told,
-        `_keep_unkept`); before that, None. `report` False (another thread's prefill): its steps are left in
-        `prefill.ran` and its blocks not kept, for the engine's thread to do (`_overlapped`)."""
+        """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's num_scheduled_tokens),
+        or fewer where fewer are left, or all that is left (None). When its last column has run, each row's first token
+        is sampled: the batch and the events (its prompts' whole blocks kept in the prefix cache once they are told,
+        `_keep_unkept`); before that, None. Where chunks mix and rows run, the last chunk too runs in the next decode
+        step's forward, and the rows' first tokens come after that step (`_joined_after_step`): None here. `report`
+        False (another thread's prefill): its steps are left in `prefill.ran` and its blocks not kept, for the engine's
+        thread to do (`_overlapped`)."""
         ran_step = self._ran if report else lambda tokens, held: prefill.ran.append((tokens, held))
         T = prefill.ids.shape[1]
         cols = T - prefill.done if columns is None else min(T - prefill.done, columns)
@@ -306,18 +325,30 @@ class Runner:
         ids = prefill.ids[:, prefill.done : prefill.done + cols]
         ran = int(mask[:, K + prefill.done :].sum())
         prefill.done += cols
-        if prefill.done < T:
-            if self.backend.capabilities.mixes_chunks and report:  # run in the next decode step's forward
+        later = self.backend.capabilities.mixes_chunks and report  # run in the next decode step's forward
+        # The last chunk too where a decode step follows (rows run beside), the first tokens sampled after it: it then
+        # costs the rows no forward of its own.
+        if prefill.done < T or (later and self.batch is not None and any(not r.finished for r in self.batch.rows)):
+            if later:
                 prefill.past = self.backend.step_later(ids, mask, positions(mask, cols), prefill.past)
             else:
                 _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
-            ran_step(ran, mask.size)
+            if prefill.done < T:
+                ran_step(ran, mask.size)
+            else:
+                prefill.last = (ran, mask.size)
             return None
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
         nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, positions(mask, cols),
                                                        prefill.past, prefill.index)
+        return self._ended(prefill, nxt, events, ran, mask.size, ran_step, report)
+
+    def _ended(self, prefill: Prefill, nxt: np.ndarray, events: list[Event], ran: int, held: int,
+               ran_step: Callable[[int, int], None], report: bool) -> tuple[Batch, list[Event]]:
+        """A prefill whose last chunk has run and whose rows' first tokens are sampled (`nxt`, `events`): its last
+        step told (`ran` prompt tokens over `held` positions), its rows as a batch."""
         # vLLM's iteration tokens: the prompt tokens run and the tokens sampled (each row's first, its end of text too)
-        ran_step(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), mask.size)
+        ran_step(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), held)
         if report:  # kept once the first tokens are told (_keep_unkept)
             self._unkept.append(prefill)
         mask, past = prefill.mask, prefill.past

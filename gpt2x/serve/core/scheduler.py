@@ -356,6 +356,8 @@ class Scheduler:
         """The joiners' half of a step: waiting rows taken when a join is due (`join_due`), and the
         next chunk of their prefill (whole when no row runs: there is nobody to stall). Where rows leave at no cost
         (`frees_rows`), the finished rows leave first, in this plan's regroup."""
+        if self._joined is not None:  # the joiners' prefill ended with the last decode step: they join in the next
+            return None
         live = _live(rows)
         if self._overlap is not None:  # the joiners' prefill runs beside the steps
             if self._joined is not None or (live and self._overlap > 0):
