@@ -1,12 +1,12 @@
 """Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
-inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens, and the overlapped
-prefill: EngineSettings.prefill_chunk and overlap_prefill; or chunks on the fixed slots, SlotBackend, for an fp32, int8
+inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens:
+EngineSettings.prefill_chunk or max_num_batched_tokens; or chunks on the fixed slots, SlotBackend, for an fp32, int8
 or int4 export, each in the forward of a decode step, or apart: slots-apart),
 in rounds that rotate their order, on one backend warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
 
-    python benchmarks/engine_joins.py --export EXPORT --variants chunk=256,chunk=64,overlap \
+    python benchmarks/engine_joins.py --export EXPORT --variants chunk=256,slots:chunk=32 \
         --out benchmarks/results/engine-joins-cpu-2core
 """
 
@@ -30,15 +30,13 @@ from gpt2x.serve.core.outputs import TokenOut
 
 
 def variant_settings(name: str) -> EngineSettings:
-    """"chunk=N": prompts joining prefilled N tokens between two decode steps; "overlap": the overlapped prefill;
+    """"chunk=N": prompts joining prefilled N tokens between two decode steps;
     "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend), each run in a decode step's
     forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's token budget
     (max_num_batched_tokens), the chunk what the rows running leave of it."""
-    if name == "overlap":
-        return EngineSettings(overlap_prefill=True, prefix_cache_mb=0)
     key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
     if key not in ("chunk", "budget") or not value.isdigit():
-        raise SystemExit(f"--variants: {name!r} is neither chunk=N or budget=N (after slots: or slots-apart:) nor overlap")
+        raise SystemExit(f"--variants: {name!r} is neither chunk=N nor budget=N (after slots: or slots-apart:)")
     if key == "budget":
         return EngineSettings(max_num_batched_tokens=int(value), prefix_cache_mb=0)
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
@@ -92,8 +90,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default="chunk=256,overlap",
-                    help="comma-separated: chunk=N or budget=N, each also after slots: or slots-apart:, and overlap")
+    ap.add_argument("--variants", default="chunk=256,slots:chunk=32",
+                    help="comma-separated: chunk=N or budget=N, each also after slots: or slots-apart:")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     info = read_export(args.export)

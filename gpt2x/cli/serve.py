@@ -240,11 +240,6 @@ def serve(
         "token each, in place of --prefill-chunk (keep it well above the requests that run at once: at or below them a "
         "chunk is one token). With --kv-cache slots the chunk runs in the decode step's own forward, so a step costs "
         "about this many tokens.", show_default=False)] = None,
-    overlap_prefill: Annotated[bool, typer.Option(
-        help="Joining prompts that --prefill-chunk would spread over more than two steps are prefilled whole on half the "
-        "cores while the running requests decode on the other half, where the backend can share its cores (ort on the "
-        "CPU, 2 threads or more): the running requests' inter-token tail is shorter, the joiners' first tokens later, and "
-        "the server holds a second set of sessions (about twice the memory).")] = EngineSettings.overlap_prefill,
     scheduling_policy: Annotated[str, typer.Option(
         help="Which waiting request runs next: fcfs (arrival order) or priority (a request's `priority`, lowest "
         "first; arrival order among equals).")] = "fcfs",
@@ -301,7 +296,7 @@ def serve(
     engine = EngineSettings(max_batch_size=max_batch_size, max_waiting=max_waiting, continuous=continuous,
                             batch_wait_s=None if batch_wait_ms is None else batch_wait_ms / 1000, prefill_chunk=prefill_chunk,
                             max_num_batched_tokens=max_num_batched_tokens,
-                            overlap_prefill=overlap_prefill, prefix_cache_mb=prefix_cache_mb,
+                            prefix_cache_mb=prefix_cache_mb,
                             prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir.resolve()),
                             prefix_cache_disk_mb=prefix_cache_disk_mb,
                             scheduling_policy=scheduling_policy)

@@ -73,10 +73,6 @@ class Capabilities:
     # `warm_up()`: opens now what its first steps of each kind would open (graphs, sessions), for a server, whose first
     # requests would otherwise wait for it.
     warms_up: bool = False
-    # `sharing_cores()`, `prepare_sharing()` and `sharing_threads`: steps a thread makes inside sharing_cores run on
-    # sharing_threads, half the backend's, so that another thread's steps run beside them on the rest (a joining
-    # prompt's prefill beside the batch's decode steps; None: nothing to share); prepare_sharing opens what they run on.
-    shares_cores: bool = False
     # `step_later(input_ids, attention_mask, position_ids, past) -> past`: a prefill chunk the backend may run in the
     # forward of its next decode step (one forward for both, docs/serving/index.md); `later_logits(past)`: its last
     # position's logits (B, V), once run (run now where it is still held).
@@ -123,7 +119,7 @@ TORCH_CAPABILITIES = Capabilities(runtime="PyTorch", reference=True,
 ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
-                                decodes_fixed=True, estimates_prefill=True, warms_up=True, shares_cores=True, stores_kv_dtype=True)
+                                decodes_fixed=True, estimates_prefill=True, warms_up=True, stores_kv_dtype=True)
 OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
                                      takes_past=True, joins_rows=True, rolls_back=True, stores_kv_dtype=True)
 # onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):

@@ -7,14 +7,9 @@ it has one, runs the steps of many rows x new tokens on the same caches (`OrtBac
 from __future__ import annotations
 
 import hashlib
-import threading
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -48,7 +43,6 @@ from .providers import (
     create_session,
     gather_model,
     last_argmax_model,
-    physical_cores,
     refuse_fp16_on_cpu,
     slice_positions_model,
 )
@@ -295,15 +289,6 @@ class InPlaceCache(BufferCache):
 BATCHED_MIN_ROWS = 2
 
 
-@dataclass
-class _Half:
-    """What OrtBackend.sharing_cores' steps run on: sessions (and an OpenVINO prefill) on its sharing_threads."""
-
-    session: Any
-    batched: Any = None
-    openvino_prefill: Any = None
-
-
 def _open_openvino_prefill(info: ExportInfo, threads: int | None, kv_scales: np.ndarray | None, compile_now: bool):
     """OrtBackend's OpenVINO prefill, on its thread: openvino imported only where it runs a prefill."""
     try:
@@ -410,10 +395,6 @@ class OrtBackend(Closable):
         self.logits_to_keep = {k: ort.OrtValue.ortvalue_from_numpy(np.array(k, dtype=np.int64)) for k in (0, 1)} \
             if io.LOGITS_TO_KEEP in overridable else None
         self.batched_multi_token_past = layout["batched_multi_token_past"]
-        # sharing_cores(): the sessions and prefill graph its steps run on (half the threads), opened by prepare_sharing
-        self._half: _Half | None = None
-        self._half_lock = threading.Lock()
-        self._sharing = threading.local()  # .on: this thread's steps run on the half
 
     @property
     def _openvino_prefill(self):
@@ -481,13 +462,9 @@ class OrtBackend(Closable):
 
     def session_for(self, rows: int, new_tokens: int):
         """The session that runs a step of `rows` x `new_tokens`: the batched decode graph's from batched_from rows x
-        new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step; inside sharing_cores, the
-        half's."""
-        half = self._half if getattr(self._sharing, "on", False) else None
+        new tokens on, with BATCHED_MIN_ROWS rows at least unless asked for every step."""
         if self._batched_from is None or rows < self._batched_rows or rows * new_tokens < self._batched_from:
-            return self.session if half is None else half.session
-        if half is not None:
-            return half.batched
+            return self.session
         if self._batched is None:
             self._batched = self._open_session(self._threads, batched=True)
         return self._batched
@@ -500,53 +477,6 @@ class OrtBackend(Closable):
         key = None if self._transform is None else \
             graph_key("int8-kv", {"file": recorded_file(self.info, path), "scales": self._scales_digest})
         return create_export_session(path, self.provider, threads, self._transform, key)
-
-    @property
-    def sharing_threads(self) -> int | None:
-        """The threads a thread's steps run on inside sharing_cores, half the backend's; None where there is nothing
-        to share (one thread, or not on the CPU)."""
-        threads = self._threads or physical_cores()
-        return threads // 2 if threads >= 2 and self.provider is ProviderKind.cpu else None
-
-    @contextmanager
-    def sharing_cores(self) -> Iterator[None]:
-        """Steps made inside it, by this thread, run on half of the backend's threads, with sessions and a prefill
-        graph of their own (opened by prepare_sharing, or at the first use), so that another thread's steps
-        run beside them on the other half: a joining prompt's prefill beside the batch's decode steps
-        (docs/serving/index.md#overlapped-prefill). Without sharing_threads, as they would run anyway."""
-        if self._half is None:  # entered for every decode step of an overlap: the lock only until it is open
-            self.prepare_sharing()
-        if self._half is None:
-            yield
-            return
-        self._sharing.on = True
-        try:
-            yield
-        finally:
-            self._sharing.on = False
-
-    def prepare_sharing(self) -> None:
-        """Open now sharing_cores' sessions (and its batched decode graph's, and its OpenVINO prefill compiled and run
-        once, where the backend has them), once: both threads may ask at once."""
-        with self._half_lock:
-            threads = self.sharing_threads
-            if self._half is None and threads is not None:
-                half = _Half(self._open_session(threads))
-                if self._batched_from is not None:
-                    half.batched = self._open_session(threads, batched=True)
-                if self._openvino_prefill is not None:
-                    from .openvino_prefill import OpenVinoPrefill
-
-                    half.openvino_prefill = OpenVinoPrefill(self.info, threads, self.kv_scales)
-                    half.openvino_prefill.warm_up(past=self._openvino_past_from is not None,
-                                                  fold_bf16=self._openvino_prefill.fold_bf16)
-                self._half = half
-
-    def _prefill_graph(self):
-        """The OpenVINO prefill this thread's steps run on: the half's inside sharing_cores."""
-        if getattr(self._sharing, "on", False):
-            return self._half.openvino_prefill
-        return self._openvino_prefill
 
     def warm_up(self, fold_bf16: bool = False) -> None:
         """Open now what a step would on its first use: the batched decode graph's session, and OpenVINO's prefill
@@ -573,7 +503,6 @@ class OrtBackend(Closable):
         self.session = Released(self.name)
         self._batched = None if self._batched_from is None else self.session  # batched steps refused as the others
         self._openvino_prefill = None
-        self._half = None
         self._helpers.clear()
         for decoder in self._fixed.values():
             decoder.close()
@@ -627,7 +556,7 @@ class OrtBackend(Closable):
         in-place buffers, with room to grow as from_numpy's, or a growing cache's arrays); on a past, it reads the
         in-place buffers' filled positions and writes the new ones after them."""
         B, T = input_ids.shape
-        prefill = self._prefill_graph()
+        prefill = self._openvino_prefill
         length = 0 if past is None else past.length
         if attention_mask.shape != (B, length + T):
             raise ValueError(f"attention_mask has shape {attention_mask.shape}; the cache holds {length} positions "

@@ -30,8 +30,7 @@ from gpt2x.workflows.drafts import check_draft, draft_runtime
 # The methods each capability brings (runtime/base.py), on the backend or on each of its cache forms;
 # a backend without it has none of them.
 METHODS = {"takes_past": ("past_from_numpy",), "argmax_where_logits_are": ("step_greedy",),
-           "page": ("page_memory_mb", "reset_page_memory"), "estimates_prefill": ("prefill_ms",),
-           "shares_cores": ("sharing_cores", "prepare_sharing")}
+           "page": ("page_memory_mb", "reset_page_memory"), "estimates_prefill": ("prefill_ms",)}
 CACHE_METHODS = {"joins_rows": ("merge",), "rolls_back": ("truncate",)}
 EXPORT_KINDS = (BackendKind.ort, BackendKind.openvino, BackendKind.genai)
 

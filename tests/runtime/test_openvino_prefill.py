@@ -5,10 +5,7 @@ from the export's timings; and the compute precision its record chose."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -127,38 +124,6 @@ def test_join_merge_and_truncate_after_an_openvino_prefill(tiny, hybrid):
     ids, mask, cache = decode(hybrid, model, ids, mask, merged, 4)
     back = cache.truncate(cache.length - 2)
     decode(hybrid, model, ids[:, :-2], mask[:, :-2], back, 3)
-
-
-def test_steps_inside_sharing_cores_run_on_half_the_threads_beside_another_threads(tiny):
-    """Two threads at once on a 2-thread backend: one inside sharing_cores prefills (OpenVINO) and decodes on its
-    1-thread session and graph, the other on the backend's own 2-thread ones; each thread's steps are PyTorch's forward
-    without a cache. On one thread there is nothing to share: its steps run as they would."""
-    model, info = tiny
-    with OrtBackend(info, threads=2, prefill="openvino") as backend:
-        backend.prepare_sharing()
-        half = backend._half
-        assert half.session.get_session_options().intra_op_num_threads == 1
-        assert backend.session.get_session_options().intra_op_num_threads == 2
-        assert half.openvino_prefill.compiled.get_property("INFERENCE_NUM_THREADS") == 1
-        both = threading.Barrier(2)
-        seen: dict[str, object] = {}
-
-        def run(name: str, prompt: list[int], share: bool) -> None:
-            with backend.sharing_cores() if share else contextlib.nullcontext():
-                both.wait()
-                seen[name] = (backend.session_for(1, 1), backend._prefill_graph())
-                ids, mask = left_padded([prompt])
-                _, cache = backend.step(ids, mask, positions(mask, ids.shape[1]), None)
-                decode(backend, model, ids, mask, cache, 6)
-
-        with ThreadPoolExecutor(1) as pool:
-            beside = pool.submit(run, "shared", PROMPTS[2], True)
-            run("own", PROMPTS[0], False)
-            beside.result()  # its failure raised here
-        assert seen["shared"] == (half.session, half.openvino_prefill)
-        assert seen["own"] == (backend.session, backend._openvino_prefill)
-    with OrtBackend(info, threads=1, prefill="openvino") as alone, alone.sharing_cores():
-        assert alone.session_for(1, 1) is alone.session and alone._half is None
 
 
 def test_an_fp32_exports_prefill_then_decode_is_pytorchs_without_a_cache(tiny_export):

@@ -21,7 +21,6 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import Engine, EngineClosed, EngineSettings, QueueFull, Row
-from gpt2x.serve.core.runner import Runner
 from gpt2x.serve.openai import errors, render
 from gpt2x.serve.openai import protocol as schema
 from gpt2x.serve.openai.completion import serving as request
@@ -113,30 +112,23 @@ def staggered(engine: Engine, todo: list) -> list[Collect]:
     return sinks
 
 
-# Joins (continuous, overlapped) on every cache; a static batch on fp32 and on serve's default int8 cache; one row at a
-# time on fp32 and on the int8 cache, where the row alone must be exact even sampled.
-ENGINE_MODES = [("fp32", "continuous"), ("fp32", "overlapped"), ("fp32", "static"), ("fp32", "off"),
-                ("int8-in-place", "continuous"), ("int8-in-place", "overlapped"), ("int8-in-place", "static"),
-                ("int8-growing", "continuous"), ("int8-growing", "overlapped"),
-                ("int8-int8-kv", "continuous"), ("int8-int8-kv", "overlapped"), ("int8-int8-kv", "off")]
+# Joins (continuous, and in chunks of 4) on every cache; a static batch on fp32 and on serve's default int8 cache; one
+# row at a time on fp32 and on the int8 cache, where the row alone must be exact even sampled.
+ENGINE_MODES = [("fp32", "continuous"), ("fp32", "chunked"), ("fp32", "static"), ("fp32", "off"),
+                ("int8-in-place", "continuous"), ("int8-in-place", "chunked"), ("int8-in-place", "static"),
+                ("int8-growing", "continuous"), ("int8-growing", "chunked"),
+                ("int8-int8-kv", "continuous"), ("int8-int8-kv", "chunked"), ("int8-int8-kv", "off")]
 
 
 @pytest.mark.parametrize("backend,mode", ENGINE_MODES, ids=[f"{b}-{m}" for b, m in ENGINE_MODES], indirect=["backend"])
-def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
+def test_every_row_equals_generate_alone(backend, mode):
     """Each row is submitted once the row before it has produced 3 tokens, so rows arrive while a
-    batch runs: they join it (continuous; overlapped: on two threads, chunks of 4, so that joiners of
-    more than 8 tokens are prefilled on one thread beside the batch's steps on the other), wait for it
-    (static), or queue (off)."""
+    batch runs: they join it (continuous; chunked: prefilled 4 tokens at a time, a chunk between two decode steps),
+    wait for it (static), or queue (off)."""
     settings = {"continuous": EngineSettings(max_batch_size=8, max_join_delay_s=0),
-                "overlapped": EngineSettings(max_batch_size=8, max_join_delay_s=0, prefill_chunk=4, overlap_prefill=True),
+                "chunked": EngineSettings(max_batch_size=8, max_join_delay_s=0, prefill_chunk=4),
                 "static": EngineSettings(max_batch_size=8, continuous=False),
                 "off": EngineSettings(max_batch_size=1)}[mode]
-    overlapped = []
-    if mode == "overlapped":
-        backend = OrtBackend(backend.info, threads=2, in_place_kv=backend.in_place_kv,
-                             kv_cache_dtype="int8" if backend.kv_dtype == np.int8 else None)
-        prefill = Runner._prefill_overlapped
-        monkeypatch.setattr(Runner, "_prefill_overlapped", lambda self, p: overlapped.append(p) or prefill(self, p))
     engine = Engine(backend, settings).start()
     todo = cases()
     try:
@@ -166,9 +158,8 @@ def test_every_row_equals_generate_alone(backend, mode, monkeypatch):
         assert compared >= 4
         stats = engine.stats()
         assert stats["rows"] == len(todo) and stats["running"] == 0 and stats["errors"] == 0
-        if mode in ("continuous", "overlapped"):
+        if mode in ("continuous", "chunked"):
             assert stats["joins"] > 0 and stats["batches"] < len(todo)
-        assert (len(overlapped) > 0) == (mode == "overlapped")
         if mode == "off":
             assert stats["batches"] == len(todo)
     finally:

@@ -49,9 +49,8 @@ class Shapes:
         self.joined: Shape | None = None
         self.prefilling: tuple[list[Row], int] | None = None
         self.columns: list[int] = []  # the columns each chunk of a joiners' prefill ran
-        # An overlapped prefill: the decode steps it lasts (None: until the batch waits for it), and those left
-        self.overlap_steps: int | None = None
-        self.overlap_left: int | None = None
+        # Where chunks mix (the fixed slots), the last chunk runs in the decode step's forward: the joiners come after it
+        self.mixes = scheduler.mixes
         self.told: list[RowOutput] = []
 
     def run(self, plan: SchedulerOutput) -> SchedulerOutput:
@@ -90,14 +89,7 @@ class Shapes:
     def join(self, plan: SchedulerOutput, joiners: list[Row]) -> Iterator[RunnerOutput]:
         if joiners:
             self.prefilling = (joiners, 0)
-            if plan.overlap:
-                self.overlap_left = self.overlap_steps if self.overlap_steps is not None else -1
-                return
         elif self.prefilling is None or self.prefilling[0][0] not in plan.scheduled_cached_reqs:
-            return
-        if self.overlap_left is not None:  # waited for
-            self.overlap_left = None
-            yield self.prefill_ended()
             return
         rows, done = self.prefilling
         width = max(len(r.prompt_ids) for r in rows)
@@ -105,7 +97,7 @@ class Shapes:
         assert all(plan.num_scheduled_tokens[r] == cols for r in rows)  # one prefill: every row runs as many
         self.columns.append(cols)
         self.prefilling = (rows, done + cols)
-        if done + cols == width:
+        if done + cols == width and not (self.mixes and any(not r.finished for r in self.batch.rows)):
             yield self.prefill_ended()
 
     def prefill_ended(self) -> RunnerOutput:
@@ -113,22 +105,19 @@ class Shapes:
         return RunnerOutput(self.joined.rows, first_tokens(self.joined.rows), joined=True)
 
     def decode(self) -> Iterator[RunnerOutput]:
-        if self.overlap_left == 0:  # it has ended: the joiners are held for the next plan
-            self.overlap_left = None
-            yield self.prefill_ended()
-        elif self.overlap_left is not None:
-            self.overlap_left -= 1
         b = self.batch
         events = [Event(i, None, r.cancelled) for i, r in enumerate(b.rows) if not r.finished and r.cancelled]
         for e in events:
             b.rows[e.row].finish = e.finish
         if all(r.finished for r in b.rows):
             yield RunnerOutput(b.rows, events)  # no model step: the cache is as wide as it was
-            return
-        b.width += 1
-        b.cols = [c + 1 for c in b.cols]
-        events += [Event(i, *r.accept(TOKEN)) for i, r in enumerate(b.rows) if not r.finished]
-        yield RunnerOutput(b.rows, events, stepped=True)
+        else:
+            b.width += 1
+            b.cols = [c + 1 for c in b.cols]
+            events += [Event(i, *r.accept(TOKEN)) for i, r in enumerate(b.rows) if not r.finished]
+            yield RunnerOutput(b.rows, events, stepped=True)
+        if self.prefilling is not None and self.prefilling[1] == max(len(r.prompt_ids) for r in self.prefilling[0]):
+            yield self.prefill_ended()  # its last chunk ran in this step's forward
 
     def step(self) -> SchedulerOutput:
         return self.run(self.scheduler.schedule())
@@ -164,10 +153,10 @@ def row(prompt: int = 4, tokens: int = 10, clock: Clock | None = None, **kw) -> 
     return r
 
 
-def engine(n_positions: int = 256, clock: Clock | None = None, shares_cores: bool = False, mixes: bool = False,
+def engine(n_positions: int = 256, clock: Clock | None = None, mixes: bool = False,
            **settings) -> tuple[Scheduler, Shapes]:
     scheduler = Scheduler(EngineSettings(**{"max_join_delay_s": 0.05, **settings}), n_positions,
-                          clock=clock or Clock(), shares_cores=shares_cores, mixes=mixes)
+                          clock=clock or Clock(), mixes=mixes)
     return scheduler, Shapes(scheduler)
 
 
@@ -336,87 +325,25 @@ def test_joiners_that_outnumber_the_rows_running_are_prefilled_whole():
 def test_where_chunks_mix_into_the_decode_step_a_long_prompt_joins_alone_and_a_lone_joiner_is_chunked():
     """On a backend that runs a joiners' chunk in its decode step's forward (the fixed slots): a prompt longer than a
     chunk joins alone (the queue waits behind it), and a lone joiner is chunked even beside fewer rows running, where
-    several short ones run whole, in one forward (each chunk of several would be a forward of its own)."""
+    several short ones run whole, in one forward (each chunk of several would be a forward of its own). The last chunk
+    runs in the decode step's forward too: the joiners' first tokens come after that step, and the next step's plan
+    brings them in (its regroup), with no joiners' plan between."""
     clock = Clock()
     scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0, mixes=True)
     wave = [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock), row(prompt=6, clock=clock)]
     scheduler.submit(wave)
-    plans = [shapes.step() for _ in range(9)]
-    assert [taken(p) for p in plans] == [wave[:2], [], [wave[2]], [], [], [], [], [], [wave[3]]]
+    plans = [shapes.step() for _ in range(11)]
+    assert [taken(p) for p in plans] == [wave[:2], [], [], [wave[2]], [], [], [], [], [], [], [wave[3]]]
     assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 10)  # two joiners beside one row: whole
-    assert [p.num_scheduled_tokens.get(wave[2]) for p in plans[2:7]] == [16, None, 16, None, 8]  # alone, a chunk a step
+    assert plans[1] == decode(rows) and plans[2].regroup.order.tolist() == [0, 1, 2]  # in after that step
+    # alone, a chunk a step, then in at the step after its last
+    assert [p.num_scheduled_tokens.get(wave[2]) for p in plans[3:10]] == [16, None, 16, None, 8, None, 1]
+    assert [p.regroup is not None for p in plans[3:10]] == [False] * 6 + [True]
     assert shapes.columns == [10, 16, 16, 8, 6]
     scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)  # a backend that does not mix
     scheduler.submit(wave := [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock)])
     plan = shapes.step()
     assert taken(plan) == wave and plan.num_scheduled_tokens == dict.fromkeys(wave, 40)  # outnumbering: whole
-
-
-def test_a_long_joiner_is_prefilled_beside_the_steps_where_the_backend_shares_its_cores():
-    """A 200-token prompt joining a running row, chunks of 64: more than two chunks, so one overlapped prefill, then
-    decode steps only (no joiners' half) until it has ended, then the regroup that brings it in. Two chunks (two rows of
-    the same 100 tokens: one prompt prefilled), a backend that cannot share its cores, or overlap_prefill off (the
-    default): chunked as before."""
-    clock = Clock()
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
-                                      overlap_prefill=True)
-    shapes.overlap_steps = 3
-    joiner = row(prompt=200, clock=clock)
-    scheduler.submit([joiner])
-    plan = shapes.step()
-    assert plan == SchedulerOutput((NewRow(joiner, Start.prefill),), num_scheduled_tokens={joiner: 200}, overlap=True)
-    plans = [shapes.step() for _ in range(5)]
-    assert plans[:4] == [decode(rows)] * 4  # the prefill lasts 3 steps, and ends before the 4th
-    assert plans[4].regroup is not None and plans[4].scheduled_cached_reqs == (rows[0], joiner)
-    assert shapes.batch.rows == [rows[0], joiner] and scheduler.in_flight == [rows[0], joiner]
-
-    for shares, prompts in ((True, [100, 100]), (False, [200])):
-        scheduler, shapes, rows = running(2, clock, tokens=40, shares_cores=shares, max_join_delay_s=0, prefill_chunk=64,
-                                          overlap_prefill=True)
-        joiners = [row(prompt=p, clock=clock) for p in prompts]
-        scheduler.submit(joiners)
-        plan = shapes.step()
-        assert not plan.overlap and plan.num_scheduled_tokens == dict.fromkeys(joiners, 64)
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64)
-    scheduler.submit([row(prompt=200, clock=clock)])
-    assert not shapes.step().overlap
-
-
-def test_an_overlapped_prefill_is_waited_for_when_no_row_is_left_to_decode():
-    clock = Clock()
-    scheduler, shapes, rows = running(1, clock, tokens=40, shares_cores=True, max_join_delay_s=0, prefill_chunk=64,
-                                      overlap_prefill=True)
-    joiner = row(prompt=200, clock=clock)
-    scheduler.submit([joiner])
-    assert shapes.step().overlap
-    rows[0].cancel()
-    assert shapes.step() == decode(rows) and rows[0].finished  # its step ends it
-    assert shapes.step() == SchedulerOutput(scheduled_cached_reqs=(joiner,))  # nobody decodes: the prefill waited for
-    plan = shapes.step()
-    assert plan.regroup.order.tolist() == [1] and plan.scheduled_cached_reqs == (joiner,)
-    assert shapes.batch.rows == [joiner]
-
-
-def test_the_batch_waits_for_an_overlapped_prefill_once_it_may_run_no_further_ahead():
-    """Context 128: a row of 4 prompt tokens with 59 to go once prefilled (4 columns); a 40-token prompt with 80 to
-    generate joins (5 chunks of 8: overlapped). Joining after L steps needs max(4 + L, 40) + max(59 - L, 79) positions: 119 up to L = 36, then
-    4 + L + 79, so L <= 45. The batch steps 45 times beside the prefill, then waits for it, and the joiner's merged row
-    still fits its 79 tokens."""
-    clock = Clock()
-    scheduler = Scheduler(EngineSettings(max_join_delay_s=0, prefill_chunk=8, overlap_prefill=True), 128, clock=clock,
-                          shares_cores=True)
-    shapes = Shapes(scheduler)
-    first = row(prompt=4, tokens=60, clock=clock)
-    scheduler.submit([first])
-    shapes.step()
-    joiner = row(prompt=40, tokens=80, clock=clock)
-    scheduler.submit([joiner])
-    assert shapes.step().overlap
-    plans = [shapes.step() for _ in range(47)]
-    assert plans[:45] == [decode([first])] * 45
-    assert plans[45] == SchedulerOutput(scheduled_cached_reqs=(joiner,))
-    assert plans[46].scheduled_cached_reqs == (first, joiner) and plans[46].regroup.width == 4 + 45
-    assert plans[46].regroup.width + joiner.remaining <= 128
 
 
 def test_the_batch_regroups_when_half_of_it_has_finished():

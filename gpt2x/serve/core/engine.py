@@ -64,8 +64,6 @@ class Engine:
         self.counters = {"rows": 0, "tokens": 0, "batches": 0, "steps": 0, "joins": 0, "compactions": 0, "errors": 0}
         if drafter is not None:
             self.counters.update(drafted=0, accepted=0, drafts=0)
-        # A backend that shares its cores between two threads' steps prefills joiners beside the decode steps.
-        shares = backend.capabilities.shares_cores and backend.sharing_threads is not None
         # Prefix caching needs a backend that steps from a cache made elsewhere (its blocks): not
         # onnxruntime-genai, whose generator owns its cache.
         disk = self._disk(settings, blocks)
@@ -73,11 +71,9 @@ class Engine:
             if settings.prefix_cache_mb and backend.capabilities.takes_past else None
         estimate = backend.prefill_ms if backend.capabilities.estimates_prefill else None
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
-                                   shares_cores=shares, prefix=self.prefix_cache, estimate=estimate,
+                                   prefix=self.prefix_cache, estimate=estimate,
                                    frees_rows=backend.capabilities.frees_rows,
                                    mixes=backend.capabilities.mixes_chunks)
-        if self.scheduler.overlaps:  # what the overlapped prefill and its steps run on, open before the first join
-            backend.prepare_sharing()
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self.observer: Observer | None = None  # told each token as it is told (openai/metrics.py)

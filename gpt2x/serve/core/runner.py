@@ -7,9 +7,7 @@ it is done (scheduler.RunnerOutput), for the scheduler to apply."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,8 +50,6 @@ class Prefill:
     mask: np.ndarray
     past: Any
     done: int = 0
-    # An overlapped prefill's model steps (tokens, positions), told by the engine's thread once it has ended.
-    ran: list[tuple[int, int]] = field(default_factory=list)
     # The prompts' cache as the prefix cache keeps it (KVCache.stored), taken where the ended prefill's cache is handed
     # on to its rows' (a fixed slots' reorder leaves the cache before it holding nothing); else read at the keeping.
     stored: list[np.ndarray] | None = None
@@ -80,9 +76,6 @@ class Runner:
         self.batch: Batch | None = None  # the batch in flight
         self.prefilling: Prefill | None = None  # the joiners' prefill under way
         self.joined: Batch | None = None  # the joiners, prefilled: merged by the next plan, or dropped
-        # The joiners' prefill running overlapped (on half the cores, beside the decode steps), on its own thread.
-        self.overlap: Future | None = None
-        self._overlapping: ThreadPoolExecutor | None = None
         # Prefills whose prompts' blocks the prefix cache is yet to keep: kept once their first tokens are told (a
         # 512-token prompt's copy is 37 MB at 124M fp32, which its first token need not wait for).
         self._unkept: list[Prefill] = []
@@ -118,9 +111,9 @@ class Runner:
 
     def _decode_only(self, plan: SchedulerOutput) -> bool:
         """Whether `plan` is the held batch's decode step and nothing else: no row taken, leaving or regrouped, no
-        prefill under way, joined or overlapped."""
+        prefill under way or joined."""
         return not (plan.scheduled_new_reqs or plan.finished_req_ids or plan.regroup is not None
-                    or self.prefilling is not None or self.joined is not None or self.overlap is not None)
+                    or self.prefilling is not None or self.joined is not None)
 
     def _settle(self) -> None:
         if self.prefix_cache is not None:
@@ -150,18 +143,12 @@ class Runner:
         return RunnerOutput(self.batch.rows, events)
 
     def _join(self, plan: SchedulerOutput, joiners: list[NewRow]) -> Iterator[RunnerOutput]:
-        """The joiners' prefill: begun for `joiners` (rows just taken, beside the batch held), overlapped where the plan
-        says so; its next chunk of the columns scheduled where its rows are; running overlapped, its end waited for."""
+        """The joiners' prefill: begun for `joiners` (rows just taken, beside the batch held); its next chunk of the
+        columns scheduled where its rows are."""
         if joiners:
             self.counters["joins"] += 1
             self.prefilling = self.begin([n.row for n in joiners], all(n.cached for n in joiners))
-            if plan.overlap:
-                self.overlap = self._overlap_pool().submit(self._prefill_overlapped, self.prefilling)
-                return
         elif self.prefilling is None or self.prefilling.rows[0] not in plan.scheduled_cached_reqs:
-            return
-        if self.overlap is not None:
-            yield from self._overlapped(wait_for_it=True)
             return
         done = self.advance(self.prefilling, max(plan.num_scheduled_tokens[r] for r in self.prefilling.rows))
         if done is not None:
@@ -178,12 +165,9 @@ class Runner:
         self.batch = self.merge(self.batch, joined if joins else None, regroup.order, regroup.width)
 
     def _decode(self) -> Iterator[RunnerOutput]:
-        """A decode step of the batch, once an overlapped prefill that has ended is told (this step then runs on
-        every core); whether it ran the model (rows cancelled meanwhile end without one)."""
-        yield from self._overlapped(wait_for_it=False)
+        """A decode step of the batch; whether it ran the model (rows cancelled meanwhile end without one)."""
         width = self.batch.mask.shape[1]
-        with self.backend.sharing_cores() if self.overlap is not None else nullcontext():
-            events = self.step(self.batch)
+        events = self.step(self.batch)
         yield RunnerOutput(self.batch.rows, events, stepped=self.batch.mask.shape[1] > width)
         yield from self._joined_after_step()
 
@@ -196,46 +180,15 @@ class Runner:
         self.prefilling = None
         logits = self.backend.later_logits(prefill.past)  # (U, V)
         nxt, events = loop.sample_rows(prefill.rows, logits if prefill.index is None else logits[prefill.index])
-        self.joined, events = self._ended(prefill, nxt, events, *prefill.last, self._ran, report=True)
+        self.joined, events = self._ended(prefill, nxt, events, *prefill.last)
         yield RunnerOutput(self.joined.rows, events, joined=True)
         self._keep_unkept()
 
     def reset(self) -> None:
-        """Let go of every batch held (the batch ended, or failed), once an overlapped prefill has stopped."""
-        if self.overlap is not None:
-            wait([self.overlap])
-            self.overlap = None
+        """Let go of every batch held (the batch ended, or failed)."""
         self._settle()
         self.batch = self.prefilling = self.joined = None
         self._unkept.clear()
-
-    def _overlap_pool(self) -> ThreadPoolExecutor:
-        if self._overlapping is None:
-            self._overlapping = ThreadPoolExecutor(1, thread_name_prefix="gpt2x-prefill")
-        return self._overlapping
-
-    def _prefill_overlapped(self, prefill: Prefill) -> tuple[Batch, list[Event]]:
-        """The joiners' prefill run whole on half the backend's cores (its own thread's steps): the decode steps
-        meanwhile run on the other half (docs/serving/index.md#overlapped-prefill)."""
-        with self.backend.sharing_cores():
-            result = self.advance(prefill, None, report=False)
-        assert result is not None
-        return result
-
-    def _overlapped(self, wait_for_it: bool) -> Iterator[RunnerOutput]:
-        """The overlapped prefill's end, where it has ended (or once it has, `wait_for_it`): the joiners held for the
-        next plan to merge, their first tokens told, its steps counted and its prompts' blocks kept here, on the
-        engine's thread. Its error is raised here, failing the batch as a chunk's would."""
-        if self.overlap is None or not (wait_for_it or self.overlap.done()):
-            return
-        future, self.overlap = self.overlap, None
-        prefill = self.prefilling
-        self.joined, events = future.result()
-        self.prefilling = None
-        for tokens, held in prefill.ran:
-            self._ran(tokens, held)
-        yield RunnerOutput(self.joined.rows, events, joined=True)
-        self._keep_prefixes(prefill)
 
     def prefill(self, rows: list[Row], cached: bool = True, later: Sequence[Row] = (),
                 later_cached: bool = True) -> tuple[Batch, list[Event]]:
@@ -308,15 +261,12 @@ class Runner:
                 self.prefix_cache.gather(h, c, kv, u)
         return finish()
 
-    def advance(self, prefill: Prefill, columns: int | None, report: bool = True) -> tuple[Batch, list[Event]] | None:
+    def advance(self, prefill: Prefill, columns: int | None) -> tuple[Batch, list[Event]] | None:
         """Run the next chunk of a prefill: `columns` of its left-padded prompts (the scheduler's num_scheduled_tokens),
         or fewer where fewer are left, or all that is left (None). When its last column has run, each row's first token
         is sampled: the batch and the events (its prompts' whole blocks kept in the prefix cache once they are told,
         `_keep_unkept`); before that, None. Where chunks mix and rows run, the last chunk too runs in the next decode
-        step's forward, and the rows' first tokens come after that step (`_joined_after_step`): None here. `report`
-        False (another thread's prefill): its steps are left in `prefill.ran` and its blocks not kept, for the engine's
-        thread to do (`_overlapped`)."""
-        ran_step = self._ran if report else lambda tokens, held: prefill.ran.append((tokens, held))
+        step's forward, and the rows' first tokens come after that step (`_joined_after_step`): None here."""
         T = prefill.ids.shape[1]
         cols = T - prefill.done if columns is None else min(T - prefill.done, columns)
         K = prefill.mask.shape[1] - T
@@ -325,7 +275,7 @@ class Runner:
         ids = prefill.ids[:, prefill.done : prefill.done + cols]
         ran = int(mask[:, K + prefill.done :].sum())
         prefill.done += cols
-        later = self.backend.capabilities.mixes_chunks and report  # run in the next decode step's forward
+        later = self.backend.capabilities.mixes_chunks  # run in the next decode step's forward
         # The last chunk too where a decode step follows (rows run beside), the first tokens sampled after it: it then
         # costs the rows no forward of its own.
         if prefill.done < T or (later and self.batch is not None and any(not r.finished for r in self.batch.rows)):
@@ -334,26 +284,25 @@ class Runner:
             else:
                 _, prefill.past = self.backend.step(ids, mask, positions(mask, cols), prefill.past)
             if prefill.done < T:
-                ran_step(ran, mask.size)
+                self._ran(ran, mask.size)
             else:
                 prefill.last = (ran, mask.size)
             return None
         # The last chunk: the decode loop's step, each row's first token (a prompt run once, told to each of its rows).
         nxt, prefill.past, events = loop.step_rows(self.backend, prefill.rows, ids, mask, positions(mask, cols),
                                                        prefill.past, prefill.index)
-        return self._ended(prefill, nxt, events, ran, mask.size, ran_step, report)
+        return self._ended(prefill, nxt, events, ran, mask.size)
 
-    def _ended(self, prefill: Prefill, nxt: np.ndarray, events: list[Event], ran: int, held: int,
-               ran_step: Callable[[int, int], None], report: bool) -> tuple[Batch, list[Event]]:
+    def _ended(self, prefill: Prefill, nxt: np.ndarray, events: list[Event], ran: int,
+               held: int) -> tuple[Batch, list[Event]]:
         """A prefill whose last chunk has run and whose rows' first tokens are sampled (`nxt`, `events`): its last
-        step told (`ran` prompt tokens over `held` positions), its rows as a batch."""
+        step told (`ran` prompt tokens over `held` positions), its rows as a batch, its prompts' blocks to keep."""
         # vLLM's iteration tokens: the prompt tokens run and the tokens sampled (each row's first, its end of text too)
-        ran_step(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), held)
-        if report:  # kept once the first tokens are told (_keep_unkept)
-            self._unkept.append(prefill)
+        self._ran(ran + sum(e.token is not None or e.finish in (Finish.eos, Finish.stop) for e in events), held)
+        self._unkept.append(prefill)  # kept once the first tokens are told (_keep_unkept)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
-            if report and self.prefix_cache is not None:
+            if self.prefix_cache is not None:
                 prefill.stored = past.stored()
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events

@@ -35,12 +35,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # apart, its second up to 6.5 ms after its first; a 2 ms quiet split waves (docs/results/engines.md).
 AUTO_BATCH_WAIT_S = 0.02
 AUTO_QUIET_S = 0.005
-# A joiners' prefill is overlapped (EngineSettings.overlap_prefill) where chunking would spread it over more chunks than
-# this. On half the cores a prefill takes about twice as long (a 545-token prompt of GPT-2 124M int8 238 against 122 ms
-# on the 2-core Xeon, scratch): up to two chunks, with a step between them, its first token comes sooner chunked
-# (a 512-token joiner 165 against 268 ms); from three on, as soon overlapped (the 545-token joiners of
-# docs/results/serving.md#overlapped-prefill), and the rows running do not wait for the chunks.
-OVERLAP_AFTER_CHUNKS = 2
 # Rows sharing this many prompt tokens with an earlier row of their new batch wait for its prefill and take them from
 # the prefix cache (Start.after). The wait costs the batch one more forward and a merge: a long
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
@@ -69,12 +63,6 @@ class EngineSettings:
     # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
     # (capabilities.mixes_chunks: the fixed slots), a step then costs about this many tokens' forward.
     max_num_batched_tokens: int | None = None
-    # Joiners whose prefill would take more than OVERLAP_AFTER_CHUNKS chunks are prefilled whole on half the cores
-    # while the batch decodes on the other half, where the backend can share its cores (else chunked as above): the
-    # rows running keep streaming, each step on half the cores, rather than waiting a chunk between two steps. Off
-    # by default: its second set of sessions and graphs doubled a served GPT-2 124M int8's memory (5.4 against
-    # 2.9 GB), and the joiners' first tokens come later (docs/serving/index.md#overlapped-prefill).
-    overlap_prefill: bool = False
     # Host memory for the KV of prompts' prefixes, kept for later prompts that begin the same way
     # (prefix_cache.py; 0: off).
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
@@ -152,7 +140,7 @@ class SchedulerOutput:
     taken, the next chunk of the joiners' prefill), then the batch's (its regroup, its decode step)."""
 
     scheduled_new_reqs: tuple[NewRow, ...] = ()  # rows taken from the queue, with their prompts
-    # Rows continuing: the joiners, their prefill's next chunk (overlapped: its end waited for); or the batch's live
+    # Rows continuing: the joiners, their prefill's next chunk; or the batch's live
     # rows, its decode step (its finished rows ride along, masked, until it regroups).
     scheduled_cached_reqs: tuple[Row, ...] = ()
     # The tokens each row runs: a prefill's columns of its left-padded prompts, at most (fewer where the prefix cache
@@ -161,7 +149,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[Row, int] = field(default_factory=dict)
     finished_req_ids: tuple[Row, ...] = ()  # rows leaving the runner's batch: a regroup's, or every row at its end
     regroup: Regroup | None = None  # the batch laid out anew before its decode step: joiners in, finished rows out
-    overlap: bool = False  # the joiners taken are prefilled whole on half the cores, beside the decode steps that follow
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -216,7 +203,7 @@ class Scheduler:
     rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
-                 speculative: bool = False, clock: Callable[[], float] = time.monotonic, shares_cores: bool = False,
+                 speculative: bool = False, clock: Callable[[], float] = time.monotonic,
                  prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False,
                  mixes: bool = False):
         self.settings = settings
@@ -230,8 +217,6 @@ class Scheduler:
         self.n_positions = n_positions
         self.joins = settings.continuous and joins_rows and settings.max_batch_size > 1
         self.speculative = speculative
-        # the backend prefills on half its cores beside decode steps on the rest (Backend.sharing_cores)
-        self.overlaps = self.joins and shares_cores and settings.overlap_prefill and settings.prefill_chunk > 0
         self.clock = clock
         self.queue = RequestQueue(settings.max_waiting, settings.scheduling_policy == "priority")
         self.running = 0  # rows of the batch in flight that have not finished
@@ -246,9 +231,6 @@ class Scheduler:
         self._joiners: list[Row] | None = None
         self._chunked = 0
         self._joined: list[Row] | None = None
-        # While the joiners' prefill runs overlapped: the decode steps the batch may still take before they must join
-        # (each row keeping room in the context: overlap_room); None otherwise.
-        self._overlap: int | None = None
         self._decoding = False
 
     # -- the callers' side (any thread)
@@ -326,7 +308,7 @@ class Scheduler:
     def fail(self) -> list[Row]:
         """A plan failed: the batch in flight is given up. Its rows and the joiners', to be told."""
         rows, self.in_flight = self.in_flight, []
-        self._rows = self._joiners = self._joined = self._overlap = None
+        self._rows = self._joiners = self._joined = None
         self._decoding = False
         return rows
 
@@ -359,11 +341,6 @@ class Scheduler:
         if self._joined is not None:  # the joiners' prefill ended with the last decode step: they join in the next
             return None
         live = _live(rows)
-        if self._overlap is not None:  # the joiners' prefill runs beside the steps
-            if self._joined is not None or (live and self._overlap > 0):
-                return None
-            # no row decodes, or none may run further ahead: its end waited for (it ran its tokens)
-            return SchedulerOutput(scheduled_cached_reqs=tuple(self._joiners))
         new: tuple[NewRow, ...] = ()
         regroup, left = None, ()
         if self._joiners is None and live and self.joins and self.join_due(len(live)):
@@ -409,8 +386,7 @@ class Scheduler:
         return tuple(new[r] for r in taken)
 
     def _chunk(self, new: tuple[NewRow, ...], rows: list[Row], live: list[int]) -> SchedulerOutput:
-        """The joiners' prefill's next chunk (`new`: the rows just taken, the joiners among them), or, where chunks
-        would be many and the backend shares its cores, the whole of it, overlapped."""
+        """The joiners' prefill's next chunk (`new`: the rows just taken, the joiners among them)."""
         joiners = self._joiners
         if not new:
             self.in_flight = rows + joiners
@@ -420,9 +396,6 @@ class Scheduler:
         # joiner is chunked there, whatever the rows running, and several (each within a chunk: `_join`) run whole
         # in one forward, the chunks of several each being a forward of their own.
         beside = bool(live) and (len(joiners) == 1 if self.mixes else len(joiners) <= len(live))
-        if new and beside and self.overlaps and self.prefill_steps(joiners, len(live)) > OVERLAP_AFTER_CHUNKS:
-            self._overlap = self.overlap_room([rows[i] for i in live], joiners, _used([rows[i] for i in live]))
-            return SchedulerOutput(new, num_scheduled_tokens={r: len(r.prompt_ids) for r in joiners}, overlap=True)
         # the columns this chunk runs: prefill_chunk tokens (or what the rows running leave of the step's budget) shared
         # by the distinct prompts, at least one column each
         left = max(len(r.prompt_ids) for r in joiners) - self._chunked
@@ -442,9 +415,7 @@ class Scheduler:
         live = _live(rows)
         joined, self._joined = self._joined, None
         if joined is not None:
-            self._joiners = self._overlap = None
-        elif self._overlap is not None:
-            self._overlap -= 1  # the step planned below
+            self._joiners = None
         if not live and joined is None:  # (a prefill under way ran whole, so ended by now)
             self._rows = None
             self.in_flight = []
@@ -570,39 +541,23 @@ class Scheduler:
         self.running = len(rows) + len(taken)
         return taken
 
-    def _fits(self, rows: list[Row], joiners: list[Row], width: int | None, lag: int | None = None) -> bool:
+    def _fits(self, rows: list[Row], joiners: list[Row], width: int | None) -> bool:
         """Whether every row keeps room in the context for its remaining tokens once `joiners` join a
         batch whose cache can be made `width` wide (None: they start a new one). The merged cache is
         at least as wide as that and the joiners' prompts; a running row samples its next token one
         position further, a joiner its first from its own prefill. Joiners prefilled in chunks join
         `lag` steps later, the batch's rows that many positions further on (and as many tokens
-        nearer their end; `lag`: that many steps instead)."""
+        nearer their end)."""
         joiners = [r for r in joiners if r.remaining > 0]  # a row that is only scored never joins the cache
         if not joiners:
             return True
         new_width = max(len(r.prompt_ids) for r in joiners)
-        if width is None:
-            lag = 0
-        else:
-            lag = self.prefill_steps(joiners, len(_live(rows))) - 1 if lag is None else lag
+        lag = 0
+        if width is not None:
+            lag = self.prefill_steps(joiners, len(_live(rows))) - 1
             new_width = max(width + lag, new_width)
         need = max([r.remaining - lag for r in rows if not r.finished] + [r.remaining - 1 for r in joiners])
         return new_width + need <= self.n_positions
-
-    def overlap_room(self, rows: list[Row], joiners: list[Row], width: int) -> int:
-        """The decode steps a batch whose live `rows` use `width` columns may take while `joiners` are prefilled beside
-        it, every row keeping room for its remaining tokens once they join (`_fits` at that lag: `take` checked the
-        chunked prefill's), at most n_positions: past it the batch waits for them. The widths `_fits` adds up first
-        shrink, then grow with the lag, so the lags that fit from the checked one on are an interval: its end is
-        searched."""
-        low, high = self.prefill_steps(joiners, len(_live(rows))) - 1, self.n_positions  # low fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self._fits(rows, joiners, width, mid):
-                low = mid
-            else:
-                high = mid - 1
-        return low
 
     def prefill_steps(self, joiners: list[Row], running: int) -> int:
         """The steps that prefilling `joiners` beside a batch of `running` rows takes at most (chunks of
