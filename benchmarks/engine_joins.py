@@ -27,16 +27,20 @@ from gpt2x.runtime.ort import OrtBackend
 from gpt2x.runtime.static_decode import SlotBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import TokenOut
+from gpt2x.serve.replica import ReplicaConfig, on_slots
 
 
 def variant_settings(name: str) -> EngineSettings:
-    """"chunk=N": prompts joining prefilled N tokens between two decode steps;
+    """"default": `gpt2x serve`'s defaults (its cache, --kv-cache auto's: serve.replica.on_slots; its chunk);
+    "chunk=N": prompts joining prefilled N tokens between two decode steps;
     "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend), each run in a decode step's
     forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's token budget
     (max_num_batched_tokens), the chunk what the rows running leave of it."""
+    if name == "default":
+        return EngineSettings(prefix_cache_mb=0)
     key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
     if key not in ("chunk", "budget") or not value.isdigit():
-        raise SystemExit(f"--variants: {name!r} is neither chunk=N nor budget=N (after slots: or slots-apart:)")
+        raise SystemExit(f"--variants: {name!r} is neither default nor chunk=N or budget=N (after slots: or slots-apart:)")
     if key == "budget":
         return EngineSettings(max_num_batched_tokens=int(value), prefix_cache_mb=0)
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
@@ -90,8 +94,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default="chunk=256,slots:chunk=32",
-                    help="comma-separated: chunk=N or budget=N, each also after slots: or slots-apart:")
+    ap.add_argument("--variants", default="default,chunk=256",
+                    help="comma-separated: default, chunk=N or budget=N, each also after slots: or slots-apart:")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     info = read_export(args.export)
@@ -99,17 +103,20 @@ def main() -> None:
     settings = {v: variant_settings(v) for v in variants}
     backend = OrtBackend(info)
     backend.warm_up()
+    # `gpt2x serve`'s default cache for this export (--kv-cache auto)
+    default = "slots" if on_slots(ReplicaConfig(export=str(args.export), model_id="", fixed_slots=None), info) else ""
     # the fixed slots: a full batch and as many joiners, each of the model's context (the scheduler plans a join's
     # positions as the in-place cache lays them out, right-aligned to the widest row, which a shorter capacity refuses)
     size = 2 * settings[variants[0]].max_batch_size
     backends = {kind: SlotBackend(info, slots=size, mix_chunks=kind == "slots") for kind in ("slots", "slots-apart")
-                if any(v.startswith(kind + ":") for v in variants)}
+                if any(v.startswith(kind + ":") for v in variants) or (kind == default and "default" in variants)}
     for b in backends.values():
         b.warm_up()
     runs = []
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-            result = one_round(backends.get(v.partition(":")[0], backend), settings[v], args)
+            kind = default if v == "default" else v.partition(":")[0]
+            result = one_round(backends.get(kind, backend), settings[v], args)
             runs.append({"round": r + 1, "variant": v, **result})
             print(f"round {r + 1}, {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in result.items() if k != "gaps"), flush=True)
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]

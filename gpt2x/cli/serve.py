@@ -232,9 +232,11 @@ def serve(
     prefix_cache_disk_mb: Annotated[float, typer.Option(
         help="With --prefix-cache-dir: at most this much disk per export, the least recently used blocks removed "
         "first.")] = DEFAULT_PREFIX_CACHE_DISK_MB,
-    prefill_chunk: Annotated[int, typer.Option(
+    prefill_chunk: Annotated[Optional[int], typer.Option(
         help="Prompts joining a running batch are prefilled this many tokens per decode step, so running requests "
-        "keep streaming (0: whole); whole too where the joiners outnumber the requests running.")] = EngineSettings.prefill_chunk,
+        "keep streaming (0: whole); whole too where the joiners outnumber the requests running. Default: 32 on the "
+        "fixed slots (--kv-cache slots), whose chunks run in the decode step's own forward; 256 elsewhere.",
+        show_default=False)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="The step's token budget (vLLM's): a joining prompt's chunk is what the running requests leave of it, one "
         "token each, in place of --prefill-chunk (keep it well above the requests that run at once: at or below them a "
@@ -355,7 +357,8 @@ def serve(
                 threads=threads if threads or replicas == 1 else max(1, int(cpus_per_replica)),
                 engine=engine, api_keys=keys, cors=cors, draft=draft, draft_source=draft_source,
                 draft_settings=draft_settings, chat_template=template, default_chat_template=default_chat_template,
-                in_place_kv=kv_cache.in_place_kv, fixed_slots=kv_cache is KvCache.slots,
+                in_place_kv=kv_cache.in_place_kv,
+                fixed_slots=None if kv_cache is KvCache.auto else kv_cache is KvCache.slots,
             ))
             if template is None and default_chat_template and not has_chat_template(info.folder):
                 notice(f"warning: {info.folder} has no chat template: /v1/chat/completions uses gpt2x's default (a "

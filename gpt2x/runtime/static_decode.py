@@ -49,6 +49,19 @@ def fixed_cache_refusal(provider: ProviderKind, precision: Precision) -> str | N
 SLOT_PRECISIONS = {ProviderKind.cpu: (Precision.fp32, Precision.int8, Precision.int4), ProviderKind.cuda: (Precision.fp16,)}
 
 
+def slots_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
+    """Whether `gpt2x serve --kv-cache auto` serves the export on the fixed slots: where they hold an int8 cache (an
+    int8 or int4 export on the CPU whose record chose one, or GPT2X_KV_CACHE_DTYPE int8), a quarter of a float one's
+    bytes, held from the start at little more memory than the in-place cache; a float cache held whole would not be
+    (3.6 times the in-place server's memory once ready at fp32: docs/results/serving.md). Not where the graph's weights
+    are in a data file (no fixed-shape forms)."""
+    if provider is not ProviderKind.cpu or info.precision not in (Precision.int8, Precision.int4) \
+            or int8_kv_scales(info, asked_kv_dtype(None), True) is None:
+        return False
+    path = info.batched_path if batched_from(info, None, True) is not None else info.model_path
+    return not path.with_name(path.name + ".data").exists()
+
+
 def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
     """Why SlotDecoder cannot run `precision` on `provider`, or None."""
     runs = SLOT_PRECISIONS[provider]

@@ -54,10 +54,11 @@ class ReplicaConfig:
     # 2-core VM (2026-11-25, int8, c=16): 545 tok/s in place against 406 growing (TTFT p50 117 against
     # 106 ms), and 97 against 41 tok/s with 544-token prompts sharing 512-token prefixes.
     in_place_kv: bool | None = None
-    # The fixed slots instead (runtime.static_decode.SlotBackend, fp32, int8 or int4 on the CPU; --kv-cache slots): a slot per row,
-    # twice max_batch_size of them (rows that ended keep theirs until the batch is laid out anew), and a joining
-    # prompt's chunks run in the decode steps' forwards. No prefix cache; no prompt logprobs.
-    fixed_slots: bool = False
+    # The fixed slots instead (runtime.static_decode.SlotBackend, fp32, int8 or int4 on the CPU; --kv-cache slots): a slot
+    # per row, twice max_batch_size of them (the spare ones for a beam search or a prompt scored beside a full batch),
+    # and a joining prompt's chunks run in the decode steps' forwards. None (--kv-cache auto): where the ort backend's
+    # slots hold an int8 cache (runtime.static_decode.slots_by_default).
+    fixed_slots: bool | None = False
     # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
     # backend (workflows.open_drafter): `ngram` or the draft's export folder, resolved and exported by
@@ -128,7 +129,7 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     """A replica's service: the export's backend (and draft) opened, its engine started."""
     info = read_export(Path(config.export))
     get_encoding()  # built now, not by the first request (~55 ms)
-    if config.fixed_slots:
+    if on_slots(config, info):
         from ..runtime.static_decode import SlotBackend
 
         # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
@@ -147,6 +148,18 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
                              config.draft, find_template(Path(config.export), config.chat_template,
                                                            config.default_chat_template), block_identity(info, backend))
+
+
+def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
+    """Whether the replica serves the export on the fixed slots: as asked, or by default (`fixed_slots` None) where the ort
+    backend's slots hold an int8 cache."""
+    if config.fixed_slots is not None:
+        return config.fixed_slots
+    if BackendKind(config.backend) is not BackendKind.ort:
+        return False
+    from ..runtime.static_decode import slots_by_default  # ONNX Runtime's module: the ort backend's servers only
+
+    return slots_by_default(info, ProviderKind(config.provider))
 
 
 def block_identity(info: ExportInfo, backend: Backend) -> BlockIdentity:

@@ -128,3 +128,29 @@ def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, arg
     code, _, err = cli(capsys, *args)
     assert_one_line_error(code, err, 2, fragment)
     assert not own_exports.exists()  # refused before anything is exported
+
+
+def test_the_server_runs_the_slots_by_default_where_they_hold_an_int8_cache(tiny_export, monkeypatch):
+    """--kv-cache auto (ReplicaConfig.fixed_slots None): an int8 export whose record keeps the int8 cache is served on
+    the fixed slots (/health says so) with 32-token chunks in the decode steps' forwards; on a float cache (asked for,
+    or an fp32 export) in place with 256-token chunks between them; as asked where asked; never on another backend."""
+    from gpt2x.choices import Precision
+    from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+    from gpt2x.serve.replica import ReplicaConfig, on_slots, open_service
+
+    int8 = tiny_export(Precision.int8, int8_kv=True)[2]
+    fp32 = tiny_export(Precision.fp32)[2]
+    monkeypatch.setenv(KV_DTYPE_ENV, "int8")  # the cache the tiny export's record may or may not choose
+    auto = ReplicaConfig(export=str(int8.folder), model_id="tiny", threads=1, fixed_slots=None)
+    assert on_slots(auto, int8) and not on_slots(ReplicaConfig(export=str(fp32.folder), model_id="tiny", fixed_slots=None), fp32)
+    assert not on_slots(ReplicaConfig(export=str(int8.folder), model_id="tiny", fixed_slots=None, backend="openvino"), int8)
+    assert not on_slots(ReplicaConfig(export=str(int8.folder), model_id="tiny", fixed_slots=False), int8)
+    service = open_service(auto)
+    try:
+        health = service.health()
+        assert health.kv_cache == "slots" and health.kv_cache_dtype == "int8"
+        assert service.engine.scheduler.chunk_tokens(0) == 32
+    finally:
+        service.close()
+    monkeypatch.setenv(KV_DTYPE_ENV, "float")
+    assert not on_slots(auto, int8)

@@ -39,6 +39,12 @@ AUTO_QUIET_S = 0.005
 # the prefix cache (Start.after). The wait costs the batch one more forward and a merge: a long
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
 SHARED_TO_WAIT = 64
+# A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
+# enough that a 512-token prompt takes two; in a decode step's forward (the fixed slots), short enough that the step
+# stays within about twice a decode step's time (545-token prompts joining 1.5 a second on the 2-core Xeon: ITL p99
+# 1.71x its median at 32, against 9.72x at 256 in place; docs/results/serving.md).
+PREFILL_CHUNK = 256
+MIXED_PREFILL_CHUNK = 32
 _SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 
 
@@ -57,8 +63,9 @@ class EngineSettings:
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
-    # joiners than rows running).
-    prefill_chunk: int = 256
+    # joiners than rows running). None: MIXED_PREFILL_CHUNK where a chunk runs in the decode step's own forward (the
+    # fixed slots), PREFILL_CHUNK elsewhere.
+    prefill_chunk: int | None = None
     # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
     # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
     # (capabilities.mixes_chunks: the fixed slots), a step then costs about this many tokens' forward.
@@ -90,7 +97,7 @@ class EngineSettings:
             raise UsageError("prefix_cache_dir keeps the prefix cache's blocks on disk too: it needs the prefix cache itself "
                              "(a memory budget above 0)", option="prefix_cache_dir")
         for name in ("max_waiting", "prefill_chunk", "prefix_cache_mb", "prefix_cache_disk_mb"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise UsageError(f"{name} must be >= 0, got {getattr(self, name)}", option=name)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise UsageError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
@@ -210,6 +217,8 @@ class Scheduler:
         self.joins_rows = joins_rows
         self.frees_rows = frees_rows
         self.mixes = mixes
+        self.prefill_chunk = settings.prefill_chunk if settings.prefill_chunk is not None else \
+            MIXED_PREFILL_CHUNK if mixes else PREFILL_CHUNK
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
@@ -407,7 +416,7 @@ class Scheduler:
     def chunk_tokens(self, running: int) -> int:
         """A joiners' chunk beside `running` rows: prefill_chunk, or what they leave of max_num_batched_tokens."""
         budget = self.settings.max_num_batched_tokens
-        return self.settings.prefill_chunk if budget is None else max(1, budget - running)
+        return self.prefill_chunk if budget is None else max(1, budget - running)
 
     def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
