@@ -132,8 +132,9 @@ def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, arg
 
 def test_the_server_runs_the_slots_by_default_where_they_hold_an_int8_cache(tiny_export, monkeypatch):
     """--kv-cache auto (ReplicaConfig.fixed_slots None): an int8 export whose record keeps the int8 cache is served on
-    the fixed slots (/health says so) with 32-token chunks in the decode steps' forwards; on a float cache (asked for,
-    or an fp32 export) in place with 256-token chunks between them; as asked where asked; never on another backend."""
+    the fixed slots (/health says so), its chunks in the decode steps' forwards 24 tokens and one more per row running;
+    on a float cache (asked for, or an fp32 export) in place, 256-token chunks between the steps; as asked where asked;
+    never on another backend."""
     from gpt2x.choices import Precision
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.serve.replica import ReplicaConfig, on_slots, open_service
@@ -149,8 +150,13 @@ def test_the_server_runs_the_slots_by_default_where_they_hold_an_int8_cache(tiny
     try:
         health = service.health()
         assert health.kv_cache == "slots" and health.kv_cache_dtype == "int8"
-        assert service.engine.scheduler.chunk_tokens(0) == 32
+        assert [service.engine.scheduler.chunk_tokens(n) for n in (0, 1, 16)] == [24, 25, 40]
     finally:
         service.close()
     monkeypatch.setenv(KV_DTYPE_ENV, "float")
     assert not on_slots(auto, int8)
+    in_place = open_service(auto)
+    try:
+        assert in_place.health().kv_cache == "in-place" and in_place.engine.scheduler.chunk_tokens(16) == 256
+    finally:
+        in_place.close()

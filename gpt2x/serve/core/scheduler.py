@@ -40,11 +40,14 @@ AUTO_QUIET_S = 0.005
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
 SHARED_TO_WAIT = 64
 # A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
-# enough that a 512-token prompt takes two; in a decode step's forward (the fixed slots), short enough that the step
-# stays within about twice a decode step's time (545-token prompts joining 1.5 a second on the 2-core Xeon: ITL p99
-# 1.71x its median at 32, against 9.72x at 256 in place; docs/results/serving.md).
+# enough that a 512-token prompt takes two (PREFILL_CHUNK); in a decode step's forward (the fixed slots),
+# MIXED_PREFILL_CHUNK and one more token per row running. A chunk's tokens cost the step about what as many rows would,
+# and a decode step's cost grows with its rows, so the chunk grows with them, keeping the step within about 2.5 times a
+# decode step's time. 545-token prompts joining 1.5 a second on the 2-core Xeon (int8; scratch, one round each): ITL
+# p99 2.24x its median at 24 + rows (first token 547 ms), 3.19x at a fixed 32 (432 ms), 1.51x at 16 + rows (1017
+# ms); 9.9x in place with 256 (244 ms).
 PREFILL_CHUNK = 256
-MIXED_PREFILL_CHUNK = 32
+MIXED_PREFILL_CHUNK = 24
 _SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 
 
@@ -63,8 +66,8 @@ class EngineSettings:
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
-    # joiners than rows running). None: MIXED_PREFILL_CHUNK where a chunk runs in the decode step's own forward (the
-    # fixed slots), PREFILL_CHUNK elsewhere.
+    # joiners than rows running). None: MIXED_PREFILL_CHUNK and a token per row running where a chunk runs in the
+    # decode step's own forward (the fixed slots), PREFILL_CHUNK elsewhere.
     prefill_chunk: int | None = None
     # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
     # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
@@ -218,7 +221,7 @@ class Scheduler:
         self.frees_rows = frees_rows
         self.mixes = mixes
         self.prefill_chunk = settings.prefill_chunk if settings.prefill_chunk is not None else \
-            MIXED_PREFILL_CHUNK if mixes else PREFILL_CHUNK
+            None if mixes else PREFILL_CHUNK
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
@@ -414,9 +417,12 @@ class Scheduler:
         return SchedulerOutput(new, () if new else tuple(joiners), dict.fromkeys(joiners, cols))
 
     def chunk_tokens(self, running: int) -> int:
-        """A joiners' chunk beside `running` rows: prefill_chunk, or what they leave of max_num_batched_tokens."""
+        """A joiners' chunk beside `running` rows: prefill_chunk (None, where chunks mix: MIXED_PREFILL_CHUNK + running),
+        or what they leave of max_num_batched_tokens."""
         budget = self.settings.max_num_batched_tokens
-        return self.prefill_chunk if budget is None else max(1, budget - running)
+        if budget is not None:
+            return max(1, budget - running)
+        return MIXED_PREFILL_CHUNK + running if self.prefill_chunk is None else self.prefill_chunk
 
     def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
