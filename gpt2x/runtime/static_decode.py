@@ -814,13 +814,15 @@ class SlotBackend(Closable):
         self._ran: dict[int, np.ndarray] = {}
 
     def warm_up(self) -> None:
-        """Open the sessions the server runs: the mixed step's, where chunks mix, and on the CPU the prefill's and the
-        OpenVINO prefill, where the export's record runs fresh prompts there."""
+        """Open the sessions the server runs: the mixed step's, where chunks mix, and on the CPU the OpenVINO prefill,
+        where the export's record runs fresh prompts there, else the prefill's (`_together_first`: 0.3 GB for GPT-2 124M
+        int8 that a server on OpenVINO's prefill would not use, scratch)."""
         if self.capabilities.mixes_chunks:
             self.decoder.open_mixed()
         if self.decoder.device == "cpu":
-            self.decoder.open_prefill()
             self.decoder.open_openvino()
+            if self.decoder.openvino_from is None:
+                self.decoder.open_prefill()
 
     def take(self) -> int:
         """The lowest free slot, now taken."""
@@ -857,8 +859,9 @@ class SlotBackend(Closable):
 
     def _together_first(self, fresh: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Whole prompts (slot, ids) into free slots, run together where they can be (on the CPU): on OpenVINO,
-        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else those of one length
-        on ONNX Runtime (prefill_rows). The last logits [vocab] of each slot that ran."""
+        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else, without an OpenVINO
+        prefill, those of one length on ONNX Runtime (prefill_rows; with one, prompts too short for it each run alone,
+        and its session is not held). The last logits [vocab] of each slot that ran."""
         if len(fresh) < 2 or self.decoder.device != "cpu":
             return {}
         slots = np.array([slot for slot, _ in fresh])
@@ -868,6 +871,8 @@ class SlotBackend(Closable):
         logits = self.decoder.prefill_fresh(slots, padded, mask)
         if logits is not None:
             return dict(zip(slots.tolist(), logits))
+        if self.decoder.openvino_from is not None and self.decoder.mixed_prefill:
+            return {}
         groups: dict[int, list[tuple[int, np.ndarray]]] = {}
         for slot, ids in fresh:
             groups.setdefault(len(ids), []).append((slot, ids))

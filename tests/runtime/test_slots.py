@@ -437,8 +437,8 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
     wave of one length, one of three lengths (left-padded: each row then moved to the front of its slot) and a lone
     prompt run there, OpenVINO writing their keys and values into the slots' own memory (an int8 export's int8 cache,
     quantized as ONNX Runtime's is), and so do prompts into slots apart and joiners' prompts held for a later step
-    (into fresh arrays, then copied); their logits and the decode steps after them against the same prompts on ONNX
-    Runtime's slots (fp32: within f32's summation order; int8: within int8's batch variance)."""
+    (into fresh arrays, then copied); prompts too short for it run each alone, ONNX Runtime's prefill session never
+    opened; their logits and the decode steps after them against the same prompts on ONNX Runtime's slots (fp32: within f32's summation order; int8: within int8's batch variance)."""
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.runtime.static_decode import SlotBackend
 
@@ -456,6 +456,7 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
         backend.warm_up()
         on_openvino = backend.decoder._openvino is not None
         assert on_openvino == (prefill == "openvino")
+        assert (backend.decoder._prefill is None) == on_openvino  # ONNX Runtime's prefill session only without it
         if precision is Precision.int8:
             assert backend.decoder.dtype == np.int8
         out = []
@@ -489,6 +490,12 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
             out.append(backend.decoder.step(tokens, active)[c.slots])
         out.append(logits)
         del held2, cache, later
+        # two one-token prompts, too short for OpenVINO: together on ONNX Runtime's prefill without it, each alone with
+        # it (its prefill session never opened)
+        logits, cache = backend.step(np.array([[5], [9]]), np.ones((2, 1), np.int64), None, None)
+        out.append(logits)
+        assert (backend.decoder._prefill is None) == on_openvino
+        del cache
         return out
 
     for got, want in zip(run("openvino"), run("onnxruntime")):
