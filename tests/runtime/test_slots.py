@@ -438,7 +438,8 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
     prompt run there, OpenVINO writing their keys and values into the slots' own memory (an int8 export's int8 cache,
     quantized as ONNX Runtime's is), and so do prompts into slots apart and joiners' prompts held for a later step
     (into fresh arrays, then copied); prompts too short for it run each alone, ONNX Runtime's prefill session never
-    opened; their logits and the decode steps after them against the same prompts on ONNX Runtime's slots (fp32: within f32's summation order; int8: within int8's batch variance)."""
+    opened; their logits and the decode steps after them against the same prompts on ONNX Runtime's slots (fp32:
+    within f32's summation order; int8: within int8's batch variance)."""
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.runtime.static_decode import SlotBackend
 
