@@ -844,7 +844,7 @@ class SlotBackend(Closable):
         run = [p for i, p in enumerate(self._pending) if i != but]
         self._pending = kept
         ran = self._together_first([(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]])
-        ran.update(self._together_on_past([(slot, ids) for slot, ids in run if slot not in ran]))
+        ran.update(self._together_on_past([(slot, ids) for slot, ids in run if slot not in ran and self.decoder.lengths[slot]]))
         for slot, ids in run:
             if slot not in ran:
                 ran[slot] = self.decoder.prefill(slot, ids)
@@ -884,9 +884,9 @@ class SlotBackend(Closable):
 
     def _together_on_past(self, held: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Rows' next tokens (slot, ids) after what their slots hold (a prompt's rest after the prefix cache's blocks,
-        a chunk), run together on OpenVINO where the export's record runs that many there (SlotDecoder.prefill_held).
+        a chunk; each slot holding some), run together on OpenVINO where the export's record runs that many there (SlotDecoder.prefill_held).
         The last logits [vocab] of each slot that ran."""
-        if not held or len({slot for slot, _ in held}) != len(held) or not all(self.decoder.lengths[s] for s, _ in held):
+        if not held or len({slot for slot, _ in held}) != len(held):
             return {}
         slots = np.array([slot for slot, _ in held])
         logits = self.decoder.prefill_held(slots, [ids for _, ids in held])
@@ -994,7 +994,8 @@ class SlotBackend(Closable):
         together = {} if every else self._together_first([(s, ids) for s, ids in rows
                                                            if len(ids) and not self.decoder.lengths[s]])
         if not every:
-            together.update(self._together_on_past([(s, ids) for s, ids in rows if len(ids) and s not in together]))
+            together.update(self._together_on_past([(s, ids) for s, ids in rows
+                                                    if len(ids) and s not in together and self.decoder.lengths[s]]))
         for b, (slot, ids) in enumerate(rows):  # a prompt, or its next chunk, into each row's own slot
             if slot in together:
                 logits[b] = together[slot]

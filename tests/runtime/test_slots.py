@@ -508,10 +508,11 @@ def test_fresh_prompts_on_the_exports_openvino_prefill_fill_their_slots_and_deco
 def test_rows_on_a_past_run_together_on_the_exports_openvino_prefill_and_decode_on(tiny_export, precision, monkeypatch):
     """Rows' next tokens after what their slots hold, on the export's OpenVINO prefill graph on a past (asked for here:
     the record's choice is a timing), all of them in one forward: the prefix cache's pasts of three lengths with rests of
-    two (in fresh arrays, each past right-aligned and each rest left-padded, then copied after what its slot holds), a
-    wave of one past and one rest in consecutive slots (in the slots' own memory), and chunks held for a later step
-    (flushed together). Their logits and the decode steps after them against the same rows on ONNX Runtime's slots,
-    each row alone (fp32: within f32's summation order; int8: within int8's batch variance)."""
+    two (in fresh arrays, each past right-aligned and each rest left-padded, then copied after what its slot holds),
+    with a fresh prompt beside them (run alone); a wave of one past and one rest in consecutive slots (in the slots'
+    own memory); and chunks held for a later step (flushed together). Their logits and the decode steps after them
+    against the same rows on ONNX Runtime's slots, each row alone (fp32: within f32's summation order; int8: within
+    int8's batch variance)."""
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.runtime.static_decode import SlotBackend
 
@@ -521,7 +522,8 @@ def test_rows_on_a_past_run_together_on_the_exports_openvino_prefill_and_decode_
     tolerance = 1e-4 if precision is Precision.fp32 else 5e-2
     rng = np.random.default_rng(41)
     V = info.config.vocab_size
-    ragged = [rng.integers(0, V, n).tolist() for n in (15, 9, 12)], [12, 5, 8]  # prompts, the tokens cached
+    # prompts, the tokens cached (the last none: a fresh prompt beside them, run alone)
+    ragged = [rng.integers(0, V, n).tolist() for n in (15, 9, 12, 4)], [12, 5, 8, 0]
     wave = [rng.integers(0, V, 12).tolist() for _ in range(3)], [8, 8, 8]
     chunks = [rng.integers(0, V, n).tolist() for n in (9, 6)]
 
