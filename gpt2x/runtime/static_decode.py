@@ -71,6 +71,11 @@ def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
             f"GroupQueryAttention there), not {precision.value}")
 
 
+def _consecutive(slots: np.ndarray) -> bool:
+    """Whether `slots` are consecutive, in order: their rows are one region of the slots' buffers."""
+    return bool((slots == slots[0] + np.arange(len(slots))).all())
+
+
 def bind_prompts(binding, ids: np.ndarray, keep_last: ort.OrtValue | None) -> None:
     """Prompts `ids` [B, T] with no past and no padding bound as a prefill graph's inputs (the mask all ones, positions
     0 .. T - 1), and `keep_last` as its logits_to_keep where the graph takes one (the last position's logits alone)."""
@@ -475,6 +480,13 @@ class SlotDecoder(Closable):
         out[:rows] = logits[:, 0]
         return out
 
+    @property
+    def prompts_on_prefill_graph(self) -> bool:
+        """Whether fresh prompts of one length that OpenVINO does not take run together on the prefill's session: without
+        an OpenVINO prefill, or where prefills are not mixed steps (that session is open anyway). With one, prompts too
+        short for it each run alone, and the session is not held (0.3 GB for GPT-2 124M int8: docs/results/serving.md)."""
+        return self.openvino_from is None or not self.mixed_prefill
+
     def open_prefill(self) -> None:
         """Open the prefill's session now (where prefills are mixed steps, prompts starting together run on it)."""
         if self._prefill is None:
@@ -507,7 +519,7 @@ class SlotDecoder(Closable):
         mask = np.ones((B, T), np.int64) if mask is None else np.ascontiguousarray(mask, dtype=np.int64)
         held = mask.sum(axis=1)
         first = int(slots[0])
-        in_place = bool((slots == first + np.arange(B)).all())
+        in_place = _consecutive(slots)
         if in_place:
             presents = [a[first: first + B] for a in self._arrays]  # C-contiguous views: OpenVINO writes into them
         else:
@@ -549,7 +561,7 @@ class SlotDecoder(Closable):
         ids = np.zeros((B, T), np.int64)
         for b, r in enumerate(rows):
             ids[b, T - len(r):] = r
-        if (slots == first + np.arange(B)).all() and (held == P).all() and all(len(r) == T for r in rows):
+        if _consecutive(slots) and (held == P).all() and all(len(r) == T for r in rows):
             mask = np.ones((B, P + T), np.int64)
             logits = self._openvino(ids, mask, positions(mask, T), [a[first: first + B] for a in self._arrays], past=P)
             self.lengths[slots] = P + T
@@ -767,7 +779,7 @@ class SlotCache:
         self.owner.flush()
         decoder, first = self.owner.decoder, int(self.slots[0])
         lengths = decoder.lengths[self.slots]
-        if (self.slots == first + np.arange(len(self.slots))).all() and (lengths == lengths[0]).all():
+        if _consecutive(self.slots) and (lengths == lengths[0]).all():
             return decoder.views(first, len(self.slots), int(lengths[0]))
         rows = [decoder.read(int(s)) for s in self.slots]
         P = max(r[0].shape[1] for r in rows)
@@ -815,13 +827,13 @@ class SlotBackend(Closable):
 
     def warm_up(self) -> None:
         """Open the sessions the server runs: the mixed step's, where chunks mix, and on the CPU the OpenVINO prefill,
-        where the export's record runs fresh prompts there, else the prefill's (`_together_first`: 0.3 GB for GPT-2 124M
-        int8 that a server on OpenVINO's prefill would not use, scratch)."""
+        where the export's record runs fresh prompts there, and the prefill's where prompts run together on it
+        (SlotDecoder.prompts_on_prefill_graph)."""
         if self.capabilities.mixes_chunks:
             self.decoder.open_mixed()
         if self.decoder.device == "cpu":
             self.decoder.open_openvino()
-            if self.decoder.openvino_from is None:
+            if self.decoder.prompts_on_prefill_graph:
                 self.decoder.open_prefill()
 
     def take(self) -> int:
@@ -859,9 +871,9 @@ class SlotBackend(Closable):
 
     def _together_first(self, fresh: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Whole prompts (slot, ids) into free slots, run together where they can be (on the CPU): on OpenVINO,
-        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else, without an OpenVINO
-        prefill, those of one length on ONNX Runtime (prefill_rows; with one, prompts too short for it each run alone,
-        and its session is not held). The last logits [vocab] of each slot that ran."""
+        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else those of one length on
+        ONNX Runtime where they run there (prefill_rows: SlotDecoder.prompts_on_prefill_graph). The last logits [vocab]
+        of each slot that ran."""
         if len(fresh) < 2 or self.decoder.device != "cpu":
             return {}
         slots = np.array([slot for slot, _ in fresh])
@@ -871,7 +883,7 @@ class SlotBackend(Closable):
         logits = self.decoder.prefill_fresh(slots, padded, mask)
         if logits is not None:
             return dict(zip(slots.tolist(), logits))
-        if self.decoder.openvino_from is not None and self.decoder.mixed_prefill:
+        if not self.decoder.prompts_on_prefill_graph:
             return {}
         groups: dict[int, list[tuple[int, np.ndarray]]] = {}
         for slot, ids in fresh:
