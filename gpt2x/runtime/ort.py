@@ -337,7 +337,7 @@ class OrtBackend(Closable):
         self.provider = provider
         layout = info.attention
         # Unless asked not to, an fp32 export's MultiHeadAttention graph runs on the CPU as its GroupQueryAttention
-        # twin, made in memory: a step copies no past, and its weights are read where the file is (docs/export.md).
+        # twin, made in memory: a step copies no past, and its weights come from the mapped file (docs/export.md).
         twin = None
         if provider is ProviderKind.cpu and in_place_kv is not False and not io.in_place_kv(layout):
             twin = in_place_twin(info)
@@ -377,6 +377,7 @@ class OrtBackend(Closable):
                                                           self._openvino_from <= PREPARE_PREFILL_FROM)
                 pool.shutdown(wait=False)  # the thread ends with its one job
         self.session = self._open_session(threads)
+        self._twin = None  # its weights copied into the session: the mapped file is let go (create_session)
         self.attention = layout
         self.idle = IdleBuffers()  # the in-place cache's memory, reused by its next buffers
         self._batched_from = batched_from(info, batched, provider is ProviderKind.cpu)

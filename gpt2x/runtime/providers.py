@@ -100,7 +100,8 @@ def session_options(threads: int | None = None):
 def create_session(model_path, provider: ProviderKind, threads: int | None = None, provider_options: dict | None = None,
                    weights: dict[str, np.ndarray] | None = None, dims: dict[str, int] | None = None):
     """An InferenceSession on exactly the asked provider: refuses ONNX Runtime's silent CPU fallback. `weights`: the
-    arrays of a graph whose initializers say they are held outside it (onnx.graph_cache.InMemoryGraph). `dims`: symbolic
+    arrays of a graph whose initializers say they are held outside it (onnx.graph_cache.InMemoryGraph), which ONNX
+    Runtime copies into the session (AddExternalInitializers' contract): the caller may let them go. `dims`: symbolic
     dimensions fixed (a fixed-shape graph's shape computations fold away)."""
     name = ORT_PROVIDERS[provider]
     if name not in ort.get_available_providers():
@@ -126,8 +127,6 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "a graph made in memory" if isinstance(model_path, bytes) else model_path
         raise ArtifactError(f"ONNX Runtime cannot load {where}: {first}") from None
-    if values:
-        sess.external_weights = values  # ONNX Runtime reads them where they are: they live as long as the session
     if sess.get_providers()[0] != name:
         raise ProviderError(
             f"{name} failed to load (ONNX Runtime fell back to {sess.get_providers()[0]}); {CUDA_HELP}"
@@ -138,10 +137,10 @@ def create_session(model_path, provider: ProviderKind, threads: int | None = Non
 def create_export_session(path: Path, provider: ProviderKind, threads: int | None = None,
                           transform: Callable[[onnx.ModelProto], None] | None = None, key: str | None = None):
     """create_session on an export's graph file; on the CPU, unless its weights are in a data file, with its weights
-    handed to ONNX Runtime where the mapped file holds them (onnx.mapped), which ONNX Runtime would read and copy
-    (the cold start it saves: docs/export.md). `transform`: a rewrite of the graph in place before the session (its
-    weights kept as they are; the CPU, weights in the file only), kept on disk under `key` for the next process
-    (onnx.graph_cache: it then imports no onnx)."""
+    handed to ONNX Runtime from the mapped file (onnx.mapped), not parsed by protobuf first (the cold start it saves:
+    docs/export.md); ONNX Runtime copies them into the session, so the mapping goes when this returns. `transform`: a
+    rewrite of the graph in place before the session (its weights kept as they are; the CPU, weights in the file only),
+    kept on disk under `key` for the next process (onnx.graph_cache: it then imports no onnx)."""
     path = Path(path)
     if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
         data, weights = mapped_model(path)

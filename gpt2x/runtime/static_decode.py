@@ -16,6 +16,7 @@ from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
 from ..onnx.graph_cache import InMemoryGraph
 from ..onnx.kvcache import dequantize, quantize
+from ..onnx.mapped import mapped_model
 from .base import Capabilities, Closable, Released
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
@@ -343,7 +344,9 @@ class SlotDecoder(Closable):
         # step it took 8-13% longer).
         self.mixed_prefill = mixed_prefill and self.device == "cpu"
         self._prefill = self._keep_last = None
-        self._prefill_form = prefill  # rewritten for an int8 cache where its session is made
+        # The prefill's graph alone, its weights mapped again where its session is made: a session copies its weights
+        # (ONNX Runtime's AddExternalInitializers), so no array of the mapped file outlives the sessions made now.
+        self._prefill_form = replace(prefill, weights=dict.fromkeys(prefill.weights))
         # Fresh prompts of at least this many tokens (rows x tokens) on the export's OpenVINO prefill graph, as the ort
         # backend runs them (`prefill_choice`: runtime.prefill.PrefillChoice), written straight into their slots.
         self.openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
@@ -490,7 +493,8 @@ class SlotDecoder(Closable):
     def open_prefill(self) -> None:
         """Open the prefill's session now (where prefills are mixed steps, prompts starting together run on it)."""
         if self._prefill is None:
-            form = self._with_kv_dtype(self._prefill_form)
+            mapped = mapped_model(self._path)[1]
+            form = self._with_kv_dtype(replace(self._prefill_form, weights={n: mapped[n] for n in self._prefill_form.weights}))
             self._prefill = create_session(form.graph, self._provider, self._threads, weights=form.weights)
             if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
                 self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))

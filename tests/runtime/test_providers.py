@@ -1,15 +1,20 @@
-"""runtime/providers.py: the options every ONNX Runtime session gpt2x opens is given."""
+"""runtime/providers.py: the options every ONNX Runtime session gpt2x opens is given, and the weights it is handed."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
+from gpt2x.choices import Precision, ProviderKind
 from gpt2x.errors import UsageError
-from gpt2x.runtime.providers import SPIN_ENV, SPIN_KEY, SPIN_US, session_options
+from gpt2x.onnx.mapped import mapped_model
+from gpt2x.runtime.providers import SPIN_ENV, SPIN_KEY, SPIN_US, create_session, session_options
 
 
 def spin_of(options: ort.SessionOptions) -> str | None:
@@ -39,3 +44,62 @@ def test_a_bad_spin_is_one_line_from_the_command_before_any_session(export_dir, 
     assert r.returncode == UsageError.exit_code, r.stderr
     assert r.stderr.strip().splitlines() == [f"error: {SPIN_ENV} must be a whole number of microseconds or 'default', "
                                              "got 'soon'"]
+
+
+def _feed(session, T: int = 5) -> dict[str, np.ndarray]:
+    """A prompt of T tokens on an empty past for an export's graph (its past's dims from the graph's inputs)."""
+    feed = {}
+    for i in session.get_inputs():
+        if i.name == "input_ids":
+            feed[i.name] = (np.arange(T, dtype=np.int64) * 7 % 50)[None]
+        elif i.name in ("attention_mask", "position_ids"):
+            feed[i.name] = np.ones((1, T), np.int64) if i.name == "attention_mask" else np.arange(T, dtype=np.int64)[None]
+        else:  # past_key_values.*: [1, heads, 0, head_dim]
+            feed[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    return feed
+
+
+def test_a_session_copies_the_mapped_weights_it_is_given(tiny_export):
+    """create_session on an export's mapped weights: ONNX Runtime copies them into the session (AddExternalInitializers'
+    contract), which lets the backends let the mapped file go once their sessions are made. The arrays zeroed after the
+    session is made leave its logits as they were; a session that read them where they are would change."""
+    info = tiny_export(Precision.fp32)[2]
+    graph, weights = mapped_model(info.model_path)
+    session = create_session(graph, ProviderKind.cpu, 1, weights=weights)
+    feed = _feed(session)
+    before = session.run(["logits"], feed)[0]
+    for array in weights.values():
+        array[...] = 0  # the mapping's private pages: the file itself is untouched
+    after = session.run(["logits"], feed)[0]
+    assert np.abs(before).max() > 0
+    np.testing.assert_array_equal(after, before)
+    fresh = create_session(graph, ProviderKind.cpu, 1, weights=weights).run(["logits"], feed)[0]
+    assert not np.array_equal(fresh, before)  # the zeroed weights do reach a session made from them
+
+
+def _mapped_graphs(folder) -> list[str]:
+    """The lines of /proc/self/maps that map an ONNX graph file of `folder`."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line and ".onnx" in line]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+@pytest.mark.parametrize("backend", ["ort", "slots"])
+def test_an_opened_backend_holds_no_mapping_of_its_graphs(tiny_export, backend):
+    """Once its sessions are made, a backend holds no array of the mapped graph file (ONNX Runtime copied them): the
+    mapping's pages (the weights' size again, counted in the process's resident memory) are let go."""
+    from gpt2x.runtime.ort import OrtBackend
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    info = tiny_export(Precision.fp32)[2]
+    opened = OrtBackend(info, threads=1) if backend == "ort" else SlotBackend(info, threads=1, slots=2)
+    if backend == "slots":
+        opened.warm_up()
+        opened.decoder.open_prefill()
+    gc.collect()
+    try:
+        assert _mapped_graphs(info.folder) == []
+        ids = np.array([[3, 1, 4]])
+        logits, _ = opened.step(ids, np.ones((1, 3), np.int64), np.arange(3)[None], None)
+        assert np.isfinite(logits).all()
+    finally:
+        opened.close()
