@@ -27,8 +27,8 @@ class ProviderKind(str, Enum):
 
 
 class KvCache(str, Enum):
-    """ONNX Runtime's KV cache form (`ort` backend): auto (`serve`: the slots where they hold an int8 cache,
-    runtime.static_decode.slots_by_default; else in place wherever it can be on the CPU: int8 and int4 graphs, an fp32
+    """ONNX Runtime's KV cache form (`ort` backend): auto (`serve`: the slots for fp32, int8 and int4 exports on the
+    CPU, runtime.static_decode.slots_by_default; else in place wherever it can be on the CPU: int8 and int4 graphs, an fp32
     export's through its GroupQueryAttention twin; growing on CUDA, where `generate` decodes on the fixed cache
     wherever the generation allows), in-place (required: refused where it cannot be), growing (the
     export's own graph, each step's presents the next past), fixed (`generate`'s alone, required: one fixed-capacity

@@ -102,10 +102,10 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(min=1, help="CPU threads (def
                                                   rich_help_panel=RUNTIME_PANEL)]
 KvCacheOpt = Annotated[KvCache, typer.Option(
     rich_help_panel=RUNTIME_PANEL,
-    help="The ort backend's KV cache: auto (gpt2x serve: the fixed slots where they hold an int8 cache, an int8 or "
-    "int4 export whose record chose one; elsewhere written in place wherever it can be on the CPU: int8 and int4 "
-    "graphs, an fp32 export's through its graph's GroupQueryAttention twin, made in memory; on CUDA, gpt2x generate "
-    "decodes on the fixed cache wherever the generation allows), in-place (required), growing (the export's own graph), fixed "
+    help="The ort backend's KV cache: auto (gpt2x serve: the fixed slots for fp32, int8 and int4 exports on the CPU; "
+    "elsewhere, and for the other commands, written in place wherever it can be on the CPU: int8 and int4 graphs, an "
+    "fp32 export's through its graph's GroupQueryAttention twin, made in memory; on CUDA, gpt2x generate decodes on "
+    "the fixed cache wherever the generation allows), in-place (required), growing (the export's own graph), fixed "
     "(gpt2x generate only, required: one fixed-capacity cache, its step replayed as a CUDA graph on CUDA; greedy or a "
     "temperature, one prompt length), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run "
     "in the decode steps' own forward).")]

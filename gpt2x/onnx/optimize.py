@@ -351,12 +351,12 @@ def in_place_form(path: Path) -> InMemoryGraph | None:
     return None if loaded is None else _in_memory(*loaded)
 
 
-def static_forms(path: Path, sampling: bool = False, logits: bool = False,
-                 steps: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
+def static_forms(path: Path, sampling: bool = False, logits: bool = False, steps: bool = False,
+                 padded: bool = False) -> tuple[InMemoryGraph, InMemoryGraph] | None:
     """The export's two graphs for StaticDecoder, from one read of its file, their weights shared:
     - the prompt's: its GroupQueryAttention graph (the export's, or its twin) without the attention bias, for prompts
       without padding (the operator's own causal mask suffices), which lets ONNX Runtime's CUDA kernels take their
-      fastest path;
+      fastest path; `padded`: with it, for left-padded prompts of several lengths in one forward (the CPU's slots);
     - the one-token decode step with every shape fixed, for a step captured in a CUDA graph (to_static_decode): its
       lengths read from the inputs seqlens_k (on the device) and total_sequence_length (the cache's capacity,
       constant) instead of the attention mask, which goes (rows hold no padding), and each row's argmax (next_token)
@@ -370,8 +370,9 @@ def static_forms(path: Path, sampling: bool = False, logits: bool = False,
     prefill, weights = loaded
     decode = onnx.ModelProto()
     decode.CopyFrom(prefill)  # the graph alone: its large weights are in `weights`
-    _drop_attention_bias(prefill.graph)
-    _prune(prefill.graph)
+    if not padded:
+        _drop_attention_bias(prefill.graph)
+        _prune(prefill.graph)
     to_static_decode(decode, sampling, logits, steps)
     return _in_memory(prefill, weights), _in_memory(decode, weights)
 

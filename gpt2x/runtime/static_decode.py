@@ -4,6 +4,7 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -51,16 +52,21 @@ SLOT_PRECISIONS = {ProviderKind.cpu: (Precision.fp32, Precision.int8, Precision.
 
 
 def slots_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
-    """Whether `gpt2x serve --kv-cache auto` serves the export on the fixed slots: where they hold an int8 cache (an
-    int8 or int4 export on the CPU whose record chose one, or GPT2X_KV_CACHE_DTYPE int8), a quarter of a float one's
-    bytes, held from the start at little more memory than the in-place cache; a float cache held whole would not be
-    (3.6 times the in-place server's memory once ready at fp32: docs/results/serving.md). Not where the graph's weights
-    are in a data file (no fixed-shape forms)."""
-    if provider is not ProviderKind.cpu or info.precision not in (Precision.int8, Precision.int4) \
-            or int8_kv_scales(info, asked_kv_dtype(None), True) is None:
+    """Whether `gpt2x serve --kv-cache auto` serves the export on the fixed slots: every fp32, int8 and int4 export on
+    the CPU whose graph keeps its weights inside it (a data file's has no fixed-shape forms). Their steps run the
+    joining prompts' chunks in the decode step's forward, where the in-place cache stops every row for a joiner's
+    prefill (docs/results/serving.md)."""
+    if provider is not ProviderKind.cpu or info.precision not in SLOT_PRECISIONS[provider]:
         return False
     path = info.batched_path if batched_from(info, None, True) is not None else info.model_path
     return not path.with_name(path.name + ".data").exists()
+
+
+def held_from_start(info: ExportInfo, provider: ProviderKind, rows: int) -> int:
+    """How many slots a server writes at its start (SlotBackend's `resident`): its batch's `rows` where the slots hold
+    an int8 cache (0.3 GB for 16 rows of GPT-2 124M: no step then faults their pages in), none for a float one (1.2 GB
+    of fp32 at 1024 positions: its pages come as rows use them, as the in-place cache grows)."""
+    return rows if int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu) is not None else 0
 
 
 def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
@@ -70,6 +76,21 @@ def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
         return None
     return (f"the fixed slots on {provider.value} run {', '.join(p.value for p in runs)} exports (ONNX Runtime's "
             f"GroupQueryAttention there), not {precision.value}")
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype, written: int) -> np.ndarray:
+    """Zeros of `shape`, the kernel's zero pages until written, its rows from `written` on never in transparent huge
+    pages (Linux; elsewhere np.zeros): a slot first written while the server runs then faults in 4 KB pages, as many
+    as its positions take. A huge page there made the first write of each slot's rows wait on the kernel's memory
+    compaction: 180 ms to copy 17 positions into a fresh fp32 slot, 1 ms without (docs/results/serving.md)."""
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is None or written >= shape[0]:
+        return np.zeros(shape, dtype)
+    row = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+    memory = mmap.mmap(-1, shape[0] * row)  # anonymous, page-aligned, zero-filled
+    start = written * row // mmap.PAGESIZE * mmap.PAGESIZE
+    memory.madvise(advice, start, len(memory) - start)
+    return np.frombuffer(memory, dtype).reshape(shape)
 
 
 def _consecutive(slots: np.ndarray) -> bool:
@@ -333,7 +354,9 @@ class SlotDecoder(Closable):
         path = info.batched_path if self.batched else info.model_path
         # The mixed step's session, made at its first use: (the file, provider and threads to make it)
         self._mixed, self._path, self._provider, self._threads = None, path, provider, threads
-        forms = static_forms(path, logits=True)
+        # On the CPU the prompt's graph keeps its attention bias: a wave's prompts of several lengths, left-padded, run
+        # in one forward there (prefill_rows).
+        forms = static_forms(path, logits=True, padded=provider is ProviderKind.cpu)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         prefill, decode = forms
@@ -368,12 +391,13 @@ class SlotDecoder(Closable):
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
         # are bound by address, so a prefill writes that slot and nothing else. The first `resident` slots (default:
         # all) are written now: the server holds their memory from the start, and no step faults their pages in. The
-        # rest stay the kernel's zero pages, resident only once a row uses them.
+        # rest stay the kernel's zero pages, resident only once a row uses them, in small pages (_lazy_zeros).
         self._scratch = slots  # mixed_prefill's dummy decode row
         rows = slots + 1 if self.mixed_prefill else slots
-        self._arrays = [np.zeros((rows, *self._row_shape[1:]), self.dtype) for _ in range(2 * cfg.n_layer)]
+        written = slots if resident is None else resident
+        self._arrays = [_lazy_zeros((rows, *self._row_shape[1:]), self.dtype, written) for _ in range(2 * cfg.n_layer)]
         for a in self._arrays:
-            a[: slots if resident is None else resident].fill(0)
+            a[:written].fill(0)
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
@@ -485,9 +509,10 @@ class SlotDecoder(Closable):
 
     @property
     def prompts_on_prefill_graph(self) -> bool:
-        """Whether fresh prompts of one length that OpenVINO does not take run together on the prefill's session: without
-        an OpenVINO prefill, or where prefills are not mixed steps (that session is open anyway). With one, prompts too
-        short for it each run alone, and the session is not held (0.3 GB for GPT-2 124M int8: docs/results/serving.md)."""
+        """Whether fresh prompts that OpenVINO does not take run together on the prefill's session (left-padded: its
+        graph keeps the attention bias): without an OpenVINO prefill, or where prefills are not mixed steps (that
+        session is open anyway). With one, prompts too short for it each run alone, and the session is not held (0.3 GB
+        for GPT-2 124M int8: docs/results/serving.md)."""
         return self.openvino_from is None or not self.mixed_prefill
 
     def open_prefill(self) -> None:
@@ -585,14 +610,16 @@ class SlotDecoder(Closable):
             self.lengths[slot] = n + t
         return logits
 
-    def prefill_rows(self, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Prompts of one length `ids` [B, T] into the free `slots` [B] in one forward on ONNX Runtime: the prefill
-        graph on an empty past (its GroupQueryAttention runs several tokens of several rows only there), its presents
-        then written into the slots. Each row's last logits [B, vocab]. On the CPU. (Where the export's record runs
-        the prompts on OpenVINO, SlotBackend has run them there first: prefill_fresh.)"""
+    def prefill_rows(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """Prompts `ids` [B, T], left-padded where `mask` [B, T] says so (default: none), into the free `slots` [B] in
+        one forward on ONNX Runtime: the prefill graph on an empty past (its GroupQueryAttention runs several tokens of
+        several rows only there; its attention bias masks the padding), its presents then written into the slots, each
+        row's positions at the front of its own. Each row's last logits [B, vocab]. On the CPU. (Where the export's
+        record runs the prompts on OpenVINO, SlotBackend has run them there first: prefill_fresh.)"""
         slots = np.asarray(slots, dtype=np.int64)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         (B, T), (_, heads, _, dim) = ids.shape, self._row_shape
+        mask = np.ones((B, T), np.int64) if mask is None else np.ascontiguousarray(mask, dtype=np.int64)
         for slot in slots.tolist():
             self._check_slot(slot)
         if len(set(slots.tolist())) != B or self.lengths[slots].any() or not 0 < T < self.capacity:
@@ -602,6 +629,8 @@ class SlotDecoder(Closable):
         self.open_prefill()
         binding = self._prefill.io_binding()
         bind_prompts(binding, ids, self._keep_last)
+        binding.bind_cpu_input(io.ATTENTION_MASK, mask)
+        binding.bind_cpu_input(io.POSITION_IDS, positions(mask, T))
         empty = np.zeros((B, heads, 0, dim), self.dtype)
         for name in self._names[0]:
             binding.bind_cpu_input(name, empty)
@@ -610,9 +639,15 @@ class SlotDecoder(Closable):
             binding.bind_output(name, "cpu")
         self._prefill.run_with_iobinding(binding)
         logits, *presents = binding.get_outputs()
+        held = mask.sum(axis=1)
         for a, present in zip(self._arrays, presents):
-            a[slots, :, :T] = present.numpy()
-        self.lengths[slots] = T
+            p = present.numpy()
+            if held.min() == T:
+                a[slots, :, :T] = p
+                continue
+            for b, slot in enumerate(slots.tolist()):
+                a[slot, :, : held[b]] = p[b, :, T - held[b]:]
+        self.lengths[slots] = held
         return logits.numpy()[:, -1]
 
     def open_mixed(self) -> None:
@@ -875,9 +910,9 @@ class SlotBackend(Closable):
 
     def _together_first(self, fresh: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Whole prompts (slot, ids) into free slots, run together where they can be (on the CPU): on OpenVINO,
-        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else those of one length on
-        ONNX Runtime where they run there (prefill_rows: SlotDecoder.prompts_on_prefill_graph). The last logits [vocab]
-        of each slot that ran."""
+        left-padded, where the export's record runs them there (SlotDecoder.prefill_fresh), else on ONNX Runtime's
+        prefill graph, left-padded too, where they run there (prefill_rows: SlotDecoder.prompts_on_prefill_graph). The
+        last logits [vocab] of each slot that ran."""
         if len(fresh) < 2 or self.decoder.device != "cpu":
             return {}
         slots = np.array([slot for slot, _ in fresh])
@@ -885,18 +920,9 @@ class SlotBackend(Closable):
         mask = np.array([[0] * (T - len(ids)) + [1] * len(ids) for _, ids in fresh], np.int64)
         padded = np.array([np.concatenate([np.zeros(T - len(ids), np.int64), ids]) for _, ids in fresh])
         logits = self.decoder.prefill_fresh(slots, padded, mask)
-        if logits is not None:
-            return dict(zip(slots.tolist(), logits))
-        if not self.decoder.prompts_on_prefill_graph:
-            return {}
-        groups: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for slot, ids in fresh:
-            groups.setdefault(len(ids), []).append((slot, ids))
-        ran: dict[int, np.ndarray] = {}
-        for group in (g for g in groups.values() if len(g) > 1):
-            group_slots = [slot for slot, _ in group]
-            ran.update(zip(group_slots, self.decoder.prefill_rows(np.array(group_slots), np.stack([i for _, i in group]))))
-        return ran
+        if logits is None and self.decoder.prompts_on_prefill_graph:
+            logits = self.decoder.prefill_rows(slots, padded, mask)
+        return {} if logits is None else dict(zip(slots.tolist(), logits))
 
     def _together_on_past(self, held: list[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """Rows' next tokens (slot, ids) after what their slots hold (a prompt's rest after the prefix cache's blocks,

@@ -56,8 +56,8 @@ class ReplicaConfig:
     in_place_kv: bool | None = None
     # The fixed slots instead (runtime.static_decode.SlotBackend, fp32, int8 or int4 on the CPU; --kv-cache slots): a slot
     # per row, twice max_batch_size of them (the spare ones for a beam search or a prompt scored beside a full batch),
-    # and a joining prompt's chunks run in the decode steps' forwards. None (--kv-cache auto): where the ort backend's
-    # slots hold an int8 cache (runtime.static_decode.slots_by_default).
+    # and a joining prompt's chunks run in the decode steps' forwards. None (--kv-cache auto): the ort backend's exports
+    # on the CPU that the slots run (runtime.static_decode.slots_by_default).
     fixed_slots: bool | None = False
     # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
@@ -130,12 +130,13 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     info = read_export(Path(config.export))
     get_encoding()  # built now, not by the first request (~55 ms)
     if on_slots(config, info):
-        from ..runtime.static_decode import SlotBackend
+        from ..runtime.static_decode import SlotBackend, held_from_start
 
         # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
         # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
-        batch = config.engine.max_batch_size
-        backend = SlotBackend(info, ProviderKind(config.provider), config.threads, slots=2 * batch, resident=batch)
+        batch, provider = config.engine.max_batch_size, ProviderKind(config.provider)
+        backend = SlotBackend(info, provider, config.threads, slots=2 * batch,
+                              resident=held_from_start(info, provider, batch))
     else:
         backend = export_backend(BackendKind(config.backend), info, ProviderKind(config.provider), config.threads,
                                  in_place_kv=config.in_place_kv)
@@ -152,7 +153,7 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
 
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
     """Whether the replica serves the export on the fixed slots: as asked, or by default (`fixed_slots` None) where the ort
-    backend's slots hold an int8 cache."""
+    backend's slots run it (runtime.static_decode.slots_by_default)."""
     if config.fixed_slots is not None:
         return config.fixed_slots
     if BackendKind(config.backend) is not BackendKind.ort:

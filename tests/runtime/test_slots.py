@@ -385,26 +385,28 @@ def test_run_gives_every_position_of_each_rows_own_tokens(tiny, mix_chunks):
     np.testing.assert_allclose(logits[0], torch_logits(seq)[5:], atol=1e-4 * np.abs(logits).max())
 
 
-def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_alone(tiny):
-    """A wave of prompts: SlotBackend's prefill of a left-padded batch runs the rows of one length in one forward
-    (SlotDecoder.prefill_rows: the prefill graph on an empty past, its presents written into their slots) and a row of
-    another length alone, and so do joiners' whole prompts held for a later step (`flush`). Each row's logits, and
-    then its decode steps', against PyTorch's forward of its sequence; a slot already held is refused."""
+@pytest.mark.parametrize("mix_chunks", [False, True])
+def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_alone(tiny, mix_chunks):
+    """A wave of prompts: SlotBackend's prefill of a left-padded batch of two lengths runs in one forward
+    (SlotDecoder.prefill_rows: the prefill graph on an empty past, its attention bias masking the padding, its presents
+    written into their slots, each row's at its slot's front), where prefills are mixed steps or not, and so do joiners'
+    whole prompts held for a later step (`flush`). Each row's logits, and then its decode steps', against PyTorch's
+    forward of its sequence; a slot already held is refused."""
     from gpt2x.runtime.static_decode import SlotBackend
 
     model, info = tiny
     rng = np.random.default_rng(23)
     V = info.config.vocab_size
-    backend = SlotBackend(info, slots=8, capacity=40)
+    backend = SlotBackend(info, slots=8, capacity=40, mix_chunks=mix_chunks)
     backend.warm_up()
     prompts = [rng.integers(0, V, n).tolist() for n in (6, 9, 6, 6)]
     ids = np.array([[0] * (9 - len(p)) + p for p in prompts])
     mask = (np.arange(9)[None] >= 9 - np.array([[len(p)] for p in prompts])).astype(np.int64)
     runs = []
     real = backend.decoder.prefill_rows
-    backend.decoder.prefill_rows = lambda slots, x: runs.append(x.shape) or real(slots, x)
+    backend.decoder.prefill_rows = lambda slots, x, mask=None: runs.append(x.shape) or real(slots, x, mask)
     logits, cache = backend.step(ids, mask, None, None)
-    assert runs == [(3, 6)]  # the three 6-token prompts together; the 9-token one alone
+    assert runs == [(4, 9)]  # the three 6-token prompts and the 9-token one together
     seqs = [list(p) for p in prompts]
     for _ in range(3):
         for b, seq in enumerate(seqs):
@@ -420,7 +422,7 @@ def test_prompts_starting_together_run_in_one_forward_and_decode_as_if_each_ran_
     later = backend.step_later(np.array([[0] + j if len(j) == 4 else j for j in joiners]),
                                (np.arange(5)[None] >= np.array([[0], [0], [0], [1]])).astype(np.int64), None, None)
     backend.flush()
-    assert runs == [(3, 5)]
+    assert runs == [(4, 5)]
     tokens = np.zeros(backend.decoder.slots, np.int64)
     tokens[later.slots] = [int(rng.integers(0, V)) for _ in joiners]
     active = np.zeros(backend.decoder.slots, bool)

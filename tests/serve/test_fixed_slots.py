@@ -130,22 +130,27 @@ def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, arg
     assert not own_exports.exists()  # refused before anything is exported
 
 
-def test_the_server_runs_the_slots_by_default_where_they_hold_an_int8_cache(tiny_export, monkeypatch):
-    """--kv-cache auto (ReplicaConfig.fixed_slots None): an int8 export whose record keeps the int8 cache is served on
-    the fixed slots (/health says so), its chunks in the decode steps' forwards 24 tokens and one more per row running;
-    on a float cache (asked for, or an fp32 export) in place, 256-token chunks between the steps; as asked where asked;
-    never on another backend."""
-    from gpt2x.choices import Precision
+def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
+    """--kv-cache auto (ReplicaConfig.fixed_slots None): an int8 export is served on the fixed slots (/health says so),
+    its chunks in the decode steps' forwards 24 tokens and one more per row running, its batch's slots written at start
+    where they hold an int8 cache and none of them on a float one (an fp32 export, or a float cache asked for), whose
+    pages come as rows use them; an fp32 export on the slots too, its prompts without a prefill session of their own;
+    in place where asked, 256-token chunks between the steps; never on another backend."""
+    from gpt2x.choices import Precision, ProviderKind
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
+    from gpt2x.runtime.static_decode import held_from_start
     from gpt2x.serve.replica import ReplicaConfig, on_slots, open_service
 
     int8 = tiny_export(Precision.int8, int8_kv=True)[2]
     fp32 = tiny_export(Precision.fp32)[2]
     monkeypatch.setenv(KV_DTYPE_ENV, "int8")  # the cache the tiny export's record may or may not choose
     auto = ReplicaConfig(export=str(int8.folder), model_id="tiny", threads=1, fixed_slots=None)
-    assert on_slots(auto, int8) and not on_slots(ReplicaConfig(export=str(fp32.folder), model_id="tiny", fixed_slots=None), fp32)
+    fp32_auto = ReplicaConfig(export=str(fp32.folder), model_id="tiny", threads=1, fixed_slots=None)
+    assert on_slots(auto, int8) and on_slots(fp32_auto, fp32)
     assert not on_slots(ReplicaConfig(export=str(int8.folder), model_id="tiny", fixed_slots=None, backend="openvino"), int8)
     assert not on_slots(ReplicaConfig(export=str(int8.folder), model_id="tiny", fixed_slots=False), int8)
+
+    assert held_from_start(int8, ProviderKind.cpu, 16) == 16
     service = open_service(auto)
     try:
         health = service.health()
@@ -154,8 +159,18 @@ def test_the_server_runs_the_slots_by_default_where_they_hold_an_int8_cache(tiny
     finally:
         service.close()
     monkeypatch.setenv(KV_DTYPE_ENV, "float")
-    assert not on_slots(auto, int8)
-    in_place = open_service(auto)
+    assert on_slots(auto, int8)
+    assert held_from_start(int8, ProviderKind.cpu, 16) == held_from_start(fp32, ProviderKind.cpu, 16) == 0
+    for config in (auto, fp32_auto):
+        service = open_service(config)
+        try:
+            health = service.health()
+            assert health.kv_cache == "slots" and health.kv_cache_dtype == "float32"
+            # no OpenVINO prefill: a wave's prompts together on ONNX Runtime's prefill session
+            assert service.engine.backend.decoder._prefill is not None
+        finally:
+            service.close()
+    in_place = open_service(ReplicaConfig(export=str(fp32.folder), model_id="tiny", threads=1, fixed_slots=False))
     try:
         assert in_place.health().kv_cache == "in-place" and in_place.engine.scheduler.chunk_tokens(16) == 256
     finally:
