@@ -232,14 +232,15 @@ def test_one_machine_serves_without_ray_and_what_needs_ray_names_its_extra(expor
     assert not tried.exists(), tried.read_text()  # nothing on the way tried ray, guarded or not
 
 
-def test_kv_cache_serves_an_fp32_export_from_its_twin_by_default_and_other_backends_refuse_it(export_dir, reserve_port,
-                                                                                              reference, capsys):
-    """The fp32 export by default: /health says the replica's cache is in place (the export's GroupQueryAttention
-    twin) and a greedy completion is gpt2x's generation code's; with --kv-cache growing the cache grows, with the same
-    completion. A backend with its own cache refuses the option in one line (in this process: nothing starts)."""
+def test_kv_cache_serves_an_fp32_export_on_the_slots_by_default_and_other_backends_refuse_it(export_dir, reserve_port,
+                                                                                             reference, capsys):
+    """The fp32 export by default: /health says the replica's cache is the fixed slots, and a greedy completion is
+    gpt2x's generation code's; with --kv-cache in-place the cache is in place (the export's GroupQueryAttention twin),
+    with growing it grows, each with the same completion. A backend with its own cache refuses the option in one line
+    (in this process: nothing starts)."""
     code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--backend", "openvino", "--kv-cache", "in-place")
     assert_one_line_error(code, err, 2, "--kv-cache in-place applies to the ort backend")
-    for args, form in (([], "in-place"), (["--kv-cache", "growing"], "growing")):
+    for args, form in (([], "slots"), (["--kv-cache", "in-place"], "in-place"), (["--kv-cache", "growing"], "growing")):
         port = reserve_port()
         proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),
                                  "--json", "--threads", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
