@@ -4,7 +4,6 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -19,6 +18,7 @@ from ..onnx.graph_cache import InMemoryGraph
 from ..onnx.kvcache import dequantize, quantize
 from ..onnx.mapped import mapped_model
 from .base import Capabilities, Closable, Released
+from .kvbuffers import small_page_arrays
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
 from .prefill import PrefillChoice, estimate_ms, openvino_from, openvino_past_from
@@ -76,21 +76,6 @@ def slots_refusal(provider: ProviderKind, precision: Precision) -> str | None:
         return None
     return (f"the fixed slots on {provider.value} run {', '.join(p.value for p in runs)} exports (ONNX Runtime's "
             f"GroupQueryAttention there), not {precision.value}")
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype, written: int) -> np.ndarray:
-    """Zeros of `shape`, the kernel's zero pages until written, its rows from `written` on never in transparent huge
-    pages (Linux; elsewhere np.zeros): a slot first written while the server runs then faults in 4 KB pages, as many
-    as its positions take. A huge page there made the first write of each slot's rows wait on the kernel's memory
-    compaction: 180 ms to copy 17 positions into a fresh fp32 slot, 1 ms without (docs/results/serving.md)."""
-    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
-    if advice is None or written >= shape[0]:
-        return np.zeros(shape, dtype)
-    row = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-    memory = mmap.mmap(-1, shape[0] * row)  # anonymous, page-aligned, zero-filled
-    start = written * row // mmap.PAGESIZE * mmap.PAGESIZE
-    memory.madvise(advice, start, len(memory) - start)
-    return np.frombuffer(memory, dtype).reshape(shape)
 
 
 def _consecutive(slots: np.ndarray) -> bool:
@@ -391,13 +376,14 @@ class SlotDecoder(Closable):
         # One buffer per layer and K/V, zeroed (an attention kernel must never meet NaN left in memory); a slot's rows
         # are bound by address, so a prefill writes that slot and nothing else. The first `resident` slots (default:
         # all) are written now: the server holds their memory from the start, and no step faults their pages in. The
-        # rest stay the kernel's zero pages, resident only once a row uses them, in small pages (_lazy_zeros).
+        # rest stay the kernel's zero pages, resident only once a row uses them: in small pages (kvbuffers'), where a
+        # huge page made a fresh slot's first write wait on the kernel's memory compaction (180 ms to copy 17
+        # positions into an fp32 slot, against 1 ms: docs/results/serving.md).
         self._scratch = slots  # mixed_prefill's dummy decode row
         rows = slots + 1 if self.mixed_prefill else slots
-        written = slots if resident is None else resident
-        self._arrays = [_lazy_zeros((rows, *self._row_shape[1:]), self.dtype, written) for _ in range(2 * cfg.n_layer)]
+        self._arrays = small_page_arrays((rows, *self._row_shape[1:]), 2 * cfg.n_layer, self.dtype)
         for a in self._arrays:
-            a[:written].fill(0)
+            a[: slots if resident is None else resident].fill(0)
         # (On the CPU an OrtValue holds its array's own memory: a slot's rows are also read and copied through them.)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(a, self.device, 0) for a in self._arrays]
         self._names = (io.input_names(cfg.n_layer)[3:], io.output_names(cfg.n_layer)[1:])
