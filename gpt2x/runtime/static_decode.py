@@ -540,13 +540,20 @@ class SlotDecoder(Closable):
         else:
             presents = [np.empty((B, a.shape[1], T, a.shape[3]), a.dtype) for a in self._arrays]
         logits = self._openvino(ids, mask, positions(mask, T), presents)
+        self._to_fronts(slots, presents, held, T, in_place)
+        return logits
+
+    def _to_fronts(self, slots: np.ndarray, presents: list[np.ndarray], held: np.ndarray, T: int,
+                   in_place: bool = False) -> None:
+        """Fresh prompts' presents, T positions each (left-padded: row b's own positions its last held[b]), written to
+        the front of their slots, which then hold that many; `in_place`: the presents are the slots' own rows, where only
+        a padded row moves (through a copy: its source and target overlap)."""
         for b, slot in enumerate(slots.tolist()):
             n = int(held[b])
             if n < T or not in_place:  # a slot's row starts at its position 0
                 for a, p in zip(self._arrays, presents):
                     a[slot, :, :n] = p[b, :, T - n: T].copy() if in_place else p[b, :, T - n: T]
         self.lengths[slots] = held
-        return logits
 
     def prefill_fresh(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
         """Fresh prompts `ids` [B, T], left-padded as `mask` says, into the free `slots` [B] in one forward on the
@@ -625,15 +632,7 @@ class SlotDecoder(Closable):
             binding.bind_output(name, "cpu")
         self._prefill.run_with_iobinding(binding)
         logits, *presents = binding.get_outputs()
-        held = mask.sum(axis=1)
-        for a, present in zip(self._arrays, presents):
-            p = present.numpy()
-            if held.min() == T:
-                a[slots, :, :T] = p
-                continue
-            for b, slot in enumerate(slots.tolist()):
-                a[slot, :, : held[b]] = p[b, :, T - held[b]:]
-        self.lengths[slots] = held
+        self._to_fronts(slots, [p.numpy() for p in presents], mask.sum(axis=1), T)
         return logits.numpy()[:, -1]
 
     def open_mixed(self) -> None:
