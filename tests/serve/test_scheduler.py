@@ -329,21 +329,22 @@ def test_where_chunks_mix_into_the_decode_step_a_long_prompt_joins_alone_and_a_l
     runs in the decode step's forward too: the joiners' first tokens come after that step, and the next step's plan
     brings them in (its regroup), with no joiners' plan between."""
     clock = Clock()
-    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0, mixes=True)
+    scheduler, shapes, rows = running(4, clock, prefill_chunk=16, max_join_delay_s=0, mixes=True)
     wave = [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock), row(prompt=6, clock=clock)]
-    scheduler.submit(wave)
+    scheduler.submit(wave)  # as many as the rows running: not a wave
     plans = [shapes.step() for _ in range(11)]
     assert [taken(p) for p in plans] == [wave[:2], [], [], [wave[2]], [], [], [], [], [], [], [wave[3]]]
-    assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 10)  # two joiners beside one row: whole
-    assert plans[1] == decode(rows) and plans[2].regroup.order.tolist() == [0, 1, 2]  # in after that step
+    assert plans[0].num_scheduled_tokens == dict.fromkeys(wave[:2], 10)  # two short joiners: whole
+    assert plans[1] == decode(rows) and plans[2].regroup.order.tolist() == list(range(6))  # in after that step
     # alone, a chunk a step, then in at the step after its last
     assert [p.num_scheduled_tokens.get(wave[2]) for p in plans[3:10]] == [16, None, 16, None, 8, None, 1]
     assert [p.regroup is not None for p in plans[3:10]] == [False] * 6 + [True]
     assert shapes.columns == [10, 16, 16, 8, 6]
-    scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0)  # a backend that does not mix
-    scheduler.submit(wave := [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock)])
-    plan = shapes.step()
-    assert taken(plan) == wave and plan.num_scheduled_tokens == dict.fromkeys(wave, 40)  # outnumbering: whole
+    for mixes in (True, False):  # more rows waiting than running (a wave): all of them, whole, in one forward
+        scheduler, shapes, rows = running(1, clock, prefill_chunk=16, max_join_delay_s=0, mixes=mixes)
+        scheduler.submit(wave := [row(prompt=6, clock=clock), row(prompt=10, clock=clock), row(prompt=40, clock=clock)])
+        plan = shapes.step()
+        assert taken(plan) == wave and plan.num_scheduled_tokens == dict.fromkeys(wave, 40) and shapes.columns == [40]
 
 
 def test_the_batch_regroups_when_half_of_it_has_finished():
