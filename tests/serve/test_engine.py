@@ -205,6 +205,47 @@ def test_the_engine_on_fixed_slots_serves_every_row_as_generate_alone(exports, c
         engine.close()
 
 
+@pytest.mark.parametrize("cache", ["in-place", "slots"])
+def test_a_large_waves_first_half_is_told_before_its_second_half_is_prefilled(exports, cache):
+    """A new batch of 520 prompt tokens (scheduler.HALVES_FROM) is prefilled in two forwards: the first two rows' first
+    tokens are told before the last two's prefill starts, and every row's tokens are those of the row alone (fp32)."""
+    from gpt2x.runtime.static_decode import SlotBackend
+
+    info = read_export(exports[Precision.fp32])
+    reference = OrtBackend(info, threads=1)
+    backend = SlotBackend(info, threads=1, slots=8) if cache == "slots" else OrtBackend(info, threads=1)
+    prefills: list[tuple[float, int]] = []  # (when, rows) of each forward of several tokens
+    step = backend.step
+
+    def spied(ids, *args):
+        if ids.shape[1] > 1:
+            prefills.append((time.perf_counter(), ids.shape[0]))
+        return step(ids, *args)
+
+    backend.step = spied
+    first: dict[int, float] = {}
+
+    def sink_for(i: int, collect: Collect):
+        def sink(out) -> None:
+            first.setdefault(i, time.perf_counter())
+            collect(out)
+        return sink
+
+    prompts = [encode(" ".join(LINES[400 + 40 * i: 440 + 40 * i]))[:130] for i in range(4)]
+    settings = SamplingSettings(max_new_tokens=6, greedy=True)
+    sinks = [Collect() for _ in prompts]
+    engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0.05)).start()
+    try:
+        engine.submit([Row(ids, settings, sink_for(i, c)) for i, (ids, c) in enumerate(zip(prompts, sinks))])
+        assert all(c.done.wait(60) for c in sinks)
+        assert [rows for _, rows in prefills] == [2, 2] and engine.stats()["batches"] == 1
+        assert max(first[0], first[1]) < prefills[1][0] < min(first[2], first[3])
+        for ids, c in zip(prompts, sinks):
+            assert c.tokens == reference_tokens(reference, ids, settings)
+    finally:
+        engine.close()
+
+
 def test_a_cancelled_row_leaves_and_the_others_go_on(backend):
     engine = Engine(backend, EngineSettings(max_batch_size=4, batch_wait_s=0.05)).start()
     try:

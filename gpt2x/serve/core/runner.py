@@ -6,7 +6,7 @@ it is done (scheduler.RunnerOutput), for the scheduler to apply."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ class Runner:
             self._regroup(plan.regroup, joined)
         prefill = starts.get(Start.prefill, [])
         if prefill and self.batch is None:
-            yield self._new_batch(prefill, starts.get(Start.after, []))
+            yield from self._new_batch(prefill, starts.get(Start.after, []))
             self._keep_unkept(held=True)
         else:
             yield from self._join(plan, prefill)
@@ -135,12 +135,22 @@ class Runner:
         for event in self.speculative(row):
             yield RunnerOutput((row,), (event,))
 
-    def _new_batch(self, first: list[NewRow], later: list[NewRow]) -> RunnerOutput:
-        """A new batch prefilled whole: its first rows, then the rows that wait for their prefill (Start.after)."""
+    def _new_batch(self, first: list[NewRow], later: list[NewRow]) -> Iterator[RunnerOutput]:
+        """A new batch prefilled whole: its first rows, their first tokens told, then the rows that wait for their
+        prefill (Start.after), merged into the batch after them."""
         self.counters["batches"] += 1
-        self.batch, events = self.prefill([n.row for n in first], all(n.cached for n in first),
-                                          [n.row for n in later], all(n.cached for n in later))
-        return RunnerOutput(self.batch.rows, events)
+        batch, events = self.prefill([n.row for n in first], all(n.cached for n in first))
+        yield RunnerOutput(batch.rows, events)
+        if later:  # (no batch is held meanwhile: the later prefill runs whole, as a new batch's)
+            self._keep_unkept()  # the later rows' prefill may read these prompts' blocks
+            joined, events = self.prefill([n.row for n in later], all(n.cached for n in later))
+            if self.prefix_cache is not None:  # their blocks, read before the merge hands their cache on (fixed slots)
+                for unkept in self._unkept:
+                    unkept.stored = unkept.past.stored() if unkept.stored is None else unkept.stored
+            width = max(batch.mask.shape[1], joined.mask.shape[1])
+            batch = self.merge(batch, joined, np.arange(len(first) + len(later)), width)
+            yield RunnerOutput(joined.rows, events)
+        self.batch = batch
 
     def _join(self, plan: SchedulerOutput, joiners: list[NewRow]) -> Iterator[RunnerOutput]:
         """The joiners' prefill: begun for `joiners` (rows just taken, beside the batch held); its next chunk of the
@@ -190,22 +200,12 @@ class Runner:
         self.batch = self.prefilling = self.joined = None
         self._unkept.clear()
 
-    def prefill(self, rows: list[Row], cached: bool = True, later: Sequence[Row] = (),
-                later_cached: bool = True) -> tuple[Batch, list[Event]]:
+    def prefill(self, rows: list[Row], cached: bool = True) -> tuple[Batch, list[Event]]:
         """The rows as a new batch, prefilled whole (`begin`, then `advance` to the end), from the prefix cache's blocks
-        where `cached`; then the `later` rows (the scheduler's Start.after: they share a long prompt text with the
-        first rows, which their prefill leaves in the prefix cache), from it where `later_cached`, the
-        two merged into one batch, the first rows first."""
+        where `cached`."""
         result = self.advance(self.begin(rows, cached), None)
         assert result is not None
-        if not later:
-            return result
-        batch, events = result
-        self._keep_unkept()  # the later rows' prefill reads these prompts' blocks
-        joined, jevents = self.prefill(list(later), later_cached)
-        width = max(batch.mask.shape[1], joined.mask.shape[1])
-        merged = self.merge(batch, joined, np.arange(len(rows) + len(later)), width)
-        return merged, events + [Event(e.row + len(rows), e.token, e.finish, e.logprob) for e in jevents]
+        return result
 
     def begin(self, rows: list[Row], cached: bool = True) -> Prefill:
         """The rows' prefill, planned and not yet run (`advance` runs it). Rows with the same prompt ids

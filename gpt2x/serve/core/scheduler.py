@@ -39,6 +39,11 @@ AUTO_QUIET_S = 0.005
 # the prefix cache (Start.after). The wait costs the batch one more forward and a merge: a long
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
 SHARED_TO_WAIT = 64
+# A new batch of at least this many prompt tokens is prefilled in two forwards, its first half's first tokens told
+# before the second half runs (Start.after): half the wave's first tokens come in half the time, the others when they
+# would have, as OpenVINO GenAI's step budget does. 16 prompts of 32 tokens on the OpenVINO int8 prefill: 149 ms in one
+# forward, 147 in two of 8 (4 of 4: 157; the 2-core Xeon, scratch).
+HALVES_FROM = 512
 # A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
 # enough that a 512-token prompt takes two (PREFILL_CHUNK); in a decode step's forward (the fixed slots),
 # MIXED_PREFILL_CHUNK and one more token per row running. A chunk's tokens cost the step about what as many rows would,
@@ -123,7 +128,8 @@ class Start(Enum):
     """How a row taken from the queue starts (NewRow.start)."""
 
     prefill = "prefill"  # prefilled: a new batch's rows whole; joiners beside the running batch, in chunks
-    after = "after"  # a new batch's row prefilled after its other rows, from the prefix cache's blocks theirs leave
+    after = "after"  # a new batch's row prefilled after its other rows: a large wave's second half (HALVES_FROM), or a
+    # row sharing a long prompt text with them, from the prefix cache's blocks theirs leave (SHARED_TO_WAIT)
     search = "search"  # a beam search, run whole
     draft = "draft"  # decoded whole with the draft, its tokens told as they come
     end = "end"  # nothing to run: it ends (NewRow.reason), once its prompt is scored where it asks
@@ -325,7 +331,8 @@ class Scheduler:
         return rows
 
     def _new_batch(self) -> SchedulerOutput | None:
-        """Rows taken from the queue as a new batch, prefilled whole (or one row with the draft)."""
+        """Rows taken from the queue as a new batch, prefilled whole, a large wave in two halves (or one row with the
+        draft)."""
         rows = self.take([], None)
         if not rows:
             return None
@@ -336,10 +343,10 @@ class Scheduler:
             new[row] = NewRow(row, Start.draft, bool(row.prompt_logprobs))
             return SchedulerOutput(tuple(new[r] for r in rows), num_scheduled_tokens={row: len(row.prompt_ids)})
         shared = self._sharing(going)
-        first = [r for i, r in enumerate(going) if i not in shared]
-        later = [going[i] for i in sorted(shared)]
+        first, second = self._halves([r for i, r in enumerate(going) if i not in shared])
+        later = second + [going[i] for i in sorted(shared)]
         cached = self._cache_pays(first)
-        later_cached = self._cache_pays(later, [shared[i] for i in sorted(shared)])
+        later_cached = self._cache_pays(later, [0] * len(second) + [shared[i] for i in sorted(shared)])
         for group, start, use in ((first, Start.prefill, cached), (later, Start.after, later_cached)):
             new.update((r, NewRow(r, start, bool(r.prompt_logprobs), use)) for r in group)
         if going:
@@ -494,6 +501,15 @@ class Scheduler:
             if len(shared) >= SHARED_TO_WAIT and cache.lacks(shared):
                 later[i] = len(shared)
         return later
+
+    def _halves(self, rows: list[Row]) -> tuple[list[Row], list[Row]]:
+        """A new batch's rows as the two halves it is prefilled in (HALVES_FROM; the second empty below it, or where
+        the backend's cache cannot merge them): the first rows up to half its prompt tokens, then the rest."""
+        tokens = np.cumsum([len(r.prompt_ids) for r in rows])
+        if not self.joins_rows or len(rows) < 2 or tokens[-1] < HALVES_FROM:
+            return rows, []
+        half = min(int(np.searchsorted(tokens, tokens[-1] / 2)) + 1, len(rows) - 1)
+        return rows[:half], rows[half:]
 
     def _cache_pays(self, rows: list[Row], shared: list[int] | None = None) -> bool:
         """Whether prefilling the rows' prompts' rests on the prefix cache's blocks is estimated sooner than prefilling
