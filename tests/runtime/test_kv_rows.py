@@ -7,8 +7,11 @@ dropped), against each row generated alone and against the growing cache."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,6 +402,39 @@ def test_idle_buffers_hand_out_only_memory_nothing_references():
     held = pool.adopt(small_page_arrays(shape, 1, np.float32))  # trims them to the 4 newest idle ones
     assert len(pool._blocks) == 5 and not {b.ctypes.data for b in pool._blocks} & set(where)
     assert held[0].ctypes.data in {b.ctypes.data for b in pool._blocks}
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping (/proc/self/smaps) that holds `address`."""
+    lines, inside = Path("/proc/self/smaps").read_text().splitlines(), False
+    for line in lines:
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="reads Linux's /proc/self/smaps, on a kernel with transparent huge pages")
+def test_small_page_arrays_hold_their_first_rows_in_huge_pages_written_and_the_rest_in_small_pages_unwritten():
+    """kvbuffers.small_page_arrays(held=k): rows 0..k-1 advised huge pages (VmFlags hg) and zeroed now, the rest
+    advised small pages (nh) and left to the kernel's zero pages (not resident until written)."""
+    from gpt2x.runtime.kvbuffers import small_page_arrays
+
+    row = 4 << 20  # 4 MiB a row
+    a, = small_page_arrays((4, row), 1, np.uint8, held=2)
+    assert "hg" in _vm_flags(a[0].ctypes.data) and "hg" in _vm_flags(a[1].ctypes.data + row - 1)
+    assert "nh" in _vm_flags(a[2].ctypes.data) and "hg" not in _vm_flags(a[3].ctypes.data)
+    resident = np.zeros((a.nbytes + mmap.PAGESIZE - 1) // mmap.PAGESIZE, np.uint8)
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(a.ctypes.data, a.nbytes, resident.ctypes.data) == 0
+    pages = row // mmap.PAGESIZE
+    assert resident[: 2 * pages].all() and not resident[2 * pages:].any()
+    assert not a.any()  # (read after: reading maps the kernel's zero page)
 
 
 def test_the_in_place_cache_reuses_a_finished_generations_memory_and_decodes_as_before(tiny):
