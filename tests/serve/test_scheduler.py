@@ -694,18 +694,20 @@ def test_rows_sharing_a_long_prompt_text_are_planned_after_the_row_they_share_it
 
 
 def test_a_large_wave_is_prefilled_in_two_halves():
-    """A new batch of 512 prompt tokens or more: its first rows up to half its tokens prefilled first, the rest after
-    them (Start.after, not from the prefix cache's blocks where they share none); below that, or where the backend's
-    cache cannot merge rows, one prefill."""
-    def starts(prompts: list[int], joins_rows: bool = True) -> list[Start]:
-        scheduler = Scheduler(EngineSettings(max_batch_size=16), 1024, joins_rows=joins_rows, clock=Clock())
+    """A new batch of 512 prompt tokens or more, where rows join at no cost (the fixed slots): its first rows up to half
+    its tokens prefilled first, the rest after them (Start.after); below that, or where the backend's cache copies to
+    merge rows or cannot merge them, one prefill."""
+    def starts(prompts: list[int], joins_rows: bool = True, frees_rows: bool = True) -> list[Start]:
+        scheduler = Scheduler(EngineSettings(max_batch_size=16), 1024, joins_rows=joins_rows, frees_rows=frees_rows,
+                              clock=Clock())
         scheduler.submit([row(prompt=p) for p in prompts])
         return [n.start for n in scheduler.schedule().scheduled_new_reqs]
 
     assert starts([32] * 16) == [Start.prefill] * 8 + [Start.after] * 8
     assert starts([400, 20, 20, 100]) == [Start.prefill] + [Start.after] * 3  # the first row holds half
     assert starts([32] * 15) == [Start.prefill] * 15  # 480 tokens
-    assert starts([32] * 16, joins_rows=False) == [Start.prefill] * 16
+    assert starts([32] * 16, frees_rows=False) == [Start.prefill] * 16
+    assert starts([32] * 16, joins_rows=False, frees_rows=False) == [Start.prefill] * 16
 
 
 def test_what_the_runner_gave_is_told_with_the_marks_the_engine_counts_by():

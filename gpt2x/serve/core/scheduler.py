@@ -39,10 +39,11 @@ AUTO_QUIET_S = 0.005
 # the prefix cache (Start.after). The wait costs the batch one more forward and a merge: a long
 # shared text pays for them, a block or two may not (a threshold chosen, not tuned).
 SHARED_TO_WAIT = 64
-# A new batch of at least this many prompt tokens is prefilled in two forwards, its first half's first tokens told
-# before the second half runs (Start.after): half the wave's first tokens come in half the time, the others when they
-# would have, as OpenVINO GenAI's step budget does. 16 prompts of 32 tokens on the OpenVINO int8 prefill: 149 ms in one
-# forward, 147 in two of 8 (4 of 4: 157; the 2-core Xeon, scratch).
+# A new batch of at least this many prompt tokens is prefilled in two forwards where the halves join at no cost (the
+# fixed slots), its first half's first tokens told before the second half runs (Start.after): half the wave's first
+# tokens come in half the time, the others about when they would have, as OpenVINO GenAI's step budget does. 16 prompts
+# of 32 tokens on the OpenVINO int8 prefill: 149 ms in one forward, 147 in two of 8 (4 of 4: 157; the 2-core Xeon,
+# scratch). A cache that copies to merge pays for it before the first step: the openvino backend's bf16 16 rows, 20 ms.
 HALVES_FROM = 512
 # A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
 # enough that a 512-token prompt takes two (PREFILL_CHUNK); in a decode step's forward (the fixed slots),
@@ -504,9 +505,9 @@ class Scheduler:
 
     def _halves(self, rows: list[Row]) -> tuple[list[Row], list[Row]]:
         """A new batch's rows as the two halves it is prefilled in (HALVES_FROM; the second empty below it, or where
-        the backend's cache cannot merge them): the first rows up to half its prompt tokens, then the rest."""
+        the backend's cache copies to merge them): the first rows up to half its prompt tokens, then the rest."""
         tokens = np.cumsum([len(r.prompt_ids) for r in rows])
-        if not self.joins_rows or len(rows) < 2 or tokens[-1] < HALVES_FROM:
+        if not (self.joins_rows and self.frees_rows) or len(rows) < 2 or tokens[-1] < HALVES_FROM:
             return rows, []
         half = min(int(np.searchsorted(tokens, tokens[-1] / 2)) + 1, len(rows) - 1)
         return rows[:half], rows[half:]
