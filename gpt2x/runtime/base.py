@@ -70,6 +70,9 @@ class Capabilities:
     # `prefill_ms(rows, new_tokens, past_tokens)`: a prefill's estimated time (None where the backend cannot tell),
     # for a caller choosing between prefills that compute more or fewer tokens on different runtimes.
     estimates_prefill: bool = False
+    # Several rows' tokens on a past each run a forward of their own where no estimate says otherwise (the fixed slots:
+    # ONNX Runtime's GroupQueryAttention takes several tokens on a past for one row at a time).
+    past_rows_apart: bool = False
     # `warm_up()`: opens now what its first steps of each kind would open (graphs, sessions), for a server, whose first
     # requests would otherwise wait for it.
     warms_up: bool = False

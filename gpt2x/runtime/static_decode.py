@@ -828,7 +828,7 @@ class SlotBackend(Closable):
     name = "ort"
     capabilities = Capabilities(runtime="ONNX Runtime, fixed slots", precisions_by_provider=SLOT_PRECISIONS,
                                 takes_past=True, joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True,
-                                warms_up=True, stores_kv_dtype=True, estimates_prefill=True)
+                                warms_up=True, stores_kv_dtype=True, estimates_prefill=True, past_rows_apart=True)
     cache_forms = (SlotCache,)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,

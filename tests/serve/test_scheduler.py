@@ -710,6 +710,39 @@ def test_a_large_wave_is_prefilled_in_two_halves():
     assert starts([32] * 16, joins_rows=False, frees_rows=False) == [Start.prefill] * 16
 
 
+class HeldFirst:
+    """A prefix cache holding each prompt's first `tokens` tokens (16 a block)."""
+
+    block_tokens = 16
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def held(self, ids: list[int]) -> int:
+        return min(self.tokens, len(ids) - 1)
+
+    def lacks(self, ids: list[int]) -> bool:
+        return False
+
+
+def test_where_rows_on_a_past_run_a_forward_each_the_prefix_cache_is_taken_where_those_forwards_cost_less():
+    """On a backend that runs rows on a past a forward each and gives no estimate (the fixed slots without an OpenVINO
+    prefill), by hand with FORWARD_TOKENS 24: 16 prompts of 32 tokens holding 16 cost 16 x (16 + 24) = 640 apart against
+    512 + 24 fresh, so they run fresh; holding a 512-token prefix of 544, 16 x 56 against 8728, so they take the cache;
+    one prompt always takes it; without past_rows_apart, as before, every row does."""
+    def cached(prompt: int, held: int, rows: int, apart: bool = True) -> bool:
+        scheduler = Scheduler(EngineSettings(max_batch_size=16), 1024, clock=Clock(), prefix=HeldFirst(held),
+                              estimate=lambda rows, new, past: None, past_rows_apart=apart)
+        waiting = [row(prompt=prompt) for _ in range(rows)]
+        for i, r in enumerate(waiting):  # distinct prompts (identical ones run once)
+            r.prompt_ids = [1000 * (i + 1) + t for t in range(prompt)]
+        scheduler.submit(waiting)
+        plan = scheduler.schedule()
+        return all(n.cached for n in plan.scheduled_new_reqs)
+
+    assert not cached(32, 16, 16) and cached(544, 512, 16) and cached(32, 16, 1) and cached(32, 16, 16, apart=False)
+
+
 def test_what_the_runner_gave_is_told_with_the_marks_the_engine_counts_by():
     """update_from_output on a hand-built RunnerOutput of a decode step: a token, a last token (its end follows,
     counted with the token), an end-of-text not kept (told with its logprob, a token sampled all the same), and a

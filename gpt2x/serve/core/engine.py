@@ -73,7 +73,8 @@ class Engine:
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
                                    prefix=self.prefix_cache, estimate=estimate,
                                    frees_rows=backend.capabilities.frees_rows,
-                                   mixes=backend.capabilities.mixes_chunks)
+                                   mixes=backend.capabilities.mixes_chunks,
+                                   past_rows_apart=backend.capabilities.past_rows_apart)
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)
         self.observer: Observer | None = None  # told each token as it is told (openai/metrics.py)

@@ -45,6 +45,12 @@ SHARED_TO_WAIT = 64
 # of 32 tokens on the OpenVINO int8 prefill: 149 ms in one forward, 147 in two of 8 (4 of 4: 157; the 2-core Xeon,
 # scratch). A cache that copies to merge pays for it before the first step: the openvino backend's bf16 16 rows, 20 ms.
 HALVES_FROM = 512
+# Where a backend runs rows on a past a forward each and gives no estimate (the fixed slots without an OpenVINO
+# prefill: fp32's default), a forward's own cost as this many tokens' compute, beside the tokens it runs: the
+# prefix cache is taken where its forwards cost less than the prompts fresh in one (fp32 on the 2-core Xeon: 16 rows'
+# 16-token rests on a cached block, a forward each, 483 ms; the same 16 prompts fresh together about 380; a forward of
+# 16 tokens on a past 30 ms, 0.75 ms a token fresh: scratch).
+FORWARD_TOKENS = 24
 # A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
 # enough that a 512-token prompt takes two (PREFILL_CHUNK); in a decode step's forward (the fixed slots),
 # MIXED_PREFILL_CHUNK and one more token per row running. A chunk's tokens cost the step about what as many rows would,
@@ -217,13 +223,15 @@ class Scheduler:
     state it keeps. `joins_rows`: the backend's cache takes rows prefilled apart (else batches are static);
     `frees_rows`: a row leaves its cache at no cost (finished rows leave at once); `mixes`: a joiners' chunk runs in
     the decode step's own forward (capabilities.mixes_chunks); `speculative`: a draft decodes lone
-    rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy."""
+    rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy;
+    `past_rows_apart`: rows on a past run a forward each (capabilities.past_rows_apart), where no estimate is given."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic,
                  prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False,
-                 mixes: bool = False):
+                 mixes: bool = False, past_rows_apart: bool = False):
         self.settings = settings
+        self.past_rows_apart = past_rows_apart
         self.joins_rows = joins_rows
         self.frees_rows = frees_rows
         self.mixes = mixes
@@ -517,9 +525,10 @@ class Scheduler:
         them whole (the prompts the runner runs: each distinct one once where the backend's cache joins rows). A
         backend may run a fresh prompt on a faster runtime than a prompt with a past (the OpenVINO prefill: 15 rows of
         16 tokens on a cached 16 took 250 ms, the same rows of 32 fresh 140; docs/serving/index.md#prefix-caching).
-        Yes where the backend gives no estimate. `shared`: tokens each row will find held once an earlier prefill of
-        its batch has run (Start.after's)."""
-        if self.prefix is None or self.estimate is None or not rows:
+        Where the backend gives no estimate: yes, but where it runs rows on a past a forward each (`past_rows_apart`),
+        where those forwards cost more than the prompts fresh in one (FORWARD_TOKENS). `shared`: tokens each row will
+        find held once an earlier prefill of its batch has run (Start.after's)."""
+        if self.prefix is None or not rows or (self.estimate is None and not self.past_rows_apart):
             return True
         prompts = [r.prompt_ids for r in rows]
         held = [max(self.prefix.held(p), s) for p, s in zip(prompts, shared or [0] * len(rows))]
@@ -529,9 +538,12 @@ class Scheduler:
         if not any(held):
             return True
         n = len(prompts)
-        with_cache = self.estimate(n, max(len(p) - h for p, h in zip(prompts, held)), max(held))
-        whole = self.estimate(n, max(len(p) for p in prompts), 0)
-        return with_cache is None or whole is None or with_cache <= whole
+        if self.estimate is not None:
+            with_cache = self.estimate(n, max(len(p) - h for p, h in zip(prompts, held)), max(held))
+            whole = self.estimate(n, max(len(p) for p in prompts), 0)
+            if with_cache is not None and whole is not None:
+                return with_cache <= whole
+        return not self.past_rows_apart or _apart_pays(prompts, held)
 
     def wait_for_work(self) -> bool:
         """Block until rows wait (True) or the scheduler is closed with none waiting (False). A new
@@ -632,6 +644,13 @@ class Scheduler:
         kept, joining = [rows[i] for i in live], [joined[j] for j in jlive]
         need = max(r.remaining for r in kept + joining)
         return Regroup(order, merged_width(self._width, _used(kept), _used(joining), need, self.n_positions))
+
+
+def _apart_pays(prompts: list[list[int]], held: list[int]) -> bool:
+    """Whether the prompts' rests on their `held` tokens, a forward each, cost no more than the prompts fresh in one
+    (FORWARD_TOKENS a forward)."""
+    apart = sum(len(p) - h + FORWARD_TOKENS for p, h in zip(prompts, held))
+    return len(prompts) == 1 or apart <= sum(len(p) for p in prompts) + FORWARD_TOKENS
 
 
 def _live(rows: list[Row]) -> list[int]:
