@@ -83,13 +83,18 @@ def _consecutive(slots: np.ndarray) -> bool:
     return bool((slots == slots[0] + np.arange(len(slots))).all())
 
 
-def bind_prompts(binding, ids: np.ndarray, keep_last: ort.OrtValue | None) -> None:
-    """Prompts `ids` [B, T] with no past and no padding bound as a prefill graph's inputs (the mask all ones, positions
-    0 .. T - 1), and `keep_last` as its logits_to_keep where the graph takes one (the last position's logits alone)."""
+def bind_prompts(binding, ids: np.ndarray, keep_last: ort.OrtValue | None, mask: np.ndarray | None = None) -> None:
+    """Prompts `ids` [B, T] with no past bound as a prefill graph's inputs, left-padded where `mask` [B, T] says so
+    (default: no padding, the mask all ones, positions 0 .. T - 1), and `keep_last` as its logits_to_keep where the
+    graph takes one (the last position's logits alone)."""
     B, T = ids.shape
     binding.bind_cpu_input(io.INPUT_IDS, ids)
-    binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
-    binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
+    if mask is None:
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ones((B, T), np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.broadcast_to(np.arange(T, dtype=np.int64), (B, T)).copy())
+    else:
+        binding.bind_cpu_input(io.ATTENTION_MASK, mask)
+        binding.bind_cpu_input(io.POSITION_IDS, positions(mask, T))
     if keep_last is not None:
         binding.bind_ortvalue_input(io.LOGITS_TO_KEEP, keep_last)
 
@@ -621,9 +626,7 @@ class SlotDecoder(Closable):
             raise ProviderError("prompts are prefilled together into the slots on the CPU provider only")
         self.open_prefill()
         binding = self._prefill.io_binding()
-        bind_prompts(binding, ids, self._keep_last)
-        binding.bind_cpu_input(io.ATTENTION_MASK, mask)
-        binding.bind_cpu_input(io.POSITION_IDS, positions(mask, T))
+        bind_prompts(binding, ids, self._keep_last, mask)
         empty = np.zeros((B, heads, 0, dim), self.dtype)
         for name in self._names[0]:
             binding.bind_cpu_input(name, empty)

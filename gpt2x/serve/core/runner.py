@@ -144,9 +144,8 @@ class Runner:
         if later:  # (no batch is held meanwhile: the later prefill runs whole, as a new batch's)
             self._keep_unkept()  # the later rows' prefill may read these prompts' blocks
             joined, events = self.prefill([n.row for n in later], all(n.cached for n in later))
-            if self.prefix_cache is not None:  # their blocks, read before the merge hands their cache on (fixed slots)
-                for unkept in self._unkept:
-                    unkept.stored = unkept.past.stored() if unkept.stored is None else unkept.stored
+            for unkept in self._unkept:  # read before the merge hands their cache on
+                self._read_blocks_now(unkept)
             width = max(batch.mask.shape[1], joined.mask.shape[1])
             batch = self.merge(batch, joined, np.arange(len(first) + len(later)), width)
             yield RunnerOutput(joined.rows, events)
@@ -302,10 +301,16 @@ class Runner:
         self._unkept.append(prefill)  # kept once the first tokens are told (_keep_unkept)
         mask, past = prefill.mask, prefill.past
         if prefill.index is not None:
-            if self.prefix_cache is not None:
-                prefill.stored = past.stored()
+            self._read_blocks_now(prefill)  # before the reorder hands its cache on
             mask, past = mask[prefill.index], past.reorder(prefill.index)  # (B, W), B rows
         return Batch(prefill.rows, mask, nxt, past), events
+
+    def _read_blocks_now(self, prefill: Prefill) -> None:
+        """The prefill's cache as the prefix cache keeps it (Prefill.stored), read now where a prefix cache will keep
+        it: its cache is about to be handed on to other rows' (a fixed slots' reorder or merge leaves it holding
+        nothing)."""
+        if self.prefix_cache is not None and prefill.stored is None:
+            prefill.stored = prefill.past.stored()
 
     def _keep_unkept(self, held: bool = False) -> None:
         """The prefills' blocks handed to the prefix cache (`_keep_prefixes`). `held`: their cache is the held batch's,
