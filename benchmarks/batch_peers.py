@@ -3,7 +3,8 @@ continuous batching.
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8,bf16]
-        [--gpt2x-backends ort] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto] [--genai-kv-caches auto]
+        [--gpt2x-backends ort] [--gpt2x-kv-caches auto] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto]
+        [--genai-kv-caches auto]
         [--contenders gpt2x,gpt2x-offline,openvino-genai]
 
 The same weights on every side: GPT-2 124M with seeded random weights (--model random:gpt2), --prompts
@@ -13,8 +14,11 @@ wall time from handing them over to the last token.
 
 - gpt2x: the serving engine `gpt2x serve` runs (gpt2x.serve.core.engine.Engine, max batch = --prompts, its
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
-  precision (workflows.ensure_export, parity-gated when made; export_backend, threads = cores), every
-  prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens); with --gpt2x-batched
+  precision (workflows.ensure_export, parity-gated when made; threads = cores), on the backend and KV cache
+  `gpt2x serve` opens for it (serve.replica.open_backend: the ort backend's fixed slots where they run the export
+  by default, else its cache in place) and with --gpt2x-kv-caches auto,in-place on the ort backend's cache in place
+  too (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
+  the batched and KV dtype switches below run on the cache in place; with --gpt2x-batched
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
   record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
   the ort backend on an int8 export that kept int8 KV scales with its cache as the record says and in float32;
@@ -67,6 +71,7 @@ from gpt2x.runtime.base import kv_dtype_name
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
+from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend
 from gpt2x.workflows.backends import choose_backend, export_backend
 from gpt2x.workflows.exports import ensure_export
 from gpt2x.workflows.models import load_model
@@ -76,20 +81,30 @@ CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
 
 
 class Gpt2xEngine:
-    """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all."""
+    """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all. `kv_cache` "auto":
+    the backend `gpt2x serve` opens (its KV cache as the server's `--kv-cache auto` chooses); "in-place": export_backend,
+    which the batched and KV dtype switches choose for."""
 
     def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int, batched: bool | None = None,
-                 kv_cache_dtype: str | None = None):
-        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" batched-off" if batched is False else "") \
+                 kv_cache_dtype: str | None = None, kv_cache: str = "auto"):
+        self.settings = EngineSettings(max_batch_size=batch)
+        config = ReplicaConfig(export=str(info.folder), model_id="", backend=backend_kind.value, threads=threads,
+                               engine=self.settings, fixed_slots=None)
+        slots = kv_cache == "auto" and batched is None and kv_cache_dtype in (None, "auto") and on_slots(config, info)
+        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" slots" if slots else "") \
+            + (" batched-off" if batched is False else "") \
             + (f" {kv_cache_dtype} KV cache" if kv_cache_dtype not in (None, "auto") else "")
         self.precision = info.precision.value
-        self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched,
-                                      kv_cache_dtype=kv_cache_dtype)
-        if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
-            self.backend.warm_up()
-        self.settings = EngineSettings(max_batch_size=batch)
+        if slots:
+            self.backend = open_backend(config, info)
+        else:
+            self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched,
+                                          kv_cache_dtype=kv_cache_dtype)
+            if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
+                self.backend.warm_up()
         self.engine = Engine(self.backend, self.settings).start()
-        self.details = {"engine_settings": asdict(self.settings), "prefill": getattr(self.backend, "prefill", None),
+        self.details = {"engine_settings": asdict(self.settings), "kv_cache": "slots" if slots else "in place",
+                        "prefill": getattr(self.backend, "prefill", None),
                         "batched_from": getattr(self.backend, "batched_from", None),
                         "kv_cache_dtype": kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
 
@@ -232,13 +247,23 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
                 choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
                 # and the KV cache's dtype: the ort backend's option, on the exports that kept int8 scales
                 dtypes = args.gpt2x_kv_dtypes if kind == "ort" and info.int8_kv is not None else ["auto"]
-                for choice in choices:
-                    for dtype in dtypes:
-                        try:
-                            contenders.append(Gpt2xEngine(BackendKind(kind), info, threads, args.prompts,
-                                                          None if choice == "auto" else False, dtype))
-                        except Exception as e:
-                            skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+                # the server's default and (--gpt2x-kv-caches in-place) the cache in place, where they differ; the
+                # batched and KV dtype switches are the cache in place's
+                variants = [(choice, dtype, cache) for choice in choices for dtype in dtypes
+                            for cache in (args.gpt2x_kv_caches if (choice, dtype) == ("auto", "auto") else ["in-place"])]
+                names = set()
+                for choice, dtype, cache in variants:
+                    try:
+                        engine = Gpt2xEngine(BackendKind(kind), info, threads, args.prompts,
+                                             None if choice == "auto" else False, dtype, cache)
+                    except Exception as e:
+                        skipped[f"gpt2x engine {kind} {precision.value}"] = error_line(e)
+                        continue
+                    if engine.name in names:  # the server's default is the cache in place here
+                        engine.close()
+                        continue
+                    names.add(engine.name)
+                    contenders.append(engine)
     if "gpt2x-offline" in args.contenders:
         for precision in precisions:
             info = ensure_export(args.model, precision, folder=default_export_dir(args.model, precision, args.exports),
@@ -304,6 +329,8 @@ def main() -> int:
     ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8, bf16 (default: %(default)s)")
     ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino, each for "
                     "every precision or for one (openvino@fp32) (default: %(default)s)")
+    ap.add_argument("--gpt2x-kv-caches", default="auto", help="the engine's KV cache: auto (as `gpt2x serve` opens the "
+                    "export: the ort backend's fixed slots where they run it by default), in-place; both: auto,in-place")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
@@ -323,6 +350,7 @@ def main() -> int:
         except Gpt2xError as e:
             ap.error(f"--precisions bf16: {e}")
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
+    args.gpt2x_kv_caches = parse_list(args.gpt2x_kv_caches, ["auto", "in-place"], "--gpt2x-kv-caches", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
     args.gpt2x_kv_dtypes = parse_list(args.gpt2x_kv_dtypes, ["auto", "int8", "float"], "--gpt2x-kv-dtypes", ap)
     args.genai_kv_caches = parse_list(args.genai_kv_caches, ["auto", "f32", "bf16", "u8"], "--genai-kv-caches", ap)
@@ -369,7 +397,8 @@ def main() -> int:
         for c in contenders:
             c.close()
 
-    reference = checks.get("gpt2x engine ort fp32") or next((checks[c.name] for c in contenders if c.name.startswith("gpt2x")), None)
+    reference = checks.get("gpt2x engine ort fp32 slots") or checks.get("gpt2x engine ort fp32") \
+        or next((checks[c.name] for c in contenders if c.name.startswith("gpt2x")), None)
     rows = []
     for c in contenders:
         rs = runs[c.name]

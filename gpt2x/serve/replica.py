@@ -129,6 +129,18 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
     """A replica's service: the export's backend (and draft) opened, its engine started."""
     info = read_export(Path(config.export))
     get_encoding()  # built now, not by the first request (~55 ms)
+    backend = open_backend(config, info)
+    drafter = None
+    if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
+        drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
+                               ProviderKind(config.provider), None, config.draft_settings)
+    return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
+                             config.draft, find_template(Path(config.export), config.chat_template,
+                                                           config.default_chat_template), block_identity(info, backend))
+
+
+def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
+    """The export's backend as a replica serves it, warmed up: the fixed slots (`on_slots`) or `config.backend`."""
     if on_slots(config, info):
         from ..runtime.static_decode import SlotBackend, held_from_start
 
@@ -142,13 +154,7 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
                                  in_place_kv=config.in_place_kv)
     if backend.capabilities.warms_up:
         backend.warm_up()
-    drafter = None
-    if config.draft is not None:  # on the target's backend and provider; a CPU draft gets 1 thread
-        drafter = open_drafter(config.draft_source or config.draft, backend, BackendKind(config.backend),
-                               ProviderKind(config.provider), None, config.draft_settings)
-    return CompletionService(backend, config.engine, config.model_id, replica, drafter, config.draft_settings,
-                             config.draft, find_template(Path(config.export), config.chat_template,
-                                                           config.default_chat_template), block_identity(info, backend))
+    return backend
 
 
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
