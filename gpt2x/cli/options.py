@@ -19,6 +19,7 @@ from ..errors import UsageError
 from ..fileio import write_atomic
 from ..onnx.artifact import EXPORTS_ENV
 from ..onnx.interop import check_chat_template
+from ..runtime.base import PAGED_PRECISIONS
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
 from ..runtime.kvdtype import asked as asked_kv_dtype
 from ..runtime.prefill import PREFILL_ENV, PrefillChoice, asked
@@ -108,7 +109,9 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
     "the fixed cache wherever the generation allows), in-place (required), growing (the export's own graph), fixed "
     "(gpt2x generate only, required: one fixed-capacity cache, its step replayed as a CUDA graph on CUDA; greedy or a "
     "temperature, one prompt length), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run "
-    "in the decode steps' own forward).")]
+    "in the decode steps' own forward). A server on the openvino backend takes auto (its paged slots for bf16 exports "
+    "with an OpenVINO prefill graph, else its own cache), slots (the paged slots, fp32 and bf16) or in-place (its own "
+    "cache).")]
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
@@ -123,11 +126,18 @@ def given_by_user(ctx: typer.Context, name: str) -> bool:
 
 def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = False,
                     precision: Precision | None = None, provider: ProviderKind = ProviderKind.cpu) -> None:
-    """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it. The
-    fixed slots are the server's (`served`), for the precisions they run (runtime.static_decode.SLOT_PRECISIONS;
-    `precision`: the one asked for, None: the default fp32 or an --onnx folder's, checked when it is opened)."""
+    """--kv-cache other than auto is the native backend's option: a backend with a cache of its own refuses it, but a
+    server on the openvino backend takes slots (its paged slots) or in-place (its own buffers). The fixed slots are the
+    server's (`served`), for the precisions they run (runtime.static_decode.SLOT_PRECISIONS; `precision`: the one asked
+    for, None: the default fp32 or an --onnx folder's, checked when it is opened)."""
     from ..runtime.registry import capabilities_of  # the backends' records, read only when the option is given
 
+    if served and backend is BackendKind.openvino and kv_cache in (KvCache.slots, KvCache.in_place):
+        if kv_cache is KvCache.slots and precision is not None and precision not in PAGED_PRECISIONS:
+            raise UsageError(f"--kv-cache slots: the openvino backend's paged slots run "
+                             f"{' and '.join(p.value for p in PAGED_PRECISIONS)} exports, not {precision.value}",
+                             option="kv-cache")
+        return  # its paged slots, or its own buffers in place
     if kv_cache is not KvCache.auto and not capabilities_of(backend).native:
         raise UsageError(f"--kv-cache {kv_cache.value} applies to the ort backend; {backend.value} keeps its own cache",
                          option="kv-cache")

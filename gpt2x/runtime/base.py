@@ -19,6 +19,20 @@ from .kvbuffers import write_right_aligned
 # declare it (ONNX Runtime's CPU provider has no bf16 MatMul on x86: docs/backends.md).
 CPU_PRECISIONS = (Precision.fp32, Precision.int8, Precision.int4)
 BF16_BITS = np.uint16  # a bf16 array on the host: its bits (NumPy has no bf16)
+# The openvino backend's paged slots (runtime.openvino_paged): the prefill graphs whose weights it computes as gated
+# (fp32 at f32, bf16 at bf16).
+PAGED_PRECISIONS = (Precision.fp32, Precision.bf16)
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (to the nearest, ties to even), as their bits."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(BF16_BITS)
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """bf16 bits as the float32 values they are (a bf16 is a float32's upper half)."""
+    return (a.astype(np.uint32) << 16).view(np.float32)
 
 
 def kv_dtype_name(dtype) -> str:

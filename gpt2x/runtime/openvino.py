@@ -13,7 +13,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
-from .base import OPENVINO_CAPABILITIES, Closable, Released
+from .base import OPENVINO_CAPABILITIES, Closable, Released, bf16_bits, bf16_values
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
 from .openvino_prefill import BF16_BITS, OpenVinoPrefill, bf16_io, cpu_has_bf16, tensor_of
 from .providers import physical_cores, refuse_fp16_on_cpu
@@ -73,21 +73,15 @@ class OpenVinoKVCache(BufferCache):
         """float32 arrays (or the cache's own bf16 bits) into a cache; into a bf16 one rounded to bf16 (to the nearest,
         ties to even), which a past this backend computed holds exactly already."""
         if owner.kv_dtype == BF16_BITS:
-            arrays = [a if a.dtype == BF16_BITS else to_bf16_bits(a) for a in arrays]
+            arrays = [a if a.dtype == BF16_BITS else bf16_bits(a) for a in arrays]
         return super().from_numpy(owner, arrays)
 
     def to_numpy(self) -> list[np.ndarray]:
         if self.owner.kv_dtype != BF16_BITS:
             return super().to_numpy()
-        return [(a.astype(np.uint32) << 16).view(np.float32) for a in self.filled()]  # a bf16 is a float32's upper half
+        return [bf16_values(a) for a in self.filled()]
 
     # stored: the buffers' own (BufferCache's), bf16 bits at bf16, which from_numpy takes back as they are
-
-
-def to_bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 (to the nearest, ties to even), as their bits."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(BF16_BITS)
 
 
 class OpenVinoBackend(Closable):

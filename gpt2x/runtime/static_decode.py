@@ -17,7 +17,7 @@ from ..onnx.artifact import ExportInfo
 from ..onnx.graph_cache import InMemoryGraph
 from ..onnx.kvcache import dequantize, quantize
 from ..onnx.mapped import mapped_model
-from .base import Capabilities, Closable, Released
+from .base import BF16_BITS, Capabilities, Closable, Released, bf16_bits, bf16_values
 from .kvbuffers import small_page_arrays
 from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
@@ -795,6 +795,8 @@ class SlotCache:
         int8 cache's dequantized."""
         scales = self.owner.decoder.kv_scales
         stored = self.stored()
+        if stored[0].dtype == BF16_BITS:  # a bf16 cache's (runtime.openvino_paged)
+            return [bf16_values(a) for a in stored]
         return stored if scales is None else [dequantize(a, s) for a, s in zip(stored, scales)]
 
     def stored(self) -> list[np.ndarray]:
@@ -838,15 +840,19 @@ class SlotBackend(Closable):
                  slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None,
                  batched: bool | None = None, prefill: str | None = None):
         # Mixing chunks, a lone row's prefill is a mixed step too (SlotDecoder.mixed_prefill).
-        self.decoder = SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
-                                   batched=batched, prefill_choice=prefill)
+        self._hold(SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
+                               batched=batched, prefill_choice=prefill), info, provider)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
+
+    def _hold(self, decoder, info: ExportInfo, provider: ProviderKind) -> None:
+        """The backend on `decoder` (a SlotDecoder, or one with its interface: runtime.openvino_paged's), every slot free."""
+        self.decoder = decoder
         self.info, self.provider = info, provider
-        self.n_positions, self.vocab_size = self.decoder.capacity, info.config.vocab_size
-        self.kv_dtype = self.decoder.dtype
+        self.n_positions, self.vocab_size = decoder.capacity, info.config.vocab_size
+        self.kv_dtype = decoder.dtype
         self.model_name = info.meta["model"]["name"]
-        self._free = list(range(slots))
+        self._free = list(range(decoder.slots))
         # step_later's chunks, not yet run: (slot, ids), each run in the next decode step's forward or alone before
         # anything else reads the slots; and the last logits [vocab] of each slot's chunk that ran, for later_logits
         self._pending: list[tuple[int, np.ndarray]] = []
@@ -935,6 +941,8 @@ class SlotBackend(Closable):
         scales = self.decoder.kv_scales
         if scales is not None and arrays[0].dtype != np.int8:
             arrays = [quantize(a, s) for a, s in zip(arrays, scales)]
+        elif self.decoder.dtype == BF16_BITS:  # float arrays rounded as a bf16 cache holds them
+            arrays = [a if a.dtype == BF16_BITS else bf16_bits(a) for a in arrays]
         elif scales is None:
             arrays = [np.asarray(a, dtype=self.decoder.dtype) for a in arrays]
         return SlotCache(self, self._slots_for(arrays[0].shape[0], None), staged=list(arrays))

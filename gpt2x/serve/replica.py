@@ -56,8 +56,10 @@ class ReplicaConfig:
     in_place_kv: bool | None = None
     # The fixed slots instead (runtime.static_decode.SlotBackend, fp32, int8 or int4 on the CPU; --kv-cache slots): a slot
     # per row, twice max_batch_size of them (the spare ones for a beam search or a prompt scored beside a full batch),
-    # and a joining prompt's chunks run in the decode steps' forwards. None (--kv-cache auto): the ort backend's exports
-    # on the CPU that the slots run (runtime.static_decode.slots_by_default).
+    # and a joining prompt's chunks run in the decode steps' forwards; on the openvino backend, its paged slots
+    # (runtime.openvino_paged.PagedSlotBackend, fp32 and bf16). None (--kv-cache auto): the ort backend's exports on
+    # the CPU that the slots run (runtime.static_decode.slots_by_default), the openvino backend's bf16 exports
+    # (runtime.openvino_paged.paged_by_default).
     fixed_slots: bool | None = False
     # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
@@ -141,12 +143,16 @@ def open_service(config: ReplicaConfig, replica: str = "") -> CompletionService:
 
 def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
     """The export's backend as a replica serves it, warmed up: the fixed slots (`on_slots`) or `config.backend`."""
-    if on_slots(config, info):
+    # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
+    # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
+    batch, provider = config.engine.max_batch_size, ProviderKind(config.provider)
+    if on_slots(config, info) and BackendKind(config.backend) is BackendKind.openvino:
+        from ..runtime.openvino_paged import PagedSlotBackend
+
+        backend = PagedSlotBackend(info, provider, config.threads, slots=2 * batch)
+    elif on_slots(config, info):
         from ..runtime.static_decode import SlotBackend, held_from_start
 
-        # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
-        # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
-        batch, provider = config.engine.max_batch_size, ProviderKind(config.provider)
         backend = SlotBackend(info, provider, config.threads, slots=2 * batch,
                               resident=held_from_start(info, provider, batch))
     else:
@@ -159,9 +165,14 @@ def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
 
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
     """Whether the replica serves the export on the fixed slots: as asked, or by default (`fixed_slots` None) where the ort
-    backend's slots run it (runtime.static_decode.slots_by_default)."""
+    backend's slots run it (runtime.static_decode.slots_by_default), or the openvino backend's paged ones
+    (runtime.openvino_paged.paged_by_default)."""
     if config.fixed_slots is not None:
         return config.fixed_slots
+    if BackendKind(config.backend) is BackendKind.openvino:
+        from ..runtime.openvino_paged import paged_by_default  # OpenVINO's module: the openvino backend's servers only
+
+        return paged_by_default(info, ProviderKind(config.provider))
     if BackendKind(config.backend) is not BackendKind.ort:
         return False
     from ..runtime.static_decode import slots_by_default  # ONNX Runtime's module: the ort backend's servers only

@@ -1,0 +1,345 @@
+"""OpenVINO's paged attention on an export's OpenVINO prefill graph, behind the fixed slots (no torch).
+
+The prefill graph (onnx/openvino_prefill.py) is rewritten in memory for OpenVINO's PagedAttentionExtension, the op
+OpenVINO GenAI's continuous batching runs: its key and value caches are blocks of positions that the op reads and
+writes in place, and one forward runs any mix of sequences, each its own number of new tokens on its own past (fresh
+prompts, a prompt's next chunk, decode steps), packed one after another, nothing padded. Each slot owns a fixed range
+of blocks, so a row joins and leaves without moving anyone's cache. Why and what it measured: docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from ..choices import Precision, ProviderKind
+from ..errors import ArtifactError, ProviderError
+from ..onnx import names as io
+from ..onnx.artifact import BF16, ExportInfo
+from .base import BF16_BITS, PAGED_PRECISIONS, Capabilities
+from .kvbuffers import small_page_arrays
+from .openvino_prefill import compute_precision, cpu_has_bf16, graph_takes_past, tensor_of
+from .providers import physical_cores
+from .static_decode import SlotBackend
+
+# The paged graph's inputs beside input_ids and position_ids (OpenVINO's names), and the one added here: which of the
+# packed tokens' logits come out (the unembedding runs on those alone).
+PAST_LENS, BEGINS, BLOCKS, BLOCK_BEGINS, MAX_CONTEXT = (
+    "past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
+SAMPLED = "sampled_indices"
+
+
+@functools.cache
+def has_paged_attention() -> bool:
+    """Whether this OpenVINO rewrites a graph for its paged attention (its offline transformations' entry)."""
+    try:
+        from openvino._offline_transformations import paged_attention_transformation  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def paged_refusal(info: ExportInfo, provider: ProviderKind) -> str | None:
+    """Why the paged slots cannot serve the export, or None."""
+    if provider is not ProviderKind.cpu:
+        return f"OpenVINO's paged attention runs on the CPU here, not {provider.value}"
+    if info.precision not in PAGED_PRECISIONS:
+        return f"the paged slots run {' and '.join(p.value for p in PAGED_PRECISIONS)} exports, not {info.precision.value}"
+    if info.prefill is None:
+        return f"{info.folder} has no OpenVINO prefill graph (an export made with the openvino extra installed has one)"
+    if not has_paged_attention():
+        return f"OpenVINO {ov.__version__} has no paged attention transformation"
+    return None
+
+
+def paged_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
+    """Whether `gpt2x serve --backend openvino --kv-cache auto` serves the export on the paged slots: a bf16 export on
+    the CPU whose prefill graph takes a past (bf16 decode steps of 16 rows 14 against 16.3 ms: docs/backends.md)."""
+    return info.precision is Precision.bf16 and paged_refusal(info, provider) is None and \
+        graph_takes_past(ov.Core().read_model(str(info.prefill_path)))
+
+
+def _attention_as_sdpa(model: ov.Model) -> None:
+    """The attention the converter left as two MatMuls (the last layer's, whose query is its last position alone)
+    made one ScaledDotProductAttention, the only form the paged rewrite replaces. Its query comes scaled."""
+    for softmax in [n for n in model.get_ordered_ops() if n.get_type_name() == "Softmax"]:
+        add = softmax.input_value(0).get_node()
+        if add.get_type_name() != "Add":
+            continue
+        scores, mask = add.input_values()
+        if scores.get_node().get_type_name() != "MatMul":
+            scores, mask = mask, scores
+        weighted = [t.get_node() for t in softmax.output(0).get_target_inputs()]
+        if scores.get_node().get_type_name() != "MatMul" or len(weighted) != 1 or weighted[0].get_type_name() != "MatMul":
+            continue
+        q, keys = scores.get_node().input_values()
+        values = weighted[0].input_value(1)
+        attention = ops.scaled_dot_product_attention(q, keys, values, mask, ops.constant(np.float32(1.0)))
+        weighted[0].output(0).replace(attention.output(0))
+    model.validate_nodes_and_infer_types()
+
+
+def paged_model(model: ov.Model, n_layer: int, n_head: int, head_dim: int) -> ov.Model:
+    """The prefill graph (inputs ids, mask, positions and every layer's past; outputs the last position's logits and
+    the new positions' presents) as OpenVINO's paged graph: its pasts made state, the form the paged rewrite reads
+    (read with a batch gather, as an optimum-intel export's), then rewritten; and the unembedding run on the packed
+    tokens that SAMPLED names. Inputs: input_ids and position_ids [tokens], the paged inputs, key_cache.i and
+    value_cache.i; output the logits [len(SAMPLED), 1, vocab]."""
+    from openvino._offline_transformations import apply_make_stateful_transformation, paged_attention_transformation
+
+    model = model.clone()
+    _attention_as_sdpa(model)
+    pasts = io.input_names(n_layer)[3:]
+    beam = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+    for param in model.get_parameters():
+        if param.output(0).get_names() & set(pasts):
+            readers = list(param.output(0).get_target_inputs())
+            gathered = ops.gather(param, beam, ops.constant(np.int64(0)))
+            for reader in readers:
+                reader.replace_source_output(gathered.output(0))
+    model.add_parameters([beam])
+    model.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(model, dict(zip(pasts, io.output_names(n_layer)[1:])))
+    ids = model.input(io.INPUT_IDS)
+    batch = ops.gather(ops.shape_of(ids, output_type="i64"), ops.constant(np.array([0], np.int64)),
+                       ops.constant(np.int64(0)))
+    empty = ops.concat([batch, ops.constant(np.array([n_head, 0, head_dim], np.int64))], 0)
+    for op in model.get_ops():
+        if op.get_type_name() == "ReadValue":  # an empty past to start from
+            op.set_arguments([ops.broadcast(ops.constant(np.float32(0)).output(0), empty)])
+    model.validate_nodes_and_infer_types()
+    paged_attention_transformation(model)
+    unembed = model.output(io.LOGITS).get_node().input_value(0).get_node()
+    while unembed.get_type_name() != "MatMul":
+        unembed = unembed.input_value(0).get_node()
+    sampled = ops.parameter([-1], ov.Type.i64, name=SAMPLED)
+    sampled.output(0).get_tensor().set_names({SAMPLED})
+    unembed.input(0).replace_source_output(ops.gather(unembed.input_value(0), sampled, ops.constant(np.int64(0))).output(0))
+    model.add_parameters([sampled])
+    model.validate_nodes_and_infer_types()
+    if sum(op.get_type_name() == "PagedAttentionExtension" for op in model.get_ops()) != n_layer:
+        raise ArtifactError("OpenVINO's paged rewrite did not take every layer's attention of the prefill graph")
+    return model
+
+
+class PagedDecoder:
+    """`slots` sequences of at most `capacity` positions in OpenVINO's paged caches, slot s in blocks
+    [s * per_slot, (s + 1) * per_slot): SlotDecoder's interface, each call one forward of packed sequences. The caches
+    are in the backend's compute precision (bf16's bits at bf16, float32 at f32), in small pages, resident only as
+    rows write them."""
+
+    def __init__(self, info: ExportInfo, slots: int = 16, capacity: int | None = None, threads: int | None = None):
+        cfg = info.config
+        self.slots, self.capacity = slots, capacity or cfg.n_positions
+        if slots < 1 or not 1 < self.capacity <= cfg.n_positions:
+            raise ValueError(f"slots must be >= 1 and capacity 2..{cfg.n_positions}, not {slots} and {self.capacity}")
+        if info.precision is Precision.bf16 and not cpu_has_bf16():
+            raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
+                                "AMX); this one does not: export fp32 for it")
+        why = paged_refusal(info, ProviderKind.cpu)
+        if why:
+            raise ProviderError(why)
+        self.device, self.kv_scales, self.vocab_size = "cpu", None, cfg.vocab_size
+        precision = compute_precision(info)
+        self.dtype = BF16_BITS if precision == BF16 else np.float32
+        try:
+            graph = ov.Core().read_model(str(info.prefill_path))
+        except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
+            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
+        if not graph_takes_past(graph):
+            raise ArtifactError(f"{info.folder}'s OpenVINO prefill graph takes no past (an earlier gpt2x made it): "
+                                "export it again")
+        config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
+                  "KV_CACHE_PRECISION": precision, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
+        self.compiled = ov.Core().compile_model(paged_model(graph, cfg.n_layer, cfg.n_head, cfg.head_dim), "CPU", config)
+        self.request = self.compiled.create_infer_request()
+        heads, self.block, dim = (d.get_length() for d in list(self.compiled.input("key_cache.0").get_partial_shape())[1:])
+        self.per_slot = -(-self.capacity // self.block)
+        # (blocks, H, block, D) per layer, key then value, as the ports name them
+        self._arrays = small_page_arrays((slots * self.per_slot, heads, self.block, dim), 2 * cfg.n_layer, self.dtype)
+        ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
+        for name, a in zip(ports, self._arrays):
+            self.request.set_tensor(name, tensor_of(a))
+        self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
+        self.mixed_runs = 0  # step_mixed's forwards
+        self.openvino_from = self.openvino_past_from = None  # (SlotDecoder's: every forward here is OpenVINO's)
+
+    # -- SlotDecoder's interface: what SlotBackend calls
+
+    prompts_on_prefill_graph = False  # fresh prompts run together in prefill_fresh
+
+    def warm_up(self) -> None:
+        """One forward of two tokens in the last slot, then freed: OpenVINO lays its weights out at a graph's first
+        inference (a request's first token would wait for it)."""
+        slot = self.slots - 1
+        self.prefill(slot, np.zeros(2, np.int64))
+        self.release(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of 0..{self.slots - 1}")
+
+    def _forward(self, rows: list[tuple[int, np.ndarray]], every: bool = False) -> np.ndarray:
+        """Each (slot, ids) appended to what its slot holds, all in one forward: the last position's logits of each
+        [len(rows), vocab], or with `every` each position's of each, one after another [tokens, vocab]."""
+        past = np.array([self.lengths[slot] for slot, _ in rows], np.int64)
+        new = np.array([len(ids) for _, ids in rows], np.int64)
+        for (slot, _), p, t in zip(rows, past, new):
+            self._check_slot(slot)
+            if t < 1 or p + t > self.capacity:
+                raise ValueError(f"slot {slot} holds {p} positions of {self.capacity}: {t} more do not fit")
+        begins = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+        held = -(-(past + new) // self.block)  # blocks each row's positions take after the forward
+        blocks = np.concatenate([slot * self.per_slot + np.arange(n) for (slot, _), n in zip(rows, held)])
+        feeds = {io.INPUT_IDS: np.concatenate([ids for _, ids in rows]).astype(np.int64),
+                 io.POSITION_IDS: np.concatenate([p + np.arange(t) for p, t in zip(past, new)]).astype(np.int64),
+                 PAST_LENS: past.astype(np.int32), BEGINS: begins,
+                 BLOCKS: blocks.astype(np.int32), BLOCK_BEGINS: np.concatenate([[0], np.cumsum(held)]).astype(np.int32),
+                 MAX_CONTEXT: np.array(int((past + new).max()), np.int32),
+                 SAMPLED: np.arange(begins[-1], dtype=np.int64) if every else begins[1:].astype(np.int64) - 1}
+        for name, value in feeds.items():
+            self.request.set_tensor(name, ov.Tensor(value, list(value.shape)))
+        # fresh memory each forward, as the caller may keep what a step gave
+        logits = np.empty((len(feeds[SAMPLED]), 1, self.vocab_size), np.float32)
+        self.request.set_tensor(io.LOGITS, ov.Tensor(logits, shared_memory=True))
+        self.request.infer()
+        for (slot, _), p, t in zip(rows, past, new):
+            self.lengths[slot] = p + t
+        return logits[:, 0]
+
+    def prefill(self, slot: int, ids: np.ndarray, every: bool = False) -> np.ndarray:
+        """Append `ids` [T] to what `slot` holds; the last position's logits [vocab], or with `every` each position's
+        [T, vocab]."""
+        logits = self._forward([(slot, np.asarray(ids, np.int64).reshape(-1))], every)
+        return logits if every else logits[0]
+
+    def prefill_fresh(self, slots: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Fresh prompts `ids` [B, T], left-padded as `mask` says, into the free `slots` [B]: their last logits
+        [B, vocab] (the padding is not run)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(set(slots.tolist())) != len(slots) or self.lengths[slots].any():
+            raise ValueError(f"slots {slots.tolist()} are not all distinct and free")
+        keep = np.asarray(mask, bool)
+        return self._forward([(int(s), np.asarray(row)[k]) for s, row, k in zip(slots, ids, keep)])
+
+    def prefill_held(self, slots: np.ndarray, rows: list[np.ndarray]) -> np.ndarray:
+        """Each slot's next tokens `rows[b]` after what it holds: their last logits [B, vocab]."""
+        if len(set(np.asarray(slots).tolist())) != len(rows):
+            raise ValueError("each row's tokens go into a slot of its own")
+        return self._forward([(int(s), np.asarray(r, np.int64)) for s, r in zip(slots, rows)])
+
+    def step(self, tokens: np.ndarray, active: np.ndarray | None = None, take: np.ndarray | None = None) -> np.ndarray:
+        """Append each held slot's token of `tokens` [slots] (only `active` ones where given): the logits [slots,
+        vocab] (a slot not stepped: zeros), or with `take` only those slots' [len(take), vocab]."""
+        held = self.lengths > 0
+        if active is not None:
+            held &= np.asarray(active, dtype=bool)
+        if not held.any():
+            raise ValueError("no slot holds a sequence: prefill one first")
+        stepped = np.flatnonzero(held)
+        tokens = np.asarray(tokens, np.int64).reshape(self.slots)
+        logits = self._forward([(int(s), tokens[s: s + 1]) for s in stepped])
+        return self._placed(stepped, logits, take)
+
+    def _placed(self, stepped: np.ndarray, logits: np.ndarray, take: np.ndarray | None) -> np.ndarray:
+        if take is not None:
+            take = np.asarray(take)
+            return logits if np.array_equal(take, stepped) else logits[np.searchsorted(stepped, take)]
+        out = np.zeros((self.slots, self.vocab_size), np.float32)
+        out[stepped] = logits
+        return out
+
+    def mixes(self, active: np.ndarray, slot: int, ids: np.ndarray) -> bool:
+        """Whether step_mixed runs these: decode rows, and a chunk into a slot that is not one of them with room."""
+        active = np.asarray(active, dtype=bool)
+        return bool(active.any()) and not active[slot] and 0 < len(ids) and self.lengths[slot] + len(ids) <= self.capacity
+
+    def step_mixed(self, tokens: np.ndarray, active: np.ndarray, slot: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`step(tokens, active)` and `prefill(slot, ids)` in one forward: the decode logits [slots, vocab] and the
+        chunk's last position's [vocab]."""
+        if not self.mixes(active, slot, ids):
+            raise ValueError(f"a chunk of {len(ids)} into slot {slot} does not mix with this step (PagedDecoder.mixes)")
+        stepped = np.flatnonzero(np.asarray(active, bool) & (self.lengths > 0))
+        tokens = np.asarray(tokens, np.int64).reshape(self.slots)
+        logits = self._forward([(int(s), tokens[s: s + 1]) for s in stepped] + [(slot, np.asarray(ids, np.int64))])
+        self.mixed_runs += 1
+        return self._placed(stepped, logits[:-1], None), logits[-1]
+
+    def release(self, slot: int) -> None:
+        """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+
+    def _blocks(self, slot: int, n: int) -> slice:
+        return slice(slot * self.per_slot, slot * self.per_slot + -(-n // self.block))
+
+    def copy(self, source: int, target: int) -> None:
+        """`target` holds what `source` holds (two rows of one prompt)."""
+        n = int(self.lengths[source])
+        for a in self._arrays:
+            a[self._blocks(target, n)] = a[self._blocks(source, n)]
+        self.lengths[target] = n
+
+    def write(self, slot: int, kv: list[np.ndarray]) -> None:
+        """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer, in the slots' dtype: a past made
+        elsewhere, such as the prefix cache's blocks) at its positions 0 .. n - 1."""
+        self._check_slot(slot)
+        n = kv[0].shape[1]
+        if not 0 < n < self.capacity:
+            raise ValueError(f"slot {slot} holds at most {self.capacity - 1} positions of a past, not {n}")
+        blocks = self._blocks(slot, n)
+        count = blocks.stop - blocks.start
+        for a, values in zip(self._arrays, kv):
+            padded = np.zeros((values.shape[0], count * self.block, values.shape[2]), a.dtype)
+            padded[:, :n] = values
+            a[blocks] = padded.reshape(values.shape[0], count, self.block, -1).transpose(1, 0, 2, 3)
+        self.lengths[slot] = n
+
+    def read(self, slot: int, length: int | None = None) -> list[np.ndarray]:
+        """What `slot` holds (its first `length` positions): 2 * n_layer arrays (H, length, D) in the slots' dtype,
+        copies."""
+        n = int(self.lengths[slot]) if length is None else length
+        out = []
+        for a in self._arrays:
+            blocks = a[self._blocks(slot, n)]  # (count, H, block, D)
+            out.append(blocks.transpose(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])[:, :n].copy())
+        return out
+
+    def views(self, first: int, rows: int, length: int) -> list[np.ndarray]:
+        """Positions 0 .. length - 1 of slots [first, first + rows): 2 * n_layer arrays (rows, H, length, D), copies
+        (a slot's positions lie in blocks)."""
+        read = [self.read(slot, length) for slot in range(first, first + rows)]
+        return [np.stack(layer) for layer in zip(*read)]
+
+    def close(self) -> None:
+        self.request = self.compiled = None
+        self._arrays = []
+
+
+class PagedSlotBackend(SlotBackend):
+    """The fixed slots on OpenVINO's paged attention (PagedDecoder): SlotBackend's protocol, every forward one of
+    packed sequences, a joining prompt's chunk in the decode step's own forward, several rows' tokens on their pasts
+    in one."""
+
+    name = "openvino"
+    capabilities = Capabilities(runtime="OpenVINO, paged attention",
+                                precisions_by_provider={ProviderKind.cpu: PAGED_PRECISIONS}, takes_past=True,
+                                joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True, warms_up=True,
+                                stores_kv_dtype=True)
+
+    def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
+                 slots: int = 16, capacity: int | None = None):
+        why = paged_refusal(info, provider)
+        if why:
+            raise ProviderError(why)
+        self._hold(PagedDecoder(info, slots, capacity, threads), info, provider)
+
+    def warm_up(self) -> None:
+        self.decoder.warm_up()
+
+    def prefill_ms(self, rows: int, new_tokens: int, past_tokens: int = 0) -> float | None:
+        return None
+

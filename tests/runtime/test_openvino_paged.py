@@ -1,0 +1,212 @@
+"""The openvino backend's paged slots (runtime/openvino_paged.py): OpenVINO's paged attention on the export's prefill
+graph, checked against PyTorch's forward without a cache, row by row: prompts of several lengths packed in one forward,
+chunks on a past, decode steps, a chunk inside a decode step's forward, a slot written, read and copied; greedy
+generation through the Backend protocol and the serving engine; bf16 against the openvino backend's gated bf16; when
+a server takes them."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2x.choices import BackendKind, KvCache, Precision, ProviderKind
+from gpt2x.errors import ProviderError, UsageError
+from gpt2x.evaluate import parity
+from gpt2x.generation.generate import generate
+from gpt2x.generation.settings import SamplingSettings
+from gpt2x.numerics import positions
+from gpt2x.runtime.base import bf16_values
+from gpt2x.runtime.openvino import OpenVinoBackend
+from gpt2x.runtime.openvino_paged import PagedDecoder, PagedSlotBackend, paged_by_default, paged_refusal
+from gpt2x.runtime.openvino_prefill import cpu_has_bf16
+from gpt2x.serve.core.engine import Engine, EngineSettings, Row
+from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
+from gpt2x.serve.replica import ReplicaConfig, on_slots
+
+PROMPTS = [[464, 3616, 286, 1204, 318], [50, 2662], [4944, 46, 25, 198, 13, 11, 8, 1000, 3, 77, 5, 9, 40, 41]]
+TOL = 1e-4  # fp32's gate (parity.TOLERANCES[fp32].max_rel)
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_export):
+    """The tiny model and its fp32 export with its OpenVINO prefill graph (block size 32 > its longest row here)."""
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    assert info.prefill is not None, info.meta.get("openvino_prefill")
+    return model, info
+
+
+def forward(model, ids: list[int], every: bool = False) -> np.ndarray:
+    """PyTorch's logits of one whole sequence, no cache: the last position's, or every position's."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), torch.arange(len(ids))[None])
+    return logits[0].numpy() if every else logits[0, -1].numpy()
+
+
+def close(ref: np.ndarray, got: np.ndarray, tol: float = TOL) -> bool:
+    return float(np.abs(ref - got).max() / np.abs(ref).max()) < tol
+
+
+def torch_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(forward(model, ids).argmax()))
+    return ids[len(prompt):]
+
+
+def test_packed_prompts_chunks_decode_and_mixed_steps_are_pytorchs_without_a_cache(fp32):
+    """Every forward packs its rows, each at its own length: two prompts of different lengths (left-padded, the
+    padding not run), a chunk on one row's past beside a fresh prompt, a decode step of three rows, then one with
+    another prompt's chunk in its forward; each row's logits within fp32's gate of the whole sequence's forward."""
+    model, info = fp32
+    dec = PagedDecoder(info, slots=4, capacity=64, threads=1)
+    rows = {0: list(PROMPTS[0]), 1: list(PROMPTS[1])}
+    width = max(len(p) for p in rows.values())
+    ids = np.array([[0] * (width - len(p)) + p for p in rows.values()])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in rows.values()])
+    logits = dec.prefill_fresh(np.array([0, 1]), ids, mask)
+    for b, slot in enumerate((0, 1)):
+        assert close(forward(model, rows[slot]), logits[b])
+    assert dec.lengths[:2].tolist() == [5, 2]
+    rows[1] += [7, 8, 9]
+    rows[2] = PROMPTS[2][:6]
+    logits = dec.prefill_held(np.array([1]), [np.array([7, 8, 9])])
+    assert close(forward(model, rows[1]), logits[0])
+    assert close(forward(model, rows[2]), dec.prefill(2, np.array(rows[2])))
+    for _ in range(3):  # decode steps of three slots, each its own length
+        tokens = np.zeros(4, np.int64)
+        for slot, seq in rows.items():
+            tokens[slot] = forward(model, seq).argmax()
+        active = np.array([True, True, True, False])
+        logits = dec.step(tokens, active, take=np.array([2, 0, 1]))
+        for i, slot in enumerate((2, 0, 1)):
+            rows[slot].append(int(tokens[slot]))
+            assert close(forward(model, rows[slot]), logits[i])
+    tokens = np.zeros(4, np.int64)
+    for slot, seq in rows.items():
+        tokens[slot] = forward(model, seq).argmax()
+    assert dec.mixes(np.array([True, True, True, False]), 3, np.array(PROMPTS[0]))
+    out, chunk = dec.step_mixed(tokens, np.array([True, True, True, False]), 3, np.array(PROMPTS[0]))
+    assert dec.mixed_runs == 1
+    for slot in (0, 1, 2):
+        rows[slot].append(int(tokens[slot]))
+        assert close(forward(model, rows[slot]), out[slot])
+    assert close(forward(model, PROMPTS[0]), chunk)
+    assert dec.lengths.tolist() == [len(rows[0]), len(rows[1]), len(rows[2]), len(PROMPTS[0])]
+
+
+def test_a_slot_written_read_and_copied_holds_the_same_sequence(fp32):
+    """read() gives a slot's positions as (H, n, D); write() puts them into another slot's blocks and copy() a third,
+    each then decoding as the first does; every-position logits of a prefill are PyTorch's at every position."""
+    model, info = fp32
+    dec = PagedDecoder(info, slots=3, capacity=64, threads=1)
+    seq = PROMPTS[2]
+    every = dec.prefill(0, np.array(seq), every=True)
+    assert every.shape == (len(seq), model.config.vocab_size) and close(forward(model, seq, every=True), every)
+    kv = dec.read(0)
+    assert len(kv) == 2 * model.config.n_layer and kv[0].shape == (model.config.n_head, len(seq), model.config.n_embd // model.config.n_head)
+    dec.write(1, kv)
+    dec.copy(0, 2)
+    assert [np.array_equal(a, b) for a, b in zip(dec.read(1), kv)] == [True] * len(kv)
+    nxt = int(forward(model, seq).argmax())
+    logits = dec.step(np.full(3, nxt), take=np.array([0, 1, 2]))
+    want = forward(model, seq + [nxt])
+    assert all(close(want, row) for row in logits)
+    views = dec.views(0, 3, len(seq) + 1)
+    assert views[0].shape[:3] == (3, model.config.n_head, len(seq) + 1)
+    dec.release(1)
+    assert dec.lengths.tolist() == [len(seq) + 1, 0, len(seq) + 1]
+    with pytest.raises(ValueError, match="do not fit"):
+        dec.prefill(0, np.arange(64 - len(seq)))
+
+
+def test_generate_and_the_serving_engine_on_the_paged_slots_are_pytorchs_greedy_tokens(fp32):
+    """Through the Backend protocol (generate: a left-padded batch, then its decode steps) and through the serving
+    engine (rows submitted one after another join the running batch: their chunks run in decode steps' forwards),
+    each row's greedy tokens are PyTorch's without a cache."""
+    model, info = fp32
+    backend = PagedSlotBackend(info, threads=1, slots=6, capacity=64)
+    backend.warm_up()
+    s = SamplingSettings(max_new_tokens=8, greedy=True, ignore_eos=True)
+    got = generate(backend, ["", ""], s, prompt_ids=[PROMPTS[0], PROMPTS[1]])
+    assert [g.tokens for g in got] == [torch_greedy(model, p, 8) for p in PROMPTS[:2]]
+    engine = Engine(backend, EngineSettings(max_batch_size=3)).start()
+    try:
+        tokens: dict[int, list[int]] = {i: [] for i in range(3)}
+        done = threading.Semaphore(0)
+        errors: list[str] = []
+
+        def sink_for(i: int):
+            def sink(out) -> None:
+                if isinstance(out, TokenOut):
+                    tokens[i].append(out.token)
+                elif isinstance(out, (Finished, Failed)):
+                    errors.extend([out.message] if isinstance(out, Failed) else [])
+                    done.release()
+            return sink
+
+        s = SamplingSettings(max_new_tokens=10, greedy=True, min_tokens=10)
+        for i, prompt in enumerate(PROMPTS):
+            engine.submit([Row(list(prompt), s, sink_for(i))])
+        for _ in PROMPTS:
+            assert done.acquire(timeout=120)
+        assert not errors
+        assert [tokens[i] for i in range(3)] == [torch_greedy(model, p, 10) for p in PROMPTS]
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU does not compute bf16")
+def test_bf16_paged_slots_are_within_the_bf16_gate_of_pytorch(tiny_export):
+    """A bf16 export's paged slots compute in bf16 with a bf16 cache: a prompt's and its next steps' logits within
+    bf16's gate (parity.TOLERANCES[bf16].max_rel) of PyTorch's fp32, as the openvino backend's bf16 is; its cache read
+    back as bf16 values. Served by default on the openvino backend."""
+    model, _, info = tiny_export(Precision.bf16, openvino_prefill=True)
+    assert info.prefill is not None, info.meta.get("openvino_prefill")
+    tol = parity.TOLERANCES[Precision.bf16].max_rel
+    dec = PagedDecoder(info, slots=2, capacity=64, threads=1)
+    assert dec.dtype == np.uint16
+    seq = list(PROMPTS[2])
+    assert close(forward(model, seq), dec.prefill(0, np.array(seq)), tol)
+    for _ in range(4):
+        nxt = int(forward(model, seq).argmax())
+        logits = dec.step(np.array([nxt, 0]), take=np.array([0]))
+        seq.append(nxt)
+        assert close(forward(model, seq), logits[0], tol)
+    with torch.no_grad():
+        _, presents = model(torch.tensor([seq[:-1]]), torch.ones(1, len(seq) - 1, dtype=torch.long),
+                            torch.arange(len(seq) - 1)[None])
+    key0 = bf16_values(dec.read(0)[0])[:, : len(seq) - 1]
+    assert close(presents[0][0][0].numpy(), key0, tol)
+    on_openvino = OpenVinoBackend(info, threads=1)
+    ids = np.array([PROMPTS[2]])
+    ours, _ = on_openvino.step(ids, np.ones_like(ids), positions(np.ones_like(ids), ids.shape[1]), None)
+    assert close(ours[0], PagedDecoder(info, slots=1, capacity=64, threads=1).prefill(0, ids[0]), tol)
+    assert paged_by_default(info, ProviderKind.cpu)
+    assert on_slots(ReplicaConfig(export=str(info.folder), model_id="b", backend="openvino", fixed_slots=None), info)
+
+
+def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export):
+    """By default a bf16 export only (fp32's default server is the ort backend's slots); asked, fp32 too; an int8
+    export, or one with no prefill graph, refused in one line; --kv-cache slots on the openvino backend refuses int8
+    before anything is opened."""
+    from gpt2x.cli.options import refuse_kv_cache
+
+    _, info = fp32
+    assert not paged_by_default(info, ProviderKind.cpu)
+    config = ReplicaConfig(export=str(info.folder), model_id="m", backend=BackendKind.openvino.value, fixed_slots=None)
+    assert not on_slots(config, info)
+    _, _, int8 = tiny_export(Precision.int8)
+    assert "not int8" in paged_refusal(int8, ProviderKind.cpu)
+    _, _, bare = tiny_export(Precision.fp32)
+    assert "no OpenVINO prefill graph" in paged_refusal(bare, ProviderKind.cpu)
+    with pytest.raises(ProviderError, match="no OpenVINO prefill graph"):
+        PagedSlotBackend(bare, threads=1)
+    assert "CPU" in paged_refusal(info, ProviderKind.cuda)
+    with pytest.raises(UsageError, match="paged slots run fp32 and bf16 exports, not int8"):
+        refuse_kv_cache(KvCache.slots, BackendKind.openvino, served=True, precision=Precision.int8)
+    refuse_kv_cache(KvCache.in_place, BackendKind.openvino, served=True, precision=Precision.bf16)
+    with pytest.raises(UsageError, match="applies to the ort backend"):
+        refuse_kv_cache(KvCache.slots, BackendKind.openvino, served=False)
