@@ -16,8 +16,8 @@ wall time from handing them over to the last token.
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
   precision (workflows.ensure_export, parity-gated when made; threads = cores), on the backend and KV cache
   `gpt2x serve` opens for it (serve.replica.open_backend: the ort backend's fixed slots where they run the export
-  by default, else its cache in place) and with --gpt2x-kv-caches auto,in-place on the ort backend's cache in place
-  too (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
+  by default, the openvino backend's paged slots for bf16, else the backend's own cache) and with --gpt2x-kv-caches
+  auto,in-place on the backend's own cache too (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
   the batched and KV dtype switches below run on the cache in place; with --gpt2x-batched
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
   record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
@@ -91,7 +91,8 @@ class Gpt2xEngine:
         config = ReplicaConfig(export=str(info.folder), model_id="", backend=backend_kind.value, threads=threads,
                                engine=self.settings, fixed_slots=None)
         slots = kv_cache == "auto" and batched is None and kv_cache_dtype in (None, "auto") and on_slots(config, info)
-        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}" + (" slots" if slots else "") \
+        kind = " paged" if slots and backend_kind is BackendKind.openvino else " slots" if slots else ""
+        self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}{kind}" \
             + (" batched-off" if batched is False else "") \
             + (f" {kv_cache_dtype} KV cache" if kv_cache_dtype not in (None, "auto") else "")
         self.precision = info.precision.value
@@ -103,7 +104,7 @@ class Gpt2xEngine:
             if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
                 self.backend.warm_up()
         self.engine = Engine(self.backend, self.settings).start()
-        self.details = {"engine_settings": asdict(self.settings), "kv_cache": "slots" if slots else "in place",
+        self.details = {"engine_settings": asdict(self.settings), "kv_cache": kind.strip() or "in place",
                         "prefill": getattr(self.backend, "prefill", None),
                         "batched_from": getattr(self.backend, "batched_from", None),
                         "kv_cache_dtype": kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
@@ -330,7 +331,8 @@ def main() -> int:
     ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino, each for "
                     "every precision or for one (openvino@fp32) (default: %(default)s)")
     ap.add_argument("--gpt2x-kv-caches", default="auto", help="the engine's KV cache: auto (as `gpt2x serve` opens the "
-                    "export: the ort backend's fixed slots where they run it by default), in-place; both: auto,in-place")
+                    "export: the ort backend's fixed slots where they run it by default, the openvino backend's paged slots for bf16), "
+                    "in-place (the backend's own cache); both: auto,in-place")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
