@@ -158,6 +158,7 @@ class PagedDecoder:
         self.request = self.compiled.create_infer_request()
         heads, self.block, dim = (d.get_length() for d in list(self.compiled.input("key_cache.0").get_partial_shape())[1:])
         self.per_slot = -(-self.capacity // self.block)
+        self._table = np.arange(slots * self.per_slot, dtype=np.int32).reshape(slots, self.per_slot)  # slot -> its blocks
         # (blocks, H, block, D) per layer, key then value, as the ports name them
         self._arrays = small_page_arrays((slots * self.per_slot, heads, self.block, dim), 2 * cfg.n_layer, self.dtype)
         ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
@@ -185,29 +186,31 @@ class PagedDecoder:
     def _forward(self, rows: list[tuple[int, np.ndarray]], every: bool = False) -> np.ndarray:
         """Each (slot, ids) appended to what its slot holds, all in one forward: the last position's logits of each
         [len(rows), vocab], or with `every` each position's of each, one after another [tokens, vocab]."""
-        past = np.array([self.lengths[slot] for slot, _ in rows], np.int64)
-        new = np.array([len(ids) for _, ids in rows], np.int64)
-        for (slot, _), p, t in zip(rows, past, new):
-            self._check_slot(slot)
-            if t < 1 or p + t > self.capacity:
-                raise ValueError(f"slot {slot} holds {p} positions of {self.capacity}: {t} more do not fit")
-        begins = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+        slots = np.array([slot for slot, _ in rows], np.int64)
+        ids = [np.asarray(i, np.int64).reshape(-1) for _, i in rows]
+        if ((slots < 0) | (slots >= self.slots)).any():
+            raise ValueError(f"slots {slots.tolist()} are not all among 0..{self.slots - 1}")
+        past, new = self.lengths[slots], np.array([len(i) for i in ids], np.int64)
+        full = (new < 1) | (past + new > self.capacity)
+        if full.any():
+            b = int(np.flatnonzero(full)[0])
+            raise ValueError(f"slot {slots[b]} holds {past[b]} positions of {self.capacity}: {new[b]} more do not fit")
+        begins = np.concatenate([[0], np.cumsum(new)])
         held = -(-(past + new) // self.block)  # blocks each row's positions take after the forward
-        blocks = np.concatenate([slot * self.per_slot + np.arange(n) for (slot, _), n in zip(rows, held)])
-        feeds = {io.INPUT_IDS: np.concatenate([ids for _, ids in rows]).astype(np.int64),
-                 io.POSITION_IDS: np.concatenate([p + np.arange(t) for p, t in zip(past, new)]).astype(np.int64),
-                 PAST_LENS: past.astype(np.int32), BEGINS: begins,
-                 BLOCKS: blocks.astype(np.int32), BLOCK_BEGINS: np.concatenate([[0], np.cumsum(held)]).astype(np.int32),
+        feeds = {io.INPUT_IDS: np.concatenate(ids),
+                 io.POSITION_IDS: np.arange(begins[-1], dtype=np.int64) + np.repeat(past - begins[:-1], new),
+                 PAST_LENS: past.astype(np.int32), BEGINS: begins.astype(np.int32),
+                 BLOCKS: self._table[slots][np.arange(self.per_slot) < held[:, None]],
+                 BLOCK_BEGINS: np.concatenate([[0], np.cumsum(held)]).astype(np.int32),
                  MAX_CONTEXT: np.array(int((past + new).max()), np.int32),
-                 SAMPLED: np.arange(begins[-1], dtype=np.int64) if every else begins[1:].astype(np.int64) - 1}
+                 SAMPLED: np.arange(begins[-1], dtype=np.int64) if every else begins[1:] - 1}
         for name, value in feeds.items():
             self.request.set_tensor(name, ov.Tensor(value, list(value.shape)))
         # fresh memory each forward, as the caller may keep what a step gave
         logits = np.empty((len(feeds[SAMPLED]), 1, self.vocab_size), np.float32)
         self.request.set_tensor(io.LOGITS, ov.Tensor(logits, shared_memory=True))
         self.request.infer()
-        for (slot, _), p, t in zip(rows, past, new):
-            self.lengths[slot] = p + t
+        self.lengths[slots] = past + new
         return logits[:, 0]
 
     def prefill(self, slot: int, ids: np.ndarray, every: bool = False) -> np.ndarray:
@@ -298,21 +301,19 @@ class PagedDecoder:
             a[blocks] = padded.reshape(values.shape[0], count, self.block, -1).transpose(1, 0, 2, 3)
         self.lengths[slot] = n
 
-    def read(self, slot: int, length: int | None = None) -> list[np.ndarray]:
-        """What `slot` holds (its first `length` positions): 2 * n_layer arrays (H, length, D) in the slots' dtype,
-        copies."""
-        n = int(self.lengths[slot]) if length is None else length
-        out = []
-        for a in self._arrays:
-            blocks = a[self._blocks(slot, n)]  # (count, H, block, D)
-            out.append(blocks.transpose(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])[:, :n].copy())
-        return out
+    def read(self, slot: int) -> list[np.ndarray]:
+        """What `slot` holds: 2 * n_layer arrays (H, length, D) in the slots' dtype, copies."""
+        return [a[0].copy() for a in self.views(slot, 1, int(self.lengths[slot]))]
 
     def views(self, first: int, rows: int, length: int) -> list[np.ndarray]:
         """Positions 0 .. length - 1 of slots [first, first + rows): 2 * n_layer arrays (rows, H, length, D), copies
-        (a slot's positions lie in blocks)."""
-        read = [self.read(slot, length) for slot in range(first, first + rows)]
-        return [np.stack(layer) for layer in zip(*read)]
+        where they span several blocks (views of one block each: read them before those positions are written again)."""
+        count = -(-length // self.block)
+        out = []
+        for a in self._arrays:
+            blocks = a.reshape(self.slots, self.per_slot, *a.shape[1:])[first: first + rows, :count]  # (rows, count, H, block, D)
+            out.append(blocks.transpose(0, 2, 1, 3, 4).reshape(rows, a.shape[1], count * self.block, a.shape[3])[:, :, :length])
+        return out
 
     def close(self) -> None:
         self.request = self.compiled = None
