@@ -121,7 +121,7 @@ def paged_model(model: ov.Model, n_layer: int, n_head: int, head_dim: int) -> ov
     model.add_parameters([sampled])
     model.validate_nodes_and_infer_types()
     if sum(op.get_type_name() == "PagedAttentionExtension" for op in model.get_ops()) != n_layer:
-        raise ArtifactError("OpenVINO's paged rewrite did not take every layer's attention of the prefill graph")
+        raise RuntimeError("its paged rewrite did not take every layer's attention")
     return model
 
 
@@ -154,7 +154,12 @@ class PagedDecoder:
                                 "export it again")
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": precision, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
-        self.compiled = ov.Core().compile_model(paged_model(graph, cfg.n_layer, cfg.n_head, cfg.head_dim), "CPU", config)
+        try:
+            paged = paged_model(graph, cfg.n_layer, cfg.n_head, cfg.head_dim)
+        except RuntimeError as e:  # OpenVINO's passes raise RuntimeError for a graph they do not take
+            raise ArtifactError(f"OpenVINO {ov.__version__} cannot run {info.prefill_path} with paged attention "
+                                f"({str(e).strip().splitlines()[-1]}): serve it with --kv-cache in-place") from None
+        self.compiled = ov.Core().compile_model(paged, "CPU", config)
         self.request = self.compiled.create_infer_request()
         heads, self.block, dim = (d.get_length() for d in list(self.compiled.input("key_cache.0").get_partial_shape())[1:])
         self.per_slot = -(-self.capacity // self.block)

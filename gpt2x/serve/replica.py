@@ -145,12 +145,12 @@ def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
     """The export's backend as a replica serves it, warmed up: the fixed slots (`on_slots`) or `config.backend`."""
     # The batch's rows never hold more slots than it has rows (the finished ones leave before joiners take theirs);
     # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
-    batch, provider = config.engine.max_batch_size, ProviderKind(config.provider)
-    if on_slots(config, info) and BackendKind(config.backend) is BackendKind.openvino:
+    batch, provider, slots = config.engine.max_batch_size, ProviderKind(config.provider), on_slots(config, info)
+    if slots and BackendKind(config.backend) is BackendKind.openvino:
         from ..runtime.openvino_paged import PagedSlotBackend
 
         backend = PagedSlotBackend(info, provider, config.threads, slots=2 * batch)
-    elif on_slots(config, info):
+    elif slots:
         from ..runtime.static_decode import SlotBackend, held_from_start
 
         backend = SlotBackend(info, provider, config.threads, slots=2 * batch,

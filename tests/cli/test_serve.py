@@ -236,10 +236,10 @@ def test_kv_cache_serves_an_fp32_export_on_the_slots_by_default_and_other_backen
                                                                                              reference, capsys):
     """The fp32 export by default: /health says the replica's cache is the fixed slots, and a greedy completion is
     gpt2x's generation code's; with --kv-cache in-place the cache is in place (the export's GroupQueryAttention twin),
-    with growing it grows, each with the same completion. A backend with its own cache refuses the option in one line
-    (in this process: nothing starts)."""
-    code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--backend", "openvino", "--kv-cache", "in-place")
-    assert_one_line_error(code, err, 2, "--kv-cache in-place applies to the ort backend")
+    with growing it grows, each with the same completion. A backend with its own cache refuses the ort backend's forms in
+    one line (in this process: nothing starts; the openvino backend's server takes slots and in-place)."""
+    code, _, err = cli(capsys, "serve", "--onnx", str(export_dir), "--backend", "openvino", "--kv-cache", "growing")
+    assert_one_line_error(code, err, 2, "--kv-cache growing applies to the ort backend")
     for args, form in (([], "slots"), (["--kv-cache", "in-place"], "in-place"), (["--kv-cache", "growing"], "growing")):
         port = reserve_port()
         proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export_dir), "--port", str(port),

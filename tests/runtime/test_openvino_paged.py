@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpt2x.choices import BackendKind, KvCache, Precision, ProviderKind
-from gpt2x.errors import ProviderError, UsageError
+from gpt2x.errors import ArtifactError, ProviderError, UsageError
 from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
@@ -124,8 +124,9 @@ def test_a_slot_written_read_and_copied_holds_the_same_sequence(fp32):
 
 def test_generate_and_the_serving_engine_on_the_paged_slots_are_pytorchs_greedy_tokens(fp32):
     """Through the Backend protocol (generate: a left-padded batch, then its decode steps) and through the serving
-    engine (rows submitted one after another join the running batch: their chunks run in decode steps' forwards),
-    each row's greedy tokens are PyTorch's without a cache."""
+    engine (rows submitted one after another join the running batch: their chunks run in decode steps' forwards; a
+    prompt whose leading blocks a finished one left in the prefix cache), each row's greedy tokens are PyTorch's
+    without a cache."""
     model, info = fp32
     backend = PagedSlotBackend(info, threads=1, slots=6, capacity=64)
     backend.warm_up()
@@ -134,7 +135,7 @@ def test_generate_and_the_serving_engine_on_the_paged_slots_are_pytorchs_greedy_
     assert [g.tokens for g in got] == [torch_greedy(model, p, 8) for p in PROMPTS[:2]]
     engine = Engine(backend, EngineSettings(max_batch_size=3)).start()
     try:
-        tokens: dict[int, list[int]] = {i: [] for i in range(3)}
+        tokens: dict[int, list[int]] = {i: [] for i in range(5)}
         done = threading.Semaphore(0)
         errors: list[str] = []
 
@@ -154,6 +155,15 @@ def test_generate_and_the_serving_engine_on_the_paged_slots_are_pytorchs_greedy_
             assert done.acquire(timeout=120)
         assert not errors
         assert [tokens[i] for i in range(3)] == [torch_greedy(model, p, 10) for p in PROMPTS]
+        # a prompt sharing a finished one's leading blocks: they come from the prefix cache, written into its slot
+        shared = list(range(100, 140))
+        rows = [Row(shared, s, sink_for(3)), Row(shared + [7, 8], s, sink_for(4))]
+        for i, row in zip((3, 4), rows):
+            tokens[i] = []
+            engine.submit([row])
+            assert done.acquire(timeout=120)
+        assert not errors and rows[1].cached_tokens > 0
+        assert [tokens[3], tokens[4]] == [torch_greedy(model, shared, 10), torch_greedy(model, shared + [7, 8], 10)]
     finally:
         engine.close()
 
@@ -188,10 +198,12 @@ def test_bf16_paged_slots_are_within_the_bf16_gate_of_pytorch(tiny_export):
     assert on_slots(ReplicaConfig(export=str(info.folder), model_id="b", backend="openvino", fixed_slots=None), info)
 
 
-def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export):
+def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monkeypatch):
     """By default a bf16 export only (fp32's default server is the ort backend's slots); asked, fp32 too; an int8
-    export, or one with no prefill graph, refused in one line; --kv-cache slots on the openvino backend refuses int8
-    before anything is opened."""
+    export, or one with no prefill graph, refused in one line; a graph OpenVINO's rewrite does not take, one line that
+    names the way out; --kv-cache slots on the openvino backend refuses int8 before anything is opened."""
+    import openvino._offline_transformations as passes
+
     from gpt2x.cli.options import refuse_kv_cache
 
     _, info = fp32
@@ -205,6 +217,14 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export):
     with pytest.raises(ProviderError, match="no OpenVINO prefill graph"):
         PagedSlotBackend(bare, threads=1)
     assert "CPU" in paged_refusal(info, ProviderKind.cuda)
+
+    def refused(model):
+        raise RuntimeError("Exception from src/core/src/pass/sdpa_to_paged_attention.cpp:76:\nModel is not stateful")
+
+    with monkeypatch.context() as m:
+        m.setattr(passes, "paged_attention_transformation", refused)
+        with pytest.raises(ArtifactError, match=r"paged attention \(Model is not stateful\): serve it with --kv-cache in-place"):
+            PagedSlotBackend(info, threads=1)
     with pytest.raises(UsageError, match="paged slots run fp32 and bf16 exports, not int8"):
         refuse_kv_cache(KvCache.slots, BackendKind.openvino, served=True, precision=Precision.int8)
     refuse_kv_cache(KvCache.in_place, BackendKind.openvino, served=True, precision=Precision.bf16)
