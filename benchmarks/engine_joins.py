@@ -1,8 +1,10 @@
 """Long prompts joining a running batch, in the serving engine itself (no HTTP, no client on the cores): the rows'
 inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens:
 EngineSettings.prefill_chunk or max_num_batched_tokens; or chunks on the fixed slots, SlotBackend, for an fp32, int8
-or int4 export, each in the forward of a decode step, or apart: slots-apart),
-in rounds that rotate their order, on one backend warmed up as `gpt2x serve` opens it. Each round submits the same requests: a
+or int4 export, each in the forward of a decode step, or apart: slots-apart), in rounds that rotate their order, on
+the backend gpt2x picks for the export (ort; openvino for bf16) warmed up as `gpt2x serve` opens it: `default` on the
+cache `gpt2x serve` takes by default (the fixed slots, or for bf16 the openvino backend's paged slots), the others on
+the backend's own cache. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
 
@@ -21,13 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from gpt2x.bench.system import system_info
+from gpt2x.choices import BackendKind, ProviderKind
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
-from gpt2x.runtime.ort import OrtBackend
+from gpt2x.runtime.base import Backend
 from gpt2x.runtime.static_decode import SlotBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import TokenOut
-from gpt2x.serve.replica import ReplicaConfig, on_slots
+from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend
+from gpt2x.workflows.backends import choose_backend, export_backend
 
 
 def variant_settings(name: str) -> EngineSettings:
@@ -46,7 +50,7 @@ def variant_settings(name: str) -> EngineSettings:
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
 
 
-def one_round(backend: OrtBackend, settings: EngineSettings, args) -> dict:
+def one_round(backend: Backend, settings: EngineSettings, args) -> dict:
     """Every request's submission time and its tokens' arrival times, summarized."""
     engine = Engine(backend, settings).start()
     rng = np.random.default_rng(args.seed)
@@ -101,15 +105,23 @@ def main() -> None:
     info = read_export(args.export)
     variants = args.variants.split(",")
     settings = {v: variant_settings(v) for v in variants}
-    backend = OrtBackend(info)
-    backend.warm_up()
-    # `gpt2x serve`'s default cache for this export (--kv-cache auto)
-    default = "slots" if on_slots(ReplicaConfig(export=str(args.export), model_id="", fixed_slots=None), info) else ""
+    # the backend gpt2x picks for the export (bf16: openvino), on its own cache
+    kind = choose_backend(None, info.precision, ProviderKind.cpu)
+    backend = export_backend(kind, info, ProviderKind.cpu)
+    if backend.capabilities.warms_up:
+        backend.warm_up()
+    # `gpt2x serve`'s default cache for this export (--kv-cache auto): the ort backend's fixed slots, the openvino
+    # backend's paged ones (serve.replica.open_backend)
+    config = ReplicaConfig(export=str(args.export), model_id="", backend=kind.value, fixed_slots=None,
+                           engine=settings[variants[0]])
+    default = ("paged" if kind is BackendKind.openvino else "slots") if on_slots(config, info) else ""
     # the fixed slots: a full batch and as many joiners, each of the model's context (the scheduler plans a join's
     # positions as the in-place cache lays them out, right-aligned to the widest row, which a shorter capacity refuses)
     size = 2 * settings[variants[0]].max_batch_size
     backends = {kind: SlotBackend(info, slots=size, mix_chunks=kind == "slots") for kind in ("slots", "slots-apart")
                 if any(v.startswith(kind + ":") for v in variants) or (kind == default and "default" in variants)}
+    if default == "paged" and "default" in variants:
+        backends["paged"] = open_backend(config, info)
     for b in backends.values():
         b.warm_up()
     runs = []
