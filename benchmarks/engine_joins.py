@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +43,10 @@ def variant_settings(name: str) -> EngineSettings:
     (max_num_batched_tokens), the chunk what the rows running leave of it."""
     if name == "default":
         return EngineSettings(prefix_cache_mb=0)
-    key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").partition("=")
+    key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").removeprefix("paged:").partition("=")
     if key not in ("chunk", "budget") or not value.isdigit():
-        raise SystemExit(f"--variants: {name!r} is neither default nor chunk=N or budget=N (after slots: or slots-apart:)")
+        raise SystemExit(f"--variants: {name!r} is neither default nor chunk=N or budget=N (after slots:, slots-apart: or "
+                         "paged:)")
     if key == "budget":
         return EngineSettings(max_num_batched_tokens=int(value), prefix_cache_mb=0)
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
@@ -99,7 +101,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="default,chunk=256",
-                    help="comma-separated: default, chunk=N or budget=N, each also after slots: or slots-apart:")
+                    help="comma-separated: default, chunk=N or budget=N, each also after slots:, slots-apart: or "
+                    "paged: (the openvino backend's paged slots)")
     ap.add_argument("--out", type=Path, required=True, help="OUT.json and OUT.md")
     args = ap.parse_args()
     info = read_export(args.export)
@@ -120,8 +123,8 @@ def main() -> None:
     size = 2 * settings[variants[0]].max_batch_size
     backends = {kind: SlotBackend(info, slots=size, mix_chunks=kind == "slots") for kind in ("slots", "slots-apart")
                 if any(v.startswith(kind + ":") for v in variants) or (kind == default and "default" in variants)}
-    if default == "paged" and "default" in variants:
-        backends["paged"] = open_backend(config, info)
+    if (default == "paged" and "default" in variants) or any(v.startswith("paged:") for v in variants):
+        backends["paged"] = open_backend(replace(config, fixed_slots=True), info)
     for b in backends.values():
         b.warm_up()
     runs = []

@@ -30,6 +30,11 @@ from .static_decode import SlotBackend
 PAST_LENS, BEGINS, BLOCKS, BLOCK_BEGINS, MAX_CONTEXT = (
     "past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 SAMPLED = "sampled_indices"
+# A joiner's chunk in a decode step's forward by default, in tokens: a packed forward takes a chunk at the cost of its
+# tokens alone. 545-token prompts joining 1.5 a second (bf16, the 2-core Xeon, benchmarks/engine_joins.py): first token
+# p50 290 ms and ITL p99 2.16x its median at 64, against 509 ms and 1.69x at the ort slots' 24 and a token per row,
+# and 223 ms and 3.06x at 128 (docs/results/serving.md).
+PAGED_MIXED_CHUNK = 64
 
 
 @functools.cache
@@ -333,8 +338,8 @@ class PagedSlotBackend(SlotBackend):
     name = "openvino"
     capabilities = Capabilities(runtime="OpenVINO, paged attention",
                                 precisions_by_provider={ProviderKind.cpu: PAGED_PRECISIONS}, takes_past=True,
-                                joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True, warms_up=True,
-                                stores_kv_dtype=True)
+                                joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True,
+                                mixed_chunk=PAGED_MIXED_CHUNK, warms_up=True, stores_kv_dtype=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None):

@@ -73,7 +73,7 @@ class Engine:
         self.scheduler = Scheduler(settings, backend.n_positions, backend.capabilities.joins_rows, drafter is not None,
                                    prefix=self.prefix_cache, estimate=estimate,
                                    frees_rows=backend.capabilities.frees_rows,
-                                   mixes=backend.capabilities.mixes_chunks,
+                                   mixes=backend.capabilities.mixes_chunks, mixed_chunk=backend.capabilities.mixed_chunk,
                                    past_rows_apart=backend.capabilities.past_rows_apart)
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)

@@ -78,8 +78,9 @@ class EngineSettings:
     max_join_delay_s: float = 0.05  # a waiting request joins a running batch after at most this long
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
-    # joiners than rows running). None: MIXED_PREFILL_CHUNK and a token per row running where a chunk runs in the
-    # decode step's own forward (the fixed slots), PREFILL_CHUNK elsewhere.
+    # joiners than rows running). None: where a chunk runs in the decode step's own forward (the fixed slots), the
+    # backend's (capabilities.mixed_chunk: the paged slots' 64) or MIXED_PREFILL_CHUNK and a token per row running;
+    # PREFILL_CHUNK elsewhere.
     prefill_chunk: int | None = None
     # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
     # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
@@ -224,19 +225,21 @@ class Scheduler:
     `frees_rows`: a row leaves its cache at no cost (finished rows leave at once); `mixes`: a joiners' chunk runs in
     the decode step's own forward (capabilities.mixes_chunks); `speculative`: a draft decodes lone
     rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy;
-    `past_rows_apart`: rows on a past run a forward each (capabilities.past_rows_apart), where no estimate is given."""
+    `past_rows_apart`: rows on a past run a forward each (capabilities.past_rows_apart), where no estimate is given;
+    `mixed_chunk`: where chunks mix, the backend's default chunk (capabilities.mixed_chunk; None: MIXED_PREFILL_CHUNK
+    and a token per row running)."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic,
                  prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False,
-                 mixes: bool = False, past_rows_apart: bool = False):
+                 mixes: bool = False, past_rows_apart: bool = False, mixed_chunk: int | None = None):
         self.settings = settings
         self.past_rows_apart = past_rows_apart
         self.joins_rows = joins_rows
         self.frees_rows = frees_rows
         self.mixes = mixes
         self.prefill_chunk = settings.prefill_chunk if settings.prefill_chunk is not None else \
-            None if mixes else PREFILL_CHUNK
+            mixed_chunk if mixes else PREFILL_CHUNK
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
