@@ -270,16 +270,30 @@ class PagedDecoder:
         active = np.asarray(active, dtype=bool)
         return bool(active.any()) and not active[slot] and 0 < len(ids) and self.lengths[slot] + len(ids) <= self.capacity
 
+    mixes_several = True  # step_mixed_several: several chunks in one decode step's forward
+
     def step_mixed(self, tokens: np.ndarray, active: np.ndarray, slot: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`step(tokens, active)` and `prefill(slot, ids)` in one forward: the decode logits [slots, vocab] and the
         chunk's last position's [vocab]."""
-        if not self.mixes(active, slot, ids):
-            raise ValueError(f"a chunk of {len(ids)} into slot {slot} does not mix with this step (PagedDecoder.mixes)")
+        out, ran = self.step_mixed_several(tokens, active, [(slot, ids)])
+        return out, ran[slot]
+
+    def step_mixed_several(self, tokens: np.ndarray, active: np.ndarray,
+                           chunks: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """`step(tokens, active)` and `prefill(slot, ids)` for each (slot, ids) of `chunks` (distinct slots) in one
+        forward: the decode logits [slots, vocab] and each chunk's last position's [vocab], by slot."""
+        for slot, ids in chunks:
+            if not self.mixes(active, slot, ids):
+                raise ValueError(f"a chunk of {len(ids)} into slot {slot} does not mix with this step (PagedDecoder.mixes)")
+        if len({slot for slot, _ in chunks}) != len(chunks):
+            raise ValueError("each chunk goes into a slot of its own")
         stepped = np.flatnonzero(np.asarray(active, bool) & (self.lengths > 0))
         tokens = np.asarray(tokens, np.int64).reshape(self.slots)
-        logits = self._forward([(int(s), tokens[s: s + 1]) for s in stepped] + [(slot, np.asarray(ids, np.int64))])
+        logits = self._forward([(int(s), tokens[s: s + 1]) for s in stepped] +
+                               [(slot, np.asarray(ids, np.int64)) for slot, ids in chunks])
         self.mixed_runs += 1
-        return self._placed(stepped, logits[:-1], None), logits[-1]
+        ran = {slot: logits[len(stepped) + i] for i, (slot, _) in enumerate(chunks)}
+        return self._placed(stepped, logits[: len(stepped)], None), ran
 
     def release(self, slot: int) -> None:
         """Free `slot`: its next prefill starts a new sequence there (nothing is cleared or moved)."""

@@ -882,11 +882,11 @@ class SlotBackend(Closable):
         self.decoder.release(slot)
         self._free.append(slot)
 
-    def flush(self, but: int | None = None) -> None:
-        """Run the chunks step_later holds (`but`: the one at that index left pending): the whole prompts into free slots
-        together (`_together_first`), each other alone."""
-        kept = [] if but is None else [self._pending[but]]
-        run = [p for i, p in enumerate(self._pending) if i != but]
+    def flush(self, but: tuple[int, ...] = ()) -> None:
+        """Run the chunks step_later holds (`but`: those at these indices left pending): the whole prompts into free
+        slots together (`_together_first`), each other alone."""
+        kept = [p for i, p in enumerate(self._pending) if i in but]
+        run = [p for i, p in enumerate(self._pending) if i not in but]
         self._pending = kept
         ran = self._together_first([(slot, ids) for slot, ids in run if not self.decoder.lengths[slot]])
         ran.update(self._together_on_past([(slot, ids) for slot, ids in run if slot not in ran and self.decoder.lengths[slot]]))
@@ -1001,13 +1001,20 @@ class SlotBackend(Closable):
             tokens[slots] = input_ids[:, 0]
             active = np.zeros(self.decoder.slots, bool)
             active[slots] = True
-            mixed = next((i for i, (s, ids) in enumerate(self._pending) if self.decoder.mixes(active, s, ids)), None)
+            # the chunks this step's forward takes: one (ONNX Runtime's slots), or every one that fits (a decoder that
+            # mixes several: the paged slots')
+            mixed = tuple(i for i, (s, ids) in enumerate(self._pending) if self.decoder.mixes(active, s, ids))
+            mixed = mixed if getattr(self.decoder, "mixes_several", False) else mixed[:1]
             self.flush(but=mixed)
-            if mixed is None:
+            if not mixed:
                 return self.decoder.step(tokens, active, take=slots), past
-            (slot, ids), = self._pending
-            self._pending = []
-            logits, self._ran[slot] = self.decoder.step_mixed(tokens, active, slot, ids)
+            chunks, self._pending = self._pending, []
+            if len(chunks) == 1:
+                (slot, ids), = chunks
+                logits, self._ran[slot] = self.decoder.step_mixed(tokens, active, slot, ids)
+            else:
+                logits, ran = self.decoder.step_mixed_several(tokens, active, chunks)
+                self._ran.update(ran)
             return logits[slots], past
         return self._prefill(input_ids, new, slots, past, every=False)
 

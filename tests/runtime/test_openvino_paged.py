@@ -230,3 +230,29 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
     refuse_kv_cache(KvCache.in_place, BackendKind.openvino, served=True, precision=Precision.bf16)
     with pytest.raises(UsageError, match="applies to the ort backend"):
         refuse_kv_cache(KvCache.slots, BackendKind.openvino, served=False)
+
+
+def test_several_joiners_chunks_run_in_the_decode_steps_one_forward(fp32, monkeypatch):
+    """Two prompts held by step_later beside two rows decoding: the next decode step is one forward for all four (where
+    ONNX Runtime's slots mix one chunk and run the other alone), each row's logits PyTorch's, the joiners' first
+    tokens read from it (later_logits)."""
+    model, info = fp32
+    backend = PagedSlotBackend(info, threads=1, slots=6, capacity=64)
+    forwards = []
+    run = PagedDecoder._forward
+    monkeypatch.setattr(PagedDecoder, "_forward", lambda self, rows, every=False: forwards.append(len(rows)) or run(self, rows, every))
+    ids = np.array([PROMPTS[0]])
+    logits, past = backend.step(ids, np.ones_like(ids), positions(np.ones_like(ids), ids.shape[1]), None)
+    seq = list(PROMPTS[0])
+    joiners = [PROMPTS[1], PROMPTS[2][:6]]
+    width = max(map(len, joiners))
+    j_ids = np.array([[0] * (width - len(p)) + p for p in joiners])
+    j_mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in joiners])
+    later = backend.step_later(j_ids, j_mask, positions(j_mask, width), None)
+    nxt = int(forward(model, seq).argmax())
+    mask = np.ones((1, len(seq) + 1), np.int64)
+    logits, past = backend.step(np.array([[nxt]]), mask, np.array([[len(seq)]]), past)
+    assert forwards == [1, 3] and backend.decoder.mixed_runs == 1
+    assert close(forward(model, seq + [nxt]), logits[0])
+    first = backend.later_logits(later)
+    assert all(close(forward(model, p), row) for p, row in zip(joiners, first))
