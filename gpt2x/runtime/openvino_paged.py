@@ -21,7 +21,8 @@ from ..onnx import names as io
 from ..onnx.artifact import BF16, ExportInfo
 from .base import BF16_BITS, PAGED_PRECISIONS, Capabilities
 from .kvbuffers import small_page_arrays
-from .openvino_prefill import compute_precision, cpu_has_bf16, graph_takes_past, tensor_of
+from .openvino_prefill import compute_precision, cpu_has_bf16, tensor_of
+from .prefill import takes_past
 from .providers import physical_cores
 from .static_decode import SlotBackend
 
@@ -55,6 +56,8 @@ def paged_refusal(info: ExportInfo, provider: ProviderKind) -> str | None:
         return f"the paged slots run {' and '.join(p.value for p in PAGED_PRECISIONS)} exports, not {info.precision.value}"
     if info.prefill is None:
         return f"{info.folder} has no OpenVINO prefill graph (an export made with the openvino extra installed has one)"
+    if not takes_past(info):
+        return f"{info.folder}'s OpenVINO prefill graph takes no past (an earlier gpt2x made it): export it again"
     if not has_paged_attention():
         return f"OpenVINO {ov.__version__} has no paged attention transformation"
     return None
@@ -63,8 +66,7 @@ def paged_refusal(info: ExportInfo, provider: ProviderKind) -> str | None:
 def paged_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
     """Whether `gpt2x serve --backend openvino --kv-cache auto` serves the export on the paged slots: a bf16 export on
     the CPU whose prefill graph takes a past (bf16 decode steps of 16 rows 14 against 16.3 ms: docs/backends.md)."""
-    return info.precision is Precision.bf16 and paged_refusal(info, provider) is None and \
-        graph_takes_past(ov.Core().read_model(str(info.prefill_path)))
+    return info.precision is Precision.bf16 and paged_refusal(info, provider) is None
 
 
 def _attention_as_sdpa(model: ov.Model) -> None:
@@ -154,9 +156,6 @@ class PagedDecoder:
             graph = ov.Core().read_model(str(info.prefill_path))
         except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
-        if not graph_takes_past(graph):
-            raise ArtifactError(f"{info.folder}'s OpenVINO prefill graph takes no past (an earlier gpt2x made it): "
-                                "export it again")
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": precision, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
         try:
@@ -176,7 +175,6 @@ class PagedDecoder:
             self.request.set_tensor(name, tensor_of(a))
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
         self.mixed_runs = 0  # step_mixed's forwards
-        self.openvino_from = self.openvino_past_from = None  # (SlotDecoder's: every forward here is OpenVINO's)
 
     # -- SlotDecoder's interface: what SlotBackend calls
 
@@ -270,7 +268,7 @@ class PagedDecoder:
         active = np.asarray(active, dtype=bool)
         return bool(active.any()) and not active[slot] and 0 < len(ids) and self.lengths[slot] + len(ids) <= self.capacity
 
-    mixes_several = True  # step_mixed_several: several chunks in one decode step's forward
+    mixes_several = True  # step_mixed_several: every joiner's chunk in one decode step's forward
 
     def step_mixed(self, tokens: np.ndarray, active: np.ndarray, slot: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`step(tokens, active)` and `prefill(slot, ids)` in one forward: the decode logits [slots, vocab] and the

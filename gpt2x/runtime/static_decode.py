@@ -647,6 +647,10 @@ class SlotDecoder(Closable):
             self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
                                          dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
 
+    # One chunk a decode step's forward (ONNX Runtime's GroupQueryAttention runs several tokens on a past for one row
+    # at a time); a decoder that takes several has step_mixed_several (runtime.openvino_paged's).
+    mixes_several = False
+
     def mixes(self, active: np.ndarray, slot: int, ids: np.ndarray) -> bool:
         """Whether step_mixed runs these: decode rows, a chunk into a slot that is not one of them, and room in that
         slot for the chunk and a dummy token after it."""
@@ -1004,17 +1008,17 @@ class SlotBackend(Closable):
             # the chunks this step's forward takes: one (ONNX Runtime's slots), or every one that fits (a decoder that
             # mixes several: the paged slots')
             mixed = tuple(i for i, (s, ids) in enumerate(self._pending) if self.decoder.mixes(active, s, ids))
-            mixed = mixed if getattr(self.decoder, "mixes_several", False) else mixed[:1]
+            mixed = mixed if self.decoder.mixes_several else mixed[:1]
             self.flush(but=mixed)
             if not mixed:
                 return self.decoder.step(tokens, active, take=slots), past
             chunks, self._pending = self._pending, []
-            if len(chunks) == 1:
-                (slot, ids), = chunks
-                logits, self._ran[slot] = self.decoder.step_mixed(tokens, active, slot, ids)
-            else:
+            if self.decoder.mixes_several:
                 logits, ran = self.decoder.step_mixed_several(tokens, active, chunks)
                 self._ran.update(ran)
+            else:
+                (slot, ids), = chunks
+                logits, self._ran[slot] = self.decoder.step_mixed(tokens, active, slot, ids)
             return logits[slots], past
         return self._prefill(input_ids, new, slots, past, every=False)
 

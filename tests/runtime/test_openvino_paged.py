@@ -18,6 +18,7 @@ from gpt2x.evaluate import parity
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import positions
+from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.runtime.base import bf16_values
 from gpt2x.runtime.openvino import OpenVinoBackend
 from gpt2x.runtime.openvino_paged import PagedDecoder, PagedSlotBackend, paged_by_default, paged_refusal
@@ -217,6 +218,8 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
     with pytest.raises(ProviderError, match="no OpenVINO prefill graph"):
         PagedSlotBackend(bare, threads=1)
     assert "CPU" in paged_refusal(info, ProviderKind.cuda)
+    old = ExportInfo(info.folder, {**info.meta, "openvino_prefill": {**info.prefill, "inputs": ["input_ids", "attention_mask", "position_ids"]}})
+    assert "takes no past" in paged_refusal(old, ProviderKind.cpu)
 
     def refused(model):
         raise RuntimeError("Exception from src/core/src/pass/sdpa_to_paged_attention.cpp:76:\nModel is not stateful")
