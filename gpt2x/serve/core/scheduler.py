@@ -404,11 +404,11 @@ class Scheduler:
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners. Where a
         chunk runs in the decode step's forward (`mixes`), a prompt longer than a chunk joins alone: the mixed step
-        runs one joiner's chunk, and the others' would each run a forward of their own in every step. But a wave, more
-        rows waiting than running, joins together, whole, as on any cache: one at a time, the fifteen requests that
+        runs one joiner's chunk, and the others' would each run a forward of their own in every step. But a wave (`_wave`:
+        more rows waiting than running, of long prompts more than twice them) joins together, whole, as on any cache: one at a time, the fifteen requests that
         arrive while a first one's prefill runs had taken thirty steps to join (docs/serving/index.md#chunked-prefill)."""
         running = [rows[i] for i in live]
-        alone = self.mixes and len(self.queue) <= len(live)
+        alone = self.mixes and not self._wave(len(live))
         taken = self.take(running, _used(running), (self.chunk_tokens(len(live)) or None) if alone else None)
         if not taken:
             return ()
@@ -418,6 +418,16 @@ class Scheduler:
         cached = self._cache_pays(going) if going else True
         new.update((r, NewRow(r, Start.prefill, bool(r.prompt_logprobs), cached)) for r in going)
         return tuple(new[r] for r in taken)
+
+    def _wave(self, running: int) -> bool:
+        """Whether the waiting rows join `running` rows together, whole (a wave): where they outnumber them, but where
+        the first prompt waiting is long (over PREFILL_CHUNK tokens) only where they are more than twice them and one.
+        Each joiner then saves more waiting than the rows running lose to one stall, and two 545-token prompts no longer
+        stop a lone row for their whole prefill (1.4 s on an AMD EPYC with AVX2: docs/results/serving.md)."""
+        waiting = len(self.queue)
+        first = self.queue.oldest()
+        long = first is not None and len(first.prompt_ids) > PREFILL_CHUNK
+        return waiting > (2 * running + 1 if long else running)
 
     def _chunk(self, new: tuple[NewRow, ...], rows: list[Row], live: list[int]) -> SchedulerOutput:
         """The joiners' prefill's next chunk (`new`: the rows just taken, the joiners among them)."""
