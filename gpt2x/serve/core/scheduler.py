@@ -404,9 +404,9 @@ class Scheduler:
     def _join(self, rows: list[Row], live: list[int]) -> tuple[NewRow, ...]:
         """Waiting rows taken to join the batch (its `live` rows running): those that go on are its joiners. Where a
         chunk runs in the decode step's forward (`mixes`), a prompt longer than a chunk joins alone: the mixed step
-        runs one joiner's chunk, and the others' would each run a forward of their own in every step. But a wave (`_wave`:
-        more rows waiting than running, of long prompts more than twice them) joins together, whole, as on any cache: one at a time, the fifteen requests that
-        arrive while a first one's prefill runs had taken thirty steps to join (docs/serving/index.md#chunked-prefill)."""
+        runs one joiner's chunk, and the others' would each run a forward of their own in every step. But a wave
+        (`_wave`) joins together, whole, as on any cache: one at a time, the fifteen requests that arrive while a first
+        one's prefill runs had taken thirty steps to join (docs/serving/index.md#chunked-prefill)."""
         running = [rows[i] for i in live]
         alone = self.mixes and not self._wave(len(live))
         taken = self.take(running, _used(running), (self.chunk_tokens(len(live)) or None) if alone else None)
