@@ -15,7 +15,7 @@ from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
 from .base import OPENVINO_CAPABILITIES, Closable, Released, bf16_bits, bf16_values
 from .kvbuffers import BufferCache, KVBuffers, KVCacheView, buffers_for_step, refuse_stale, rows_to_keep, zeroed_arrays
-from .openvino_prefill import BF16_BITS, OpenVinoPrefill, bf16_io, cpu_has_bf16, tensor_of
+from .openvino_prefill import BF16_BITS, OpenVinoPrefill, bf16_io, refuse_bf16_without_cpu, tensor_of
 from .providers import physical_cores, refuse_fp16_on_cpu
 
 DEVICE = "CPU"
@@ -101,10 +101,7 @@ class OpenVinoBackend(Closable):
         if refused is not None:
             raise refused
         refuse_fp16_on_cpu(info, provider, f"the {self.name} backend runs {self.capabilities.describe_runs()}")
-        # A bf16 export was gated at bf16 compute: run as gated, or refused (its fp32 twin is the export for this CPU).
-        if info.precision is Precision.bf16 and not cpu_has_bf16():
-            raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
-                                "AMX); this one does not: export fp32 for it")
+        refuse_bf16_without_cpu(info)
         self.inference_precision = BF16 if info.precision is Precision.bf16 else F32
         # At bf16 the cache holds bf16 (its bits), as the graph computes it: read and written as it is, every step.
         self.kv_dtype = BF16_BITS if self.inference_precision == BF16 else np.float32

@@ -21,7 +21,7 @@ from ..onnx import names as io
 from ..onnx.artifact import BF16, ExportInfo
 from .base import BF16_BITS, PAGED_PRECISIONS, Capabilities
 from .kvbuffers import small_page_arrays
-from .openvino_prefill import compute_precision, cpu_has_bf16, tensor_of
+from .openvino_prefill import compute_precision, read_prefill_graph, refuse_bf16_without_cpu, tensor_of
 from .prefill import takes_past
 from .providers import physical_cores
 from .static_decode import SlotBackend
@@ -143,19 +143,14 @@ class PagedDecoder:
         self.slots, self.capacity = slots, capacity or cfg.n_positions
         if slots < 1 or not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"slots must be >= 1 and capacity 2..{cfg.n_positions}, not {slots} and {self.capacity}")
-        if info.precision is Precision.bf16 and not cpu_has_bf16():
-            raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
-                                "AMX); this one does not: export fp32 for it")
+        refuse_bf16_without_cpu(info)
         why = paged_refusal(info, ProviderKind.cpu)
         if why:
             raise ProviderError(why)
         self.device, self.kv_scales, self.vocab_size = "cpu", None, cfg.vocab_size
         precision = compute_precision(info)
         self.dtype = BF16_BITS if precision == BF16 else np.float32
-        try:
-            graph = ov.Core().read_model(str(info.prefill_path))
-        except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
-            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
+        graph = read_prefill_graph(info)
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": precision, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
         try:

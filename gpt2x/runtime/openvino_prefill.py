@@ -15,7 +15,8 @@ import openvino.opset13 as opset
 from openvino import passes
 from openvino.preprocess import PrePostProcessor
 
-from ..errors import ArtifactError
+from ..choices import Precision
+from ..errors import ArtifactError, ProviderError
 from ..onnx import kvcache
 from ..onnx import names as io
 from ..onnx.artifact import BF16, F32, ExportInfo
@@ -29,6 +30,22 @@ def cpu_has_bf16() -> bool:
     """Whether OpenVINO's CPU plugin computes in bf16 here (AVX-512 BF16 or AMX). Asked once per process (a Core each
     time): a bf16 command checks it before any work, then again where it exports and where the backend opens."""
     return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def refuse_bf16_without_cpu(info: ExportInfo) -> None:
+    """A bf16 export was gated at bf16 compute: run as gated, or refused in one line on a CPU without it (its fp32 twin
+    is the export for this CPU)."""
+    if info.precision is Precision.bf16 and not cpu_has_bf16():
+        raise ProviderError(f"{info.folder} is a bf16 export, which needs a CPU that computes bf16 (AVX-512 BF16 or "
+                            "AMX); this one does not: export fp32 for it")
+
+
+def read_prefill_graph(info: ExportInfo) -> ov.Model:
+    """The export's OpenVINO prefill graph as OpenVINO reads it; one line where it cannot."""
+    try:
+        return ov.Core().read_model(str(info.prefill_path))
+    except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
+        raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
 
 
 def compute_precision(info: ExportInfo) -> str:
@@ -320,10 +337,7 @@ class OpenVinoPrefill:
         self.decodes = decodes
         self.inference_precision = compute_precision(info)
         self._threads, self._n_layer, self._path = threads or physical_cores(), info.config.n_layer, info.prefill_path
-        try:
-            self._model = ov.Core().read_model(str(info.prefill_path))
-        except Exception as e:  # OpenVINO raises RuntimeError (and its own types) for unreadable graphs
-            raise ArtifactError(f"OpenVINO {ov.__version__} cannot load {info.prefill_path}: {e}".splitlines()[0]) from None
+        self._model = read_prefill_graph(info)
         self.takes_past = graph_takes_past(self._model)
         self._widening: ThreadPoolExecutor | None = None  # bf16 presents widened on the prefill's threads
         self._graphs: dict[tuple[str, bool], _Compiled] = {}

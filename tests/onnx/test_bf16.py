@@ -148,11 +148,11 @@ def test_bf16_on_a_cpu_without_it_is_refused_in_one_line_before_any_work(args, c
 def test_a_bf16_export_on_a_cpu_without_bf16_is_refused_by_the_backend(tiny_export, monkeypatch):
     """An export folder carried to a CPU without bf16: refused on opening, not run at another precision than gated."""
     from gpt2x.onnx.artifact import ExportInfo
-    from gpt2x.runtime import openvino
+    from gpt2x.runtime import openvino, openvino_prefill
 
     _, _, fp32 = tiny_export(Precision.fp32)
     info = ExportInfo(fp32.folder, {**fp32.meta, "precision": "bf16"})
-    monkeypatch.setattr(openvino, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(openvino_prefill, "cpu_has_bf16", lambda: False)
     with pytest.raises(ProviderError, match="is a bf16 export, which needs a CPU that computes bf16"):
         openvino.OpenVinoBackend(info, threads=1)
 
