@@ -40,13 +40,16 @@ def variant_settings(name: str) -> EngineSettings:
     "chunk=N": prompts joining prefilled N tokens between two decode steps;
     "slots:chunk=N": chunks of N on the fixed slots (runtime.static_decode.SlotBackend), each run in a decode step's
     forward; "slots-apart:chunk=N": each in a forward of its own; "budget=N" for "chunk=N": the step's token budget
-    (max_num_batched_tokens), the chunk what the rows running leave of it."""
+    (max_num_batched_tokens), the chunk what the rows running leave of it; "slots:base=N": the slots' default chunk with
+    N for its base (capabilities.mixed_chunk_base: N and a token per row running)."""
     if name == "default":
         return EngineSettings(prefix_cache_mb=0)
     key, _, value = name.removeprefix("slots:").removeprefix("slots-apart:").removeprefix("paged:").partition("=")
-    if key not in ("chunk", "budget") or not value.isdigit():
+    if key not in ("chunk", "budget", "base") or not value.isdigit() or (key == "base" and not name.startswith("slots:")):
         raise SystemExit(f"--variants: {name!r} is neither default nor chunk=N or budget=N (after slots:, slots-apart: or "
-                         "paged:)")
+                         "paged:) nor slots:base=N")
+    if key == "base":
+        return EngineSettings(prefix_cache_mb=0)
     if key == "budget":
         return EngineSettings(max_num_batched_tokens=int(value), prefix_cache_mb=0)
     return EngineSettings(prefill_chunk=int(value), prefix_cache_mb=0)
@@ -131,7 +134,12 @@ def main() -> None:
     for r in range(args.rounds):
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
             kind = default if v == "default" else v.partition(":")[0]
-            result = one_round(backends.get(kind, backend), settings[v], args)
+            b = backends.get(kind, backend)
+            chunk_base = b.capabilities.mixed_chunk_base
+            if v.startswith("slots:base="):  # the engine reads it when it starts
+                b.capabilities = replace(b.capabilities, mixed_chunk_base=int(v.partition("=")[2]))
+            result = one_round(b, settings[v], args)
+            b.capabilities = replace(b.capabilities, mixed_chunk_base=chunk_base)
             runs.append({"round": r + 1, "variant": v, **result})
             print(f"round {r + 1}, {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in result.items() if k != "gaps"), flush=True)
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]

@@ -94,9 +94,10 @@ class Capabilities:
     # forward of its next decode step (one forward for both, docs/serving/index.md); `later_logits(past)`: its last
     # position's logits (B, V), once run (run now where it is still held).
     mixes_chunks: bool = False
-    # Where chunks mix: a joiners' chunk by default, in tokens (None: the scheduler's MIXED_PREFILL_CHUNK and one more per
-    # row running, ONNX Runtime's slots').
+    # Where chunks mix: a joiners' chunk by default, in tokens (the paged slots' 64); where None, `mixed_chunk_base` and
+    # one more per row running (ONNX Runtime's slots': providers.cpu_mixed_chunk_base; None: providers.MIXED_PREFILL_CHUNK).
     mixed_chunk: int | None = None
+    mixed_chunk_base: int | None = None
     # Its caches store `kv_dtype` (ONNX Runtime's, in place, growing or in slots: int8 where it chose the int8 cache;
     # OpenVINO's: bf16's bits at bf16), as `KVCache.stored` gives it; the others' give float32. (The prefix cache's
     # blocks and /health say which.)

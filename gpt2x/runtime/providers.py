@@ -49,18 +49,55 @@ def physical_cores() -> int:
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
+# x86 features whose fp32 kernels are twice AVX2's width: without them, a prompt's token costs the CPU about twice what
+# it costs with them, against a decode step that reads the same weights.
+FP32_WIDE_FLAGS = ("avx512f",)
+
+
+def x86_flags() -> frozenset[str] | None:
+    """An x86 CPU's flags (/proc/cpuinfo's first `flags` line; empty where they cannot be read), None on another
+    architecture."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
 @functools.cache
 def cpu_sums_int8_in_32_bits() -> bool:
     """Whether MLAS's uint8 x int8 kernels sum products in 32 bits here: an x86 CPU with VNNI or AMX (/proc/cpuinfo),
     or another architecture (ARM's int8 dot products do not saturate). False on an x86 CPU whose flags cannot be read."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return True
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in INT8_DOT_FLAGS)
+    flags = x86_flags()
+    return flags is None or any(flag in flags for flag in INT8_DOT_FLAGS)
+
+
+# A joiners' chunk where it runs in a decode step's forward (the fixed slots): this many tokens and one more per row
+# running. A chunk's tokens cost the step about what as many rows would, and a decode step's cost grows with its rows,
+# so the chunk grows with them, keeping the step within about 2.5 times a decode step's time. 545-token prompts joining
+# 1.5 a second on the 2-core Xeon (int8; scratch, one round each): ITL p99 2.24x its median at 24 + rows (first token
+# 547 ms), 3.19x at a fixed 32 (432 ms), 1.51x at 16 + rows (1017 ms); 9.9x in place with 256 (244 ms).
+MIXED_PREFILL_CHUNK = 24
+# The same on an x86 CPU without the precision's wide kernels, where a prompt's token costs several times more beside the
+# weights a decode step reads. 545-token prompts joining 0.5 a second on a 2-core AMD EPYC with AVX2 alone: int8 (no
+# VNNI) ITL p99 5.2x its median at 24 + rows, 3.1x at 12, 1.7x at 8 (first token 1157, 1265, 1566 ms); fp32 (no
+# AVX-512) 3.2x at 24, 2.2x at 20 (1391, 1530 ms): scratch, then benchmarks/results/engine-joins-*-epyc-avx2-*.
+INT8_NARROW_MIXED_PREFILL_CHUNK = 8  # int8's and int4's weights (MatMulNBits at accuracy level 4: int8 products)
+FP32_NARROW_MIXED_PREFILL_CHUNK = 20
+
+
+@functools.cache
+def cpu_mixed_chunk_base(precision: Precision) -> int:
+    """MIXED_PREFILL_CHUNK, or on an x86 CPU without `precision`'s wide kernels (int8 and int4: VNNI or AMX; fp32 and
+    the rest: AVX-512) its narrow base: chosen by the CPU's flags, never by a timing."""
+    flags = x86_flags()
+    if flags is None:
+        return MIXED_PREFILL_CHUNK
+    if Precision(precision) in (Precision.int8, Precision.int4):
+        return MIXED_PREFILL_CHUNK if any(f in flags for f in INT8_DOT_FLAGS) else INT8_NARROW_MIXED_PREFILL_CHUNK
+    return MIXED_PREFILL_CHUNK if any(f in flags for f in FP32_WIDE_FLAGS) else FP32_NARROW_MIXED_PREFILL_CHUNK
 
 
 # How long ONNX Runtime's intra-op threads spin after a run, waiting for the next (its session option). Its own default

@@ -23,7 +23,7 @@ from .kvdtype import asked as asked_kv_dtype
 from .kvdtype import int8_kv_scales
 from .prefill import PrefillChoice, estimate_ms, openvino_from, openvino_past_from
 from .prefill import asked as asked_prefill
-from .providers import batched_from, bind_past_and_present, create_session, refuse_fp16_on_cpu
+from .providers import batched_from, bind_past_and_present, cpu_mixed_chunk_base, create_session, refuse_fp16_on_cpu
 
 # Runs until a CUDA graph replays: ONNX Runtime runs a session once as usual, captures on the next run and replays after.
 CAPTURE_RUNS = 3
@@ -842,12 +842,15 @@ class SlotBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None,
-                 batched: bool | None = None, prefill: str | None = None):
+                 batched: bool | None = None, prefill: str | None = None, mixed_chunk_base: int | None = None):
         # Mixing chunks, a lone row's prefill is a mixed step too (SlotDecoder.mixed_prefill).
         self._hold(SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
                                batched=batched, prefill_choice=prefill), info, provider)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
+        elif mixed_chunk_base is not None or provider is ProviderKind.cpu:  # the CPU's, unless asked (benchmarks)
+            base = mixed_chunk_base if mixed_chunk_base is not None else cpu_mixed_chunk_base(info.precision)
+            self.capabilities = replace(self.capabilities, mixed_chunk_base=base)
 
     def _hold(self, decoder, info: ExportInfo, provider: ProviderKind) -> None:
         """The backend on `decoder` (a SlotDecoder, or one with its interface: runtime.openvino_paged's), every slot free."""

@@ -788,11 +788,13 @@ def test_what_the_runner_gave_is_told_with_the_marks_the_engine_counts_by():
 
 
 def test_where_chunks_mix_the_backends_own_chunk_is_the_default_and_an_asked_one_wins():
-    """A joiner's chunk by default: MIXED_PREFILL_CHUNK (24) and a token per row running on ONNX Runtime's slots, the
-    backend's own where it gives one (capabilities.mixed_chunk: the paged slots' 64), and --prefill-chunk over both;
-    where chunks do not mix, 256."""
+    """A joiner's chunk by default: a base (MIXED_PREFILL_CHUNK, 24, or the backend's: capabilities.mixed_chunk_base)
+    and a token per row running on ONNX Runtime's slots, the backend's own where it gives one (capabilities.mixed_chunk:
+    the paged slots' 64), and --prefill-chunk over each; where chunks do not mix, 256."""
     settings, asked = EngineSettings(), EngineSettings(prefill_chunk=32)
     assert Scheduler(settings, 1024, mixes=True).chunk_tokens(16) == 24 + 16
+    assert Scheduler(settings, 1024, mixes=True, mixed_chunk_base=8).chunk_tokens(3) == 8 + 3
+    assert Scheduler(asked, 1024, mixes=True, mixed_chunk_base=8).chunk_tokens(3) == 32
     assert Scheduler(settings, 1024, mixes=True, mixed_chunk=64).chunk_tokens(16) == 64
     assert Scheduler(asked, 1024, mixes=True, mixed_chunk=64).chunk_tokens(16) == 32
     assert Scheduler(settings, 1024, mixed_chunk=64).chunk_tokens(16) == 256

@@ -74,6 +74,7 @@ class Engine:
                                    prefix=self.prefix_cache, estimate=estimate,
                                    frees_rows=backend.capabilities.frees_rows,
                                    mixes=backend.capabilities.mixes_chunks, mixed_chunk=backend.capabilities.mixed_chunk,
+                                   mixed_chunk_base=backend.capabilities.mixed_chunk_base,
                                    past_rows_apart=backend.capabilities.past_rows_apart)
         self.runner = Runner(backend, self.counters, drafter, draft_settings, self.prefix_cache, self._iteration)
         self._thread = threading.Thread(target=self._loop, name="gpt2x-engine", daemon=True)

@@ -19,6 +19,7 @@ from ...errors import UsageError
 from ...generation.decode import Event
 from ...generation.logprobs import LogprobEntry
 from ...generation.settings import Finish
+from ...runtime.providers import MIXED_PREFILL_CHUNK
 from .outputs import Failed, Finished, Output, PromptLogprobs, TokenOut
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 from .prefix_disk import DEFAULT_PREFIX_CACHE_DISK_MB
@@ -52,14 +53,9 @@ HALVES_FROM = 512
 # 16 tokens on a past 30 ms, 0.75 ms a token fresh: scratch).
 FORWARD_TOKENS = 24
 # A joiners' chunk by default (EngineSettings.prefill_chunk None): between two decode steps, a forward of its own, long
-# enough that a 512-token prompt takes two (PREFILL_CHUNK); in a decode step's forward (the fixed slots),
-# MIXED_PREFILL_CHUNK and one more token per row running. A chunk's tokens cost the step about what as many rows would,
-# and a decode step's cost grows with its rows, so the chunk grows with them, keeping the step within about 2.5 times a
-# decode step's time. 545-token prompts joining 1.5 a second on the 2-core Xeon (int8; scratch, one round each): ITL
-# p99 2.24x its median at 24 + rows (first token 547 ms), 3.19x at a fixed 32 (432 ms), 1.51x at 16 + rows (1017
-# ms); 9.9x in place with 256 (244 ms).
+# enough that a 512-token prompt takes two; in a decode step's forward (the fixed slots), the backend's
+# (capabilities.mixed_chunk), or its base and one more token per row running (runtime.providers.MIXED_PREFILL_CHUNK).
 PREFILL_CHUNK = 256
-MIXED_PREFILL_CHUNK = 24
 _SAMPLED_ENDS = (Finish.eos, Finish.stop)  # a row ended by a token it sampled (not kept): an output all the same
 
 
@@ -79,8 +75,8 @@ class EngineSettings:
     # Prompts joining a running batch are prefilled this many tokens at a time, a chunk between two
     # decode steps, so the rows running keep streaming (0: a joiner's prefill runs whole; so does one of more
     # joiners than rows running). None: where a chunk runs in the decode step's own forward (the fixed slots), the
-    # backend's (capabilities.mixed_chunk: the paged slots' 64) or MIXED_PREFILL_CHUNK and a token per row running;
-    # PREFILL_CHUNK elsewhere.
+    # backend's (capabilities.mixed_chunk: the paged slots' 64) or its base and a token per row running (ONNX Runtime's
+    # slots: runtime.providers.cpu_mixed_chunk_base); PREFILL_CHUNK elsewhere.
     prefill_chunk: int | None = None
     # vLLM's step token budget, where set: a joiners' chunk is what the rows running leave of it (one token each), at
     # least one column, in place of prefill_chunk. On a backend that runs a chunk in its decode step's forward
@@ -226,13 +222,14 @@ class Scheduler:
     the decode step's own forward (capabilities.mixes_chunks); `speculative`: a draft decodes lone
     rows; `prefix` and `estimate`: the prefix cache and the backend's prefill times, for the prefix cache's policy;
     `past_rows_apart`: rows on a past run a forward each (capabilities.past_rows_apart), where no estimate is given;
-    `mixed_chunk`: where chunks mix, the backend's default chunk (capabilities.mixed_chunk; None: MIXED_PREFILL_CHUNK
-    and a token per row running)."""
+    `mixed_chunk`: where chunks mix, the backend's default chunk (capabilities.mixed_chunk; None: `mixed_chunk_base`,
+    capabilities.mixed_chunk_base or MIXED_PREFILL_CHUNK, and a token per row running)."""
 
     def __init__(self, settings: EngineSettings, n_positions: int, joins_rows: bool = True,
                  speculative: bool = False, clock: Callable[[], float] = time.monotonic,
                  prefix: PrefixView | None = None, estimate: Estimate | None = None, frees_rows: bool = False,
-                 mixes: bool = False, past_rows_apart: bool = False, mixed_chunk: int | None = None):
+                 mixes: bool = False, past_rows_apart: bool = False, mixed_chunk: int | None = None,
+                 mixed_chunk_base: int | None = None):
         self.settings = settings
         self.past_rows_apart = past_rows_apart
         self.joins_rows = joins_rows
@@ -240,6 +237,7 @@ class Scheduler:
         self.mixes = mixes
         self.prefill_chunk = settings.prefill_chunk if settings.prefill_chunk is not None else \
             mixed_chunk if mixes else PREFILL_CHUNK
+        self.mixed_chunk_base = mixed_chunk_base or MIXED_PREFILL_CHUNK
         # The prefix cache the runner's prefills read (None: none), and the backend's prefill estimates, where it
         # gives them (capabilities.estimates_prefill): whether a prefill starts from the cache is decided here.
         self.prefix = prefix
@@ -449,12 +447,12 @@ class Scheduler:
         return SchedulerOutput(new, () if new else tuple(joiners), dict.fromkeys(joiners, cols))
 
     def chunk_tokens(self, running: int) -> int:
-        """A joiners' chunk beside `running` rows: prefill_chunk (None, where chunks mix: MIXED_PREFILL_CHUNK + running),
+        """A joiners' chunk beside `running` rows: prefill_chunk (None, where chunks mix: mixed_chunk_base + running),
         or what they leave of max_num_batched_tokens."""
         budget = self.settings.max_num_batched_tokens
         if budget is not None:
             return max(1, budget - running)
-        return MIXED_PREFILL_CHUNK + running if self.prefill_chunk is None else self.prefill_chunk
+        return self.mixed_chunk_base + running if self.prefill_chunk is None else self.prefill_chunk
 
     def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
