@@ -49,8 +49,7 @@ def physical_cores() -> int:
 INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-# x86 features whose fp32 kernels are twice AVX2's width: without them, a prompt's token costs the CPU about twice what
-# it costs with them, against a decode step that reads the same weights.
+# x86 features whose fp32 kernels are twice AVX2's width (cpu_mixed_chunk_base).
 FP32_WIDE_FLAGS = ("avx512f",)
 
 

@@ -103,3 +103,28 @@ def test_an_opened_backend_holds_no_mapping_of_its_graphs(tiny_export, backend):
         assert np.isfinite(logits).all()
     finally:
         opened.close()
+
+
+def test_the_cpu_flags_choose_the_mixed_chunks_base_by_the_precisions_kernels(monkeypatch, tmp_path):
+    """A joiners' chunk in a decode step's forward starts from 24 tokens where the CPU has the precision's wide kernels
+    (int8 and int4: VNNI or AMX; fp32: AVX-512), from 8 (int8, int4) or 20 (fp32) where it has AVX2 alone for them;
+    24 off x86."""
+    from gpt2x.runtime import providers
+
+    cpuinfo, real = tmp_path / "cpuinfo", providers.Path
+    monkeypatch.setattr(providers, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo" else real(p))
+    monkeypatch.setattr(providers.platform, "machine", lambda: "x86_64")
+    cases = (("fpu avx2 fma", {"fp32": 20, "int8": 8, "int4": 8}),
+             ("avx2 avx512f avx512bw", {"fp32": 24, "int8": 8, "int4": 8}),  # Skylake: AVX-512 without VNNI
+             ("avx2 avx_vnni", {"fp32": 20, "int8": 24, "int4": 24}),  # Alder Lake: VNNI without AVX-512
+             ("avx2 avx512f avx512_vnni amx_int8", {"fp32": 24, "int8": 24, "int4": 24}))
+    try:
+        for flags, bases in cases:
+            cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+            providers.cpu_mixed_chunk_base.cache_clear()
+            assert {p: providers.cpu_mixed_chunk_base(Precision(p)) for p in bases} == bases, flags
+        monkeypatch.setattr(providers.platform, "machine", lambda: "aarch64")
+        providers.cpu_mixed_chunk_base.cache_clear()
+        assert providers.cpu_mixed_chunk_base(Precision.int8) == 24
+    finally:
+        providers.cpu_mixed_chunk_base.cache_clear()

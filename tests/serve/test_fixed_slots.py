@@ -133,7 +133,7 @@ def test_the_option_where_it_does_not_apply_is_one_line(capsys, own_exports, arg
 def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
     """--kv-cache auto (ReplicaConfig.fixed_slots None): an int8 export is served on the fixed slots (/health says so),
     its chunks in the decode steps' forwards the CPU's base for int8 (24 with VNNI or AMX, 8 without:
-    test_batched.py checks the choice) and one more per row running, its batch's slots written at start
+    test_providers.py checks the choice) and one more per row running, its batch's slots written at start
     where they hold an int8 cache and none of them on a float one (an fp32 export, or a float cache asked for), whose
     pages come as rows use them; an fp32 export on the slots too, its prompts without a prefill session of their own;
     in place where asked, 256-token chunks between the steps; never on another backend."""
