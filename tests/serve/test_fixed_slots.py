@@ -159,6 +159,7 @@ def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
         assert health.kv_cache == "slots" and health.kv_cache_dtype == "int8"
         base = cpu_mixed_chunk_base(Precision.int8)
         assert base in (24, 8) and [service.engine.scheduler.chunk_tokens(n) for n in (0, 1, 16)] == [base, base + 1, base + 16]
+        assert (health.prefill_chunk, health.prefill_chunk_per_row) == (base, 1)
     finally:
         service.close()
     monkeypatch.setenv(KV_DTYPE_ENV, "float")
@@ -175,6 +176,8 @@ def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
             service.close()
     in_place = open_service(ReplicaConfig(export=str(fp32.folder), model_id="tiny", threads=1, fixed_slots=False))
     try:
-        assert in_place.health().kv_cache == "in-place" and in_place.engine.scheduler.chunk_tokens(16) == 256
+        health = in_place.health()
+        assert health.kv_cache == "in-place" and in_place.engine.scheduler.chunk_tokens(16) == 256
+        assert (health.prefill_chunk, health.prefill_chunk_per_row) == (256, 0)
     finally:
         in_place.close()

@@ -795,6 +795,11 @@ def test_where_chunks_mix_the_backends_own_chunk_is_the_default_and_an_asked_one
     assert Scheduler(settings, 1024, mixes=True).chunk_tokens(16) == 24 + 16
     assert Scheduler(settings, 1024, mixes=True, mixed_chunk_base=8).chunk_tokens(3) == 8 + 3
     assert Scheduler(asked, 1024, mixes=True, mixed_chunk_base=8).chunk_tokens(3) == 32
+    # as /health says it: tokens + per_row x the rows running; a step budget leaves the rows' tokens, at least one
+    assert Scheduler(settings, 1024, mixes=True, mixed_chunk_base=8).chunk_rule() == (8, 1)
+    assert Scheduler(asked, 1024, mixes=True).chunk_rule() == (32, 0)
+    budget = Scheduler(EngineSettings(max_num_batched_tokens=20), 1024, mixes=True)
+    assert budget.chunk_rule() == (20, -1) and [budget.chunk_tokens(n) for n in (4, 19, 30)] == [16, 1, 1]
     assert Scheduler(settings, 1024, mixes=True, mixed_chunk=64).chunk_tokens(16) == 64
     assert Scheduler(asked, 1024, mixes=True, mixed_chunk=64).chunk_tokens(16) == 32
     assert Scheduler(settings, 1024, mixed_chunk=64).chunk_tokens(16) == 256

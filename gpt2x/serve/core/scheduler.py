@@ -446,13 +446,19 @@ class Scheduler:
         self._chunked += cols
         return SchedulerOutput(new, () if new else tuple(joiners), dict.fromkeys(joiners, cols))
 
-    def chunk_tokens(self, running: int) -> int:
-        """A joiners' chunk beside `running` rows: prefill_chunk (None, where chunks mix: mixed_chunk_base + running),
-        or what they leave of max_num_batched_tokens."""
+    def chunk_rule(self) -> tuple[int, int]:
+        """(tokens, per_row): a joiners' chunk beside `running` rows is tokens + per_row * running: prefill_chunk
+        (per_row 0; 0 tokens: whole), mixed_chunk_base and one per row (where chunks mix and prefill_chunk is None), or
+        what the rows leave of max_num_batched_tokens (per_row -1). /health reports it."""
         budget = self.settings.max_num_batched_tokens
         if budget is not None:
-            return max(1, budget - running)
-        return self.mixed_chunk_base + running if self.prefill_chunk is None else self.prefill_chunk
+            return budget, -1
+        return (self.mixed_chunk_base, 1) if self.prefill_chunk is None else (self.prefill_chunk, 0)
+
+    def chunk_tokens(self, running: int) -> int:
+        """A joiners' chunk beside `running` rows (chunk_rule), at least one token where a budget sets it."""
+        tokens, per_row = self.chunk_rule()
+        return max(1, tokens - running) if per_row < 0 else tokens + per_row * running
 
     def _stepping(self, rows: list[Row]) -> SchedulerOutput | None:
         """The batch's half of a step: the joiners whose prefill has ended brought in, or half the
