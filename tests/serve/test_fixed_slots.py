@@ -136,7 +136,8 @@ def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
     test_providers.py checks the choice) and one more per row running, its batch's slots written at start
     where they hold an int8 cache and none of them on a float one (an fp32 export, or a float cache asked for), whose
     pages come as rows use them; an fp32 export on the slots too, its prompts without a prefill session of their own;
-    in place where asked, 256-token chunks between the steps; never on another backend."""
+    in place where asked, 256-token chunks between the steps; never on another backend. /health says the chunk (none
+    where no prompt joins: one row at a time)."""
     from gpt2x.choices import Precision, ProviderKind
     from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
     from gpt2x.runtime.providers import cpu_mixed_chunk_base
@@ -181,3 +182,9 @@ def test_the_server_runs_the_slots_by_default(tiny_export, monkeypatch):
         assert (health.prefill_chunk, health.prefill_chunk_per_row) == (256, 0)
     finally:
         in_place.close()
+    alone = open_service(ReplicaConfig(export=str(fp32.folder), model_id="tiny", threads=1, fixed_slots=False,
+                                       engine=EngineSettings(max_batch_size=1)))
+    try:  # one row at a time: no prompt joins, so no chunk to say
+        assert (alone.health().prefill_chunk, alone.health().prefill_chunk_per_row) == (None, None)
+    finally:
+        alone.close()

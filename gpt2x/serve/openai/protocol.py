@@ -298,7 +298,7 @@ class Health(BaseModel):
     kv_cache: Literal["in-place", "growing", "slots"] | None = None  # the ort backend's cache form (None: a backend's own)
     kv_cache_dtype: str | None = None  # the ort and openvino backends' (int8, float32, float16, bfloat16; None: another's)
     # A joining prompt's chunk beside R requests running: prefill_chunk + prefill_chunk_per_row * R tokens (0: whole;
-    # per row 1 on the fixed slots, -1 under --max-num-batched-tokens, at least one token then)
+    # per row 1 on the fixed slots, -1 under --max-num-batched-tokens, at least one token then; None: no prompt joins)
     prefill_chunk: int | None = None
     prefill_chunk_per_row: int | None = None
     rss_mb: float | None = None

@@ -57,7 +57,7 @@ class CompletionService:
         caps = self.backend.capabilities
         kv_cache = "slots" if caps.mixes_chunks else ("in-place" if self.backend.in_place_kv else "growing") if caps.native else None
         kv_dtype = kv_dtype_name(self.backend.kv_dtype) if caps.stores_kv_dtype else None
-        chunk, per_row = self.engine.scheduler.chunk_rule()
+        chunk, per_row = self.engine.scheduler.chunk_rule() if self.engine.scheduler.joins else (None, None)  # none join
         return Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
                       provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_dtype,
                       prefill_chunk=chunk, prefill_chunk_per_row=per_row, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
