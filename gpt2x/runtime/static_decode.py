@@ -842,15 +842,14 @@ class SlotBackend(Closable):
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None, mix_chunks: bool = True, resident: int | None = None,
-                 batched: bool | None = None, prefill: str | None = None, mixed_chunk_base: int | None = None):
+                 batched: bool | None = None, prefill: str | None = None):
         # Mixing chunks, a lone row's prefill is a mixed step too (SlotDecoder.mixed_prefill).
         self._hold(SlotDecoder(info, provider, slots, capacity, threads, resident, mixed_prefill=mix_chunks,
                                batched=batched, prefill_choice=prefill), info, provider)
         if not mix_chunks:  # each chunk in a forward of its own (what the mixed step is measured against)
             self.capabilities = replace(self.capabilities, mixes_chunks=False)
-        elif mixed_chunk_base is not None or provider is ProviderKind.cpu:  # the CPU's, unless asked (benchmarks)
-            base = mixed_chunk_base if mixed_chunk_base is not None else cpu_mixed_chunk_base(info.precision)
-            self.capabilities = replace(self.capabilities, mixed_chunk_base=base)
+        elif provider is ProviderKind.cpu:  # the chunk's base for this CPU's kernels (elsewhere the scheduler's)
+            self.capabilities = replace(self.capabilities, mixed_chunk_base=cpu_mixed_chunk_base(info.precision))
 
     def _hold(self, decoder, info: ExportInfo, provider: ProviderKind) -> None:
         """The backend on `decoder` (a SlotDecoder, or one with its interface: runtime.openvino_paged's), every slot free."""
