@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..fileio import cache_folder
+from .artifact import ExportInfo
 
 GRAPHS_ENV = "GPT2X_GRAPHS"
 # The modules whose source a rewritten graph depends on (optimize.py's twin, kvcache.py's int8 cache, their names).
@@ -36,6 +37,12 @@ class InMemoryGraph:
     graph: bytes
     weights: dict[str, np.ndarray]
     attention: dict  # artifact.attention_layout of the graph
+
+
+def recorded_file(info: ExportInfo, path: Path) -> dict:
+    """What the export recorded of one of its files: its SHA-256 and size (what a graph rewritten from it depends on)."""
+    name = path.name
+    return {"name": name, "sha256": info.meta["files"].get(name), "size": (info.meta.get("sizes") or {}).get(name)}
 
 
 def graphs_root() -> Path | None:

@@ -91,6 +91,14 @@ class _Weight:
 # could not be mapped, so it is traced every time.
 _TEMPLATES: dict[tuple, tuple[onnx.ModelProto, list[_Weight]] | None] = {}
 
+_POSITIONS = "model.wpe.weight"  # (n_positions, C): the one weight whose shape the context length sets
+
+
+def _architecture(model: GPT2) -> tuple[tuple[str, int], ...]:
+    """The config's fields the traced graph depends on: all but the context length, which is only wpe's rows (a Gather
+    by position_ids, its dims refilled with the weights), so models that differ in it alone share a trace."""
+    return tuple((k, v) for k, v in dataclasses.asdict(model.config).items() if k != "n_positions")
+
 TRACES_ENV = "GPT2X_TRACES"  # the folder of traced graphs kept between processes, or "off"
 _WEIGHTS_KEY = "gpt2x.trace.weights"  # the template's metadata: where each weight goes
 
@@ -113,7 +121,7 @@ def _disk_key(model: GPT2, opset: int) -> str | None:
     except (TypeError, OSError):  # a class made at run time, or a file gone
         return None
     versions = {d: importlib.metadata.version(d) for d in ("torch", "onnx", "onnxscript")}
-    h.update(json.dumps([type(model).__qualname__, dataclasses.asdict(model.config), opset, versions]).encode())
+    h.update(json.dumps([type(model).__qualname__, dict(_architecture(model)), opset, versions]).encode())
     return h.hexdigest()[:32]
 
 
@@ -130,7 +138,10 @@ def _load_template(path: Path, params: dict[str, torch.Tensor]) -> tuple[onnx.Mo
         if not (0 <= w.index < len(inits)) or w.param not in params:
             return None
         shape = tuple(params[w.param].shape)
-        if tuple(inits[w.index].dims) != (shape[::-1] if w.transposed else shape):
+        dims = tuple(inits[w.index].dims)
+        if w.param == _POSITIONS:  # another context length's rows: refilled with the weights
+            dims, shape = dims[1:], shape[1:]
+        if dims != (shape[::-1] if w.transposed else shape):
             return None
     del proto.metadata_props[:]
     return proto, weights
@@ -152,7 +163,7 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
     """The fp32 graph of `model`, with the conventional names and symbolic dims: traced by
     torch's dynamo exporter, or the architecture's traced graph (this process's, or one kept in
     traces_root() by an earlier process) with this model's weights."""
-    key = (type(model), model.config, opset, torch.__version__)  # a subclass may trace to another graph
+    key = (type(model), _architecture(model), opset, torch.__version__)  # a subclass may trace to another graph
     params = _parameters(model)
     root = traces_root()
     disk_key = _disk_key(model, opset) if root is not None and key not in _TEMPLATES else None
@@ -166,7 +177,10 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
         proto.CopyFrom(template[0])
         for w in template[1]:
             value = params[w.param].float().numpy()
-            proto.graph.initializer[w.index].raw_data = np.ascontiguousarray(value.T if w.transposed else value).tobytes()
+            value = np.ascontiguousarray(value.T if w.transposed else value)
+            init = proto.graph.initializer[w.index]
+            init.dims[:] = value.shape
+            init.raw_data = value.tobytes()
     else:
         proto = _trace(model, opset)
         if key not in _TEMPLATES:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -18,7 +17,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import DATA_FILE, ExportInfo
-from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, save_graph
+from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, recorded_file, save_graph
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.mapped import mapped_model
 from .base import ORT_CAPABILITIES, Closable, Released, merge_on_host
@@ -60,12 +59,6 @@ def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
 # while the ONNX Runtime session is made: a fresh process's first prompt then waits less for it (the same graph, compiled
 # once, whatever the wait: no timing chooses where a prompt runs).
 PREPARE_PREFILL_FROM = 32
-
-def recorded_file(info: ExportInfo, path: Path) -> dict:
-    """What the export recorded of one of its files: its SHA-256 and size (what a graph rewritten from it depends on)."""
-    name = path.name
-    return {"name": name, "sha256": info.meta["files"].get(name), "size": (info.meta.get("sizes") or {}).get(name)}
-
 
 def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
     """An fp32 export's GroupQueryAttention twin (onnx.optimize.in_place_form), from the rewrite an earlier process

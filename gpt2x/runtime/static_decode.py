@@ -4,6 +4,8 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,7 +16,7 @@ from ..errors import ProviderError
 from ..numerics import positions
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from ..onnx.graph_cache import InMemoryGraph
+from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, recorded_file, save_graph
 from ..onnx.kvcache import dequantize, quantize
 from ..onnx.mapped import mapped_model
 from .base import BF16_BITS, Capabilities, Closable, Released, bf16_bits, bf16_values
@@ -334,19 +336,26 @@ class SlotDecoder(Closable):
         self.slots, self.capacity = slots, capacity or cfg.n_positions
         if slots < 1 or not 1 < self.capacity <= cfg.n_positions:
             raise ValueError(f"slots must be >= 1 and capacity 2..{cfg.n_positions}, not {slots} and {self.capacity}")
-        from ..onnx.optimize import static_forms  # onnx's rewrite: imported by the decoders that need it
-
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
         # An int8 cache where the export's record (or --kv-cache-dtype) chooses one: a quarter of a float cache's bytes,
         # and the attention reads them so (the ort backend's choice, runtime.kvdtype).
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu)
+        self._scales_digest = None if self.kv_scales is None else \
+            hashlib.sha256(np.ascontiguousarray(self.kv_scales).tobytes()).hexdigest()
         self.batched = batched_from(info, batched, provider is ProviderKind.cpu) is not None
         path = info.batched_path if self.batched else info.model_path
         # The mixed step's session, made at its first use: (the file, provider and threads to make it)
-        self._mixed, self._path, self._provider, self._threads = None, path, provider, threads
+        self._mixed, self._path, self._provider, self._threads, self._info = None, path, provider, threads, info
         # On the CPU the prompt's graph keeps its attention bias: a wave's prompts of several lengths, left-padded, run
         # in one forward there (prefill_rows).
-        forms = static_forms(path, logits=True, padded=provider is ProviderKind.cpu)
+        padded = provider is ProviderKind.cpu
+
+        def static_forms():
+            from ..onnx.optimize import static_forms  # onnx's rewrite: imported where no earlier process kept it
+
+            return static_forms(path, logits=True, padded=padded)
+
+        forms = self._kept(("prefill-padded" if padded else "prefill", "decode"), static_forms)
         if forms is None:
             raise ProviderError(f"{info.folder}: no fixed-shape decode graph for this export (weights in a data file)")
         prefill, decode = forms
@@ -365,14 +374,13 @@ class SlotDecoder(Closable):
         self.openvino_from = openvino_from(info, asked_prefill(prefill_choice), self.device == "cpu")
         # And rows' next tokens after what their slots hold from this many on (its graph on a past, where it takes one).
         self.openvino_past_from = openvino_past_from(info, asked_prefill(prefill_choice), self.openvino_from)
-        self._openvino, self._info = None, info
+        self._openvino = None
         if self.mixed_prefill:
             self.open_mixed()
         else:
             self.open_prefill()
         # The decode step's rows are the slots up to the highest one held (free ones below it on a dummy token): its
         # batch dimension stays free, the rows bound by address like a prefill's.
-        decode = self._with_kv_dtype(decode)
         self._decode = create_session(decode.graph, provider, threads, weights=decode.weights,
                                       dims={io.PAST: self.capacity, io.TOTAL: self.capacity, io.LOGITS_SEQUENCE: 1})
         self.dtype = np.int8 if self.kv_scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32
@@ -399,6 +407,26 @@ class SlotDecoder(Closable):
         self._total = ort.OrtValue.ortvalue_from_numpy(np.array([self.capacity], np.int32))  # read on the host
         self._steps: dict[int, tuple] = {}  # rows -> the decode step's binding over slots [0, rows) and its buffers
         self.mixed_runs = 0  # step_mixed's forwards
+
+    def _kept(self, kinds: tuple[str, ...], make: Callable[[], tuple[InMemoryGraph, ...] | None]) -> tuple[InMemoryGraph, ...] | None:
+        """The graphs `make` rewrites from the slots' graph file (onnx.optimize), each reading the int8 cache where the
+        slots hold one: those an earlier process kept on disk where it did (onnx.graph_cache: then no onnx is imported,
+        about a second of a server's start), else made here and kept. None where `make` has none."""
+        if self._path.with_name(self._path.name + ".data").exists():
+            return None  # optimize's rewrites hold the weights of the graph's own file
+        inputs = {"file": recorded_file(self._info, self._path), "scales": self._scales_digest}
+        keys = [graph_key(f"slots-{kind}", inputs) for kind in kinds]
+        weights = mapped_model(self._path)[1]
+        kept = tuple(load_graph(key, weights) for key in keys)
+        if all(graph is not None for graph in kept):
+            return kept
+        made = make()
+        if made is None:
+            return None
+        made = tuple(self._with_kv_dtype(graph) for graph in made)
+        for key, graph in zip(keys, made):
+            save_graph(key, graph)
+        return made
 
     def _with_kv_dtype(self, form: InMemoryGraph) -> InMemoryGraph:
         """`form` reading and writing the int8 cache, where the slots hold one."""
@@ -510,7 +538,7 @@ class SlotDecoder(Closable):
         """Open the prefill's session now (where prefills are mixed steps, prompts starting together run on it)."""
         if self._prefill is None:
             mapped = mapped_model(self._path)[1]
-            form = self._with_kv_dtype(replace(self._prefill_form, weights={n: mapped[n] for n in self._prefill_form.weights}))
+            form = replace(self._prefill_form, weights={n: mapped[n] for n in self._prefill_form.weights})
             self._prefill = create_session(form.graph, self._provider, self._threads, weights=form.weights)
             if io.LOGITS_TO_KEEP in {i.name for i in self._prefill.get_overridable_initializers()}:
                 self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int64))
@@ -641,9 +669,13 @@ class SlotDecoder(Closable):
     def open_mixed(self) -> None:
         """Open the mixed step's session now (a server's first mixed step would otherwise wait seconds for it)."""
         if self._mixed is None:
-            from ..onnx.optimize import mixed_form
+            def mixed_form():
+                from ..onnx.optimize import mixed_form  # onnx's rewrite: imported where no earlier process kept it
 
-            form = self._with_kv_dtype(mixed_form(self._path))
+                form = mixed_form(self._path)
+                return None if form is None else (form,)
+
+            [form] = self._kept(("mixed",), mixed_form)
             self._mixed = create_session(form.graph, self._provider, self._threads, weights=form.weights,
                                          dims={io.PAST: self.capacity, "capacity": self.capacity, "chunk_rows": 1})
 

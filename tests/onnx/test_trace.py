@@ -4,12 +4,16 @@ mapped one to one is traced every time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
 from gpt2x.model.config import GPT2Config
 from gpt2x.model.gpt2 import GPT2
-from gpt2x.onnx import trace
+from gpt2x.onnx import names, trace
+from gpt2x.onnx.artifact import DEFAULT_OPSET
 
 CFG = GPT2Config(vocab_size=64, n_positions=24, n_embd=16, n_layer=1, n_head=2)
 OPSET = 17
@@ -86,6 +90,31 @@ def test_a_second_model_is_refilled_from_memory_or_from_the_graph_a_later_proces
     assert len({trace._disk_key(wider, OPSET), trace._disk_key(b, OPSET), trace._disk_key(scaled, OPSET)}) == 3
 
 
+def test_another_context_length_takes_the_traced_graph_with_its_own_position_rows(traces, tmp_path, monkeypatch):
+    """A model that differs only in n_positions (wpe's rows) takes the graph traced for another, from memory and from
+    GPT2X_TRACES, and ONNX Runtime runs it as PyTorch runs that model up to its last position: the graph reads the
+    context length nowhere else."""
+    import onnxruntime as ort
+
+    longer = GPT2(replace(CFG, n_positions=40)).init_weights(2).eval()
+    ids = torch.randint(0, CFG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = longer(ids)[0].numpy()
+    feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones((2, 40), np.int64),
+             "position_ids": np.tile(np.arange(40), (2, 1))}
+    feeds.update({name(0): np.zeros((2, CFG.n_head, 0, CFG.n_embd // CFG.n_head), np.float32)
+                  for name in (names.past_key, names.past_value)})
+    monkeypatch.setenv(trace.TRACES_ENV, str(tmp_path / "traces"))
+    trace.trace_to_onnx(model(1), DEFAULT_OPSET)
+    for _ in range(2):  # from this process's memory, then as a new process from the file the first trace kept
+        graph = trace.trace_to_onnx(longer, DEFAULT_OPSET).SerializeToString()
+        got = ort.InferenceSession(graph, providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+        trace._TEMPLATES.clear()
+    assert len(traces) == 1
+    assert len(list((tmp_path / "traces").iterdir())) == 1
+
+
 class Scaled(GPT2):
     def forward(self, *args, **kwargs):
         logits, presents = super().forward(*args, **kwargs)
@@ -97,7 +126,7 @@ def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces):
     with torch.no_grad():  # the MLP's input weight equals the embedding (both 64 x 16): its folded transpose matches both
         twin.h[0].mlp.c_fc.weight.copy_(twin.wte.weight)
     trace.trace_to_onnx(twin, OPSET)
-    assert trace._TEMPLATES[(GPT2, CFG, OPSET, torch.__version__)] is None
+    assert trace._TEMPLATES[(GPT2, trace._architecture(twin), OPSET, torch.__version__)] is None
     other = model(4)
     trace.trace_to_onnx(other, OPSET)
     assert traces == [twin, other]

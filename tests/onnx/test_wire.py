@@ -6,6 +6,7 @@ from __future__ import annotations
 import onnx
 import pytest
 
+from gpt2x.choices import Precision
 from gpt2x.onnx import wire
 
 
@@ -68,6 +69,41 @@ def test_a_later_process_takes_the_rewritten_twin_without_onnx_and_a_damaged_one
     kept.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
     assert run() == (made, True)  # its checksum failed: rewritten, the same tokens
     assert run() == (made, False)  # and kept whole again
+
+
+def test_a_later_process_opens_the_slots_from_their_kept_graphs_without_onnx(tiny_export, tmp_path):
+    """The fixed slots (the server's CPU backend) run graphs rewritten at load: the prompt's, the decode step's and the
+    mixed step's, each reading an int8 cache where the slots hold one. They are kept (onnx.graph_cache), and a later
+    process opens the slots from them importing no onnx (about a second of a server's start), with the same greedy
+    tokens; an export's graphs for an int8 cache are kept apart from those for a float one."""
+    import os
+    import subprocess
+    import sys
+
+    kv8 = tiny_export(Precision.int8, int8_kv=True)[2].folder
+    code = ("import os, sys\n"
+            "from pathlib import Path\n"
+            "from gpt2x.onnx.artifact import read_export\n"
+            "from gpt2x.runtime.static_decode import SlotBackend\n"
+            "from gpt2x.generation.generate import generate\n"
+            "from gpt2x.generation.settings import SamplingSettings\n"
+            "for folder, dtype in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+            "    os.environ['GPT2X_KV_CACHE_DTYPE'] = dtype\n"
+            "    b = SlotBackend(read_export(Path(folder)), threads=1, slots=4)\n"
+            "    assert b.kv_dtype.__name__ == ('int8' if dtype == 'int8' else 'float32'), b.kv_dtype\n"
+            "    r = generate(b, ['ROMEO:', 'JULIET: O Romeo'], SamplingSettings(max_new_tokens=8, greedy=True))\n"
+            "    print([g.tokens for g in r])\n"
+            "print('onnx' in sys.modules)\n")
+    env = {**os.environ, "GPT2X_GRAPHS": str(tmp_path / "graphs")}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code, str(kv8), "float", str(kv8), "int8"], capture_output=True,
+                           text=True, encoding="utf-8", timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout.split())
+    (*made, imported), (*again, imported_again) = runs
+    assert imported == "True" and len(list((tmp_path / "graphs").glob("*.onnx"))) == 6  # 3 graphs for each cache, kept
+    assert again == made and imported_again == "False"
 
 
 def test_an_unwritable_graphs_folder_keeps_nothing_and_fails_nothing(tmp_path, monkeypatch):
