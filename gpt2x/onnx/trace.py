@@ -99,6 +99,7 @@ def _architecture(model: GPT2) -> tuple[tuple[str, int], ...]:
     by position_ids, its dims refilled with the weights), so models that differ in it alone share a trace."""
     return tuple((k, v) for k, v in dataclasses.asdict(model.config).items() if k != "n_positions")
 
+
 TRACES_ENV = "GPT2X_TRACES"  # the folder of traced graphs kept between processes, or "off"
 _WEIGHTS_KEY = "gpt2x.trace.weights"  # the template's metadata: where each weight goes
 
