@@ -16,6 +16,7 @@ import importlib.metadata
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,19 @@ def recorded_file(info: ExportInfo, path: Path) -> dict:
     """What the export recorded of one of its files: its SHA-256 and size (what a graph rewritten from it depends on)."""
     name = path.name
     return {"name": name, "sha256": info.meta["files"].get(name), "size": (info.meta.get("sizes") or {}).get(name)}
+
+
+def kept_or_made(keys: list[str | None], weights: dict[str, np.ndarray],
+                 make: Callable[[], tuple[InMemoryGraph, ...] | None]) -> tuple[InMemoryGraph, ...] | None:
+    """The graphs kept under `keys` (with those of `weights` they take) where every one checks out, else `make`'s, kept
+    under them for the next process; None where `make` has none."""
+    kept = tuple(load_graph(key, weights) for key in keys)
+    if all(graph is not None for graph in kept):
+        return kept
+    made = make()
+    for key, graph in zip(keys, made or ()):
+        save_graph(key, graph)
+    return made
 
 
 def graphs_root() -> Path | None:

@@ -4,6 +4,7 @@ figures the export measured, not by name; a user may force either way. No torch.
 
 from __future__ import annotations
 
+import hashlib
 from enum import Enum
 
 import numpy as np
@@ -47,3 +48,8 @@ def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> n
     from ..onnx.kvcache import load_scales  # safetensors only where the cache is int8
 
     return load_scales(info.folder, info.config.n_layer)
+
+
+def scales_digest(scales: np.ndarray | None) -> str | None:
+    """The SHA-256 of an int8 cache's scales (None for a float cache): what a graph rewritten to read them depends on."""
+    return None if scales is None else hashlib.sha256(np.ascontiguousarray(scales).tobytes()).hexdigest()

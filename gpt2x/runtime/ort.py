@@ -6,7 +6,6 @@ it has one, runs the steps of many rows x new tokens on the same caches (`OrtBac
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -17,7 +16,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
 from ..onnx.artifact import DATA_FILE, ExportInfo
-from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, recorded_file, save_graph
+from ..onnx.graph_cache import InMemoryGraph, graph_key, kept_or_made, recorded_file
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.mapped import mapped_model
 from .base import ORT_CAPABILITIES, Closable, Released, merge_on_host
@@ -32,7 +31,7 @@ from .kvbuffers import (
     rows_to_keep,
     small_page_arrays,
 )
-from .kvdtype import KvDtypeChoice, int8_kv_scales
+from .kvdtype import KvDtypeChoice, int8_kv_scales, scales_digest
 from .kvdtype import asked as asked_kv_dtype
 from .prefill import PrefillChoice, asked, estimate_ms, openvino_from, openvino_past_from
 from .providers import (
@@ -67,16 +66,16 @@ def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
     path = info.model_path
     if path.with_name(path.name + ".data").exists():
         return None
-    key = graph_key("gqa-twin", recorded_file(info, path))
-    twin = load_graph(key, mapped_model(path)[1])
-    if twin is not None:
-        return twin
-    from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
 
-    twin = in_place_form(path)
-    if twin is not None:
-        save_graph(key, twin)
-    return twin
+    def make():
+        from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
+
+        twin = in_place_form(path)
+        return None if twin is None else (twin,)
+
+    kept = kept_or_made([graph_key("gqa-twin", recorded_file(info, path))], mapped_model(path)[1], make)
+    return None if kept is None else kept[0]
+
 
 class _KVBuffers(KVBuffers):
     """KV buffers with OrtValues over the rows in use and their IO binding, both remade when the rows change."""
@@ -346,7 +345,7 @@ class OrtBackend(Closable):
         scales = self.kv_scales
         self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
         # the int8 cache's graphs, kept rewritten on disk for the next process (onnx.graph_cache), by file and scales
-        self._scales_digest = None if scales is None else hashlib.sha256(np.ascontiguousarray(scales).tobytes()).hexdigest()
+        self._scales_digest = scales_digest(scales)
         self._twin = twin
         choice = asked(prefill)
         self._openvino_from = openvino_from(info, choice, provider is ProviderKind.cpu)

@@ -4,7 +4,6 @@ back to the host), and on CUDA that step captured once in a CUDA graph and repla
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -16,13 +15,13 @@ from ..errors import ProviderError
 from ..numerics import positions
 from ..onnx import names as io
 from ..onnx.artifact import ExportInfo
-from ..onnx.graph_cache import InMemoryGraph, graph_key, load_graph, recorded_file, save_graph
+from ..onnx.graph_cache import InMemoryGraph, graph_key, kept_or_made, recorded_file
 from ..onnx.kvcache import dequantize, quantize
 from ..onnx.mapped import mapped_model
 from .base import BF16_BITS, Capabilities, Closable, Released, bf16_bits, bf16_values
 from .kvbuffers import small_page_arrays
 from .kvdtype import asked as asked_kv_dtype
-from .kvdtype import int8_kv_scales
+from .kvdtype import int8_kv_scales, scales_digest
 from .prefill import PrefillChoice, estimate_ms, openvino_from, openvino_past_from
 from .prefill import asked as asked_prefill
 from .providers import batched_from, bind_past_and_present, cpu_mixed_chunk_base, create_session, refuse_fp16_on_cpu
@@ -340,8 +339,7 @@ class SlotDecoder(Closable):
         # An int8 cache where the export's record (or --kv-cache-dtype) chooses one: a quarter of a float cache's bytes,
         # and the attention reads them so (the ort backend's choice, runtime.kvdtype).
         self.kv_scales = int8_kv_scales(info, asked_kv_dtype(None), provider is ProviderKind.cpu)
-        self._scales_digest = None if self.kv_scales is None else \
-            hashlib.sha256(np.ascontiguousarray(self.kv_scales).tobytes()).hexdigest()
+        self._scales_digest = scales_digest(self.kv_scales)
         self.batched = batched_from(info, batched, provider is ProviderKind.cpu) is not None
         path = info.batched_path if self.batched else info.model_path
         # The mixed step's session, made at its first use: (the file, provider and threads to make it)
@@ -415,18 +413,12 @@ class SlotDecoder(Closable):
         if self._path.with_name(self._path.name + ".data").exists():
             return None  # optimize's rewrites hold the weights of the graph's own file
         inputs = {"file": recorded_file(self._info, self._path), "scales": self._scales_digest}
-        keys = [graph_key(f"slots-{kind}", inputs) for kind in kinds]
-        weights = mapped_model(self._path)[1]
-        kept = tuple(load_graph(key, weights) for key in keys)
-        if all(graph is not None for graph in kept):
-            return kept
-        made = make()
-        if made is None:
-            return None
-        made = tuple(self._with_kv_dtype(graph) for graph in made)
-        for key, graph in zip(keys, made):
-            save_graph(key, graph)
-        return made
+
+        def made() -> tuple[InMemoryGraph, ...] | None:
+            graphs = make()
+            return None if graphs is None else tuple(self._with_kv_dtype(graph) for graph in graphs)
+
+        return kept_or_made([graph_key(f"slots-{kind}", inputs) for kind in kinds], mapped_model(self._path)[1], made)
 
     def _with_kv_dtype(self, form: InMemoryGraph) -> InMemoryGraph:
         """`form` reading and writing the int8 cache, where the slots hold one."""
