@@ -16,7 +16,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError, UsageError
 from ..onnx import names as io
 from ..onnx.artifact import IR_VERSION, ExportInfo
-from ..onnx.graph_cache import InMemoryGraph, load_graph, save_graph
+from ..onnx.graph_cache import InMemoryGraph, kept_or_made
 from ..onnx.mapped import mapped_model, parse_model
 
 if TYPE_CHECKING:  # a session on an export imports no onnx (onnx/wire.py says why); the small graphs here do
@@ -182,13 +182,14 @@ def create_export_session(path: Path, provider: ProviderKind, threads: int | Non
         data, weights = mapped_model(path)
         if transform is None:
             return create_session(data, provider, threads, weights=weights)
-        graph = load_graph(key, weights)
-        if graph is None:
+
+        def make() -> tuple[InMemoryGraph]:
             proto = parse_model(data, path)
             transform(proto)
             names = {t.name for t in proto.graph.initializer}
-            graph = InMemoryGraph(proto.SerializeToString(), {n: w for n, w in weights.items() if n in names}, {})
-            save_graph(key, graph)
+            return (InMemoryGraph(proto.SerializeToString(), {n: w for n, w in weights.items() if n in names}, {}),)
+
+        [graph] = kept_or_made([key], weights, make)
         return create_session(graph.graph, provider, threads, weights=graph.weights)
     if transform is not None:
         raise ProviderError(f"{path}: a graph rewritten in memory runs on the CPU, its weights in the graph's file")
