@@ -26,7 +26,9 @@ Ray Serve (whose shutdown then waits out its timeouts, or the driver aborts). Ra
 handlers are kept out of this process (`rays_sigterm_handlers_left_out`: they exit on the spot), and
 abseil's failure handler, which ray.init installs under Python's and which arms a 3-second alarm that
 aborts the process (exit code 134), is replaced by ours as soon as ray.init returns. Our handler only
-notes the signal; the main thread stops between steps (`StopRequested` while starting).
+notes the signal; the main thread stops between steps (`StopRequested` while starting). What Ray prints in this
+process while it serves (its raylet's reports, its workers' relayed output) goes to stderr
+(`rays_driver_output_on_stderr`): stdout carries the ready line alone.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from ..replica import (  # what both paths share; re-exported here for the calle
 )
 from .hub import HUB_NAMESPACE, REPORT_S, MetricsHub
 from .many import ModelRouter, answer, model_card
-from .patches import ray_processes_in_their_own_session, rays_sigterm_handlers_left_out
+from .patches import ray_processes_in_their_own_session, rays_driver_output_on_stderr, rays_sigterm_handlers_left_out
 from .proxy import PROXY_CALLBACK
 
 __all__ = ["APP_NAME", "SHUTTING_DOWN", "STOP_GRACE_S", "ReplicaConfig", "ServeSettings", "describe", "serve_until_stopped",
@@ -457,7 +459,7 @@ def stop(settings: ServeSettings, grace: float = STOP_GRACE_S) -> None:
             drain(settings, grace)
             # Ray Serve removes the replicas once their last responses are out. A local instance then
             # goes whole with Ray (serve.shutdown would have the controller kill itself under its own
-            # graceful_shutdown call, which Ray then reports as a failed task, on stdout).
+            # graceful_shutdown call, which Ray then reports as a failed task).
             serve.delete(settings.app_name)
     finally:
         for name in _app_hubs.pop(settings.app_name, [hub_name(settings)]):
@@ -484,23 +486,24 @@ def serve_until_stopped(config: ReplicaConfig, settings: ServeSettings, ready: C
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     try:
-        try:
-            url = start(config, settings, progress, stopping, others)
-            if not stopping.is_set():
-                ready(url)
-            while not stopping.wait(0.5):
-                pass
-        except StopRequested:
-            pass
-        progress("stopping")
-        stop(settings, grace)
+        with rays_driver_output_on_stderr():  # stdout: the ready line alone
+            try:
+                try:
+                    url = start(config, settings, progress, stopping, others)
+                    if not stopping.is_set():
+                        ready(url)
+                    while not stopping.wait(0.5):
+                        pass
+                except StopRequested:
+                    pass
+                progress("stopping")
+                stop(settings, grace)
+            finally:
+                stopping.set()
+                if ray.is_initialized() or _local_processes:  # start() failed, or the stop was cut short
+                    stop(settings, grace=0.0)
     finally:
-        stopping.set()
-        try:
-            if ray.is_initialized() or _local_processes:  # start() failed, or the stop was cut short
-                stop(settings, grace=0.0)
-        finally:
-            _restore(previous)
+        _restore(previous)
 
 
 def _restore(handlers: dict) -> None:

@@ -1,4 +1,4 @@
-"""The two patches of private Ray functions that `gpt2x serve` on Ray needs, in one place (Ray has no
+"""The three patches of private Ray functions that `gpt2x serve` on Ray needs, in one place (Ray has no
 public way to do either). tests/serve/test_ray_patches.py checks, against the Ray installed, that the
 names patched exist with the shape expected and that each patch takes effect, so that a Ray release
 that breaks them fails there rather than in a stop that no longer works.
@@ -8,6 +8,8 @@ that breaks them fails there rather than in a stop that no longer works.
   the application and Ray in order (sent to them too, it would take the GCS down under Ray Serve).
 - `rays_sigterm_handlers_left_out`: ray.init installs no SIGTERM handler of its own in this process
   (they exit on the spot, half-way through whatever runs).
+- `rays_driver_output_on_stderr`: what Ray prints in this process (its workers' output relayed, and its
+  raylet's reports, such as a replica that died) goes to stderr: stdout carries `--json`'s ready line alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 
 from ray._private import services as ray_services  # Ray's process launcher: ConsolePopen
 from ray._private import utils as ray_utils  # where Ray installs its SIGTERM handlers: set_sigterm_handler
+from ray._private import worker as ray_worker  # where a driver prints what Ray relays to it: print_to_stdstream
 
 from ..replica import STOP_SIGNALS
 
@@ -72,6 +75,27 @@ def rays_sigterm_handlers_left_out() -> Iterator[None]:
         yield
     finally:
         ray_utils.set_sigterm_handler = original
+
+
+@contextmanager
+def rays_driver_output_on_stderr() -> Iterator[None]:
+    """Meanwhile, what Ray prints in this process goes to stderr: the output of its workers that it relays
+    (their stdout included) and its raylet's reports (a replica killed, a task retried), which it would print
+    on stdout (`ray._private.worker.print_to_stdstream`, which the driver's threads look up when they print,
+    and ray.init binds for the relayed output: ray.init runs inside)."""
+    original = getattr(ray_worker, "print_to_stdstream", None)  # no public way to choose the stream
+    if original is None:
+        yield
+        return
+
+    def to_stderr(data: dict, ignore_prefix: bool) -> None:
+        original({**data, "is_err": True}, ignore_prefix)
+
+    ray_worker.print_to_stdstream = to_stderr
+    try:
+        yield
+    finally:
+        ray_worker.print_to_stdstream = original
 
 
 def _unblocking(preexec: Callable[[], None] | None) -> Callable[[], None]:
