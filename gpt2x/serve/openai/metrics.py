@@ -47,8 +47,8 @@ from ..core.engine import Engine, Row
 PREFIX = "vllm:"
 ALIAS_PREFIX = "gpt2x:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# A replica whose last snapshot is older than this no longer adds its gauges: a replica reports every 0.25 s
-# (ray/hub.REPORT_S), so twelve reports missed; a dead replica's rows left /metrics after 10 s before.
+# A replica whose last snapshot is older than this no longer adds its gauges: a replica reports every 0.25 s where its
+# values changed, at least every 1 s (ray/hub.REPORT_S, IDLE_REPORT_S), so three idle reports missed.
 GAUGE_STALE_S = 3.0
 # Always written, 0 until counted (vLLM writes each of its reasons); "abort": a choice whose client
 # left before it ended (routes.py notices a disconnect, streamed or not).

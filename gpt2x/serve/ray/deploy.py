@@ -10,8 +10,8 @@ nothing in the application changes between the two. On a cluster every node need
 and the export folder at the same path (a shared filesystem, or the same image).
 
 Beside the replicas, one small actor per application (per model with several), its hub (hub.py): each replica hands it
-its metrics' snapshot (openai/metrics.py) every REPORT_S and as each request is answered, and
-`/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
+its metrics' snapshot (openai/metrics.py) every REPORT_S where it changed (else every IDLE_REPORT_S) and as each
+request is answered, and `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
 it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
 are a 503, waiting ones end at once with an error, the ones in flight get STOP_GRACE_S to finish and
 then end with an error too: an error event in a stream, a JSON error otherwise), and once every
@@ -67,7 +67,7 @@ from ..replica import (  # what both paths share; re-exported here for the calle
     listed_as,
     open_service,
 )
-from .hub import HUB_NAMESPACE, REPORT_S, MetricsHub
+from .hub import HUB_NAMESPACE, IDLE_REPORT_S, REPORT_S, MetricsHub
 from .many import ModelRouter, answer, model_card
 from .patches import ray_processes_in_their_own_session, rays_driver_output_on_stderr, rays_sigterm_handlers_left_out
 from .proxy import PROXY_CALLBACK
@@ -156,11 +156,17 @@ class _Replica:
             threading.Thread(target=self._report, name="gpt2x-metrics", daemon=True).start()
 
     def _report(self) -> None:
-        """Every REPORT_S: this replica's snapshot to the hub. When the hub answers that a stop has
-        begun, the engine stops (its requests in flight get the grace the hub says), and the replica
-        says it has drained."""
+        """Every REPORT_S: this replica's snapshot to the hub where it changed since the last it handed in, else
+        every IDLE_REPORT_S. When the hub answers that a stop has begun, the engine stops (its requests in flight get
+        the grace the hub says), and the replica says it has drained."""
+        sent, sent_at = None, 0.0
         while not self._closing.wait(REPORT_S):
-            grace = self.exchange.report(self.http.metrics.snapshot())
+            snapshot = self.http.metrics.snapshot()
+            values = {key: value for key, value in snapshot.items() if key != "at"}
+            if values == sent and time.monotonic() - sent_at < IDLE_REPORT_S:
+                continue
+            sent, sent_at = values, time.monotonic()
+            grace = self.exchange.report(snapshot)
             if grace is not None and not self.http.metrics.drained:
                 self.service.engine.stop(grace, SHUTTING_DOWN)
                 self.http.metrics.drained = True

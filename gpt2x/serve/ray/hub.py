@@ -1,5 +1,5 @@
 """The hub of an application on Ray Serve (of a model, with several): a small actor that each replica hands its
-metrics' snapshot to every REPORT_S, and that carries the stop (deploy.py says how both are used). It lives
+metrics' snapshot to (every REPORT_S where it changed, else every IDLE_REPORT_S), and that carries the stop (deploy.py says how both are used). It lives
 apart from deploy.py so that its actor's process imports Ray and this module alone, not the serving stack (the
 ONNX Runtime, FastAPI and pydantic of a replica, which a hub never runs)."""
 
@@ -10,9 +10,10 @@ import time
 import ray
 
 HUB_NAMESPACE = "gpt2x"
-REPORT_S = 0.25  # how often a replica hands the hub its snapshot (and hears of a stop)
+REPORT_S = 0.25  # how often a replica hands the hub its snapshot where it changed (and hears of a stop)
+IDLE_REPORT_S = 1.0  # and at least this often where it did not: an idle replica's calls only cost both processes CPU
 STALE_S = 10.0  # a replica whose last snapshot is older than this is gone (the drain stops waiting for it)
-SILENT_S = 10 * REPORT_S  # during a stop, a replica that has not reported for this long is taken for gone
+SILENT_S = 10 * REPORT_S  # during a stop, a replica that has not reported for this long is taken for gone (> IDLE_REPORT_S)
 
 
 class Hub:
