@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpt2x.serve.ray import hub
-from gpt2x.serve.ray import deploy
+from gpt2x.serve.ray import deploy, hub
 from gpt2x.serve.ray.hub import IDLE_REPORT_S, REPORT_S, SILENT_S, Hub
 
 
