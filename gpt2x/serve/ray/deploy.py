@@ -11,8 +11,8 @@ and the export folder at the same path (a shared filesystem, or the same image).
 
 Beside the replicas, one small actor per application (per model with several), its hub (hub.py): each replica hands it
 its metrics' snapshot (openai/metrics.py) every REPORT_S where it changed (else every IDLE_REPORT_S) and as each
-request is answered, and `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop: `stop()` tells
-it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
+request is answered, and `/metrics`, whichever replica answers it, sums them all. The hub also carries the stop:
+`stop()` tells it, each replica hears it at its next report and stops its engine (engine.Engine.stop: new requests
 are a 503, waiting ones end at once with an error, the ones in flight get STOP_GRACE_S to finish and
 then end with an error too: an error event in a stream, a JSON error otherwise), and once every
 replica says it has drained, Ray Serve removes them with nothing in flight, and Ray is shut down.

@@ -1,7 +1,7 @@
 """The hub of an application on Ray Serve (of a model, with several): a small actor that each replica hands its
-metrics' snapshot to (every REPORT_S where it changed, else every IDLE_REPORT_S), and that carries the stop (deploy.py says how both are used). It lives
-apart from deploy.py so that its actor's process imports Ray and this module alone, not the serving stack (the
-ONNX Runtime, FastAPI and pydantic of a replica, which a hub never runs)."""
+metrics' snapshot to (every REPORT_S where it changed, else every IDLE_REPORT_S), and that carries the stop
+(deploy.py says how both are used). It lives apart from deploy.py so that its actor's process imports Ray and this
+module alone, not the serving stack (the ONNX Runtime, FastAPI and pydantic of a replica, which a hub never runs)."""
 
 from __future__ import annotations
 
