@@ -66,8 +66,11 @@ def main() -> None:
     data = {"machine": args.machine, "system": system_info(), "model": args.model, "repeat": args.repeat,
             "seconds": times, "median_s": medians, "same_file": same,
             "command": f"python benchmarks/int8_quantize.py --model {args.model} --repeat {args.repeat} --out {args.out}"}
+    packages = data["system"].get("packages", {})
+    ort_version = next((v for k, v in packages.items() if k.startswith("onnxruntime")), "?")
     rows = "\n".join(f"| {way} | {medians[way]:.2f} | {', '.join(f'{t:.2f}' for t in times[way])} |" for way in WAYS)
-    markdown = (f"# The int8 export's per-channel quantization: {args.model}\n\n{args.machine}. `{data['command']}`\n\n"
+    markdown = (f"# The int8 export's per-channel quantization: {args.model}\n\n{args.machine}, commit "
+                f"{data['system'].get('git')}, ONNX Runtime {ort_version}. `{data['command']}`\n\n"
                 f"| quantize_int8_dynamic | median s | each round, s |\n|---|---:|---|\n{rows}\n\n"
                 f"{medians[WAYS[0]] / medians[WAYS[1]]:.1f}x sooner; the two files are "
                 f"{'the same, byte for byte' if same else 'DIFFERENT'}.\n")
