@@ -525,6 +525,22 @@ def test_another_http_address_than_the_clusters_serve_listens_on_is_refused_befo
     assert set(serve.status().applications) == {"main", "small"}
 
 
+def test_an_application_of_a_name_the_cluster_already_runs_is_refused_before_anything_is_deployed(server, client, export_dir):
+    """A second server under /main's name (as a second `gpt2x serve --address` under the default name would be):
+    one line, and /main goes on as it was, its replicas untouched."""
+    from gpt2x.errors import UsageError
+
+    port = int(server.rsplit(":", 1)[1])
+    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::main#")}
+    settings = ServeSettings(replicas=1, port=port, cpus_per_replica=0.5, route_prefix="/again", app_name="main")
+    with pytest.raises(UsageError, match="already runs an application named 'main': this server would replace it"):
+        start(ReplicaConfig(export=str(export_dir), model_id="shakespeare", threads=1), settings)
+    assert set(serve.status().applications) == {"main", "small"}
+    assert {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::main#")} \
+        == before and len(before) == 2
+    assert complete(client, f"{server}/main", prompt="ROMEO:", max_tokens=2)["choices"]
+
+
 def test_the_command_deploys_several_models_onto_a_running_cluster_each_routed_by_model_and_leaves_the_rest(
         server, client, reference, export_dir, tiny_export):
     """`gpt2x serve --address` onto this module's cluster, which already serves /main and /small on the same HTTP port,
@@ -536,7 +552,9 @@ def test_the_command_deploys_several_models_onto_a_running_cluster_each_routed_b
     and nothing else (the cluster and the other applications go on)."""
     import signal
 
-    from ..helpers import serving
+    from gpt2x.errors import UsageError
+
+    from ..helpers import run_cli, serving
 
     address = ray.get_runtime_context().gcs_address
     port = server.rsplit(":", 1)[1]
@@ -618,6 +636,14 @@ def test_the_command_deploys_several_models_onto_a_running_cluster_each_routed_b
                 time.sleep(0.5)
             assert again.status_code == 200, again.text
         assert last["error"]["code"] == "replica_lost", last
+
+        # A second server under the same (default) name is refused, its last line saying why (Ray's own C++ warnings may
+        # come before it on a loaded machine), and leaves this one serving
+        again = run_cli("-q", "serve", "--onnx", str(export_dir), "--address", address, "--port", port, "--threads", "1")
+        assert again.returncode == UsageError.exit_code and "Traceback" not in again.stderr, again.stderr
+        assert again.stderr.strip().splitlines()[-1].startswith(
+            "error: Ray Serve on this cluster already runs an application named 'gpt2x': this server would replace it")
+        assert complete(client, url, model="tiny", prompt="ROMEO:", max_tokens=2)["choices"]
 
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=90)

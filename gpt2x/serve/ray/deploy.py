@@ -411,6 +411,7 @@ def start(config: ReplicaConfig, settings: ServeSettings, progress: Progress = n
     serve.start(http_options={"host": settings.host, "port": settings.port},
                 logging_config={"log_level": "WARNING", "enable_access_log": False})
     refuse_other_http_address(settings)
+    refuse_a_running_application(settings)
     # The hubs: owned by this process (each ends with it, or when its handle here is dropped: `stop`), in a
     # namespace of their own, one per application, or with several models one per model.
     names = [hub_name(settings, i) for i in range(1 + len(others))] if others else [hub_name(settings)]
@@ -439,6 +440,16 @@ def refuse_other_http_address(settings: ServeSettings) -> None:
                          f"options are set when it starts): give --host {host} --port {port}", option="port")
 
 
+def refuse_a_running_application(settings: ServeSettings) -> None:
+    """A UsageError, before anything is deployed, where the cluster already runs an application of this name (another
+    `gpt2x serve --address`'s, or one whose server was killed): Ray Serve would replace it, under its server's feet,
+    and the two servers would share its metrics hub and its stop."""
+    if settings.app_name in serve.status().applications:
+        raise UsageError(f"Ray Serve on this cluster already runs an application named {settings.app_name!r}: this "
+                         f"server would replace it; remove it first (`serve shutdown` removes every application, "
+                         f"serve.delete({settings.app_name!r}) in Python that one)", option="address")
+
+
 def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
     """Tell the application's replicas to stop (through its hubs: every model's at once) and wait until each has:
     requests in flight get `grace` seconds, then end with an error. True once every replica has drained; False
@@ -458,17 +469,18 @@ def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
 
 
 def stop(settings: ServeSettings, grace: float = STOP_GRACE_S) -> None:
-    """Drain the replicas (`drain`), then remove the application; a local Ray (and its Serve, and every
-    process of both) is shut down, a cluster keeps running."""
+    """Drain the replicas (`drain`), then remove the application, where this process deployed it (a start refused
+    leaves the cluster's applications alone); a local Ray (and its Serve, and every process of both) is shut down, a
+    cluster keeps running."""
     try:
-        if ray.is_initialized():
+        if ray.is_initialized() and settings.app_name in _app_hubs:  # deployed by this process: not another server's
             drain(settings, grace)
             # Ray Serve removes the replicas once their last responses are out. A local instance then
             # goes whole with Ray (serve.shutdown would have the controller kill itself under its own
             # graceful_shutdown call, which Ray then reports as a failed task).
             serve.delete(settings.app_name)
     finally:
-        for name in _app_hubs.pop(settings.app_name, [hub_name(settings)]):
+        for name in _app_hubs.pop(settings.app_name, []):
             _hubs.pop(name, None)  # a hub ends with its last handle
         ray.shutdown()
         end_process_groups(_local_processes)  # what ray.shutdown left of the local instance (nothing, normally)
