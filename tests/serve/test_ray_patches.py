@@ -2,8 +2,7 @@
 shape it expects, Ray reaches them where the patch replaces them, and each patch takes effect (a
 process Ray's own launcher starts lands in a session of its own with the stop signals unblocked; a
 SIGTERM handler Ray sets is not set; what Ray's driver prints lands on stderr). A Ray release that breaks any
-of them fails here. No Ray instance is
-started: Ray's launcher runs a plain Python child."""
+of them fails here. No Ray instance is started: Ray's launcher runs a plain Python child."""
 
 from __future__ import annotations
 
