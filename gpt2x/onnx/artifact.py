@@ -202,6 +202,11 @@ def file_name(folder: Path, path: Path) -> str:
     return path.relative_to(folder).as_posix()
 
 
+def weights_beside(model_path: Path) -> bool:
+    """Whether the graph at `model_path` keeps its weights in a data file beside it (its name + ".data")."""
+    return Path(model_path).with_name(Path(model_path).name + ".data").exists()
+
+
 def check_external_data(model_path: Path) -> None:
     """External-data references must name existing files inside the export folder."""
     try:

@@ -20,7 +20,7 @@ from ..choices import Precision
 from ..model.config import GPT2Config
 from ..numerics import CDF_BLOCK
 from . import names as io
-from .artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK, IR_VERSION, attention_layout, save_onnx
+from .artifact import INT4_BLOCK, INT4_HEAD_BITS, INT8_BLOCK, IR_VERSION, attention_layout, save_onnx, weights_beside
 from .graph_cache import InMemoryGraph
 from .mapped import load_mapped
 from .names import GQA, MSFT
@@ -384,7 +384,7 @@ def _gqa_proto(path: Path, require_rewrite: bool) -> tuple[onnx.ModelProto, dict
     """The export's graph with GroupQueryAttention (rewritten where it has MultiHeadAttention) and its large weights
     as arrays (onnx.mapped: no copy through protobuf), or None."""
     path = Path(path)
-    if path.with_name(path.name + ".data").exists():
+    if weights_beside(path):
         return None
     proto, weights = load_mapped(path)
     rewritten = mha_to_gqa(proto)

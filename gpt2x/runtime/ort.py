@@ -15,7 +15,7 @@ import onnxruntime as ort
 from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..onnx import names as io
-from ..onnx.artifact import DATA_FILE, ExportInfo
+from ..onnx.artifact import DATA_FILE, ExportInfo, weights_beside
 from ..onnx.graph_cache import InMemoryGraph, graph_key, kept_or_made, recorded_file
 from ..onnx.kvcache import dequantize, quantize, with_int8_kv
 from ..onnx.mapped import mapped_model
@@ -64,7 +64,7 @@ def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
     kept on disk where there is one (onnx.graph_cache: no onnx imported), else made here and kept. None where the
     export has none (weights in a data file, no MultiHeadAttention)."""
     path = info.model_path
-    if path.with_name(path.name + ".data").exists():
+    if weights_beside(path):
         return None
 
     def make():

@@ -15,7 +15,7 @@ import onnxruntime as ort
 from ..choices import Precision, ProviderKind
 from ..errors import ArtifactError, ProviderError, UsageError
 from ..onnx import names as io
-from ..onnx.artifact import IR_VERSION, ExportInfo
+from ..onnx.artifact import IR_VERSION, ExportInfo, weights_beside
 from ..onnx.graph_cache import InMemoryGraph, kept_or_made
 from ..onnx.mapped import mapped_model, parse_model
 
@@ -178,7 +178,7 @@ def create_export_session(path: Path, provider: ProviderKind, threads: int | Non
     rewrite of the graph in place before the session (its weights kept as they are; the CPU, weights in the file only),
     kept on disk under `key` for the next process (onnx.graph_cache: it then imports no onnx)."""
     path = Path(path)
-    if provider is ProviderKind.cpu and not path.with_name(path.name + ".data").exists():
+    if provider is ProviderKind.cpu and not weights_beside(path):
         data, weights = mapped_model(path)
         if transform is None:
             return create_session(data, provider, threads, weights=weights)

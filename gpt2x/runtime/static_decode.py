@@ -14,7 +14,7 @@ from ..choices import Precision, ProviderKind
 from ..errors import ProviderError
 from ..numerics import positions
 from ..onnx import names as io
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import ExportInfo, weights_beside
 from ..onnx.graph_cache import InMemoryGraph, graph_key, kept_or_made, recorded_file
 from ..onnx.kvcache import dequantize, quantize
 from ..onnx.mapped import mapped_model
@@ -60,7 +60,7 @@ def slots_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
     if provider is not ProviderKind.cpu or info.precision not in SLOT_PRECISIONS[provider]:
         return False
     path = info.batched_path if batched_from(info, None, True) is not None else info.model_path
-    return not path.with_name(path.name + ".data").exists()
+    return not weights_beside(path)
 
 
 def held_from_start(info: ExportInfo, provider: ProviderKind, rows: int) -> int:
@@ -410,7 +410,7 @@ class SlotDecoder(Closable):
         """The graphs `make` rewrites from the slots' graph file (onnx.optimize), each reading the int8 cache where the
         slots hold one: those an earlier process kept on disk where it did (onnx.graph_cache: then no onnx is imported,
         about a second of a server's start), else made here and kept. None where `make` has none."""
-        if self._path.with_name(self._path.name + ".data").exists():
+        if weights_beside(self._path):
             return None  # optimize's rewrites hold the weights of the graph's own file
         inputs = {"file": recorded_file(self._info, self._path), "scales": self._scales_digest}
 
