@@ -55,7 +55,7 @@ def per_channel_at_once() -> Iterator[None]:
     original = base_quantizer.BaseQuantizer.quantize_weight_per_channel_impl
 
     def at_once(self, weight_name, weight_qType, channel_axis, reduce_range=True, keep_float_weight=False):  # noqa: N803 (ORT's names)
-        initializer = next((i for i in self.model.initializer() if i.name == weight_name), None)
+        initializer = self.model.get_initializer(weight_name)
         covered = (initializer is not None and initializer.data_type == TensorProto.FLOAT and not keep_float_weight
                    and weight_qType in (TensorProto.INT8, TensorProto.UINT8) and self.min_real_range is None
                    and self.tensor_quant_overrides.get_per_channel_overrides(weight_name) is None

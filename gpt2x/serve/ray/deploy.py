@@ -451,12 +451,11 @@ def refuse_a_running_application(settings: ServeSettings) -> None:
 
 
 def drain(settings: ServeSettings, grace: float = STOP_GRACE_S) -> bool:
-    """Tell the application's replicas to stop (through its hubs: every model's at once) and wait until each has:
-    requests in flight get `grace` seconds, then end with an error. True once every replica has drained; False
-    when there is no hub or they did not say so within grace + 2 s."""
+    """Tell the application's replicas to stop (through the hubs this process made for it: every model's at once) and
+    wait until each has: requests in flight get `grace` seconds, then end with an error. True once every replica has
+    drained; False when a hub is gone or they did not say so within grace + 2 s."""
     try:
-        hubs = [ray.get_actor(name, namespace=HUB_NAMESPACE)
-                for name in _app_hubs.get(settings.app_name, [hub_name(settings)])]
+        hubs = [ray.get_actor(name, namespace=HUB_NAMESPACE) for name in _app_hubs[settings.app_name]]
         ray.get([hub.stop.remote(grace) for hub in hubs], timeout=HUB_TIMEOUT_S)
         deadline = time.monotonic() + grace + 2.0
         while time.monotonic() < deadline:
