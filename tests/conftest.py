@@ -159,6 +159,7 @@ def session_exports(shared_dir) -> Path:
     lock (fileio.folder_lock, in workflows.ensure_export) lets one worker make each export while the
     others wait for it and then use it. A test that must see exports made from nothing sets its own
     (`own_exports`)."""
+    from gpt2x.lmeval.index import INDEX_ENV
     from gpt2x.onnx.artifact import EXPORTS_ENV
     from gpt2x.onnx.build import INT8_KV_ENV
     from gpt2x.onnx.graph_cache import GRAPHS_ENV
@@ -171,6 +172,7 @@ def session_exports(shared_dir) -> Path:
     os.environ[INT8_KV_ENV] = "0"
     os.environ[TRACES_ENV] = str(shared_dir / "traces")  # the run's traced graphs, never the user's
     os.environ[GRAPHS_ENV] = str(shared_dir / "graphs")  # and its graphs rewritten at load (onnx.graph_cache)
+    os.environ[INDEX_ENV] = str(shared_dir / "lm-eval-index")  # and lm-eval's task indexes (lmeval.index)
     return root
 
 

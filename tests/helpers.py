@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpt2x.bench import run as bench
 from gpt2x.cli.app import main
 from gpt2x.fileio import sha256
+from gpt2x.lmeval.index import INDEX_ENV
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import EXPORTS_ENV, MODEL_FILE, attention_layout, read_export
 from gpt2x.onnx.graph_cache import GRAPHS_ENV
@@ -576,6 +577,7 @@ def run_gpt2x(*args: str, cwd, blocked: bool, block: str | None = None) -> subpr
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", EXPORTS_ENV: str(Path(cwd) / "exported"),
            **({TRACES_ENV: os.environ[TRACES_ENV]} if os.environ.get(TRACES_ENV) else {}),
            **({GRAPHS_ENV: os.environ[GRAPHS_ENV]} if os.environ.get(GRAPHS_ENV) else {}),  # never the user's cache
+           **({INDEX_ENV: os.environ[INDEX_ENV]} if os.environ.get(INDEX_ENV) else {}),
            # the export's extra graphs the run turns off (conftest): each costs an int8 export seconds of gating and timing
            **{name: os.environ[name] for name in ("GPT2X_BATCHED_DECODE", "GPT2X_INT8_KV") if name in os.environ},
            **({"BLOCKED": block} if block else {}),

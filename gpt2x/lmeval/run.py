@@ -19,6 +19,7 @@ from ..choices import BackendKind, Precision, Progress, ProviderKind, no_progres
 from ..errors import HubError, UsageError
 from ..evaluate import harness
 from ..workflows.backends import open_backend
+from .index import kept_index
 from .model import DEFAULT_MAX_GEN_TOKS, DEFAULT_SEED, Gpt2xLM
 
 
@@ -47,19 +48,21 @@ def _is_task_file(name: str) -> bool:
 
 
 def task_manager(tasks: tuple[str, ...], include_paths: tuple[Path, ...] = ()) -> TaskManager:
-    """The include paths alone when they hold every task (indexing lm-eval's ~15,000 task files takes seconds), else
-    lm-eval's tasks too. An unknown task is a UsageError naming the closest names."""
+    """The include paths alone when they hold every task, else lm-eval's tasks too: each folder's index read back from
+    an earlier run's where its files are unchanged (index.kept_index; parsing lm-eval's ~14,000 task files takes
+    seconds). An unknown task is a UsageError naming the closest names."""
     if not tasks:
         raise UsageError("no tasks given", option="tasks")
     for path in include_paths:
         if not Path(path).is_dir():
             raise UsageError(f"include path {path} is not a folder", option="include_path")
     paths = [str(p) for p in include_paths]
-    if paths:
-        manager = TaskManager(include_path=paths, include_defaults=False)
-        if all(t in manager.all_tasks or _is_task_file(t) for t in tasks):
-            return manager
-    manager = TaskManager(include_path=paths or None)
+    with kept_index():
+        if paths:
+            manager = TaskManager(include_path=paths, include_defaults=False)
+            if all(t in manager.all_tasks or _is_task_file(t) for t in tasks):
+                return manager
+        manager = TaskManager(include_path=paths or None)
     unknown = [t for t in tasks if t not in manager.all_tasks and not _is_task_file(t)]
     if unknown:
         hints = []
