@@ -2,7 +2,9 @@
 on each start (its own ~14,000 take seconds), to learn which names exist. Here each folder's index is kept in
 GPT2X_LMEVAL_INDEX (default: gpt2x/lm-eval-index in the user's cache; "off": never) beside the fingerprint of the
 folder's task files (their paths, sizes and modification times) and lm-eval's version; a later run whose
-fingerprint matches reads it back instead of parsing the files again.
+fingerprint matches reads it back instead of parsing the files again. The index holds names, kinds and tags: lm-eval
+parses a task's file afresh when it loads the task. (A file included from outside the folder is not in the
+fingerprint: a name or tag it alone changes shows once a file of the folder changes.)
 
 `kept_index()` puts this in place of lm-eval's `TaskIndex.build` while a TaskManager is made (lm-eval is pinned in
 the `eval` extra; tests/lmeval/test_index.py checks the names and the signature)."""
