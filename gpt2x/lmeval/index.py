@@ -76,7 +76,10 @@ def _folder_index(root: Path, build, resolve_includes: bool) -> dict[str, Entry]
     root = Path(root).expanduser().resolve()
     if folder is None or not root.is_dir():
         return build([root], resolve_includes=resolve_includes)
-    fingerprint = _fingerprint(root, _task_files(root))
+    try:
+        fingerprint = _fingerprint(root, _task_files(root))
+    except OSError:  # a file gone meanwhile: lm-eval's own walk, as if nothing were kept
+        return build([root], resolve_includes=resolve_includes)
     kept = folder / f"{hashlib.sha256(f'{root}{resolve_includes}'.encode()).hexdigest()[:24]}.marshal"
     try:
         index = _load(kept.read_bytes(), fingerprint)
