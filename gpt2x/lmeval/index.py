@@ -7,7 +7,7 @@ parses a task's file afresh when it loads the task. (A file included from outsid
 fingerprint: a name or tag it alone changes shows once a file of the folder changes.)
 
 `kept_index()` puts this in place of lm-eval's `TaskIndex.build` while a TaskManager is made (lm-eval is pinned in
-the `eval` extra; tests/lmeval/test_index.py checks the names and the signature)."""
+the `eval` extra; tests/lmeval/test_index.py checks the names and the signatures)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from ..fileio import cache_folder, write_atomic
 
 INDEX_ENV = "GPT2X_LMEVAL_INDEX"  # the folder of kept task indexes, or "off"
 _FORMAT = 1  # the layout of a kept file: another is read as missing
-_IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # as lm-eval's TaskIndex walks a folder
 _lm_log = logging.getLogger("lm_eval.tasks._index")  # its override warning, under lm-eval's logger (quieted with it)
 
 
@@ -36,16 +35,11 @@ def index_root() -> Path | None:
     return cache_folder(INDEX_ENV, "lm-eval-index")
 
 
-def _task_files(root: Path) -> list[Path]:
-    """The files lm-eval's TaskIndex reads in `root`, in its order."""
-    return sorted((p for p in root.glob("**/*.yaml") if not any(part in _IGNORE_DIRS for part in p.parts)),
-                  key=lambda p: p.as_posix())
-
-
-def _fingerprint(root: Path, files: list[Path]) -> str:
-    """lm-eval's version, the folder and each task file's path, size and modification time, hashed."""
+def _fingerprint(root: Path) -> str:
+    """lm-eval's version, the folder and each task file's path, size and modification time, hashed: the files of
+    lm-eval's own walk (TaskIndex._iter_yaml_files), in its order."""
     h = hashlib.sha256(f"{importlib.metadata.version('lm_eval')}\0{root}".encode())
-    for p in files:
+    for p in TaskIndex._iter_yaml_files(root):
         st = p.stat()
         h.update(f"\0{p.relative_to(root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()
@@ -77,7 +71,7 @@ def _folder_index(root: Path, build, resolve_includes: bool) -> dict[str, Entry]
     if folder is None or not root.is_dir():
         return build([root], resolve_includes=resolve_includes)
     try:
-        fingerprint = _fingerprint(root, _task_files(root))
+        fingerprint = _fingerprint(root)
     except OSError:  # a file gone meanwhile: lm-eval's own walk, as if nothing were kept
         return build([root], resolve_includes=resolve_includes)
     kept = folder / f"{hashlib.sha256(f'{root}{resolve_includes}'.encode()).hexdigest()[:24]}.marshal"

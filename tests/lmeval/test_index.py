@@ -128,10 +128,13 @@ def test_a_task_manager_on_the_kept_index_loads_the_tasks_as_on_its_own(tmp_path
 
 def test_lm_evals_names_that_the_index_takes_the_place_of_are_there():
     """lm-eval's TaskManager builds its index through manager.TaskIndex.build(paths, *, resolve_includes), which
-    kept_index replaces while it runs and puts back."""
+    kept_index replaces while it runs and puts back; the fingerprint walks a folder with TaskIndex._iter_yaml_files(root),
+    the walk build reads."""
     assert lm_manager.TaskIndex is TaskIndex
     params = inspect.signature(BUILD).parameters
     assert list(params) == ["paths", "resolve_includes"] and params["resolve_includes"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(TaskIndex._iter_yaml_files).parameters) == ["root"]
+    assert "_iter_yaml_files(root)" in inspect.getsource(BUILD)
     assert "index.build(all_paths)" in inspect.getsource(lm_manager.TaskManager.__init__)
     with index.kept_index():
         assert TaskIndex.build is not BUILD
