@@ -54,7 +54,8 @@ class Sampler:
     def __call__(self, logits: np.ndarray, rows: Sequence[History] | None = None) -> np.ndarray:
         if self.s.greedy:
             return self.greedy(logits, rows)
-        return self.draw(self.probabilities(logits, rows))
+        scores = self.scores(logits, rows)
+        return draw_scores(scores, self.rng.random(scores.shape[0]))
 
     def draw(self, p: np.ndarray) -> np.ndarray:
         """One token per row of `p` (unnormalised is fine), by inverse CDF, one uniform per row in row order."""
@@ -84,6 +85,51 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
     if short.any():
         i[short] = [np.flatnonzero(mass[k])[-1] for k in np.flatnonzero(short)]
     return np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
+
+
+# A bound on the relative error of a token's mass computed as float32's exp of its score less the row's maximum rounded
+# to float32: the rounding (scores at most 104 below the maximum before float32's exp underflows, 104 * 2**-24 of it),
+# the exp (NumPy's float32 exp: measured 2.6e-7, bounded at 1e-6), and the float64 sums of both ways (~1e-13).
+DRAW_EPS = 104 * 2.0**-24 + 1e-6
+
+
+def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The token `_inverse_cdf(softmax(scores), u)` draws from float64 `scores` (rows, n), the same token always, with
+    the masses computed in float32 first: NumPy's float64 exp is scalar on CPUs without AVX-512 (9 ns a token, 7.6 ms
+    a 16-row step over GPT-2's 50,257), its float32 exp vectorised (2 ns). A row whose cut lies within 3 DRAW_EPS of the
+    total mass from either end of the token it falls in (about one draw in 10^5) is drawn again the float64 way."""
+    rows, n = scores.shape
+    top = scores.max(axis=-1, keepdims=True)
+    if n <= CDF_BLOCK or not np.isfinite(top).all():  # one block (cheap), or a row of +inf, NaN or nothing left
+        return _inverse_cdf(softmax(scores), u)
+    mass32 = np.empty(scores.shape, dtype=np.float32)
+    np.subtract(scores, top, out=mass32, casting="same_kind")  # in float64, rounded once to float32
+    np.exp(mass32, out=mass32)
+    full = n // CDF_BLOCK
+    sums = np.empty((rows, full + (n % CDF_BLOCK > 0)))
+    sums[:, :full] = mass32[:, : full * CDF_BLOCK].reshape(rows, full, CDF_BLOCK).sum(axis=-1, dtype=np.float64)
+    if full < sums.shape[1]:
+        sums[:, full] = mass32[:, full * CDF_BLOCK :].sum(axis=-1, dtype=np.float64)
+    ends = np.cumsum(sums, axis=-1)
+    total = ends[:, -1]
+    cut = u * total
+    block = (ends >= cut[:, None]).argmax(axis=-1)
+    r = np.arange(rows)
+    columns = block[:, None] * CDF_BLOCK + np.arange(CDF_BLOCK)
+    mass = np.take_along_axis(mass32, np.minimum(columns, n - 1), axis=-1).astype(np.float64)
+    mass[columns >= n] = 0.0
+    before = np.where(block > 0, ends[r, block - 1], 0.0)
+    cdf = before[:, None] + np.cumsum(mass, axis=-1)
+    reached = cdf >= cut[:, None]
+    i = reached.argmax(axis=-1)
+    low = np.where(i > 0, cdf[r, np.maximum(i - 1, 0)], before)
+    margin = 3 * DRAW_EPS * total
+    sure = reached[r, i] & (cut - low > margin) & (cdf[r, i] - cut > margin)
+    out = np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
+    if not sure.all():
+        unsure = ~sure
+        out[unsure] = _inverse_cdf(softmax(scores[unsure]), u[unsure])
+    return out
 
 
 def masking_dtype(logits: np.ndarray, samplers: Sequence[Sampler]) -> type:
@@ -144,7 +190,7 @@ def _sample_batch(samplers: Sequence[Sampler], chains: Sequence[dict], logits: n
     if drawn:
         u = np.array([samplers[i].rng.random(1)[0] for i in drawn])  # one uniform per row from its own stream
         p = scores[drawn] if greedy else scores  # `scores` is this function's own (astype copies)
-        out[drawn] = _inverse_cdf(softmax(p, inplace=True), u)
+        out[drawn] = draw_scores(p, u)
     return out
 
 
