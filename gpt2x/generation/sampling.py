@@ -87,21 +87,27 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
 
 
-# A bound on the relative error of a token's mass computed as float32's exp of its score less the row's maximum rounded
-# to float32: the rounding (scores at most 104 below the maximum before float32's exp underflows, 104 * 2**-24 of it),
-# the exp (NumPy's float32 exp: measured 2.6e-7, bounded at 1e-6), and the float64 sums of both ways (~1e-13).
-DRAW_EPS = 104 * 2.0**-24 + 1e-6
+# The relative error of NumPy's float32 exp, bounded (measured: 2.6e-7 on [-88, 0], AVX2; tests/generation/test_draw.py
+# measures it on the machine it runs on). With the rounding of a score less the row's maximum to float32 (its
+# distance below the maximum times 2**-24, float32's exp underflowing past 104), it bounds the error of each token's
+# mass drawn from float32, relative to that mass. A mass below float32's smallest normal (1.2e-38) is off by less than
+# that, and the float64 sums of both ways by ~1e-13 of the total.
+EXP32_ERROR = 5e-7
+UNDERFLOW = 104.0
+TINY = 1.2e-38
 
 
 def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     """The token `_inverse_cdf(softmax(scores), u)` draws from float64 `scores` (rows, n), the same token always, with
-    the masses computed in float32 first: NumPy's float64 exp is scalar on CPUs without AVX-512 (9 ns a token, 7.6 ms
-    a 16-row step over GPT-2's 50,257), its float32 exp vectorised (2 ns). A row whose cut lies within 3 DRAW_EPS of the
-    total mass from either end of the token it falls in (about one draw in 10^5) is drawn again the float64 way."""
+    the masses computed in float32 first: NumPy's float64 exp is scalar on CPUs without AVX-512 (9 ns a token, 7 ms a
+    16-row step over GPT-2's 50,257), its float32 exp vectorised (2 ns). A row whose cut lies too near either end of
+    the token it falls in for the float32 masses to tell (a token of little mass: a few draws in a hundred from a
+    trained model) is drawn again the float64 way."""
     rows, n = scores.shape
     top = scores.max(axis=-1, keepdims=True)
     if n <= CDF_BLOCK or not np.isfinite(top).all():  # one block (cheap), or a row of +inf, NaN or nothing left
         return _inverse_cdf(softmax(scores), u)
+    spread = top[:, 0] - scores.min(axis=-1)  # +inf where a token was removed (its mass is 0 both ways)
     mass32 = np.empty(scores.shape, dtype=np.float32)
     np.subtract(scores, top, out=mass32, casting="same_kind")  # in float64, rounded once to float32
     np.exp(mass32, out=mass32)
@@ -123,7 +129,9 @@ def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     reached = cdf >= cut[:, None]
     i = reached.argmax(axis=-1)
     low = np.where(i > 0, cdf[r, np.maximum(i - 1, 0)], before)
-    margin = 3 * DRAW_EPS * total
+    # Each mass within eps of itself, so the cut and both ends within eps of the total: 3 x that apart is certain.
+    eps = np.minimum(spread, UNDERFLOW) * 2.0**-24 + EXP32_ERROR
+    margin = 3 * eps * total + 3 * n * TINY
     sure = reached[r, i] & (cut - low > margin) & (cdf[r, i] - cut > margin)
     out = np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
     if not sure.all():

@@ -98,3 +98,13 @@ def test_the_sampler_and_a_batch_draw_the_float64_tokens():
     streams = [np.random.default_rng(5 + i) for i in range(6)]
     want = [int(float64_way(reference.scores(logits[i : i + 1]), streams[i].random(1))[0]) for i in range(6)]
     assert sampling.sample_many(samplers, logits, rows).tolist() == want
+
+
+def test_numpys_float32_exp_is_within_the_bound_the_draw_assumes():
+    """sampling.EXP32_ERROR, checked on this machine's NumPy (its float32 exp kernel differs by CPU): every float32
+    in [-104, 0] a step apart, against float64's exp of the same value."""
+    x = np.linspace(-sampling.UNDERFLOW, 0.0, 4_000_001, dtype=np.float32)
+    got, want = np.exp(x).astype(np.float64), np.exp(x.astype(np.float64))
+    normal = want >= np.finfo(np.float32).tiny
+    assert (np.abs(got - want)[normal] <= sampling.EXP32_ERROR * want[normal]).all()
+    assert (np.abs(got - want)[~normal] <= sampling.TINY).all()
