@@ -103,11 +103,15 @@ def main() -> None:
                                                for name, draw in (("float64", float64_way), ("draw_scores", FAST))}
              for rows, batch in ((1, ones), (args.rows, steps))}
     machine = system_info()
+    # What decides NumPy's exp kernels: float64's is vectorised with AVX-512F only
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    machine["simd"] = [f for f in ("AVX2", "AVX512F", "AVX512_SKX") if __cpu_features__.get(f)]
     generated = {name: statistics.median(r) for name, r in runs.items()}
     out = {"machine": machine, "command": " ".join(["python", *sys.argv]), "repeat": args.repeat, "rows": args.rows,
            "new_tokens": args.new_tokens, "vocab": backend.vocab_size, "generate_tokens_per_s": generated,
            "generate_runs": runs, "draw_ms_per_step": draws, "drawn_again_share": again[0] / drawn, "draws": drawn}
-    lines = [f"Sampled draws on {machine['cpu']} ({machine['cores']} cores), {machine['date']}, gpt2x git "
+    lines = [f"Sampled draws on {machine['cpu']} ({machine['cores']} cores; {', '.join(machine['simd'])}), {machine['date']}, gpt2x git "
              f"{machine.get('git')}: the bundled model's fp32 export on ONNX Runtime, {args.rows} prompts x "
              f"{args.new_tokens} tokens at temperature 1, vocabulary {backend.vocab_size}; {args.repeat} interleaved "
              "rounds, medians. Both ways drew the same tokens.", "",
