@@ -52,8 +52,8 @@ def test_the_same_token_as_the_float64_way_at_random_cuts_and_most_rows_decided_
             u = rng.random(len(scores))
             np.testing.assert_array_equal(sampling.draw_scores(scores, u), float64_way(scores, u))
         if scores.shape == (16, V) and np.isfinite(scores).all() and scores.std() > 5:
-            # peaked rows: the cut lands in a token of far more mass than the rounding, decided in float32 (tails of
-            # many tokens of little mass are drawn again more often: a flat row always, a Gaussian's 20 to 30%)
+            # peaked rows: the cut lands in a token of far more mass than the rounding, decided in float32 (a row
+            # whose mass is spread over many small tokens is drawn again more often: 10 to 20% of the flat ones here)
             assert redrawn[0] - before <= 0.01 * 20 * 16, redrawn[0] - before
 
 
