@@ -34,13 +34,13 @@ def positions(mask: np.ndarray, seq_len: int) -> np.ndarray:
 CDF_BLOCK = 512
 
 
-def block_reduce(reduce: np.ufunc, a: np.ndarray, block: int) -> np.ndarray:
+def block_reduce(reduce: np.ufunc, a: np.ndarray, block: int, dtype: type | None = None) -> np.ndarray:
     """`reduce` (np.add, np.maximum) over each run of `block` columns of a (rows, n) array, the last run shorter
-    where n is not a multiple of it: (rows, ceil(n / block))."""
+    where n is not a multiple of it: (rows, ceil(n / block)); in `dtype` (default: a's)."""
     rows, n = a.shape
     full = n // block
-    out = np.empty((rows, -(-n // block)), dtype=a.dtype)
-    out[:, :full] = reduce.reduce(a[:, : full * block].reshape(rows, full, block), axis=-1)
+    out = np.empty((rows, -(-n // block)), dtype=dtype or a.dtype)
+    out[:, :full] = reduce.reduce(a[:, : full * block].reshape(rows, full, block), axis=-1, dtype=out.dtype)
     if full < out.shape[1]:
-        out[:, full] = reduce.reduce(a[:, full * block :], axis=-1)
+        out[:, full] = reduce.reduce(a[:, full * block :], axis=-1, dtype=out.dtype)
     return out

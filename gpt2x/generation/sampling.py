@@ -70,21 +70,27 @@ def _inverse_cdf(p: np.ndarray, u: np.ndarray) -> np.ndarray:
         cdf = np.cumsum(p, axis=-1)
         return np.minimum((cdf >= (u * cdf[:, -1])[:, None]).argmax(axis=-1), n - 1).astype(np.int64)
     ends = np.cumsum(block_reduce(np.add, p, CDF_BLOCK), axis=-1)  # the mass up to each block's end
-    cut = u * ends[:, -1]
-    block = (ends >= cut[:, None]).argmax(axis=-1)
-    r = np.arange(rows)
-    columns = block[:, None] * CDF_BLOCK + np.arange(CDF_BLOCK)
-    mass = np.take_along_axis(p, np.minimum(columns, n - 1), axis=-1)
-    mass[columns >= n] = 0.0  # the last block's columns past the row
-    cdf = np.where(block > 0, ends[r, block - 1], 0.0)[:, None] + np.cumsum(mass, axis=-1)
-    reached = cdf >= cut[:, None]
-    i = reached.argmax(axis=-1)
+    block, mass, cdf, reached, i = _cut_in_blocks(p, ends, u * ends[:, -1])
     # Summed in another order, a block's running sum can end a rounding error short of its block sum: the cut is
     # then at the block's end, its last token with mass.
-    short = ~reached[r, i]
+    short = ~reached[np.arange(rows), i]
     if short.any():
         i[short] = [np.flatnonzero(mass[k])[-1] for k in np.flatnonzero(short)]
     return np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
+
+
+def _cut_in_blocks(p: np.ndarray, ends: np.ndarray, cut: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Where each row's cumulative mass reaches its `cut`, given `ends` (the float64 mass up to each CDF_BLOCK's end):
+    the block, its masses (float64, 0 past the row), their running sum from the mass before the block, where that
+    reaches the cut, and the first index in the block that does (0 where none)."""
+    n = p.shape[1]
+    block = (ends >= cut[:, None]).argmax(axis=-1)
+    columns = block[:, None] * CDF_BLOCK + np.arange(CDF_BLOCK)
+    mass = np.take_along_axis(p, np.minimum(columns, n - 1), axis=-1).astype(np.float64, copy=False)
+    mass[columns >= n] = 0.0  # the last block's columns past the row
+    cdf = np.where(block > 0, ends[np.arange(len(p)), block - 1], 0.0)[:, None] + np.cumsum(mass, axis=-1)
+    reached = cdf >= cut[:, None]
+    return block, mass, cdf, reached, reached.argmax(axis=-1)
 
 
 # The relative error of NumPy's float32 exp, bounded (measured: 2.6e-7 on [-88, 0], AVX2; tests/generation/test_draw.py
@@ -111,24 +117,12 @@ def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     mass32 = np.empty(scores.shape, dtype=np.float32)
     np.subtract(scores, top, out=mass32, casting="same_kind")  # in float64, rounded once to float32
     np.exp(mass32, out=mass32)
-    full = n // CDF_BLOCK
-    sums = np.empty((rows, full + (n % CDF_BLOCK > 0)))
-    sums[:, :full] = mass32[:, : full * CDF_BLOCK].reshape(rows, full, CDF_BLOCK).sum(axis=-1, dtype=np.float64)
-    if full < sums.shape[1]:
-        sums[:, full] = mass32[:, full * CDF_BLOCK :].sum(axis=-1, dtype=np.float64)
-    ends = np.cumsum(sums, axis=-1)
+    ends = np.cumsum(block_reduce(np.add, mass32, CDF_BLOCK, np.float64), axis=-1)
     total = ends[:, -1]
     cut = u * total
-    block = (ends >= cut[:, None]).argmax(axis=-1)
+    block, mass, cdf, reached, i = _cut_in_blocks(mass32, ends, cut)
     r = np.arange(rows)
-    columns = block[:, None] * CDF_BLOCK + np.arange(CDF_BLOCK)
-    mass = np.take_along_axis(mass32, np.minimum(columns, n - 1), axis=-1).astype(np.float64)
-    mass[columns >= n] = 0.0
-    before = np.where(block > 0, ends[r, block - 1], 0.0)
-    cdf = before[:, None] + np.cumsum(mass, axis=-1)
-    reached = cdf >= cut[:, None]
-    i = reached.argmax(axis=-1)
-    low = np.where(i > 0, cdf[r, np.maximum(i - 1, 0)], before)
+    low = np.where(i > 0, cdf[r, np.maximum(i - 1, 0)], np.where(block > 0, ends[r, block - 1], 0.0))  # before the token
     # Each mass within eps of itself, so the cut and both ends within eps of the total: 3 x that apart is certain.
     eps = np.minimum(spread, UNDERFLOW) * 2.0**-24 + EXP32_ERROR
     margin = 3 * eps * total + 3 * n * TINY
