@@ -1,10 +1,12 @@
-"""The numerical helpers against PyTorch's float64 log-softmax (an independent implementation)."""
+"""The numerical helpers and the API's token logprobs against PyTorch's float64 log-softmax (an independent
+implementation)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from gpt2x.generation.logprobs import SCORE_CHUNK, token_logprobs
 from gpt2x.numerics import log_softmax, target_log_probs
 
 
@@ -21,3 +23,20 @@ def test_log_softmax_and_target_log_probs_are_torchs_float64_log_softmax():
     assert got.dtype == np.float64 and got.shape == (7,)
     np.testing.assert_allclose(got, reference[np.arange(7), targets], rtol=0, atol=1e-6)
     assert (logits == kept).all()  # the input is left as it was
+
+
+def test_token_logprobs_are_torchs_float64_log_softmax_and_topk():
+    """A prompt's worth of rows, more than one chunk: each chosen token's log-probability and the k most likely, in
+    order, as torch's float64 log_softmax and topk give them (distinct logits: topk's order of ties is its own)."""
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((SCORE_CHUNK + 9, 50257)) * 4).astype(np.float32)
+    logits[2, 5] = 70.0  # nearly all of a row's mass on one token
+    chosen = rng.integers(0, 50257, len(logits)).tolist()
+    reference = torch.log_softmax(torch.from_numpy(logits).double(), dim=-1)
+    values, ids = reference.topk(3, dim=-1)
+    entries = token_logprobs(logits, chosen, 3)
+    assert [e[0] for e in entries] == chosen
+    np.testing.assert_allclose([e[1] for e in entries], reference[np.arange(len(chosen)), chosen].numpy(), rtol=0, atol=1e-6)
+    assert [[t for t, _ in e[2]] for e in entries] == ids.tolist()
+    np.testing.assert_allclose([[v for _, v in e[2]] for e in entries], values.numpy(), rtol=0, atol=1e-6)
+    assert token_logprobs(logits[:1], chosen[:1], 0)[0][2] == []  # k 0: none listed

@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numerics import log_softmax
+from ..numerics import log_sum_exp
 
 # One token told: its id, its log-probability (None for a prompt's first token) and the k most likely
 # tokens with theirs, most likely first (None for a prompt's first token).
 LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
-SCORE_CHUNK = 64  # positions whose log_softmax is computed at once (float64, vocab wide)
+SCORE_CHUNK = 64  # positions scored at once (a float32 copy, vocab wide, for the exponentials)
 
 
 def token_logprobs(logits: np.ndarray, chosen: list[int], k: int) -> list[LogprobEntry]:
-    """For each row of `logits` (T, V) and its chosen token, its LogprobEntry."""
+    """For each row of `logits` (T, V) and its chosen token, its LogprobEntry. A token's log-probability is its
+    logit less the row's log_sum_exp, in float64; only the tokens told are computed (a rank by the logits is the
+    rank by log_softmax), not the whole row's (float64 exponentials: most of a long prompt's scoring)."""
     out: list[LogprobEntry] = []
     for start in range(0, len(chosen), SCORE_CHUNK):
-        lp = log_softmax(logits[start : start + SCORE_CHUNK])
-        for row, tok in zip(lp, chosen[start : start + SCORE_CHUNK]):
+        x = np.asarray(logits[start : start + SCORE_CHUNK], dtype=np.float32)
+        for row, tok, lse in zip(x, chosen[start : start + SCORE_CHUNK], log_sum_exp(x).tolist()):
             top: list[tuple[int, float]] = []
             if k:
                 best = np.argpartition(-row, k - 1)[:k]
                 best = best[np.argsort(-row[best], kind="stable")]
-                top = [(int(t), float(row[t])) for t in best]
-            out.append((int(tok), float(row[tok]), top))
+                top = [(int(t), float(row[t]) - lse) for t in best]
+            out.append((int(tok), float(row[tok]) - lse, top))
     return out
