@@ -48,6 +48,24 @@ def test_kl_and_cross_entropy_hand_computed():
     assert metrics.cross_entropy(logits, np.array([1, 0])) == pytest.approx(-(math.log(0.8) + math.log(0.6)) / 2)
 
 
+def test_kl_is_torchs_float64_kl_on_vocabulary_wide_rows():
+    """Against torch's kl_div in float64 on GPT-2-wide rows: random logits, logits near a row's own (the fp32 gate's
+    KL of 1e-6 and far below: the subtraction of the two log-sum-exps must not swamp it), a peaked row, equal rows."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    p = rng.normal(0, 4, (6, 50257)).astype(np.float32)
+    q = p + rng.normal(0, 1, p.shape).astype(np.float32) * np.array([1, 1e-2, 1e-4, 1e-6, 0, 1], np.float32)[:, None]
+    p[5, 7] = q[5, 7] = 60.0  # nearly all of the row's mass on one token
+    lp = torch.log_softmax(torch.from_numpy(p).double(), -1)
+    lq = torch.log_softmax(torch.from_numpy(q).double(), -1)
+    want = torch.nn.functional.kl_div(lq, lp, reduction="none", log_target=True).sum(-1).numpy()
+    got = kl_divergence(p, q)
+    assert want[3] < 1e-11 and want[4] == 0.0  # the cases meant
+    # float64's rounding over 50,257 terms of order one: a few 1e-15 (as for log-softmaxes subtracted entry by entry)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=2e-14)
+
+
 def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
     vocab = 7
     ppl = metrics.perplexity(lambda x: np.zeros((1, x.shape[1], vocab)), [i % vocab for i in range(50)], window=8)
