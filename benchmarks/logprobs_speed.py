@@ -97,7 +97,7 @@ def main() -> None:
     for t, k in CASES:
         key = f"{t},{k}"
         a, b = entries["before"][key], entries["after"][key]
-        diff = max(max(abs(x[1] - y[1]), *(abs(p[1] - q[1]) for p, q in zip(x[2], y[2]))) for x, y in zip(a, b))
+        diff = max(max([abs(x[1] - y[1])] + [abs(p[1] - q[1]) for p, q in zip(x[2], y[2])]) for x, y in zip(a, b))
         same_top = all([p[0] for p in x[2]] == [q[0] for q in y[2]] for x, y in zip(a, b))
         results.append({"rows": t, "k": k, **{f"{name}_ms": statistics.median(r[key] for r in rounds[name])
                                              for name in rounds},
