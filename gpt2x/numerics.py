@@ -51,3 +51,15 @@ def block_reduce(reduce: np.ufunc, a: np.ndarray, block: int, dtype: type | None
     if full < out.shape[1]:
         out[:, full] = reduce.reduce(a[:, full * block :], axis=-1, dtype=out.dtype)
     return out
+
+
+def kth_block_peak(a: np.ndarray, k: np.ndarray, block: int) -> np.ndarray | None:
+    """Each row's k-th largest maximum over `block` columns of a (rows, n) array, k (rows,) each: at or below the row's
+    k-th largest value (k blocks reach it), so the values at or above it hold the row's k largest, without partitioning
+    the whole row. None where k is above the number of blocks, or a NaN is there (np.partition's order puts it last)."""
+    peaks = block_reduce(np.maximum, a, block)
+    blocks = peaks.shape[1]
+    if k.max() > blocks or np.isnan(peaks).any():
+        return None
+    at = blocks - k
+    return np.partition(peaks, np.unique(at), axis=-1)[np.arange(len(a)), at]

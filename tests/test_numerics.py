@@ -40,3 +40,9 @@ def test_token_logprobs_are_torchs_float64_log_softmax_and_topk():
     assert [[t for t, _ in e[2]] for e in entries] == ids.tolist()
     np.testing.assert_allclose([[v for _, v in e[2]] for e in entries], values.numpy(), rtol=0, atol=1e-6)
     assert token_logprobs(logits[:1], chosen[:1], 0)[0][2] == []  # k 0: none listed
+    tied = logits[:2].copy()
+    tied[1, [2000, 10, 300]] = 50.0  # equal logits, the largest: listed in id order
+    tied[1, 7] = 49.0
+    assert [t for t, _ in token_logprobs(tied, chosen[:2], 4)[1][2]] == [10, 300, 2000, 7]
+    # many ties at the floor: an all-equal row lists its first k ids
+    assert [t for t, _ in token_logprobs(np.zeros((1, 50257), np.float32), [3], 5)[0][2]] == [0, 1, 2, 3, 4]

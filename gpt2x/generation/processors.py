@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import Gpt2xError, UsageError
-from ..numerics import block_reduce
+from ..numerics import kth_block_peak
 from ..tokenizer import EOT_ID, VOCAB_SIZE, encode, get_encoding
 from .constraints import Constraint, ConstraintSpec, mask_rows
 
@@ -202,18 +202,13 @@ TOP_K_BLOCK = 512  # see _kth_largest_by_blocks
 
 def _kth_largest_by_blocks(s: np.ndarray, k: np.ndarray) -> np.ndarray | None:
     """Each row's k-th largest score, as np.partition gives it, without partitioning the whole row (np.partition
-    over GPT-2's vocabulary is most of a top-k step): the k-th largest of the rows' block maxima is at or below
-    it (k blocks reach it), so only the scores at or above that are partitioned. None where that does not hold
-    (k above the number of blocks) or a NaN is there (np.partition's order puts it last)."""
-    rows = len(s)
-    tops = block_reduce(np.maximum, s, TOP_K_BLOCK)
-    blocks = tops.shape[1]
-    if k.max() > blocks or np.isnan(tops).any():
+    over GPT-2's vocabulary is most of a top-k step): only the scores at or above numerics.kth_block_peak are
+    partitioned. None where that does not hold (k above the number of blocks, or a NaN)."""
+    floor = kth_block_peak(s, k, TOP_K_BLOCK)
+    if floor is None:
         return None
-    at = blocks - k
-    floor = np.partition(tops, np.unique(at), axis=-1)[np.arange(rows), at]
-    kth = np.empty(rows)
-    for r in range(rows):
+    kth = np.empty(len(s))
+    for r in range(len(s)):
         head = s[r][s[r] >= floor[r]]
         kth[r] = np.partition(head, len(head) - k[r])[len(head) - k[r]]
     return kth
