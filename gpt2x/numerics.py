@@ -18,9 +18,10 @@ def log_sum_exp(logits: np.ndarray) -> np.ndarray:
     logits[i, t] - this, in float64 (exact differences). The exponentials are float32's (numpy vectorises them; its
     float64 exp is a scalar loop without AVX-512: 4x slower), their sums and logs float64's: within 1e-6 of the
     all-float64 computation."""
-    top = logits.max(axis=-1)
-    total = np.exp(logits - top[:, None]).sum(axis=-1, dtype=np.float64)
-    return top + np.log(total)
+    top = logits.max(axis=-1, keepdims=True)
+    shifted = np.subtract(logits, top)
+    np.exp(shifted, out=shifted)  # in place: a second vocabulary-wide array costs as much as the exponentials
+    return top[:, 0] + np.log(shifted.sum(axis=-1, dtype=np.float64))
 
 
 def target_log_probs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
