@@ -3,16 +3,23 @@ prompt scored whole (`echo` with `logprobs`: lm-eval's loglikelihood requests to
 
     git worktree add /tmp/base COMMIT && python benchmarks/logprobs_speed.py --baseline /tmp/base
         # writes benchmarks/results/logprobs-speed-<machine>.{json,md}: the baseline checkout and this one
+    python benchmarks/logprobs_speed.py --baseline /tmp/base --served EXPORT_DIR
+        # and a prompt scored over the API, each checkout's `gpt2x serve` on the export
 
 Each checkout runs in a worker process of its own (PYTHONPATH), on the same random float32 logits (standard normal
 times 4) and chosen tokens; the workers take turns round by round, the order alternating, so that the machine's
 drift hits both alike. Median ms over the rounds per case; and, per case, the largest difference between the two
 checkouts' log-probabilities and whether they listed the same top tokens in the same order.
+
+--served: both checkouts' `gpt2x serve --onnx EXPORT_DIR --threads 1` run side by side, idle but for the request sent
+to one of them at a time (in turns, the order alternating): /v1/completions with the longest prompt the export takes,
+echo, logprobs 1 and max_tokens 1 (the request lm-eval's loglikelihood sends); the median latency of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -65,11 +72,40 @@ def worker(repeats: int) -> None:
     print(json.dumps({f"{t},{k}": token_logprobs(*data[(t, k)], k) for t, k in CASES}), flush=True)
 
 
+def served(checkouts: dict[str, Path], export: Path, rounds: int) -> dict:
+    """Each checkout's server on `export`, a prompt scored in turns; {checkout: median ms, "prompt_tokens": n}."""
+    import httpx
+
+    n = json.loads((export / "config.json").read_text())["n_positions"] - 1
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, V - 1, n)]
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, path in checkouts.items():
+            proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export), "--port", "0",
+                                     "--threads", "1", "--json"], env={**os.environ, "PYTHONPATH": str(path)},
+                                    stdout=subprocess.PIPE, text=True)
+            stack.callback(proc.wait, 30)
+            stack.callback(proc.terminate)
+            urls[name] = json.loads(proc.stdout.readline())["url"]
+        spans: dict[str, list[float]] = {name: [] for name in urls}
+        with httpx.Client(timeout=120) as client:
+            for r in range(rounds + 1):
+                for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+                    start = time.perf_counter()
+                    answer = client.post(f"{urls[name]}/v1/completions", json=body)
+                    answer.raise_for_status()
+                    if r:  # the first round warms up
+                        spans[name].append(time.perf_counter() - start)
+    return {"prompt_tokens": n, **{name: statistics.median(s) * 1e3 for name, s in spans.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout (git worktree add DIR COMMIT)")
     ap.add_argument("--rounds", type=int, default=15, help="timed rounds per checkout (after one untimed)")
     ap.add_argument("--repeats", type=int, default=200, help="calls per round for a single row (their median)")
+    ap.add_argument("--served", type=Path, default=None, help="an export: a prompt scored over each checkout's server too")
     ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/logprobs-speed-cpu-<cores>core")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -102,12 +138,14 @@ def main() -> None:
         results.append({"rows": t, "k": k, **{f"{name}_ms": statistics.median(r[key] for r in rounds[name])
                                              for name in rounds},
                         "max_logprob_difference": diff, "same_top_tokens": same_top})
+    api = served(checkouts, args.served.resolve(), args.rounds) if args.served else None
     record = {"command": " ".join(["python", "benchmarks/logprobs_speed.py", *sys.argv[1:]]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "numpy": np.__version__},
               "commits": {name: commit(path) for name, path in checkouts.items()}, "vocab": V, "rounds": args.rounds,
-              "repeats": args.repeats, "results": results}
+              "repeats": args.repeats, "results": results,
+              **({"served": {"export": str(args.served), **api}} if api else {})}
     lines = [f"`{record['command']}`: before at {record['commits']['before']}, after at {record['commits']['after']}, "
              f"{record['date']}, {record['machine']['cpu']} ({record['machine']['cores']} cores), NumPy "
              f"{record['machine']['numpy']}. Median ms over {args.rounds} rounds (a single row: the median of "
@@ -117,6 +155,12 @@ def main() -> None:
     lines += [f"| {r['rows']} | {r['k']} | {r['before_ms']:.3f} | {r['after_ms']:.3f} | "
               f"{r['before_ms'] / r['after_ms']:.2f}x | {r['max_logprob_difference']:.1e} | "
               f"{'yes' if r['same_top_tokens'] else 'NO'} |" for r in results]
+    if api:
+        config = json.loads((args.served / "config.json").read_text())
+        lines += ["", f"Over the API: a {api['prompt_tokens']}-token prompt scored (echo, logprobs 1, max_tokens 1) by "
+                  f"`gpt2x serve --threads 1` on `{args.served.name}` ({config['n_layer']} layers, {config['n_embd']} "
+                  f"wide), median of {args.rounds} requests each: before {api['before']:.1f} ms, after "
+                  f"{api['after']:.1f} ms ({api['before'] / api['after']:.2f}x)."]
     out = args.out or ROOT / "benchmarks" / "results" / f"logprobs-speed-cpu-{os.cpu_count()}core"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
