@@ -84,7 +84,7 @@ def served(checkouts: dict[str, Path], export: Path, rounds: int) -> dict:
         for name, path in checkouts.items():
             proc = subprocess.Popen([sys.executable, "-m", "gpt2x", "serve", "--onnx", str(export), "--port", "0",
                                      "--threads", "1", "--json"], env={**os.environ, "PYTHONPATH": str(path)},
-                                    stdout=subprocess.PIPE, text=True)
+                                    cwd=path, stdout=subprocess.PIPE, text=True)  # -m: the cwd's gpt2x comes first
             stack.callback(proc.wait, 30)
             stack.callback(proc.terminate)
             urls[name] = json.loads(proc.stdout.readline())["url"]
