@@ -246,28 +246,27 @@ class TopP(LogitsProcessor):
         return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
 
 
-_MARGIN = 1e-6  # the head's mass must pass p by this much (far above cumsum's rounding, ~1e-11)
+TOP_P_HEADS = (1024, 8192)  # the largest values sorted first; the whole row's only where their mass stays below p
 
 
 def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
-    """TopP's kept tokens of one row into `keep`, sorting only the head (a full argsort is most of the cost).
-    The tokens at or above the m-th largest probability are a prefix of the stable descending order, so once
-    the head's mass passes p every later token is removed, as by the full sort; the head grows until it does."""
+    """TopP's kept tokens of one row into `keep`: the most likely in the stable descending order (equal ones by id)
+    while the mass before each is below p, without sorting indices (a stable argsort of GPT-2's vocabulary is most
+    of the cost). The masses in that order are the row's values sorted, whatever the order of equal ones, so their
+    running sum says how many stay: k, a prefix of that order (the mass before each, sum - value, never decreases:
+    rounding is monotone). The m largest values, sorted, begin the whole row's sort and their running sum the whole
+    row's, bit for bit, so where some of them do not stay, k is known; the whole row is sorted only where all of the
+    largest TOP_P_HEADS stay. The tokens kept: those above the k-th value, and the lowest ids among those equal to it."""
     v = len(probs)
-    m = 256
-    while m < v:
-        head = np.flatnonzero(probs >= np.partition(probs, v - m)[v - m])  # index order: the stable tie-break
-        sorted_p = probs[head]
-        order = np.argsort(-sorted_p, kind="stable")
-        sorted_p = sorted_p[order]
-        cum = np.cumsum(sorted_p)
-        if len(cum) and cum[-1] >= p + _MARGIN:  # (a row of NaN, all removed: no head)
-            keep[head[order]] = cum - sorted_p < p
-            return
-        m *= 4
-    order = np.argsort(-probs, kind="stable")
-    sorted_p = probs[order]
-    keep[order] = np.cumsum(sorted_p) - sorted_p < p
+    for m in (*(h for h in TOP_P_HEADS if h < v), v):
+        top = np.sort(probs if m == v else np.partition(probs, v - m)[v - m :])[::-1]
+        k = int(np.count_nonzero(np.cumsum(top) - top < p))
+        if k < m:
+            break
+    if k:  # (none: a row of NaN, all removed)
+        last = top[k - 1]
+        np.greater(probs, last, out=keep)
+        keep[np.flatnonzero(probs == last)[: k - np.count_nonzero(keep)]] = True
 
 
 class MinP(LogitsProcessor):

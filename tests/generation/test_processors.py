@@ -38,6 +38,7 @@ from gpt2x.generation.processors import (
     TypicalP,
     bad_word_ids,
     processors_for,
+    softmax,
 )
 from gpt2x.generation.sampling import Sampler, masking_dtype, sample_many
 from gpt2x.generation.settings import SamplingSettings
@@ -384,6 +385,25 @@ PER_ROW = {
     "no_repeat_ngram": ([NoRepeatNGram(1), NoRepeatNGram(2), None, NoRepeatNGram(1), NoRepeatNGram(3)],
                         lambda p, h: NoRepeatNGramLogitsProcessor(p.n)),
 }
+
+
+def test_top_p_over_the_wide_vocabulary_keeps_the_stable_orders_prefix_with_ties():
+    """TopP's kept tokens are the most likely ones in the stable descending order (equal ones by id) while the mass
+    before each is below p: checked against that definition (a stable argsort and its running sum) on rows of GPT-2's
+    width whose scores tie in groups of hundreds (rounded), peaked (the head of 256), between (a grown head) and flat
+    (the whole row's value sort, the boundary inside a group of equal scores), and on a row of NaN (all removed)."""
+    rng = np.random.default_rng(5)
+    logits = np.round(rng.normal(size=(5, WIDE)) * np.array([4.0, 1.5, 0.3, 0.05, 1.0])[:, None], 1)
+    logits[4] = np.nan
+    for p in (0.3, 0.9, 0.999):
+        probs = softmax(logits)
+        want = np.zeros(logits.shape, dtype=bool)
+        for row, keep in zip(probs, want):
+            order = np.argsort(-row, kind="stable")
+            keep[order] = np.cumsum(row[order]) - row[order] < p
+        got = ~np.isinf(TopP(p)(logits))
+        assert np.array_equal(got, want), p
+        assert not got[4].any() and all(0 < got[r].sum() < WIDE for r in range(4))
 
 
 def test_top_k_over_the_wide_vocabulary_keeps_what_transformers_does_with_ties_infinities_and_nan():
