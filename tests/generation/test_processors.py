@@ -341,8 +341,8 @@ def test_overflowing_scores_give_their_mass_to_the_overflowed_tokens():
 
 # ------------------------------------------------------------------ one batch, per-row parameters (issue 38, item 4)
 
-WIDE = 50257  # GPT-2's vocabulary: top-p's partial sort grows its head here (V = 1000 takes the full sort)
-SCALES = np.array([3.0, 10.0, 0.3, 3.0, 1.0])[:, None]  # peaked, flat and between: top-p's head of 256, the full sort
+WIDE = 50257  # GPT-2's vocabulary: top-p sorts its largest values first here (V = 1000 sorts the whole row)
+SCALES = np.array([3.0, 10.0, 0.3, 3.0, 1.0])[:, None]  # peaked, flat and between: top-p's heads, the whole row
 
 
 def wide_rows() -> tuple[np.ndarray, list[History]]:
