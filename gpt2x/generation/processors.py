@@ -292,8 +292,10 @@ class MinP(LogitsProcessor):
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
         def warp(s: np.ndarray, min_p: float | np.ndarray) -> np.ndarray:
-            probs = softmax(s)
-            return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, s)
+            # p < min_p * max p is exp(s - max s) < min_p: s < max s + log min_p, with no exponentials (NumPy's
+            # float64 exp is a scalar loop without AVX-512). Rows with +inf, -inf or NaN keep what softmax gave.
+            floor = s.max(axis=-1, keepdims=True) + np.log(min_p)
+            return np.where(s < floor, -np.inf, s)
         return _on_rows(scores, self.min_p, lambda m: m > 0, warp)
 
 

@@ -387,6 +387,26 @@ PER_ROW = {
 }
 
 
+def test_min_p_keeps_what_the_probabilities_keep_with_infinities_and_nan():
+    """MinP compares logits (s < max s + log min_p), not probabilities: the same tokens as p < min_p * max p on the
+    softmax, on rows of GPT-2's width, with +inf scores (their mass shared among them), -inf over most of a row, a
+    row of -inf and a NaN; min_p 1 keeps the largest and its ties only."""
+    rng = np.random.default_rng(9)
+    logits = np.round(rng.normal(size=(6, WIDE)) * 3, 2)
+    logits[1, [5, 900]] = np.inf
+    logits[2, rng.random(WIDE) < 0.95] = -np.inf
+    logits[3] = -np.inf
+    logits[4, 77] = np.nan
+    logits[5, [3, 4000]] = logits[5].max() + 1.0  # tied largest
+    for min_p in (0.05, 0.3, 1.0):
+        with np.errstate(invalid="ignore"):
+            probs = softmax(logits)
+            want = np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, logits)
+        got = MinP(min_p)(logits.copy())
+        assert np.array_equal(got, want, equal_nan=True), min_p
+    assert np.flatnonzero(~np.isinf(MinP(1.0)(logits.copy())[5])).tolist() == [3, 4000]
+
+
 def test_top_p_over_the_wide_vocabulary_keeps_the_stable_orders_prefix_with_ties():
     """TopP's kept tokens are the most likely ones in the stable descending order (equal ones by id) while the mass
     before each is below p: checked against that definition (a stable argsort and its running sum) on rows of GPT-2's
