@@ -31,17 +31,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from sampling_speed import cpu_model, take_turns
 
 V = 50257
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [(1, 0), (1, 5), (255, 1), (1023, 0), (1023, 5)]  # (rows, k): a decode row; prompts of 256 and 1024 tokens
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def commit(path: Path) -> str:
@@ -50,13 +44,14 @@ def commit(path: Path) -> str:
 
 
 def worker(repeats: int) -> None:
-    """--worker: one round a line on stdin ("end": stop); each round prints every case's median ms, then (at the end)
-    the entries of every case, for the comparison."""
+    """--worker, as take_turns drives it: a step's number a line (step 0 untimed), every case run ("ok" after each);
+    "end": every timed step's median ms per case, and every case's entries, for the comparison, as one JSON line."""
     from gpt2x.generation.logprobs import token_logprobs
 
     rng = np.random.default_rng(0)
     data = {(t, k): ((rng.standard_normal((t, V)) * 4).astype(np.float32), rng.integers(0, V, t).tolist())
             for t, k in CASES}
+    rounds = []
     for line in sys.stdin:
         if line.strip() == "end":
             break
@@ -68,8 +63,11 @@ def worker(repeats: int) -> None:
                 token_logprobs(logits, chosen, k)
                 spans.append(time.perf_counter() - start)
             times[f"{t},{k}"] = statistics.median(spans) * 1e3
-        print(json.dumps(times), flush=True)
-    print(json.dumps({f"{t},{k}": token_logprobs(*data[(t, k)], k) for t, k in CASES}), flush=True)
+        if int(line):  # the first step warms up
+            rounds.append(times)
+        print("ok", flush=True)
+    print(json.dumps({"rounds": rounds, "entries": {f"{t},{k}": token_logprobs(*data[(t, k)], k) for t, k in CASES}}),
+          flush=True)
 
 
 def served(checkouts: dict[str, Path], export: Path, rounds: int) -> dict:
@@ -113,22 +111,9 @@ def main() -> None:
         return worker(args.repeats)
     checkouts = {"before": args.baseline.resolve(), "after": ROOT}
     command = [sys.executable, __file__, "--worker", "--baseline", str(args.baseline), "--repeats", str(args.repeats)]
-    procs = {name: subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(path)}, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True) for name, path in checkouts.items()}
-    rounds: dict[str, list[dict]] = {name: [] for name in procs}
-    for r in range(args.rounds + 1):
-        for name in list(procs) if r % 2 == 0 else list(procs)[::-1]:
-            procs[name].stdin.write("round\n")
-            procs[name].stdin.flush()
-            times = json.loads(procs[name].stdout.readline())
-            if r:  # the first round warms up
-                rounds[name].append(times)
-    entries = {}
-    for name, proc in procs.items():
-        proc.stdin.write("end\n")
-        proc.stdin.flush()
-        entries[name] = json.loads(proc.stdout.readline())
-        proc.wait()
+    runs = take_turns(command, checkouts, args.rounds + 1)
+    rounds = {name: run["rounds"] for name, run in runs.items()}
+    entries = {name: run["entries"] for name, run in runs.items()}
     results = []
     for t, k in CASES:
         key = f"{t},{k}"

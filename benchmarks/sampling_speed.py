@@ -176,14 +176,21 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def interleaved(args: argparse.Namespace, checkouts: dict[str, Path]) -> dict[str, dict]:
-    """The same steps in one worker process per checkout, taking turns step by step (the order
-    alternating), so that the machine's drift over the run hits every checkout alike."""
+    """The same steps in one worker process per checkout, taking turns step by step (take_turns)."""
     command = [sys.executable, __file__, "--worker", "--batches", args.batches, "--pool", str(args.pool),
                "--warmup", str(args.warmup), *(["--default-malloc"] if args.default_malloc else [])]
+    return take_turns(command, checkouts, args.warmup + args.steps)
+
+
+def take_turns(command: list[str], checkouts: dict[str, Path], steps: int) -> dict[str, dict]:
+    """`command` started once per checkout (its PYTHONPATH), the workers taking turns step by step, the order
+    alternating, so that the machine's drift over the run hits every checkout alike. A worker reads a step's number a
+    line and answers "ok" once it ran it; after "end", its run as one JSON line: {checkout: run}. (logprobs_speed.py's
+    workers too.)"""
     procs = {name: subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(path)}, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for name, path in checkouts.items()}
     names = list(procs)
-    for step in range(args.warmup + args.steps):
+    for step in range(steps):
         for name in names if step % 2 == 0 else names[::-1]:
             proc = procs[name]
             proc.stdin.write(f"{step}\n")
