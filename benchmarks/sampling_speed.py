@@ -4,8 +4,10 @@
     git worktree add /tmp/base COMMIT && python benchmarks/sampling_speed.py --baseline /tmp/base --label after
         # before.* (the baseline checkout) and after.* (this one), timed in turn step by step
 
-Two paths, both through gpt2x.generation.sampling's public API, on the same random float32 logits
-(B, 50257) (standard normal times 3, a pool of arrays reused in turn):
+Two paths, both through gpt2x.generation.sampling's public API, on the same float32 logits (B, 50257), a
+pool of arrays reused in turn: by default random (standard normal times 3: flat, top-p 0.9 keeps about 2,000
+tokens), with `--logits bundled` the bundled model's own over held-out text (a trained model's shape: top-p 0.9
+keeps a median of about 160), computed once by this checkout and handed to every worker:
 - shared: one Sampler for every row (`gpt2x generate`'s batch: one settings, one stream);
 - per-row: sample_many over a Sampler per row, each its own seed (the serving engine's batch).
 Settings: greedy, temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, and at batch 16 a mix of
@@ -28,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -127,8 +130,24 @@ def cases(batches: list[int]) -> list[Case]:
     return out
 
 
-def table(results: list[dict], steps: int) -> str:
-    lines = [f"One sampling step, random float32 logits (B, {V}), median ms over {steps} steps "
+LOGITS = {"normal": "random float32 logits", "bundled": "the bundled model's float32 logits over held-out text"}
+
+
+def bundled_logits(positions: int = 256) -> np.ndarray:
+    """The bundled model's logits (positions, V) at each position of the held-out text's first tokens (torch)."""
+    import torch
+
+    from gpt2x.evaluate.metrics import heldout_text
+    from gpt2x.model.weights import load_model
+    from gpt2x.tokenizer import encode
+
+    model, _ = load_model("shakespeare")
+    with torch.no_grad():
+        return model(torch.tensor([encode(heldout_text())[:positions]]))[0][0].float().numpy()
+
+
+def table(results: list[dict], steps: int, logits: str) -> str:
+    lines = [f"One sampling step, {LOGITS[logits]} (B, {V}), median ms over {steps} steps "
              "(shared: one Sampler for the batch; per-row: sample_many, a Sampler per row).", "",
              "| setting | batch | path | median ms | mean ms | tokens |", "| --- | ---: | --- | ---: | ---: | --- |"]
     lines += [f"| {r['setting']} | {r['batch']} | {r['path']} | {r['median_ms']:.3f} | {r['mean_ms']:.3f} | "
@@ -149,9 +168,13 @@ def comparison(base: list[dict], new: list[dict], base_label: str, label: str) -
 class Bench:
     """Every case over its batch's pool of logits, one step at a time."""
 
-    def __init__(self, batches: list[int], pool: int):
+    def __init__(self, batches: list[int], pool: int, logits: np.ndarray | None = None):
         rng = np.random.default_rng(0)
-        self.pools = {b: [(rng.standard_normal((b, V)) * 3).astype(np.float32) for _ in range(pool)] for b in batches}
+        if logits is None:
+            self.pools = {b: [(rng.standard_normal((b, V)) * 3).astype(np.float32) for _ in range(pool)] for b in batches}
+        else:  # consecutive positions' rows, from where the last array of the pool ended
+            at = lambda b, j: np.arange(j * b, (j + 1) * b) % len(logits)  # noqa: E731
+            self.pools = {b: [np.ascontiguousarray(logits[at(b, j)]) for j in range(pool)] for b in batches}
         self.todo = cases(batches)
 
     def step(self, step: int, timed: bool) -> None:
@@ -165,7 +188,7 @@ class Bench:
 
 def worker(args: argparse.Namespace) -> None:
     """--worker: the steps named on stdin, one a line ("ok" after each); "end": the run as one JSON line."""
-    bench = Bench(args.batch_list, args.pool)
+    bench = Bench(args.batch_list, args.pool, np.load(args.logits_file) if args.logits_file else None)
     for line in sys.stdin:
         if line.strip() == "end":
             break
@@ -178,7 +201,8 @@ def worker(args: argparse.Namespace) -> None:
 def interleaved(args: argparse.Namespace, checkouts: dict[str, Path]) -> dict[str, dict]:
     """The same steps in one worker process per checkout, taking turns step by step (take_turns)."""
     command = [sys.executable, __file__, "--worker", "--batches", args.batches, "--pool", str(args.pool),
-               "--warmup", str(args.warmup), *(["--default-malloc"] if args.default_malloc else [])]
+               "--warmup", str(args.warmup), *(["--default-malloc"] if args.default_malloc else []),
+               *(["--logits-file", str(args.logits_file)] if args.logits_file else [])]
     return take_turns(command, checkouts, args.warmup + args.steps)
 
 
@@ -221,30 +245,36 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true", help="print only")
     ap.add_argument("--json", action="store_true", help="print the JSON records instead of the tables")
     ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds as they are")
+    ap.add_argument("--logits", choices=sorted(LOGITS), default="normal", help="the logits sampled (see above)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--logits-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",")]
     malloc = "default" if args.default_malloc else steady_malloc()
     if args.worker:
         return worker(args)
-    if args.baseline is not None:
-        runs = interleaved(args, {args.baseline_label: args.baseline.resolve(), args.label: ROOT})
-    else:
-        bench = Bench(args.batch_list, args.pool)
-        for step in range(args.warmup + args.steps):
-            bench.step(step, timed=step >= args.warmup)
-        runs = {args.label: bench.run()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.logits == "bundled":
+            args.logits_file = Path(tmp) / "logits.npy"
+            np.save(args.logits_file, bundled_logits())
+        if args.baseline is not None:
+            runs = interleaved(args, {args.baseline_label: args.baseline.resolve(), args.label: ROOT})
+        else:
+            bench = Bench(args.batch_list, args.pool, np.load(args.logits_file) if args.logits_file else None)
+            for step in range(args.warmup + args.steps):
+                bench.step(step, timed=step >= args.warmup)
+            runs = {args.label: bench.run()}
     common = {"command": " ".join(["python", "benchmarks/sampling_speed.py", *sys.argv[1:]]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "numpy": np.__version__, "malloc": malloc},
-              "vocab": V, "steps": args.steps, "warmup": args.warmup, "pool": args.pool}
+              "vocab": V, "logits": args.logits, "steps": args.steps, "warmup": args.warmup, "pool": args.pool}
     out_dir = args.out_dir or ROOT / "benchmarks" / "results" / f"sampling-speed-cpu-{os.cpu_count()}core"
     for label, run in runs.items():
         others = {k: r["commit"] for k, r in runs.items() if k != label}
         record = {**common, "label": label, "commit": run["commit"],
                   **({"interleaved_with": others} if others else {}), "results": run["results"]}
-        text = table(run["results"], args.steps)
+        text = table(run["results"], args.steps, args.logits)
         if args.baseline is not None and label == args.label:
             text += "\n" + comparison(runs[args.baseline_label]["results"], run["results"], args.baseline_label, label)
         head = (f"{label}: `{record['command']}` at {record['commit']}"

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import Gpt2xError, UsageError
-from ..numerics import kth_block_peak
+from ..numerics import EXP32_ERROR, TINY, UNDERFLOW, kth_block_peak
 from ..tokenizer import EOT_ID, VOCAB_SIZE, encode, get_encoding
 from .constraints import Constraint, ConstraintSpec, mask_rows
 
@@ -238,10 +238,13 @@ class TopP(LogitsProcessor):
 
     def __call__(self, scores: np.ndarray, rows: Sequence[History] = ()) -> np.ndarray:
         def warp(s: np.ndarray, p: float | np.ndarray) -> np.ndarray:
-            probs = softmax(s)
             keep = np.zeros(s.shape, dtype=bool)
-            for row, row_p, row_keep in zip(probs, [p] * len(s) if np.ndim(p) == 0 else p[:, 0], keep):
-                _top_p_keep(row, row_p, row_keep)
+            ps = np.broadcast_to(np.asarray(p, dtype=np.float64).reshape(-1), (len(s),))
+            sure = _top_p_keep_float32(s, ps, keep) if s.dtype == np.float64 else np.full(len(s), UNSURE)
+            for i in np.flatnonzero(sure == UNSURE):  # the float64 way: float32 could not tell, or +inf, NaN, nothing
+                _top_p_keep(softmax(s[i]), ps[i], keep[i])
+            for i in np.flatnonzero(sure == WHOLE):  # ... from the whole row's sort: more than the largest head stays
+                _top_p_keep(softmax(s[i]), ps[i], keep[i], heads=())
             return np.where(keep, s, -np.inf)
         return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
 
@@ -249,7 +252,7 @@ class TopP(LogitsProcessor):
 TOP_P_HEADS = (1024, 8192)  # the largest values sorted first; the whole row's only where their mass stays below p
 
 
-def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
+def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray, heads: Sequence[int] = TOP_P_HEADS) -> None:
     """TopP's kept tokens of one row into `keep`: the most likely in the stable descending order (equal ones by id)
     while the mass before each is below p, without sorting indices (a stable argsort of GPT-2's vocabulary is most
     of the cost). The masses in that order are the row's values sorted, whatever the order of equal ones, so their
@@ -258,7 +261,7 @@ def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
     row's, bit for bit, so where some of them do not stay, k is known; the whole row is sorted only where all of the
     largest TOP_P_HEADS stay. The tokens kept: those above the k-th value, and the lowest ids among those equal to it."""
     v = len(probs)
-    for m in (*(h for h in TOP_P_HEADS if h < v), v):
+    for m in (*(h for h in heads if h < v), v):
         top = np.sort(probs if m == v else np.partition(probs, v - m)[v - m :])[::-1]
         k = int(np.count_nonzero(np.cumsum(top) - top < p))
         if k < m:
@@ -267,6 +270,74 @@ def _top_p_keep(probs: np.ndarray, p: float, keep: np.ndarray) -> None:
         last = top[k - 1]
         np.greater(probs, last, out=keep)
         keep[np.flatnonzero(probs == last)[: k - np.count_nonzero(keep)]] = True
+
+
+SURE, UNSURE, WHOLE = 0, 1, 2  # _top_p_keep_float32's outcomes per row
+
+
+def _top_p_keep_float32(s: np.ndarray, ps: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """_top_p_keep(softmax(s[i]), ps[i], keep[i]) for float64 scores (rows, n) without the rows' float64 exponentials
+    (NumPy's float64 exp is a scalar loop without AVX-512: most of top-p's cost), the same tokens. Per row: SURE (kept
+    tokens set), UNSURE (left to the float64 way), WHOLE (as UNSURE, and more than the largest head stays). Each head of
+    TOP_P_HEADS is the tokens at or above its m-th score rounded to float32 (rounding is monotone, so nothing outside
+    scores as high); its masses are float64's, exactly softmax's numerators. Only the total is not: float32's
+    exponentials outside the head, each within EXP32_ERROR and its distance below the maximum times 2**-24 of itself.
+    So the mass before each token is known within that of the tail's mass, and where the count that stays does not
+    hang on it (the boundary's masses before farther from p), it is the float64 way's. Ties are equal masses: a row
+    with another mass within a few ulps of the last kept one (in the head, or at most exp(t) outside it) is UNSURE (a
+    division by the total could make them equal). A head whose float32 mass is below p of the float32 total is passed
+    over without its float64 masses (a guess: the next head, or the whole row, decides)."""
+    rows, n = s.shape
+    out = np.full(rows, UNSURE)
+    heads = [h for h in TOP_P_HEADS if h < n]
+    if not heads:
+        return out
+    top = s.max(axis=-1)
+    with np.errstate(invalid="ignore"):  # (rows of +inf or -inf: NaN, and the float64 way's)
+        eps = np.minimum(top - s.min(axis=-1), UNDERFLOW) * 2.0**-24 + EXP32_ERROR  # +inf spread (removed): 104
+    below = np.empty(n, dtype=np.float32)
+    mass32 = np.empty(n, dtype=np.float32)
+    for i in np.flatnonzero(np.isfinite(top)):
+        p = ps[i]
+        np.subtract(s[i], top[i], out=below, casting="same_kind")  # in float64, rounded once to float32
+        total32 = np.exp(below, out=mass32).sum(dtype=np.float64)
+        for m in heads:
+            t = np.partition(below, n - m)[n - m]
+            head = np.flatnonzero(below >= t if t > -np.inf else below > -np.inf)
+            head32 = mass32[head].sum(dtype=np.float64)
+            if head32 < p * total32:
+                continue
+            mass = np.exp(s[i, head] - top[i])  # float64: softmax's numerators
+            tail32 = max(total32 - head32, 0.0)
+            total = tail32 + mass.sum()
+            error = tail32 * eps[i] + n * TINY + 1e-10 * total  # the tail's, and the float64 sums' rounding
+            ranked = np.sort(mass)[::-1]
+            before = (np.cumsum(ranked) - ranked) / total
+            k = int(np.count_nonzero(before < p))
+            if k == len(head):
+                continue
+            out[i] = _top_p_head(keep[i], head, mass, ranked, before, k, p, total / (total + error),
+                                 total / (total - error), float(t))
+            break
+        else:
+            out[i] = WHOLE
+    return out
+
+
+def _top_p_head(keep: np.ndarray, head: np.ndarray, mass: np.ndarray, ranked: np.ndarray, before: np.ndarray, k: int,
+                p: float, low: float, high: float, t: float) -> int:
+    """_top_p_keep_float32's decision on a row's head: SURE (its kept tokens set in `keep`) where the first k stay
+    whatever the float64 total is (its ratio to this one in [low, high]) and no mass ties with the last kept one but
+    equal ones; UNSURE otherwise."""
+    last = ranked[k - 1]
+    near = 4 * np.spacing(last)  # masses this close to the last kept one might tie with it in the float64 way
+    if before[k - 1] * high >= p or before[k] * low < p or math.exp(t) >= last - near \
+            or np.any(np.abs(mass - last)[mass != last] <= near):
+        return UNSURE
+    kept = head[mass > last]
+    keep[kept] = True
+    keep[head[mass == last][: k - len(kept)]] = True
+    return SURE
 
 
 class MinP(LogitsProcessor):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.random  # noqa: F401  loaded here, not by the first Sampler a request makes (NumPy 2 loads it lazily: ~6.5 ms)
 
-from ..numerics import CDF_BLOCK, block_reduce
+from ..numerics import CDF_BLOCK, EXP32_ERROR, TINY, UNDERFLOW, block_reduce
 from .processors import ORDER, History, LogitsProcessor, processors_for, softmax
 from .settings import SamplingSettings
 
@@ -91,16 +91,6 @@ def _cut_in_blocks(p: np.ndarray, ends: np.ndarray, cut: np.ndarray) -> tuple[np
     cdf = np.where(block > 0, ends[np.arange(len(p)), block - 1], 0.0)[:, None] + np.cumsum(mass, axis=-1)
     reached = cdf >= cut[:, None]
     return block, mass, cdf, reached, reached.argmax(axis=-1)
-
-
-# The relative error of NumPy's float32 exp, bounded (measured: 2.6e-7 on [-88, 0], AVX2; tests/generation/test_draw.py
-# measures it on the machine it runs on). With the rounding of a score less the row's maximum to float32 (its
-# distance below the maximum times 2**-24, float32's exp underflowing past 104), it bounds the error of each token's
-# mass drawn from float32, relative to that mass. A mass below float32's smallest normal (1.2e-38) is off by less than
-# that, and the float64 sums of both ways by ~1e-13 of the total.
-EXP32_ERROR = 5e-7
-UNDERFLOW = 104.0
-TINY = 1.2e-38
 
 
 def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from gpt2x import numerics
 from gpt2x.generation import sampling
 from gpt2x.generation.processors import History, softmax
 from gpt2x.generation.settings import SamplingSettings
@@ -101,10 +102,10 @@ def test_the_sampler_and_a_batch_draw_the_float64_tokens():
 
 
 def test_numpys_float32_exp_is_within_the_bound_the_draw_assumes():
-    """sampling.EXP32_ERROR, checked on this machine's NumPy (its float32 exp kernel differs by CPU): every float32
+    """numerics.EXP32_ERROR, checked on this machine's NumPy (its float32 exp kernel differs by CPU): every float32
     in [-104, 0] a step apart, against float64's exp of the same value."""
-    x = np.linspace(-sampling.UNDERFLOW, 0.0, 4_000_001, dtype=np.float32)
+    x = np.linspace(-numerics.UNDERFLOW, 0.0, 4_000_001, dtype=np.float32)
     got, want = np.exp(x).astype(np.float64), np.exp(x.astype(np.float64))
     normal = want >= np.finfo(np.float32).tiny
-    assert (np.abs(got - want)[normal] <= sampling.EXP32_ERROR * want[normal]).all()
-    assert (np.abs(got - want)[~normal] <= sampling.TINY).all()
+    assert (np.abs(got - want)[normal] <= numerics.EXP32_ERROR * want[normal]).all()
+    assert (np.abs(got - want)[~normal] <= numerics.TINY).all()

@@ -426,6 +426,68 @@ def test_top_p_over_the_wide_vocabulary_keeps_the_stable_orders_prefix_with_ties
         assert not got[4].any() and all(0 < got[r].sum() < WIDE for r in range(4))
 
 
+def top_p_by_definition(logits: np.ndarray, ps) -> np.ndarray:
+    """TopP's kept tokens by its definition: a float64 softmax, a stable descending argsort and its running sum."""
+    probs = softmax(logits)
+    want = np.zeros(logits.shape, dtype=bool)
+    for row, keep, p in zip(probs, want, np.broadcast_to(ps, (len(logits),))):
+        order = np.argsort(-row, kind="stable")
+        keep[order] = np.cumsum(row[order]) - row[order] < p
+    return want
+
+
+def test_top_p_decided_from_float32_masses_keeps_the_definitions_tokens(monkeypatch):
+    """TopP decides most rows from float32 exponentials (their float64 total unknown): the same tokens as the
+    definition on peaked, trained-like and flat rows (a head of 1,024, of 8,192, the whole row), rows mostly -inf (after
+    top-k), rows of +inf or -inf, ties at the boundary, per-row p, and p set at the definition's own masses before a
+    token and a float64 step either side of them (where float32 cannot tell and the float64 way must decide). The
+    float64 softmax runs only for the rows the float32 masses cannot settle."""
+    from gpt2x.generation import processors
+
+    rng = np.random.default_rng(11)
+    scales = np.array([8.0, 5.0, 3.0, 2.0, 1.0, 0.3, 3.0, 3.0, 3.0, 1.0, 4.0, 6.0])
+    logits = (rng.standard_normal((len(scales), WIDE)) * scales[:, None]).astype(np.float32).astype(np.float64)
+    logits[6, rng.random(WIDE) < 0.999] = -np.inf  # about 50 left
+    logits[7, :300] = logits[7].max() + 2.0  # 300 equal scores on top: the boundary falls among them
+    logits[8] = np.round(logits[8], 1)  # ties everywhere
+    logits[9, 5] = np.inf
+    logits[10] = -np.inf
+    logits[11, 1000] = logits[11].max() + 30.0  # one token holds nearly all the mass
+    float64_rows = []
+    real_softmax = processors.softmax
+    monkeypatch.setattr(processors, "softmax", lambda s, *a: float64_rows.append(s.shape) or real_softmax(s, *a))
+    for p in (0.1, 0.5, 0.9, 0.95, 0.999):
+        got = TopP(p)(logits) != -np.inf  # (a kept +inf stays +inf)
+        assert np.array_equal(got, top_p_by_definition(logits, p)), p
+    assert len(float64_rows) < 5 * len(scales) / 2  # most rows (the peaked ones at every p) without a float64 softmax
+    ps = np.linspace(0.2, 0.97, len(scales))
+    got = TopP.for_rows([TopP(p) for p in ps])(logits.copy()) != -np.inf
+    assert np.array_equal(got, top_p_by_definition(logits, ps))
+    # Ties the float32 way cannot see. Two masses a float64 step apart that one division by the total makes equal
+    # (the definition then keeps the lower id); and masses equal in float64 (exp(-1e-30) is 1) of tokens whose scores
+    # round apart in float32, one of them outside the head of 1,024.
+    x = -0.6807403701850925
+    row = np.full(WIDE, -30.0)
+    row[0], row[10], row[11] = 0.0, x, np.nextafter(x, 1)
+    assert softmax(row)[10] == softmax(row)[11] and np.exp(row[10]) != np.exp(row[11])
+    row2 = np.full(WIDE, -20.0)
+    row2[1000:2022] = 0.0  # 1,022 tokens
+    row2[[3000, 3001]] = -1e-30
+    row2[500] = -1.0000002e-30  # below the head's threshold in float32, the same mass in float64
+    assert np.exp(row2[500]) == 1.0 and np.float32(row2[500]) < np.float32(row2[3000])
+    for r, p in ((row, 0.6), (row2, 1022.5 / 1025)):  # the 2nd of the pair goes; 1,023 of the 1,025 equal stay
+        got = TopP(p)(r[None].copy()) != -np.inf
+        assert np.array_equal(got, top_p_by_definition(r[None], p)), p
+    # p at the definition's mass before the 2nd .. 40th token of the peaked rows, and one float64 step either side
+    probs = softmax(logits[:3])
+    for r, row in enumerate(probs):
+        ranked = np.sort(row)[::-1]
+        for before in (np.cumsum(ranked) - ranked)[1:40:3]:
+            for p in (np.nextafter(before, 0), before, np.nextafter(before, 1)):
+                got = TopP(p)(logits[r : r + 1]) != -np.inf
+                assert np.array_equal(got, top_p_by_definition(logits[r : r + 1], p)), (r, p)
+
+
 def test_top_k_over_the_wide_vocabulary_keeps_what_transformers_does_with_ties_infinities_and_nan():
     """TopK finds the k-th largest from the rows' block maxima down (TOP_K_BLOCK): rows of GPT-2's width with
     ties at the k-th score, -inf over most of the row, the top scores in one block, in the short last one or one
