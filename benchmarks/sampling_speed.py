@@ -5,9 +5,9 @@
         # before.* (the baseline checkout) and after.* (this one), timed in turn step by step
 
 Two paths, both through gpt2x.generation.sampling's public API, on the same float32 logits (B, 50257), a
-pool of arrays reused in turn: by default random (standard normal times 3: flat, top-p 0.9 keeps about 2,000
-tokens), with `--logits bundled` the bundled model's own over held-out text (a trained model's shape: top-p 0.9
-keeps a median of about 160), computed once by this checkout and handed to every worker:
+pool of arrays reused in turn: by default random (standard normal times 3: flat rows, whose top-p keeps
+thousands of tokens), with `--logits bundled` the bundled model's own over held-out text (a trained model's peaked
+rows), computed once by this checkout and handed to every worker:
 - shared: one Sampler for every row (`gpt2x generate`'s batch: one settings, one stream);
 - per-row: sample_many over a Sampler per row, each its own seed (the serving engine's batch).
 Settings: greedy, temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, and at batch 16 a mix of
