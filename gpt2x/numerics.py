@@ -46,6 +46,12 @@ UNDERFLOW = 104.0
 TINY = 1.2e-38
 
 
+def float32_mass_error(spread: np.ndarray) -> np.ndarray:
+    """The bound above, relative to each mass, for rows whose scores spread `spread` below their maximum (+inf where
+    a token was removed: its mass is 0 both ways, and float32's exp underflows past UNDERFLOW)."""
+    return np.minimum(spread, UNDERFLOW) * 2.0**-24 + EXP32_ERROR
+
+
 # The inverse CDF's blocks, on the host (generation.sampling) and the device (onnx.optimize.sampling_head): a running
 # sum over a whole row goes one token at a time (on CUDA, ONNX Runtime's CumSum sums every prefix again), block sums do
 # not, and then only one block is summed in order (benchmarks/results/sampling-speed-blocked-cdf-cpu-2core).

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import Gpt2xError, UsageError
-from ..numerics import EXP32_ERROR, TINY, UNDERFLOW, kth_block_peak
+from ..numerics import TINY, float32_mass_error, kth_block_peak
 from ..tokenizer import EOT_ID, VOCAB_SIZE, encode, get_encoding
 from .constraints import Constraint, ConstraintSpec, mask_rows
 
@@ -241,10 +241,9 @@ class TopP(LogitsProcessor):
             keep = np.zeros(s.shape, dtype=bool)
             ps = np.broadcast_to(np.asarray(p, dtype=np.float64).reshape(-1), (len(s),))
             sure = _top_p_keep_float32(s, ps, keep) if s.dtype == np.float64 else np.full(len(s), UNSURE)
-            for i in np.flatnonzero(sure == UNSURE):  # the float64 way: float32 could not tell, or +inf, NaN, nothing
-                _top_p_keep(softmax(s[i]), ps[i], keep[i])
-            for i in np.flatnonzero(sure == WHOLE):  # ... from the whole row's sort: more than the largest head stays
-                _top_p_keep(softmax(s[i]), ps[i], keep[i], heads=())
+            for i in np.flatnonzero(sure != SURE):  # the float64 way: float32 could not tell, or +inf, NaN, nothing;
+                # from the whole row's sort where more than the largest head stays
+                _top_p_keep(softmax(s[i]), ps[i], keep[i], heads=() if sure[i] == WHOLE else TOP_P_HEADS)
             return np.where(keep, s, -np.inf)
         return _on_rows(scores, self.p, lambda p: p < 1.0, warp)
 
@@ -281,7 +280,7 @@ def _top_p_keep_float32(s: np.ndarray, ps: np.ndarray, keep: np.ndarray) -> np.n
     tokens set), UNSURE (left to the float64 way), WHOLE (as UNSURE, and more than the largest head stays). Each head of
     TOP_P_HEADS is the tokens at or above its m-th score rounded to float32 (rounding is monotone, so nothing outside
     scores as high); its masses are float64's, exactly softmax's numerators. Only the total is not: float32's
-    exponentials outside the head, each within EXP32_ERROR and its distance below the maximum times 2**-24 of itself.
+    exponentials outside the head, each within numerics.float32_mass_error of itself.
     So the mass before each token is known within that of the tail's mass, and where the count that stays does not
     hang on it (the boundary's masses before farther from p), it is the float64 way's. Ties are equal masses: a row
     with another mass within a few ulps of the last kept one (in the head, or at most exp(t) outside it) is UNSURE (a
@@ -294,7 +293,7 @@ def _top_p_keep_float32(s: np.ndarray, ps: np.ndarray, keep: np.ndarray) -> np.n
         return out
     top = s.max(axis=-1)
     with np.errstate(invalid="ignore"):  # (rows of +inf or -inf: NaN, and the float64 way's)
-        eps = np.minimum(top - s.min(axis=-1), UNDERFLOW) * 2.0**-24 + EXP32_ERROR  # +inf spread (removed): 104
+        eps = float32_mass_error(top - s.min(axis=-1))
     below = np.empty(n, dtype=np.float32)
     mass32 = np.empty(n, dtype=np.float32)
     for i in np.flatnonzero(np.isfinite(top)):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.random  # noqa: F401  loaded here, not by the first Sampler a request makes (NumPy 2 loads it lazily: ~6.5 ms)
 
-from ..numerics import CDF_BLOCK, EXP32_ERROR, TINY, UNDERFLOW, block_reduce
+from ..numerics import CDF_BLOCK, TINY, block_reduce, float32_mass_error
 from .processors import ORDER, History, LogitsProcessor, processors_for, softmax
 from .settings import SamplingSettings
 
@@ -114,7 +114,7 @@ def draw_scores(scores: np.ndarray, u: np.ndarray) -> np.ndarray:
     r = np.arange(rows)
     low = np.where(i > 0, cdf[r, np.maximum(i - 1, 0)], np.where(block > 0, ends[r, block - 1], 0.0))  # before the token
     # Each mass within eps of itself, so the cut and both ends within eps of the total: 3 x that apart is certain.
-    eps = np.minimum(spread, UNDERFLOW) * 2.0**-24 + EXP32_ERROR
+    eps = float32_mass_error(spread)
     margin = 3 * eps * total + 3 * n * TINY
     sure = reached[r, i] & (cut - low > margin) & (cdf[r, i] - cut > margin)
     out = np.minimum(block * CDF_BLOCK + i, n - 1).astype(np.int64)
