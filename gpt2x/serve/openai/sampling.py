@@ -78,12 +78,14 @@ def _token_ids_in(ids: list[int], vocab_size: int, name: str) -> None:
 
 
 def to_sampling_params(p: SamplingRequest, n: int, max_tokens: int, vocab_size: int,
-                       scored: Mapping[str, Any] | None = None) -> SamplingSettings:
+                       scored: Mapping[str, Any] | None = None,
+                       constraint: tuple[ConstraintSpec, str] | None = None) -> SamplingSettings:
     """The request's sampling fields as one SamplingSettings (vLLM's to_sampling_params): the one place a sampling
     field is read. Checked as SamplingSettings checks them, beyond their types and ranges, each failure one 400 naming
     the field: token ids in the model's vocabulary, min_tokens at most max_tokens, what beam search does not combine
-    with (`scored`: the endpoint's own fields that ask for logprobs or an echo, by name). Its budget and seed are the
-    request's; ServedRequest.settings gives each choice its own."""
+    with (`scored`: the endpoint's own fields that ask for logprobs or an echo, by name; `constraint`: an endpoint's
+    own structured output and its field, chat's tool calls). Its budget and seed are the request's;
+    ServedRequest.settings gives each choice its own."""
     bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
     _token_ids_in(list(bias), vocab_size, "logit_bias")
     stop_ids = list(p.stop_token_ids or [])
@@ -93,7 +95,7 @@ def to_sampling_params(p: SamplingRequest, n: int, max_tokens: int, vocab_size: 
     min_tokens = p.min_tokens or 0
     if max_tokens and min_tokens > max_tokens:
         raise bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
-    constraint, constraint_param = _constraint(p)
+    constraint, constraint_param = _constraint(p, constraint)
     beams = _beams(p, n, scored or {})
     # A processor's field the request names alike means what it means there: handed on as it is (None: its default).
     same = {f: v for f in PROCESSOR_FIELDS if (v := getattr(p, f)) is not None}
@@ -138,13 +140,19 @@ def _refuse_with_beams(p: SamplingRequest, scored: Mapping[str, Any]) -> None:
             raise bad(f"{name} is not served with use_beam_search", name)
 
 
-def _constraint(p: SamplingRequest) -> tuple[ConstraintSpec | None, str | None]:
-    """The request's structured-output constraint and the field it came from (one of response_format and
-    structured_outputs, with one constraint), or (None, None)."""
-    given = [c for c in (_response_format(p), _structured_outputs(p)) if c is not None]
+def _constraint(p: SamplingRequest, own: tuple[ConstraintSpec, str] | None) -> tuple[ConstraintSpec | None, str | None]:
+    """The request's structured-output constraint and the field it came from (one of response_format,
+    structured_outputs and the endpoint's `own`, with one constraint), or (None, None)."""
+    given = [c for c in (_response_format(p), _structured_outputs(p), own) if c is not None]
     if len(given) > 1:
-        raise bad("response_format and structured_outputs each set a constraint: send one", "structured_outputs")
+        fields = " and ".join(param for _, param in given)
+        raise bad(f"{fields} each set a constraint: send one", given[-1][1])
     return given[0] if given else (None, None)
+
+
+def json_schema_constraint(schema: dict[str, Any], param: str) -> ConstraintSpec:
+    """A JSON schema's constraint, checked (one 400 naming `param` for a schema that cannot be served)."""
+    return _spec(ConstraintSpec.json_schema, schema, param)
 
 
 def _response_format(p: SamplingRequest) -> tuple[ConstraintSpec, str] | None:

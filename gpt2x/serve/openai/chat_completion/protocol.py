@@ -35,10 +35,44 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = Field(description="The function's name (OpenAI's "
+                                                                             "characters, at most 64).")
+    description: str | None = Field(None, description="What the function does (to the chat template, as tools).")
+    parameters: dict[str, Any] | None = Field(None, description=(
+        "The JSON schema of the function's arguments, which a call's arguments satisfy (none: any JSON object)."))
+    strict: bool | None = Field(None, description="Accepted; the arguments always satisfy the schema.")
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function every choice calls."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     """The body of POST /v1/chat/completions: the conversation, chat's own fields, and every completions sampling
     field (n, stop strings, structured output, vLLM's extensions). `max_tokens` (or OpenAI's `max_completion_tokens`)
-    defaults to what the context leaves (vLLM's). Tools are refused, not ignored; unknown fields are ignored."""
+    defaults to what the context leaves (vLLM's). Tools are called where tool_choice asks for a call (`required` or a
+    named function), as vLLM calls them without a tool parser: the answer is kept to the tools' JSON."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -53,14 +87,41 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool | None = Field(False, description=(
         "vLLM's: each choice's content begins with the last message's text, where that message is the assistant's "
         "(a reply continued with continue_final_message reads whole)."))
+    tools: list[ChatTool] | None = Field(None, description=(
+        "Functions the answer may call, handed to the chat template as `tools`. Called with tool_choice required or "
+        "a named function; `auto` (OpenAI's default where tools are sent) is refused: no tool calls are read out of "
+        "free text."))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "none: a text answer; required: one call or more of the tools (vLLM's: a JSON list of name and parameters, "
+        "kept to the tools' schemas); a named function: one call of it, its arguments kept to its parameters."))
+    parallel_tool_calls: bool | None = Field(None, description="With tool_choice required, false: one call at most.")
 
 
 # ------------------------------------------------------------------ the response bodies
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """The answer: its text, or (content null) the tools it calls."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_called(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        """`tool_calls` is there where the answer calls tools only (OpenAI's)."""
+        return without_null(handler(self), "tool_calls")
 
 
 class ChatTopLogprob(BaseModel):
@@ -83,7 +144,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the choice's generated ids
 
 
@@ -101,23 +162,48 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first piece only
+    arguments: str
+
+    @model_serializer(mode="wrap")
+    def _name_first(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        return without_null(handler(self), "name")
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a tool call, streamed: its id, type and name in its first piece, then its arguments' text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _id_first(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        return without_null(without_null(handler(self), "id"), "type")
+
+
 class ChatDelta(BaseModel):
-    """A choice's piece of a stream: its role alone in its first chunk (OpenAI's), then its content."""
+    """A choice's piece of a stream: its role alone in its first chunk (OpenAI's), then its content, or (content
+    left out) the pieces of the tool calls it makes."""
 
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _role_first(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
-        """The role is there in a choice's first chunk only (OpenAI's)."""
-        return without_null(handler(self), "role")
+        """The role is there in a choice's first chunk only, tool_calls where it calls tools (OpenAI's)."""
+        data = without_null(without_null(handler(self), "role"), "tool_calls")
+        return without_null(data, "content") if "tool_calls" in data and "role" not in data else data
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the ids this chunk's content came from
 
 

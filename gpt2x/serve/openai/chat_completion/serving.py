@@ -6,7 +6,7 @@ the same checks, sampling fields, `n`, stop strings and structured output), and 
 Chat logprobs are gathered in OpenAI's chat shape (ChatTokenLogprobs); vLLM's `echo` begins each choice's content with
 the last message's, where that is the assistant's (`chat_echo`); vLLM's prompt_logprobs and return_token_ids are
 answered in vLLM's chat shape (the rendered prompt's on the response, each choice's token ids on the choice); tools are
-refused, not ignored."""
+called where tool_choice asks for a call, the answer kept to the tools' JSON (tools.py)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,16 @@ from .protocol import (
     ChatTopLogprob,
 )
 from .template import ChatTemplate, no_template, render_messages
+from .tools import ToolDeltas, tool_plan
 
 # OpenAI's chat fields gpt2x does not serve: a 400 naming the field when given (other than null, [] or "none").
-_REFUSED = {"tools": "tools are not served", "tool_choice": "tools are not served",
-            "functions": "functions are not served", "function_call": "functions are not served",
+_REFUSED = {"functions": "functions are not served (send tools)", "function_call": "functions are not served (send "
+            "tool_choice)",
             "documents": "documents are not served", "audio": "audio is not served",
             "prediction": "predicted outputs are not served", "web_search_options": "web search is not served",
             "chat_template": "a request's own chat_template is not served (the server's is used)"}
 # OpenAI's chat fields accepted and not used (nothing they ask for changes GPT-2's answer): not logged as unknown.
-_IGNORED = ("parallel_tool_calls", "modalities", "reasoning_effort", "store", "metadata", "service_tier")
+_IGNORED = ("modalities", "reasoning_effort", "store", "metadata", "service_tier")
 PROMPT_KEYS = ("prompt_token_ids", "prompt_logprobs")  # vLLM's keys for the rendered prompt: the response's on chat
 
 
@@ -51,8 +52,9 @@ def render_prompt(p: ChatCompletionRequest, template: ChatTemplate | None) -> st
     left open), or the 400 naming the flags where the server has no template."""
     if template is None:
         raise no_template()
+    tools = {"tools": [t.model_dump(exclude_none=True) for t in p.tools]} if p.tools else {}  # as vLLM hands them
     return render_messages(p.messages, template, bool(p.add_generation_prompt), bool(p.continue_final_message),
-                           p.chat_template_kwargs or {})
+                           {**tools, **(p.chat_template_kwargs or {})})
 
 
 def prepare(p: ChatCompletionRequest, served: ServedModel, template: ChatTemplate | None) -> ServedRequest:
@@ -68,10 +70,14 @@ def prepare(p: ChatCompletionRequest, served: ServedModel, template: ChatTemplat
     if "prompt" in extra:
         raise bad("prompt is not a chat completions field (send messages)", "prompt")
     refuse_unknown(p, ignored=(*_REFUSED, *_IGNORED))
+    plan = tool_plan(p)
+    if plan is not None and p.echo:
+        raise bad("echo is not served with tool calls (the answer is the calls)", "echo")
     prompt = render_prompt(p, template)
     max_tokens = p.max_tokens if p.max_completion_tokens is None else p.max_completion_tokens
     k = (p.top_logprobs or 0) if p.logprobs else None  # the most likely tokens listed per token
-    return serve(p, [(prompt, None)], max_tokens, served, logprobs=k, logprobs_shape=ChatTokenLogprobs)
+    return serve(p, [(prompt, None)], max_tokens, served, logprobs=k, logprobs_shape=ChatTokenLogprobs,
+                 constraint=None if plan is None else plan.constraint())
 
 
 def chat_echo(p: ChatCompletionRequest) -> str:
@@ -88,11 +94,17 @@ def chat_id(completion_id: str) -> str:
 def response(req: ServedRequest, texts: list[str], reasons: list[str | None], usage: Usage,
              logprobs: list[ChatLogprobs | None], extras: list[dict], prompt: dict) -> ChatCompletionResponse:
     """The whole chat completion; `extras`: each choice's vLLM keys (token_ids), `prompt`: the prompt's
-    (prompt_token_ids, prompt_logprobs), where asked for."""
-    return ChatCompletionResponse(
-        id=chat_id(req.id), created=req.created, model=req.model, usage=usage, **prompt,
-        choices=[ChatChoice(index=i, message=ChatMessage(content=text), finish_reason=reason, logprobs=lp, **extra)
-                 for i, (text, reason, lp, extra) in enumerate(zip(texts, reasons, logprobs, extras))])
+    (prompt_token_ids, prompt_logprobs), where asked for. Where the request asks for tool calls, each choice's text
+    is read as its calls (one that does not parse, cut short by the length, is left as its text)."""
+    plan = tool_plan(req.params)
+    choices = []
+    for i, (text, reason, lp, extra) in enumerate(zip(texts, reasons, logprobs, extras)):
+        calls = None if plan is None else plan.calls(text)
+        message = ChatMessage(content=text) if calls is None else ChatMessage(content=None, tool_calls=calls)
+        reason = reason if calls is None else plan.finish_reason(reason)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=reason, logprobs=lp, **extra))
+    return ChatCompletionResponse(id=chat_id(req.id), created=req.created, model=req.model, usage=usage, **prompt,
+                                  choices=choices)
 
 
 def chunk(req: ServedRequest, choices: list[ChatChunkChoice], usage: Usage | None = None,
@@ -134,13 +146,18 @@ async def stream(pending: Pending) -> AsyncIterator[render.StreamEvent]:
     for), a usage chunk if asked for, then DONE."""
     req = pending.req
     echo = chat_echo(req.params)
+    plan = tool_plan(req.params)
+    calls = None if plan is None else ToolDeltas(plan, req.choices)
     for first, text in ((True, ""), (False, echo)) if echo else ((True, ""),):  # echo: each choice's first content
         for i in range(req.choices):
             usage = pending.usage() if req.continuous_usage else None
-            yield render.StreamEvent(chunk(req, [delta(i, text, None, first=first)], usage))
+            opening = delta(i, text, None, first=first) if calls is None else calls.first(i)
+            yield render.StreamEvent(chunk(req, [opening], usage))
     prompt_sent: set[str] = set()
 
     def choices_of(event: ChoiceEvent) -> list[ChatChunkChoice]:
+        if calls is not None:
+            return calls.of(event)
         return [delta(event.index, event.text, event.finish_reason, first=False, logprobs=event.logprobs,
                       token_ids=event.extra.get("token_ids"))]
 
@@ -151,7 +168,13 @@ async def stream(pending: Pending) -> AsyncIterator[render.StreamEvent]:
         return chunk(req, choices, usage, prompt)
 
     async for event in stream_events(pending, choices_of, chunk_of):
-        yield event
+        if not _empty(event.body):  # a required list's pieces, held until it parses
+            yield event
+
+
+def _empty(body) -> bool:
+    return isinstance(body, ChatCompletionChunk) and not body.choices and body.usage is None and \
+        body.prompt_token_ids is None and body.prompt_logprobs is None
 
 
 class ChatTokenLogprobs:

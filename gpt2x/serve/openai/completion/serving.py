@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from ....generation.constraints import ConstraintSpec
 from ....tokenizer import EOT_ID, VOCAB_SIZE, decode, encode
 from .. import render
 from ..errors import APIError, bad, json_object, validation_error
@@ -68,11 +69,12 @@ def prepare(p: CompletionRequest, served: ServedModel) -> ServedRequest:
 
 def serve(p: SamplingRequest, prompts: list[tuple[str | None, list[int] | None]], max_tokens: int | None,
           served: ServedModel, logprobs: int | None = None, echo: bool = False,
-          logprobs_shape: Callable[[], Any] | None = None) -> ServedRequest:
+          logprobs_shape: Callable[[], Any] | None = None,
+          constraint: tuple[ConstraintSpec, str] | None = None) -> ServedRequest:
     """Any endpoint's request as it is served, given its prompts (each as text or as ids), its token budget (None:
     what the context leaves after the longest prompt, chat's default) and the logprobs it lists (`logprobs_shape`: an
-    endpoint's own; by default OpenAI's legacy shape, naming tokens as return_tokens_as_token_ids asks). Checked in the
-    order the fields are read."""
+    endpoint's own; by default OpenAI's legacy shape, naming tokens as return_tokens_as_token_ids asks), and an
+    endpoint's own structured output (`constraint`, with its field). Checked in the order the fields are read."""
     check_model(p.model, served.id)
     refuse_unsupported(p)
     if max_tokens == 0 and not echo:
@@ -87,7 +89,7 @@ def serve(p: SamplingRequest, prompts: list[tuple[str | None, list[int] | None]]
     n = 1 if p.n is None else p.n
     if n * len(ids) > MAX_CHOICES:
         raise bad(f"n x prompts is {n} x {len(ids)} = {n * len(ids)} choices; at most {MAX_CHOICES} per request", "n")
-    sampling = to_sampling_params(p, n, max_tokens, served.vocab_size, {"logprobs": logprobs, "echo": echo})
+    sampling = to_sampling_params(p, n, max_tokens, served.vocab_size, {"logprobs": logprobs, "echo": echo}, constraint)
     if p.priority and not served.priority_scheduling:  # vLLM refuses it so too
         raise bad(f"priority is {p.priority}: this server schedules first come, first served; start it "
                   "with --scheduling-policy priority", "priority")
