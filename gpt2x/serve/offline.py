@@ -137,15 +137,22 @@ class LLM:
         return self._run(bodies, chat_bodies=False, progress=progress)
 
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]], params: SamplingParams | None = None,
-             progress: bool | None = None) -> list[RequestOutput]:
+             progress: bool | None = None, tools: Sequence[dict] | None = None,
+             tool_choice: str | dict | None = None) -> list[RequestOutput]:
         """Each conversation (a list of {"role", "content"} messages; or one conversation) rendered by the export's
-        chat template and completed, as /v1/chat/completions does."""
+        chat template and completed, as /v1/chat/completions does. `tools` (OpenAI's) reach the template, as vLLM's
+        LLM.chat hands them; with `tool_choice` required or a named function, each output's text is the calls' JSON,
+        as the API generates them (docs/serving/api.md, tool calls)."""
         conversations = list(conversations)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         base = (params or SamplingParams()).body()
         if "max_tokens" in base:  # chat's name; its default is what the context leaves
             base["max_completion_tokens"] = base.pop("max_tokens")
+        if tools is not None:  # vLLM's LLM.chat: the template's, never called unless tool_choice asks
+            base |= {"tools": list(tools), "tool_choice": "none" if tool_choice is None else tool_choice}
+        elif tool_choice is not None:
+            base["tool_choice"] = tool_choice
         bodies = [{**base, "messages": list(c)} for c in conversations]
         return self._run(bodies, chat_bodies=True, progress=progress)
 

@@ -5,6 +5,7 @@ example run as written."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -96,3 +97,20 @@ def test_the_docs_example_runs_as_written(export_dir, monkeypatch):
     namespace: dict = {}
     exec(compile(code, "docs/python.md", "exec"), namespace)  # noqa: S102  (the page's own example)
     assert namespace["outputs"][0].outputs[0].text
+
+
+def test_chat_hands_the_tools_to_the_template_and_a_named_call_is_its_arguments(llm):
+    import jsonschema
+
+    weather = {"type": "object", "properties": {"city": {"enum": ["Verona", "Mantua"]}}, "required": ["city"],
+               "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "locate", "parameters": weather}}]
+    messages = [{"role": "user", "content": "Where art thou?"}]
+    [plain] = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0), tools=tools)  # tool_choice none: text
+    [alone] = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0))
+    assert plain.outputs[0].token_ids == alone.outputs[0].token_ids  # the bundled template writes no tools
+    [called] = llm.chat(messages, SamplingParams(max_tokens=40, seed=2), tools=tools,
+                        tool_choice={"type": "function", "function": {"name": "locate"}})
+    jsonschema.validate(json.loads(called.outputs[0].text), weather)
+    with pytest.raises(UsageError, match="tool_choice"):
+        llm.chat(messages, tools=tools, tool_choice="auto")
