@@ -253,6 +253,10 @@ def client(export_dir):
     ({"structured_outputs": {"json": SCHEMA}}, "json"),
     ({"structured_outputs": {"regex": REGEX}}, "regex"),
     ({"structured_outputs": {"choice": CHOICES}}, "choice"),
+    # llama-server's own: a schema beside response_format's type, its json_schema and grammar (GBNF) fields
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "json"),
+    ({"json_schema": SCHEMA}, "json"),
+    ({"grammar": 'root ::= "yes" | "no" | "perhaps not"'}, "choice"),
 ])
 def test_the_api_keeps_each_choice_to_the_constraint(client, body, kind):
     request = {"prompt": PROMPTS, "max_tokens": 48, "n": 2, "seed": 3, **body}
@@ -286,6 +290,12 @@ def test_json_object_gives_an_object(client):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "send one"),
     ({"structured_outputs": {"regex": "a+"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"json_schema": {"type": "objekt"}}, "json_schema", "invalid JSON schema"),
+    ({"grammar": "root ::= ("}, "grammar", "invalid grammar"),
+    ({"json_schema": SCHEMA, "grammar": 'root ::= "a"'}, "grammar", "send one"),
+    ({"response_format": {"type": "text", "schema": SCHEMA}}, "response_format", "type text takes no schema"),
+    ({"response_format": {"type": "json_schema", "schema": SCHEMA, "json_schema": {"schema": SCHEMA}}}, "response_format",
+     "send one"),
 ])
 def test_a_bad_constraint_is_a_400_before_any_work(client, body, param, words):
     r = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 8, **body})

@@ -77,6 +77,8 @@ class ResponseFormat(BaseModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        "llama-server's: the JSON schema the text satisfies, beside type json_object or json_schema."))
 
 
 class StructuredOutputs(BaseModel):
@@ -170,6 +172,10 @@ class _SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "vLLM's: one of `json` (a schema), `regex`, `choice`, `grammar` or `json_object`, kept to as "
         "response_format is."))
+    json_schema: dict[str, Any] | None = Field(None, description=(
+        "llama-server's: a JSON schema each choice's text is kept to, as response_format's is."))
+    grammar: str | None = Field(None, description=(
+        "llama-server's: a GBNF grammar (`root ::= ...`) each choice's text is kept to, as structured_outputs' is."))
     user: str | None = Field(None, description="Ignored (OpenAI's end-user id, for its abuse monitoring).")
     # vLLM's extensions beyond the sampling fields (docs/serving-fields.md lists every field).
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(None, description=(
@@ -205,7 +211,7 @@ class _SamplingFields(BaseModel):
 
 
 # A logits processor's field the request reads in a shape of its own, not derived (settings_fields).
-OWN_SHAPE = ("constraint",)  # response_format and structured_outputs
+OWN_SHAPE = ("constraint",)  # response_format, structured_outputs, and llama-server's json_schema and grammar
 
 
 def settings_fields(declared: Iterable[str], settings: type = SamplingSettings,

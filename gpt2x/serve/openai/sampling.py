@@ -143,7 +143,7 @@ def _refuse_with_beams(p: SamplingRequest, scored: Mapping[str, Any]) -> None:
 def _constraint(p: SamplingRequest, own: tuple[ConstraintSpec, str] | None) -> tuple[ConstraintSpec | None, str | None]:
     """The request's structured-output constraint and the field it came from (one of response_format,
     structured_outputs and the endpoint's `own`, with one constraint), or (None, None)."""
-    given = [c for c in (_response_format(p), _structured_outputs(p), own) if c is not None]
+    given = [c for c in (_response_format(p), _structured_outputs(p), *_llama_server(p), own) if c is not None]
     if len(given) > 1:
         fields = " and ".join(param for _, param in given)
         raise bad(f"{fields} each set a constraint: send one", given[-1][1])
@@ -158,12 +158,25 @@ def json_schema_constraint(schema: dict[str, Any], param: str) -> ConstraintSpec
 def _response_format(p: SamplingRequest) -> tuple[ConstraintSpec, str] | None:
     fmt = p.response_format
     if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.schema_ is not None:
+            raise bad("response_format of type text takes no schema (send type json_object or json_schema)",
+                      "response_format")
         return None
+    inner = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if fmt.schema_ is not None and inner is not None:
+        raise bad("response_format has a schema and json_schema.schema: send one", "response_format")
+    schema = fmt.schema_ if fmt.schema_ is not None else inner  # llama-server's place for it, or OpenAI's
+    if schema is not None:
+        return _spec(ConstraintSpec.json_schema, schema, "response_format"), "response_format"
     if fmt.type == "json_object":
         return ConstraintSpec.json_object(), "response_format"
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise bad("response_format of type json_schema needs json_schema.schema", "response_format")
-    return _spec(ConstraintSpec.json_schema, fmt.json_schema.schema_, "response_format"), "response_format"
+    raise bad("response_format of type json_schema needs json_schema.schema", "response_format")
+
+
+def _llama_server(p: SamplingRequest) -> list[tuple[ConstraintSpec, str] | None]:
+    """llama-server's own fields: `json_schema` (a schema) and `grammar` (GBNF)."""
+    return [None if p.json_schema is None else (_spec(ConstraintSpec.json_schema, p.json_schema, "json_schema"), "json_schema"),
+            None if p.grammar is None else (_spec(ConstraintSpec.grammar, p.grammar, "grammar"), "grammar")]
 
 
 _BUILDS: dict[str, Callable[[Any], ConstraintSpec]] = {

@@ -155,6 +155,8 @@ class _ResponsesFields(BaseModel):
     ignore_eos: ClassVar[None] = None
     stop_token_ids: ClassVar[None] = None
     structured_outputs: ClassVar[None] = None
+    json_schema: ClassVar[None] = None  # llama-server's; text.format is this body's
+    grammar: ClassVar[None] = None
     use_beam_search: ClassVar[None] = None
     length_penalty: ClassVar[None] = None
     include_stop_str_in_output: ClassVar[None] = None
