@@ -37,8 +37,8 @@ from .template import ChatTemplate, no_template, render_messages
 from .tools import ToolDeltas, tool_plan
 
 # OpenAI's chat fields gpt2x does not serve: a 400 naming the field when given (other than null, [] or "none").
-_REFUSED = {"functions": "functions are not served (send tools)", "function_call": "functions are not served (send "
-            "tool_choice)",
+_REFUSED = {"functions": "functions are not served (send tools)",
+            "function_call": "functions are not served (send tool_choice)",
             "documents": "documents are not served", "audio": "audio is not served",
             "prediction": "predicted outputs are not served", "web_search_options": "web search is not served",
             "chat_template": "a request's own chat_template is not served (the server's is used)"}
