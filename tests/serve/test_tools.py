@@ -160,3 +160,24 @@ def test_a_tools_definitions_are_found_by_its_references_in_the_required_list(oa
         (call,) = choice.message.tool_calls
         assert call.function.name == "pick"
         jsonschema.validate(json.loads(call.function.arguments), pick)
+
+
+def test_required_calls_stream_as_each_completes_and_a_cut_list_keeps_its_complete_calls(oa):
+    """Without parallel_tool_calls false the list runs on until the model closes it or the length cuts it: the calls
+    before a cut are the answer's (finish_reason length), streamed each as soon as its item is complete."""
+    kwargs = {"model": "shakespeare", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "n": 3, "seed": 4,
+              "temperature": 1.0, "max_tokens": 70}
+    whole = oa.chat.completions.create(**kwargs)
+    want = [[(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or ()] for c in whole.choices]
+    assert sum(len(calls) for calls in want) >= 4, want  # several calls, to stream one by one
+    for calls in want:
+        for name, arguments in calls:
+            jsonschema.validate(arguments, SCHEMAS[name])
+    chunks = list(oa.chat.completions.create(**kwargs, stream=True))
+    calls, reasons = _stream_calls(chunks)
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert [[(c["name"], json.loads(c["arguments"])) for c in calls.get(i, {}).values()] for i in range(3)] == want
+    for i, listed in enumerate(want):  # the first call came before the choice's last chunk
+        at = [k for k, chunk in enumerate(chunks) for c in chunk.choices if c.index == i and c.delta.tool_calls]
+        end = next(k for k, chunk in enumerate(chunks) for c in chunk.choices if c.index == i and c.finish_reason)
+        assert len(listed) < 2 or at[0] < end, (i, at, end)

@@ -194,9 +194,10 @@ class ChatDelta(BaseModel):
 
     @model_serializer(mode="wrap")
     def _role_first(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
-        """The role is there in a choice's first chunk only, tool_calls where it calls tools (OpenAI's)."""
+        """The role is there in a choice's first chunk only, tool_calls where it calls tools, a null content in the
+        first chunk only (OpenAI's)."""
         data = without_null(without_null(handler(self), "role"), "tool_calls")
-        return without_null(data, "content") if "tool_calls" in data and "role" not in data else data
+        return data if "role" in data else without_null(data, "content")
 
 
 class ChatChunkChoice(BaseModel):

@@ -95,7 +95,7 @@ def response(req: ServedRequest, texts: list[str], reasons: list[str | None], us
              logprobs: list[ChatLogprobs | None], extras: list[dict], prompt: dict) -> ChatCompletionResponse:
     """The whole chat completion; `extras`: each choice's vLLM keys (token_ids), `prompt`: the prompt's
     (prompt_token_ids, prompt_logprobs), where asked for. Where the request asks for tool calls, each choice's text
-    is read as its calls (one that does not parse, cut short by the length, is left as its text)."""
+    is read as its calls (a list cut short by the length: the calls before the cut; not one: its text)."""
     plan = tool_plan(req.params)
     choices = []
     for i, (text, reason, lp, extra) in enumerate(zip(texts, reasons, logprobs, extras)):
@@ -168,7 +168,7 @@ async def stream(pending: Pending) -> AsyncIterator[render.StreamEvent]:
         return chunk(req, choices, usage, prompt)
 
     async for event in stream_events(pending, choices_of, chunk_of):
-        if not _empty(event.body):  # a required list's pieces, held until it parses
+        if not _empty(event.body):  # a required list's pieces, held until an item is complete
             yield event
 
 

@@ -43,15 +43,12 @@ class ToolPlan:
         return json_schema_constraint(self.schema, "tools"), "tool_choice"
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The answer's calls; None where a list was cut short (by the length) and does not parse."""
-        if self.named is not None:  # the arguments as generated (cut short, as OpenAI's are at the length)
+        """The answer's calls: a named function's arguments as generated (cut short by the length, as OpenAI's are),
+        or the required list's complete items (those before a cut); None where not one item is complete."""
+        if self.named is not None:
             return [ToolCall(id=call_id(), function=FunctionCall(name=self.named, arguments=text))]
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [ToolCall(id=call_id(), function=FunctionCall(
-            name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False))) for item in items]
+        items, _ = listed_items(text, 0)
+        return [as_call(item) for item in items] or None
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: `tool_calls` where the model chose to call (required), `stop` where the call was forced (named)."""
@@ -60,13 +57,15 @@ class ToolPlan:
 
 class ToolDeltas:
     """A stream's tool calls, choice by choice: a named function's arguments as they come (the call's id and name in
-    the choice's first chunk); with tool_choice required, each choice's calls whole in its last chunk (the list's
-    pieces are no calls until it parses), with the logprobs and token ids of its tokens."""
+    the choice's first chunk); with tool_choice required, each call whole as soon as its item of the list is complete
+    (a piece of an item is no call yet), with the logprobs and token ids of the tokens since the last chunk."""
 
     def __init__(self, plan: ToolPlan, choices: int):
         self.plan = plan
         self.ids = [call_id() for _ in range(choices)]
-        self.texts: list[list[str]] = [[] for _ in range(choices)]
+        self.texts = [""] * choices
+        self.parsed = [0] * choices  # where each choice's list was read up to
+        self.sent = [0] * choices  # each choice's calls streamed so far
         self.logprobs: list[list[ChatTokenLogprob] | None] = [None] * choices
         self.token_ids: list[list[int] | None] = [None] * choices
 
@@ -85,25 +84,59 @@ class ToolDeltas:
             return [ChatChunkChoice(index=event.index, delta=ChatDelta(content=None, tool_calls=piece),
                                     finish_reason=event.finish_reason, logprobs=event.logprobs, token_ids=token_ids)]
         i = event.index
-        self.texts[i].append(event.text)
+        self.texts[i] += event.text
         if event.logprobs is not None:
             self.logprobs[i] = (self.logprobs[i] or []) + list(event.logprobs.content or ())
         if token_ids is not None:
             self.token_ids[i] = (self.token_ids[i] or []) + token_ids
-        if event.finish_reason is None:
-            return []
-        text = "".join(self.texts[i])
-        calls = self.plan.calls(text)
-        if calls is None:
-            delta, reason = ChatDelta(content=text), event.finish_reason
+        items, self.parsed[i] = listed_items(self.texts[i], self.parsed[i])
+        reason = event.finish_reason
+        if not items and reason is None:
+            return []  # held, with its logprobs and token ids, until a call is complete or the choice ends
+        if reason is not None and not self.sent[i] and not items:  # not one call: the text, as the whole answer has
+            delta = ChatDelta(content=self.texts[i])
         else:
+            calls = [as_call(item) for item in items]
             delta = ChatDelta(content=None, tool_calls=[
-                DeltaToolCall(index=j, id=c.id, type="function",
+                DeltaToolCall(index=self.sent[i] + j, id=c.id, type="function",
                               function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
-                for j, c in enumerate(calls)])
-            reason = self.plan.finish_reason(event.finish_reason)
+                for j, c in enumerate(calls)] or None)
+            self.sent[i] += len(calls)
+            reason = reason if reason is None else self.plan.finish_reason(reason)
         logprobs = None if self.logprobs[i] is None else ChatLogprobs(content=self.logprobs[i])
-        return [ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=self.token_ids[i])]
+        token_ids, self.logprobs[i], self.token_ids[i] = self.token_ids[i], None, None
+        return [ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids)]
+
+
+def as_call(item: dict[str, Any], call: str | None = None) -> ToolCall:
+    """One item of the required list (`{"name", "parameters"}`) as a call."""
+    arguments = json.dumps(item["parameters"], ensure_ascii=False)
+    return ToolCall(id=call or call_id(), function=FunctionCall(name=item["name"], arguments=arguments))
+
+
+_DECODER = json.JSONDecoder()
+
+
+def listed_items(text: str, at: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete items of a JSON list being generated, from offset `at` (0: the list's start, else where an
+    earlier call stopped), and the offset after the last of them: the constraint writes the list, so each item is an
+    object and a failed decode is one not yet complete."""
+    items: list[dict[str, Any]] = []
+    if at == 0:
+        at = text.find("[") + 1
+        if at == 0:
+            return items, 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return items, at
+        try:
+            item, end = _DECODER.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items, at
+        items.append(item)
+        at = end
 
 
 def call_id() -> str:
