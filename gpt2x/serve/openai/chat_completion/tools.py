@@ -108,10 +108,10 @@ class ToolDeltas:
         return [ChatChunkChoice(index=i, delta=delta, finish_reason=reason, logprobs=logprobs, token_ids=token_ids)]
 
 
-def as_call(item: dict[str, Any], call: str | None = None) -> ToolCall:
+def as_call(item: dict[str, Any]) -> ToolCall:
     """One item of the required list (`{"name", "parameters"}`) as a call."""
     arguments = json.dumps(item["parameters"], ensure_ascii=False)
-    return ToolCall(id=call or call_id(), function=FunctionCall(name=item["name"], arguments=arguments))
+    return ToolCall(id=call_id(), function=FunctionCall(name=item["name"], arguments=arguments))
 
 
 _DECODER = json.JSONDecoder()
