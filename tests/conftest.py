@@ -333,6 +333,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
+def openai_client(service):
+    """OpenAI's client of the module's `service` (a CompletionService), served by uvicorn in this process."""
+    import openai
+
+    from gpt2x.serve.openai.routes import local_app
+
+    from .helpers import uvicorn_server
+
+    with uvicorn_server(local_app(service)) as port:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
 def client(service):
     """An in-process HTTP client of the module's `service` (a CompletionService) through the local app."""
     from fastapi.testclient import TestClient

@@ -25,8 +25,6 @@ from gpt2x.serve.openai.service import CompletionService
 from gpt2x.serve.replica import has_chat_template
 from gpt2x.tokenizer import decode, encode
 
-from ..helpers import uvicorn_server
-
 DIALOGPT = "{% for message in messages %}{{ message.content }}{{ eos_token }}{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Good morrow, my lord."}, {"role": "assistant", "content": "What news?"},
             {"role": "user", "content": "The king is dead."}]
@@ -40,13 +38,6 @@ def service(export_dir):
     yield s
     s.close()
 
-
-@pytest.fixture(scope="module")
-def openai_client(service):
-    import openai
-
-    with uvicorn_server(local_app(service)) as port:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
 
 def test_the_openai_chat_api_whole_and_streamed(openai_client, reference):

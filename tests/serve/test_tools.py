@@ -9,7 +9,6 @@ import json
 
 import jsonschema
 import pytest
-from fastapi.testclient import TestClient
 
 from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
@@ -18,10 +17,7 @@ from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.protocol import ChatCompletionRequest
 from gpt2x.serve.openai.chat_completion.serving import render_prompt
 from gpt2x.serve.openai.chat_completion.template import ChatTemplate
-from gpt2x.serve.openai.routes import local_app
 from gpt2x.serve.openai.service import CompletionService
-
-from ..helpers import uvicorn_server
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Verona"]}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -42,13 +38,6 @@ def service(export_dir):
     s.close()
 
 
-@pytest.fixture(scope="module")
-def oa(service):
-    import openai
-
-    with uvicorn_server(local_app(service)) as port:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-
 
 def _stream_calls(chunks) -> tuple[dict[int, dict], dict[int, str]]:
     """Each choice's calls as a client puts them together from the deltas (by index), and its finish reason."""
@@ -67,8 +56,8 @@ def _stream_calls(chunks) -> tuple[dict[int, dict], dict[int, str]]:
     return calls, reasons
 
 
-def test_a_named_function_is_called_with_arguments_valid_against_its_parameters(oa):
-    whole = oa.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, n=3,
+def test_a_named_function_is_called_with_arguments_valid_against_its_parameters(openai_client):
+    whole = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, n=3,
                                        seed=5, temperature=1.0, max_tokens=60)
     for choice in whole.choices:
         assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's, where the call is forced
@@ -76,11 +65,11 @@ def test_a_named_function_is_called_with_arguments_valid_against_its_parameters(
         assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     # the arguments are the structured output the call stands for: the same seed, the same text
-    plain = oa.chat.completions.create(model="shakespeare", messages=MESSAGES, n=3, seed=5, temperature=1.0, max_tokens=60,
+    plain = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, n=3, seed=5, temperature=1.0, max_tokens=60,
                                        extra_body={"tools": TOOLS, "tool_choice": "none"},
                                        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}})
     assert [c.message.tool_calls[0].function.arguments for c in whole.choices] == [c.message.content for c in plain.choices]
-    streamed = oa.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, n=3,
+    streamed = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, n=3,
                                           seed=5, temperature=1.0, max_tokens=60, stream=True)
     calls, reasons = _stream_calls(streamed)
     assert reasons == {0: "stop", 1: "stop", 2: "stop"}
@@ -88,9 +77,9 @@ def test_a_named_function_is_called_with_arguments_valid_against_its_parameters(
     assert all(calls[i][0]["name"] == "get_weather" and calls[i][0]["id"].startswith("call_") for i in range(3))
 
 
-def test_required_calls_any_tool_as_vllms_list_of_name_and_parameters(oa):
+def test_required_calls_any_tool_as_vllms_list_of_name_and_parameters(openai_client):
     kwargs = {"model": "shakespeare", "messages": MESSAGES, "n": 4, "seed": 11, "temperature": 1.0, "max_tokens": 80}
-    whole = oa.chat.completions.create(**kwargs, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    whole = openai_client.chat.completions.create(**kwargs, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     for choice in whole.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls  # parallel_tool_calls false: one
@@ -99,19 +88,19 @@ def test_required_calls_any_tool_as_vllms_list_of_name_and_parameters(oa):
     listed = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"const": name}, "parameters": schema}, "required": ["name", "parameters"],
          "additionalProperties": False} for name, schema in SCHEMAS.items()]}}
-    plain = oa.chat.completions.create(**kwargs, response_format={"type": "json_schema", "json_schema": {"name": "l", "schema": listed}})
+    plain = openai_client.chat.completions.create(**kwargs, response_format={"type": "json_schema", "json_schema": {"name": "l", "schema": listed}})
     want = [json.loads(c.message.content) for c in plain.choices]
     got = [[{"name": t.function.name, "parameters": json.loads(t.function.arguments)} for t in c.message.tool_calls]
            for c in whole.choices]
     assert got == want
-    calls, reasons = _stream_calls(oa.chat.completions.create(**kwargs, tools=TOOLS, tool_choice="required",
+    calls, reasons = _stream_calls(openai_client.chat.completions.create(**kwargs, tools=TOOLS, tool_choice="required",
                                                               parallel_tool_calls=False, stream=True))
     assert reasons == {i: "tool_calls" for i in range(4)}
     assert [[{"name": c["name"], "parameters": json.loads(c["arguments"])} for c in calls[i].values()] for i in range(4)] == want
 
 
-def test_a_list_cut_short_by_the_length_is_left_as_its_text(oa):
-    whole = oa.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+def test_a_list_cut_short_before_one_call_is_complete_is_left_as_its_text(openai_client):
+    whole = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                        max_tokens=4, seed=1)
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
@@ -143,18 +132,17 @@ def test_the_tools_reach_the_chat_template_and_tool_messages_are_rendered():
     ({"tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "required"}, "tools", "tools"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools"),
 ])
-def test_what_is_not_served_is_one_400_naming_its_field(service, body, param, fragment):
-    with TestClient(local_app(service)) as c:
-        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
+def test_what_is_not_served_is_one_400_naming_its_field(client, body, param, fragment):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, **body})
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param and fragment in error["message"], r.text
 
 
-def test_a_tools_definitions_are_found_by_its_references_in_the_required_list(oa):
+def test_a_tools_definitions_are_found_by_its_references_in_the_required_list(openai_client):
     pick = {"$defs": {"Colour": {"enum": ["red", "blue"]}}, "type": "object", "properties": {"c": {"$ref": "#/$defs/Colour"}},
             "required": ["c"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "pick", "parameters": pick}}]
-    whole = oa.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=tools, tool_choice="required",
+    whole = openai_client.chat.completions.create(model="shakespeare", messages=MESSAGES, tools=tools, tool_choice="required",
                                        parallel_tool_calls=False, n=4, seed=3, temperature=1.0, max_tokens=60)
     for choice in whole.choices:
         (call,) = choice.message.tool_calls
@@ -162,18 +150,18 @@ def test_a_tools_definitions_are_found_by_its_references_in_the_required_list(oa
         jsonschema.validate(json.loads(call.function.arguments), pick)
 
 
-def test_required_calls_stream_as_each_completes_and_a_cut_list_keeps_its_complete_calls(oa):
+def test_required_calls_stream_as_each_completes_and_a_cut_list_keeps_its_complete_calls(openai_client):
     """Without parallel_tool_calls false the list runs on until the model closes it or the length cuts it: the calls
     before a cut are the answer's (finish_reason length), streamed each as soon as its item is complete."""
     kwargs = {"model": "shakespeare", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "n": 3, "seed": 4,
               "temperature": 1.0, "max_tokens": 70}
-    whole = oa.chat.completions.create(**kwargs)
+    whole = openai_client.chat.completions.create(**kwargs)
     want = [[(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or ()] for c in whole.choices]
     assert sum(len(calls) for calls in want) >= 4, want  # several calls, to stream one by one
     for calls in want:
         for name, arguments in calls:
             jsonschema.validate(arguments, SCHEMAS[name])
-    chunks = list(oa.chat.completions.create(**kwargs, stream=True))
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
     calls, reasons = _stream_calls(chunks)
     assert reasons == {c.index: c.finish_reason for c in whole.choices}
     assert [[(c["name"], json.loads(c["arguments"])) for c in calls.get(i, {}).values()] for i in range(3)] == want
