@@ -325,6 +325,7 @@ def test_a_prompts_blocks_are_kept_once_its_first_token_is_told_while_the_batch_
     sink = Collect()
     running = Collect()
     handed, told_at_store, stepped_meanwhile = [], [], []
+    checked = threading.Event()  # the cache's thread may still be waiting when the row has finished
     keep_later, store = engine.prefix_cache.keep_later, engine.prefix_cache._store
 
     def handing(prompts, kv, end):
@@ -340,6 +341,7 @@ def test_a_prompts_blocks_are_kept_once_its_first_token_is_told_while_the_batch_
             while len(watched.tokens) <= handed[-1] and time.time() < deadline:
                 time.sleep(0.005)
             stepped_meanwhile.append(len(watched.tokens) > handed[-1] and threading.current_thread() is not engine._thread)
+            checked.set()
         return store(prompt, kv, row, end)
 
     engine.prefix_cache.keep_later, engine.prefix_cache._store = handing, storing
@@ -353,7 +355,7 @@ def test_a_prompts_blocks_are_kept_once_its_first_token_is_told_while_the_batch_
         engine.submit([row])
         assert sink.done.wait(120) and sink.end[0] == "done"
         assert told_at_store and min(told_at_store) >= 1  # stored after the first token, never before
-        assert stepped_meanwhile == [True]
+        assert checked.wait(15) and stepped_meanwhile == [True]
         assert engine.stats()["joins"] == (1 if joins else 0)
         (again, again_row), = run_rows(engine, [ids], [SamplingSettings(max_new_tokens=12, greedy=True)])
         assert again_row.cached_tokens == (len(ids) - 1) // 16 * 16 and again.tokens == sink.tokens
