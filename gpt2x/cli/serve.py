@@ -237,7 +237,7 @@ def serve(
         "keep streaming (0: whole); whole too where the joiners outnumber the requests running. Default: on the fixed "
         "slots (--kv-cache slots), whose chunks run in the decode step's own forward, 24 and one more per request "
         "running (8 at int8 and int4 on a CPU without VNNI or AMX, 20 at fp32 without AVX-512; the openvino backend's "
-        "paged slots: 64); 256 elsewhere.",
+        "paged slots: 64 on a CPU with AMX, 40 without); 256 elsewhere.",
         show_default=False)] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(
         help="The step's token budget (vLLM's): a joining prompt's chunk is what the running requests leave of it, one "

@@ -23,7 +23,7 @@ from .base import BF16_BITS, PAGED_PRECISIONS, Capabilities
 from .kvbuffers import small_page_arrays
 from .openvino_prefill import compute_precision, read_prefill_graph, refuse_bf16_without_cpu, tensor_of
 from .prefill import takes_past
-from .providers import physical_cores
+from .providers import physical_cores, x86_flags
 from .static_decode import SlotBackend
 
 # The paged graph's inputs beside input_ids and position_ids (OpenVINO's names), and the one added here: which of the
@@ -32,10 +32,23 @@ PAST_LENS, BEGINS, BLOCKS, BLOCK_BEGINS, MAX_CONTEXT = (
     "past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 SAMPLED = "sampled_indices"
 # A joiner's chunk in a decode step's forward by default, in tokens: a packed forward takes a chunk at the cost of its
-# tokens alone. 545-token prompts joining 1.5 a second (bf16, the 2-core Xeon, benchmarks/engine_joins.py): first token
-# p50 290 ms and ITL p99 2.16x its median at 64, against 509 ms and 1.69x at the ort slots' 24 and a token per row,
-# and 223 ms and 3.06x at 128 (docs/results/serving.md).
+# tokens alone. 545-token prompts joining 1.5 a second (bf16, the 2-core Xeon with AMX, benchmarks/engine_joins.py): first
+# token p50 290 ms and ITL p99 2.16x its median at 64, against 509 ms and 1.69x at the ort slots' 24 and a token per
+# row, and 223 ms and 3.06x at 128 (docs/results/serving.md).
 PAGED_MIXED_CHUNK = 64
+# The same on a CPU without AMX's bf16 tiles, where a chunk's token costs the step about 0.5 ms (AVX-512 BF16: 16 rows
+# 20.6 ms, with 64 tokens on a 512-token past 55.6, scratch): on the 2-core AMD EPYC, ITL p99 4.25x its median at 64,
+# 2.15x at 40 (first token 499 against 491 ms), 1.38x at 32 (524 ms), 1.35x at 24 (941 ms).
+PAGED_NARROW_MIXED_CHUNK = 40
+AMX_BF16_FLAGS = ("amx_bf16",)
+
+
+@functools.cache
+def paged_mixed_chunk() -> int:
+    """PAGED_MIXED_CHUNK on a CPU with AMX's bf16 tiles (or another architecture), else PAGED_NARROW_MIXED_CHUNK: chosen
+    by the CPU's flags, never by a timing."""
+    flags = x86_flags()
+    return PAGED_MIXED_CHUNK if flags is None or any(f in flags for f in AMX_BF16_FLAGS) else PAGED_NARROW_MIXED_CHUNK
 
 
 @functools.cache
@@ -346,7 +359,7 @@ class PagedSlotBackend(SlotBackend):
     capabilities = Capabilities(runtime="OpenVINO, paged attention",
                                 precisions_by_provider={ProviderKind.cpu: PAGED_PRECISIONS}, takes_past=True,
                                 joins_rows=True, frees_rows=True, rolls_back=True, mixes_chunks=True,
-                                mixed_chunk=PAGED_MIXED_CHUNK, warms_up=True, stores_kv_dtype=True)
+                                mixed_chunk=paged_mixed_chunk(), warms_up=True, stores_kv_dtype=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
                  slots: int = 16, capacity: int | None = None):

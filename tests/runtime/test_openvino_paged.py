@@ -259,3 +259,26 @@ def test_several_joiners_chunks_run_in_the_decode_steps_one_forward(fp32, monkey
     assert close(forward(model, seq + [nxt]), logits[0])
     first = backend.later_logits(later)
     assert all(close(forward(model, p), row) for p, row in zip(joiners, first))
+
+
+def test_the_cpu_flags_choose_the_paged_chunk(monkeypatch, tmp_path):
+    """A joiner's chunk in the paged slots' decode step is 64 tokens on a CPU with AMX's bf16 tiles, 40 without them
+    (AVX-512 BF16 alone, where a chunk's token costs the step several times more), 64 off x86; the backend says so."""
+    from gpt2x.runtime import openvino_paged, providers
+
+    here = "amx_bf16" in (providers.x86_flags() or {"amx_bf16"})  # this machine's, before the flags are faked
+    cpuinfo, real = tmp_path / "cpuinfo", providers.Path
+    monkeypatch.setattr(providers, "Path", lambda p: real(cpuinfo) if p == "/proc/cpuinfo" else real(p))
+    monkeypatch.setattr(providers.platform, "machine", lambda: "x86_64")
+    try:
+        for flags, chunk in (("avx512f avx512_bf16 amx_bf16 amx_tile amx_int8", 64), ("avx512f avx512_bf16", 40),
+                             ("avx2 fma", 40)):
+            cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+            openvino_paged.paged_mixed_chunk.cache_clear()
+            assert openvino_paged.paged_mixed_chunk() == chunk, flags
+        monkeypatch.setattr(providers.platform, "machine", lambda: "aarch64")
+        openvino_paged.paged_mixed_chunk.cache_clear()
+        assert openvino_paged.paged_mixed_chunk() == 64
+    finally:
+        openvino_paged.paged_mixed_chunk.cache_clear()
+    assert PagedSlotBackend.capabilities.mixed_chunk == (64 if here else 40)
