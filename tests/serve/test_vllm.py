@@ -65,6 +65,21 @@ def test_finish_reason_rides_on_the_last_tokens_chunk(client):
     assert "".join(p["text"] for p in pieces) == text
 
 
+def test_a_chunk_per_token_where_a_character_spans_tokens(client):
+    """vLLM sends a chunk for every token, its text empty while a character split across tokens is incomplete (vllm
+    bench serve counts an inter-token gap per chunk): 🤗 is three byte tokens in GPT-2's vocabulary, none a character
+    on its own, so the stream holds text back and each token still comes in a chunk of its own."""
+    body = dict(prompt="ROMEO:", max_tokens=16, temperature=0, return_token_ids=True,
+                structured_outputs={"choice": ["🤗🤗"]})
+    whole = post(client, **body)["choices"][0]
+    assert whole["text"] == "🤗🤗" and len(whole["token_ids"]) >= 4  # at least two tokens a character
+    pieces = [c["choices"][0] for c in chunks_of(client, **body)]
+    assert [len(p["token_ids"]) for p in pieces[:-1]] == [1] * (len(pieces) - 1)
+    assert [t for p in pieces for t in p["token_ids"]] == whole["token_ids"]
+    assert "".join(p["text"] for p in pieces) == "🤗🤗"
+    assert [p["text"] for p in pieces].count("") >= 2 and pieces[-1]["finish_reason"] == "stop"
+
+
 def test_text_held_back_for_a_stop_string_comes_with_the_finish(client):
     whole = post(client, prompt="ROMEO:", max_tokens=12, temperature=0)["choices"][0]["text"]
     stop = whole[-2:] + "\x07never"  # its start is the text's end: the end is held back until the choice ends

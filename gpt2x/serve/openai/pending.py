@@ -229,9 +229,10 @@ class Pending:
         self.logprobs[index].add_prompt([(t, lp, None if top is None else top[:n]) for t, lp, top in entries])
         return ChoiceEvent(index, self.prompts[index], None, self._taken(index), extra)
 
-    def _token(self, index: int, out: TokenOut) -> ChoiceEvent | None:
-        """A choice's token: the text it releases, and the choice's end where a stop string or its last token ends
-        it (None: nothing to tell yet)."""
+    def _token(self, index: int, out: TokenOut) -> ChoiceEvent:
+        """A choice's token: the text it releases (none while a split character or a possible stop string holds it
+        back: an event all the same, as vLLM sends a chunk per token, so that a stream's chunks keep the steps'
+        pace), and the choice's end where a stop string or its last token ends it."""
         text = self.texts[index]
         offset = self._start[index] + len(text.text)
         delta = text.push(out.token)
@@ -243,8 +244,6 @@ class Pending:
         elif out.finish is not None:  # its last token: the rest of its text (held back) and its end
             delta += text.finish()
             self.reasons[index] = render.finish_reason(out.finish, text)
-        elif not delta:
-            return None
         return self._event(index, delta, self.reasons[index])
 
     def _finished(self, index: int, out: Finished) -> ChoiceEvent:
@@ -285,8 +284,7 @@ class Pending:
                 else:
                     raise self._failed(out)
                 open_rows -= self.reasons[index] is not None
-                if event is not None:
-                    yield event
+                yield event
         finally:
             self.cancel()
 
