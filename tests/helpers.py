@@ -148,6 +148,18 @@ def cuda_loads() -> bool:
     return available_providers()["loadable"]["cuda"] == "ok"
 
 
+def local_service(export_dir, model: str = "shakespeare", batch: int = 4, chat_template=None):
+    """The bundled export served in this process, as the API tests serve it: ONNX Runtime on one thread, a batch of
+    `batch`, `chat_template` for chat (None: no template)."""
+    from gpt2x.onnx.artifact import read_export
+    from gpt2x.runtime.ort import OrtBackend
+    from gpt2x.serve.core.engine import EngineSettings
+    from gpt2x.serve.openai.service import CompletionService
+
+    return CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=batch), model,
+                             chat_template=chat_template)
+
+
 def post(client, **body) -> dict:
     """The JSON body of a completion that must succeed."""
     r = client.post("/v1/completions", json=body)

@@ -22,7 +22,7 @@ from gpt2x.numerics import positions
 from gpt2x.runtime.providers import default_precisions
 from gpt2x.tokenizer import EOT_ID, encode
 
-from ..helpers import assert_one_line_error, cli
+from ..helpers import assert_one_line_error, cli, local_service
 
 DRAFT_NOTICE = "--draft-tokens is deprecated; use --num-speculative-tokens"
 
@@ -146,13 +146,9 @@ def api_tokens(client, **body) -> tuple[list[int], str]:
 def api_client(export_dir):
     from fastapi.testclient import TestClient
 
-    from gpt2x.onnx.artifact import read_export
-    from gpt2x.runtime.ort import OrtBackend
-    from gpt2x.serve.core.engine import EngineSettings
     from gpt2x.serve.openai.routes import local_app
-    from gpt2x.serve.openai.service import CompletionService
 
-    service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
+    service = local_service(export_dir)
     with TestClient(local_app(service)) as client:
         yield client
     service.close()

@@ -15,12 +15,10 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from gpt2x.lmeval.model import Gpt2xLM  # noqa: E402
 from gpt2x.onnx.artifact import read_export  # noqa: E402
 from gpt2x.runtime.ort import OrtBackend  # noqa: E402
-from gpt2x.serve.core.engine import EngineSettings  # noqa: E402
 from gpt2x.serve.openai.routes import local_app  # noqa: E402
-from gpt2x.serve.openai.service import CompletionService  # noqa: E402
 from gpt2x.tokenizer import bpe_file  # noqa: E402
 
-from ..helpers import REPO, uvicorn_server  # noqa: E402
+from ..helpers import REPO, local_service, uvicorn_server  # noqa: E402
 
 TASKS = REPO / "tests" / "data" / "lm_eval_tasks"
 MC = "gpt2x_shakespeare_mc"
@@ -33,7 +31,7 @@ LOGLIK_ATOL = 1e-3
 @pytest.fixture(scope="module")
 def base_url(export_dir):
     import uvicorn  # noqa: F401 (uvicorn_server's: missing, the tests fail)
-    service = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
+    service = local_service(export_dir)
     with uvicorn_server(local_app(service)) as port:
         yield f"http://127.0.0.1:{port}/v1/completions"
     service.close()

@@ -13,7 +13,6 @@ from fastapi.testclient import TestClient
 
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
 from gpt2x.runtime.ort import OrtBackend
 from gpt2x.serve.core.engine import EngineSettings
@@ -25,6 +24,8 @@ from gpt2x.serve.openai.service import CompletionService
 from gpt2x.serve.replica import has_chat_template
 from gpt2x.tokenizer import decode, encode
 
+from ..helpers import local_service
+
 DIALOGPT = "{% for message in messages %}{{ message.content }}{{ eos_token }}{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Good morrow, my lord."}, {"role": "assistant", "content": "What news?"},
             {"role": "user", "content": "The king is dead."}]
@@ -33,8 +34,7 @@ RENDERED = "Good morrow, my lord.<|endoftext|>What news?<|endoftext|>The king is
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4),
-                          "shakespeare", chat_template=ChatTemplate(DIALOGPT, "test"))
+    s = local_service(export_dir, chat_template=ChatTemplate(DIALOGPT, "test"))
     yield s
     s.close()
 
@@ -74,7 +74,7 @@ def test_structured_output_through_chat(openai_client):
 
 
 def test_no_template_is_one_400_naming_the_flag(export_dir):
-    plain = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=1), "m")
+    plain = local_service(export_dir, "m", batch=1)
     try:
         with TestClient(local_app(plain)) as c:
             r = c.post("/v1/chat/completions", json={"messages": MESSAGES})

@@ -9,14 +9,10 @@ import pytest
 from gpt2x.generation.generate import generate
 from gpt2x.generation.processors import Dry
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.onnx.artifact import read_export
-from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.template import ChatTemplate
-from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 
-from ..helpers import post
+from ..helpers import local_service, post
 
 DIALOGPT = "{% for message in messages %}{{ message.content }}{{ eos_token }}{% endfor %}"
 MESSAGES = [{"role": "user", "content": "Good morrow, my lord."}]
@@ -27,8 +23,7 @@ DRY = {"dry_multiplier": 2.0, "dry_base": 1.5, "dry_allowed_length": 2, "dry_pen
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4),
-                          "shakespeare", chat_template=ChatTemplate(DIALOGPT, "test"))
+    s = local_service(export_dir, chat_template=ChatTemplate(DIALOGPT, "test"))
     yield s
     s.close()
 

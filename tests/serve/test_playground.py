@@ -25,16 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpt2x.generation.constraints import ConstraintSpec
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import SamplingSettings
-from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
-from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.template import ChatTemplate
 from gpt2x.serve.openai.routes import local_app
-from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode
 
-from ..helpers import uvicorn_server
+from ..helpers import local_service, uvicorn_server
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "playground-key"
@@ -48,8 +44,7 @@ NAMED = r"(ROMEO|JULIET|TYBALT) is [a-z]+\."  # a regex the answer ends at: then
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4),
-                          "shakespeare", chat_template=TEMPLATE)
+    s = local_service(export_dir, chat_template=TEMPLATE)
     yield s
     s.close()
 

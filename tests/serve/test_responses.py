@@ -18,16 +18,12 @@ from fastapi.testclient import TestClient
 from gpt2x.generation.constraints import ConstraintSpec
 from gpt2x.generation.generate import generate
 from gpt2x.generation.settings import Finish, SamplingSettings
-from gpt2x.onnx.artifact import read_export
-from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.template import ChatTemplate
 from gpt2x.serve.openai.responses.serving import ResponseStore
 from gpt2x.serve.openai.routes import local_app
-from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import decode, encode
 
-from ..helpers import uvicorn_server
+from ..helpers import local_service, uvicorn_server
 
 MODEL = "shakespeare"
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}"
@@ -44,8 +40,7 @@ VERDICT = {"type": "object", "properties": {"guilty": {"type": "boolean"}}, "req
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), MODEL,
-                          chat_template=ChatTemplate(TEMPLATE, "test"))
+    s = local_service(export_dir, MODEL, chat_template=ChatTemplate(TEMPLATE, "test"))
     yield s
     s.close()
 
@@ -247,8 +242,7 @@ def test_stream_options_is_accepted_and_a_server_without_a_template_names_the_in
     r = http.post("/v1/responses", json={"input": GREETING, "max_output_tokens": 2, "stream": True,
                                          "stream_options": {"include_obfuscation": False}})
     assert r.status_code == 200 and "event: response.incomplete" in r.text, r.text  # cut off by max_output_tokens
-    bare = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=1), MODEL,
-                             chat_template=None)
+    bare = local_service(export_dir, MODEL, batch=1)
     try:
         with TestClient(local_app(bare)) as c:
             r = c.post("/v1/responses", json={"input": GREETING, "max_output_tokens": 2})

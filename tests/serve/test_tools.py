@@ -10,14 +10,12 @@ import json
 import jsonschema
 import pytest
 
-from gpt2x.onnx.artifact import read_export
 from gpt2x.onnx.interop import DEFAULT_CHAT_TEMPLATE
-from gpt2x.runtime.ort import OrtBackend
-from gpt2x.serve.core.engine import EngineSettings
 from gpt2x.serve.openai.chat_completion.protocol import ChatCompletionRequest
 from gpt2x.serve.openai.chat_completion.serving import render_prompt
 from gpt2x.serve.openai.chat_completion.template import ChatTemplate
-from gpt2x.serve.openai.service import CompletionService
+
+from ..helpers import local_service
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Verona"]}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -32,8 +30,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4),
-                          "shakespeare", chat_template=ChatTemplate(DEFAULT_CHAT_TEMPLATE, "test"))
+    s = local_service(export_dir, chat_template=ChatTemplate(DEFAULT_CHAT_TEMPLATE, "test"))
     yield s
     s.close()
 

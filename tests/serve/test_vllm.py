@@ -25,10 +25,9 @@ from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
 from gpt2x.serve.core.scheduler import Scheduler
 from gpt2x.serve.openai.routes import local_app
-from gpt2x.serve.openai.service import CompletionService
 from gpt2x.tokenizer import EOT_ID, decode, encode
 
-from ..helpers import post
+from ..helpers import local_service, post
 
 KEY = "vllm-shapes-key"
 VLLM_KEYS = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # on every choice, null unless asked for
@@ -36,7 +35,7 @@ VLLM_KEYS = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # on every cho
 
 @pytest.fixture(scope="module")
 def service(export_dir):
-    s = CompletionService(OrtBackend(read_export(export_dir), threads=1), EngineSettings(max_batch_size=4), "shakespeare")
+    s = local_service(export_dir)
     yield s
     s.close()
 
