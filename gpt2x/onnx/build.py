@@ -62,7 +62,7 @@ NOT_CHECKED = "not checked (exported without the parity gate)"
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
 # Unset, int8 and bf16 exports get it (a bf16 export's prefills 1.5-2.2x faster on it than on model.onnx, both at bf16:
 # benchmarks/results/bf16-prefill-cpu-2core.md), and fp32 exports keep it only where it timed faster than ONNX Runtime's
-# at export (OPENVINO_PREFILL_IF_FASTER): an fp32 graph doubles the export's size (its f32 weights), for a prefill 15-23%
+# at export (OPENVINO_PREFILL_IF_FASTER): an fp32 graph doubles the export's size (its f32 weights), for a prefill 11-23%
 # faster on CPUs with AVX-512 and no faster on one with AVX2 alone (docs/results/engines.md).
 OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8, Precision.bf16, Precision.fp32)
 OPENVINO_PREFILL_IF_FASTER = (Precision.fp32,)
