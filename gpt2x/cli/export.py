@@ -56,8 +56,8 @@ def export(
     check_parity: Annotated[bool, typer.Option(help="Gate the export on parity with PyTorch (--no-check-parity to skip, at your own risk).")] = True,
     openvino_prefill: Annotated[Optional[bool], typer.Option(
         help="fp32, int8 and bf16: also write OpenVINO's prefill graph, gated and timed, which `ort` runs where it measured "
-             "faster and `openvino` runs for a bf16 export's prompts (needs the openvino extra; default: int8 and bf16, and fp32 "
-             "where it timed faster at export, or GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
+             "faster and `openvino` runs for a bf16 export's prompts (needs the openvino extra; default: int8 and bf16, or "
+             "GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     int8_kv: Annotated[Optional[bool], typer.Option(
         help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
              "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1).")] = None,

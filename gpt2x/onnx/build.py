@@ -60,12 +60,11 @@ NOT_CHECKED = "not checked (exported without the parity gate)"
 # Whether an fp32, int8 or bf16 export gets OpenVINO's prefill graph when not said (1 or 0): it costs an export seconds
 # (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
-# Unset, int8 and bf16 exports get it (a bf16 export's prefills 1.5-2.2x faster on it than on model.onnx, both at bf16:
-# benchmarks/results/bf16-prefill-cpu-2core.md), and fp32 exports keep it only where it timed faster than ONNX Runtime's
-# at export (OPENVINO_PREFILL_IF_FASTER): an fp32 graph doubles the export's size (its f32 weights), for a prefill 11-23%
-# faster on CPUs with AVX-512 and no faster on one with AVX2 alone (docs/results/engines.md).
-OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8, Precision.bf16, Precision.fp32)
-OPENVINO_PREFILL_IF_FASTER = (Precision.fp32,)
+# Unset, int8 and bf16 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights),
+# makes the export 4x longer and a server's peak memory 1.5x (benchmarks/results/serve-memory-fp32-prefill-*), for a
+# prefill 11-23% faster on CPUs with AVX-512 and no faster with AVX2 alone (docs/results/engines.md); a bf16 export's
+# prefills 1.5-2.2x faster on it than on model.onnx, both at bf16 (benchmarks/results/bf16-prefill-cpu-2core.md).
+OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8, Precision.bf16)
 
 
 # Whether an int8 export gets the batched decode graph (BATCHED_FILE) when not said (1 or 0; unset: 1): it costs an
@@ -98,12 +97,6 @@ def openvino_prefill_wanted(asked: bool | None, precision: Precision = Precision
     """`asked`, else GPT2X_OPENVINO_PREFILL's 0 or 1, else whether `precision` is in OPENVINO_PREFILL_BY_DEFAULT;
     one UsageError line for another value."""
     return _wanted(asked, OPENVINO_PREFILL_ENV, precision in OPENVINO_PREFILL_BY_DEFAULT)
-
-
-def openvino_prefill_if_faster(asked: bool | None, precision: Precision) -> bool:
-    """Whether the graph is kept only where its timing at export found it faster (OPENVINO_PREFILL_IF_FASTER): neither
-    asked for nor set by GPT2X_OPENVINO_PREFILL."""
-    return asked is None and os.environ.get(OPENVINO_PREFILL_ENV) is None and precision in OPENVINO_PREFILL_IF_FASTER
 
 
 def batched_decode_wanted(asked: bool | None) -> bool:
@@ -163,7 +156,6 @@ def export(
     want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
     want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill, precision)
-    prefill_if_faster = openvino_prefill_if_faster(openvino_prefill, precision)
     out = Path(out)
     with folder_written_whole(out, force, f"export to {out}") as tmp:
         work = tmp / "work"
@@ -221,8 +213,8 @@ def export(
                 {"kept": False, "reason": "not asked for" if batched_gate is not None else NOT_CHECKED}
             _record_files(tmp, meta)  # a dropped graph's file is gone
         if with_prefill:
-            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress, prefill_if_faster) if want_prefill \
-                else {"kept": False, "reason": "not asked for"}
+            meta[PREFILL_KEY] = _openvino_prefill(model, info, prefill_gate, progress) if want_prefill else \
+                {"kept": False, "reason": "not asked for"}
             if meta[PREFILL_KEY]["kept"]:  # its files join the others' (a dropped graph's are gone)
                 _record_files(tmp, meta)
         if precision in INT8_KV_PRECISIONS:  # last: its gate runs the whole backend, every graph above on its cache
@@ -240,11 +232,9 @@ def _record_files(folder: Path, meta: dict) -> None:
     meta["sizes"] = {file_name(folder, p): p.stat().st_size for p in paths}
 
 
-def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, progress: Progress,
-                      if_faster: bool = False) -> dict:
+def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, progress: Progress) -> dict:
     """OpenVINO's prefill graph written into the export, gated and timed; its record for gpt2x.json. A graph that
-    fails its gate (or was not gated), or with `if_faster` one that timed faster at no length, fresh or on a past, is
-    removed: the export keeps only ONNX Runtime's prefill."""
+    fails its gate (or was not gated) is removed: the export keeps only ONNX Runtime's prefill."""
     precision = info.precision
     missing = missing_modules(*ov_prefill.MODULES[precision])
     if missing:
@@ -259,22 +249,8 @@ def _openvino_prefill(model: GPT2, info: ExportInfo, gate: PrefillGate | None, p
               "weights": ov_prefill.WEIGHTS[precision],
               # bf16's is gated at bf16 (its backend runs nothing else); the others' at f32, bf16 asked for later
               "inference_precision": BF16 if precision is Precision.bf16 else F32}
-
-    def drop() -> None:
-        shutil.rmtree((info.folder / PREFILL_XML).parent)
-
-    record = _gated(info, PREFILL_KEY, record, gate, drop, "OpenVINO prefill graph",
-                    "checking the OpenVINO prefill against PyTorch and timing both prefills", progress)
-    timing = record.get("timing") or {}
-    if if_faster and record["kept"] and timing.get("openvino_from") is None \
-            and (timing.get("past") or {}).get("openvino_from") is None:
-        drop()
-        last = len(timing["lengths"]) - 1
-        reason = (f"no faster than ONNX Runtime's prefill at export ({timing['openvino_ms'][last]:.1f} against "
-                  f"{timing['onnxruntime_ms'][last]:.1f} ms at {timing['lengths'][last]} tokens); --openvino-prefill keeps it")
-        progress(f"OpenVINO prefill graph dropped: {reason}")
-        return {"kept": False, "reason": reason, "timing": timing}
-    return record
+    return _gated(info, PREFILL_KEY, record, gate, lambda: shutil.rmtree((info.folder / PREFILL_XML).parent),
+                  "OpenVINO prefill graph", "checking the OpenVINO prefill against PyTorch and timing both prefills", progress)
 
 
 def _batched_decode(info: ExportInfo, gate: BatchedGate, progress: Progress) -> dict:

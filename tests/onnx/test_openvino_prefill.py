@@ -180,18 +180,16 @@ def test_an_export_without_openvino_still_works_and_says_so(tiny_hf, tmp_path):
 
 
 def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypatch):
-    """GPT2X_OPENVINO_PREFILL: 1 or 0 (unset: int8 and bf16, and fp32 where it times faster); anything else is one
-    UsageError line, before any work."""
-    from gpt2x.onnx.build import OPENVINO_PREFILL_ENV, openvino_prefill_if_faster, openvino_prefill_wanted
+    """GPT2X_OPENVINO_PREFILL: 1 or 0 (unset: int8 only); anything else is one UsageError line, before any work."""
+    from gpt2x.onnx.build import OPENVINO_PREFILL_ENV, openvino_prefill_wanted
     from gpt2x.workflows.exports import export_model
 
     model, source, _ = tiny
     monkeypatch.delenv(OPENVINO_PREFILL_ENV, raising=False)
     assert openvino_prefill_wanted(None) is True and openvino_prefill_wanted(False) is False
-    assert openvino_prefill_wanted(None, Precision.fp32) is True and openvino_prefill_if_faster(None, Precision.fp32)
-    assert not openvino_prefill_if_faster(True, Precision.fp32) and not openvino_prefill_if_faster(None, Precision.int8)
+    assert openvino_prefill_wanted(None, Precision.fp32) is False and openvino_prefill_wanted(True, Precision.fp32) is True
     monkeypatch.setenv(OPENVINO_PREFILL_ENV, "1")
-    assert openvino_prefill_wanted(None, Precision.fp32) is True and not openvino_prefill_if_faster(None, Precision.fp32)
+    assert openvino_prefill_wanted(None, Precision.fp32) is True
     monkeypatch.setenv(OPENVINO_PREFILL_ENV, "0")
     assert openvino_prefill_wanted(None) is False and openvino_prefill_wanted(True) is True
     info = export_model(model, source, tmp_path / "off", Precision.int8)
@@ -200,53 +198,6 @@ def test_whether_an_export_gets_the_graph_when_not_said(tiny, tmp_path, monkeypa
     with pytest.raises(UsageError, match="GPT2X_OPENVINO_PREFILL must be 0 or 1"):
         export_model(model, source, tmp_path / "bad", Precision.int8)
     assert not (tmp_path / "bad").exists()
-
-
-def timed(openvino_ms: list[float], past_openvino_ms: list[float]):
-    """time_prefills as if OpenVINO's prefill took `openvino_ms` (fresh) and `past_openvino_ms` (on a past) where ONNX
-    Runtime's took 10, 20, 40 ms at 8, 16 and 32 tokens."""
-    from gpt2x.evaluate.prefill import crossover
-
-    lengths, ort_ms = [8, 16, 32], [10.0, 20.0, 40.0]
-
-    def time_prefills(info, threads=None):
-        return {"lengths": lengths, "onnxruntime_ms": ort_ms, "openvino_ms": openvino_ms,
-                "openvino_from": crossover(lengths, ort_ms, openvino_ms),
-                "past": {"lengths": lengths, "onnxruntime_ms": ort_ms, "openvino_ms": past_openvino_ms,
-                         "openvino_from": crossover(lengths, ort_ms, past_openvino_ms)}}
-
-    return time_prefills
-
-
-@pytest.mark.parametrize("openvino_ms,past_openvino_ms,kept", [
-    ([10.0, 20.0, 40.0], [10.0, 20.0, 40.0], False),  # as fast as ONNX Runtime's: not faster by FASTER_BY
-    ([10.0, 20.0, 30.0], [10.0, 20.0, 40.0], True),  # faster from some fresh length on
-    ([10.0, 20.0, 40.0], [10.0, 15.0, 30.0], True),  # faster on a past only (a prompt's next chunk)
-], ids=["no-faster", "faster-fresh", "faster-on-a-past"])
-def test_an_fp32_export_not_told_keeps_the_graph_only_where_it_timed_faster(tiny_export, tmp_path, monkeypatch,
-                                                                           openvino_ms, past_openvino_ms, kept):
-    """Unset, an fp32 export's graph is made, gated and timed, and kept where the runtime would run it; otherwise its
-    files go and the record says why, with the timing; `--openvino-prefill` keeps it either way."""
-    from gpt2x.evaluate import prefill
-    from gpt2x.onnx.build import OPENVINO_PREFILL_ENV
-    from gpt2x.workflows.exports import export_model
-
-    model, source, _ = tiny_export(Precision.fp32)
-    monkeypatch.delenv(OPENVINO_PREFILL_ENV, raising=False)
-    monkeypatch.setattr(prefill, "time_prefills", timed(openvino_ms, past_openvino_ms))
-    said = []
-    info = export_model(model, source, tmp_path / "auto", Precision.fp32, progress=said.append)
-    record = info.meta["openvino_prefill"]
-    verify_export(info.folder)
-    assert (info.prefill is not None) == kept == (info.folder / PREFILL_XML).is_file() == (PREFILL_BIN in info.meta["files"])
-    if not kept:
-        assert record["kept"] is False and record["reason"].startswith(
-            "no faster than ONNX Runtime's prefill at export (40.0 against 40.0 ms at 32 tokens)")
-        assert record["timing"]["openvino_ms"] == openvino_ms and not (info.folder / "openvino").exists()
-        assert any(m.startswith("OpenVINO prefill graph dropped: no faster") for m in said)
-        asked = export_model(model, source, tmp_path / "asked", Precision.fp32, openvino_prefill=True)
-        assert asked.prefill is not None and asked.prefill["timing"]["openvino_from"] is None
-        verify_export(asked.folder)
 
 
 def test_chunks_on_a_past_switch_to_openvino_where_the_two_lines_cross():
