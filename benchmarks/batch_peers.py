@@ -16,12 +16,15 @@ wall time from handing them over to the last token.
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
   precision (workflows.ensure_export, parity-gated when made; threads = cores), on the backend and KV cache
   `gpt2x serve` opens for it (serve.replica.open_backend: the ort backend's fixed slots where they run the export
-  by default, the openvino backend's paged slots for bf16, else the backend's own cache) and with --gpt2x-kv-caches
-  auto,in-place on the backend's own cache too (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
-  the batched and KV dtype switches below run on the cache in place; with --gpt2x-batched
+  by default, the openvino backend's paged slots for bf16, else the backend's own cache), with --gpt2x-kv-caches
+  slots on the backend's fixed slots asked for (the openvino backend's paged ones at fp32 too), and with in-place on
+  the backend's own cache (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
+  the batched and KV dtype switches below run on the cache in place (the KV dtype's on the slots where
+  --gpt2x-kv-caches has slots, given as `gpt2x serve --kv-cache-dtype` gives it); with --gpt2x-batched
   auto,off, the ort backend twice on the same int8 export: running a step on its batched decode graph from the
   record's batched_from, and never (model.onnx alone, as before that graph); with --gpt2x-kv-dtypes auto,float,
-  the ort backend on an int8 export that kept int8 KV scales with its cache as the record says and in float32;
+  the ort backend on an export that kept int8 KV scales (int8; fp32 made with --int8-kv) with its cache as the
+  record says and in float32;
   at bf16 (a CPU that computes it), gpt2x's bf16 export on the backend gpt2x picks for it (openvino), as `gpt2x
   serve --precision bf16` runs it;
 - gpt2x's offline API (`gpt2x.LLM(export).generate(prompts as token ids, SamplingParams(max_tokens = min_tokens =
@@ -48,11 +51,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -68,6 +73,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
 from gpt2x.runtime.base import kv_dtype_name
+from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
@@ -80,24 +86,43 @@ CHECK_TOKENS = 16
 CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
 
 
+@contextmanager
+def env_set(name: str, value: str | None):
+    """`name` set to `value` meanwhile (None: left as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
 class Gpt2xEngine:
     """gpt2x's serving engine on one backend; a run submits every prompt at once and waits for all. `kv_cache` "auto":
-    the backend `gpt2x serve` opens (its KV cache as the server's `--kv-cache auto` chooses); "in-place": export_backend,
+    the backend `gpt2x serve` opens (its KV cache as the server's `--kv-cache auto` chooses); "slots": the backend's fixed
+    slots asked for (`--kv-cache slots`: the ort backend's, the openvino backend's paged ones); "in-place": export_backend,
     which the batched and KV dtype switches choose for."""
 
     def __init__(self, backend_kind: BackendKind, info, threads: int, batch: int, batched: bool | None = None,
                  kv_cache_dtype: str | None = None, kv_cache: str = "auto"):
         self.settings = EngineSettings(max_batch_size=batch)
         config = ReplicaConfig(export=str(info.folder), model_id="", backend=backend_kind.value, threads=threads,
-                               engine=self.settings, fixed_slots=None)
-        slots = kv_cache == "auto" and batched is None and kv_cache_dtype in (None, "auto") and on_slots(config, info)
+                               engine=self.settings, fixed_slots=True if kv_cache == "slots" else None)
+        slots = (kv_cache == "slots" or kv_cache == "auto" and batched is None and kv_cache_dtype in (None, "auto")) \
+            and on_slots(config, info)
         kind = " paged" if slots and backend_kind is BackendKind.openvino else " slots" if slots else ""
         self.name = f"gpt2x engine {backend_kind.value} {info.precision.value}{kind}" \
             + (" batched-off" if batched is False else "") \
             + (f" {kv_cache_dtype} KV cache" if kv_cache_dtype not in (None, "auto") else "")
         self.precision = info.precision.value
-        if slots:
-            self.backend = open_backend(config, info)
+        if slots:  # the KV dtype as `gpt2x serve --kv-cache-dtype` gives it to the slots: in the environment
+            with env_set(KV_DTYPE_ENV, kv_cache_dtype if kv_cache_dtype not in (None, "auto") else None):
+                self.backend = open_backend(config, info)
         else:
             self.backend = export_backend(backend_kind, info, ProviderKind.cpu, threads, batched=batched,
                                           kv_cache_dtype=kv_cache_dtype)
@@ -251,7 +276,8 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
                 # the server's default and (--gpt2x-kv-caches in-place) the cache in place, where they differ; the
                 # batched and KV dtype switches are the cache in place's
                 variants = [(choice, dtype, cache) for choice in choices for dtype in dtypes
-                            for cache in (args.gpt2x_kv_caches if (choice, dtype) == ("auto", "auto") else ["in-place"])]
+                            for cache in (args.gpt2x_kv_caches if (choice, dtype) == ("auto", "auto") else
+                                          ["slots" if "slots" in args.gpt2x_kv_caches and choice == "auto" else "in-place"])]
                 names = set()
                 for choice, dtype, cache in variants:
                     try:
@@ -332,7 +358,8 @@ def main() -> int:
                     "every precision or for one (openvino@fp32) (default: %(default)s)")
     ap.add_argument("--gpt2x-kv-caches", default="auto", help="the engine's KV cache: auto (as `gpt2x serve` opens the "
                     "export: the ort backend's fixed slots where they run it by default, the openvino backend's paged slots for bf16), "
-                    "in-place (the backend's own cache); both: auto,in-place")
+                    "slots (the backend's fixed slots, where it has them: the openvino backend's paged ones at fp32 too), "
+                    "in-place (the backend's own cache); all: auto,slots,in-place")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
                     "export has one: auto (from its recorded batched_from), off (never); both: auto,off")
     ap.add_argument("--gpt2x-kv-dtypes", default="auto", help="the ort backend's KV cache dtype, where an int8 export "
@@ -352,7 +379,7 @@ def main() -> int:
         except Gpt2xError as e:
             ap.error(f"--precisions bf16: {e}")
     args.contenders = parse_list(args.contenders, CONTENDERS, "--contenders", ap)
-    args.gpt2x_kv_caches = parse_list(args.gpt2x_kv_caches, ["auto", "in-place"], "--gpt2x-kv-caches", ap)
+    args.gpt2x_kv_caches = parse_list(args.gpt2x_kv_caches, ["auto", "slots", "in-place"], "--gpt2x-kv-caches", ap)
     args.gpt2x_batched = parse_list(args.gpt2x_batched, ["auto", "off"], "--gpt2x-batched", ap)
     args.gpt2x_kv_dtypes = parse_list(args.gpt2x_kv_dtypes, ["auto", "int8", "float"], "--gpt2x-kv-dtypes", ap)
     args.genai_kv_caches = parse_list(args.genai_kv_caches, ["auto", "f32", "bf16", "u8"], "--genai-kv-caches", ap)

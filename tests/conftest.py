@@ -73,7 +73,7 @@ def tiny_export(shared_dir):
     a file lock) and only read by the tests. `gated`: through the precision's parity gate; `gqa`: the fp32
     export rewritten to GroupQueryAttention (helpers.as_gqa); `openvino_prefill`: an int8 or fp32 export with
     its OpenVINO prefill graph (else none: it costs seconds, and the tests run ONNX Runtime's prefill); `batched`: an
-    int8 export with its batched decode graph (else none, for the same reason); `int8_kv`: an int8 or int4 export with
+    int8 export with its batched decode graph (else none, for the same reason); `int8_kv`: an int8, int4 or fp32 export with
     its int8 KV cache's scales (else none)."""
     from filelock import FileLock
 

@@ -60,7 +60,8 @@ def export(
              "GPT2X_OPENVINO_PREFILL=0 or 1).")] = None,
     int8_kv: Annotated[Optional[bool], typer.Option(
         help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
-             "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1).")] = None,
+             "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1). fp32: only with --int8-kv, gated on "
+             "its own (the weights and arithmetic stay fp32), and then held by default (--kv-cache-dtype float: not).")] = None,
     prefill_compute: Annotated[PrefillCompute, typer.Option(
         help="int8: the compute precision of OpenVINO's prefill graph, gated at int8's tolerances: f32, or bf16 on a "
              "CPU that computes it (AVX-512 BF16, AMX), faster on long prompts there. Chosen here, never by a timing: "
@@ -184,7 +185,8 @@ def _kv_timings(record: dict) -> str:
     timing, long = record["timing"], record["long"]
     times = ", ".join(f"on {p} positions {i:.2f} against {f:.2f} ms" for p, i, f in
                       zip(timing["pasts"], timing["int8_ms"], timing["float_ms"]))
-    use = "used" if record["use"] else f"not used (not {timing['faster_by']:.0%} faster on the longest)"
+    use = "used" if timing["use"] else "used (asked for: an fp32 export's)" if record["use"] else \
+        f"not used (not {timing['faster_by']:.0%} faster on the longest)"
     return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale (float cache "
             f"{record['long_float']['max_rel']:.2g}); a decode step, int8 cache against float: {times}; {use}")
 

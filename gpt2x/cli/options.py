@@ -157,11 +157,14 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
 
 def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:
     """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp32 or fp16 export by name: refused in one line before
-    anything is exported (only int8 and int4 exports hold int8 caches; an --onnx folder is checked when opened)."""
+    anything is exported (exports by name hold int8 caches at int8 and int4; an fp32 export made with `gpt2x export
+    --int8-kv` is served by --onnx, and an --onnx folder is checked when opened)."""
     wanted = precision or Precision.fp32  # the commands' default precision
     if onnx_dir is None and wanted not in (Precision.int8, Precision.int4) and asked_kv_dtype(None) is KvDtypeChoice.int8:
-        raise UsageError(f"--kv-cache-dtype int8 is for int8 and int4 exports; --precision {wanted.value} has a float cache",
-                         option="kv-cache-dtype")
+        also = " (an fp32 export made with `gpt2x export --int8-kv` holds one: pass it with --onnx)" \
+            if wanted is Precision.fp32 else ""
+        raise UsageError(f"--kv-cache-dtype int8 is for int8 and int4 exports; --precision {wanted.value} has a float "
+                         f"cache{also}", option="kv-cache-dtype")
 
 
 def version_callback(value: bool) -> None:

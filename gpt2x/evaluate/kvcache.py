@@ -1,7 +1,8 @@
-"""An int8 or int4 export's int8 KV cache (onnx/kvcache.py): gated by the export's own parity check with the cache in
-int8, and by a long context decoded on it (where an int8 cache matters, and where its error would show: every step
-attends to hundreds of quantized positions), then one-row decode steps timed on both caches, so that the runtime
-holds it in int8 from measured figures (docs/export.md, the int8 KV cache). No torch here."""
+"""An export's int8 KV cache (onnx/kvcache.py; int8 and int4 exports, fp32 ones where asked for): gated by the export's
+own parity check with the cache in int8, and by a long context decoded on it (where an int8 cache matters, and where
+its error would show: every step attends to hundreds of quantized positions), then one-row decode steps timed on both
+caches, so that the runtime holds an int8 or int4 export's in int8 from measured figures (docs/export.md, the int8 KV
+cache). No torch here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import statistics
 
 import numpy as np
 
+from ..choices import Precision
 from ..errors import ParityError
 from ..numerics import positions
 from ..onnx.artifact import ExportInfo
@@ -17,7 +19,7 @@ from ..runtime.kvdtype import KvDtypeChoice
 from ..runtime.ort import OrtBackend
 from .batched import decode_step_ms
 from .metrics import logit_stats
-from .parity import TOLERANCES, check
+from .parity import check, int8_kv_tolerance
 from .prefill import FASTER_BY, TIMED_REPEAT
 
 LONG_PROMPT = 512  # positions before the long check's decode steps (capped below the model's context)
@@ -65,12 +67,14 @@ def time_steps(backends: dict[str, OrtBackend], n_positions: int, repeat: int = 
 
 def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
     """The int8 KV cache through the export precision's parity check and the long check against `reference` (raises
-    ParityError when either is out of tolerance), the long check on the float cache beside it, then timed beside the
-    float cache, the same two backends throughout: {"parity", "long", "long_float", "timing", "use"} for gpt2x.json."""
-    tol = TOLERANCES[info.precision]
+    ParityError when either is out of tolerance; an fp32 export's at parity.INT8_KV_ON_FP32), the long check on the
+    float cache beside it, then timed beside the float cache, the same two backends throughout: {"parity", "long",
+    "long_float", "timing", "use"} for gpt2x.json. `use`: an int8 or int4 export's where the timing says so; an fp32
+    export's always (its cache was asked for by name, and its float cache stays a choice: --kv-cache-dtype float)."""
+    tol = int8_kv_tolerance(info.precision)
     with OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.int8) as int8, \
             OrtBackend(info, threads=threads, kv_cache_dtype=KvDtypeChoice.float) as floats:
-        parity = check(reference, int8, info.precision)
+        parity = check(reference, int8, info.precision, tolerance=tol)
         long = compare_long(reference, int8)
         if parity["status"] == "failed":
             raise ParityError(f"the int8 KV cache is out of tolerance: {parity['message']}")
@@ -83,4 +87,5 @@ def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = Non
                               f"{'; '.join(failures)}")
         long_float = compare_long(reference, floats)  # what the int8 cache adds to the export's own error
         timing = time_steps({"float_ms": floats, "int8_ms": int8}, info.config.n_positions)
-    return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": timing["use"]}
+    use = timing["use"] or info.precision is Precision.fp32
+    return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": use}

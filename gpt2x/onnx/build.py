@@ -76,6 +76,9 @@ BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
 # 1): it costs an export a calibration forward, a gate and a timing.
 INT8_KV_ENV = "GPT2X_INT8_KV"
 INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
+# fp32's, only where asked for (`int8_kv` True): the cache then computes in fp32 from int8 keys and values, a gate of its
+# own (evaluate.parity.INT8_KV_ON_FP32), run on the export's GroupQueryAttention twin as the CPU runs it.
+INT8_KV_ASKED_PRECISIONS = (Precision.fp32,)
 # The scales' headroom over the largest |key| or |value| calibration saw at a channel: a value up to that much larger
 # is stored unclipped, at 1/127 of the widened range. Fresh random rows reached 1.6-1.9x calibration's largest at a
 # few channels (GPT-2 124M random and the bundled model, scratch): the tail grows with the tokens seen.
@@ -104,9 +107,13 @@ def batched_decode_wanted(asked: bool | None) -> bool:
     return _wanted(asked, BATCHED_DECODE_ENV, True)
 
 
-def int8_kv_wanted(asked: bool | None) -> bool:
-    """`asked`, else GPT2X_INT8_KV's 0 or 1, else yes (int8 and int4 exports only)."""
-    return _wanted(asked, INT8_KV_ENV, True)
+def int8_kv_wanted(asked: bool | None, precision: Precision = Precision.int8) -> bool:
+    """Whether a `precision` export gets its int8 KV cache's scales: int8 and int4 `asked`, else GPT2X_INT8_KV's 0 or 1,
+    else yes; fp32 only where `asked` (GPT2X_INT8_KV is the quantized exports' default); another precision never."""
+    if precision in INT8_KV_ASKED_PRECISIONS:
+        _wanted(asked, INT8_KV_ENV, False)  # a bad value is its own error here too
+        return asked is True
+    return precision in INT8_KV_PRECISIONS and _wanted(asked, INT8_KV_ENV, True)
 
 
 # The OpenVINO prefill graph's gate and timings (evaluate.prefill): returns its record's parity and timings, or
@@ -149,10 +156,11 @@ def export(
     `openvino_prefill` False: none (None: openvino_prefill_wanted's default). An int8 export also gets the batched
     decode graph (BATCHED_FILE), kept only if `batched_gate` passes it (None: not made), unless `batched_decode` is
     False (None: batched_decode_wanted's default). An int8 or int4 export also gets its int8 KV cache's scales, kept
-    only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default).
+    only if `kv_gate` passes them (None: not made), unless `int8_kv` is False (None: int8_kv_wanted's default); an fp32
+    export only where `int8_kv` is True.
     `chat_template`: recorded in tokenizer_config.json, where transformers, vLLM and gpt2x serve read it. `adapter`: the
     record of a LoRA adapter merged into `model` (workflows.models.load_adapted), kept under "model" beside its base's."""
-    want_kv = precision in INT8_KV_PRECISIONS and int8_kv_wanted(int8_kv) and kv_gate is not None
+    want_kv = int8_kv_wanted(int8_kv, precision) and kv_gate is not None
     want_batched = precision is Precision.int8 and batched_decode_wanted(batched_decode) and batched_gate is not None
     with_prefill = precision in ov_prefill.MODULES
     want_prefill = with_prefill and openvino_prefill_wanted(openvino_prefill, precision)
@@ -217,7 +225,7 @@ def export(
                 {"kept": False, "reason": "not asked for"}
             if meta[PREFILL_KEY]["kept"]:  # its files join the others' (a dropped graph's are gone)
                 _record_files(tmp, meta)
-        if precision in INT8_KV_PRECISIONS:  # last: its gate runs the whole backend, every graph above on its cache
+        if precision in INT8_KV_PRECISIONS or want_kv:  # last: its gate runs the whole backend, every graph above on its cache
             meta[KV_KEY] = _int8_kv(model, info, kv_gate, progress) if want_kv else \
                 {"kept": False, "reason": "not asked for" if kv_gate is not None else NOT_CHECKED}
             _record_files(tmp, meta)

@@ -1,6 +1,7 @@
-"""Which dtype the ONNX Runtime backend's KV cache holds on an int8 or int4 export: the export's float, or int8 with
-the scales the export calibrated and gated (onnx/kvcache.py; docs/export.md, the int8 KV cache). Chosen from the
-figures the export measured, not by name; a user may force either way. No torch."""
+"""Which dtype the ONNX Runtime backend's KV cache holds on an int8 or int4 export, or an fp32 one exported with
+--int8-kv: the export's float, or int8 with the scales the export calibrated and gated (onnx/kvcache.py; docs/export.md,
+the int8 KV cache). Chosen from the export's record (an int8 or int4 export's from the figures it measured, an fp32
+one's as asked at export); a user may force either way. No torch."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ KV_DTYPE_ENV = "GPT2X_KV_CACHE_DTYPE"  # the choice for this process and those i
 
 
 class KvDtypeChoice(str, Enum):
-    auto = "auto"  # int8 where the export kept its scales and timed decode steps on them faster
+    auto = "auto"  # int8 where the export's record says to use its scales (an fp32 export's: kept at all)
     int8 = "int8"  # refused where the export has no gated scales or the cache cannot be int8
     float = "float"  # the export's float dtype (float32; float16 for fp16 exports)
 
@@ -30,18 +31,18 @@ def asked(choice: KvDtypeChoice | str | None) -> KvDtypeChoice:
 
 def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> np.ndarray | None:
     """The (2L, H, D) scales of an int8 cache for this export, or None for a float one. Auto: where the export's record
-    says its decode steps ran faster on them; int8: wherever the export kept gated scales. The cache must be written
+    says to use them (evaluate.kvcache.gate_int8_kv's `use`); int8: wherever the export kept gated scales. The cache must be written
     in place (GroupQueryAttention on the CPU, `in_place`): int8 refused in one line otherwise."""
     if choice is KvDtypeChoice.float:
         return None
     record = info.int8_kv
     if choice is KvDtypeChoice.int8:
         if record is None or not in_place:
-            why = f"it is an {info.precision.value} export (int8 and int4 exports hold one)" \
-                if KV_KEY not in info.meta and info.precision not in (Precision.int8, Precision.int4) else \
+            why = f"it is an {info.precision.value} export (int8 and int4 exports hold one; an fp32 one exported with " \
+                "--int8-kv)" if KV_KEY not in info.meta and info.precision not in (Precision.int8, Precision.int4) else \
                 "it kept no gated scales for one (exported before gpt2x had one, with GPT2X_INT8_KV=0, or its gate " \
                 "dropped them: its gpt2x.json says which)" if record is None else \
-                "the cache is not written in place (int8 and int4 exports on the CPU, --kv-cache auto or in-place)"
+                "the cache is not written in place (on the CPU, --kv-cache auto or in-place)"
             raise ProviderError(f"{info.folder}: cannot hold an int8 KV cache: {why}")
     elif record is None or not in_place or not record.get("use"):
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import onnxruntime as ort
@@ -59,10 +60,11 @@ def unset_arrays(shape: tuple[int, ...], count: int, dtype) -> list[np.ndarray]:
 # once, whatever the wait: no timing chooses where a prompt runs).
 PREPARE_PREFILL_FROM = 32
 
-def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
-    """An fp32 export's GroupQueryAttention twin (onnx.optimize.in_place_form), from the rewrite an earlier process
-    kept on disk where there is one (onnx.graph_cache: no onnx imported), else made here and kept. None where the
-    export has none (weights in a data file, no MultiHeadAttention)."""
+def in_place_twin(info: ExportInfo, kv_scales: np.ndarray | None = None) -> InMemoryGraph | None:
+    """An fp32 export's GroupQueryAttention twin (onnx.optimize.in_place_form), on an int8 cache with `kv_scales`
+    (onnx.kvcache.with_int8_kv), from the rewrite an earlier process kept on disk where there is one (onnx.graph_cache:
+    no onnx imported), else made here and kept. None where the export has none (weights in a data file, no
+    MultiHeadAttention)."""
     path = info.model_path
     if weights_beside(path):
         return None
@@ -71,9 +73,19 @@ def in_place_twin(info: ExportInfo) -> InMemoryGraph | None:
         from ..onnx.optimize import in_place_form  # onnx's rewrite: imported by the sessions that need it
 
         twin = in_place_form(path)
-        return None if twin is None else (twin,)
+        if twin is None:
+            return None
+        if kv_scales is not None:
+            import onnx
 
-    kept = kept_or_made([graph_key("gqa-twin", recorded_file(info, path))], mapped_model(path)[1], make)
+            proto = onnx.load_from_string(twin.graph)
+            with_int8_kv(proto, kv_scales)
+            twin = replace(twin, graph=proto.SerializeToString())
+        return (twin,)
+
+    key = graph_key("gqa-twin", recorded_file(info, path)) if kv_scales is None else \
+        graph_key("gqa-twin-int8-kv", {"file": recorded_file(info, path), "scales": scales_digest(kv_scales)})
+    kept = kept_or_made([key], mapped_model(path)[1], make)
     return None if kept is None else kept[0]
 
 
@@ -330,9 +342,11 @@ class OrtBackend(Closable):
         layout = info.attention
         # Unless asked not to, an fp32 export's MultiHeadAttention graph runs on the CPU as its GroupQueryAttention
         # twin, made in memory: a step copies no past, and its weights come from the mapped file (docs/export.md).
+        # On an int8 cache where the export's record chose one (runtime.kvdtype: an fp32 export made with --int8-kv).
         twin = None
+        kv_choice = asked_kv_dtype(kv_cache_dtype)
         if provider is ProviderKind.cpu and in_place_kv is not False and not io.in_place_kv(layout):
-            twin = in_place_twin(info)
+            twin = in_place_twin(info, int8_kv_scales(info, kv_choice, not weights_beside(info.model_path)))
         if twin is not None:
             layout = twin.attention
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu
@@ -340,9 +354,9 @@ class OrtBackend(Closable):
             raise ProviderError(f"{info.folder}: this export's attention cannot update its KV cache in place on {provider.value}")
         self.in_place_kv = can if in_place_kv is None else in_place_kv
         # An int8 or int4 export's cache in int8 where its record chose that (runtime.kvdtype): the graphs rewritten
-        # in memory to read and write it (onnx.kvcache.with_int8_kv).
-        self.kv_scales = int8_kv_scales(info, asked_kv_dtype(kv_cache_dtype), self.in_place_kv and twin is None)
-        scales = self.kv_scales
+        # in memory to read and write it (onnx.kvcache.with_int8_kv); an fp32 export's twin was rewritten above.
+        self.kv_scales = int8_kv_scales(info, kv_choice, self.in_place_kv)
+        scales = None if twin is not None else self.kv_scales
         self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
         # the int8 cache's graphs, kept rewritten on disk for the next process (onnx.graph_cache), by file and scales
         self._scales_digest = scales_digest(scales)
@@ -378,7 +392,7 @@ class OrtBackend(Closable):
         self._batched = None
         self._threads = threads
         self.device = "cuda" if provider is ProviderKind.cuda else "cpu"
-        self.kv_dtype = np.int8 if scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32
+        self.kv_dtype = np.int8 if self.kv_scales is not None else np.float16 if info.precision is Precision.fp16 else np.float32
         self.names_in = io.input_names(self.cfg.n_layer)
         self.names_out = io.output_names(self.cfg.n_layer)
         self._helpers: dict = {}  # one-node graphs on this provider (gather, slice, argmax), made when first used

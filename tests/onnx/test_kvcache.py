@@ -18,7 +18,7 @@ from gpt2x.choices import Precision
 from gpt2x.cli.export import _graph_line, _kv_timings
 from gpt2x.errors import ParityError, ProviderError, UsageError
 from gpt2x.evaluate.kvcache import gate_int8_kv
-from gpt2x.evaluate.parity import TOLERANCES
+from gpt2x.evaluate.parity import INT8_KV_ON_FP32, TOLERANCES
 from gpt2x.numerics import positions
 from gpt2x.onnx import build
 from gpt2x.onnx import names as io
@@ -285,3 +285,90 @@ def test_the_env_asks_for_the_scales_and_a_bad_value_is_one_line(monkeypatch):
 def test_exports_without_them_say_why(tiny_export):
     assert tiny_export(Precision.int8)[2].meta[KV_KEY] == {"kept": False, "reason": "not asked for"}
     assert KV_KEY not in tiny_export(Precision.fp32)[2].meta
+
+
+# ---------------------------------------------------------------- an fp32 export's int8 cache, where asked for
+
+
+def test_an_fp32_export_gets_the_scales_only_where_asked(monkeypatch):
+    """GPT2X_INT8_KV is the quantized exports' default: it never turns an fp32 export's on, and a bad value is still
+    its one line."""
+    monkeypatch.delenv(build.INT8_KV_ENV, raising=False)
+    fp32 = Precision.fp32
+    assert build.int8_kv_wanted(None, fp32) is False and build.int8_kv_wanted(True, fp32) is True
+    monkeypatch.setenv(build.INT8_KV_ENV, "1")
+    assert build.int8_kv_wanted(None, fp32) is False and build.int8_kv_wanted(False, fp32) is False
+    assert build.int8_kv_wanted(True, Precision.bf16) is False
+    monkeypatch.setenv(build.INT8_KV_ENV, "yes")
+    with pytest.raises(UsageError, match="GPT2X_INT8_KV must be 0 or 1"):
+        build.int8_kv_wanted(True, fp32)
+
+
+@pytest.fixture(scope="module")
+def fp32_kv8(tiny_export):
+    """An fp32 export made with its int8 KV cache asked for (the export's whole path: calibrated, gated, timed)."""
+    model, _, info = tiny_export(Precision.fp32, int8_kv=True)
+    return model, info
+
+
+def test_an_fp32_exports_int8_cache_is_gated_on_its_own_and_used(fp32_kv8):
+    """Its gate is INT8_KV_ON_FP32 (fp32's own would refuse any quantized cache), and it is used whatever the timing
+    said: it was asked for by name."""
+    _, info = fp32_kv8
+    record = info.int8_kv
+    assert record is not None and record["use"] is True, info.meta.get(KV_KEY)
+    tol = INT8_KV_ON_FP32
+    assert record["parity"]["tolerance"]["max_rel"] == tol.max_rel < TOLERANCES[Precision.bf16].max_rel * 1.01
+    assert record["parity"]["status"] == "passed" and record["parity"]["logits"]["max_rel"] <= tol.max_rel
+    assert record["long"]["max_rel"] <= tol.max_rel and record["long"]["mean_kl"] <= tol.max_kl
+    # the float cache is the export's own fp32: its long check is fp32's
+    assert record["long_float"]["max_rel"] <= TOLERANCES[Precision.fp32].max_rel
+    line = _graph_line("int8 KV cache", record, _kv_timings, presents=True)
+    assert line.startswith("int8 KV cache: parity passed") and line.endswith(("; used", "; used (asked for: an fp32 export's)"))
+    verify_export(info.folder)
+
+
+def test_an_fp32_exports_int8_cache_decodes_as_pytorch_without_a_cache(fp32_kv8):
+    """The ort backend on the export's GroupQueryAttention twin, its cache int8 by the record (auto) and float where
+    asked: every step against PyTorch's forward of the whole sequence, the int8 cache within its gate and off the float
+    cache's fp32 logits by more than fp32's own gate (the keys and values are quantized, not passed through)."""
+    model, info = fp32_kv8
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, info.config.vocab_size, (2, 40))
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    with OrtBackend(info, threads=1) as int8, OrtBackend(info, threads=1, kv_cache_dtype="float") as floats:
+        assert int8.kv_dtype == np.int8 and floats.kv_dtype == np.float32 and int8.in_place_kv
+        got, cache = _decode(int8, ids, mask, prefill=24)
+        plain, _ = _decode(floats, ids, mask, prefill=24)
+        assert all(buf.dtype == np.int8 for buf in cache.buffers.arrays)
+        apart = 0.0
+        for t, a, b in zip(range(24, 41), got, plain):
+            want = torch_last_logits(model, ids[:, :t], mask[:, :t])
+            scale = np.abs(want).max()
+            assert np.abs(a - want).max() / scale <= INT8_KV_ON_FP32.max_rel, t
+            assert np.abs(b - want).max() / scale <= TOLERANCES[Precision.fp32].max_rel, t
+            apart = max(apart, np.abs(a - b).max() / scale)
+        assert apart > TOLERANCES[Precision.fp32].max_rel
+
+
+def test_the_slots_hold_an_fp32_exports_int8_cache(fp32_kv8):
+    """The serving engine's fixed slots on the same export: an int8 cache, each row's logits as the ort backend's on
+    its own int8 cache (a second runtime path: the slots' fixed-shape graphs) and within the gate of PyTorch's."""
+    from gpt2x.runtime.static_decode import SlotDecoder
+
+    model, info = fp32_kv8
+    ids = np.random.default_rng(7).integers(0, info.config.vocab_size, (2, 30))
+    mask = np.ones_like(ids)
+    slots = SlotDecoder(info, slots=4, threads=1)
+    assert slots.dtype == np.int8 and slots.kv_scales is not None
+    with OrtBackend(info, threads=1) as ort_backend:
+        want, _ = _decode(ort_backend, ids, mask, prefill=20)
+    slots.prefill_rows(np.array([0, 1]), ids[:, :20])
+    for t in range(20, 30):
+        logits = slots.step(np.concatenate([ids[:, t], [0, 0]]), take=np.array([0, 1]))
+        ref = want[t - 19]
+        assert np.abs(logits - ref).max() / np.abs(ref).max() <= 1e-5, t  # a flipped int8 rounding: ~1e-3
+        truth = torch_last_logits(model, ids[:, : t + 1], mask[:, : t + 1])
+        assert np.abs(logits - truth).max() / np.abs(truth).max() <= INT8_KV_ON_FP32.max_rel, t
+    slots.close()
