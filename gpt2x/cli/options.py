@@ -81,9 +81,9 @@ _use_kv_dtype = _sets_env(KV_DTYPE_ENV, asked_kv_dtype)  # runtime.kvdtype
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-dtype", envvar=KV_DTYPE_ENV, callback=_use_kv_dtype, metavar="|".join(c.value for c in KvDtypeChoice),
     show_default=False, rich_help_panel=RUNTIME_PANEL,
-    help="The dtype of the ort backend's KV cache on an int8 or int4 export: auto (default: int8 where the export "
-         "calibrated and gated its scales and timed decode steps on them faster), int8 (a quarter of the bytes), or "
-         "float.")]
+    help="The dtype of the ort backend's KV cache on an int8 or int4 export, or an fp32 one exported with --int8-kv: "
+         "auto (default: int8 where the export calibrated and gated its scales and, int8 and int4, timed decode steps on "
+         "them faster), int8 (a quarter of the bytes), or float.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.",
                                                    rich_help_panel=RUNTIME_PANEL)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
