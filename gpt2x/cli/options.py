@@ -83,7 +83,8 @@ KvDtypeOpt = Annotated[Optional[str], typer.Option(
     show_default=False, rich_help_panel=RUNTIME_PANEL,
     help="The dtype of the ort backend's KV cache on an int8 or int4 export, or an fp32 one exported with --int8-kv: "
          "auto (default: int8 where the export calibrated and gated its scales and, int8 and int4, timed decode steps on "
-         "them faster), int8 (a quarter of the bytes), or float.")]
+         "them faster), int8 (a quarter of the bytes; an fp32 export by name is then made with the scales, in "
+         "<model>-fp32-int8-kv), or float.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.",
                                                    rich_help_panel=RUNTIME_PANEL)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
@@ -156,15 +157,14 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
 
 
 def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:
-    """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp32 or fp16 export by name: refused in one line before
-    anything is exported (exports by name hold int8 caches at int8 and int4; an fp32 export made with `gpt2x export
-    --int8-kv` is served by --onnx, and an --onnx folder is checked when opened)."""
+    """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp16 or bf16 export by name: refused in one line before
+    anything is exported (int8 and int4 exports by name hold int8 caches, and an fp32 one is then made with its scales:
+    workflows.exports.by_name_int8_kv; an --onnx folder is checked when opened)."""
     wanted = precision or Precision.fp32  # the commands' default precision
-    if onnx_dir is None and wanted not in (Precision.int8, Precision.int4) and asked_kv_dtype(None) is KvDtypeChoice.int8:
-        also = " (an fp32 export made with `gpt2x export --int8-kv` holds one: pass it with --onnx)" \
-            if wanted is Precision.fp32 else ""
-        raise UsageError(f"--kv-cache-dtype int8 is for int8 and int4 exports; --precision {wanted.value} has a float "
-                         f"cache{also}", option="kv-cache-dtype")
+    if onnx_dir is None and wanted not in (Precision.int8, Precision.int4, Precision.fp32) \
+            and asked_kv_dtype(None) is KvDtypeChoice.int8:
+        raise UsageError(f"--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision {wanted.value} has a "
+                         "float cache", option="kv-cache-dtype")
 
 
 def version_callback(value: bool) -> None:

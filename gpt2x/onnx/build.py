@@ -36,6 +36,7 @@ from .artifact import (
     F32,
     FORMAT,
     FORMAT_VERSION,
+    INT8_KV_ASKED_PRECISIONS,
     IR_VERSION,
     KV_KEY,
     KV_SCALES_FILE,
@@ -76,9 +77,6 @@ BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
 # 1): it costs an export a calibration forward, a gate and a timing.
 INT8_KV_ENV = "GPT2X_INT8_KV"
 INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
-# fp32's, only where asked for (`int8_kv` True): the cache then computes in fp32 from int8 keys and values, a gate of its
-# own (evaluate.parity.INT8_KV_ON_FP32), run on the export's GroupQueryAttention twin as the CPU runs it.
-INT8_KV_ASKED_PRECISIONS = (Precision.fp32,)
 # The scales' headroom over the largest |key| or |value| calibration saw at a channel: a value up to that much larger
 # is stored unclipped, at 1/127 of the widened range. Fresh random rows reached 1.6-1.9x calibration's largest at a
 # few channels (GPT-2 124M random and the bundled model, scratch): the tail grows with the tokens seen.

@@ -6,6 +6,9 @@ one's as asked at export); a user may force either way. No torch."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from enum import Enum
 
 import numpy as np
@@ -24,9 +27,28 @@ class KvDtypeChoice(str, Enum):
     float = "float"  # the export's float dtype (float32; float16 for fp16 exports)
 
 
+# The choice in force where no choice is given, over GPT2X_KV_CACHE_DTYPE's, while kv_dtype_for holds it (None: none).
+_HELD: ContextVar[KvDtypeChoice | None] = ContextVar("gpt2x_kv_dtype", default=None)
+
+
 def asked(choice: KvDtypeChoice | str | None) -> KvDtypeChoice:
-    """The choice given, else GPT2X_KV_CACHE_DTYPE's, else auto; one UsageError line for a bad value."""
+    """The choice given, else kv_dtype_for's, else GPT2X_KV_CACHE_DTYPE's, else auto; one UsageError line for a bad
+    value."""
+    held = _HELD.get()
+    if choice is None and held is not None:
+        return held
     return env_choice(KvDtypeChoice, choice, KV_DTYPE_ENV, "kv-cache-dtype")
+
+
+@contextmanager
+def kv_dtype_for(choice: KvDtypeChoice) -> Iterator[None]:
+    """`choice` where no choice is given, meanwhile, in this thread (an export's gates: whatever the process asks for
+    its own backends, the export's are opened on the export as it stands)."""
+    token = _HELD.set(choice)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
 
 
 def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> np.ndarray | None:

@@ -14,8 +14,20 @@ from ..evaluate.parity import gate_export
 from ..evaluate.prefill import gate_prefill
 from ..fileio import folder_lock
 from ..model.checkpoints import BUNDLED, resolve, resolve_config, weights_fingerprint
-from ..onnx.artifact import BF16, DEFAULT_OPSET, EXPORTS_ENV, F32, ExportInfo, default_export_dir, is_export, read_export
+from ..onnx.artifact import (
+    BF16,
+    DEFAULT_OPSET,
+    EXPORTS_ENV,
+    F32,
+    INT8_KV_ASKED_PRECISIONS,
+    ExportInfo,
+    default_export_dir,
+    is_export,
+    read_export,
+)
 from ..onnx.interop import DEFAULT_CHAT_TEMPLATE
+from ..runtime.kvdtype import KvDtypeChoice, kv_dtype_for
+from ..runtime.kvdtype import asked as asked_kv_dtype
 from ..runtime.registry import require_export_extra, require_modules
 from .models import DEFAULT_MODEL, adapted_name, check_adapter_export, load_adapted, load_model
 
@@ -59,9 +71,12 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     def kv_gate(info: ExportInfo) -> dict:
         return gate_int8_kv(TorchBackend(model, model_name=source.name), info)
 
-    return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
-                  prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
-                  batched_decode, kv_gate if check_parity else None, int8_kv, chat_template, adapter)
+    # The gates open backends on the export as it stands at each (its int8 KV cache's gate asks for each cache by name),
+    # whatever cache the process asks for (--kv-cache-dtype int8 before an int8 export by name is made: none yet).
+    with kv_dtype_for(KvDtypeChoice.auto):
+        return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
+                      prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
+                      batched_decode, kv_gate if check_parity else None, int8_kv, chat_template, adapter)
 
 
 def check_prefill_compute(precision: Precision, compute: str) -> None:
@@ -139,26 +154,47 @@ def _elsewhere(folder: Path) -> str:
     return ""
 
 
+# The folder of an fp32 export by name made with its int8 KV cache's scales (`gpt2x export --int8-kv`), beside the plain
+# one: where the process holds an int8 cache (--kv-cache-dtype int8, GPT2X_KV_CACHE_DTYPE), as an int8 export's is.
+INT8_KV_SUFFIX = "-int8-kv"
+
+
+def by_name_int8_kv(precision: Precision) -> bool:
+    """Whether an export by name at `precision` is made with its int8 KV cache's scales whatever GPT2X_INT8_KV says:
+    where this process asks for an int8 cache, an fp32, int8 or int4 one."""
+    kv_precisions = (*INT8_KV_ASKED_PRECISIONS, Precision.int8, Precision.int4)
+    return precision in kv_precisions and asked_kv_dtype(None) is KvDtypeChoice.int8
+
+
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
                   folder: Path | None = None, loaded: tuple[GPT2, ModelSource] | None = None,
                   progress: Progress = no_progress, notice: Progress = no_progress, adapter: Path | None = None) -> ExportInfo:
     """The export of `model` at `precision` in `folder`, made first when missing; processes making the same export
     take turns (folder_lock) and the later ones use the first's. `notice` hears an export is about to happen.
     `adapter`: a PEFT LoRA adapter folder merged into `model` first (export_by_name), the export named and found by
-    adapted_name, and refused where it was made from other adapter files."""
+    adapted_name, and refused where it was made from other adapter files. Where the process asks for an int8 KV cache
+    (by_name_int8_kv), the export is made with its scales: an fp32 one in the default folder's twin named
+    INT8_KV_SUFFIX."""
     name = model if adapter is None else adapted_name(model, adapter)
-    folder = Path(folder) if folder is not None else default_export_dir(name, precision)
+    int8_kv = True if by_name_int8_kv(precision) else None
+    if folder is None:
+        folder = default_export_dir(name, precision)
+        if int8_kv and precision in INT8_KV_ASKED_PRECISIONS:  # the plain folder holds none
+            folder = folder.with_name(folder.name + INT8_KV_SUFFIX)
+    folder = Path(folder)
     if not is_export(folder):
         with folder_lock(folder):
             if folder.exists() and not is_export(folder):  # not ours to replace: say so before any work
                 raise OutputError(f"{folder} exists but holds no export (no gpt2x.json): remove it, or replace it "
                                   f"with gpt2x export --out {folder} --force")  # another process making the same export: wait for it, then use it
             if not is_export(folder):
-                notice(f"no export at {folder}: exporting {name} ({precision.value}) first{_elsewhere(folder)}")
+                what = f"{precision.value}, with an int8 KV cache" if int8_kv and precision in INT8_KV_ASKED_PRECISIONS \
+                    else precision.value
+                notice(f"no export at {folder}: exporting {name} ({what}) first{_elsewhere(folder)}")
                 if loaded is None:
-                    export_by_name(model, folder, precision, revision, progress=progress, adapter=adapter)
+                    export_by_name(model, folder, precision, revision, progress=progress, int8_kv=int8_kv, adapter=adapter)
                 else:
-                    export_model(*loaded, folder, precision, progress=progress)
+                    export_model(*loaded, folder, precision, progress=progress, int8_kv=int8_kv)
     info = read_export(folder)
     if adapter is not None:
         check_adapter_export(info.meta["model"].get("adapter") or {}, adapter, info.folder)

@@ -245,9 +245,11 @@ def test_int8_is_refused_in_one_line_where_it_cannot_be(tiny, tiny_export):
 
 
 def test_the_cli_refuses_a_bad_dtype_and_int8_for_a_float_export_in_one_line(own_exports):
-    """Both before anything is exported (GPT2X_EXPORTS is this test's own, empty folder)."""
+    """Both before anything is exported (GPT2X_EXPORTS is this test's own, empty folder). (An fp32 export by name is
+    made with the scales: test_an_fp32_export_by_name_is_made_with_the_scales_where_int8_is_asked.)"""
     for args, said in ((["--kv-cache-dtype", "fp8"], "kv-cache-dtype: 'fp8' is not one of auto, int8, float"),
-                       (["--kv-cache-dtype", "int8"], "--kv-cache-dtype int8 is for int8 and int4 exports; --precision fp32")):
+                       (["--precision", "fp16", "--kv-cache-dtype", "int8"],
+                        "--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision fp16")):
         result = run_cli("generate", "hi", *args)
         assert result.returncode == 2 and said in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -372,3 +374,39 @@ def test_the_slots_hold_an_fp32_exports_int8_cache(fp32_kv8):
         truth = torch_last_logits(model, ids[:, : t + 1], mask[:, : t + 1])
         assert np.abs(logits - truth).max() / np.abs(truth).max() <= INT8_KV_ON_FP32.max_rel, t
     slots.close()
+
+
+def test_an_fp32_export_by_name_is_made_with_the_scales_where_int8_is_asked(tiny_export, own_exports, monkeypatch):
+    """--kv-cache-dtype int8 (its environment variable) and an fp32 export by name: made once with its gated scales, in
+    the plain folder's twin, which the ort backend then holds in int8; without it, the plain folder, without them."""
+    from gpt2x.workflows.exports import INT8_KV_SUFFIX, ensure_export
+
+    model, source, _ = tiny_export(Precision.fp32)
+    monkeypatch.setenv(kvdtype.KV_DTYPE_ENV, "int8")
+    heard = []
+    info = ensure_export(source.name, Precision.fp32, loaded=(model, source), notice=heard.append)
+    assert info.folder.name.endswith("-fp32" + INT8_KV_SUFFIX) and info.folder.parent == own_exports
+    assert info.int8_kv is not None and info.int8_kv["use"] is True
+    assert "(fp32, with an int8 KV cache)" in heard[0]
+    assert ensure_export(source.name, Precision.fp32, loaded=(model, source), notice=heard.append).folder == info.folder
+    assert len(heard) == 1  # made once
+    with OrtBackend(info, threads=1) as backend:
+        assert backend.kv_dtype == np.int8
+    monkeypatch.setenv(kvdtype.KV_DTYPE_ENV, "auto")
+    plain = ensure_export(source.name, Precision.fp32, loaded=(model, source))
+    assert plain.folder.name.endswith("-fp32") and KV_KEY not in plain.meta
+
+
+def test_an_int8_export_by_name_is_made_where_int8_is_asked_before_it_exists(tiny_export, own_exports, monkeypatch):
+    """--kv-cache-dtype int8 before an int8 export by name exists: the export's gates open their backends on the
+    export as it stands (no scales until the last gate), not on the cache the process asks for, and the export is then
+    held in int8. (It had failed with "cannot hold an int8 KV cache" from its first gate.)"""
+    from gpt2x.workflows.exports import ensure_export
+
+    model, source, _ = tiny_export(Precision.int8)
+    monkeypatch.setenv(kvdtype.KV_DTYPE_ENV, "int8")
+    info = ensure_export(source.name, Precision.int8, loaded=(model, source))
+    assert info.folder.name.endswith("-int8") and info.meta["parity"]["status"] == "passed"
+    assert info.int8_kv is not None
+    with OrtBackend(info, threads=1) as backend:
+        assert backend.kv_dtype == np.int8
