@@ -337,8 +337,10 @@ class OpenVinoPrefill:
         self.decodes = decodes
         self.inference_precision = compute_precision(info)
         self._threads, self._n_layer, self._path = threads or physical_cores(), info.config.n_layer, info.prefill_path
-        self._model = read_prefill_graph(info)
+        self._info = info
+        self._model: ov.Model | None = read_prefill_graph(info)
         self.takes_past = graph_takes_past(self._model)
+        self._forms = (False, True) if self.takes_past else (False,)
         self._widening: ThreadPoolExecutor | None = None  # bf16 presents widened on the prefill's threads
         self._graphs: dict[tuple[str, bool], _Compiled] = {}
         self._compiling: dict[bool, Future] = {}  # prepare()'s compiles (fresh: False, on a past: True), on a thread
@@ -384,7 +386,8 @@ class OpenVinoPrefill:
             self._warm(self._graphs[precision, past], 2 if past else 0)
 
     def _compile(self, precision: str, past: bool) -> None:
-        model = self._model if past else fresh_graph(self._model, self._n_layer)
+        whole = self._model if self._model is not None else read_prefill_graph(self._info)
+        model = whole if past else fresh_graph(whole, self._n_layer)
         if precision == BF16 and self.fold_bf16:
             model = _folded(model)
         try:
@@ -393,6 +396,10 @@ class OpenVinoPrefill:
                                                       apart=past and self.decodes)
         except Exception as e:  # as read_model's
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot compile {self._path}: {e}".splitlines()[0]) from None
+        if precision == F32 == self.inference_precision and all((F32, form) in self._graphs for form in self._forms):
+            # Every graph an f32 prefill runs is compiled, with weights of its own: the graph read from prefill.bin,
+            # whose mapping held the weights again (474 MB for GPT-2 124M fp32), is let go (read again if ever needed).
+            self._model = None
 
     @property
     def compiled(self):

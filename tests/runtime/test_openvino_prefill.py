@@ -176,6 +176,29 @@ def test_an_fp32_prompt_chunked_on_openvinos_past_then_decoded_is_pytorchs_witho
             fp32.step(np.array([[5, 6]]), mask, positions(mask, 2), cache)
 
 
+def test_once_every_f32_graph_is_compiled_the_graphs_weights_file_is_no_longer_mapped(tiny_export):
+    """The graph read from openvino/prefill.bin maps that file (as large as the model's weights); the fresh and the
+    on-a-past graphs compiled at f32 hold weights of their own, so once both are, the process maps it no more (its
+    prefills still PyTorch's within fp32's gate)."""
+    import gc
+
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True)
+    weights = str((info.folder / "openvino" / "prefill.bin").resolve())
+
+    def mapped() -> bool:
+        gc.collect()
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return any(line.rstrip().endswith(weights) for line in f)
+
+    with OrtBackend(info, threads=1, prefill="openvino") as fp32:
+        assert fp32._openvino_prefill.compiled is not None and mapped()  # the fresh graph alone
+        fp32.warm_up()
+        assert set(fp32._openvino_prefill._graphs) == {("f32", False), ("f32", True)} and not mapped()
+        ids, mask = left_padded(PROMPTS)
+        logits, cache = chunked(fp32, ids, mask, [3, ids.shape[1] - 3])
+        assert rel(full_forward(model, ids, mask), logits) < 1e-4 and not mapped()
+
+
 def test_the_openvino_backend_steps_on_an_fp32_exports_graph_with_its_attention_on_a_past_apart(tiny_export):
     """The openvino backend on an fp32 export with the graph: prompts, their next chunks and decode steps all on it, its
     attention on a past rewritten to read the past where it lies (no concatenation of the past and the new positions
