@@ -52,6 +52,7 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
     `adapter`: the record of the LoRA adapter merged into `model` (load_adapted), kept in the metadata."""
     require_export_extra("exporting")
     check_prefill_compute(precision, prefill_compute)
+    check_int8_kv(precision, int8_kv, check_parity)
     if precision is Precision.bf16:
         require_bf16_cpu("--precision bf16", "precision")
     if chat_template is None and source.kind == "bundled":
@@ -77,6 +78,19 @@ def export_model(model: GPT2, source: ModelSource, out: Path, precision: Precisi
         return export(model, source, out, precision, opset, force, gate if check_parity else None, progress,
                       prefill_gate if check_parity else None, openvino_prefill, batched_gate if check_parity else None,
                       batched_decode, kv_gate if check_parity else None, int8_kv, chat_template, adapter)
+
+
+def check_int8_kv(precision: Precision, int8_kv: bool | None, check_parity: bool) -> None:
+    """One UsageError line where an int8 KV cache's scales are asked for (`int8_kv` True) and cannot be had: a precision
+    without them, or no parity check (the scales are kept only where their gate passes)."""
+    if not int8_kv:
+        return
+    if precision not in (*INT8_KV_ASKED_PRECISIONS, Precision.int8, Precision.int4):
+        raise UsageError(f"--int8-kv is for fp32, int8 and int4 exports; {precision.value} exports keep a float cache",
+                         option="int8-kv")
+    if not check_parity:
+        raise UsageError("--int8-kv keeps the scales only where their gate passes: it cannot go with --no-check-parity",
+                         option="int8-kv")
 
 
 def check_prefill_compute(precision: Precision, compute: str) -> None:
@@ -115,6 +129,7 @@ def export_by_name(name: str, out: Path | None = None, precision: Precision = Pr
     PEFT LoRA adapter folder merged into it first, gated on its own before the export starts (load_adapted; the
     default folder is then named by adapted_name)."""
     check_prefill_compute(precision, prefill_compute)
+    check_int8_kv(precision, int8_kv, check_parity)
     if precision is Precision.bf16:  # before the model loads
         require_bf16_cpu("--precision bf16", "precision")
     record = None

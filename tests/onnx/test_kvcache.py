@@ -410,3 +410,15 @@ def test_an_int8_export_by_name_is_made_where_int8_is_asked_before_it_exists(tin
     assert info.int8_kv is not None
     with OrtBackend(info, threads=1) as backend:
         assert backend.kv_dtype == np.int8
+
+
+def test_int8_kv_asked_where_it_cannot_be_had_is_one_line_before_any_export(tmp_path):
+    """`gpt2x export --int8-kv` on a precision without the scales, or without the gate that keeps them: exit 2, one
+    line, nothing exported."""
+    for args, said in ((["--precision", "fp16"], "--int8-kv is for fp32, int8 and int4 exports; fp16 exports keep a float cache"),
+                       (["--precision", "fp32", "--no-check-parity"], "it cannot go with --no-check-parity")):
+        out = tmp_path / args[1]
+        result = run_cli("export", *args, "--int8-kv", "--out", str(out))
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert not out.exists()
