@@ -17,7 +17,7 @@ from rich.markup import escape
 from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import UsageError
 from ..fileio import write_atomic
-from ..onnx.artifact import EXPORTS_ENV
+from ..onnx.artifact import EXPORTS_ENV, INT8_KV_ANY_PRECISIONS
 from ..onnx.interop import check_chat_template
 from ..runtime.base import PAGED_PRECISIONS
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
@@ -161,7 +161,7 @@ def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:
     anything is exported (int8 and int4 exports by name hold int8 caches, and an fp32 one is then made with its scales:
     workflows.exports.by_name_int8_kv; an --onnx folder is checked when opened)."""
     wanted = precision or Precision.fp32  # the commands' default precision
-    if onnx_dir is None and wanted not in (Precision.int8, Precision.int4, Precision.fp32) \
+    if onnx_dir is None and wanted not in INT8_KV_ANY_PRECISIONS \
             and asked_kv_dtype(None) is KvDtypeChoice.int8:
         raise UsageError(f"--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision {wanted.value} has a "
                          "float cache", option="kv-cache-dtype")

@@ -51,9 +51,11 @@ BATCHED_FILE = "model_batched.onnx"
 BATCHED_KEY = "batched_decode"
 KV_SCALES_FILE = "kv_scales.safetensors"  # the int8 KV cache's scales (onnx/kvcache.py)
 KV_KEY = "kv_cache"  # their record in gpt2x.json
+INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
 # The precisions whose exports get the scales only where asked (gpt2x export --int8-kv): fp32's cache then computes in
 # fp32 from int8 keys and values, a gate of its own (evaluate.parity.INT8_KV_ON_FP32), on its GroupQueryAttention twin.
 INT8_KV_ASKED_PRECISIONS = (Precision.fp32,)
+INT8_KV_ANY_PRECISIONS = INT8_KV_PRECISIONS + INT8_KV_ASKED_PRECISIONS  # those that may hold the scales at all
 
 
 def safe_model_name(model_name: str) -> str:

@@ -37,6 +37,7 @@ from .artifact import (
     FORMAT,
     FORMAT_VERSION,
     INT8_KV_ASKED_PRECISIONS,
+    INT8_KV_PRECISIONS,
     IR_VERSION,
     KV_KEY,
     KV_SCALES_FILE,
@@ -76,7 +77,6 @@ BATCHED_DECODE_ENV = "GPT2X_BATCHED_DECODE"
 # Whether an int8 or int4 export gets the int8 KV cache's scales (KV_SCALES_FILE) when not said (1 or 0; unset:
 # 1): it costs an export a calibration forward, a gate and a timing.
 INT8_KV_ENV = "GPT2X_INT8_KV"
-INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
 # The scales' headroom over the largest |key| or |value| calibration saw at a channel: a value up to that much larger
 # is stored unclipped, at 1/127 of the widened range. Fresh random rows reached 1.6-1.9x calibration's largest at a
 # few channels (GPT-2 124M random and the bundled model, scratch): the tail grows with the tokens seen.

@@ -13,9 +13,8 @@ from enum import Enum
 
 import numpy as np
 
-from ..choices import Precision
 from ..errors import ProviderError
-from ..onnx.artifact import KV_KEY, ExportInfo
+from ..onnx.artifact import INT8_KV_PRECISIONS, KV_KEY, ExportInfo
 from .prefill import env_choice
 
 KV_DTYPE_ENV = "GPT2X_KV_CACHE_DTYPE"  # the choice for this process and those it starts (the CLI's --kv-cache-dtype)
@@ -61,7 +60,7 @@ def int8_kv_scales(info: ExportInfo, choice: KvDtypeChoice, in_place: bool) -> n
     if choice is KvDtypeChoice.int8:
         if record is None or not in_place:
             why = f"it is an {info.precision.value} export (int8 and int4 exports hold one; an fp32 one exported with " \
-                "--int8-kv)" if KV_KEY not in info.meta and info.precision not in (Precision.int8, Precision.int4) else \
+                "--int8-kv)" if KV_KEY not in info.meta and info.precision not in INT8_KV_PRECISIONS else \
                 "it kept no gated scales for one (exported before gpt2x had one, with GPT2X_INT8_KV=0, or its gate " \
                 "dropped them: its gpt2x.json says which)" if record is None else \
                 "the cache is not written in place (on the CPU, --kv-cache auto or in-place)"

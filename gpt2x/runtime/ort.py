@@ -343,10 +343,11 @@ class OrtBackend(Closable):
         # Unless asked not to, an fp32 export's MultiHeadAttention graph runs on the CPU as its GroupQueryAttention
         # twin, made in memory: a step copies no past, and its weights come from the mapped file (docs/export.md).
         # On an int8 cache where the export's record chose one (runtime.kvdtype: an fp32 export made with --int8-kv).
-        twin = None
+        twin = scales = None
         kv_choice = asked_kv_dtype(kv_cache_dtype)
         if provider is ProviderKind.cpu and in_place_kv is not False and not io.in_place_kv(layout):
-            twin = in_place_twin(info, int8_kv_scales(info, kv_choice, not weights_beside(info.model_path)))
+            scales = int8_kv_scales(info, kv_choice, not weights_beside(info.model_path))
+            twin = in_place_twin(info, scales)
         if twin is not None:
             layout = twin.attention
         can = io.in_place_kv(layout) and provider is ProviderKind.cpu
@@ -355,7 +356,8 @@ class OrtBackend(Closable):
         self.in_place_kv = can if in_place_kv is None else in_place_kv
         # An int8 or int4 export's cache in int8 where its record chose that (runtime.kvdtype): the graphs rewritten
         # in memory to read and write it (onnx.kvcache.with_int8_kv); an fp32 export's twin was rewritten above.
-        self.kv_scales = int8_kv_scales(info, kv_choice, self.in_place_kv)
+        # (read once: the twin's are those, its cache being in place)
+        self.kv_scales = scales if twin is not None else int8_kv_scales(info, kv_choice, self.in_place_kv)
         scales = None if twin is not None else self.kv_scales
         self._transform = None if scales is None else (lambda proto: with_int8_kv(proto, scales))
         # the int8 cache's graphs, kept rewritten on disk for the next process (onnx.graph_cache), by file and scales

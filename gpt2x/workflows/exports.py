@@ -19,6 +19,7 @@ from ..onnx.artifact import (
     DEFAULT_OPSET,
     EXPORTS_ENV,
     F32,
+    INT8_KV_ANY_PRECISIONS,
     INT8_KV_ASKED_PRECISIONS,
     ExportInfo,
     default_export_dir,
@@ -85,7 +86,7 @@ def check_int8_kv(precision: Precision, int8_kv: bool | None, check_parity: bool
     without them, or no parity check (the scales are kept only where their gate passes)."""
     if not int8_kv:
         return
-    if precision not in (*INT8_KV_ASKED_PRECISIONS, Precision.int8, Precision.int4):
+    if precision not in INT8_KV_ANY_PRECISIONS:
         raise UsageError(f"--int8-kv is for fp32, int8 and int4 exports; {precision.value} exports keep a float cache",
                          option="int8-kv")
     if not check_parity:
@@ -177,8 +178,7 @@ INT8_KV_SUFFIX = "-int8-kv"
 def by_name_int8_kv(precision: Precision) -> bool:
     """Whether an export by name at `precision` is made with its int8 KV cache's scales whatever GPT2X_INT8_KV says:
     where this process asks for an int8 cache, an fp32, int8 or int4 one."""
-    kv_precisions = (*INT8_KV_ASKED_PRECISIONS, Precision.int8, Precision.int4)
-    return precision in kv_precisions and asked_kv_dtype(None) is KvDtypeChoice.int8
+    return precision in INT8_KV_ANY_PRECISIONS and asked_kv_dtype(None) is KvDtypeChoice.int8
 
 
 def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.fp32, revision: str | None = None,
@@ -192,10 +192,10 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
     INT8_KV_SUFFIX."""
     name = model if adapter is None else adapted_name(model, adapter)
     int8_kv = True if by_name_int8_kv(precision) else None
+    asked_only = bool(int8_kv) and precision in INT8_KV_ASKED_PRECISIONS  # the plain folder holds none
     if folder is None:
         folder = default_export_dir(name, precision)
-        if int8_kv and precision in INT8_KV_ASKED_PRECISIONS:  # the plain folder holds none
-            folder = folder.with_name(folder.name + INT8_KV_SUFFIX)
+        folder = folder.with_name(folder.name + INT8_KV_SUFFIX) if asked_only else folder
     folder = Path(folder)
     if not is_export(folder):
         with folder_lock(folder):
@@ -203,8 +203,7 @@ def ensure_export(model: str = DEFAULT_MODEL, precision: Precision = Precision.f
                 raise OutputError(f"{folder} exists but holds no export (no gpt2x.json): remove it, or replace it "
                                   f"with gpt2x export --out {folder} --force")  # another process making the same export: wait for it, then use it
             if not is_export(folder):
-                what = f"{precision.value}, with an int8 KV cache" if int8_kv and precision in INT8_KV_ASKED_PRECISIONS \
-                    else precision.value
+                what = f"{precision.value}, with an int8 KV cache" if asked_only else precision.value
                 notice(f"no export at {folder}: exporting {name} ({what}) first{_elsewhere(folder)}")
                 if loaded is None:
                     export_by_name(model, folder, precision, revision, progress=progress, int8_kv=int8_kv, adapter=adapter)
