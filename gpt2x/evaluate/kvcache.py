@@ -10,10 +10,9 @@ import statistics
 
 import numpy as np
 
-from ..choices import Precision
 from ..errors import ParityError
 from ..numerics import positions
-from ..onnx.artifact import ExportInfo
+from ..onnx.artifact import INT8_KV_ASKED_PRECISIONS, ExportInfo
 from ..runtime.base import Backend
 from ..runtime.kvdtype import KvDtypeChoice
 from ..runtime.ort import OrtBackend
@@ -87,5 +86,5 @@ def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = Non
                               f"{'; '.join(failures)}")
         long_float = compare_long(reference, floats)  # what the int8 cache adds to the export's own error
         timing = time_steps({"float_ms": floats, "int8_ms": int8}, info.config.n_positions)
-    use = timing["use"] or info.precision is Precision.fp32
+    use = timing["use"] or info.precision in INT8_KV_ASKED_PRECISIONS  # asked for by name
     return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": use}
