@@ -3,7 +3,7 @@ continuous batching.
 
     .venv-peers/bin/python benchmarks/batch_peers.py --out benchmarks/results/batch-peers-cpu-2core
         [--prompts 16] [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--precisions fp32,int8,bf16]
-        [--gpt2x-backends ort] [--gpt2x-kv-caches auto] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto]
+        [--gpt2x-backends served] [--gpt2x-kv-caches auto] [--gpt2x-batched auto] [--gpt2x-kv-dtypes auto]
         [--genai-kv-caches auto]
         [--contenders gpt2x,gpt2x-offline,openvino-genai]
 
@@ -77,13 +77,14 @@ from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, Output, TokenOut
-from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend
+from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend, served_backend
 from gpt2x.workflows.backends import choose_backend, export_backend
 from gpt2x.workflows.exports import ensure_export
 from gpt2x.workflows.models import load_model
 
 CHECK_TOKENS = 16
 CONTENDERS = ("gpt2x", "gpt2x-offline", "openvino-genai")
+SERVED = "served"  # --gpt2x-backends: the backend `gpt2x serve` takes (serve.replica.served_backend)
 
 
 @contextmanager
@@ -268,6 +269,8 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
             # bf16: the backend gpt2x picks for it (main refused bf16 on a CPU without it)
             kinds = [kind for kind, only in args.gpt2x_backends if only in (None, precision.value)] \
                 if precision is not Precision.bf16 else [choose_backend(None, precision, ProviderKind.cpu).value]
+            # served: the backend `gpt2x serve` takes for the export when none is asked
+            kinds = list(dict.fromkeys(served_backend(info, ProviderKind.cpu).value if k == SERVED else k for k in kinds))
             for kind in kinds:
                 # the batched decode graph's switch: the ort backend's option, on the int8 exports that have one
                 choices = args.gpt2x_batched if kind == "ort" and info.batched is not None else ["auto"]
@@ -354,8 +357,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each contender once per round)")
     ap.add_argument("--precisions", default="fp32,int8", help="fp32, int8, bf16 (default: %(default)s)")
-    ap.add_argument("--gpt2x-backends", default="ort", help="gpt2x backends in the engine: ort, openvino, each for "
-                    "every precision or for one (openvino@fp32) (default: %(default)s)")
+    ap.add_argument("--gpt2x-backends", default=SERVED, help="gpt2x backends in the engine: ort, openvino, or served "
+                    "(the one `gpt2x serve` takes for the export when none is asked: ort, or openvino for an fp32 export "
+                    "with an OpenVINO prefill graph), each for every precision or for one (openvino@fp32) "
+                    "(default: %(default)s)")
     ap.add_argument("--gpt2x-kv-caches", default="auto", help="the engine's KV cache: auto (as `gpt2x serve` opens the "
                     "export: the ort backend's fixed slots where they run it by default, the openvino backend's paged slots for bf16), "
                     "slots (the backend's fixed slots, where it has them: the openvino backend's paged ones at fp32 too), "
@@ -370,7 +375,7 @@ def main() -> int:
     args = ap.parse_args()
     args.precisions = parse_list(args.precisions, [*(p.value for p in WEIGHT_FORMATS), Precision.bf16.value],
                                  "--precisions", ap)
-    kinds = ["ort", "openvino"]
+    kinds = ["ort", "openvino", SERVED]
     args.gpt2x_backends = [tuple(v.split("@")) if "@" in v else (v, None) for v in parse_list(
         args.gpt2x_backends, kinds + [f"{k}@{p}" for k in kinds for p in args.precisions], "--gpt2x-backends", ap)]
     if Precision.bf16.value in args.precisions:

@@ -2,9 +2,9 @@
 inter-token gaps and the joiners' first tokens under each of --variants (the prefill chunk's tokens:
 EngineSettings.prefill_chunk or max_num_batched_tokens; or chunks on the fixed slots, SlotBackend, for an fp32, int8
 or int4 export, each in the forward of a decode step, or apart: slots-apart), in rounds that rotate their order, on
-the backend gpt2x picks for the export (ort; openvino for bf16) warmed up as `gpt2x serve` opens it: `default` on the
-cache `gpt2x serve` takes by default (the fixed slots, or for bf16 the openvino backend's paged slots), the others on
-the backend's own cache. Each round submits the same requests: a
+the backend `gpt2x serve` takes for the export (ort; openvino for bf16 and for an fp32 export with an OpenVINO prefill
+graph) warmed up as `gpt2x serve` opens it: `default` on the cache `gpt2x serve` takes by default (the fixed slots, or
+for those exports the openvino backend's paged slots), the others on the backend's own cache. Each round submits the same requests: a
 512-token prefix (one of 4) and 32 random tokens, 64 tokens out, arriving at RATE a second (Poisson), at most 16 at
 once, the prefix cache off (as serve_peers.py's joins workload).
 
@@ -31,8 +31,8 @@ from gpt2x.runtime.base import Backend
 from gpt2x.runtime.static_decode import SlotBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import TokenOut
-from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend
-from gpt2x.workflows.backends import choose_backend, export_backend
+from gpt2x.serve.replica import ReplicaConfig, on_slots, open_backend, served_backend
+from gpt2x.workflows.backends import export_backend
 
 
 def variant_settings(name: str) -> EngineSettings:
@@ -111,8 +111,9 @@ def main() -> None:
     info = read_export(args.export)
     variants = args.variants.split(",")
     settings = {v: variant_settings(v) for v in variants}
-    # the backend gpt2x picks for the export (bf16: openvino), on its own cache
-    kind = choose_backend(None, info.precision, ProviderKind.cpu)
+    # the backend `gpt2x serve` takes for the export (bf16, and fp32 with an OpenVINO prefill graph: openvino), on its
+    # own cache
+    kind = served_backend(info, ProviderKind.cpu)
     backend = export_backend(kind, info, ProviderKind.cpu)
     if backend.capabilities.warms_up:
         backend.warm_up()

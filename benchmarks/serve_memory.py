@@ -3,12 +3,13 @@
 in a fresh server process.
 
     python benchmarks/serve_memory.py --onnx EXPORT [--onnx EXPORT2 ...] --out benchmarks/results/serve-memory-cpu-2core
-        [--kv-cache auto,slots] [--requests 24] [--rate 1.5] [--threads 2]
+        [--kv-cache auto,slots] [--backends default] [--requests 24] [--rate 1.5] [--threads 2]
 
 The requests are engine_joins.py's: a 512-token prefix (one of 4) and 32 random tokens each (sent as token ids), 64
 greedy tokens out (ignore_eos), the prefix cache off. "joins": arriving at --rate a second (Poisson, seeded), at most
 16 at once, so that most join a running batch; "at once": all sent together. Each server has the command's defaults
-but --kv-cache, --threads and --prefix-cache-mb 0. Target (issue 58): with joins, within 10% of the server without.
+but --kv-cache, --backend (each of --backends; "default": none given, the command's own), --threads and
+--prefix-cache-mb 0. Target (issue 58): with joins, within 10% of the server without.
 Writes OUT.json and OUT.md.
 """
 
@@ -28,6 +29,7 @@ from gpt2x.bench.system import system_info
 
 VOCAB = 50257
 CONCURRENCY = 16
+DEFAULT = "default"  # --backends: no --backend given
 
 
 def log(msg: str) -> None:
@@ -55,10 +57,10 @@ async def send(url: str, ids: list[list[int]], delays: list[float]) -> None:
         await asyncio.gather(*(one(p, d) for p, d in zip(ids, delays)))
 
 
-def served(export: str, kv_cache: str, threads: int, ids: list[list[int]], delays: list[float]) -> dict:
+def served(export: str, kv_cache: str, backend: str, threads: int, ids: list[list[int]], delays: list[float]) -> dict:
     """A fresh server: its resident memory once ready, the workload, then its /health (peak and current memory)."""
     cmd = [sys.executable, "-m", "gpt2x", "serve", "--onnx", export, "--port", "0", "--json", "--threads", str(threads),
-           "--kv-cache", kv_cache, "--prefix-cache-mb", "0"]
+           "--kv-cache", kv_cache, "--prefix-cache-mb", "0"] + ([] if backend == DEFAULT else ["--backend", backend])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--onnx", action="append", required=True, help="an export folder (repeat for several)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kv-cache", default="auto,slots", help="comma-separated --kv-cache choices")
+    ap.add_argument("--backends", default=DEFAULT, help="comma-separated --backend choices (default: none given)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--rate", type=float, default=1.5, help="requests a second, joins workload (Poisson)")
     ap.add_argument("--threads", type=int, default=2)
@@ -91,13 +94,15 @@ def main() -> None:
     rows = []
     for export in args.onnx:
         meta = json.loads((Path(export) / "gpt2x.json").read_text())
-        for kv_cache in args.kv_cache.split(","):
-            row = {"model": meta["model"]["name"], "precision": meta["precision"], "kv_cache_asked": kv_cache}
-            for name, delays in workloads.items():
-                row[name] = served(export, kv_cache, args.threads, ids, delays)
-                log(json.dumps({**row, "workload": name}))
-            row["joins_over_at_once"] = row["joins"]["peak_rss_mb"] / row["at once"]["peak_rss_mb"]
-            rows.append(row)
+        for backend in args.backends.split(","):
+            for kv_cache in args.kv_cache.split(","):
+                row = {"model": meta["model"]["name"], "precision": meta["precision"], "backend_asked": backend,
+                       "kv_cache_asked": kv_cache}
+                for name, delays in workloads.items():
+                    row[name] = served(export, kv_cache, backend, args.threads, ids, delays)
+                    log(json.dumps({**row, "workload": name}))
+                row["joins_over_at_once"] = row["joins"]["peak_rss_mb"] / row["at once"]["peak_rss_mb"]
+                rows.append(row)
     system = system_info()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"system": system, "commit": commit, "command": " ".join(sys.argv), "requests": args.requests,
@@ -106,11 +111,12 @@ def main() -> None:
     lines = ["# The server's peak resident memory while prompts join, against the same requests at once", "",
              f"{system.get('cpu')}, {system.get('cores')} cores; commit {commit}; `{out['command']}`. {args.requests} "
              f"requests of 544 tokens, 64 out; joins: {args.rate:g} a second (Poisson), at most {CONCURRENCY} at once.",
-             "", "| model | precision | --kv-cache | cache | at once: ready / peak (MiB) | joins: ready / peak (MiB) | "
-             "joins made | joins / at once |", "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+             "", "| model | precision | --backend | --kv-cache | cache | at once: ready / peak (MiB) | joins: ready / peak (MiB) | "
+             "joins made | joins / at once |", "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         a, j = r["at once"], r["joins"]
-        lines.append(f"| {r['model']} | {r['precision']} | {r['kv_cache_asked']} | {j['kv_cache']} ({j['kv_cache_dtype']}) "
+        lines.append(f"| {r['model']} | {r['precision']} | {r['backend_asked']} | {r['kv_cache_asked']} "
+                     f"| {j['kv_cache']} ({j['kv_cache_dtype']}) "
                      f"| {a['ready_rss_mb']:.0f} / {a['peak_rss_mb']:.0f} | {j['ready_rss_mb']:.0f} / {j['peak_rss_mb']:.0f} "
                      f"| {j['joins']} | {r['joins_over_at_once']:.2f} |")
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")

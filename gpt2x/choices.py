@@ -34,8 +34,9 @@ class KvCache(str, Enum):
     export's own graph, each step's presents the next past), fixed (`generate`'s alone, required: one fixed-capacity
     cache, runtime.static_decode.StaticDecoder, its step a CUDA graph on CUDA), slots (the server's alone: a fixed
     slot per row, runtime.static_decode.SlotBackend, for fp32, int8 and int4 exports on the CPU). A server on the
-    openvino backend takes auto (its paged slots for a bf16 export with a prefill graph, runtime.openvino_paged), slots
-    (the paged slots) and in-place (its own cache)."""
+    openvino backend takes auto (its paged slots for a bf16 or fp32 export with a prefill graph, runtime.openvino_paged,
+    the backend a server with none asked takes for them: serve.replica.served_backend), slots (the paged slots) and
+    in-place (its own cache)."""
 
     auto = "auto"
     in_place = "in-place"

@@ -76,7 +76,8 @@ PrefillOpt = Annotated[Optional[str], typer.Option(
     show_default=False, rich_help_panel=RUNTIME_PANEL,
     help="Where the ort backend runs a new prompt's prefill on an export with OpenVINO's prefill graph (int8, or fp32 "
          "exported with --openvino-prefill): auto (default: that graph "
-         "where the export measured it faster and openvino is installed), onnxruntime, or openvino.")]
+         "where the export measured it faster and openvino is installed), onnxruntime, or openvino. Given to gpt2x "
+         "serve, the ort backend serves such an fp32 export (not the openvino backend's paged slots).")]
 _use_kv_dtype = _sets_env(KV_DTYPE_ENV, asked_kv_dtype)  # runtime.kvdtype
 KvDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-dtype", envvar=KV_DTYPE_ENV, callback=_use_kv_dtype, metavar="|".join(c.value for c in KvDtypeChoice),
@@ -110,12 +111,21 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
     "the fixed cache wherever the generation allows), in-place (required), growing (the export's own graph), fixed "
     "(gpt2x generate only, required: one fixed-capacity cache, its step replayed as a CUDA graph on CUDA; greedy or a "
     "temperature, one prompt length), or slots (gpt2x serve only: a fixed slot per request, whose prompt's chunks run "
-    "in the decode steps' own forward). A server on the openvino backend takes auto (its paged slots for bf16 exports "
-    "with an OpenVINO prefill graph, else its own cache), slots (the paged slots, fp32 and bf16) or in-place (its own "
-    "cache).")]
+    "in the decode steps' own forward). A server on the openvino backend takes auto (its paged slots for bf16 and fp32 "
+    "exports with an OpenVINO prefill graph, else its own cache), slots (the paged slots, fp32 and bf16) or in-place "
+    "(its own cache); with no --backend, a server takes the openvino backend's paged slots for those exports with auto or "
+    "slots.")]
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
+# A server's: that, but openvino's paged slots for an fp32 export with an OpenVINO prefill graph (serve.replica.served_backend).
+SERVED_BACKEND_DEFAULT = BACKEND_DEFAULT + "; an fp32 export with an OpenVINO prefill graph: openvino, on its paged slots"
+
+
+def on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter `name` was given on the command line (not by its environment variable nor its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def given_by_user(ctx: typer.Context, name: str) -> bool:

@@ -26,7 +26,7 @@ from ..workflows.backends import choose_backend, require_provider
 from ..workflows.drafts import DRAFT_HELP
 from ..workflows.exports import resolve_export
 from .options import (
-    BACKEND_DEFAULT,
+    SERVED_BACKEND_DEFAULT,
     ExportsOpt,
     KvCacheOpt,
     KvDtypeOpt,
@@ -39,6 +39,7 @@ from .options import (
     err,
     given_by_user,
     notice,
+    on_command_line,
     out,
     progress_to,
     read_api_keys,
@@ -188,7 +189,7 @@ def serve(
     idle_unload_s: Annotated[Optional[float], typer.Option(show_default=False,
         help="Several models: close a model idle this many seconds (loaded again on its next request).")] = None,
     backend: Annotated[Optional[BackendKind], typer.Option(
-        help=f"Runtime of each replica: ort, openvino or genai ({BACKEND_DEFAULT}).", show_default=False)] = None,
+        help=f"Runtime of each replica: ort, openvino or genai ({SERVED_BACKEND_DEFAULT}).", show_default=False)] = None,
     provider: Annotated[ProviderKind, typer.Option(help="Device of each replica.")] = ProviderKind.cpu,
     threads: ThreadsOpt = None,
     replicas: Annotated[int, typer.Option(help="Replicas, each with the model loaded once.")] = 1,
@@ -277,7 +278,7 @@ def serve(
     require_serve_extra()
     # deferred: FastAPI and uvicorn are the serve extra (Ray Serve the ray extra), and the CLI starts without them
     from ..serve.core.engine import refuse_batched_draft
-    from ..serve.replica import ReplicaConfig, ServeSettings, describe, has_chat_template, prepare_draft
+    from ..serve.replica import ReplicaConfig, ServeSettings, describe, has_chat_template, prepare_draft, served_backend
     from ..serve.single_process import serve_in_process
 
     if bench_file is not None:
@@ -343,7 +344,8 @@ def serve(
             info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
                                   adapter=None if lora is None else lora.folder)
             model_backend = backend if asked_backend is not None else \
-                choose_backend(None, info.precision, provider, asked_as=f"{info.folder}, a bf16 export,")
+                served_backend(info, provider, kv_cache, ort_asked=on_command_line(ctx, "prefill"),
+                               asked_as=f"{info.folder}, a bf16 export,")
             if model_backend is not backend:  # not the first folder's (a bf16 export beside others): checked as it was
                 refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)
                 if address is None:

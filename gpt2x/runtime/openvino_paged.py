@@ -10,6 +10,7 @@ of blocks, so a row joins and leaves without moving anyone's cache. Why and what
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import openvino as ov
@@ -40,13 +41,18 @@ PAGED_MIXED_CHUNK = 64
 # 20.6 ms, with 64 tokens on a 512-token past 55.6, scratch): on the 2-core AMD EPYC, ITL p99 4.25x its median at 64,
 # 2.15x at 40 (first token 499 against 491 ms), 1.38x at 32 (524 ms), 1.35x at 24 (941 ms).
 PAGED_NARROW_MIXED_CHUNK = 40
+# An fp32 export's, on any CPU (f32 compute uses no bf16 tiles): 545-token prompts joining 0.5 a second on the 2-core AMD
+# EPYC, ITL p99 4.18x its median at 40, 2.57x at 24 (first token p50 662 and 680 ms; the ort slots' default 2.85x, 607 ms).
+PAGED_FP32_MIXED_CHUNK = 24
 AMX_BF16_FLAGS = ("amx_bf16",)
 
 
 @functools.cache
-def paged_mixed_chunk() -> int:
-    """PAGED_MIXED_CHUNK on a CPU with AMX's bf16 tiles (or another architecture), else PAGED_NARROW_MIXED_CHUNK: chosen
-    by the CPU's flags, never by a timing."""
+def paged_mixed_chunk(precision: Precision = Precision.bf16) -> int:
+    """PAGED_FP32_MIXED_CHUNK for an fp32 export; for bf16 PAGED_MIXED_CHUNK on a CPU with AMX's bf16 tiles (or another
+    architecture), else PAGED_NARROW_MIXED_CHUNK: chosen by the precision and the CPU's flags, never by a timing."""
+    if precision is Precision.fp32:
+        return PAGED_FP32_MIXED_CHUNK
     flags = x86_flags()
     return PAGED_MIXED_CHUNK if flags is None or any(f in flags for f in AMX_BF16_FLAGS) else PAGED_NARROW_MIXED_CHUNK
 
@@ -77,9 +83,14 @@ def paged_refusal(info: ExportInfo, provider: ProviderKind) -> str | None:
 
 
 def paged_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
-    """Whether `gpt2x serve --backend openvino --kv-cache auto` serves the export on the paged slots: a bf16 export on
-    the CPU whose prefill graph takes a past (bf16 decode steps of 16 rows 14 against 16.3 ms: docs/backends.md)."""
-    return info.precision is Precision.bf16 and paged_refusal(info, provider) is None
+    """Whether a server with no --backend and --kv-cache auto serves the export on the paged slots (and `gpt2x serve
+    --backend openvino` on them rather than its own cache): a bf16 or fp32 export on the CPU whose prefill graph takes a
+    past (bf16 decode steps of 16 rows 14 against 16.3 ms; fp32 16 prompts faster than on the ort backend's slots in a
+    third of the memory: docs/backends.md), but an fp32 export that keeps an int8 KV cache (--int8-kv), which the ort
+    backend's slots hold."""
+    if info.precision is Precision.fp32 and info.int8_kv is not None and info.int8_kv.get("use"):
+        return False
+    return paged_refusal(info, provider) is None
 
 
 def _attention_as_sdpa(model: ov.Model) -> None:
@@ -367,6 +378,7 @@ class PagedSlotBackend(SlotBackend):
         if why:
             raise ProviderError(why)
         self._hold(PagedDecoder(info, slots, capacity, threads), info, provider)
+        self.capabilities = replace(self.capabilities, mixed_chunk=paged_mixed_chunk(info.precision))
 
     def warm_up(self) -> None:
         self.decoder.warm_up()

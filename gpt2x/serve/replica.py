@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..choices import BackendKind, Progress, ProviderKind, no_progress
-from ..errors import UsageError
+from ..choices import BackendKind, KvCache, Progress, ProviderKind, no_progress
+from ..errors import UsageError, installed
 from ..generation.speculative import DraftSettings, ModelDrafter
 from ..onnx.artifact import ExportInfo, read_export
-from ..runtime.base import Backend
+from ..runtime.base import PAGED_PRECISIONS, Backend
 from ..tokenizer import get_encoding
-from ..workflows.backends import export_backend
+from ..workflows.backends import choose_backend, export_backend
 from ..workflows.drafts import NGRAM_DRAFT, open_drafter, resolve_draft
 from .core.engine import EngineSettings
 from .core.prefix_disk import BlockIdentity
@@ -58,8 +58,8 @@ class ReplicaConfig:
     # per row, twice max_batch_size of them (the spare ones for a beam search or a prompt scored beside a full batch),
     # and a joining prompt's chunks run in the decode steps' forwards; on the openvino backend, its paged slots
     # (runtime.openvino_paged.PagedSlotBackend, fp32 and bf16). None (--kv-cache auto): the ort backend's exports on
-    # the CPU that the slots run (runtime.static_decode.slots_by_default), the openvino backend's bf16 exports
-    # (runtime.openvino_paged.paged_by_default).
+    # the CPU that the slots run (runtime.static_decode.slots_by_default), the openvino backend's bf16 exports and fp32
+    # ones with a prefill graph (runtime.openvino_paged.paged_by_default; `served_backend` takes that backend for them).
     fixed_slots: bool | None = False
     # Speculative decoding (core/engine.py, at max batch size 1): the draft as the user named it (int4,
     # int8, ngram, a model or export folder; None: none), and what each replica opens next to its
@@ -161,6 +161,22 @@ def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
     if backend.capabilities.warms_up:
         backend.warm_up()
     return backend
+
+
+def served_backend(info: ExportInfo, provider: ProviderKind, kv_cache: KvCache = KvCache.auto, ort_asked: bool = False,
+                   asked_as: str = "a bf16 export") -> BackendKind:
+    """The backend a server runs the export on where none is asked: the openvino backend where its paged slots serve
+    the export by default (runtime.openvino_paged.paged_by_default: a bf16 export, or an fp32 one with an OpenVINO
+    prefill graph that takes a past) with --kv-cache auto or slots and no option of the ort backend's given
+    (`ort_asked`: --prefill); else the precision's default (workflows.backends.choose_backend: ort, or openvino for
+    bf16; `asked_as` names the export where bf16 is refused)."""
+    kind = choose_backend(None, info.precision, provider, asked_as=asked_as)
+    if kind is BackendKind.openvino or ort_asked or kv_cache not in (KvCache.auto, KvCache.slots) or info.prefill is None \
+            or info.precision not in PAGED_PRECISIONS or not installed("openvino"):
+        return kind
+    from ..runtime.openvino_paged import paged_by_default  # OpenVINO's module: where the export has its graph
+
+    return BackendKind.openvino if paged_by_default(info, provider) else kind
 
 
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:

@@ -200,21 +200,34 @@ def test_bf16_paged_slots_are_within_the_bf16_gate_of_pytorch(tiny_export):
 
 
 def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monkeypatch):
-    """By default a bf16 export only (fp32's default server is the ort backend's slots); asked, fp32 too; an int8
-    export, or one with no prefill graph, refused in one line; a graph OpenVINO's rewrite does not take, one line that
-    names the way out; --kv-cache slots on the openvino backend refuses int8 before anything is opened."""
+    """By default a bf16 export and an fp32 one with its prefill graph, which a server asked for no backend takes the
+    openvino backend for (but with the cache in place, or --prefill, the ort backend's option, or where the fp32 export
+    keeps an int8 KV cache, which only the ort backend's slots hold); an int8 export, or one with no prefill graph,
+    refused in one line (its server on the ort backend); a graph OpenVINO's rewrite does not take, one line that names
+    the way out; --kv-cache slots on the openvino backend refuses int8 before anything is opened."""
     import openvino._offline_transformations as passes
 
     from gpt2x.cli.options import refuse_kv_cache
+    from gpt2x.onnx.artifact import KV_KEY
+    from gpt2x.serve.replica import served_backend
 
     _, info = fp32
-    assert not paged_by_default(info, ProviderKind.cpu)
+    assert paged_by_default(info, ProviderKind.cpu)
     config = ReplicaConfig(export=str(info.folder), model_id="m", backend=BackendKind.openvino.value, fixed_slots=None)
-    assert not on_slots(config, info)
+    assert on_slots(config, info)
+    assert served_backend(info, ProviderKind.cpu) is BackendKind.openvino
+    assert served_backend(info, ProviderKind.cpu, KvCache.slots) is BackendKind.openvino
+    assert served_backend(info, ProviderKind.cpu, KvCache.in_place) is BackendKind.ort
+    assert served_backend(info, ProviderKind.cpu, ort_asked=True) is BackendKind.ort
+    assert served_backend(info, ProviderKind.cuda) is BackendKind.ort
+    int8_kv = ExportInfo(info.folder, {**info.meta, KV_KEY: {"kept": True, "use": True}})
+    assert not paged_by_default(int8_kv, ProviderKind.cpu) and served_backend(int8_kv, ProviderKind.cpu) is BackendKind.ort
     _, _, int8 = tiny_export(Precision.int8)
     assert "not int8" in paged_refusal(int8, ProviderKind.cpu)
+    assert served_backend(int8, ProviderKind.cpu) is BackendKind.ort
     _, _, bare = tiny_export(Precision.fp32)
     assert "no OpenVINO prefill graph" in paged_refusal(bare, ProviderKind.cpu)
+    assert served_backend(bare, ProviderKind.cpu) is BackendKind.ort
     with pytest.raises(ProviderError, match="no OpenVINO prefill graph"):
         PagedSlotBackend(bare, threads=1)
     assert "CPU" in paged_refusal(info, ProviderKind.cuda)
@@ -233,6 +246,30 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
     refuse_kv_cache(KvCache.in_place, BackendKind.openvino, served=True, precision=Precision.bf16)
     with pytest.raises(UsageError, match="applies to the ort backend"):
         refuse_kv_cache(KvCache.slots, BackendKind.openvino, served=False)
+
+
+def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_the_paged_slots(fp32, capsys, monkeypatch):
+    """`gpt2x serve --onnx` (in this process, the server replaced by a stand-in that keeps what it was given): the
+    openvino backend, whose replica opens its paged slots; --prefill on the command line (the ort backend's option, not
+    its environment variable), --kv-cache in-place or --backend ort keep the ort backend."""
+    from gpt2x.serve.replica import open_backend
+
+    from ..helpers import cli
+
+    _, info = fp32
+    served = []
+    monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", lambda config, *a, **k: served.append(config))
+    monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")
+    for args, backend in (([], "openvino"), (["--prefill", "onnxruntime"], "ort"), (["--kv-cache", "in-place"], "ort"),
+                          (["--backend", "ort"], "ort")):
+        code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1", *args)
+        assert code in (0, None) and served[-1].backend == backend, (args, err)
+    config = served[0]
+    assert on_slots(config, info)
+    with open_backend(config, info) as backend:
+        assert isinstance(backend, PagedSlotBackend) and backend.capabilities.mixed_chunk == 24
+        assert generate(backend, [""], SamplingSettings(max_new_tokens=6, greedy=True), prompt_ids=[PROMPTS[0]])[0].tokens == \
+            torch_greedy(fp32[0], PROMPTS[0], 6)
 
 
 def test_several_joiners_chunks_run_in_the_decode_steps_one_forward(fp32, monkeypatch):
@@ -261,9 +298,10 @@ def test_several_joiners_chunks_run_in_the_decode_steps_one_forward(fp32, monkey
     assert all(close(forward(model, p), row) for p, row in zip(joiners, first))
 
 
-def test_the_cpu_flags_choose_the_paged_chunk(monkeypatch, tmp_path):
-    """A joiner's chunk in the paged slots' decode step is 64 tokens on a CPU with AMX's bf16 tiles, 40 without them
-    (AVX-512 BF16 alone, where a chunk's token costs the step several times more), 64 off x86; the backend says so."""
+def test_the_cpu_flags_choose_the_paged_chunk(fp32, monkeypatch, tmp_path):
+    """A bf16 joiner's chunk in the paged slots' decode step is 64 tokens on a CPU with AMX's bf16 tiles, 40 without them
+    (AVX-512 BF16 alone, where a chunk's token costs the step several times more), 64 off x86; an fp32 one's 24 on any
+    (f32 compute has no tiles); the backend says so."""
     from gpt2x.runtime import openvino_paged, providers
 
     here = "amx_bf16" in (providers.x86_flags() or {"amx_bf16"})  # this machine's, before the flags are faked
@@ -276,9 +314,11 @@ def test_the_cpu_flags_choose_the_paged_chunk(monkeypatch, tmp_path):
             cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
             openvino_paged.paged_mixed_chunk.cache_clear()
             assert openvino_paged.paged_mixed_chunk() == chunk, flags
+            assert openvino_paged.paged_mixed_chunk(Precision.fp32) == 24, flags
         monkeypatch.setattr(providers.platform, "machine", lambda: "aarch64")
         openvino_paged.paged_mixed_chunk.cache_clear()
         assert openvino_paged.paged_mixed_chunk() == 64
     finally:
         openvino_paged.paged_mixed_chunk.cache_clear()
     assert PagedSlotBackend.capabilities.mixed_chunk == (64 if here else 40)
+    assert PagedSlotBackend(fp32[1], threads=1, slots=2, capacity=64).capabilities.mixed_chunk == 24
