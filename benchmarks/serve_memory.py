@@ -74,7 +74,8 @@ def served(export: str, kv_cache: str, backend: str, threads: int, ids: list[lis
         proc.terminate()
         proc.wait(60)
     return {"ready_rss_mb": ready["rss_mb"], "peak_rss_mb": health["max_rss_mb"], "rss_mb": health["rss_mb"],
-            "joins": health.get("joins"), "kv_cache": health.get("kv_cache"), "kv_cache_dtype": health.get("kv_cache_dtype")}
+            "joins": health.get("joins"), "backend": health.get("backend"), "kv_cache": health.get("kv_cache"),
+            "kv_cache_dtype": health.get("kv_cache_dtype")}
 
 
 def main() -> None:
@@ -96,8 +97,9 @@ def main() -> None:
         meta = json.loads((Path(export) / "gpt2x.json").read_text())
         for backend in args.backends.split(","):
             for kv_cache in args.kv_cache.split(","):
-                row = {"model": meta["model"]["name"], "precision": meta["precision"], "backend_asked": backend,
-                       "kv_cache_asked": kv_cache}
+                row = {"model": meta["model"]["name"], "precision": meta["precision"], "export": export,
+                       "openvino_prefill": bool((meta.get("openvino_prefill") or {}).get("kept")),
+                       "backend_asked": backend, "kv_cache_asked": kv_cache}
                 for name, delays in workloads.items():
                     row[name] = served(export, kv_cache, backend, args.threads, ids, delays)
                     log(json.dumps({**row, "workload": name}))
@@ -111,12 +113,13 @@ def main() -> None:
     lines = ["# The server's peak resident memory while prompts join, against the same requests at once", "",
              f"{system.get('cpu')}, {system.get('cores')} cores; commit {commit}; `{out['command']}`. {args.requests} "
              f"requests of 544 tokens, 64 out; joins: {args.rate:g} a second (Poisson), at most {CONCURRENCY} at once.",
-             "", "| model | precision | --backend | --kv-cache | cache | at once: ready / peak (MiB) | joins: ready / peak (MiB) | "
-             "joins made | joins / at once |", "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+             "", "| model | precision | OpenVINO prefill graph | --backend | --kv-cache | served by | cache | at once: ready / "
+             "peak (MiB) | joins: ready / peak (MiB) | joins made | joins / at once |",
+             "| --- | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         a, j = r["at once"], r["joins"]
-        lines.append(f"| {r['model']} | {r['precision']} | {r['backend_asked']} | {r['kv_cache_asked']} "
-                     f"| {j['kv_cache']} ({j['kv_cache_dtype']}) "
+        lines.append(f"| {r['model']} | {r['precision']} | {'yes' if r['openvino_prefill'] else 'no'} | {r['backend_asked']} "
+                     f"| {r['kv_cache_asked']} | {j['backend']} | {j['kv_cache']} ({j['kv_cache_dtype']}) "
                      f"| {a['ready_rss_mb']:.0f} / {a['peak_rss_mb']:.0f} | {j['ready_rss_mb']:.0f} / {j['peak_rss_mb']:.0f} "
                      f"| {j['joins']} | {r['joins_over_at_once']:.2f} |")
     Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
