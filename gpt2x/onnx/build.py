@@ -62,9 +62,10 @@ NOT_CHECKED = "not checked (exported without the parity gate)"
 # Whether an fp32, int8 or bf16 export gets OpenVINO's prefill graph when not said (1 or 0): it costs an export seconds
 # (conversion, its gate, timing both prefills) and is of no use where every prefill runs on ONNX Runtime.
 OPENVINO_PREFILL_ENV = "GPT2X_OPENVINO_PREFILL"
-# Unset, int8 and bf16 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights),
-# makes the export 4x longer and a server's peak memory 1.5x (benchmarks/results/serve-memory-fp32-prefill-*), for a
-# prefill 11-23% faster on CPUs with AVX-512 and no faster with AVX2 alone (docs/results/engines.md); a bf16 export's
+# Unset, int8 and bf16 exports get it and fp32 exports do not: an fp32 graph doubles the export's size (its f32 weights)
+# and makes the export 3-4x longer (the first `gpt2x generate`, which decodes on ONNX Runtime), for a server on the
+# paged slots in 0.6x the memory (benchmarks/results/serve-memory-fp32-paged-*) or a prefill 11-23% faster on ONNX
+# Runtime's with AVX-512 (docs/results/engines.md); a bf16 export's
 # prefills 1.5-2.2x faster on it than on model.onnx, both at bf16 (benchmarks/results/bf16-prefill-cpu-2core.md).
 OPENVINO_PREFILL_BY_DEFAULT = (Precision.int8, Precision.bf16)
 
