@@ -114,12 +114,13 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
     "in the decode steps' own forward). A server on the openvino backend takes auto (its paged slots for bf16 and fp32 "
     "exports with an OpenVINO prefill graph, else its own cache), slots (the paged slots, fp32 and bf16) or in-place "
     "(its own cache); with no --backend, a server takes the openvino backend's paged slots for those exports with auto or "
-    "slots.")]
+    "slots (not with --prefill or --draft).")]
 
 
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
 # A server's: that, but openvino's paged slots for an fp32 export with an OpenVINO prefill graph (serve.replica.served_backend).
-SERVED_BACKEND_DEFAULT = BACKEND_DEFAULT + "; an fp32 export with an OpenVINO prefill graph: openvino, on its paged slots"
+SERVED_BACKEND_DEFAULT = BACKEND_DEFAULT + "; an fp32 export with an OpenVINO prefill graph: openvino, on its paged slots " \
+    "(ort with --prefill, --draft or --kv-cache in-place)"
 
 
 def on_command_line(ctx: typer.Context, name: str) -> bool:

@@ -344,7 +344,7 @@ def serve(
             info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
                                   adapter=None if lora is None else lora.folder)
             model_backend = backend if asked_backend is not None else \
-                served_backend(info, provider, kv_cache, ort_asked=on_command_line(ctx, "prefill"),
+                served_backend(info, provider, kv_cache, ort_asked=on_command_line(ctx, "prefill") or draft is not None,
                                asked_as=f"{info.folder}, a bf16 export,")
             if model_backend is not backend:  # not the first folder's (a bf16 export beside others): checked as it was
                 refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)

@@ -251,7 +251,8 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
 def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_the_paged_slots(fp32, capsys, monkeypatch):
     """`gpt2x serve --onnx` (in this process, the server replaced by a stand-in that keeps what it was given): the
     openvino backend, whose replica opens its paged slots; --prefill on the command line (the ort backend's option, not
-    its environment variable), --kv-cache in-place or --backend ort keep the ort backend."""
+    its environment variable), a draft (its model runs on the target's runtime), --kv-cache in-place or --backend ort
+    keep the ort backend."""
     from gpt2x.serve.replica import open_backend
 
     from ..helpers import cli
@@ -261,7 +262,7 @@ def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_t
     monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", lambda config, *a, **k: served.append(config))
     monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")
     for args, backend in (([], "openvino"), (["--prefill", "onnxruntime"], "ort"), (["--kv-cache", "in-place"], "ort"),
-                          (["--backend", "ort"], "ort")):
+                          (["--backend", "ort"], "ort"), (["--draft", "ngram", "--max-batch-size", "1"], "ort")):
         code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1", *args)
         assert code in (0, None) and served[-1].backend == backend, (args, err)
     config = served[0]
