@@ -6,6 +6,7 @@ a server takes them."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -220,6 +221,9 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
     assert served_backend(info, ProviderKind.cpu, KvCache.in_place) is BackendKind.ort
     assert served_backend(info, ProviderKind.cpu, ort_asked=True) is BackendKind.ort
     assert served_backend(info, ProviderKind.cuda) is BackendKind.ort
+    with monkeypatch.context() as m:  # an environment without openvino, the export made where it was
+        m.setitem(sys.modules, "openvino", None)
+        assert served_backend(info, ProviderKind.cpu) is BackendKind.ort
     int8_kv = ExportInfo(info.folder, {**info.meta, KV_KEY: {"kept": True, "use": True}})
     assert not paged_by_default(int8_kv, ProviderKind.cpu) and served_backend(int8_kv, ProviderKind.cpu) is BackendKind.ort
     _, _, int8 = tiny_export(Precision.int8)
