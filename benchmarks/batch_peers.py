@@ -16,7 +16,8 @@ wall time from handing them over to the last token.
   defaults otherwise: continuous batching, chunked prefill, prefix cache) on gpt2x's export at each
   precision (workflows.ensure_export, parity-gated when made; threads = cores), on the backend and KV cache
   `gpt2x serve` opens for it (serve.replica.open_backend: the ort backend's fixed slots where they run the export
-  by default, the openvino backend's paged slots for bf16, else the backend's own cache), with --gpt2x-kv-caches
+  by default, the openvino backend's paged slots for bf16 and, with --gpt2x-backends served, for an fp32 export with an
+  OpenVINO prefill graph, else the backend's own cache), with --gpt2x-kv-caches
   slots on the backend's fixed slots asked for (the openvino backend's paged ones at fp32 too), and with in-place on
   the backend's own cache (export_backend), every prompt submitted as one Row (greedy, min_tokens = max_new_tokens = --new-tokens);
   the batched and KV dtype switches below run on the cache in place (the KV dtype's on the slots where
@@ -362,7 +363,8 @@ def main() -> int:
                     "with an OpenVINO prefill graph), each for every precision or for one (openvino@fp32) "
                     "(default: %(default)s)")
     ap.add_argument("--gpt2x-kv-caches", default="auto", help="the engine's KV cache: auto (as `gpt2x serve` opens the "
-                    "export: the ort backend's fixed slots where they run it by default, the openvino backend's paged slots for bf16), "
+                    "export: the ort backend's fixed slots where they run it by default, the openvino backend's paged slots for bf16 "
+                    "and for an fp32 export with an OpenVINO prefill graph), "
                     "slots (the backend's fixed slots, where it has them: the openvino backend's paged ones at fp32 too), "
                     "in-place (the backend's own cache); all: auto,slots,in-place")
     ap.add_argument("--gpt2x-batched", default="auto", help="the ort backend's batched decode graph, where an int8 "
