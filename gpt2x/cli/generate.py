@@ -196,7 +196,7 @@ def generate(
     if onnx_dir is not None:
         refuse_export_folder(backend, "--onnx")
     refuse_kv_cache(kv_cache, backend)
-    refuse_int8_kv(precision, onnx_dir)
+    refuse_int8_kv(precision, onnx_dir, backend)
     prompts = read_prompts_file(prompts_file) if prompts_file else [prompt or ""]
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")

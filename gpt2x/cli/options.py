@@ -85,7 +85,9 @@ KvDtypeOpt = Annotated[Optional[str], typer.Option(
     help="The dtype of the ort backend's KV cache on an int8 or int4 export, or an fp32 one exported with --int8-kv: "
          "auto (default: int8 where the export calibrated and gated its scales and, int8 and int4, timed decode steps on "
          "them faster), int8 (a quarter of the bytes; an fp32 export by name is then made with the scales, in "
-         "<model>-fp32-int8-kv), or float.")]
+         "<model>-fp32-int8-kv), or float. Given to gpt2x serve, the ort backend serves an fp32 export with an OpenVINO "
+         "prefill graph (not the openvino backend's paged slots); int8 for generate or serve on another backend is "
+         "refused.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.",
                                                    rich_help_panel=RUNTIME_PANEL)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
@@ -120,13 +122,21 @@ KvCacheOpt = Annotated[KvCache, typer.Option(
 BACKEND_DEFAULT = "default: ort, or the first backend whose record runs the precision where ort's does not (bf16: openvino)"
 # A server's: that, but openvino's paged slots for an fp32 export with an OpenVINO prefill graph (serve.replica.served_backend).
 SERVED_BACKEND_DEFAULT = BACKEND_DEFAULT + "; an fp32 export with an OpenVINO prefill graph: openvino, on its paged slots " \
-    "(ort with --prefill, --draft or --kv-cache in-place)"
+    "(ort with --prefill, --kv-cache-dtype, --draft or --kv-cache in-place)"
 
 
 def on_command_line(ctx: typer.Context, name: str) -> bool:
     """Whether parameter `name` was given on the command line (not by its environment variable nor its default)."""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "COMMANDLINE"
+
+
+def ort_options_given(ctx: typer.Context) -> bool:
+    """Whether the ort backend's own options are asked for: --prefill or --kv-cache-dtype on the command line, or an
+    int8 KV cache by GPT2X_KV_CACHE_DTYPE (which only that backend holds). A server then runs an fp32 export with an
+    OpenVINO prefill graph there, not on the openvino backend's paged slots (serve.replica.served_backend)."""
+    return on_command_line(ctx, "prefill") or on_command_line(ctx, "kv_cache_dtype") \
+        or asked_kv_dtype(None) is KvDtypeChoice.int8
 
 
 def given_by_user(ctx: typer.Context, name: str) -> bool:
@@ -167,13 +177,21 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
             raise UsageError(f"--kv-cache slots: {why}", option="kv-cache")
 
 
-def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None) -> None:
-    """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp16 or bf16 export by name: refused in one line before
-    anything is exported (int8 and int4 exports by name hold int8 caches, and an fp32 one is then made with its scales:
-    workflows.exports.by_name_int8_kv; an --onnx folder is checked when opened)."""
+def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None, backend: BackendKind | None = None) -> None:
+    """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp16 or bf16 export by name, or on a `backend` that holds
+    no int8 cache (Capabilities.holds_int8_kv): refused in one line before anything is exported (int8 and int4 exports
+    by name hold int8 caches, and an fp32 one is then made with its scales: workflows.exports.by_name_int8_kv; an --onnx
+    folder is checked when opened)."""
+    if asked_kv_dtype(None) is not KvDtypeChoice.int8:
+        return
+    from ..runtime.registry import capabilities_of  # the backends' records, read only when int8 is asked for
+
+    if backend is not None and not capabilities_of(backend).holds_int8_kv:
+        raise UsageError(f"--kv-cache-dtype int8 is the ort backend's cache (int8, with the export's gated scales); the "
+                         f"{backend.value} backend keeps its own in the export's float dtype: drop the option, or serve "
+                         "on --backend ort", option="kv-cache-dtype")
     wanted = precision or Precision.fp32  # the commands' default precision
-    if onnx_dir is None and wanted not in INT8_KV_ANY_PRECISIONS \
-            and asked_kv_dtype(None) is KvDtypeChoice.int8:
+    if onnx_dir is None and wanted not in INT8_KV_ANY_PRECISIONS:
         raise UsageError(f"--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision {wanted.value} has a "
                          "float cache", option="kv-cache-dtype")
 

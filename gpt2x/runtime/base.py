@@ -102,6 +102,9 @@ class Capabilities:
     # OpenVINO's: bf16's bits at bf16), as `KVCache.stored` gives it; the others' give float32. (The prefix cache's
     # blocks and /health say which.)
     stores_kv_dtype: bool = False
+    # An int8 KV cache with the export's gated scales, as runtime.kvdtype chooses it (--kv-cache-dtype, the native
+    # backend's option); the others keep their cache in the export's float dtype and refuse --kv-cache-dtype int8.
+    holds_int8_kv: bool = False
 
     @property
     def providers(self) -> tuple[ProviderKind, ...]:
@@ -140,7 +143,8 @@ TORCH_CAPABILITIES = Capabilities(runtime="PyTorch", reference=True,
 ORT_CAPABILITIES = Capabilities(runtime="ONNX Runtime", native=True,
                                 precisions_by_provider={ProviderKind.cpu: CPU_PRECISIONS, ProviderKind.cuda: CUDA_PRECISIONS},
                                 takes_past=True, joins_rows=True, rolls_back=True, argmax_where_logits_are=True,
-                                decodes_fixed=True, estimates_prefill=True, warms_up=True, stores_kv_dtype=True)
+                                decodes_fixed=True, estimates_prefill=True, warms_up=True, stores_kv_dtype=True,
+                                holds_int8_kv=True)
 OPENVINO_CAPABILITIES = Capabilities(runtime="OpenVINO", precisions_by_provider={ProviderKind.cpu: (*CPU_PRECISIONS, Precision.bf16)},
                                      takes_past=True, joins_rows=True, rolls_back=True, stores_kv_dtype=True)
 # onnxruntime-genai 0.18's generators refuse a batch_size above 32 ("must be in [1, 32]", on the CPU and CUDA alike):

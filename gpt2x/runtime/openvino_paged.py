@@ -32,6 +32,7 @@ from .static_decode import SlotBackend
 PAST_LENS, BEGINS, BLOCKS, BLOCK_BEGINS, MAX_CONTEXT = (
     "past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 SAMPLED = "sampled_indices"
+QUANTIZED_KV = "u8"  # OpenVINO's quantized KV cache (KV_CACHE_PRECISION), its CPU plugin's default
 # A joiner's chunk in a decode step's forward by default, in tokens: a packed forward takes a chunk at the cost of its
 # tokens alone. 545-token prompts joining 1.5 a second (bf16, the 2-core Xeon with AMX, benchmarks/engine_joins.py): first
 # token p50 290 ms and ITL p99 2.16x its median at 64, against 509 ms and 1.69x at the ort slots' 24 and a token per
@@ -160,9 +161,12 @@ class PagedDecoder:
     """`slots` sequences of at most `capacity` positions in OpenVINO's paged caches, slot s in blocks
     [s * per_slot, (s + 1) * per_slot): SlotDecoder's interface, each call one forward of packed sequences. The caches
     are in the backend's compute precision (bf16's bits at bf16, float32 at f32), in small pages, resident only as
-    rows write them."""
+    rows write them; with `kv_cache_precision` "u8", OpenVINO's quantized cache instead (its own scales in each block:
+    the key's per channel, the value's per position), OpenVINO GenAI's default on a CPU, which only this decoder's
+    forwards write and read (benchmarks/paged_steps.py times it beside the float cache)."""
 
-    def __init__(self, info: ExportInfo, slots: int = 16, capacity: int | None = None, threads: int | None = None):
+    def __init__(self, info: ExportInfo, slots: int = 16, capacity: int | None = None, threads: int | None = None,
+                 kv_cache_precision: str | None = None):
         cfg = info.config
         self.slots, self.capacity = slots, capacity or cfg.n_positions
         if slots < 1 or not 1 < self.capacity <= cfg.n_positions:
@@ -173,10 +177,14 @@ class PagedDecoder:
             raise ProviderError(why)
         self.device, self.kv_scales, self.vocab_size = "cpu", None, cfg.vocab_size
         precision = compute_precision(info)
-        self.dtype = BF16_BITS if precision == BF16 else np.float32
+        if kv_cache_precision not in (None, QUANTIZED_KV):
+            raise ValueError(f"kv_cache_precision: {QUANTIZED_KV} or None (the compute precision's), not {kv_cache_precision!r}")
+        self.quantized_kv = kv_cache_precision == QUANTIZED_KV
+        self.dtype = np.uint8 if self.quantized_kv else BF16_BITS if precision == BF16 else np.float32
         graph = read_prefill_graph(info)
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
-                  "KV_CACHE_PRECISION": precision, "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False}
+                  "KV_CACHE_PRECISION": kv_cache_precision or precision, "PERFORMANCE_HINT": "LATENCY",
+                  "ENABLE_CPU_PINNING": False}
         try:
             paged = paged_model(graph, cfg.n_layer, cfg.n_head, cfg.head_dim)
         except RuntimeError as e:  # OpenVINO's passes raise RuntimeError for a graph they do not take
@@ -184,12 +192,14 @@ class PagedDecoder:
                                 f"({str(e).strip().splitlines()[-1]}): serve it with --kv-cache in-place") from None
         self.compiled = ov.Core().compile_model(paged, "CPU", config)
         self.request = self.compiled.create_infer_request()
-        heads, self.block, dim = (d.get_length() for d in list(self.compiled.input("key_cache.0").get_partial_shape())[1:])
+        ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
+        # (blocks, H, block, D) per layer, key then value, as the ports name them; a u8 key's block has its per-channel
+        # scales as rows below its positions, a u8 value's its per-position scales as columns beside them
+        shapes = {name: [d.get_length() for d in list(self.compiled.input(name).get_partial_shape())[1:]] for name in ports}
+        self.block = shapes["value_cache.0"][1]
         self.per_slot = -(-self.capacity // self.block)
         self._table = np.arange(slots * self.per_slot, dtype=np.int32).reshape(slots, self.per_slot)  # slot -> its blocks
-        # (blocks, H, block, D) per layer, key then value, as the ports name them
-        self._arrays = small_page_arrays((slots * self.per_slot, heads, self.block, dim), 2 * cfg.n_layer, self.dtype)
-        ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
+        self._arrays = [small_page_arrays((slots * self.per_slot, *shapes[name]), 1, self.dtype)[0] for name in ports]
         for name, a in zip(ports, self._arrays):
             self.request.set_tensor(name, tensor_of(a))
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
@@ -327,10 +337,16 @@ class PagedDecoder:
             a[self._blocks(target, n)] = a[self._blocks(source, n)]
         self.lengths[target] = n
 
+    def _refuse_quantized(self) -> None:
+        if self.quantized_kv:
+            raise ValueError("OpenVINO's u8 KV cache holds its own scales in its blocks: no past is read from or written "
+                             "into it from outside")
+
     def write(self, slot: int, kv: list[np.ndarray]) -> None:
         """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer, in the slots' dtype: a past made
         elsewhere, such as the prefix cache's blocks) at its positions 0 .. n - 1."""
         self._check_slot(slot)
+        self._refuse_quantized()
         n = kv[0].shape[1]
         if not 0 < n < self.capacity:
             raise ValueError(f"slot {slot} holds at most {self.capacity - 1} positions of a past, not {n}")
@@ -349,6 +365,7 @@ class PagedDecoder:
     def views(self, first: int, rows: int, length: int) -> list[np.ndarray]:
         """Positions 0 .. length - 1 of slots [first, first + rows): 2 * n_layer arrays (rows, H, length, D), copies
         where they span several blocks (views of one block each: read them before those positions are written again)."""
+        self._refuse_quantized()
         count = -(-length // self.block)
         out = []
         for a in self._arrays:

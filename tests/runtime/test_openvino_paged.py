@@ -21,6 +21,7 @@ from gpt2x.generation.settings import SamplingSettings
 from gpt2x.numerics import positions
 from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.runtime.base import bf16_values
+from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
 from gpt2x.runtime.openvino import OpenVinoBackend
 from gpt2x.runtime.openvino_paged import PagedDecoder, PagedSlotBackend, paged_by_default, paged_refusal
 from gpt2x.runtime.openvino_prefill import cpu_has_bf16
@@ -97,6 +98,38 @@ def test_packed_prompts_chunks_decode_and_mixed_steps_are_pytorchs_without_a_cac
         assert close(forward(model, rows[slot]), out[slot])
     assert close(forward(model, PROMPTS[0]), chunk)
     assert dec.lengths.tolist() == [len(rows[0]), len(rows[1]), len(rows[2]), len(PROMPTS[0])]
+
+
+def test_openvinos_u8_kv_cache_holds_its_scales_in_the_blocks_and_stays_within_the_int8_kv_gate(fp32):
+    """kv_cache_precision "u8" (OpenVINO GenAI's default cache): packed prompts, decode steps and a copied slot, each
+    row's logits within the gate of an fp32 export's int8 KV cache (parity.INT8_KV_ON_FP32's max_rel) of PyTorch's
+    forward without a cache; a past is neither read from it nor written into it; another precision is refused."""
+    model, info = fp32
+    tol = parity.INT8_KV_ON_FP32.max_rel
+    dec = PagedDecoder(info, slots=3, capacity=64, threads=1, kv_cache_precision="u8")
+    assert {a.dtype for a in dec._arrays} == {np.dtype(np.uint8)}
+    key, value = dec._arrays[:2]  # scales beside the positions: the key's rows below them, the value's columns
+    assert key.shape[2] > dec.block and value.shape[2] == dec.block and value.shape[3] > key.shape[3]
+    rows = {0: list(PROMPTS[2]), 1: list(PROMPTS[0])}
+    width = max(len(p) for p in rows.values())
+    ids = np.array([[0] * (width - len(p)) + p for p in rows.values()])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in rows.values()])
+    logits = dec.prefill_fresh(np.array([0, 1]), ids, mask)
+    assert all(close(forward(model, rows[s]), logits[s], tol) for s in (0, 1))
+    dec.copy(0, 2)
+    rows[2] = list(rows[0])
+    for _ in range(3):
+        tokens = np.array([forward(model, rows[s]).argmax() for s in range(3)])
+        logits = dec.step(tokens, take=np.arange(3))
+        for s in range(3):
+            rows[s].append(int(tokens[s]))
+            assert close(forward(model, rows[s]), logits[s], tol), s
+    with pytest.raises(ValueError, match="holds its own scales"):
+        dec.read(0)
+    with pytest.raises(ValueError, match="holds its own scales"):
+        dec.write(1, [np.zeros((2, 3, 4), np.uint8)])
+    with pytest.raises(ValueError, match="kv_cache_precision"):
+        PagedDecoder(info, slots=1, capacity=64, threads=1, kv_cache_precision="i4")
 
 
 def test_a_slot_written_read_and_copied_holds_the_same_sequence(fp32):
@@ -254,9 +287,10 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
 
 def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_the_paged_slots(fp32, capsys, monkeypatch):
     """`gpt2x serve --onnx` (in this process, the server replaced by a stand-in that keeps what it was given): the
-    openvino backend, whose replica opens its paged slots; --prefill on the command line (the ort backend's option, not
-    its environment variable), a draft (its model runs on the target's runtime), --kv-cache in-place or --backend ort
-    keep the ort backend."""
+    openvino backend, whose replica opens its paged slots; --prefill or --kv-cache-dtype on the command line (the ort
+    backend's options, not their environment variables, but an int8 cache asked there, which only the ort backend
+    holds), a draft (its model runs on the target's runtime), --kv-cache in-place or --backend ort keep the ort
+    backend."""
     from gpt2x.serve.replica import open_backend
 
     from ..helpers import cli
@@ -265,16 +299,41 @@ def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_t
     served = []
     monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", lambda config, *a, **k: served.append(config))
     monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")
+    monkeypatch.setenv(KV_DTYPE_ENV, "float")  # the option sets it for the process: restored after the test
     for args, backend in (([], "openvino"), (["--prefill", "onnxruntime"], "ort"), (["--kv-cache", "in-place"], "ort"),
-                          (["--backend", "ort"], "ort"), (["--draft", "ngram", "--max-batch-size", "1"], "ort")):
+                          (["--backend", "ort"], "ort"), (["--draft", "ngram", "--max-batch-size", "1"], "ort"),
+                          (["--kv-cache-dtype", "float"], "ort")):
         code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1", *args)
         assert code in (0, None) and served[-1].backend == backend, (args, err)
+        monkeypatch.setenv(KV_DTYPE_ENV, "float")
+    monkeypatch.setenv(KV_DTYPE_ENV, "int8")
+    code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1")
+    assert code in (0, None) and served[-1].backend == "ort", err
     config = served[0]
     assert on_slots(config, info)
     with open_backend(config, info) as backend:
         assert isinstance(backend, PagedSlotBackend) and backend.capabilities.mixed_chunk == 24
         assert generate(backend, [""], SamplingSettings(max_new_tokens=6, greedy=True), prompt_ids=[PROMPTS[0]])[0].tokens == \
             torch_greedy(fp32[0], PROMPTS[0], 6)
+
+
+def test_an_int8_kv_cache_asked_of_a_backend_that_holds_none_is_one_line(fp32, tiny_export, capsys, monkeypatch):
+    """--kv-cache-dtype int8 is the ort backend's cache: `gpt2x serve` and `gpt2x generate` on the openvino backend (asked
+    for, or a bf16 export's) refuse it in one line before anything is opened, where before they ran a float cache."""
+    from ..helpers import assert_one_line_error, cli
+
+    _, info = fp32
+    monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", lambda *a, **k: pytest.fail("served"))
+    monkeypatch.setenv(KV_DTYPE_ENV, "auto")  # the option sets it for the process: restored after the test
+    exports = [(info, ["--backend", "openvino"])]
+    if cpu_has_bf16():
+        exports.append((tiny_export(Precision.bf16)[2], []))
+    for export, args in exports:
+        for command in ("serve", "generate"):
+            code, out, err = cli(capsys, command, *(["ROMEO:"] if command == "generate" else []), "--onnx",
+                                 str(export.folder), "--threads", "1", "--kv-cache-dtype", "int8", *args)
+            assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache-dtype int8 is the ort backend's cache")
+            assert "the openvino backend keeps its own" in err and out == "", (command, args)
 
 
 def test_several_joiners_chunks_run_in_the_decode_steps_one_forward(fp32, monkeypatch):
