@@ -43,7 +43,8 @@ wall time from handing them over to the last token.
 
 Each contender runs once unmeasured (its tokens kept for the check), then --rounds rounds run each once,
 in an order rotated every round (this VM's memory bandwidth drifts over minutes); the figure is the
-median round. Every round has prompts of its own (the same for every contender in it), so neither
+median round; paired, the median over rounds of a row's output tok/s over the first row's in the same round. Every
+round has prompts of its own (the same for every contender in it), so neither
 engine's prefix cache finds a prompt it has seen. The check: how many rows' first 16 tokens equal gpt2x's at fp32 (bf16 compute may differ).
 Writes OUT.json (every run, the settings, the environment with the machine) and OUT.md (the table).
 """
@@ -340,11 +341,12 @@ def open_contenders(args, ctx: Context, threads: int, skipped: dict) -> list:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| engine | precision | output tok/s | spread | wall s | TTFT mean ms | TPOT mean ms | rows = gpt2x fp32 (first 16 tokens) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| engine | precision | output tok/s | spread | over the first row's, paired | wall s | TTFT mean ms | TPOT mean ms | "
+           "rows = gpt2x fp32 (first 16 tokens) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['name']} | {r['precision']} | {r['output_tokens_per_s']:.1f} | {r['min']:.1f}-{r['max']:.1f} | "
-                   f"{r['wall_s']:.2f} | {r['ttft_mean_ms']:.1f} | {r['tpot_mean_ms']:.1f} | {r['rows_matching'] if r['rows_matching'] is not None else '-'} |")
+                   f"{r['paired_ratio']:.3f} | {r['wall_s']:.2f} | {r['ttft_mean_ms']:.1f} | {r['tpot_mean_ms']:.1f} | "
+                   f"{r['rows_matching'] if r['rows_matching'] is not None else '-'} |")
     return "\n".join(out)
 
 
@@ -442,7 +444,9 @@ def main() -> int:
         med = sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2]
         matching = None if reference is None else sum(
             a[:CHECK_TOKENS] == b[:CHECK_TOKENS] for a, b in zip(checks[c.name], reference, strict=True))
+        first = [x["output_tokens"] / x["wall_s"] for x in runs[contenders[0].name]]
         rows.append({"name": c.name, "precision": c.precision, "output_tokens_per_s": med["output_tokens"] / med["wall_s"],
+                     "paired_ratio": statistics.median(t / f for t, f in zip(tps, first, strict=True)),
                      "min": min(tps), "max": max(tps), "wall_s": med["wall_s"], "output_tokens": med["output_tokens"],
                      "ttft_mean_ms": 1e3 * statistics.fmean(med["ttft_s"]), "tpot_mean_ms": 1e3 * statistics.fmean(med["tpot_s"]),
                      "rows_matching": matching,
@@ -455,7 +459,9 @@ def main() -> int:
              "continuous batching", "",
              f"{args.model} (GPT-2 124M, random weights), {args.prompts} prompts of {args.prompt_len} random tokens handed over "
              f"at once, {args.new_tokens} greedy tokens each (EOS masked); output tok/s = all output tokens / wall time; "
-             f"{args.rounds} interleaved rounds, median shown, spread = min-max. {threads} threads each. TTFT: from "
+             f"{args.rounds} interleaved rounds, median shown, spread = min-max; paired: the median over rounds of each "
+             "round's output tok/s over the first row's in the same round (which this VM's drift between rounds leaves "
+             f"alone). {threads} threads each. TTFT: from "
              "handing the prompts over to each row's first token, the mean over rows; TPOT: each row's time from its "
              "first token to its last over its other tokens, the mean over rows; both on this script's clock for every "
              "engine.",
