@@ -191,13 +191,14 @@ def test_the_api_answers_a_failing_constraint_400_and_the_requests_beside_it_200
 
 def test_a_request_is_read_and_its_schema_compiled_off_the_event_loop(client, monkeypatch):
     """A schema can take seconds to compile (a 60,000-value enum: about 1.6 s here, 0.3-0.9 once llguidance's
-    tokenizer is built). Stood in for by a parse that takes a second: meanwhile /health answers at once, as every
-    other request and stream would; read on the event loop, each waited the whole second."""
+    tokenizer is built). Stood in for by a parse that takes 1.5 s: meanwhile /health answers well within 0.9 s (at once,
+    but for a busy machine: the suite's other worker stalled one 0.56 s), as every other request and stream would; read
+    on the event loop, each waited the whole parse (1.4 s)."""
     target = client.service
     real = target.prepare
 
     def slow(request):
-        time.sleep(1.0)  # sleeps release the GIL, as llguidance's compile does
+        time.sleep(1.5)  # sleeps release the GIL, as llguidance's compile does
         return real(request)
 
     monkeypatch.setattr(target, "prepare", slow)
@@ -210,7 +211,7 @@ def test_a_request_is_read_and_its_schema_compiled_off_the_event_loop(client, mo
             assert client.get("/health").status_code == 200
             waits.append(time.perf_counter() - started)
         assert pending.result().status_code == 200, pending.result().text
-    assert waits and max(waits) < 0.5, waits
+    assert waits and max(waits) < 0.9, waits
 
 
 @pytest.mark.parametrize("draft", ["ngram", "int4 model"])
