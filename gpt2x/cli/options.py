@@ -187,9 +187,9 @@ def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None, backend: 
     from ..runtime.registry import capabilities_of  # the backends' records, read only when int8 is asked for
 
     if backend is not None and not capabilities_of(backend).holds_int8_kv:
-        raise UsageError(f"--kv-cache-dtype int8 is the ort backend's cache (int8, with the export's gated scales); the "
-                         f"{backend.value} backend keeps its own in the export's float dtype: drop the option, or serve "
-                         "on --backend ort", option="kv-cache-dtype")
+        raise UsageError(f"--kv-cache-dtype int8 is the ort backend's cache (int8, with the gated scales of an int8, int4 "
+                         f"or fp32 --int8-kv export); the {backend.value} backend keeps its own in the export's float "
+                         "dtype: drop the option", option="kv-cache-dtype")
     wanted = precision or Precision.fp32  # the commands' default precision
     if onnx_dir is None and wanted not in INT8_KV_ANY_PRECISIONS:
         raise UsageError(f"--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision {wanted.value} has a "
