@@ -168,8 +168,8 @@ def served_backend(info: ExportInfo, provider: ProviderKind, kv_cache: KvCache =
     """The backend a server runs the export on where none is asked: the openvino backend where its paged slots serve
     the export by default (runtime.openvino_paged.paged_by_default: a bf16 export, or an fp32 one with an OpenVINO
     prefill graph that takes a past) with --kv-cache auto or slots, unless what is asked is the ort backend's to run
-    (`ort_asked`: its own options, cli.options.ort_options_given, or a --draft, whose model runs on the target's
-    runtime); else the precision's default (workflows.backends.choose_backend: ort, or openvino for bf16; `asked_as`
+    (`ort_asked`: an option of its own given, --prefill or --kv-cache-dtype, or a --draft, whose model runs on the
+    target's runtime); else the precision's default (workflows.backends.choose_backend: ort, or openvino for bf16; `asked_as`
     names the export where bf16 is refused)."""
     kind = choose_backend(None, info.precision, provider, asked_as=asked_as)
     if kind is BackendKind.openvino or ort_asked or kv_cache not in (KvCache.auto, KvCache.slots) or info.prefill is None \
