@@ -17,7 +17,9 @@ tokens each, EOS neither chosen nor a stop):
   f32 (as served) and in u8 (OpenVINO's quantized cache, GenAI's default): the prompts in forwards of whole prompts of
   at most --step-tokens tokens, then one forward per token of every row, the next tokens by numpy's argmax;
 - gpt2x's serving engine on that decoder (batch_peers.Gpt2xEngine on the backend `gpt2x serve` takes): its wall time
-  beside the decoder's alone is what the engine adds (scheduling, sampling, outputs, its threads).
+  beside the decoder's alone is what the engine adds (scheduling, sampling, outputs, its threads);
+- on an export that keeps an int8 KV cache (`--int8-kv --openvino-prefill`), also ONNX Runtime's slots alone
+  (runtime.static_decode.SlotDecoder) with that cache, in the same loop: what `gpt2x serve` runs such an export on.
 
 Columns: prompt ms, the forwards (GenAI: steps) until every row had its first token; decode step ms, the median of the
 forwards after them; wall ms from the first forward to the last token; paired, the median over rounds of a contender's
@@ -48,6 +50,7 @@ from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import read_export
 from gpt2x.runtime.openvino_paged import QUANTIZED_KV, PagedDecoder, paged_refusal
 from gpt2x.runtime.providers import physical_cores
+from gpt2x.runtime.static_decode import SlotDecoder
 from gpt2x.serve.replica import served_backend
 from gpt2x.workflows.models import load_model
 
@@ -96,13 +99,19 @@ class GenaiSteps:
 
 
 class DecoderSteps:
-    """gpt2x's paged decoder alone, its cache in `kv_cache` (f32: the compute precision's, as served)."""
+    """gpt2x's paged decoder alone, its cache in `kv_cache` (f32: the compute precision's, as served); with
+    `ort_slots`, ONNX Runtime's slots instead (runtime.static_decode.SlotDecoder), the cache as the export's record
+    says (int8 where it kept gated scales)."""
 
-    def __init__(self, info, threads: int, kv_cache: str, batch: int, step_tokens: int):
-        self.name = f"gpt2x paged decoder f32, {kv_cache} KV cache"
-        self.decoder = PagedDecoder(info, slots=batch, threads=threads,
-                                    kv_cache_precision=QUANTIZED_KV if kv_cache == QUANTIZED_KV else None)
-        self.decoder.warm_up()
+    def __init__(self, info, threads: int, kv_cache: str, batch: int, step_tokens: int, ort_slots: bool = False):
+        if ort_slots:
+            self.decoder = SlotDecoder(info, slots=batch, threads=threads)
+            self.name = f"gpt2x ONNX Runtime's slots f32, {np.dtype(self.decoder.dtype).name} KV cache"
+        else:
+            self.name = f"gpt2x paged decoder f32, {kv_cache} KV cache"
+            self.decoder = PagedDecoder(info, slots=batch, threads=threads,
+                                        kv_cache_precision=QUANTIZED_KV if kv_cache == QUANTIZED_KV else None)
+            self.decoder.warm_up()
         self.step_tokens = step_tokens
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
@@ -116,6 +125,8 @@ class DecoderSteps:
             rows = np.arange(first, min(B, first + per_forward))
             t = time.perf_counter()
             logits = dec.prefill_fresh(rows, prompts[rows], np.ones((len(rows), T), bool))
+            if logits is None:  # ONNX Runtime's slots where the export's record runs such prompts there: a row at a time
+                logits = np.stack([dec.prefill(int(r), prompts[r]) for r in rows])
             tokens[rows, 0] = logits.argmax(-1)
             steps.append(time.perf_counter() - t)
         prompt_steps = len(steps)
@@ -126,8 +137,8 @@ class DecoderSteps:
         return figures(time.perf_counter() - t0, steps, prompt_steps, tokens.tolist())
 
     def details(self) -> dict:
-        return {"slots": self.decoder.slots, "block": self.decoder.block, "kv_dtype": str(self.decoder.dtype.__name__),
-                "step_tokens": self.step_tokens}
+        return {"slots": self.decoder.slots, "block": getattr(self.decoder, "block", None),
+                "kv_dtype": np.dtype(self.decoder.dtype).name, "step_tokens": self.step_tokens}
 
     def close(self) -> None:
         self.decoder.close()
@@ -214,6 +225,8 @@ def main() -> int:
                       exports_dir=args.export.parent, precisions=[], kinds=[], max_prompt=args.prompt_len,
                       new_tokens=args.new_tokens, results={"skipped": skipped})
         contenders = [DecoderSteps(info, threads, kv, args.prompts, args.step_tokens) for kv in KV_CACHES]
+        if info.int8_kv is not None and info.int8_kv.get("use"):  # an --int8-kv export: the slots that serve it today
+            contenders.append(DecoderSteps(info, threads, "int8", args.prompts, args.step_tokens, ort_slots=True))
         contenders.append(EngineWall(info, threads, args.prompts))
         try:
             folder, _ = convert(ctx.hf_dir_with_tokenizer(), "fp32", Path(tmp) / "openvino-fp32")
