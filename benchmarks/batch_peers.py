@@ -64,7 +64,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from peers.core import Context, error_line, log
+from peers.core import Context, error_line, log, machine_line, paired_median, rotated
 from peers.openvino_genai import F32, WEIGHT_FORMATS, compute_variants, convert, greedy_config, optimum_cli
 
 from gpt2x.bench.report import save_results
@@ -424,7 +424,7 @@ def main() -> int:
                 log(f"{c.name}: warm-up failed ({error_line(e)}); left out")
                 contenders.remove(c)
         for r in range(args.rounds):
-            order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+            order = rotated(contenders, r)
             log(f"round {r + 1}/{args.rounds}")
             for c in order:
                 run = c.run(prompt_sets[r + 1], args.new_tokens)
@@ -446,7 +446,7 @@ def main() -> int:
             a[:CHECK_TOKENS] == b[:CHECK_TOKENS] for a, b in zip(checks[c.name], reference, strict=True))
         first = [x["output_tokens"] / x["wall_s"] for x in runs[contenders[0].name]]
         rows.append({"name": c.name, "precision": c.precision, "output_tokens_per_s": med["output_tokens"] / med["wall_s"],
-                     "paired_ratio": statistics.median(t / f for t, f in zip(tps, first, strict=True)),
+                     "paired_ratio": paired_median(tps, first),
                      "min": min(tps), "max": max(tps), "wall_s": med["wall_s"], "output_tokens": med["output_tokens"],
                      "ttft_mean_ms": 1e3 * statistics.fmean(med["ttft_s"]), "tpot_mean_ms": 1e3 * statistics.fmean(med["tpot_s"]),
                      "rows_matching": matching,
@@ -454,7 +454,6 @@ def main() -> int:
     record = {"command": f"{Path(sys.executable).name} " + " ".join(sys.argv), "settings": vars(args) | {
                   "out": str(args.out), "exports": str(args.exports), "threads": threads, "check_tokens": CHECK_TOKENS},
               "optimum_cli": str(optimum_cli()), "environment": env, "skipped": skipped, "rows": rows}
-    machine = f"{env['cpu']}, {env['cores']} cores"
     lines = [f"# {args.prompts} prompts x {args.new_tokens} tokens in process: gpt2x's serving engine vs OpenVINO GenAI's "
              "continuous batching", "",
              f"{args.model} (GPT-2 124M, random weights), {args.prompts} prompts of {args.prompt_len} random tokens handed over "
@@ -465,8 +464,7 @@ def main() -> int:
              "handing the prompts over to each row's first token, the mean over rows; TPOT: each row's time from its "
              "first token to its last over its other tokens, the mean over rows; both on this script's clock for every "
              "engine.",
-             f"Machine: {machine}, {env['platform']}; {env['date']}, gpt2x git {env['git']}; "
-             + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env["peer packages"]).items()) + ".",
+             machine_line(env),
              f"Command: `{record['command']}`", "", table(rows), ""]
     lines += [f"- {name}: skipped. {reason}" for name, reason in skipped.items()]
     if any(r["name"].endswith(f"({F32})") for r in rows):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from batch_peers import CHECK_TOKENS, Gpt2xEngine
-from peers.core import Context, error_line, log
+from peers.core import Context, error_line, log, machine_line, paired_median, rotated
 from peers.openvino_genai import F32, convert, greedy_config
 
 from gpt2x.bench.report import save_results
@@ -240,7 +240,7 @@ def main() -> int:
             checks[c.name] = c.run(prompt_sets[0], args.new_tokens)["tokens"]
         for r in range(args.rounds):
             log(f"round {r + 1}/{args.rounds}")
-            for c in contenders[r % len(contenders):] + contenders[: r % len(contenders)]:
+            for c in rotated(contenders, r):
                 run = c.run(prompt_sets[r + 1], args.new_tokens)
                 run.pop("tokens")
                 runs.setdefault(c.name, []).append(run)
@@ -255,7 +255,7 @@ def main() -> int:
         rs = runs[c.name]
         med = sorted(rs, key=lambda x: x["wall_ms"])[len(rs) // 2]
         matching = sum(a[:CHECK_TOKENS] == b[:CHECK_TOKENS] for a, b in zip(checks[c.name], reference, strict=True))
-        paired = statistics.median(x["wall_ms"] / y["wall_ms"] for x, y in zip(rs, runs[contenders[0].name], strict=True))
+        paired = paired_median([x["wall_ms"] for x in rs], [y["wall_ms"] for y in runs[contenders[0].name]])
         rows.append({"name": c.name, **med, "paired_ratio": paired, "min_wall_ms": min(x["wall_ms"] for x in rs),
                      "max_wall_ms": max(x["wall_ms"] for x in rs), "rows_matching": matching, "runs": rs,
                      "details": details[c.name]})
@@ -263,7 +263,6 @@ def main() -> int:
               "settings": vars(args) | {"out": str(args.out), "export": str(info.folder), "threads": threads,
                                         "check_tokens": CHECK_TOKENS},
               "environment": env, "skipped": skipped, "rows": rows}
-    machine = f"{env['cpu']}, {env['cores']} cores"
     lines = ["# The paged forwards inside gpt2x's fp32 server and inside OpenVINO GenAI, f32 compute", "",
              f"{args.model} (GPT-2 124M, random weights), {args.prompts} prompts of {args.prompt_len} random tokens at once, "
              f"{args.new_tokens} greedy tokens each (EOS masked); {args.rounds} rounds, each contender once a round in a "
@@ -273,8 +272,7 @@ def main() -> int:
              "until every row had its first token; decode step ms: the median forward after them; wall: the first "
              "forward to the last token. The engine row: gpt2x's serving engine on the same decoder, as `gpt2x serve` "
              "runs the export.",
-             f"Machine: {machine}, {env['platform']}; {env['date']}, gpt2x git {env['git']}; "
-             + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env["peer packages"]).items()) + ".",
+             machine_line(env),
              f"Command: `{record['command']}`", "", table(rows), ""]
     lines += [f"- {name}: skipped. {reason}" for name, reason in skipped.items()]
     save_results(args.out, record, "\n".join(lines) + "\n")

@@ -25,6 +25,7 @@ contenders; it records what it could not run in ctx.skip(...) and what it learnt
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,24 @@ def error_line(e: BaseException, limit: int = 600) -> str:
     text = " / ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
     text = f"{type(e).__name__}: {text}" if text else type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def rotated(items: list, r: int) -> list:
+    """`items` in round r's order: rotated by r, so that each runs first in turn (this VM's speed drifts over minutes)."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def paired_median(values: list[float], reference: list[float]) -> float:
+    """The median over rounds of each round's value over the reference's in the same round: the ratio that drift
+    between rounds leaves alone."""
+    return statistics.median(v / ref for v, ref in zip(values, reference, strict=True))
+
+
+def machine_line(env: dict) -> str:
+    """A results page's "Machine:" line from gpt2x.bench.system.system_info() (with its "peer packages" added)."""
+    return (f"Machine: {env['cpu']}, {env['cores']} cores, {env['platform']}; {env['date']}, gpt2x git {env['git']}; "
+            + ", ".join(f"{k} {v}" for k, v in (env["packages"] | env["peer packages"]).items()) + ".")
 
 
 def process_error(stderr: str, limit: int = 600) -> str:
