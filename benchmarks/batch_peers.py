@@ -131,11 +131,13 @@ class Gpt2xEngine:
                                           kv_cache_dtype=kv_cache_dtype)
             if self.backend.capabilities.warms_up:  # as gpt2x serve opens it
                 self.backend.warm_up()
+        held = self.backend.capabilities.kv_cache_dtype  # OpenVINO's u8 cache on the paged slots, where the export has it
+        self.name += f" {held} KV cache" if held else ""
         self.engine = Engine(self.backend, self.settings).start()
         self.details = {"engine_settings": asdict(self.settings), "kv_cache": kind.strip() or "in place",
                         "prefill": getattr(self.backend, "prefill", None),
                         "batched_from": getattr(self.backend, "batched_from", None),
-                        "kv_cache_dtype": kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
+                        "kv_cache_dtype": held or kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)

@@ -13,7 +13,7 @@ import typer
 from ..choices import BackendKind, Precision
 from ..errors import OutputError, UsageError
 from ..fileio import folder_lock
-from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PREFILL_KEY, default_export_dir
+from ..onnx.artifact import BATCHED_KEY, BF16, DEFAULT_OPSET, F32, KV_KEY, PAGED_KV_KEY, PREFILL_KEY, default_export_dir
 from ..onnx.transformers_js import ALL_PRECISIONS, default_layout_dir
 from ..workflows.exports import export_by_name, require_bf16_cpu
 from ..workflows.models import adapted_name
@@ -61,7 +61,8 @@ def export(
     int8_kv: Annotated[Optional[bool], typer.Option(
         help="int8 and int4: also calibrate scales for an int8 KV cache, gated and timed, which `ort` holds where its "
              "decode steps measured faster (default: yes, or GPT2X_INT8_KV=0 or 1). fp32: only with --int8-kv, gated on "
-             "its own (the weights and arithmetic stay fp32), and then held by default (--kv-cache-dtype float: not).")] = None,
+             "its own (the weights and arithmetic stay fp32), and then held by default (--kv-cache-dtype float: not); with "
+             "--openvino-prefill, OpenVINO's u8 cache on the paged slots, which `gpt2x serve` then runs, gated too.")] = None,
     prefill_compute: Annotated[PrefillCompute, typer.Option(
         help="int8: the compute precision of OpenVINO's prefill graph, gated at int8's tolerances: f32, or bf16 on a "
              "CPU that computes it (AVX-512 BF16, AMX), faster on long prompts there. Chosen here, never by a timing: "
@@ -136,6 +137,9 @@ def export(
     kv = meta.get(KV_KEY)
     if kv is not None:
         out.print(_graph_line("int8 KV cache", kv, _kv_timings, presents=True), markup=False)
+        if kv.get(PAGED_KV_KEY) is not None:
+            out.print(_graph_line("OpenVINO's u8 KV cache on the paged slots", kv[PAGED_KV_KEY], _paged_kv_use,
+                                  presents=True), markup=False)
 
 
 def _gated_on(parity: dict) -> str:
@@ -189,6 +193,12 @@ def _kv_timings(record: dict) -> str:
         f"not used (not {timing['faster_by']:.0%} faster on the longest)"
     return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale (float cache "
             f"{record['long_float']['max_rel']:.2g}); a decode step, int8 cache against float: {times}; {use}")
+
+
+def _paged_kv_use(record: dict) -> str:
+    long = record["long"]
+    return (f"after a {long['prompt']}-token prompt max |Δlogit| {long['max_rel']:.2g} of scale; held by `gpt2x serve "
+            "--backend openvino`")
 
 
 def _prefill_timings(record: dict) -> str:

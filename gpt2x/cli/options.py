@@ -17,7 +17,7 @@ from rich.markup import escape
 from ..choices import BackendKind, KvCache, Precision, ProviderKind
 from ..errors import UsageError
 from ..fileio import write_atomic
-from ..onnx.artifact import EXPORTS_ENV, INT8_KV_ANY_PRECISIONS
+from ..onnx.artifact import EXPORTS_ENV, INT8_KV_ANY_PRECISIONS, ExportInfo
 from ..onnx.interop import check_chat_template
 from ..runtime.base import PAGED_PRECISIONS
 from ..runtime.kvdtype import KV_DTYPE_ENV, KvDtypeChoice
@@ -86,8 +86,9 @@ KvDtypeOpt = Annotated[Optional[str], typer.Option(
          "auto (default: int8 where the export calibrated and gated its scales and, int8 and int4, timed decode steps on "
          "them faster), int8 (a quarter of the bytes; an fp32 export by name is then made with the scales, in "
          "<model>-fp32-int8-kv), or float. Given to gpt2x serve, the ort backend serves an fp32 export with an OpenVINO "
-         "prefill graph (not the openvino backend's paged slots); int8 for generate or serve on another backend is "
-         "refused.")]
+         "prefill graph (not the openvino backend's paged slots), but one exported with --int8-kv --openvino-prefill, "
+         "whose paged slots hold OpenVINO's u8 cache (gated at export) and honour all three; int8 for generate or "
+         "serve on another backend is refused.")]
 RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) to pin.",
                                                    rich_help_panel=RUNTIME_PANEL)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
@@ -131,12 +132,13 @@ def on_command_line(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name == "COMMANDLINE"
 
 
-def ort_options_given(ctx: typer.Context) -> bool:
-    """Whether the ort backend's own options are asked for: --prefill or --kv-cache-dtype on the command line, or an
-    int8 KV cache by GPT2X_KV_CACHE_DTYPE (which only that backend holds). A server then runs an fp32 export with an
-    OpenVINO prefill graph there, not on the openvino backend's paged slots (serve.replica.served_backend)."""
-    return on_command_line(ctx, "prefill") or on_command_line(ctx, "kv_cache_dtype") \
-        or asked_kv_dtype(None) is KvDtypeChoice.int8
+def ort_options_given(ctx: typer.Context, info: ExportInfo) -> bool:
+    """Whether the ort backend's own options are asked for the export `info`: --prefill on the command line, or a KV
+    cache dtype (--kv-cache-dtype on the command line, or int8 by GPT2X_KV_CACHE_DTYPE) where the openvino backend's
+    paged slots hold no int8 cache for it (ExportInfo.paged_int8_kv: they then honour all three). A server then runs an
+    fp32 export with an OpenVINO prefill graph there, not on those paged slots (serve.replica.served_backend)."""
+    dtype = on_command_line(ctx, "kv_cache_dtype") or asked_kv_dtype(None) is KvDtypeChoice.int8
+    return on_command_line(ctx, "prefill") or (dtype and info.paged_int8_kv is None)
 
 
 def given_by_user(ctx: typer.Context, name: str) -> bool:
@@ -177,19 +179,22 @@ def refuse_kv_cache(kv_cache: KvCache, backend: BackendKind, served: bool = Fals
             raise UsageError(f"--kv-cache slots: {why}", option="kv-cache")
 
 
-def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None, backend: BackendKind | None = None) -> None:
+def refuse_int8_kv(precision: Precision | None, onnx_dir: Path | None, backend: BackendKind | None = None,
+                   paged_holds: bool = False) -> None:
     """--kv-cache-dtype int8 (or GPT2X_KV_CACHE_DTYPE) for an fp16 or bf16 export by name, or on a `backend` that holds
-    no int8 cache (Capabilities.holds_int8_kv): refused in one line before anything is exported (int8 and int4 exports
+    no int8 cache (Capabilities.holds_int8_kv; `paged_holds`: the openvino backend's paged slots hold OpenVINO's u8 one
+    for this export, ExportInfo.paged_int8_kv): refused in one line before anything is exported (int8 and int4 exports
     by name hold int8 caches, and an fp32 one is then made with its scales: workflows.exports.by_name_int8_kv; an --onnx
     folder is checked when opened)."""
     if asked_kv_dtype(None) is not KvDtypeChoice.int8:
         return
     from ..runtime.registry import capabilities_of  # the backends' records, read only when int8 is asked for
 
-    if backend is not None and not capabilities_of(backend).holds_int8_kv:
+    if backend is not None and not paged_holds and not capabilities_of(backend).holds_int8_kv:
         raise UsageError(f"--kv-cache-dtype int8 is the ort backend's cache (int8, with the gated scales of an int8, int4 "
                          f"or fp32 --int8-kv export); the {backend.value} backend keeps its own in the export's float "
-                         "dtype: drop the option", option="kv-cache-dtype")
+                         "dtype (`gpt2x serve --backend openvino` holds OpenVINO's u8 one on its paged slots for an fp32 "
+                         "export made with --int8-kv --openvino-prefill): drop the option", option="kv-cache-dtype")
     wanted = precision or Precision.fp32  # the commands' default precision
     if onnx_dir is None and wanted not in INT8_KV_ANY_PRECISIONS:
         raise UsageError(f"--kv-cache-dtype int8 is for int8, int4 and fp32 exports; --precision {wanted.value} has a "

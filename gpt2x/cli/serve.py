@@ -344,9 +344,10 @@ def serve(
             info = resolve_export(name, revision, precision, folder, progress=progress_to(status), notice=notice,
                                   adapter=None if lora is None else lora.folder)
             model_backend = backend if asked_backend is not None else \
-                served_backend(info, provider, kv_cache, ort_asked=ort_options_given(ctx) or draft is not None,
+                served_backend(info, provider, kv_cache, ort_asked=ort_options_given(ctx, info) or draft is not None,
                                asked_as=f"{info.folder}, a bf16 export,")
-            refuse_int8_kv(info.precision, info.folder, model_backend)
+            refuse_int8_kv(info.precision, info.folder, model_backend, paged_holds=model_backend is BackendKind.openvino
+                           and kv_cache in (KvCache.auto, KvCache.slots) and info.paged_int8_kv is not None)
             if model_backend is not backend:  # not the first folder's (a bf16 export beside others): checked as it was
                 refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)
                 if address is None:

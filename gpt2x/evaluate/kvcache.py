@@ -10,9 +10,10 @@ import statistics
 
 import numpy as np
 
+from ..choices import ProviderKind
 from ..errors import ParityError
 from ..numerics import positions
-from ..onnx.artifact import INT8_KV_ASKED_PRECISIONS, ExportInfo
+from ..onnx.artifact import INT8_KV_ASKED_PRECISIONS, PAGED_KV_KEY, ExportInfo
 from ..runtime.base import Backend
 from ..runtime.kvdtype import KvDtypeChoice
 from ..runtime.ort import OrtBackend
@@ -28,6 +29,7 @@ TIMED_PASTS = (32, 512)  # one-row decode steps timed on caches this long (cappe
 # cache's steps came 1.4 ms slower than the float's at 32 positions, and 0.9 ms faster side by side (GPT-2 124M int8,
 # scratch).
 TIMED_ROUNDS = 3
+PAGED_GATE_SLOTS = 8  # the paged slots' rows in the u8 cache's gate: more than its parity cases' batches
 
 
 def compare_long(reference: Backend, backend: Backend, seed: int = 0) -> dict:
@@ -87,4 +89,31 @@ def gate_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = Non
         long_float = compare_long(reference, floats)  # what the int8 cache adds to the export's own error
         timing = time_steps({"float_ms": floats, "int8_ms": int8}, info.config.n_positions)
     use = timing["use"] or info.precision in INT8_KV_ASKED_PRECISIONS  # asked for by name
-    return {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": use}
+    record = {"parity": parity, "long": long, "long_float": long_float, "timing": timing, "use": use}
+    if info.precision in INT8_KV_ASKED_PRECISIONS:
+        record[PAGED_KV_KEY] = gate_paged_int8_kv(reference, info, threads)
+    return record
+
+
+def gate_paged_int8_kv(reference: Backend, info: ExportInfo, threads: int | None = None) -> dict:
+    """OpenVINO's own u8 KV cache on the paged slots (runtime.openvino_paged; an fp32 export with its OpenVINO prefill
+    graph), through the same parity check and long check at INT8_KV_ON_FP32 as ONNX Runtime's int8 cache: {"kept":
+    True, "kv_cache_precision", "parity", "long"}, or {"kept": False, "reason"} where the slots cannot run the export or
+    the cache is out of tolerance (the ONNX Runtime cache's scales stand on their own either way)."""
+    if info.prefill is None:
+        return {"kept": False, "reason": "no OpenVINO prefill graph (export with --openvino-prefill)"}
+    from ..runtime.openvino_paged import QUANTIZED_KV, PagedSlotBackend, paged_refusal  # where the export has a graph
+
+    why = paged_refusal(info, ProviderKind.cpu)
+    if why:
+        return {"kept": False, "reason": why}
+    tol = int8_kv_tolerance(info.precision)
+    with PagedSlotBackend(info, threads=threads, slots=PAGED_GATE_SLOTS, kv_cache_precision=QUANTIZED_KV) as paged:
+        parity = check(reference, paged, info.precision, tolerance=tol)
+        long = compare_long(reference, paged)
+    record = {"kv_cache_precision": QUANTIZED_KV, "parity": parity, "long": long}
+    failures = [] if parity["status"] != "failed" else [parity["message"]]
+    if long["max_rel"] > tol.max_rel or long["mean_kl"] > tol.max_kl:
+        failures.append(f"after a {long['prompt']}-token prompt, max |Δlogit| {long['max_rel']:.3g} of the logit scale, "
+                        f"mean KL {long['mean_kl']:.3g} nats (gate {tol.max_rel:g}, {tol.max_kl:g})")
+    return {"kept": not failures, **({"reason": "; ".join(failures)} if failures else {}), **record}

@@ -51,6 +51,7 @@ BATCHED_FILE = "model_batched.onnx"
 BATCHED_KEY = "batched_decode"
 KV_SCALES_FILE = "kv_scales.safetensors"  # the int8 KV cache's scales (onnx/kvcache.py)
 KV_KEY = "kv_cache"  # their record in gpt2x.json
+PAGED_KV_KEY = "paged"  # in that record, OpenVINO's own u8 cache on the paged slots, gated beside the scales
 INT8_KV_PRECISIONS = (Precision.int8, Precision.int4)  # GroupQueryAttention graphs: the operator quantizes the cache
 # The precisions whose exports get the scales only where asked (gpt2x export --int8-kv): fp32's cache then computes in
 # fp32 from int8 keys and values, a gate of its own (evaluate.parity.INT8_KV_ON_FP32), on its GroupQueryAttention twin.
@@ -145,6 +146,13 @@ class ExportInfo:
         """The int8 KV cache's record (parity, timings, whether the runtime uses it) when the export kept its scales,
         else None."""
         return self._kept(KV_KEY)
+
+    @property
+    def paged_int8_kv(self) -> dict | None:
+        """The record of OpenVINO's u8 KV cache on the paged slots (an fp32 export with its int8 KV cache and its
+        OpenVINO prefill graph, evaluate.kvcache.gate_paged_int8_kv) where it passed its gate, else None."""
+        record = (self.int8_kv or {}).get(PAGED_KV_KEY)
+        return record if isinstance(record, dict) and record.get("kept") else None
 
 
 def read_export(folder: Path, verify_hashes: bool = False) -> ExportInfo:

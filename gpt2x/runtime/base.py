@@ -102,6 +102,9 @@ class Capabilities:
     # OpenVINO's: bf16's bits at bf16), as `KVCache.stored` gives it; the others' give float32. (The prefix cache's
     # blocks and /health say which.)
     stores_kv_dtype: bool = False
+    # Where its cache holds another dtype than `kv_dtype`, which it is read and written as: that dtype's name (OpenVINO's
+    # u8 cache on the paged slots, its positions float32). /health says it; the prefix cache's blocks are kept apart.
+    kv_cache_dtype: str | None = None
     # An int8 KV cache with the export's gated scales, as runtime.kvdtype chooses it (--kv-cache-dtype, the native
     # backend's option); the others keep their cache in the export's float dtype and refuse --kv-cache-dtype int8.
     holds_int8_kv: bool = False

@@ -22,6 +22,8 @@ from ..onnx import names as io
 from ..onnx.artifact import BF16, ExportInfo
 from .base import BF16_BITS, PAGED_PRECISIONS, Capabilities
 from .kvbuffers import small_page_arrays
+from .kvdtype import KvDtypeChoice
+from .kvdtype import asked as asked_kv_dtype
 from .openvino_prefill import compute_precision, read_prefill_graph, refuse_bf16_without_cpu, tensor_of
 from .prefill import takes_past
 from .providers import physical_cores, x86_flags
@@ -84,14 +86,37 @@ def paged_refusal(info: ExportInfo, provider: ProviderKind) -> str | None:
 
 
 def paged_by_default(info: ExportInfo, provider: ProviderKind) -> bool:
-    """Whether a server with no --backend and --kv-cache auto serves the export on the paged slots (and `gpt2x serve
-    --backend openvino` on them rather than its own cache): a bf16 or fp32 export on the CPU whose prefill graph takes a
-    past (bf16 decode steps of 16 rows 14 against 16.3 ms; fp32 16 prompts faster than on the ort backend's slots in a
-    third of the memory: docs/backends.md), but an fp32 export that keeps an int8 KV cache (--int8-kv), which the ort
-    backend's slots hold."""
-    if info.precision is Precision.fp32 and info.int8_kv is not None and info.int8_kv.get("use"):
-        return False
+    """Whether `gpt2x serve --backend openvino` with --kv-cache auto serves the export on the paged slots rather than
+    the openvino backend's own cache: wherever they run it (paged_refusal)."""
     return paged_refusal(info, provider) is None
+
+
+def paged_over_ort(info: ExportInfo, provider: ProviderKind) -> bool:
+    """Whether a server with no --backend and --kv-cache auto serves the export on the paged slots rather than the ort
+    backend's: a bf16 or fp32 export on the CPU whose prefill graph takes a past (bf16 decode steps of 16 rows 14
+    against 16.3 ms; fp32 16 prompts faster than on the ort backend's slots in a third of the memory: docs/backends.md),
+    but an fp32 export that keeps an int8 KV cache (--int8-kv) where the paged slots hold none for it: there the ort
+    backend's slots hold its int8 cache (where they do, OpenVINO's u8 cache: 16 prompts 1.05x the ort slots' int8)."""
+    if info.precision is Precision.fp32 and info.int8_kv is not None and info.int8_kv.get("use") \
+            and info.paged_int8_kv is None:
+        return False
+    return paged_by_default(info, provider)
+
+
+def paged_kv_precision(info: ExportInfo, choice: KvDtypeChoice | str | None = None) -> str | None:
+    """The paged slots' cache for the export, as --kv-cache-dtype (`choice`, else GPT2X_KV_CACHE_DTYPE's) asks:
+    QUANTIZED_KV where the export's u8 cache passed its gate (ExportInfo.paged_int8_kv) and auto or int8 is asked,
+    else None (the compute precision's). int8 where it did not: one ProviderError line."""
+    choice = asked_kv_dtype(choice)
+    if choice is KvDtypeChoice.float:
+        return None
+    if info.paged_int8_kv is not None and (choice is KvDtypeChoice.int8 or (info.int8_kv or {}).get("use")):
+        return QUANTIZED_KV
+    if choice is KvDtypeChoice.int8:
+        raise ProviderError(f"{info.folder}: OpenVINO's paged slots cannot hold an int8 KV cache: only an fp32 export "
+                            "made with --int8-kv and --openvino-prefill holds one, where its own gate passed (its "
+                            "gpt2x.json's kv_cache.paged says)")
+    return None
 
 
 def _attention_as_sdpa(model: ov.Model) -> None:
@@ -157,6 +182,47 @@ def paged_model(model: ov.Model, n_layer: int, n_head: int, head_dim: int) -> ov
     return model
 
 
+# OpenVINO's u8 cache block (its CPU plugin's layout, read from the blocks it writes: tests/runtime/test_openvino_paged.py
+# checks it): a key block (H, U8_SCALE_BYTES + block, D) is quantized per channel over the block's positions, its
+# float32 scales then zero points in the first rows; a value block (H, block, U8_SCALE_BYTES + D) per position over
+# the channels, each position's scale and zero point first. A value is (code - zero point) * scale.
+U8_SCALE_BYTES = 8  # a float32 scale and a float32 zero point per channel (key) or position (value)
+
+
+def _quantized(x: np.ndarray, axis: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`x`'s u8 codes, scales and zero points along `axis`, asymmetric over its range there (`keep`: the entries that
+    count towards the range; the others' codes are 0)."""
+    lo = np.min(x if keep is None else np.where(keep, x, np.inf), axis=axis, keepdims=True)
+    hi = np.max(x if keep is None else np.where(keep, x, -np.inf), axis=axis, keepdims=True)
+    scale = (hi - lo) / 255
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    zero = (-lo / scale).astype(np.float32)
+    codes = np.clip(np.rint(x / scale + zero), 0, 255)
+    return (codes if keep is None else np.where(keep, codes, 0)).astype(np.uint8), scale, zero
+
+
+def u8_blocks(values: np.ndarray, last: int, key: bool) -> np.ndarray:
+    """Float blocks (count, H, block, D), `last` positions of the last one filled, in OpenVINO's u8 layout."""
+    count, heads, block, dim = values.shape
+    if key:
+        keep = np.arange(block)[None, None, :, None] < np.where(np.arange(count) == count - 1, last, block)[:, None, None, None]
+        codes, scale, zero = _quantized(values, 2, keep)  # scales (count, H, 1, D)
+        head = np.concatenate([scale, zero], axis=2).view(np.uint8).reshape(count, heads, U8_SCALE_BYTES, dim)
+        return np.concatenate([head, codes], axis=2)
+    codes, scale, zero = _quantized(values, 3)  # scales (count, H, block, 1)
+    return np.concatenate([np.concatenate([scale, zero], axis=3).view(np.uint8), codes], axis=3)
+
+
+def u8_values(blocks: np.ndarray, key: bool) -> np.ndarray:
+    """OpenVINO's u8 blocks (..., H, rows, columns) as float32 values (..., H, block, D)."""
+    if key:
+        head = np.ascontiguousarray(blocks[..., :U8_SCALE_BYTES, :])
+        scales = head.reshape(*head.shape[:-2], -1).view(np.float32).reshape(*head.shape[:-2], 2, 1, head.shape[-1])
+        return (blocks[..., U8_SCALE_BYTES:, :] - scales[..., 1, :, :]) * scales[..., 0, :, :]
+    scales = np.ascontiguousarray(blocks[..., :U8_SCALE_BYTES]).view(np.float32)  # (..., block, 2)
+    return (blocks[..., U8_SCALE_BYTES:] - scales[..., 1:]) * scales[..., :1]
+
+
 class PagedDecoder:
     """`slots` sequences of at most `capacity` positions in OpenVINO's paged caches, slot s in blocks
     [s * per_slot, (s + 1) * per_slot): SlotDecoder's interface, each call one forward of packed sequences. The caches
@@ -180,7 +246,9 @@ class PagedDecoder:
         if kv_cache_precision not in (None, QUANTIZED_KV):
             raise ValueError(f"kv_cache_precision: {QUANTIZED_KV} or None (the compute precision's), not {kv_cache_precision!r}")
         self.quantized_kv = kv_cache_precision == QUANTIZED_KV
-        self.dtype = np.uint8 if self.quantized_kv else BF16_BITS if precision == BF16 else np.float32
+        # what its positions are read and written as (a u8 cache's dequantized), and what its blocks hold
+        self.dtype = np.float32 if self.quantized_kv else BF16_BITS if precision == BF16 else np.float32
+        self.storage = np.uint8 if self.quantized_kv else self.dtype
         graph = read_prefill_graph(info)
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": kv_cache_precision or precision, "PERFORMANCE_HINT": "LATENCY",
@@ -199,7 +267,7 @@ class PagedDecoder:
         self.block = shapes["value_cache.0"][1]
         self.per_slot = -(-self.capacity // self.block)
         self._table = np.arange(slots * self.per_slot, dtype=np.int32).reshape(slots, self.per_slot)  # slot -> its blocks
-        self._arrays = [small_page_arrays((slots * self.per_slot, *shapes[name]), 1, self.dtype)[0] for name in ports]
+        self._arrays = [small_page_arrays((slots * self.per_slot, *shapes[name]), 1, self.storage)[0] for name in ports]
         for name, a in zip(ports, self._arrays):
             self.request.set_tensor(name, tensor_of(a))
         self.lengths = np.zeros(slots, np.int64)  # positions each slot holds (0: free)
@@ -337,25 +405,21 @@ class PagedDecoder:
             a[self._blocks(target, n)] = a[self._blocks(source, n)]
         self.lengths[target] = n
 
-    def _refuse_quantized(self) -> None:
-        if self.quantized_kv:
-            raise ValueError("OpenVINO's u8 KV cache holds its own scales in its blocks: no past is read from or written "
-                             "into it from outside")
-
     def write(self, slot: int, kv: list[np.ndarray]) -> None:
         """`slot` holds `kv` (2 * n_layer arrays (H, n, D), key then value per layer, in the slots' dtype: a past made
-        elsewhere, such as the prefix cache's blocks) at its positions 0 .. n - 1."""
+        elsewhere, such as the prefix cache's blocks) at its positions 0 .. n - 1; a u8 cache's quantized as OpenVINO
+        quantizes its own (u8_blocks)."""
         self._check_slot(slot)
-        self._refuse_quantized()
         n = kv[0].shape[1]
         if not 0 < n < self.capacity:
             raise ValueError(f"slot {slot} holds at most {self.capacity - 1} positions of a past, not {n}")
         blocks = self._blocks(slot, n)
         count = blocks.stop - blocks.start
-        for a, values in zip(self._arrays, kv):
-            padded = np.zeros((values.shape[0], count * self.block, values.shape[2]), a.dtype)
+        for i, (a, values) in enumerate(zip(self._arrays, kv)):
+            padded = np.zeros((values.shape[0], count * self.block, values.shape[2]), self.dtype)
             padded[:, :n] = values
-            a[blocks] = padded.reshape(values.shape[0], count, self.block, -1).transpose(1, 0, 2, 3)
+            padded = padded.reshape(values.shape[0], count, self.block, -1).transpose(1, 0, 2, 3)  # (count, H, block, D)
+            a[blocks] = u8_blocks(padded, n - (count - 1) * self.block, key=i % 2 == 0) if self.quantized_kv else padded
         self.lengths[slot] = n
 
     def read(self, slot: int) -> list[np.ndarray]:
@@ -364,13 +428,15 @@ class PagedDecoder:
 
     def views(self, first: int, rows: int, length: int) -> list[np.ndarray]:
         """Positions 0 .. length - 1 of slots [first, first + rows): 2 * n_layer arrays (rows, H, length, D), copies
-        where they span several blocks (views of one block each: read them before those positions are written again)."""
-        self._refuse_quantized()
+        where they span several blocks or a u8 cache's dequantized (u8_values), else views of one block each (read
+        them before those positions are written again)."""
         count = -(-length // self.block)
         out = []
-        for a in self._arrays:
+        for i, a in enumerate(self._arrays):
             blocks = a.reshape(self.slots, self.per_slot, *a.shape[1:])[first: first + rows, :count]  # (rows, count, H, block, D)
-            out.append(blocks.transpose(0, 2, 1, 3, 4).reshape(rows, a.shape[1], count * self.block, a.shape[3])[:, :, :length])
+            if self.quantized_kv:  # (rows, count, H, block, D) float32, new arrays
+                blocks = u8_values(blocks, key=i % 2 == 0)
+            out.append(blocks.transpose(0, 2, 1, 3, 4).reshape(rows, a.shape[1], count * self.block, -1)[:, :, :length])
         return out
 
     def close(self) -> None:
@@ -390,12 +456,14 @@ class PagedSlotBackend(SlotBackend):
                                 mixed_chunk=paged_mixed_chunk(), warms_up=True, stores_kv_dtype=True)
 
     def __init__(self, info: ExportInfo, provider: ProviderKind = ProviderKind.cpu, threads: int | None = None,
-                 slots: int = 16, capacity: int | None = None):
+                 slots: int = 16, capacity: int | None = None, kv_cache_precision: str | None = None):
         why = paged_refusal(info, provider)
         if why:
             raise ProviderError(why)
-        self._hold(PagedDecoder(info, slots, capacity, threads), info, provider)
-        self.capabilities = replace(self.capabilities, mixed_chunk=paged_mixed_chunk(info.precision))
+        self._hold(PagedDecoder(info, slots, capacity, threads, kv_cache_precision), info, provider)
+        quantized = self.decoder.quantized_kv  # read and written as float32 (the prefix cache's blocks): u8_values
+        self.capabilities = replace(self.capabilities, mixed_chunk=paged_mixed_chunk(info.precision),
+                                    holds_int8_kv=quantized, kv_cache_dtype="uint8" if quantized else None)
 
     def warm_up(self) -> None:
         self.decoder.warm_up()

@@ -147,9 +147,10 @@ def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
     # the spare ones, resident only once used, hold a beam search or a prompt scored beside a full batch.
     batch, provider, slots = config.engine.max_batch_size, ProviderKind(config.provider), on_slots(config, info)
     if slots and BackendKind(config.backend) is BackendKind.openvino:
-        from ..runtime.openvino_paged import PagedSlotBackend
+        from ..runtime.openvino_paged import PagedSlotBackend, paged_kv_precision
 
-        backend = PagedSlotBackend(info, provider, config.threads, slots=2 * batch)
+        backend = PagedSlotBackend(info, provider, config.threads, slots=2 * batch,
+                                   kv_cache_precision=paged_kv_precision(info))
     elif slots:
         from ..runtime.static_decode import SlotBackend, held_from_start
 
@@ -166,8 +167,8 @@ def open_backend(config: ReplicaConfig, info: ExportInfo) -> Backend:
 def served_backend(info: ExportInfo, provider: ProviderKind, kv_cache: KvCache = KvCache.auto, ort_asked: bool = False,
                    asked_as: str = "a bf16 export") -> BackendKind:
     """The backend a server runs the export on where none is asked: the openvino backend where its paged slots serve
-    the export by default (runtime.openvino_paged.paged_by_default: a bf16 export, or an fp32 one with an OpenVINO
-    prefill graph that takes a past) with --kv-cache auto or slots, unless what is asked is the ort backend's to run
+    the export by default (runtime.openvino_paged.paged_over_ort: a bf16 export, or an fp32 one with an OpenVINO
+    prefill graph that takes a past and no int8 KV cache) with --kv-cache auto or slots, unless what is asked is the ort backend's to run
     (`ort_asked`: an option of its own given, --prefill or --kv-cache-dtype, or a --draft, whose model runs on the
     target's runtime); else the precision's default (workflows.backends.choose_backend: ort, or openvino for bf16; `asked_as`
     names the export where bf16 is refused)."""
@@ -175,9 +176,9 @@ def served_backend(info: ExportInfo, provider: ProviderKind, kv_cache: KvCache =
     if kind is BackendKind.openvino or ort_asked or kv_cache not in (KvCache.auto, KvCache.slots) or info.prefill is None \
             or info.precision not in PAGED_PRECISIONS or not installed("openvino"):
         return kind
-    from ..runtime.openvino_paged import paged_by_default  # OpenVINO's module: where the export has its graph
+    from ..runtime.openvino_paged import paged_over_ort  # OpenVINO's module: where the export has its graph
 
-    return BackendKind.openvino if paged_by_default(info, provider) else kind
+    return BackendKind.openvino if paged_over_ort(info, provider) else kind
 
 
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
@@ -199,9 +200,12 @@ def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
 
 def block_identity(info: ExportInfo, backend: Backend) -> BlockIdentity:
     """What the export's prefix-cache blocks depend on besides their tokens (their folder on disk): its files, the
-    backend, and the dtype its cache stores (Capabilities.stores_kv_dtype; the others' float32, KVCache.stored)."""
-    kv_dtype = np.dtype(backend.kv_dtype).name if backend.capabilities.stores_kv_dtype else "float32"
-    return BlockIdentity(dict(info.meta["files"]), backend.name, kv_dtype)
+    backend, and the dtype its cache stores (Capabilities.stores_kv_dtype; the others' float32, KVCache.stored), and
+    where its cache holds another (Capabilities.kv_cache_dtype: a u8 cache's blocks, dequantized), that one's too."""
+    caps = backend.capabilities
+    kv_dtype = np.dtype(backend.kv_dtype).name if caps.stores_kv_dtype else "float32"
+    name = backend.name if caps.kv_cache_dtype is None else f"{backend.name}, {caps.kv_cache_dtype} cache"
+    return BlockIdentity(dict(info.meta["files"]), name, kv_dtype)
 
 
 def listed_as(config: ReplicaConfig) -> tuple[int, str, str]:

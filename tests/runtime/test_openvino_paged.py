@@ -23,7 +23,14 @@ from gpt2x.onnx.artifact import ExportInfo
 from gpt2x.runtime.base import bf16_values
 from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
 from gpt2x.runtime.openvino import OpenVinoBackend
-from gpt2x.runtime.openvino_paged import PagedDecoder, PagedSlotBackend, paged_by_default, paged_refusal
+from gpt2x.runtime.openvino_paged import (
+    PagedDecoder,
+    PagedSlotBackend,
+    paged_by_default,
+    paged_kv_precision,
+    paged_over_ort,
+    paged_refusal,
+)
 from gpt2x.runtime.openvino_prefill import cpu_has_bf16
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import Failed, Finished, TokenOut
@@ -103,12 +110,12 @@ def test_packed_prompts_chunks_decode_and_mixed_steps_are_pytorchs_without_a_cac
 def test_openvinos_u8_kv_cache_holds_its_scales_in_the_blocks_and_stays_within_the_int8_kv_gate(fp32):
     """kv_cache_precision "u8" (OpenVINO GenAI's default cache): packed prompts, decode steps and a copied slot, each
     row's logits within the gate of an fp32 export's int8 KV cache (parity.INT8_KV_ON_FP32's max_rel) of PyTorch's
-    forward without a cache; a past is neither read from it nor written into it; another precision is refused."""
+    forward without a cache; another precision is refused."""
     model, info = fp32
     tol = parity.INT8_KV_ON_FP32.max_rel
     dec = PagedDecoder(info, slots=3, capacity=64, threads=1, kv_cache_precision="u8")
     assert {a.dtype for a in dec._arrays} == {np.dtype(np.uint8)}
-    key, value = dec._arrays[:2]  # scales beside the positions: the key's rows below them, the value's columns
+    key, value = dec._arrays[:2]  # scales beside the positions: the key's rows above them, the value's columns
     assert key.shape[2] > dec.block and value.shape[2] == dec.block and value.shape[3] > key.shape[3]
     rows = {0: list(PROMPTS[2]), 1: list(PROMPTS[0])}
     width = max(len(p) for p in rows.values())
@@ -124,12 +131,45 @@ def test_openvinos_u8_kv_cache_holds_its_scales_in_the_blocks_and_stays_within_t
         for s in range(3):
             rows[s].append(int(tokens[s]))
             assert close(forward(model, rows[s]), logits[s], tol), s
-    with pytest.raises(ValueError, match="holds its own scales"):
-        dec.read(0)
-    with pytest.raises(ValueError, match="holds its own scales"):
-        dec.write(1, [np.zeros((2, 3, 4), np.uint8)])
     with pytest.raises(ValueError, match="kv_cache_precision"):
         PagedDecoder(info, slots=1, capacity=64, threads=1, kv_cache_precision="i4")
+
+
+def test_a_u8_slot_reads_as_the_float_caches_values_and_a_past_written_into_it_decodes_on(fp32):
+    """The u8 blocks OpenVINO wrote, read back (u8_values), are the float cache's keys and values within 2% (the first
+    layer's, whose inputs are the same in both, within half a quantization step); those quantized here (u8_blocks) are
+    OpenVINO's own blocks, code for code within one rounding; and a past written into a u8 slot (the prefix cache's
+    blocks) decodes on within the int8 cache's gate of PyTorch's forward over the whole sequence."""
+    from gpt2x.runtime.openvino_paged import u8_blocks
+
+    model, info = fp32
+    seq = list(range(200, 240))  # a whole block of 32 positions and 8 of the next
+    u8 = PagedDecoder(info, slots=2, capacity=64, threads=1, kv_cache_precision="u8")
+    floats = PagedDecoder(info, slots=2, capacity=64, threads=1)
+    u8.prefill(0, np.array(seq))
+    floats.prefill(0, np.array(seq))
+    got, want = u8.read(0), floats.read(0)
+    assert [a.dtype for a in got] == [np.dtype(np.float32)] * len(want) and got[0].shape == want[0].shape
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.abs(g - w).max() <= 2e-2 * np.abs(w).max(), i
+    for i, (g, w) in enumerate(zip(got[:2], want[:2])):  # the first layer's: its inputs the same in both caches
+        key = i == 0
+        for part in (slice(0, 32), slice(32, 40)):  # each block: a key's steps per channel over its positions
+            x = w[:, part]
+            step = np.ptp(x, axis=1 if key else 2, keepdims=True) / 255  # a value's per position over its channels
+            assert (np.abs(g[:, part] - x) <= step * 0.5 + 1e-6).all(), (i, part)
+        ours = u8_blocks(w[:, :32].reshape(w.shape[0], 1, 32, -1).transpose(1, 0, 2, 3), 32, key=key)
+        theirs = u8._arrays[i][:1]
+        codes = (Ellipsis, slice(8, None), slice(None)) if key else (Ellipsis, slice(8, None))
+        assert ours.shape == theirs.shape and np.abs(ours[codes].astype(int) - theirs[codes].astype(int)).max() <= 1, i
+    u8.write(1, want)  # the float cache's past into the other slot, quantized here
+    assert u8.lengths[1] == len(seq)
+    tol = parity.INT8_KV_ON_FP32.max_rel
+    for _ in range(3):
+        token = int(forward(model, seq).argmax())
+        seq.append(token)
+        logits = u8.step(np.array([0, token]), np.array([False, True]), take=np.array([1]))
+        assert close(forward(model, seq), logits[0], tol)
 
 
 def test_a_slot_written_read_and_copied_holds_the_same_sequence(fp32):
@@ -258,7 +298,10 @@ def test_which_exports_the_paged_slots_serve_and_refuse(fp32, tiny_export, monke
         m.setitem(sys.modules, "openvino", None)
         assert served_backend(info, ProviderKind.cpu) is BackendKind.ort
     int8_kv = ExportInfo(info.folder, {**info.meta, KV_KEY: {"kept": True, "use": True}})
-    assert not paged_by_default(int8_kv, ProviderKind.cpu) and served_backend(int8_kv, ProviderKind.cpu) is BackendKind.ort
+    assert not paged_over_ort(int8_kv, ProviderKind.cpu) and served_backend(int8_kv, ProviderKind.cpu) is BackendKind.ort
+    assert paged_by_default(int8_kv, ProviderKind.cpu)  # but --backend openvino serves it on its paged slots
+    paged_u8 = ExportInfo(info.folder, {**info.meta, KV_KEY: {"kept": True, "use": True, "paged": {"kept": True}}})
+    assert paged_over_ort(paged_u8, ProviderKind.cpu) and served_backend(paged_u8, ProviderKind.cpu) is BackendKind.openvino
     _, _, int8 = tiny_export(Precision.int8)
     assert "not int8" in paged_refusal(int8, ProviderKind.cpu)
     assert served_backend(int8, ProviderKind.cpu) is BackendKind.ort
@@ -310,6 +353,7 @@ def test_a_server_asked_for_no_backend_serves_an_fp32_export_with_its_graph_on_t
     code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1")
     assert code in (0, None) and served[-1].backend == "ort", err
     config = served[0]
+    monkeypatch.setenv(KV_DTYPE_ENV, "auto")  # the replica's, started without the int8 asked above
     assert on_slots(config, info)
     with open_backend(config, info) as backend:
         assert isinstance(backend, PagedSlotBackend) and backend.capabilities.mixed_chunk == 24
@@ -386,3 +430,95 @@ def test_the_cpu_flags_choose_the_paged_chunk(fp32, monkeypatch, tmp_path):
         openvino_paged.paged_mixed_chunk.cache_clear()
     assert PagedSlotBackend.capabilities.mixed_chunk == (64 if here else 40)
     assert PagedSlotBackend(fp32[1], threads=1, slots=2, capacity=64).capabilities.mixed_chunk == 24
+
+
+@pytest.fixture(scope="module")
+def fp32_kv8(tiny_export):
+    """The tiny model's fp32 export made with its int8 KV cache and its OpenVINO prefill graph (--int8-kv
+    --openvino-prefill): ONNX Runtime's scales and OpenVINO's u8 cache on the paged slots, each gated."""
+    model, _, info = tiny_export(Precision.fp32, openvino_prefill=True, int8_kv=True)
+    assert info.prefill is not None and info.int8_kv is not None, info.meta.get("kv_cache")
+    return model, info
+
+
+def test_an_int8_kv_exports_u8_cache_on_the_paged_slots_is_gated_and_decodes_as_pytorch(fp32_kv8, fp32):
+    """The export's gate ran OpenVINO's u8 cache on the paged slots through the int8 cache's parity and long checks
+    (parity.INT8_KV_ON_FP32); the paged slots hold it by default there (float where asked), and each decode step's
+    logits are within that gate of PyTorch's forward without a cache, off the float cache's by more than fp32's own
+    gate (the cache is quantized, not passed through). Its cache takes no past made elsewhere, so no prefix cache: the
+    serving engine keeps none and decodes PyTorch's greedy tokens. An int8 cache asked of an export without one: one
+    line."""
+    model, info = fp32_kv8
+    record, tol = info.paged_int8_kv, parity.INT8_KV_ON_FP32
+    assert record is not None and record["kv_cache_precision"] == "u8", info.int8_kv.get("paged")
+    assert record["parity"]["status"] == "passed" and record["parity"]["tolerance"]["max_rel"] == tol.max_rel
+    assert record["long"]["max_rel"] <= tol.max_rel and record["long"]["mean_kl"] <= tol.max_kl
+    assert paged_kv_precision(info) == paged_kv_precision(info, "int8") == "u8"
+    assert paged_kv_precision(info, "float") is None
+    with pytest.raises(ProviderError, match="paged slots cannot hold an int8 KV cache"):
+        paged_kv_precision(fp32[1], "int8")
+    assert paged_kv_precision(fp32[1]) is None
+    seq = list(PROMPTS[2])
+    with PagedSlotBackend(info, threads=1, slots=4, capacity=64, kv_cache_precision=paged_kv_precision(info)) as u8, \
+            PagedSlotBackend(info, threads=1, slots=4, capacity=64) as floats:
+        assert u8.kv_dtype == floats.kv_dtype == np.float32  # as the u8 cache's positions are read and written
+        assert u8.capabilities.holds_int8_kv and u8.capabilities.kv_cache_dtype == "uint8"
+        assert not floats.capabilities.holds_int8_kv and floats.capabilities.kv_cache_dtype is None
+        ids = np.array([seq])
+        apart = 0.0
+        (a, pa), (b, pb) = (x.step(ids, np.ones_like(ids), positions(np.ones_like(ids), len(seq)), None) for x in (u8, floats))
+        for _ in range(6):
+            want = forward(model, seq)
+            scale = np.abs(want).max()
+            assert np.abs(a[0] - want).max() / scale <= tol.max_rel and close(want, b[0])
+            apart = max(apart, np.abs(a[0] - b[0]).max() / scale)
+            seq.append(int(want.argmax()))
+            mask = np.ones((1, len(seq)), np.int64)
+            a, pa = u8.step(np.array([[seq[-1]]]), mask, np.array([[len(seq) - 1]]), pa)
+            b, pb = floats.step(np.array([[seq[-1]]]), mask, np.array([[len(seq) - 1]]), pb)
+        assert apart > TOL
+        del pa, pb
+        engine = Engine(u8, EngineSettings(max_batch_size=2)).start()
+        try:  # a prompt, then one sharing its leading blocks: those from the prefix cache, quantized into its slot
+            shared = list(range(100, 140))
+            settings = SamplingSettings(max_new_tokens=6, greedy=True, min_tokens=6)
+            for prompt in (shared, shared + [7, 8]):
+                tokens: list[int] = []
+                done = threading.Event()
+                row = Row(prompt, settings, lambda out, tokens=tokens, done=done:
+                          tokens.append(out.token) if isinstance(out, TokenOut) else done.set())
+                engine.submit([row])
+                assert done.wait(120)
+                assert tokens == torch_greedy(model, prompt, 6)
+            assert row.cached_tokens > 0
+        finally:
+            engine.close()
+
+
+def test_serve_holds_an_int8_kv_exports_u8_cache_on_the_paged_slots(fp32_kv8, fp32, capsys, monkeypatch):
+    """`gpt2x serve` on an --int8-kv --openvino-prefill export: its replica opens the openvino backend's paged slots
+    with OpenVINO's u8 cache, as asked (--backend openvino, --kv-cache-dtype int8) or not; a float cache with
+    --kv-cache-dtype float; the ort backend's slots with --prefill or --backend ort; on an export whose paged slots
+    hold no int8 cache, `--backend openvino --kv-cache-dtype int8` is still one line."""
+    from gpt2x.serve.replica import open_backend
+
+    from ..helpers import assert_one_line_error, cli
+
+    _, info = fp32_kv8
+    served = []
+    monkeypatch.setattr("gpt2x.serve.single_process.serve_in_process", lambda config, *a, **k: served.append(config))
+    monkeypatch.setenv("GPT2X_PREFILL", "onnxruntime")
+    monkeypatch.setenv(KV_DTYPE_ENV, "auto")  # the option sets it for the process: restored after the test
+    for args, backend, cache in (([], "openvino", "uint8"), (["--backend", "openvino"], "openvino", "uint8"),
+                                 (["--kv-cache-dtype", "int8"], "openvino", "uint8"),
+                                 (["--kv-cache-dtype", "float"], "openvino", None),
+                                 (["--prefill", "onnxruntime"], "ort", None), (["--backend", "ort"], "ort", None)):
+        code, _, err = cli(capsys, "serve", "--onnx", str(info.folder), "--threads", "1", "--max-batch-size", "2", *args)
+        assert code in (0, None) and served[-1].backend == backend, (args, err)
+        if backend == "openvino":
+            with open_backend(served[-1], info) as opened:
+                assert isinstance(opened, PagedSlotBackend) and opened.capabilities.kv_cache_dtype == cache, args
+        monkeypatch.setenv(KV_DTYPE_ENV, "auto")
+    code, out, err = cli(capsys, "serve", "--onnx", str(fp32[1].folder), "--threads", "1", "--backend", "openvino",
+                         "--kv-cache-dtype", "int8")
+    assert_one_line_error(code, err, UsageError.exit_code, "--kv-cache-dtype int8 is the ort backend's cache")

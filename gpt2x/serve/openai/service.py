@@ -56,7 +56,7 @@ class CompletionService:
         # The native backend's cache form (its in_place_kv, as workflows.export_backend sets it); the others keep their own.
         caps = self.backend.capabilities
         kv_cache = "slots" if caps.mixes_chunks else ("in-place" if self.backend.in_place_kv else "growing") if caps.native else None
-        kv_dtype = kv_dtype_name(self.backend.kv_dtype) if caps.stores_kv_dtype else None
+        kv_dtype = caps.kv_cache_dtype or kv_dtype_name(self.backend.kv_dtype) if caps.stores_kv_dtype else None
         chunk, per_row = self.engine.scheduler.chunk_rule() if self.engine.scheduler.joins else (None, None)  # none join
         return Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
                       provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_dtype,
