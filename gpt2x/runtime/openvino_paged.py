@@ -96,7 +96,8 @@ def paged_over_ort(info: ExportInfo, provider: ProviderKind) -> bool:
     backend's: a bf16 or fp32 export on the CPU whose prefill graph takes a past (bf16 decode steps of 16 rows 14
     against 16.3 ms; fp32 16 prompts faster than on the ort backend's slots in a third of the memory: docs/backends.md),
     but an fp32 export that keeps an int8 KV cache (--int8-kv) where the paged slots hold none for it: there the ort
-    backend's slots hold its int8 cache (where they do, OpenVINO's u8 cache: 16 prompts 1.05x the ort slots' int8)."""
+    backend's slots hold its int8 cache (where they do, OpenVINO's u8 cache: 16 prompts 1.04x the ort slots' int8, in
+    43% of the memory)."""
     if info.precision is Precision.fp32 and info.int8_kv is not None and info.int8_kv.get("use") \
             and info.paged_int8_kv is None:
         return False
@@ -228,8 +229,8 @@ class PagedDecoder:
     [s * per_slot, (s + 1) * per_slot): SlotDecoder's interface, each call one forward of packed sequences. The caches
     are in the backend's compute precision (bf16's bits at bf16, float32 at f32), in small pages, resident only as
     rows write them; with `kv_cache_precision` "u8", OpenVINO's quantized cache instead (its own scales in each block:
-    the key's per channel, the value's per position), OpenVINO GenAI's default on a CPU, which only this decoder's
-    forwards write and read (benchmarks/paged_steps.py times it beside the float cache)."""
+    the key's per channel, the value's per position: U8_SCALE_BYTES), OpenVINO GenAI's default on a CPU, whose
+    positions are read and written from outside as float32 (u8_values, u8_blocks)."""
 
     def __init__(self, info: ExportInfo, slots: int = 16, capacity: int | None = None, threads: int | None = None,
                  kv_cache_precision: str | None = None):
