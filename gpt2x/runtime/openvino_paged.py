@@ -188,6 +188,8 @@ def paged_model(model: ov.Model, n_layer: int, n_head: int, head_dim: int) -> ov
 # float32 scales then zero points in the first rows; a value block (H, block, U8_SCALE_BYTES + D) per position over
 # the channels, each position's scale and zero point first. A value is (code - zero point) * scale.
 U8_SCALE_BYTES = 8  # a float32 scale and a float32 zero point per channel (key) or position (value)
+# The key's quantization, asked for (the CPU plugin's own choice on the AMD EPYC), not left to the plugin on each CPU
+U8_KEY_MODE, U8_KEY_BY = "KEY_CACHE_QUANT_MODE", "BY_CHANNEL"
 
 
 def _quantized(x: np.ndarray, axis: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -253,7 +255,7 @@ class PagedDecoder:
         graph = read_prefill_graph(info)
         config = {"INFERENCE_NUM_THREADS": threads or physical_cores(), "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": kv_cache_precision or precision, "PERFORMANCE_HINT": "LATENCY",
-                  "ENABLE_CPU_PINNING": False}
+                  "ENABLE_CPU_PINNING": False, **({U8_KEY_MODE: U8_KEY_BY} if self.quantized_kv else {})}
         try:
             paged = paged_model(graph, cfg.n_layer, cfg.n_head, cfg.head_dim)
         except RuntimeError as e:  # OpenVINO's passes raise RuntimeError for a graph they do not take
@@ -263,9 +265,14 @@ class PagedDecoder:
         self.request = self.compiled.create_infer_request()
         ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
         # (blocks, H, block, D) per layer, key then value, as the ports name them; a u8 key's block has its per-channel
-        # scales as rows below its positions, a u8 value's its per-position scales as columns beside them
+        # scales as rows above its positions, a u8 value's its per-position scales as columns beside them
         shapes = {name: [d.get_length() for d in list(self.compiled.input(name).get_partial_shape())[1:]] for name in ports}
         self.block = shapes["value_cache.0"][1]
+        if self.quantized_kv:  # the layout u8_values and u8_blocks read and write, or one line
+            key, value = shapes["key_cache.0"], shapes["value_cache.0"]
+            if key[1:] != [self.block + U8_SCALE_BYTES, cfg.head_dim] or value[2] != cfg.head_dim + U8_SCALE_BYTES:
+                raise ProviderError(f"OpenVINO {ov.__version__} lays its u8 KV cache out as {key} and {value} per block, "
+                                    "not as gpt2x reads it: serve this export with --kv-cache-dtype float")
         self.per_slot = -(-self.capacity // self.block)
         self._table = np.arange(slots * self.per_slot, dtype=np.int32).reshape(slots, self.per_slot)  # slot -> its blocks
         self._arrays = [small_page_arrays((slots * self.per_slot, *shapes[name]), 1, self.storage)[0] for name in ports]

@@ -135,6 +135,20 @@ def test_openvinos_u8_kv_cache_holds_its_scales_in_the_blocks_and_stays_within_t
         PagedDecoder(info, slots=1, capacity=64, threads=1, kv_cache_precision="i4")
 
 
+def test_a_u8_layout_gpt2x_does_not_read_is_one_line(fp32, monkeypatch):
+    """The key's quantization is asked for by channel; where OpenVINO lays the cache out otherwise (here: asked by
+    token), the slots refuse in one line rather than read its blocks wrong, and an export's gate records why."""
+    from gpt2x.evaluate.kvcache import gate_paged_int8_kv
+    from gpt2x.runtime import openvino_paged
+    from gpt2x.runtime.pytorch import TorchBackend
+
+    monkeypatch.setattr(openvino_paged, "U8_KEY_BY", "BY_TOKEN")
+    with pytest.raises(ProviderError, match="lays its u8 KV cache out as .* not as gpt2x reads it"):
+        PagedDecoder(fp32[1], slots=1, capacity=64, threads=1, kv_cache_precision="u8")
+    record = gate_paged_int8_kv(TorchBackend(fp32[0]), fp32[1], threads=1)  # the export goes on with ORT's cache alone
+    assert record["kept"] is False and "not as gpt2x reads it" in record["reason"]
+
+
 def test_a_u8_slot_reads_as_the_float_caches_values_and_a_past_written_into_it_decodes_on(fp32):
     """The u8 blocks OpenVINO wrote, read back (u8_values), are the float cache's keys and values within 2% (the first
     layer's, whose inputs are the same in both, within half a quantization step); those quantized here (u8_blocks) are
