@@ -261,7 +261,14 @@ class PagedDecoder:
         except RuntimeError as e:  # OpenVINO's passes raise RuntimeError for a graph they do not take
             raise ArtifactError(f"OpenVINO {ov.__version__} cannot run {info.prefill_path} with paged attention "
                                 f"({str(e).strip().splitlines()[-1]}): serve it with --kv-cache in-place") from None
-        self.compiled = ov.Core().compile_model(paged, "CPU", config)
+        try:
+            self.compiled = ov.Core().compile_model(paged, "CPU", config)
+        except RuntimeError:
+            if U8_KEY_MODE not in config:
+                raise
+            # an OpenVINO without the property: the plugin's own layout, which the check below reads or refuses
+            del config[U8_KEY_MODE]
+            self.compiled = ov.Core().compile_model(paged, "CPU", config)
         self.request = self.compiled.create_infer_request()
         ports = [f"{kind}.{i}" for i in range(cfg.n_layer) for kind in ("key_cache", "value_cache")]
         # (blocks, H, block, D) per layer, key then value, as the ports name them; a u8 key's block has its per-channel

@@ -137,7 +137,8 @@ def test_openvinos_u8_kv_cache_holds_its_scales_in_the_blocks_and_stays_within_t
 
 def test_a_u8_layout_gpt2x_does_not_read_is_one_line(fp32, monkeypatch):
     """The key's quantization is asked for by channel; where OpenVINO lays the cache out otherwise (here: asked by
-    token), the slots refuse in one line rather than read its blocks wrong, and an export's gate records why."""
+    token), the slots refuse in one line rather than read its blocks wrong, and an export's gate records why; an
+    OpenVINO that lacks the property is left to its own layout."""
     from gpt2x.evaluate.kvcache import gate_paged_int8_kv
     from gpt2x.runtime import openvino_paged
     from gpt2x.runtime.pytorch import TorchBackend
@@ -147,6 +148,14 @@ def test_a_u8_layout_gpt2x_does_not_read_is_one_line(fp32, monkeypatch):
         PagedDecoder(fp32[1], slots=1, capacity=64, threads=1, kv_cache_precision="u8")
     record = gate_paged_int8_kv(TorchBackend(fp32[0]), fp32[1], threads=1)  # the export goes on with ORT's cache alone
     assert record["kept"] is False and "not as gpt2x reads it" in record["reason"]
+    # an OpenVINO without the property: the plugin's own layout, read where it is this one, else the same one line
+    monkeypatch.setattr(openvino_paged, "U8_KEY_MODE", "GPT2X_NO_SUCH_PROPERTY")
+    try:
+        dec = PagedDecoder(fp32[1], slots=1, capacity=64, threads=1, kv_cache_precision="u8")
+    except ProviderError as e:
+        assert "not as gpt2x reads it" in str(e)
+    else:
+        assert dec.quantized_kv and len(dec.prefill(0, np.array(PROMPTS[0]))) == fp32[1].config.vocab_size
 
 
 def test_a_u8_slot_reads_as_the_float_caches_values_and_a_past_written_into_it_decodes_on(fp32):
