@@ -74,7 +74,7 @@ from gpt2x.errors import Gpt2xError
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.model.weights import save_hf
 from gpt2x.onnx.artifact import default_export_dir
-from gpt2x.runtime.base import kv_dtype_name
+from gpt2x.runtime.base import kv_cache_name
 from gpt2x.runtime.kvdtype import KV_DTYPE_ENV
 from gpt2x.runtime.providers import physical_cores
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
@@ -137,7 +137,7 @@ class Gpt2xEngine:
         self.details = {"engine_settings": asdict(self.settings), "kv_cache": kind.strip() or "in place",
                         "prefill": getattr(self.backend, "prefill", None),
                         "batched_from": getattr(self.backend, "batched_from", None),
-                        "kv_cache_dtype": held or kv_dtype_name(getattr(self.backend, "kv_dtype", np.float32))}
+                        "kv_cache_dtype": kv_cache_name(self.backend) or "float32"}
 
     def run(self, prompts: np.ndarray, n: int) -> dict:
         B = len(prompts)

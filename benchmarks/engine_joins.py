@@ -27,7 +27,7 @@ from gpt2x.bench.system import system_info
 from gpt2x.choices import BackendKind, ProviderKind
 from gpt2x.generation.settings import SamplingSettings
 from gpt2x.onnx.artifact import read_export
-from gpt2x.runtime.base import Backend, kv_dtype_name
+from gpt2x.runtime.base import Backend, kv_cache_name
 from gpt2x.runtime.static_decode import SlotBackend
 from gpt2x.serve.core.engine import Engine, EngineSettings, Row
 from gpt2x.serve.core.outputs import TokenOut
@@ -92,12 +92,6 @@ def one_round(backend: Backend, settings: EngineSettings, args) -> dict:
             "itl_over_3x_p50_pct": float(100 * (gaps > 3 * p50).mean()), "gaps": len(gaps)}
 
 
-def kv_cache_name(backend) -> str:
-    """The dtype a backend's cache holds (float32 where it says none)."""
-    caps = backend.capabilities
-    return caps.kv_cache_dtype or (kv_dtype_name(backend.kv_dtype) if caps.stores_kv_dtype else "float32")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", type=Path, required=True)
@@ -150,7 +144,8 @@ def main() -> None:
             runs.append({"round": r + 1, "variant": v, **result})
             print(f"round {r + 1}, {v}: " + ", ".join(f"{k} {x:.1f}" for k, x in result.items() if k != "gaps"), flush=True)
     # what each variant's cache held (--kv-cache-dtype or GPT2X_KV_CACHE_DTYPE chooses it where the export has a choice)
-    caches = {v: kv_cache_name(backends.get(default if v == "default" else v.partition(":")[0], backend)) for v in variants}
+    caches = {v: kv_cache_name(backends.get(default if v == "default" else v.partition(":")[0], backend)) or "float32"
+              for v in variants}
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]
     table = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in keys} for v in variants}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -278,7 +278,15 @@ def serve(
     require_serve_extra()
     # deferred: FastAPI and uvicorn are the serve extra (Ray Serve the ray extra), and the CLI starts without them
     from ..serve.core.engine import refuse_batched_draft
-    from ..serve.replica import ReplicaConfig, ServeSettings, describe, has_chat_template, prepare_draft, served_backend
+    from ..serve.replica import (
+        ReplicaConfig,
+        ServeSettings,
+        describe,
+        has_chat_template,
+        paged_holds_int8_kv,
+        prepare_draft,
+        served_backend,
+    )
     from ..serve.single_process import serve_in_process
 
     if bench_file is not None:
@@ -346,8 +354,8 @@ def serve(
             model_backend = backend if asked_backend is not None else \
                 served_backend(info, provider, kv_cache, ort_asked=ort_options_given(ctx, info) or draft is not None,
                                asked_as=f"{info.folder}, a bf16 export,")
-            refuse_int8_kv(info.precision, info.folder, model_backend, paged_holds=model_backend is BackendKind.openvino
-                           and kv_cache in (KvCache.auto, KvCache.slots) and info.paged_int8_kv is not None)
+            refuse_int8_kv(info.precision, info.folder, model_backend,
+                           paged_holds=paged_holds_int8_kv(info, model_backend, kv_cache))
             if model_backend is not backend:  # not the first folder's (a bf16 export beside others): checked as it was
                 refuse_kv_cache(kv_cache, model_backend, served=True, precision=info.precision, provider=provider)
                 if address is None:

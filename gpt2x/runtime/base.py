@@ -274,6 +274,13 @@ def greedy_step(backend: Backend):
 # written; None where its cache does not store `dtype` in buffers of its own.
 
 
+def kv_cache_name(backend: Backend) -> str | None:
+    """The dtype a backend's cache holds, by name (Capabilities.kv_cache_dtype where it is another than its kv_dtype,
+    else kv_dtype_name's), where it says (Capabilities.stores_kv_dtype); else None."""
+    caps = backend.capabilities
+    return (caps.kv_cache_dtype or kv_dtype_name(backend.kv_dtype)) if caps.stores_kv_dtype else None
+
+
 def past_to_fill(backend: Backend, shape: tuple[int, int, int, int], count: int,
                  dtype) -> tuple[list[np.ndarray], Callable[[], KVCache]]:
     """`count` arrays of `shape` (B, H, P, D) to write a past into, and what makes them a cache once written: the

@@ -181,6 +181,12 @@ def served_backend(info: ExportInfo, provider: ProviderKind, kv_cache: KvCache =
     return BackendKind.openvino if paged_over_ort(info, provider) else kind
 
 
+def paged_holds_int8_kv(info: ExportInfo, backend: BackendKind, kv_cache: KvCache) -> bool:
+    """Whether a server of the export on `backend` with `kv_cache` holds an int8 KV cache on the openvino backend's
+    paged slots: OpenVINO's u8 cache, where the export gated it (ExportInfo.paged_int8_kv)."""
+    return backend is BackendKind.openvino and kv_cache in (KvCache.auto, KvCache.slots) and info.paged_int8_kv is not None
+
+
 def on_slots(config: ReplicaConfig, info: ExportInfo) -> bool:
     """Whether the replica serves the export on the fixed slots: as asked, or by default (`fixed_slots` None) where the ort
     backend's slots run it (runtime.static_decode.slots_by_default), or the openvino backend's paged ones

@@ -9,7 +9,7 @@ import time
 
 from ...generation.speculative import Drafter, DraftSettings
 from ...memory import peak_rss_mb, rss_mb
-from ...runtime.base import Backend, kv_dtype_name
+from ...runtime.base import Backend, kv_cache_name
 from ...tokenizer import VOCAB_SIZE
 from ..core.engine import Engine, EngineClosed, EngineSettings, QueueFull
 from ..core.prefix_disk import BlockIdentity
@@ -56,10 +56,9 @@ class CompletionService:
         # The native backend's cache form (its in_place_kv, as workflows.export_backend sets it); the others keep their own.
         caps = self.backend.capabilities
         kv_cache = "slots" if caps.mixes_chunks else ("in-place" if self.backend.in_place_kv else "growing") if caps.native else None
-        kv_dtype = caps.kv_cache_dtype or kv_dtype_name(self.backend.kv_dtype) if caps.stores_kv_dtype else None
         chunk, per_row = self.engine.scheduler.chunk_rule() if self.engine.scheduler.joins else (None, None)  # none join
         return Health(status="ok", model=self.model_id, replica=self.replica, backend=self.backend.name,
-                      provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_dtype,
+                      provider=self.backend.provider.value, **stats, kv_cache=kv_cache, kv_cache_dtype=kv_cache_name(self.backend),
                       prefill_chunk=chunk, prefill_chunk_per_row=per_row, max_rss_mb=peak_rss_mb(), rss_mb=rss_mb())
 
     @property
