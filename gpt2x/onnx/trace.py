@@ -24,7 +24,7 @@ from onnx import TensorProto, numpy_helper
 from torch import nn
 
 from ..errors import OutputError
-from ..fileio import cache_folder, write_atomic
+from ..fileio import cache_folder, folder_lock, write_atomic
 from ..model.gpt2 import GPT2
 from . import names as io
 from .artifact import IR_VERSION
@@ -168,8 +168,23 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
     params = _parameters(model)
     root = traces_root()
     disk_key = _disk_key(model, opset) if root is not None and key not in _TEMPLATES else None
-    if disk_key is not None:
-        kept = _load_template(root / f"{disk_key}.onnx", params)
+    if disk_key is None:
+        return _from_template(model, opset, key, params, None)
+    # Processes tracing one architecture at once take turns: the later reads what the first keeps (a trace costs seconds).
+    # The locks lie beside the folder, which holds the graphs alone.
+    with contextlib.ExitStack() as turn:
+        try:
+            turn.enter_context(folder_lock(root.parent / f".{root.name}-locks" / disk_key))
+        except OutputError:  # a cache folder that cannot be written: trace here, keep nothing
+            return _from_template(model, opset, key, params, None)
+        return _from_template(model, opset, key, params, root / f"{disk_key}.onnx")
+
+
+def _from_template(model: GPT2, opset: int, key: tuple, params: dict[str, torch.Tensor], kept_at: Path | None) -> onnx.ModelProto:
+    """trace_to_onnx's graph: this process's template of the architecture, the one kept at `kept_at`, or a trace
+    (then kept there)."""
+    if kept_at is not None:
+        kept = _load_template(kept_at, params)
         if kept is not None:
             _TEMPLATES[key] = kept
     template = _TEMPLATES.get(key)
@@ -186,8 +201,8 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
         proto = _trace(model, opset)
         if key not in _TEMPLATES:
             _TEMPLATES[key] = _template(proto, params)
-            if disk_key is not None and _TEMPLATES[key] is not None:
-                _keep_template(root / f"{disk_key}.onnx", _TEMPLATES[key])
+            if kept_at is not None and _TEMPLATES[key] is not None:
+                _keep_template(kept_at, _TEMPLATES[key])
     return proto
 
 

@@ -130,3 +130,35 @@ def test_weights_that_do_not_map_one_to_one_are_traced_every_time(traces):
     other = model(4)
     trace.trace_to_onnx(other, OPSET)
     assert traces == [twin, other]
+
+
+def test_processes_tracing_one_architecture_at_once_take_turns(traces, afresh, tmp_path, monkeypatch):
+    """Two tracers of one architecture at once with a cache folder (two `gpt2x export` processes; here two threads, as
+    the lock is the operating system's): the first traces and keeps the graph, the other waits for it and refills it
+    with its own weights; the folder holds the graph alone."""
+    import threading
+    import time
+
+    import onnx
+
+    monkeypatch.setenv(trace.TRACES_ENV, str(tmp_path / "traces"))
+    traced = []
+
+    def slow(model, opset):  # the exporter's graph of model(2), taking the time a trace takes
+        traced.append(model)
+        time.sleep(0.5)
+        return onnx.load_from_string(afresh)
+
+    monkeypatch.setattr(trace, "_trace", slow)
+    graphs: list = [None, None]
+
+    def export(i: int) -> None:
+        graphs[i] = trace.trace_to_onnx(model(2), OPSET).SerializeToString()
+
+    threads = [threading.Thread(target=export, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(traced) == 1 and graphs == [afresh, afresh]
+    assert [p.suffix for p in (tmp_path / "traces").iterdir()] == [".onnx"]
