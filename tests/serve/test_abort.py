@@ -1,7 +1,7 @@
 """Abandoned requests: a client that gives up, streamed or not, frees its rows at the engine's next
 step and its places in the queue at once, and /metrics counts its choices as aborted (vLLM's
 request_success_total{finished_reason="abort"}). Under load, through a real HTTP server (uvicorn in
-this process) and clients that time out, as a load generator's do."""
+this process) and clients that give up, their connections closed as a load generator's timeout closes them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..helpers import uvicorn_server
 
 BURST = 24  # abandoned requests: 18 whole, 6 streamed
 LONG = 250  # tokens each asks for (ignore_eos: every one runs to its budget unless aborted)
-GIVE_UP_S = 0.3
+GIVE_UP_S = 0.3  # the burst's clients give up no sooner (and not before the server holds every request)
 
 
 @pytest.fixture(scope="module")
@@ -47,30 +47,43 @@ def success(base: str) -> dict[str, float]:
     return out
 
 
-async def abandon(base: str, i: int) -> str:
+async def ask(base: str, i: int) -> str:
+    """A long request, streamed or not, read to its end unless the client gives up (its task is cancelled: the
+    connection closes, as at a client's timeout)."""
     body = {"prompt": f"ROMEO {i}:", "max_tokens": LONG, "temperature": 1.0, "seed": i, "ignore_eos": True,
             "stream": i % 4 == 0}
-    async with httpx.AsyncClient(timeout=GIVE_UP_S) as client:
-        try:
-            if body["stream"]:
-                async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-                    async for _ in r.aiter_lines():
-                        pass
-            else:
-                await client.post(f"{base}/v1/completions", json=body)
-        except httpx.TimeoutException:
-            return "gave up"
+    async with httpx.AsyncClient(timeout=60) as client:
+        if body["stream"]:
+            async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    pass
+        else:
+            await client.post(f"{base}/v1/completions", json=body)
     return "answered"
+
+
+async def abandon_all(base: str, service) -> list[str]:
+    """BURST clients that give up together, once the server holds every one's request (a client that gave up before
+    its request arrived would have sent none, which a loaded machine made happen), and at least GIVE_UP_S after they
+    began: "gave up" or "answered" each."""
+    began = time.monotonic()
+    tasks = [asyncio.create_task(ask(base, i)) for i in range(BURST)]
+    while time.monotonic() - began < 30:
+        stats = service.engine.stats()
+        if stats["running"] + stats["waiting"] >= BURST - sum(t.done() for t in tasks) and time.monotonic() - began >= GIVE_UP_S:
+            break
+        await asyncio.sleep(0.01)
+    for t in tasks:
+        t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    return ["gave up" if isinstance(r, asyncio.CancelledError) else r for r in results]
 
 
 def test_a_burst_of_abandoned_requests_is_cancelled_and_a_short_one_is_served_at_once(served):
     base, service = served
     before, tokens_before = success(base), service.engine.stats()["tokens"]
 
-    async def burst() -> list[str]:
-        return await asyncio.gather(*(abandon(base, i) for i in range(BURST)))
-
-    outcomes = asyncio.run(burst())
+    outcomes = asyncio.run(abandon_all(base, service))
     assert outcomes.count("gave up") >= BURST - 2  # 2 rows run at once: at most those could have finished
     started = time.monotonic()
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "JULIET:", "max_tokens": 10, "temperature": 0}, timeout=30)
