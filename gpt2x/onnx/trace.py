@@ -168,41 +168,33 @@ def trace_to_onnx(model: GPT2, opset: int) -> onnx.ModelProto:
     params = _parameters(model)
     root = traces_root()
     disk_key = _disk_key(model, opset) if root is not None and key not in _TEMPLATES else None
-    if disk_key is None:
-        return _from_template(model, opset, key, params, None)
-    # Processes tracing one architecture at once take turns: the later reads what the first keeps (a trace costs seconds).
-    # The locks lie beside the folder, which holds the graphs alone.
+    kept_at = root / f"{disk_key}.onnx" if disk_key is not None else None
     with contextlib.ExitStack() as turn:
-        try:
-            turn.enter_context(folder_lock(root.parent / f".{root.name}-locks" / disk_key))
-        except OutputError:  # a cache folder that cannot be written: trace here, keep nothing
-            return _from_template(model, opset, key, params, None)
-        return _from_template(model, opset, key, params, root / f"{disk_key}.onnx")
-
-
-def _from_template(model: GPT2, opset: int, key: tuple, params: dict[str, torch.Tensor], kept_at: Path | None) -> onnx.ModelProto:
-    """trace_to_onnx's graph: this process's template of the architecture, the one kept at `kept_at`, or a trace
-    (then kept there)."""
-    if kept_at is not None:
-        kept = _load_template(kept_at, params)
-        if kept is not None:
-            _TEMPLATES[key] = kept
-    template = _TEMPLATES.get(key)
-    if template is not None:
-        proto = onnx.ModelProto()
-        proto.CopyFrom(template[0])
-        for w in template[1]:
-            value = params[w.param].float().numpy()
-            value = np.ascontiguousarray(value.T if w.transposed else value)
-            init = proto.graph.initializer[w.index]
-            init.dims[:] = value.shape
-            init.raw_data = value.tobytes()
-    else:
-        proto = _trace(model, opset)
-        if key not in _TEMPLATES:
-            _TEMPLATES[key] = _template(proto, params)
-            if kept_at is not None and _TEMPLATES[key] is not None:
-                _keep_template(kept_at, _TEMPLATES[key])
+        if kept_at is not None:
+            # Processes tracing one architecture at once take turns: the later reads what the first keeps (a trace
+            # costs seconds). The locks lie beside the folder, which holds the graphs alone; where they cannot be
+            # written, no turns are taken and what is kept is read as before.
+            with contextlib.suppress(OutputError):
+                turn.enter_context(folder_lock(root.parent / f".{root.name}-locks" / disk_key))
+            kept = _load_template(kept_at, params)
+            if kept is not None:
+                _TEMPLATES[key] = kept
+        template = _TEMPLATES.get(key)
+        if template is not None:
+            proto = onnx.ModelProto()
+            proto.CopyFrom(template[0])
+            for w in template[1]:
+                value = params[w.param].float().numpy()
+                value = np.ascontiguousarray(value.T if w.transposed else value)
+                init = proto.graph.initializer[w.index]
+                init.dims[:] = value.shape
+                init.raw_data = value.tobytes()
+        else:
+            proto = _trace(model, opset)
+            if key not in _TEMPLATES:
+                _TEMPLATES[key] = _template(proto, params)
+                if kept_at is not None and _TEMPLATES[key] is not None:
+                    _keep_template(kept_at, _TEMPLATES[key])
     return proto
 
 
