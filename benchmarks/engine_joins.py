@@ -148,13 +148,14 @@ def main() -> None:
               for v in variants}
     keys = [k for k in runs[0] if k.endswith(("_ms", "_pct"))]
     table = {v: {k: statistics.median(r[k] for r in runs if r["variant"] == v) for k in keys} for v in variants}
+    command = "python benchmarks/engine_joins.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({
-        "command": "python benchmarks/engine_joins.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "command": command,
         "system": system_info(), "export": str(args.export), "kv_cache_dtype": caches, "runs": runs, "medians": table},
         indent=1, default=str))
     lines = [f"# Long prompts joining, in the engine ({system_info().get('cpu')}, {args.rounds} rounds, medians)", "",
-             f"Command: `{json.loads(args.out.with_suffix('.json').read_text())['command']}`", "",
+             f"Command: `{command}`", "",
              "| variant | KV cache | TTFT p50 ms (every request) | ITL p50 ms | ITL p99 ms | p99 / p50 | ITL p99.9 ms | "
              "ITL max ms | gaps over 3x p50 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for v, x in table.items():
